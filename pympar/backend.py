@@ -1,0 +1,131 @@
+"""Array backend: numpy on the CPU, cupy on a GPU, one face for both.
+
+Code takes ``xp = xp_of(array)`` and never branches on the device otherwise.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:  # bfloat16 on NumPy
+    import ml_dtypes
+
+    bfloat16 = np.dtype(ml_dtypes.bfloat16)
+except Exception:  # pragma: no cover - ml_dtypes is a dependency
+    ml_dtypes = None
+    bfloat16 = None
+
+_cupy = None
+
+
+def cupy_or_none():
+    """The cupy module if it imports and a GPU is visible, else None."""
+    global _cupy
+    if _cupy is None:
+        try:
+            import cupy
+
+            cupy.cuda.runtime.getDeviceCount()
+            _cupy = cupy
+        except Exception:
+            _cupy = False
+    return _cupy or None
+
+
+def gpu_available() -> bool:
+    return cupy_or_none() is not None
+
+
+def xp_of(*arrays):
+    """numpy or cupy: the array module of the arrays (numpy for scalars/None)."""
+    for a in arrays:
+        mod = type(a).__module__
+        if mod.startswith("cupy"):
+            return cupy_or_none()
+    return np
+
+
+def is_cupy(a) -> bool:
+    return type(a).__module__.startswith("cupy")
+
+
+def get_xp(device: str = "cpu"):
+    """The array module for a device name: 'cpu' -> numpy, 'cuda' -> cupy."""
+    if device == "cpu":
+        return np
+    if device in ("cuda", "gpu"):
+        cp = cupy_or_none()
+        if cp is None:
+            raise RuntimeError("device='cuda' needs CuPy and a visible GPU: pip install 'pympar[cuda12]' on a GPU machine, or use device='cpu'")
+        return cp
+    raise ValueError(f"unknown device {device!r}: expected 'cpu' or 'cuda'")
+
+
+def device_of(a) -> str:
+    return "cuda" if is_cupy(a) else "cpu"
+
+
+def to_numpy(a):
+    """A host copy (or the array itself when it is already on the host)."""
+    if is_cupy(a):
+        return a.get()
+    return np.asarray(a)
+
+
+def to_device(a, device: str):
+    xp = get_xp(device)
+    if xp is np:
+        return to_numpy(a)
+    return xp.asarray(a)
+
+
+_DTYPES = {
+    "float32": np.dtype(np.float32), "fp32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64), "fp64": np.dtype(np.float64),
+    "float16": np.dtype(np.float16), "fp16": np.dtype(np.float16),
+    "int32": np.dtype(np.int32), "int64": np.dtype(np.int64),
+}
+if bfloat16 is not None:
+    _DTYPES["bfloat16"] = bfloat16
+    _DTYPES["bf16"] = bfloat16
+
+
+def dtype(name_or_dtype):
+    """Resolve 'float32' | 'float16' | 'bfloat16' | 'float64' | np.dtype to a NumPy dtype."""
+    if isinstance(name_or_dtype, str):
+        try:
+            return _DTYPES[name_or_dtype]
+        except KeyError:
+            raise ValueError(f"unknown dtype {name_or_dtype!r}: expected one of {sorted(_DTYPES)}") from None
+    return np.dtype(name_or_dtype)
+
+
+def dtype_name(dt) -> str:
+    dt = np.dtype(dt)
+    if bfloat16 is not None and dt == bfloat16:
+        return "bfloat16"
+    return dt.name
+
+
+def is_low_precision(dt) -> bool:
+    dt = np.dtype(dt)
+    return dt == np.float16 or (bfloat16 is not None and dt == bfloat16)
+
+
+def set_num_threads(n: int) -> None:
+    """Threads per process for the native kernels and (best effort) the BLAS."""
+    from . import kernels
+
+    kernels.set_num_threads(n)
+    try:
+        from threadpoolctl import threadpool_limits  # optional
+
+        threadpool_limits(n)
+    except Exception:
+        pass
+
+
+def default_threads() -> int:
+    v = os.environ.get("PYMPAR_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    return max(1, int(v)) if v else (os.cpu_count() or 1)

@@ -1,0 +1,212 @@
+"""Pure-xp reference kernels: the definition every native (C++/CUDA) kernel is tested against.
+
+Conventions (shared by every backend):
+- the last axis is the reduced axis; leading axes are flattened by the callers' shapes;
+- low-precision inputs (float16, bfloat16) are computed in float32 and returned in the input dtype;
+- statistics (layernorm mean/rstd, cross-entropy logsumexp, per-row loss) are float32
+  (float64 when the input is float64);
+- backward kernels return gradients; callers accumulate parameter gradients themselves.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..backend import xp_of
+
+GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def _acc_dtype(dt):
+    return np.float64 if np.dtype(dt) == np.float64 else np.float32
+
+
+def _up(x):
+    return x.astype(_acc_dtype(x.dtype), copy=False)
+
+
+# --- causal softmax -------------------------------------------------------------------
+def softmax_causal_forward(x):
+    """x (..., T, T) attention scores (already scaled) -> probabilities, row i sees columns <= i.
+
+    Masked entries of the output are exactly 0 whatever the input holds there.
+    """
+    xp = xp_of(x)
+    T = x.shape[-1]
+    xf = _up(x)
+    mask = xp.triu(xp.ones((T, T), dtype=bool), k=1)
+    xf = xp.where(mask, -xp.inf, xf)
+    xf = xf - xf.max(axis=-1, keepdims=True)
+    e = xp.exp(xf)
+    y = e / e.sum(axis=-1, keepdims=True)
+    return y.astype(x.dtype, copy=False)
+
+
+def softmax_causal_backward(y, dy):
+    """y = softmax_causal_forward(x), dy (..., T, T) -> dx = y * (dy - sum(dy * y))."""
+    yf, dyf = _up(y), _up(dy)
+    dx = yf * (dyf - (dyf * yf).sum(axis=-1, keepdims=True))
+    return dx.astype(y.dtype, copy=False)
+
+
+# --- layernorm ------------------------------------------------------------------------
+def layernorm_forward(x, w, b, eps=1e-5):
+    """x (..., C), w (C,), b (C,) -> (y (..., C), mean (...), rstd (...))."""
+    xf = _up(x)
+    mean = xf.mean(axis=-1)
+    xc = xf - mean[..., None]
+    var = (xc * xc).mean(axis=-1)
+    rstd = 1.0 / (var + eps) ** 0.5
+    y = xc * rstd[..., None] * _up(w) + _up(b)
+    return y.astype(x.dtype, copy=False), mean, rstd
+
+
+def layernorm_backward(dy, x, w, mean, rstd):
+    """-> (dx (..., C), dw (C,), db (C,)); dw/db in the accumulation dtype."""
+    xf, dyf, wf = _up(x), _up(dy), _up(w)
+    C = x.shape[-1]
+    xhat = (xf - mean[..., None]) * rstd[..., None]
+    dxhat = dyf * wf
+    dw = (dyf * xhat).reshape(-1, C).sum(axis=0)
+    db = dyf.reshape(-1, C).sum(axis=0)
+    dx = rstd[..., None] * (dxhat - dxhat.mean(axis=-1, keepdims=True)
+                            - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    return dx.astype(x.dtype, copy=False), dw, db
+
+
+# --- GELU, tanh form ------------------------------------------------------------------
+def gelu_forward(x):
+    xp = xp_of(x)
+    xf = _up(x)
+    y = 0.5 * xf * (1.0 + xp.tanh(GELU_C * (xf + 0.044715 * xf ** 3)))
+    return y.astype(x.dtype, copy=False)
+
+
+def gelu_backward(x, dy):
+    xp = xp_of(x)
+    xf, dyf = _up(x), _up(dy)
+    u = GELU_C * (xf + 0.044715 * xf ** 3)
+    t = xp.tanh(u)
+    du = GELU_C * (1.0 + 3 * 0.044715 * xf * xf)
+    g = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * du
+    return (g * dyf).astype(x.dtype, copy=False)
+
+
+# --- fused softmax + cross-entropy ----------------------------------------------------
+def cross_entropy_forward(logits, targets):
+    """logits (N, V), targets (N,) int -> (loss (N,), lse (N,)); a target < 0 is ignored (loss 0)."""
+    xp = xp_of(logits)
+    lf = _up(logits)
+    m = lf.max(axis=-1)
+    lse = m + xp.log(xp.exp(lf - m[:, None]).sum(axis=-1))
+    t = xp.asarray(targets).astype(np.int64)
+    valid = t >= 0
+    picked = xp.take_along_axis(lf, xp.where(valid, t, 0)[:, None], axis=-1)[:, 0]
+    loss = xp.where(valid, lse - picked, 0.0).astype(lse.dtype)
+    return loss, lse
+
+
+def cross_entropy_backward(logits, lse, targets, dloss):
+    """dlogits = (softmax(logits) - onehot(targets)) * dloss[:, None]; ignored rows get 0.
+
+    dloss is a scalar or (N,)."""
+    xp = xp_of(logits)
+    lf = _up(logits)
+    p = xp.exp(lf - lse[:, None])
+    t = xp.asarray(targets).astype(np.int64)
+    valid = t >= 0
+    rows = xp.arange(lf.shape[0])
+    p[rows[valid], t[valid]] -= 1.0
+    d = xp.asarray(dloss, dtype=p.dtype)
+    d = d[:, None] if d.ndim == 1 else d
+    p = p * d * valid[:, None]
+    return p.astype(logits.dtype, copy=False)
+
+
+# --- AdamW ----------------------------------------------------------------------------
+def adamw_step(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step):
+    """In place on p, m, v (float32 or float64); g in any float dtype. step counts from 1."""
+    gf = g.astype(p.dtype, copy=False)
+    m *= beta1
+    m += (1 - beta1) * gf
+    v *= beta2
+    v += (1 - beta2) * gf * gf
+    bc1 = 1 - beta1 ** step
+    bc2 = 1 - beta2 ** step
+    if weight_decay:
+        p *= 1 - lr * weight_decay
+    p -= lr * (m / bc1) / ((v / bc2) ** 0.5 + eps)
+
+
+# --- MoE routing helpers --------------------------------------------------------------
+def topk(scores, k):
+    """scores (N, E) -> (idx (N, k) int64, vals (N, k)) sorted descending; ties pick the lower index."""
+    xp = xp_of(scores)
+    # stable argsort of -scores keeps lower indices first among equal values
+    idx = xp.argsort(-scores, axis=-1, kind="stable")[:, :k].astype(np.int64)
+    vals = xp.take_along_axis(scores, idx, axis=-1)
+    return idx, vals
+
+
+def capacity_positions(expert_idx, n_expert, capacity):
+    """expert_idx (A,) int: the expert of each assignment, in priority order.
+
+    -> (pos (A,) int64: slot of the assignment inside its expert, -1 when beyond capacity;
+        counts (n_expert,) int64: assignments per expert before dropping).
+    capacity <= 0 means unlimited (dropless)."""
+    xp = xp_of(expert_idx)
+    e = xp.asarray(expert_idx).astype(np.int64)
+    A = e.shape[0]
+    onehot = xp.zeros((A, n_expert), dtype=np.int64)
+    if A:
+        onehot[xp.arange(A), e] = 1
+    rank = xp.cumsum(onehot, axis=0) - onehot
+    pos = rank[xp.arange(A), e] if A else xp.zeros(0, dtype=np.int64)
+    counts = onehot.sum(axis=0)
+    if capacity > 0:
+        pos = xp.where(pos < capacity, pos, -1)
+    return pos.astype(np.int64), counts.astype(np.int64)
+
+
+def permute(x, rows):
+    """Gather rows: x (N, C), rows (M,) int -> (M, C)."""
+    return x[rows]
+
+
+def unpermute_add(y, rows, weights, n_rows):
+    """Scatter-add: out (n_rows, C) with out[rows[i]] += weights[i] * y[i] (weights None = 1)."""
+    xp = xp_of(y)
+    out = xp.zeros((n_rows, y.shape[1]), dtype=y.dtype)
+    src = y if weights is None else y * weights[:, None].astype(y.dtype)
+    if xp is np:
+        np.add.at(out, rows, src)
+    else:  # cupy
+        xp.add.at(out, rows, src)
+    return out
+
+
+# --- casts and elementwise reductions (used by the communicators) ---------------------
+def cast(x, dtype):
+    return x.astype(dtype)
+
+
+def reduce_inplace(dst, src, op="sum"):
+    """dst = op(dst, src) elementwise, in place; op in sum | max | min | prod."""
+    xp = xp_of(dst)
+    if op == "sum":
+        dst += src
+    elif op == "max":
+        xp.maximum(dst, src, out=dst)
+    elif op == "min":
+        xp.minimum(dst, src, out=dst)
+    elif op == "prod":
+        dst *= src
+    else:
+        raise ValueError(f"unknown reduction op {op!r}: expected sum, max, min or prod")
+    return dst
+
+
+def scale_inplace(x, alpha):
+    x *= np.asarray(alpha).astype(x.dtype)
+    return x

@@ -1,0 +1,75 @@
+"""Launch real MPI jobs from the tests: ``mpiexec -n N python ...`` with a hard timeout.
+
+A hung collective must fail the test in seconds, not eat CI's time: on timeout the whole
+process group of the launcher is killed and the test fails with the tail of its output.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mpiexec() -> str:
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        raise RuntimeError("no mpiexec on PATH: pip install 'pympar[mpich]' (the MPICH wheel) or load your MPI")
+    return found
+
+
+def mpi_env(extra=None):
+    env = dict(os.environ)
+    # many ranks on 2 cores: one thread per rank
+    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "PYMPAR_NUM_THREADS"):
+        env[k] = "1"
+    env.setdefault("PYTHONHASHSEED", "0")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "") if _source_tree_mode() else env.get("PYTHONPATH", "")
+    if extra:
+        env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _source_tree_mode() -> bool:
+    # tests run from an installed pympar; only fall back to the tree when it is not installed
+    try:
+        import pympar  # noqa: F401
+        return False
+    except ImportError:
+        return True
+
+
+def run_mpi(n: int, args, timeout: float = 120, env=None, cwd=None, check=True):
+    """Run ``mpiexec -n n python <args>``; return CompletedProcess (stdout+stderr merged).
+
+    Raises AssertionError naming the command and showing the output tail when it fails
+    (check=True) or exceeds ``timeout`` seconds.
+    """
+    cmd = [mpiexec(), "-n", str(n), sys.executable] + [str(a) for a in args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=mpi_env(env), cwd=cwd or ROOT, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n--- output tail ---\n{out[-4000:]}")
+    res = subprocess.CompletedProcess(cmd, p.returncode, out, "")
+    if check and p.returncode != 0:
+        raise AssertionError(f"exit {p.returncode}: {' '.join(cmd)}\n--- output tail ---\n{out[-6000:]}")
+    return res
+
+
+def run_pytest_mpi(n: int, test_file: str, timeout: float = 180, env=None, extra_args=()):
+    """Run a test module of tests/mpi/ on n ranks, each rank a pytest process (mpi4py's style)."""
+    args = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=",
+            "--timeout", str(int(timeout * 0.8)), str(ROOT / "tests" / "mpi" / test_file), *extra_args]
+    return run_mpi(n, args, timeout=timeout, env=env)
