@@ -1,0 +1,14 @@
+"""Explicit forward/backward modules (no tape): layers, attention, MoE and the GPT.
+
+Convention: ``forward(x) -> (y, ctx)``, ``backward(dy, ctx) -> dx``; parameter grads
+accumulate (+=), activation grads are returned fresh (=). See parameter.py.
+"""
+from .attention import CausalSelfAttention
+from .config import PRESETS, GPTConfig
+from .gpt import GPT, Block, Head
+from .layers import MLP, Embedding, LayerNorm, Linear
+from .moe import MoE
+from .parameter import Module, Parameter, default_std, init_param
+
+__all__ = ["GPT", "GPTConfig", "PRESETS", "Block", "Head", "Embedding", "Linear", "LayerNorm",
+           "MLP", "CausalSelfAttention", "MoE", "Module", "Parameter", "init_param", "default_std"]

@@ -1,0 +1,70 @@
+"""GPTConfig: one dataclass for dense and Mixture-of-Experts GPTs, plus named presets."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 32
+    bias: bool = True
+    # Mixture of Experts (n_expert = 0: dense)
+    n_expert: int = 0
+    moe_every: int = 1          # every k-th block is MoE: block indices k-1, 2k-1, ...
+    top_k: int = 2
+    capacity_factor: float = 0.0  # 0 = dropless
+    aux_coef: float = 0.01
+    z_coef: float = 0.001
+    shared_expert: bool = False
+    bias_update_rate: float = 0.0  # aux-loss-free balancing; 0 = off
+    ln_eps: float = 1e-5
+
+    def validate(self) -> "GPTConfig":
+        """Raise ValueError naming the bad field and what would be right; return self."""
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.n_expert < 0:
+            raise ValueError(f"n_expert={self.n_expert} must be >= 0 (0 = dense)")
+        if self.n_expert:
+            if not 1 <= self.top_k <= self.n_expert:
+                raise ValueError(f"top_k={self.top_k} must be in 1..n_expert={self.n_expert}")
+            if self.moe_every < 1:
+                raise ValueError(f"moe_every={self.moe_every} must be >= 1")
+            if self.capacity_factor < 0:
+                raise ValueError(f"capacity_factor={self.capacity_factor} must be >= 0 (0 = dropless)")
+            if self.bias_update_rate < 0:
+                raise ValueError(f"bias_update_rate={self.bias_update_rate} must be >= 0")
+        if self.ln_eps <= 0:
+            raise ValueError(f"ln_eps={self.ln_eps} must be > 0")
+        return self
+
+    def is_moe_block(self, i: int) -> bool:
+        return self.n_expert > 0 and (i + 1) % self.moe_every == 0
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "GPTConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}: expected one of {sorted(PRESETS)}")
+        known = {f.name for f in fields(cls)}
+        bad = sorted(set(overrides) - known)
+        if bad:
+            raise ValueError(f"unknown GPTConfig fields {bad}: expected some of {sorted(known)}")
+        return replace(cls(**PRESETS[name]), **overrides).validate()
+
+
+PRESETS = {
+    "tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32),
+    "small": dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128),
+    "gpt2-124m": dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "moe-tiny": dict(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32,
+                     n_expert=4, top_k=2, moe_every=1),
+    "moe-small": dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128,
+                      n_expert=8, top_k=2, moe_every=2, capacity_factor=1.25),
+}

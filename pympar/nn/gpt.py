@@ -1,0 +1,220 @@
+"""GPT: Embedding -> Blocks (pre-LN, attention + MLP or MoE) -> Head (ln_f, tied lm_head, CE).
+
+The three pieces are separate modules so a pipeline stage can hold any slice of them.
+Gradient convention: see pympar/nn/parameter.py (param grads +=, activation grads =).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+from ..backend import dtype as resolve_dtype
+from .attention import CausalSelfAttention
+from .config import GPTConfig
+from .layers import MLP, Embedding, LayerNorm
+from .moe import MoE
+from .parameter import Module, accumulate, compute_cast, matmul
+
+
+class Block(Module):
+    """x + attn(ln_1(x)), then + mlp(ln_2(x)) (or + moe(ln_2(x)))."""
+
+    def __init__(self, config: GPTConfig, i: int, *, seed=0, dtype=np.float32, compute_dtype=None):
+        c = config
+        name = f"transformer.h.{i}"
+        mk = dict(seed=seed, dtype=dtype, bias=c.bias, n_layer=c.n_layer, compute_dtype=compute_dtype)
+        self.ln_1 = LayerNorm(c.n_embd, name=f"{name}.ln_1", dtype=dtype, bias=c.bias, eps=c.ln_eps)
+        self.attn = CausalSelfAttention(c.n_embd, c.n_head, name=f"{name}.attn", **mk)
+        self.ln_2 = LayerNorm(c.n_embd, name=f"{name}.ln_2", dtype=dtype, bias=c.bias, eps=c.ln_eps)
+        if c.is_moe_block(i):
+            self.moe = MoE(c.n_embd, c.n_expert, name=f"{name}.moe", top_k=c.top_k,
+                           capacity_factor=c.capacity_factor, aux_coef=c.aux_coef, z_coef=c.z_coef,
+                           shared_expert=c.shared_expert, bias_update_rate=c.bias_update_rate, **mk)
+        else:
+            self.mlp = MLP(c.n_embd, name=f"{name}.mlp", **mk)
+
+    @property
+    def ffn(self):
+        return self.moe if hasattr(self, "moe") else self.mlp
+
+    def forward(self, x):                        # x (B, T, C) -> y (B, T, C)
+        h1, c_ln1 = self.ln_1.forward(x)
+        a, c_attn = self.attn.forward(h1)
+        x1 = x + a
+        h2, c_ln2 = self.ln_2.forward(x1)
+        f, c_ffn = self.ffn.forward(h2)
+        y = x1 + f
+        aux = c_ffn["aux_loss"] if isinstance(c_ffn, dict) else 0.0
+        return y, dict(ln1=c_ln1, attn=c_attn, ln2=c_ln2, ffn=c_ffn, aux_loss=aux)
+
+    def backward(self, dy, ctx, daux=1.0):      # dy (B, T, C) -> dx (B, T, C)
+        if hasattr(self, "moe"):
+            dh2 = self.moe.backward(dy, ctx["ffn"], daux)
+        else:
+            dh2 = self.mlp.backward(dy, ctx["ffn"])
+        dx1 = dy + self.ln_2.backward(dh2, ctx["ln2"])
+        dh1 = self.attn.backward(dx1, ctx["attn"])
+        return dx1 + self.ln_1.backward(dh1, ctx["ln1"])
+
+
+class Head(Module):
+    """ln_f, lm_head tied to the token embedding, mean cross-entropy over targets >= 0."""
+
+    def __init__(self, config: GPTConfig, wte, *, dtype=np.float32, compute_dtype=None):
+        self.ln_f = LayerNorm(config.n_embd, name="transformer.ln_f", dtype=dtype,
+                              bias=config.bias, eps=config.ln_eps)
+        self._wte = wte                          # the SAME Parameter as Embedding.wte
+        self._cdt = compute_dtype
+
+    @property
+    def wte(self):
+        return self._wte
+
+    def logits(self, x):                         # x (B, T, C) -> logits (B, T, V)
+        h, _ = self.ln_f.forward(x)
+        return matmul(h, compute_cast(self._wte.data, self._cdt).T)
+
+    def forward(self, inputs):                   # (x (B, T, C), targets (B, T)) -> mean CE
+        x, targets = inputs
+        B, T, C = x.shape
+        h, c_ln = self.ln_f.forward(x)
+        h2 = h.reshape(B * T, C)
+        logits = matmul(h2, compute_cast(self._wte.data, self._cdt).T)   # (N, V)
+        t = np.asarray(targets).reshape(-1)
+        loss_rows, lse = kernels.cross_entropy_forward(logits, t)
+        n_valid = int((t >= 0).sum())
+        loss = float(loss_rows.sum()) / max(n_valid, 1)
+        return loss, (c_ln, h2, logits, lse, t, n_valid, x.shape)
+
+    def backward(self, dloss, ctx):              # dloss: d(total)/d(mean CE) -> dx (B, T, C)
+        c_ln, h2, logits, lse, t, n_valid, shape = ctx
+        dlogits = kernels.cross_entropy_backward(logits, lse, t, dloss / max(n_valid, 1))  # (N, V)
+        accumulate(self._wte, matmul(dlogits.T, h2, self._wte.grad.dtype))   # (V, C)
+        dh = matmul(dlogits, compute_cast(self._wte.data, self._cdt))        # (N, C)
+        return self.ln_f.backward(dh.reshape(shape), c_ln)
+
+
+class GPT(Module):
+    def __init__(self, config: GPTConfig, seed: int = 0, dtype=np.float32, compute_dtype=None):
+        self.config = config.validate()
+        dtype = np.dtype(dtype)
+        if dtype not in (np.float32, np.float64):
+            raise ValueError(f"master dtype {dtype} is not supported: use float32 or float64 "
+                             "(and compute_dtype='float16'/'bfloat16' for mixed precision)")
+        cdt = None if compute_dtype is None else resolve_dtype(compute_dtype)
+        if cdt == dtype:
+            cdt = None
+        self.dtype, self.compute_dtype = dtype, cdt
+        c = config
+        self.embedding = Embedding(c.vocab_size, c.block_size, c.n_embd, seed=seed, dtype=dtype,
+                                   compute_dtype=cdt)
+        self.h = [Block(c, i, seed=seed, dtype=dtype, compute_dtype=cdt) for i in range(c.n_layer)]
+        self.head = Head(c, self.embedding.wte, dtype=dtype, compute_dtype=cdt)
+
+    # --- parameters and state ------------------------------------------------------------
+    def named_parameters(self, prefix=""):
+        yield from self.embedding.named_parameters("transformer")
+        for i, b in enumerate(self.h):
+            yield from b.named_parameters(f"transformer.h.{i}")
+        yield from self.head.ln_f.named_parameters("transformer.ln_f")
+
+    def moe_layers(self):
+        return [(i, b.moe) for i, b in enumerate(self.h) if hasattr(b, "moe")]
+
+    def state_dict(self):
+        """nanoGPT names -> numpy copies (no lm_head.weight; MoE selection biases included)."""
+        d = {n: p.data.copy() for n, p in self.named_parameters()}
+        for i, m in self.moe_layers():
+            d[f"transformer.h.{i}.moe.expert_bias"] = m.expert_bias.copy()
+        return d
+
+    def load_state_dict(self, d):
+        d = dict(d)
+        own = dict(self.named_parameters())
+        if "lm_head.weight" in d:
+            lm = np.asarray(d.pop("lm_head.weight"))
+            if not np.array_equal(lm, np.asarray(d.get("transformer.wte.weight"))):
+                raise ValueError("lm_head.weight differs from transformer.wte.weight: pympar ties them")
+        biases = {f"transformer.h.{i}.moe.expert_bias": m for i, m in self.moe_layers()}
+        missing = sorted(set(own) - set(d))
+        unexpected = sorted(set(d) - set(own) - set(biases))
+        if missing or unexpected:
+            raise ValueError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for n, p in own.items():
+            a = np.asarray(d[n])
+            if a.shape != p.data.shape:
+                raise ValueError(f"{n}: shape {a.shape} in the state dict, model has {p.data.shape}")
+            p.data[...] = a
+        for n, m in biases.items():
+            if n in d:
+                m.expert_bias[...] = np.asarray(d[n])
+
+    # --- forward / backward ----------------------------------------------------------------
+    def _forward(self, idx, targets):
+        x, c_emb = self.embedding.forward(idx)
+        ctxs, aux = [], 0.0
+        for b in self.h:
+            x, c = b.forward(x)
+            ctxs.append(c)
+            aux += c["aux_loss"]
+        ce, c_head = self.head.forward((x, targets))
+        return ce, aux, (c_emb, ctxs, c_head)
+
+    def loss_and_grad(self, idx, targets, grad_scale=1.0) -> float:
+        """One micro-batch: loss = mean CE + MoE aux + z; grads of grad_scale * loss accumulate."""
+        idx, targets = np.asarray(idx), np.asarray(targets)
+        ce, aux, (c_emb, ctxs, c_head) = self._forward(idx, targets)
+        dx = self.head.backward(grad_scale, c_head)
+        for b, c in zip(reversed(self.h), reversed(ctxs)):
+            dx = b.backward(dx, c, grad_scale)
+        self.embedding.backward(dx, c_emb)
+        return ce + aux
+
+    def forward_loss(self, idx, targets) -> float:
+        """The same loss without gradients (and without counting expert loads)."""
+        layers = [m for _, m in self.moe_layers()]
+        for m in layers:
+            m.recording = False
+        try:
+            ce, aux, _ = self._forward(np.asarray(idx), np.asarray(targets))
+        finally:
+            for m in layers:
+                m.recording = True
+        return ce + aux
+
+    def logits(self, idx):                       # idx (B, T) -> (B, T, V) in the compute dtype
+        layers = [m for _, m in self.moe_layers()]
+        for m in layers:
+            m.recording = False
+        try:
+            x, _ = self.embedding.forward(np.asarray(idx))
+            for b in self.h:
+                x, _ = b.forward(x)
+            return self.head.logits(x)
+        finally:
+            for m in layers:
+                m.recording = True
+
+    def generate(self, idx, n, top_k=None, rng=None, temperature=1.0):
+        """Append n sampled tokens to idx (B, T)."""
+        rng = np.random.default_rng(0) if rng is None else rng
+        idx = np.asarray(idx)
+        for _ in range(n):
+            ctx = idx[:, -self.config.block_size:]
+            lg = self.logits(ctx)[:, -1, :].astype(np.float64) / temperature   # (B, V)
+            if top_k is not None:
+                kth = np.sort(lg, axis=-1)[:, -min(top_k, lg.shape[-1])][:, None]
+                lg = np.where(lg < kth, -np.inf, lg)
+            p = np.exp(lg - lg.max(axis=-1, keepdims=True))
+            p /= p.sum(axis=-1, keepdims=True)
+            nxt = np.array([rng.choice(p.shape[-1], p=row) for row in p])[:, None]
+            idx = np.concatenate([idx, nxt], axis=1)
+        return idx
+
+    # --- MoE bookkeeping ---------------------------------------------------------------------
+    def moe_stats(self):
+        return [dict(layer=i, **m.take_stats()) for i, m in self.moe_layers()]
+
+    def update_expert_bias(self):
+        for _, m in self.moe_layers():
+            m.update_expert_bias()

@@ -1,0 +1,117 @@
+"""Linear, LayerNorm, MLP and the token+position Embedding: forward and backward side by side.
+
+Gradient convention: see pympar/nn/parameter.py (param grads +=, activation grads =).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+from .parameter import Module, Parameter, accumulate, compute_cast, init_param, matmul
+
+
+def _param(seed, name, shape, dtype, std=0.02):
+    return Parameter(init_param(seed, name, shape, dtype, std=std), name=name)
+
+
+class Linear(Module):
+    """y = x @ W.T + b with W (out, in) like torch.nn.Linear."""
+
+    def __init__(self, n_in, n_out, *, name, seed=0, dtype=np.float32, bias=True, std=0.02,
+                 compute_dtype=None):
+        self.weight = _param(seed, f"{name}.weight", (n_out, n_in), dtype, std)
+        self.bias = _param(seed, f"{name}.bias", (n_out,), dtype) if bias else None
+        self._cdt = compute_dtype
+
+    def forward(self, x):                        # x (..., in) -> y (..., out)
+        w = compute_cast(self.weight.data, self._cdt)
+        y = matmul(x, w.T)
+        if self.bias is not None:
+            y += compute_cast(self.bias.data, self._cdt)
+        return y, x
+
+    def backward(self, dy, x):                   # dy (..., out) -> dx (..., in)
+        dy2 = dy.reshape(-1, dy.shape[-1])       # (N, out)
+        x2 = x.reshape(-1, x.shape[-1])          # (N, in)
+        accumulate(self.weight, matmul(dy2.T, x2, self.weight.grad.dtype))  # (out, in)
+        if self.bias is not None:
+            accumulate(self.bias, dy2.sum(axis=0, dtype=self.bias.grad.dtype))
+        return matmul(dy, compute_cast(self.weight.data, self._cdt))
+
+
+class LayerNorm(Module):
+    def __init__(self, n, *, name, dtype=np.float32, bias=True, eps=1e-5, compute_dtype=None):
+        self.weight = _param(0, f"{name}.weight", (n,), dtype)
+        self.bias = _param(0, f"{name}.bias", (n,), dtype) if bias else None
+        self.eps = eps
+        self._cdt = compute_dtype
+
+    def _b(self):
+        if self.bias is None:
+            return np.zeros_like(self.weight.data)
+        return self.bias.data
+
+    def forward(self, x):                        # x (..., C) -> y (..., C)
+        y, mean, rstd = kernels.layernorm_forward(x, self.weight.data, self._b(), self.eps)
+        return y, (x, mean, rstd)
+
+    def backward(self, dy, ctx):                 # dy (..., C) -> dx (..., C)
+        x, mean, rstd = ctx
+        dx, dw, db = kernels.layernorm_backward(dy, x, self.weight.data, mean, rstd)
+        accumulate(self.weight, dw)
+        if self.bias is not None:
+            accumulate(self.bias, db)
+        return dx
+
+
+class MLP(Module):
+    """c_fc (C -> 4C), GELU (tanh form), c_proj (4C -> C)."""
+
+    def __init__(self, n_embd, *, name, seed=0, dtype=np.float32, bias=True, n_layer=1,
+                 compute_dtype=None):
+        self.c_fc = Linear(n_embd, 4 * n_embd, name=f"{name}.c_fc", seed=seed, dtype=dtype,
+                           bias=bias, compute_dtype=compute_dtype)
+        self.c_proj = Linear(4 * n_embd, n_embd, name=f"{name}.c_proj", seed=seed, dtype=dtype,
+                             bias=bias, std=0.02 / (2 * n_layer) ** 0.5, compute_dtype=compute_dtype)
+
+    def forward(self, x):                        # x (..., C) -> y (..., C)
+        h, _ = self.c_fc.forward(x)              # h (..., 4C)
+        g = kernels.gelu_forward(h)              # g (..., 4C)
+        y, _ = self.c_proj.forward(g)
+        return y, (x, h, g)
+
+    def backward(self, dy, ctx):
+        x, h, g = ctx
+        dg = self.c_proj.backward(dy, g)         # (..., 4C)
+        dh = kernels.gelu_backward(h, dg)
+        return self.c_fc.backward(dh, x)
+
+
+class Embedding(Module):
+    """Token + learned position embeddings: idx (B, T) int -> x (B, T, C)."""
+
+    def __init__(self, vocab_size, block_size, n_embd, *, seed=0, dtype=np.float32,
+                 compute_dtype=None, prefix="transformer"):
+        self.wte = _param(seed, f"{prefix}.wte.weight", (vocab_size, n_embd), dtype)
+        self.wpe = _param(seed, f"{prefix}.wpe.weight", (block_size, n_embd), dtype)
+        self._cdt = compute_dtype
+
+    def _named_parameters(self, prefix):         # nanoGPT names: transformer.wte.weight, ...
+        pre = f"{prefix}." if prefix else ""
+        yield f"{pre}wte.weight", self.wte
+        yield f"{pre}wpe.weight", self.wpe
+
+    def forward(self, idx):                      # idx (B, T) -> x (B, T, C)
+        B, T = idx.shape
+        if T > self.wpe.data.shape[0]:
+            raise ValueError(f"sequence length T={T} exceeds block_size={self.wpe.data.shape[0]}")
+        x = self.wte.data[idx] + self.wpe.data[:T]
+        return compute_cast(x, self._cdt), idx
+
+    def backward(self, dx, idx):                 # dx (B, T, C) -> None (idx has no gradient)
+        B, T = idx.shape
+        C = dx.shape[-1]
+        dxf = dx.astype(self.wte.grad.dtype, copy=False)
+        np.add.at(self.wte.grad, idx.reshape(-1), dxf.reshape(-1, C))
+        self.wpe.grad[:T] += dxf.sum(axis=0)
+        return None

@@ -1,0 +1,163 @@
+"""Mixture-of-Experts layer: router -> top-k -> capacity -> permute -> experts -> combine.
+
+Routing, for N = B*T tokens of one micro-batch and E experts:
+  logits = x @ Wr.T (float32, float64 for float64 models); probs = softmax(logits)
+  selection uses probs + expert_bias (aux-loss-free balancing; the bias never enters gates)
+  gates = chosen probs, renormalised to sum 1 when top_k > 1, raw when top_k = 1
+  capacity = ceil(top_k * N * capacity_factor / E) slots per expert (capacity_factor 0: dropless)
+Priority when an expert overflows: CHOICE-MAJOR. All first choices (in token order) are
+placed before any second choice (in token order), and so on. A dropped assignment adds
+nothing; the block's residual carries the token.
+Loss terms (per micro-batch), both added to the model loss:
+  aux = aux_coef * E * sum_i f_i * P_i,  f_i = assignments routed to i BEFORE dropping / (N k),
+        P_i = mean over tokens of probs[:, i]  (f is a count: no gradient through it)
+  z   = z_coef * mean over tokens of logsumexp(logits)^2
+Gradient convention: see pympar/nn/parameter.py. ``backward(dy, ctx, daux)`` takes daux =
+d(total loss)/d(aux + z) (the caller's grad_scale).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import kernels
+from .layers import MLP
+from .parameter import Module, Parameter, accumulate, init_param
+
+
+class MoE(Module):
+    def __init__(self, n_embd, n_expert, *, name, top_k=2, capacity_factor=0.0, aux_coef=0.01,
+                 z_coef=0.001, shared_expert=False, bias_update_rate=0.0, seed=0,
+                 dtype=np.float32, bias=True, n_layer=1, compute_dtype=None):
+        if not 1 <= top_k <= n_expert:
+            raise ValueError(f"top_k={top_k} must be in 1..n_expert={n_expert}")
+        self.n_expert, self.top_k = n_expert, top_k
+        self.capacity_factor, self.aux_coef, self.z_coef = capacity_factor, aux_coef, z_coef
+        self.bias_update_rate = bias_update_rate
+        self._acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+        self.router = Module()
+        self.router.weight = Parameter(init_param(seed, f"{name}.router.weight", (n_expert, n_embd),
+                                                  dtype), name=f"{name}.router.weight")
+        mk = dict(seed=seed, dtype=dtype, bias=bias, n_layer=n_layer, compute_dtype=compute_dtype)
+        self.experts = [MLP(n_embd, name=f"{name}.experts.{e}", **mk) for e in range(n_expert)]
+        self.shared = MLP(n_embd, name=f"{name}.shared", **mk) if shared_expert else None
+        self.expert_bias = np.zeros(n_expert, dtype=self._acc)  # selection only, not trained
+        self.recording = True            # count loads (False for evaluation passes)
+        self._stats = np.zeros(n_expert, np.int64), 0, 0   # (load, dropped, assignments)
+        self._load_since_update = np.zeros(n_expert, np.int64)
+
+    def capacity(self, n_tokens: int) -> int:
+        """Slots per expert for a micro-batch of n_tokens; 0 = unlimited."""
+        if self.capacity_factor <= 0:
+            return 0
+        return math.ceil(self.top_k * n_tokens * self.capacity_factor / self.n_expert)
+
+    # --- experts: the seam expert parallelism replaces ---------------------------------------
+    def run_experts(self, xs, counts):
+        """xs (M, C) rows grouped by expert (counts (E,) rows each) -> (ys (M, C), ctx)."""
+        ys = np.empty_like(xs)
+        ctxs, lo = [], 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                ys[lo:lo + n], c = self.experts[e].forward(xs[lo:lo + n])
+                ctxs.append((e, lo, n, c))
+            lo += n
+        return ys, ctxs
+
+    def run_experts_backward(self, dys, ctxs):
+        """dys (M, C) -> dxs (M, C); expert parameter grads accumulate."""
+        dxs = np.zeros_like(dys)
+        for e, lo, n, c in ctxs:
+            dxs[lo:lo + n] = self.experts[e].backward(dys[lo:lo + n], c)
+        return dxs
+
+    # --- forward / backward ------------------------------------------------------------------
+    def forward(self, x):                        # x (B, T, C) -> y (B, T, C)
+        B, T, C = x.shape
+        N, E, k, acc = B * T, self.n_expert, self.top_k, self._acc
+        xf = x.reshape(N, C)
+        xa = xf.astype(acc, copy=False)
+        logits = xa @ self.router.weight.data.astype(acc, copy=False).T   # (N, E)
+        m = logits.max(axis=1, keepdims=True)
+        ez = np.exp(logits - m)
+        s = ez.sum(axis=1, keepdims=True)
+        probs = ez / s                                                     # (N, E)
+        lse = (m + np.log(s))[:, 0]                                        # (N,)
+        idx, _ = kernels.topk(probs + self.expert_bias, k)                 # (N, k)
+        psel = np.take_along_axis(probs, idx, axis=1)                      # (N, k)
+        ssum = psel.sum(axis=1, keepdims=True)
+        gates = psel / ssum if k > 1 else psel                             # (N, k)
+        # assignments in choice-major priority order: (k, N) flattened
+        a_expert = idx.T.reshape(-1)
+        a_token = np.tile(np.arange(N), k)
+        pos, counts = kernels.capacity_positions(a_expert, E, self.capacity(N))
+        kept = np.flatnonzero(pos >= 0)
+        order = kept[np.argsort(a_expert[kept], kind="stable")]            # (M,) grouped by expert
+        rows = a_token[order]                                              # (M,) token of each row
+        gate_rows = gates.T.reshape(-1)[order]                             # (M,)
+        kept_counts = np.bincount(a_expert[order], minlength=E)
+        xs = kernels.permute(xf, rows)                                     # (M, C)
+        ys, ectx = self.run_experts(xs, kept_counts)
+        y = kernels.unpermute_add(ys, rows, gate_rows, N)                  # (N, C)
+        shctx = None
+        if self.shared is not None:
+            ysh, shctx = self.shared.forward(xf)
+            y += ysh
+        f = counts.astype(acc) / (N * k)
+        aux = self.aux_coef * E * float((f * probs.mean(axis=0)).sum())
+        z = self.z_coef * float((lse * lse).mean())
+        if self.recording:
+            load, dropped, total = self._stats
+            self._stats = load + counts, dropped + (k * N - len(order)), total + k * N
+            self._load_since_update += counts
+        ctx = dict(shape=x.shape, xf=xf, probs=probs, lse=lse, idx=idx, gates=gates, ssum=ssum,
+                   order=order, rows=rows, gate_rows=gate_rows, ys=ys, ectx=ectx, shctx=shctx,
+                   f=f, aux_loss=aux + z, aux=aux, z=z)
+        return y.reshape(B, T, C), ctx
+
+    def backward(self, dy, ctx, daux=1.0):       # dy (B, T, C) -> dx (B, T, C)
+        B, T, C = ctx["shape"]
+        N, E, k, acc = B * T, self.n_expert, self.top_k, self._acc
+        dyf = dy.reshape(N, C)
+        rows, ys = ctx["rows"], ctx["ys"]
+        dys_raw = kernels.permute(dyf, rows)                               # (M, C)
+        dgate_rows = np.einsum("mc,mc->m", dys_raw.astype(acc, copy=False),
+                               ys.astype(acc, copy=False))                 # (M,)
+        dys = dys_raw * ctx["gate_rows"][:, None].astype(dys_raw.dtype)
+        dxs = self.run_experts_backward(dys, ctx["ectx"])
+        dxf = kernels.unpermute_add(dxs, rows, None, N)                    # (N, C)
+        if self.shared is not None:
+            dxf += self.shared.backward(dyf, ctx["shctx"])
+        # gates -> chosen probabilities -> all probabilities
+        dgates = np.zeros(k * N, dtype=acc)
+        dgates[ctx["order"]] = dgate_rows
+        dgates = dgates.reshape(k, N).T                                    # (N, k)
+        gates, probs, lse = ctx["gates"], ctx["probs"], ctx["lse"]
+        if k > 1:
+            dpsel = (dgates - (dgates * gates).sum(axis=1, keepdims=True)) / ctx["ssum"]
+        else:
+            dpsel = dgates
+        dprobs = np.zeros((N, E), dtype=acc)
+        np.put_along_axis(dprobs, ctx["idx"], dpsel, axis=1)
+        dprobs += (daux * self.aux_coef * E / N) * ctx["f"]                # aux loss, via P_i
+        dlogits = probs * (dprobs - (dprobs * probs).sum(axis=1, keepdims=True))
+        dlogits += (daux * self.z_coef * 2.0 / N) * lse[:, None] * probs  # z-loss
+        wr = self.router.weight
+        accumulate(wr, dlogits.T @ ctx["xf"].astype(acc, copy=False))      # (E, C)
+        dxf += (dlogits @ wr.data.astype(acc, copy=False)).astype(dxf.dtype, copy=False)
+        return dxf.reshape(B, T, C)
+
+    # --- statistics and aux-loss-free balancing ------------------------------------------------
+    def take_stats(self):
+        """{tokens_per_expert, dropped_fraction} since the last call; resets the counters."""
+        load, dropped, total = self._stats
+        self._stats = np.zeros(self.n_expert, np.int64), 0, 0
+        return dict(tokens_per_expert=load.tolist(), dropped_fraction=dropped / total if total else 0.0)
+
+    def update_expert_bias(self):
+        """bias += rate * sign(mean_load - load) over the loads since the last update."""
+        load = self._load_since_update
+        if self.bias_update_rate > 0 and load.sum() > 0:
+            self.expert_bias += self.bias_update_rate * np.sign(load.mean() - load)
+        self._load_since_update = np.zeros(self.n_expert, np.int64)

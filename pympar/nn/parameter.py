@@ -1,0 +1,123 @@
+"""Parameters, deterministic initialisation and the tiny module protocol.
+
+Gradient convention (the whole of pympar.nn follows it):
+  * ``forward(x) -> (y, ctx)``; ctx holds exactly what backward needs (no tape, no globals);
+  * ``backward(dy, ctx) -> dx``: parameter gradients are ACCUMULATED (``p.grad += ...``),
+    activation gradients are RETURNED fresh (``dx = ...``);
+  * master weights (``p.data``) and their grads are float32 or float64; a module built with a
+    lower ``compute_dtype`` casts weights and activations to it for the arithmetic and adds
+    its grads back into the master-precision ``p.grad``.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from .. import kernels
+from ..backend import is_low_precision
+
+
+class Parameter:
+    """A master weight ``data`` and its gradient ``grad`` (same shape and dtype, zeros)."""
+
+    __slots__ = ("data", "grad", "name")
+
+    def __init__(self, data, grad=None, name=""):
+        self.data = data
+        self.grad = np.zeros_like(data) if grad is None else grad
+        self.name = name
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    def __repr__(self):
+        return f"Parameter({self.name!r}, shape={self.data.shape}, dtype={self.data.dtype})"
+
+
+def default_std(name: str, n_layer: int) -> float:
+    """GPT-2 initialisation scale for a weight: 0.02, residual projections 0.02/sqrt(2 n_layer)."""
+    if name.endswith("c_proj.weight"):
+        return 0.02 / (2 * n_layer) ** 0.5
+    return 0.02
+
+
+def init_param(seed: int, name: str, full_shape, dtype=np.float32, std: float = 0.02):
+    """The full initial tensor of parameter ``name``: a function of (seed, name, full_shape) only.
+
+    Biases and LayerNorm biases are zeros, LayerNorm weights ones, everything else
+    normal(0, std) drawn in float64 and rounded to ``dtype``. A tensor-parallel shard calls
+    this with the FULL shape and slices its part, so every layout holds the same numbers.
+    """
+    full_shape = tuple(int(s) for s in full_shape)
+    leaf = name.rsplit(".", 1)[-1]
+    owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    if leaf == "bias" or name.endswith("expert_bias"):
+        return np.zeros(full_shape, dtype=dtype)
+    if leaf == "weight" and owner.startswith("ln"):
+        return np.ones(full_shape, dtype=dtype)
+    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, zlib.crc32(name.encode()), *full_shape])
+    return (np.random.default_rng(ss).standard_normal(full_shape) * std).astype(dtype)
+
+
+class Module:
+    """Base: children and parameters found by attribute order; names are nanoGPT's."""
+
+    def _children(self):
+        for key, val in vars(self).items():
+            if key.startswith("_"):
+                continue
+            if isinstance(val, Parameter):
+                yield key, val
+            elif isinstance(val, Module):
+                yield key, val
+            elif isinstance(val, (list, tuple)) and val and all(isinstance(m, Module) for m in val):
+                for i, m in enumerate(val):
+                    yield f"{key}.{i}", m
+
+    def named_parameters(self, prefix: str = ""):
+        """Yield (dotted name, Parameter); a Parameter object reached twice is yielded once."""
+        seen = set()
+        for name, p in self._named_parameters(prefix):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def _named_parameters(self, prefix):
+        for key, val in self._children():
+            full = f"{prefix}.{key}" if prefix else key
+            if isinstance(val, Parameter):
+                yield full, val
+            else:
+                yield from val._named_parameters(full)
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.grad[...] = 0
+
+
+def compute_cast(a, cdt):
+    """``a`` in the compute dtype (no copy when it already is)."""
+    return a if cdt is None or a.dtype == cdt else kernels.cast(a, cdt)
+
+
+def matmul(a, b, out_dtype=None):
+    """a @ b; float16/bfloat16 operands are multiplied with float32 accumulation (like tensor
+    cores) and the product rounded to ``out_dtype`` (default: the operands' dtype)."""
+    if is_low_precision(a.dtype):
+        y = a.astype(np.float32) @ b.astype(np.float32)
+        return y.astype(out_dtype or a.dtype, copy=False)
+    y = a @ b
+    return y if out_dtype is None else y.astype(out_dtype, copy=False)
+
+
+def accumulate(p: Parameter, g):
+    """p.grad += g (g in any float dtype)."""
+    if g.dtype == p.grad.dtype:
+        p.grad += g
+    else:
+        p.grad += g.astype(p.grad.dtype)
