@@ -1,0 +1,170 @@
+"""Pipeline schedules as explicit per-rank action lists, plus a simulator that checks them.
+
+A schedule is, for each pipeline rank, an ordered list of ``Action(kind, micro, chunk)``:
+``kind`` is "F" (forward) or "B" (backward), ``micro`` the micro-batch (0..m-1) and ``chunk``
+the rank's local model chunk (0..v-1). With v chunks per rank the model has S = p*v stages and
+rank r holds the global stages r, r+p, r+2p, ... (Megatron's interleaved assignment), so
+local chunk c of rank r is global stage ``c*p + r``.
+
+Dependencies (what the executor waits for): F(j, s) needs F(j, s-1)'s activation; B(j, s)
+needs F(j, s) on the same rank and B(j, s+1)'s gradient (the last stage starts backward from
+its own loss). The executor posts receives early and sends without blocking, so a schedule
+runs without deadlock exactly when ``simulate`` finishes it.
+
+  gpipe        all m forwards, then all m backwards          peak in flight m
+  1f1b         PipeDream-flush: p-r-1 warm-up forwards, then alternate one F one B
+               and drain                                      peak in flight min(p-r, m) <= p
+  interleaved  1F1B over m*v virtual micro-batches, v chunks per rank (needs m % p == 0);
+               bubble (p-1)/(v*m+p-1) instead of (p-1)/(m+p-1)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str        # "F" or "B"
+    micro: int       # micro-batch index, 0..m-1
+    chunk: int = 0   # local model chunk, 0..v-1 (global stage = chunk * p + rank)
+
+    def __repr__(self):
+        return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def validate_schedule(name: str, p: int, m: int, v: int = 1) -> None:
+    """Raise ValueError (no communication) when schedule ``name`` cannot run p stages x m micro-batches x v chunks."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}: expected one of {list(SCHEDULES)}")
+    for key, val in (("pp", p), ("n_micro", m), ("virtual chunks v", v)):
+        if int(val) != val or val < 1:
+            raise ValueError(f"{key}={val} must be an integer >= 1")
+    if name != "interleaved" and v != 1:
+        raise ValueError(f"schedule {name!r} runs one model chunk per rank but v={v}: "
+                         f"use schedule 'interleaved' for v > 1, or v=1")
+    if name == "interleaved" and v > 1 and m % p:
+        raise ValueError(f"interleaved 1F1B needs n_micro divisible by pp (micro-batches go through the "
+                         f"pipeline in groups of pp): n_micro={m}, pp={p}; use n_micro in "
+                         f"{[k * p for k in range(1, 4)]}... or schedule '1f1b'")
+
+
+def gpipe(p: int, m: int, rank: int) -> list:
+    """All forwards, then all backwards (in the same micro-batch order on every rank)."""
+    return [Action("F", j) for j in range(m)] + [Action("B", j) for j in range(m)]
+
+
+def one_f_one_b(p: int, m: int, rank: int) -> list:
+    """PipeDream-flush: warm up with p-rank-1 forwards, steady one-forward-one-backward, drain."""
+    warmup = min(p - rank - 1, m)
+    acts = [Action("F", j) for j in range(warmup)]
+    for i in range(m - warmup):
+        acts += [Action("F", warmup + i), Action("B", i)]
+    acts += [Action("B", j) for j in range(m - warmup, m)]
+    return acts
+
+
+def interleaved_1f1b(p: int, m: int, v: int, rank: int) -> list:
+    """Megatron's interleaved 1F1B: virtual micro-batch k runs micro-batch (k // (p*v))*p + k % p
+    on chunk (k // p) % v forward (v-1 minus that backward); m must be a multiple of p."""
+    if v == 1:
+        return one_f_one_b(p, m, rank)
+    total = m * v
+
+    def micro(k):
+        return (k // (p * v)) * p + k % p
+
+    def chunk(k, forward):
+        c = (k % (p * v)) // p
+        return c if forward else v - 1 - c
+
+    # each rank runs ahead by two forwards per downstream rank (a chunk's output goes to the
+    # next rank and comes back one round later) plus one full round per extra chunk
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    acts = [Action("F", micro(k), chunk(k, True)) for k in range(warmup)]
+    for i in range(total - warmup):
+        k = warmup + i
+        acts += [Action("F", micro(k), chunk(k, True)), Action("B", micro(i), chunk(i, False))]
+    acts += [Action("B", micro(k), chunk(k, False)) for k in range(total - warmup, total)]
+    return acts
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1, rank: int = 0) -> list:
+    """The action list of ``rank`` for schedule ``name`` (validated first)."""
+    validate_schedule(name, p, m, v)
+    if not 0 <= rank < p:
+        raise ValueError(f"rank={rank} must be in 0..{p - 1}")
+    if name == "gpipe":
+        return gpipe(p, m, rank)
+    if name == "1f1b":
+        return one_f_one_b(p, m, rank)
+    return interleaved_1f1b(p, m, v, rank)
+
+
+def peak_in_flight(actions) -> int:
+    """Most micro-batches (counted per chunk) forwarded but not yet backwarded at any point."""
+    live, peak = set(), 0
+    for a in actions:
+        key = (a.micro, a.chunk)
+        if a.kind == "F":
+            live.add(key)
+            peak = max(peak, len(live))
+        else:
+            live.discard(key)
+    return peak
+
+
+def simulate(schedules, p: int, v: int = 1, f_cost: float = 1.0, b_cost: float = 2.0, comm_cost: float = 0.0):
+    """Run the per-rank action lists as a discrete-event model (F costs f_cost/v, B b_cost/v).
+
+    ``schedules[r]`` is rank r's list. Returns {"makespan", "busy" (per rank), "bubble" (per rank:
+    idle fraction of the makespan), "start"/"end" (dict action -> time per rank)}.
+    Raises RuntimeError naming the blocked actions when the lists deadlock or miss a dependency.
+    """
+    n_stage = p * v
+    done = {}                               # ("F"|"B", micro, global stage) -> finish time
+    pos = [0] * p
+    clock = [0.0] * p
+    start = [dict() for _ in range(p)]
+    end = [dict() for _ in range(p)]
+    cost = {"F": f_cost / v, "B": b_cost / v}
+    total = sum(len(s) for s in schedules)
+    finished = 0
+    while finished < total:
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(schedules[r]):
+                a = schedules[r][pos[r]]
+                s = a.chunk * p + r
+                if a.kind == "F":
+                    need = [("F", a.micro, s - 1)] if s > 0 else []
+                else:
+                    need = [("F", a.micro, s)] + ([("B", a.micro, s + 1)] if s < n_stage - 1 else [])
+                if any(k not in done for k in need):
+                    break
+                ready = max([clock[r]] + [done[k] + (comm_cost if k[2] != s else 0.0) for k in need])
+                start[r][a] = ready
+                clock[r] = ready + cost[a.kind]
+                end[r][a] = clock[r]
+                key = (a.kind, a.micro, s)
+                if key in done:
+                    raise RuntimeError(f"rank {r} runs {a} twice")
+                done[key] = clock[r]
+                pos[r] += 1
+                finished += 1
+                progressed = True
+        if not progressed:
+            blocked = {r: schedules[r][pos[r]] for r in range(p) if pos[r] < len(schedules[r])}
+            raise RuntimeError(f"pipeline schedule deadlocks: ranks blocked at {blocked}")
+    makespan = max(clock)
+    busy = [sum(cost[a.kind] for a in schedules[r]) for r in range(p)]
+    return {"makespan": makespan, "busy": busy,
+            "bubble": [1.0 - b / makespan if makespan else 0.0 for b in busy],
+            "start": start, "end": end}
+
+
+def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
+    """The textbook bubble fraction: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1)."""
+    vv = v if name == "interleaved" else 1
+    return (p - 1) / (vv * m + p - 1)
