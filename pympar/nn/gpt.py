@@ -110,6 +110,9 @@ class GPT(Module):
                                    compute_dtype=cdt)
         self.h = [Block(c, i, seed=seed, dtype=dtype, compute_dtype=cdt) for i in range(c.n_layer)]
         self.head = Head(c, self.embedding.wte, dtype=dtype, compute_dtype=cdt)
+        # callbacks h(params) told, during loss_and_grad's backward, which parameters' grads are
+        # final for this micro-batch (data parallelism starts their bucket's allreduce early)
+        self.grad_ready_hooks = []
 
     # --- parameters and state ------------------------------------------------------------
     def named_parameters(self, prefix=""):
@@ -165,10 +168,19 @@ class GPT(Module):
         idx, targets = np.asarray(idx), np.asarray(targets)
         ce, aux, (c_emb, ctxs, c_head) = self._forward(idx, targets)
         dx = self.head.backward(grad_scale, c_head)
+        self._grad_ready(self.head.ln_f)         # not the tied wte: the embedding adds to it last
         for b, c in zip(reversed(self.h), reversed(ctxs)):
             dx = b.backward(dx, c, grad_scale)
+            self._grad_ready(b)
         self.embedding.backward(dx, c_emb)
+        self._grad_ready(self.embedding)
         return ce + aux
+
+    def _grad_ready(self, module):
+        if self.grad_ready_hooks:
+            params = module.parameters()
+            for hook in self.grad_ready_hooks:
+                hook(params)
 
     def forward_loss(self, idx, targets) -> float:
         """The same loss without gradients (and without counting expert loads)."""
