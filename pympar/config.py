@@ -1,0 +1,269 @@
+"""Command line and TOML configuration of ``python -m pympar.train``.
+
+Precedence, lowest first: built-in defaults < ``--preset`` < ``--config run.toml`` < flags.
+The TOML file uses the flag names with underscores (``micro_batch_size = 4``); keys may
+also sit in tables (``[model]``, ``[parallel]``, ``[train]``: the table name is ignored).
+
+``parse_args(argv, world_size)`` returns ``(GPTConfig, RunConfig)`` or raises
+``ConfigError`` (a ValueError) with a one-line message. It does no communication, so
+every rank reaches the same verdict on its own before the first collective.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+
+from .nn.config import PRESETS, GPTConfig
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message says what was wrong and what would be right."""
+
+
+@dataclass
+class Layout:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    def __str__(self):
+        return f"dp={self.dp} pp={self.pp} tp={self.tp} ep={self.ep}"
+
+
+@dataclass
+class RunConfig:
+    """Everything about a run that is not the model's shape."""
+    preset: str = "tiny"
+    config: str | None = None
+    data: str | None = None
+    # parallel layout (None = chosen for the world size)
+    dp: int | None = None
+    pp: int | None = None
+    tp: int | None = None
+    ep: int | None = None
+    layout: str = "auto"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batch_size: int = 8
+    n_micro: int = 1
+    zero: int = 0
+    seq_parallel: bool = False
+    compress: str = "none"
+    topk_ratio: float = 0.01
+    bucket_mb: float = 25.0
+    comm_timeout: float = 300.0
+    # device and numerics
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 0
+    # optimisation
+    steps: int = 200
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 1337
+    # evaluation, output
+    eval_every: int = 50
+    eval_iters: int = 4
+    sample_tokens: int = 200
+    sample_top_k: int = 40
+    log_every: int = 1
+    out: str | None = None
+    profile: bool = False
+    # resolved by parse_args
+    layout_resolved: Layout = field(default_factory=Layout)
+    layout_auto: bool = True
+    model_overrides: list = field(default_factory=list)   # model fields set by the file or flags
+
+
+_HELP = {
+    "preset": "model preset (sets every model field; model flags override it)",
+    "config": "TOML file with any of these options (flags override it)",
+    "data": "text file, directory of text files, nanoGPT dir (train.bin/val.bin) or llm.c .bin; "
+            "default: this Python's standard-library sources",
+    "dp": "data-parallel size (default: world / (pp*tp))",
+    "pp": "pipeline-parallel stages", "tp": "tensor-parallel size",
+    "ep": "expert-parallel size (divides dp and n_expert)",
+    "layout": "'auto' = choose a valid layout for the world size when dp/pp/tp/ep are not given",
+    "schedule": "pipeline schedule", "virtual_stages": "model chunks per rank (interleaved schedule)",
+    "micro_batch_size": "sequences per micro-batch",
+    "n_micro": "micro-batches per DP rank per step (global batch = micro_batch_size*n_micro*dp)",
+    "zero": "ZeRO stage (0 = off)", "seq_parallel": "sequence parallelism with TP",
+    "compress": "gradient compression for the DP allreduce", "topk_ratio": "kept fraction with --compress topk",
+    "bucket_mb": "DP gradient bucket size (MiB)", "comm_timeout": "seconds before a stalled collective fails",
+    "device": "cpu or cuda", "dtype": "compute dtype (master weights stay float32)",
+    "threads": "kernel/BLAS threads per rank (0 = from OMP_NUM_THREADS / cores)",
+    "steps": "optimizer steps", "lr": "peak learning rate", "min_lr": "final learning rate of the cosine",
+    "warmup": "linear warm-up steps", "weight_decay": "AdamW weight decay", "grad_clip": "global grad-norm clip (0 = off)",
+    "seed": "seed of the parameters and of the batch stream",
+    "eval_every": "validation loss every N steps (0 = only at the end)", "eval_iters": "validation micro-batches",
+    "sample_tokens": "bytes of text to sample at the end (0 = none)", "sample_top_k": "top-k of the sampler",
+    "log_every": "print a log line every N steps when there is no progress bar",
+    "out": "directory for metrics.jsonl, trace.json, summary.json",
+    "profile": "record every rank's events; write OUT/trace.json (Chrome trace)",
+}
+_CHOICES = {
+    "preset": sorted(PRESETS), "schedule": ["gpipe", "1f1b", "interleaved"],
+    "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"],
+    "dtype": ["float32", "bfloat16", "float16"], "layout": ["auto"], "zero": [0, 1, 2, 3],
+}
+_RUN_FIELDS = [f for f in fields(RunConfig) if f.name not in ("layout_resolved", "layout_auto", "model_overrides")]
+_MODEL_FIELDS = list(fields(GPTConfig))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def _type_of(f, default):
+    t = f.type if not isinstance(f.type, str) else f.type.split("|")[0].strip()
+    return {"int": int, "float": float, "str": str, "bool": bool}.get(t, type(default) if default is not None else str)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pympar.train", description="Train a GPT / MoE GPT with pympar on any number of MPI ranks.",
+                argument_default=argparse.SUPPRESS)
+    run = p.add_argument_group("run")
+    for f in _RUN_FIELDS:
+        _add(run, f, f.default, _HELP.get(f.name, ""))
+    model = p.add_argument_group("model (defaults are the preset's)")
+    for f in _MODEL_FIELDS:
+        _add(model, f, PRESETS["tiny"].get(f.name, f.default), f"GPTConfig.{f.name}; tiny preset")
+    return p
+
+
+def _add(group, f, default, help):
+    flag = "--" + f.name.replace("_", "-")
+    t = _type_of(f, default)
+    # argument_default=SUPPRESS hides defaults from the namespace; show them in --help anyway
+    if "default" not in help:
+        help = f"{help} (default: {default})"
+    if t is bool:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help)
+    else:
+        choices = _CHOICES.get(f.name)
+        metavar = "{" + ",".join(map(str, choices)) + "}" if choices else f.name.upper()
+        group.add_argument(flag, type=t, choices=choices, help=help, metavar=metavar)
+
+
+def _flatten_toml(d: dict, path: str) -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            for k2, v2 in v.items():
+                if isinstance(v2, dict):
+                    raise ConfigError(f"{path}: nested table [{k}.{k2}] is not supported; use flat keys or one level of tables")
+                out[k2] = v2
+        else:
+            out[k] = v
+    return {k.replace("-", "_"): v for k, v in out.items()}
+
+
+def _load_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            d = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
+    d = _flatten_toml(d, path)
+    known = {f.name for f in _RUN_FIELDS} | {f.name for f in _MODEL_FIELDS}
+    bad = sorted(set(d) - known - {"config"})
+    if bad:
+        raise ConfigError(f"--config {path}: unknown keys {bad}; every flag name works as a key (underscores)")
+    return d
+
+
+def parse_args(argv, world_size: int) -> tuple[GPTConfig, RunConfig]:
+    """Parse flags (+ TOML), resolve the layout, validate everything; raise ConfigError."""
+    ns = vars(build_parser().parse_args(argv))
+    given = dict(_load_toml(ns["config"])) if ns.get("config") else {}
+    given.update(ns)                                       # flags override the file
+    run_names = {f.name for f in _RUN_FIELDS}
+    run = RunConfig(**{k: v for k, v in given.items() if k in run_names})
+    for k in ("schedule", "compress", "device", "dtype", "preset", "zero"):
+        if getattr(run, k) not in _CHOICES[k]:
+            raise ConfigError(f"{k}={getattr(run, k)!r} is not one of {_CHOICES[k]}")
+    overrides = {k: v for k, v in given.items() if k not in run_names}
+    try:
+        model = GPTConfig.from_preset(run.preset, **overrides)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+    run.model_overrides = sorted(overrides)
+    _check_run(run)
+    run.layout_auto = all(getattr(run, k) is None for k in ("dp", "pp", "tp", "ep"))
+    run.layout_resolved = choose_layout(world_size, model, run)
+    return model, run
+
+
+def _check_run(run: RunConfig) -> None:
+    positive = ("micro_batch_size", "n_micro", "steps", "virtual_stages", "eval_iters", "log_every")
+    for k in positive:
+        if getattr(run, k) < 1:
+            raise ConfigError(f"{k}={getattr(run, k)} must be >= 1")
+    for k in ("lr", "min_lr", "warmup", "weight_decay", "grad_clip", "eval_every", "sample_tokens",
+              "threads", "bucket_mb"):
+        if getattr(run, k) < 0:
+            raise ConfigError(f"{k}={getattr(run, k)} must be >= 0")
+    if run.min_lr > run.lr:
+        raise ConfigError(f"min_lr={run.min_lr} is above lr={run.lr}")
+    if not 0 < run.topk_ratio <= 1:
+        raise ConfigError(f"topk_ratio={run.topk_ratio} must be in (0, 1]")
+    if run.comm_timeout <= 0:
+        raise ConfigError(f"comm_timeout={run.comm_timeout} must be > 0 seconds")
+    for k in ("dp", "pp", "tp", "ep"):
+        v = getattr(run, k)
+        if v is not None and v < 1:
+            raise ConfigError(f"{k}={v} must be >= 1")
+
+
+def choose_layout(world: int, model: GPTConfig, run: RunConfig) -> Layout:
+    """The layout for this world size. Given sizes are kept; missing ones are filled in.
+
+    Rule (a placeholder until the planner exists): pp = tp = ep = 1 unless given, and dp
+    takes the rest of the world. Every rank computes the same answer.
+    """
+    pp, tp, ep = run.pp or 1, run.tp or 1, run.ep or 1
+    if run.dp is None:
+        if world % (pp * tp):
+            raise ConfigError(f"world size {world} is not divisible by pp*tp={pp}*{tp}={pp * tp}; "
+                              f"launch a multiple of {pp * tp} ranks or change --pp/--tp")
+        dp = world // (pp * tp)
+    else:
+        dp = run.dp
+    lay = Layout(dp, pp, tp, ep)
+    if dp * pp * tp != world:
+        raise ConfigError(f"dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} does not match the world size {world}; "
+                          f"launch {dp * pp * tp} ranks or change the layout")
+    if dp % ep:
+        raise ConfigError(f"ep={ep} does not divide dp={dp} (experts are sharded over data-parallel ranks)")
+    if ep > 1 and (model.n_expert == 0 or model.n_expert % ep):
+        raise ConfigError(f"ep={ep} needs n_expert divisible by ep; n_expert={model.n_expert}")
+    if tp > 1 and model.n_head % tp:
+        raise ConfigError(f"n_head={model.n_head} is not divisible by tp={tp}")
+    if pp > model.n_layer:
+        raise ConfigError(f"pp={pp} is more than n_layer={model.n_layer}: every stage needs at least one block")
+    return lay
+
+
+def describe(model: GPTConfig, run: RunConfig) -> dict:
+    """A JSON-able summary of the resolved configuration (for logs and summary.json)."""
+    r = asdict(run)
+    r["layout_resolved"] = asdict(run.layout_resolved)
+    return {"model": {f.name: getattr(model, f.name) for f in _MODEL_FIELDS}, "run": r}
+
+
+def env_rank() -> int:
+    """This process's MPI rank from the launcher's environment (no MPI call), 0 if unknown."""
+    for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if k in os.environ:
+            return int(os.environ[k])
+    return 0
+

@@ -1,0 +1,101 @@
+"""Training metrics: model FLOPs, the measured matmul peak, MFU, MoE load statistics, JSONL.
+
+Model FLOPs per token (forward + backward = 3 x forward, a matmul of K x N costs 2KN per
+token forward):
+
+    flops_per_token = 6 * N_matmul + 12 * n_layer * block_size * n_embd
+
+    N_matmul = sum over blocks of the weights a token passes through
+               attention: 4 C^2 (qkv 3C^2 + output C^2)
+               dense MLP: 8 C^2 (C -> 4C -> C)
+               MoE MLP:   top_k * 8 C^2  (+ 8 C^2 shared expert) + C * n_expert (router)
+             + V * C (the tied lm_head; the embedding lookups are not matmuls)
+
+The second term is attention's two matmuls (Q K^T and A V: 2 * 2 * T * C per token and
+layer forward, times 3), counted over the full T x T square as in the PaLM paper and
+nanoGPT (no discount for the causal mask). Only the experts a token is routed to count,
+so MoE MFU reflects active parameters. Biases and LayerNorms are left out.
+
+MFU = tokens_per_s * flops_per_token / (peak_flops_per_rank * world_size), where the peak
+is measured at start-up on each process (``measure_matmul_peak``).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+
+def is_moe_layer(cfg, i: int) -> bool:
+    """Block i is MoE when the model has experts and (i + 1) is a multiple of moe_every."""
+    return cfg.n_expert > 0 and (i + 1) % max(1, cfg.moe_every) == 0
+
+
+def matmul_params_per_token(cfg) -> int:
+    """N_matmul of the module docstring: weights one token multiplies by (active only)."""
+    C = cfg.n_embd
+    n = 0
+    for i in range(cfg.n_layer):
+        n += 4 * C * C
+        if is_moe_layer(cfg, i):
+            n += cfg.top_k * 8 * C * C + C * cfg.n_expert
+            if getattr(cfg, "shared_expert", False):
+                n += 8 * C * C
+        else:
+            n += 8 * C * C
+    return n + cfg.vocab_size * C
+
+
+def flops_per_token(cfg) -> float:
+    """Training FLOPs per token (forward + backward), see the module docstring."""
+    return 6.0 * matmul_params_per_token(cfg) + 12.0 * cfg.n_layer * cfg.block_size * cfg.n_embd
+
+
+def measure_matmul_peak(xp=np, dtype=np.float32, n: int = 512, seconds: float = 0.25) -> float:
+    """Best FLOP/s of an n x n x n matmul in this process (a short timing, ~``seconds``)."""
+    if xp is not np:
+        n = max(n, 4096)
+    a = xp.ones((n, n), dtype=dtype)
+    b = xp.ones((n, n), dtype=dtype)
+    sync = (lambda: xp.cuda.Device().synchronize()) if xp is not np else (lambda: None)
+    a @ b  # warm-up
+    sync()
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    reps = 0
+    while reps < 3 or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+        if reps >= 200:
+            break
+    return 2.0 * n ** 3 / best
+
+
+def moe_layer_stats(tokens_per_expert) -> dict:
+    """Load statistics of one MoE layer from its per-expert token counts."""
+    t = np.asarray(tokens_per_expert, dtype=np.float64)
+    mean = t.mean() if t.size else 0.0
+    return {
+        "tokens_per_expert": [int(v) for v in t],
+        "load_cv": float(t.std() / mean) if mean > 0 else 0.0,
+        "max_over_mean": float(t.max() / mean) if mean > 0 else 0.0,
+    }
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to a file (or does nothing when path is None)."""
+
+    def __init__(self, path):
+        self.f = open(path, "w") if path else None
+
+    def write(self, record: dict) -> None:
+        if self.f:
+            self.f.write(json.dumps(record) + "\n")
+            self.f.flush()
+
+    def close(self) -> None:
+        if self.f:
+            self.f.close()
