@@ -1,0 +1,16 @@
+"""Sharded, resharding, crash-safe checkpoints in safetensors files (no pickle).
+
+    save(dir, step, shards, opt_shards, meta, comm, keep)   -> dir/step_<step>, dir/latest
+    load(dir, wanted, comm, expect_config)                  -> ({key: array}, manifest)
+    checkpoint_state(model, optimizer) / restore_into(model, optimizer, dir, comm)
+    python -m pympar.checkpoint export|import|inspect ...
+
+Tensors are stored under their GLOBAL nanoGPT names with the region of the full tensor each
+piece covers, so a checkpoint written by one parallel layout loads into any other.
+"""
+from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointNotFound
+from .load import Checkpoint, load, resolve
+from .save import save
+
+__all__ = ["save", "load", "resolve", "Checkpoint", "CheckpointError", "CheckpointCorrupt",
+           "CheckpointMismatch", "CheckpointNotFound"]

@@ -1,0 +1,93 @@
+"""Names and files of a checkpoint directory, and the crash-safe ways to write them.
+
+    ROOT/
+      latest                  one line: the name of the newest complete checkpoint
+      step_00000100/
+        manifest.json         config, layout, step, data position, RNG, sha256 of every file
+        rank_00000.safetensors  the pieces rank 0 owns, under global names
+        rank_00001.safetensors
+      .tmp-step_00000200/     a save in progress (removed by the next save if a crash left it)
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+OPT_PREFIX = "optim."  # file key of optimiser state: optim.<state>.<param name>
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{int(step):08d}"
+
+
+def rank_filename(rank: int) -> str:
+    return f"rank_{int(rank):05d}.safetensors"
+
+
+def fsync_dir(path):
+    """Make a directory's entries (creations, renames) durable."""
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path, text: str):
+    """Write ``path`` so that a reader sees the old or the new content, never a mix."""
+    path = Path(path)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def list_steps(root):
+    """[(step, path)] of the complete-looking checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and (p / MANIFEST).is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def remove_tree(path):
+    """Rename away then delete, so a crash mid-delete never leaves a half checkpoint under a real name."""
+    path = Path(path)
+    if not path.exists():
+        return
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name}.{os.getpid()}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clean_stale(root):
+    """Remove leftovers of saves or deletions a crash interrupted."""
+    for p in Path(root).iterdir():
+        if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def read_latest(root):
+    """The checkpoint directory ``root/latest`` names, or None when there is no pointer."""
+    f = Path(root) / LATEST
+    if not f.is_file():
+        return None
+    return Path(root) / f.read_text().strip()

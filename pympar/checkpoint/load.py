@@ -1,0 +1,144 @@
+"""load(): any rank reads any region of any tensor from a checkpoint written by any layout.
+
+For each wanted (name, full_shape, index) the reader intersects the wanted region with the
+pieces the manifest lists, copies each overlap out of its file (memory-mapped: only the
+pages it needs), and checks that the overlaps cover the whole region. Every file it opens is
+checked against the manifest: present, of the recorded size, of the recorded sha256.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from . import layout_io as L
+from . import safetensors_format as st
+from .collectives import agree
+from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointNotFound
+from .regions import from_json, intersect, local_index, region_of, region_shape
+from .save import FORMAT, shard_parts
+
+
+def resolve(directory) -> Path:
+    """The checkpoint directory: ``directory`` itself, or what its ``latest`` file names."""
+    p = Path(directory)
+    if not p.exists():
+        raise CheckpointNotFound(p, "checkpoint directory does not exist")
+    if not p.is_dir():
+        raise CheckpointNotFound(p, "is a file, expected a checkpoint directory")
+    if (p / L.MANIFEST).is_file():
+        return p
+    target = L.read_latest(p)
+    if target is None:
+        raise CheckpointNotFound(p, f"no {L.MANIFEST} and no '{L.LATEST}' pointer: not a checkpoint")
+    if not (target / L.MANIFEST).is_file():
+        raise CheckpointNotFound(p / L.LATEST, f"points to {target.name}, which has no {L.MANIFEST}")
+    return target
+
+
+class Checkpoint:
+    """One opened checkpoint: its manifest, and verified read access to its files."""
+
+    def __init__(self, directory, verify: bool = True):
+        self.path = resolve(directory)
+        mf = self.path / L.MANIFEST
+        try:
+            self.manifest = json.loads(mf.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointCorrupt(mf, f"unreadable manifest ({e})") from None
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
+            raise CheckpointCorrupt(mf, f"not a {FORMAT} manifest (format={self.manifest.get('format') if isinstance(self.manifest, dict) else None!r})")
+        self.verify = verify
+        self._open = {}  # file name -> (header, start)
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def meta(self) -> dict:
+        return self.manifest.get("meta", {})
+
+    @property
+    def tensors(self) -> dict:
+        return self.manifest["tensors"]
+
+    def check_config(self, expect: dict):
+        """Raise CheckpointMismatch when the saved model config differs from ``expect``."""
+        saved = self.meta.get("config")
+        if saved is None or expect is None:
+            return
+        diff = {k: (saved.get(k), v) for k, v in expect.items() if k in saved and saved[k] != v}
+        if diff:
+            text = ", ".join(f"{k}: checkpoint {a!r}, model {b!r}" for k, (a, b) in sorted(diff.items()))
+            raise CheckpointMismatch(self.path / L.MANIFEST, f"checkpoint is of another model ({text})")
+
+    def _file(self, fname):
+        if fname in self._open:
+            return self._open[fname]
+        path = self.path / fname
+        rec = self.manifest["files"].get(fname)
+        if rec is None:
+            raise CheckpointCorrupt(self.path / L.MANIFEST, f"lists pieces in {fname} but has no sha256 record for it")
+        if not path.is_file():
+            raise CheckpointCorrupt(path, "missing shard file")
+        size = path.stat().st_size
+        if size != rec["bytes"]:
+            what = "truncated" if size < rec["bytes"] else "wrong size"
+            raise CheckpointCorrupt(path, f"{what}: {size} bytes, the manifest records {rec['bytes']}")
+        if self.verify:
+            got = st.sha256_file(path)
+            if got != rec["sha256"]:
+                raise CheckpointCorrupt(path, f"checksum mismatch: sha256 {got[:16]}..., the manifest records {rec['sha256'][:16]}...")
+        header, _, start = st.read_header(path)
+        self._open[fname] = (header, start)
+        return header, start
+
+    def read(self, key, full_shape=None, index=None):
+        """The region ``index`` of tensor ``key`` (whole tensor when index is None), stored dtype."""
+        t = self.tensors.get(key)
+        mf = self.path / L.MANIFEST
+        if t is None:
+            raise CheckpointMismatch(mf, f"tensor {key!r} is not in the checkpoint")
+        saved_shape = tuple(t["full_shape"])
+        if full_shape is not None and tuple(full_shape) != saved_shape:
+            raise CheckpointMismatch(mf, f"tensor {key!r} has full shape {saved_shape} in the checkpoint, the model wants {tuple(full_shape)}: checkpoint is of another model")
+        want = region_of(saved_shape, index)
+        out = np.empty(region_shape(want), st.code_dtype(t["dtype"], mf))
+        covered = np.zeros(out.shape, bool)
+        for piece in t["pieces"]:
+            have = from_json(piece["region"])
+            part = intersect(want, have)
+            if part is None:
+                continue
+            header, start = self._file(piece["file"])
+            if key not in header or tuple(header[key]["shape"]) != region_shape(have):
+                raise CheckpointCorrupt(self.path / piece["file"], f"does not hold {key!r} with shape {region_shape(have)} as the manifest says")
+            out[local_index(part, want)] = st.read_slice(self.path / piece["file"], header, start, key, local_index(part, have))
+            covered[local_index(part, want)] = True
+        if out.size and not covered.all():
+            missing = np.argwhere(~covered)[0] + np.array([a for a, _ in want])
+            raise CheckpointMismatch(mf, f"tensor {key!r}: the pieces do not cover the wanted region {want} "
+                                         f"({int((~covered).sum())} elements missing, first at {tuple(int(i) for i in missing)})")
+        return out
+
+
+def load(directory, wanted: dict, comm=None, expect_config: dict | None = None, verify: bool = True):
+    """Collective: ({key: array}, manifest) for this rank's ``wanted`` {key: (full_shape, index) | Shard | None}.
+
+    Keys are global parameter names, and ``optim.<state>.<name>`` for optimiser state. Every
+    rank raises (the same kind of error) when any rank fails, so none walks on into training.
+    """
+    err, out, manifest = None, {}, None
+    try:
+        ck = Checkpoint(directory, verify=verify)
+        manifest = ck.manifest
+        ck.check_config(expect_config)
+        for key, spec in wanted.items():
+            parts = shard_parts(spec)
+            out[key] = ck.read(key) if parts is None else ck.read(key, *parts)
+    except CheckpointError as e:
+        err = e
+    agree(comm, err, "loading the checkpoint")
+    return out, manifest

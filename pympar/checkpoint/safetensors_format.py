@@ -1,0 +1,150 @@
+"""The safetensors file format, written and read with NumPy alone (no runtime dependency).
+
+Layout of a file:  u64 little-endian N | N bytes of JSON header (space-padded to 8 bytes) | data.
+The header maps each tensor name to {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}
+(offsets relative to the start of the data, tensors back to back in C order, little endian) and
+may hold "__metadata__": {str: str}. The tests check these files against the `safetensors` package.
+
+Reading maps the file and copies out only the requested slice of a tensor, so a rank that
+needs one shard of a large file touches only those pages.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+
+import numpy as np
+
+from ..backend import bfloat16
+from .errors import CheckpointCorrupt
+
+# safetensors dtype code <-> numpy dtype
+_CODES = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+if bfloat16 is not None:
+    _CODES["BF16"] = bfloat16
+
+_MAX_HEADER = 100_000_000  # the reference implementation's limit
+
+
+def dtype_code(dt) -> str:
+    """'F32', 'BF16', ... for a numpy dtype; ValueError for dtypes safetensors cannot hold."""
+    dt = np.dtype(dt)
+    for code, known in _CODES.items():
+        if dt == known:
+            return code
+    raise ValueError(f"dtype {dt} cannot be stored in safetensors: expected one of {sorted(_CODES)}")
+
+
+def code_dtype(code: str, path="") -> np.dtype:
+    if code not in _CODES:
+        raise CheckpointCorrupt(path, f"unknown safetensors dtype {code!r}")
+    return _CODES[code]
+
+
+def _header_bytes(tensors: dict, metadata: dict | None):
+    header, offset = {}, 0
+    for name, a in tensors.items():
+        nbytes = a.size * a.dtype.itemsize
+        header[name] = {"dtype": dtype_code(a.dtype), "shape": [int(s) for s in a.shape],
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
+        if bad:
+            raise TypeError(f"safetensors metadata must map str -> str; bad keys {bad}")
+        header["__metadata__"] = dict(metadata)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write(path, tensors: dict, metadata: dict | None = None, fsync: bool = True) -> str:
+    """Write {name: ndarray} (C order, little endian) to ``path``; return the file's sha256 hex."""
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    for k, a in tensors.items():
+        if a.dtype.byteorder == ">":
+            tensors[k] = a.astype(a.dtype.newbyteorder("<"))
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        head = _header_bytes(tensors, metadata)
+        f.write(head)
+        h.update(head)
+        for a in tensors.values():
+            buf = memoryview(a.reshape(-1).view(np.uint8))
+            f.write(buf)
+            h.update(buf)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+def read_header(path):
+    """(header dict without __metadata__, metadata dict, data start offset); checks the layout."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            first = f.read(8)
+            if len(first) < 8:
+                raise CheckpointCorrupt(path, f"truncated: {size} bytes, too short for a safetensors header")
+            (n,) = struct.unpack("<Q", first)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise CheckpointCorrupt(path, f"truncated or not safetensors: header length {n} but file has {size} bytes")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise CheckpointCorrupt(path, "missing shard file") from None
+    try:
+        header = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointCorrupt(path, f"unreadable safetensors header ({e})") from None
+    meta = header.pop("__metadata__", None) or {}
+    start = 8 + n
+    for name, info in header.items():
+        b, e = info["data_offsets"]
+        want = int(np.prod(info["shape"], dtype=np.int64)) * code_dtype(info["dtype"], path).itemsize
+        if e - b != want:
+            raise CheckpointCorrupt(path, f"tensor {name!r}: data_offsets {b}..{e} hold {e - b} bytes, shape {info['shape']} needs {want}")
+        if start + e > size:
+            raise CheckpointCorrupt(path, f"truncated: tensor {name!r} ends at byte {start + e} but the file has {size} bytes")
+    return header, meta, start
+
+
+def read_slice(path, header, start, name, index=None):
+    """The part ``index`` (tuple of slices, local coordinates) of tensor ``name``, as a fresh array."""
+    info = header[name]
+    dt = code_dtype(info["dtype"], path)
+    shape = tuple(info["shape"])
+    b, e = info["data_offsets"]
+    if e == b:
+        out = np.zeros(shape, dt)
+        return out if index is None else out[index].copy()
+    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=start + b, shape=(e - b,))
+    try:
+        arr = mm.view(dt).reshape(shape)
+        return np.array(arr if index is None else arr[index], copy=True)
+    finally:
+        del mm
+
+
+def read_all(path):
+    """({name: ndarray}, metadata) of a whole safetensors file."""
+    header, meta, start = read_header(path)
+    return {k: read_slice(path, header, start, k) for k in header}, meta
+
+
+def sha256_file(path, chunk=1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()

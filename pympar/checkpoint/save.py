@@ -1,0 +1,186 @@
+"""save(): every rank writes the pieces it owns; rank 0 writes the manifest and publishes.
+
+A piece is (global name, region of the full tensor). Several ranks may hold the same piece
+(data-parallel replicas, replicated LayerNorm weights): the lowest such rank writes it, once.
+The step directory is built under a temporary name, fsynced and renamed into place; only
+then does ``latest`` move (atomically), so a crash at any moment leaves the previous
+checkpoint whole and ``latest`` pointing at it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..backend import to_numpy
+from . import layout_io as L
+from . import safetensors_format as st
+from .collectives import agree, allgather_json, rank_size
+from .errors import CheckpointError
+from .regions import region_of, region_shape, to_json
+
+FORMAT = "pympar-checkpoint"
+VERSION = 1
+
+
+def shard_parts(shard):
+    """(full_shape, index) of a Shard-like object, a (full_shape, index) pair, or None."""
+    if shard is None:
+        return None
+    if hasattr(shard, "full_shape"):
+        return tuple(shard.full_shape), tuple(shard.index)
+    full_shape, index = shard
+    return tuple(full_shape), index
+
+
+def describe(shards: dict, prefix: str = ""):
+    """{file key: (array, region, full_shape)} of {name: (array, Shard or None)}; checks shapes."""
+    out = {}
+    for name, (arr, shard) in shards.items():
+        a = to_numpy(arr)
+        parts = shard_parts(shard)
+        full_shape, index = (a.shape, None) if parts is None else parts
+        region = region_of(full_shape, index)
+        if region_shape(region) != a.shape:
+            raise ValueError(f"{prefix}{name}: array shape {a.shape} does not match its shard "
+                             f"{index} of full shape {tuple(full_shape)} (which is {region_shape(region)})")
+        out[prefix + name] = (a, region, tuple(int(s) for s in full_shape))
+    return out
+
+
+def _owners(listing):
+    """{(key, region json): lowest rank holding it}; raises when ranks disagree on a tensor."""
+    owners, kinds = {}, {}
+    for rank, entries in enumerate(listing):
+        for key, e in entries.items():
+            kind = (tuple(e["full_shape"]), e["dtype"])
+            if kinds.setdefault(key, (kind, rank))[0] != kind:
+                k0, r0 = kinds[key]
+                raise ValueError(f"{key}: rank {r0} holds full shape {k0[0]} {k0[1]}, rank {rank} holds {kind[0]} {kind[1]}")
+            owners.setdefault((key, json.dumps(e["region"])), rank)
+    return owners
+
+
+# the steps below are separate functions so a test can stop the process between them
+
+def _write_shard_file(path, tensors, metadata):
+    return st.write(path, tensors, metadata)
+
+
+def _write_manifest(tmp, manifest):
+    with open(tmp / L.MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    L.fsync_dir(tmp)
+
+
+def _publish(tmp, final):
+    if final.exists():  # saving a step again replaces it
+        L.remove_tree(final)
+    os.replace(tmp, final)
+    L.fsync_dir(final.parent)
+
+
+def _write_latest(root, final):
+    L.write_text_atomic(root / L.LATEST, final.name + "\n")
+
+
+def _prune(root, keep, current):
+    if not keep:
+        return
+    steps = [p for _, p in L.list_steps(root)]
+    latest = L.read_latest(root)
+    for p in steps[:-keep]:
+        if p.resolve() not in (current.resolve(), latest.resolve() if latest else None):
+            L.remove_tree(p)
+
+
+def save(directory, step: int, shards: dict, opt_shards: dict | None = None, meta: dict | None = None,
+         comm=None, keep: int | None = None, rank_meta=None) -> Path:
+    """Collective: write checkpoint ``directory/step_<step>`` and point ``directory/latest`` at it.
+
+    shards / opt_shards: {global name: (array, Shard or None)} of this rank (optimiser keys
+    such as ``m.<param>`` are stored as ``optim.m.<param>``). meta: JSON-able dict (config,
+    layout, data position, loss scale, optimiser step, ...), rank 0's is kept. rank_meta: a
+    JSON-able value per rank (e.g. its RNG state), kept as manifest["ranks"]. keep: keep the
+    newest ``keep`` checkpoints (None = all). Returns the checkpoint's path.
+    """
+    rank, size = rank_size(comm)
+    root = Path(directory)
+    final = root / L.step_dirname(step)
+    tmp = root / f"{L.TMP_PREFIX}{final.name}"
+
+    err, entries, mine = None, {}, {}
+    try:
+        params = describe(shards)
+        clash = sorted(k for k in params if k.startswith(L.OPT_PREFIX))
+        if clash:
+            raise ValueError(f"parameter names {clash} start with {L.OPT_PREFIX!r}, the optimiser's prefix")
+        mine = params | describe(opt_shards or {}, L.OPT_PREFIX)
+        entries = {k: {"full_shape": list(fs), "region": to_json(r), "dtype": st.dtype_code(a.dtype)}
+                   for k, (a, r, fs) in mine.items()}
+    except (ValueError, TypeError) as e:
+        err = CheckpointError(final, f"rank {rank}: {e}")
+    agree(comm, err, "describing the shards to save")
+    listing = allgather_json(comm, {"entries": entries, "rank_meta": rank_meta})
+
+    err, owners = None, {}
+    try:
+        owners = _owners([x["entries"] for x in listing])
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            L.clean_stale(root)
+            tmp.mkdir()
+    except (ValueError, OSError) as e:
+        err = CheckpointError(final, f"rank {rank}: {e}")
+    agree(comm, err, "preparing the checkpoint directory")
+
+    err, info = None, None
+    try:
+        mine_owned = {k: v for k, v in mine.items() if owners[(k, json.dumps(entries[k]["region"]))] == rank}
+        if mine_owned:
+            fname = L.rank_filename(rank)
+            regions = {k: {"full_shape": list(fs), "region": to_json(r)} for k, (a, r, fs) in mine_owned.items()}
+            metadata = {"pympar.format": f"{FORMAT}-shard/{VERSION}", "pympar.rank": str(rank),
+                        "pympar.step": str(int(step)), "pympar.regions": json.dumps(regions, separators=(",", ":"))}
+            digest = _write_shard_file(tmp / fname, {k: a for k, (a, _, _) in mine_owned.items()}, metadata)
+            info = {"file": fname, "sha256": digest, "bytes": (tmp / fname).stat().st_size,
+                    "keys": sorted(mine_owned)}
+    except (OSError, ValueError) as e:
+        err = CheckpointError(tmp / L.rank_filename(rank), f"writing shard file failed: {e}")
+    agree(comm, err, "writing shard files")
+    written = allgather_json(comm, info)
+
+    err = None
+    if rank == 0:
+        try:
+            manifest = _manifest(step, size, meta, listing, owners, written)
+            _write_manifest(tmp, manifest)
+            _publish(tmp, final)
+            _write_latest(root, final)
+            _prune(root, keep, final)
+        except OSError as e:
+            err = CheckpointError(final, f"publishing the checkpoint failed: {e}")
+    agree(comm, err, "publishing the checkpoint")
+    return final
+
+
+def _manifest(step, size, meta, listing, owners, written):
+    tensors = {}
+    for (key, region_s), rank in sorted(owners.items()):
+        e = listing[rank]["entries"][key]
+        t = tensors.setdefault(key, {"full_shape": e["full_shape"], "dtype": e["dtype"], "pieces": []})
+        t["pieces"].append({"file": L.rank_filename(rank), "rank": rank, "region": json.loads(region_s)})
+    files = {w["file"]: {"rank": r, "bytes": w["bytes"], "sha256": w["sha256"]}
+             for r, w in enumerate(written) if w is not None}
+    return {"format": FORMAT, "version": VERSION, "step": int(step), "world_size": size,
+            "meta": meta or {}, "ranks": [x["rank_meta"] for x in listing],
+            "tensors": tensors, "files": files}
+
+
+def full_shards(state: dict) -> dict:
+    """{name: (array, None)} of a plain {name: array} state dict (every tensor whole)."""
+    return {k: (np.asarray(v), None) for k, v in state.items()}
