@@ -1,0 +1,82 @@
+"""Finite-difference gradient checks (float64) of the dense building blocks."""
+import numpy as np
+import pytest
+from nn_check import check_module, rel_err
+
+from pympar.nn import MLP, CausalSelfAttention, LayerNorm, Linear, init_param
+
+
+def _x(shape, seed=1):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+def _randomise(module, seed=3, scale=0.3):
+    """Move parameters away from their init (zero biases, unit LN weights) so every term counts."""
+    rng = np.random.default_rng(seed)
+    for _, p in module.named_parameters():
+        p.data[...] = p.data + scale * rng.standard_normal(p.data.shape)
+
+
+def test_linear_grads():
+    m = Linear(5, 7, name="l", dtype=np.float64)
+    _randomise(m)
+    check_module(m, _x((2, 3, 5)))
+
+
+def test_linear_without_bias_grads():
+    m = Linear(5, 7, name="l", dtype=np.float64, bias=False)
+    assert [n for n, _ in m.named_parameters()] == ["weight"]
+    check_module(m, _x((4, 5)))
+
+
+def test_layernorm_grads():
+    m = LayerNorm(6, name="ln_1", dtype=np.float64)
+    _randomise(m)
+    check_module(m, _x((2, 3, 6)) * 2 + 0.5)
+
+
+def test_attention_grads():
+    m = CausalSelfAttention(8, 2, name="attn", dtype=np.float64)
+    _randomise(m)
+    check_module(m, _x((2, 5, 8)), n_samples=16)
+
+
+def test_attention_is_causal():
+    m = CausalSelfAttention(8, 2, name="attn", dtype=np.float64)
+    _randomise(m)
+    x = _x((1, 6, 8))
+    y, _ = m.forward(x)
+    x2 = x.copy()
+    x2[:, 4:] += 1.0                      # change the future only
+    y2, _ = m.forward(x2)
+    np.testing.assert_allclose(y2[:, :4], y[:, :4], rtol=0, atol=1e-12)
+    assert np.abs(y2[:, 4:] - y[:, 4:]).max() > 1e-3
+
+
+def test_mlp_grads():
+    m = MLP(6, name="mlp", dtype=np.float64)
+    _randomise(m)
+    check_module(m, _x((2, 3, 6)))
+
+
+def test_gradient_check_can_fail():
+    """The checker itself must catch a wrong backward."""
+    m = Linear(4, 3, name="l", dtype=np.float64)
+    good = m.backward
+    m.backward = lambda dy, x: good(dy, x) * 1.001
+    with pytest.raises(AssertionError, match="finite-difference"):
+        check_module(m, _x((3, 4)))
+
+
+def test_init_param_is_a_function_of_seed_name_shape():
+    a = init_param(7, "transformer.h.0.attn.c_attn.weight", (24, 8), np.float64)
+    b = init_param(7, "transformer.h.0.attn.c_attn.weight", (24, 8), np.float64)
+    np.testing.assert_array_equal(a, b)
+    assert rel_err(a, init_param(8, "transformer.h.0.attn.c_attn.weight", (24, 8), np.float64)) > 0.5
+    assert rel_err(a, init_param(7, "transformer.h.1.attn.c_attn.weight", (24, 8), np.float64)) > 0.5
+    assert abs(a.std() - 0.02) < 0.005
+    np.testing.assert_array_equal(init_param(0, "transformer.h.0.ln_1.weight", (8,)), np.ones(8))
+    np.testing.assert_array_equal(init_param(0, "transformer.h.0.ln_1.bias", (8,)), np.zeros(8))
+    # float32 is the float64 tensor rounded
+    np.testing.assert_array_equal(init_param(7, "w", (3, 4), np.float32),
+                                  init_param(7, "w", (3, 4), np.float64).astype(np.float32))
