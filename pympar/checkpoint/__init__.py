@@ -14,3 +14,6 @@ from .save import save
 
 __all__ = ["save", "load", "resolve", "Checkpoint", "CheckpointError", "CheckpointCorrupt",
            "CheckpointMismatch", "CheckpointNotFound"]
+from .state import checkpoint_state, restore_into, save_training  # noqa: E402
+
+__all__ += ["checkpoint_state", "restore_into", "save_training"]

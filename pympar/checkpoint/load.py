@@ -16,8 +16,8 @@ from . import layout_io as L
 from . import safetensors_format as st
 from .collectives import agree
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointNotFound
-from .regions import from_json, intersect, local_index, region_of, region_shape
-from .save import FORMAT, shard_parts
+from .regions import as_shard, index_json, intersect, shard_from_json, sub_index
+from .save import FORMAT
 
 
 def resolve(directory) -> Path:
@@ -95,32 +95,36 @@ class Checkpoint:
         self._open[fname] = (header, start)
         return header, start
 
-    def read(self, key, full_shape=None, index=None):
-        """The region ``index`` of tensor ``key`` (whole tensor when index is None), stored dtype."""
+    def read(self, key, want=None):
+        """The part ``want`` (Shard, (full_shape, index), or None = whole) of tensor ``key``, stored dtype."""
         t = self.tensors.get(key)
         mf = self.path / L.MANIFEST
         if t is None:
             raise CheckpointMismatch(mf, f"tensor {key!r} is not in the checkpoint")
         saved_shape = tuple(t["full_shape"])
-        if full_shape is not None and tuple(full_shape) != saved_shape:
-            raise CheckpointMismatch(mf, f"tensor {key!r} has full shape {saved_shape} in the checkpoint, the model wants {tuple(full_shape)}: checkpoint is of another model")
-        want = region_of(saved_shape, index)
-        out = np.empty(region_shape(want), st.code_dtype(t["dtype"], mf))
+        want = as_shard(want, saved_shape)
+        if want.full_shape != saved_shape:
+            raise CheckpointMismatch(mf, f"tensor {key!r} has full shape {saved_shape} in the checkpoint, "
+                                         f"the model wants {want.full_shape}: checkpoint is of another model")
+        out = np.empty(want.local_shape, st.code_dtype(t["dtype"], mf))
         covered = np.zeros(out.shape, bool)
         for piece in t["pieces"]:
-            have = from_json(piece["region"])
-            part = intersect(want, have)
-            if part is None:
-                continue
-            header, start = self._file(piece["file"])
-            if key not in header or tuple(header[key]["shape"]) != region_shape(have):
-                raise CheckpointCorrupt(self.path / piece["file"], f"does not hold {key!r} with shape {region_shape(have)} as the manifest says")
-            out[local_index(part, want)] = st.read_slice(self.path / piece["file"], header, start, key, local_index(part, have))
-            covered[local_index(part, want)] = True
+            have = shard_from_json(saved_shape, piece["index"])
+            for w_full, w_local in want.pieces():
+                for h_full, h_local in have.pieces():
+                    part = intersect(w_full, h_full)
+                    if part is None:
+                        continue
+                    header, start = self._file(piece["file"])
+                    path = self.path / piece["file"]
+                    if key not in header or tuple(header[key]["shape"]) != have.local_shape:
+                        raise CheckpointCorrupt(path, f"does not hold {key!r} with shape {have.local_shape} as the manifest says")
+                    dst = sub_index(part, w_full, w_local)
+                    out[dst] = st.read_slice(path, header, start, key, sub_index(part, h_full, h_local))
+                    covered[dst] = True
         if out.size and not covered.all():
-            missing = np.argwhere(~covered)[0] + np.array([a for a, _ in want])
-            raise CheckpointMismatch(mf, f"tensor {key!r}: the pieces do not cover the wanted region {want} "
-                                         f"({int((~covered).sum())} elements missing, first at {tuple(int(i) for i in missing)})")
+            raise CheckpointMismatch(mf, f"tensor {key!r}: the stored pieces do not cover the wanted part "
+                                         f"{index_json(want)} ({int((~covered).sum())} of {out.size} elements missing)")
         return out
 
 
@@ -136,8 +140,7 @@ def load(directory, wanted: dict, comm=None, expect_config: dict | None = None, 
         manifest = ck.manifest
         ck.check_config(expect_config)
         for key, spec in wanted.items():
-            parts = shard_parts(spec)
-            out[key] = ck.read(key) if parts is None else ck.read(key, *parts)
+            out[key] = ck.read(key, spec)
     except CheckpointError as e:
         err = e
     agree(comm, err, "loading the checkpoint")

@@ -1,6 +1,6 @@
 """save(): every rank writes the pieces it owns; rank 0 writes the manifest and publishes.
 
-A piece is (global name, region of the full tensor). Several ranks may hold the same piece
+A piece is (global name, Shard: the part of the full tensor it covers). Several ranks may hold the same piece
 (data-parallel replicas, replicated LayerNorm weights): the lowest such rank writes it, once.
 The step directory is built under a temporary name, fsynced and renamed into place; only
 then does ``latest`` move (atomically), so a crash at any moment leaves the previous
@@ -19,39 +19,27 @@ from . import layout_io as L
 from . import safetensors_format as st
 from .collectives import agree, allgather_json, rank_size
 from .errors import CheckpointError
-from .regions import region_of, region_shape, to_json
+from .regions import as_shard, index_json
 
 FORMAT = "pympar-checkpoint"
 VERSION = 1
 
 
-def shard_parts(shard):
-    """(full_shape, index) of a Shard-like object, a (full_shape, index) pair, or None."""
-    if shard is None:
-        return None
-    if hasattr(shard, "full_shape"):
-        return tuple(shard.full_shape), tuple(shard.index)
-    full_shape, index = shard
-    return tuple(full_shape), index
-
-
 def describe(shards: dict, prefix: str = ""):
-    """{file key: (array, region, full_shape)} of {name: (array, Shard or None)}; checks shapes."""
+    """{file key: (array, Shard)} of {name: (array, Shard or None)}; checks the local shapes."""
     out = {}
-    for name, (arr, shard) in shards.items():
+    for name, (arr, spec) in shards.items():
         a = to_numpy(arr)
-        parts = shard_parts(shard)
-        full_shape, index = (a.shape, None) if parts is None else parts
-        region = region_of(full_shape, index)
-        if region_shape(region) != a.shape:
+        sh = as_shard(spec, a.shape)
+        if sh.local_shape != a.shape:
             raise ValueError(f"{prefix}{name}: array shape {a.shape} does not match its shard "
-                             f"{index} of full shape {tuple(full_shape)} (which is {region_shape(region)})")
-        out[prefix + name] = (a, region, tuple(int(s) for s in full_shape))
+                             f"{index_json(sh)} of full shape {sh.full_shape} (local shape {sh.local_shape})")
+        out[prefix + name] = (a, sh)
     return out
 
 
 def _owners(listing):
-    """{(key, region json): lowest rank holding it}; raises when ranks disagree on a tensor."""
+    """{(key, index json): lowest rank holding it}; raises when ranks disagree on a tensor."""
     owners, kinds = {}, {}
     for rank, entries in enumerate(listing):
         for key, e in entries.items():
@@ -59,7 +47,7 @@ def _owners(listing):
             if kinds.setdefault(key, (kind, rank))[0] != kind:
                 k0, r0 = kinds[key]
                 raise ValueError(f"{key}: rank {r0} holds full shape {k0[0]} {k0[1]}, rank {rank} holds {kind[0]} {kind[1]}")
-            owners.setdefault((key, json.dumps(e["region"])), rank)
+            owners.setdefault((key, json.dumps(e["index"])), rank)
     return owners
 
 
@@ -120,8 +108,8 @@ def save(directory, step: int, shards: dict, opt_shards: dict | None = None, met
         if clash:
             raise ValueError(f"parameter names {clash} start with {L.OPT_PREFIX!r}, the optimiser's prefix")
         mine = params | describe(opt_shards or {}, L.OPT_PREFIX)
-        entries = {k: {"full_shape": list(fs), "region": to_json(r), "dtype": st.dtype_code(a.dtype)}
-                   for k, (a, r, fs) in mine.items()}
+        entries = {k: {"full_shape": list(sh.full_shape), "index": index_json(sh), "dtype": st.dtype_code(a.dtype)}
+                   for k, (a, sh) in mine.items()}
     except (ValueError, TypeError) as e:
         err = CheckpointError(final, f"rank {rank}: {e}")
     agree(comm, err, "describing the shards to save")
@@ -140,13 +128,13 @@ def save(directory, step: int, shards: dict, opt_shards: dict | None = None, met
 
     err, info = None, None
     try:
-        mine_owned = {k: v for k, v in mine.items() if owners[(k, json.dumps(entries[k]["region"]))] == rank}
+        mine_owned = {k: v for k, v in mine.items() if owners[(k, json.dumps(entries[k]["index"]))] == rank}
         if mine_owned:
             fname = L.rank_filename(rank)
-            regions = {k: {"full_shape": list(fs), "region": to_json(r)} for k, (a, r, fs) in mine_owned.items()}
+            shards_json = {k: sh.to_json() for k, (_, sh) in mine_owned.items()}
             metadata = {"pympar.format": f"{FORMAT}-shard/{VERSION}", "pympar.rank": str(rank),
-                        "pympar.step": str(int(step)), "pympar.regions": json.dumps(regions, separators=(",", ":"))}
-            digest = _write_shard_file(tmp / fname, {k: a for k, (a, _, _) in mine_owned.items()}, metadata)
+                        "pympar.step": str(int(step)), "pympar.shards": json.dumps(shards_json, separators=(",", ":"))}
+            digest = _write_shard_file(tmp / fname, {k: a for k, (a, _) in mine_owned.items()}, metadata)
             info = {"file": fname, "sha256": digest, "bytes": (tmp / fname).stat().st_size,
                     "keys": sorted(mine_owned)}
     except (OSError, ValueError) as e:
@@ -170,10 +158,10 @@ def save(directory, step: int, shards: dict, opt_shards: dict | None = None, met
 
 def _manifest(step, size, meta, listing, owners, written):
     tensors = {}
-    for (key, region_s), rank in sorted(owners.items()):
+    for (key, index_s), rank in sorted(owners.items()):
         e = listing[rank]["entries"][key]
         t = tensors.setdefault(key, {"full_shape": e["full_shape"], "dtype": e["dtype"], "pieces": []})
-        t["pieces"].append({"file": L.rank_filename(rank), "rank": rank, "region": json.loads(region_s)})
+        t["pieces"].append({"file": L.rank_filename(rank), "rank": rank, "index": json.loads(index_s)})
     files = {w["file"]: {"rank": r, "bytes": w["bytes"], "sha256": w["sha256"]}
              for r, w in enumerate(written) if w is not None}
     return {"format": FORMAT, "version": VERSION, "step": int(step), "world_size": size,
