@@ -1,0 +1,243 @@
+"""Train a GPT (dense or Mixture-of-Experts) with pympar on any number of MPI ranks.
+
+Runbook (from the repository root, or anywhere once pympar is installed):
+
+    python -m pympar.train --preset tiny --steps 200             # one process
+    mpirun -n 4 python -m pympar.train --preset tiny --steps 200  # 4 ranks, layout chosen (dp=4)
+    mpirun -n 8 python -m pympar.train --preset small --dp 8 --n-micro 2 --micro-batch-size 4 \\
+        --steps 500 --eval-every 100 --out runs/small
+    mpirun -n 8 python -m pympar.train --preset moe-tiny --steps 100 --out runs/moe --profile
+    mpirun -n 32 python -m pympar.train --preset tiny --steps 20  # oversubscribes a small machine
+    python -m pympar.train --config run.toml --lr 3e-4            # TOML file, flags override it
+    python -m pympar.report runs/small                            # PNG plots of a finished run
+    python -m pympar.train --help                                 # every option with its default
+
+With no ``--data`` the corpus is this Python's standard-library source (byte tokens,
+cached under $PYMPAR_CACHE or ~/.cache/pympar); see pympar.data for the other formats.
+Set OMP_NUM_THREADS=1 when there are more ranks than cores.
+
+What a run writes under ``--out DIR``: metrics.jsonl (one JSON object per step), summary.json
+(the configuration and final numbers), trace.json with ``--profile`` (Chrome trace, one
+process row per rank; open it in https://ui.perfetto.dev).
+
+Every rank validates the configuration and the data on its own before the first
+collective; a bad configuration makes every rank print ``pympar.train: error: ...`` and
+exit with status 2.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from . import backend
+from .config import ConfigError, describe, parse_args
+from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
+from .metrics import MetricsWriter, flops_per_token, moe_layer_stats
+from .optim import cosine_lr
+from .parallel.runner import build_runner, check_supported
+from .profile import SPLIT, Recorder, write_chrome_trace
+
+
+def main(argv=None) -> int:
+    from mpi4py import MPI                     # MPI_Init; no collective yet
+
+    mpi = MPI.COMM_WORLD
+    rank, world = mpi.Get_rank(), mpi.Get_size()
+    argv = sys.argv[1:] if argv is None else list(argv)
+
+    # 1. validate everything on every rank, without communicating
+    try:
+        quiet = contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext()
+        with quiet:                            # --help is printed by rank 0 only
+            model_cfg, run = parse_args(argv, world)
+        corpus = load_corpus(run.data)
+        model_cfg = _fit_vocab(model_cfg, run, corpus)
+        corpus.check_block_size(model_cfg.block_size)
+        check_supported(model_cfg, run.layout_resolved, run)
+    except ValueError as e:                    # ConfigError, DataError, NotSupportedError
+        print(f"pympar.train: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except SystemExit as e:                    # --help
+        return int(e.code or 0)
+
+    # 2. set up: communicator, model replica(s), recorder, the measured peak
+    from .comm import world as world_comm
+    backend.set_num_threads(run.threads or backend.default_threads())
+    comm = world_comm()
+    lay = run.layout_resolved
+    dp_rank = rank % lay.dp                    # pure DP: the world rank is the DP rank
+    rec = Recorder(enabled=run.profile)
+    runner = build_runner(model_cfg, lay, comm, run, rec)
+    peak = _measured_peak(mpi)
+    fpt = flops_per_token(model_cfg)
+    B, T = run.micro_batch_size, model_cfg.block_size
+    tokens_per_step = B * run.n_micro * lay.dp * T
+    out = Path(run.out) if run.out else None
+    if rank == 0:
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
+        how = "chosen for the world size" if run.layout_auto else "as given"
+        print(f"pympar.train: {world} rank(s), layout {lay} ({how}); data {corpus.name}: "
+              f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens, vocab {model_cfg.vocab_size}")
+        print(f"pympar.train: model {run.preset} {runner.n_params:,} params, {fpt / 1e6:.2f} MFLOP/token; "
+              f"global batch {B}x{run.n_micro}x{lay.dp} sequences x {T} = {tokens_per_step:,} tokens; "
+              f"matmul peak {peak / 1e9:.1f} GFLOP/s (all ranks)", flush=True)
+    metrics = MetricsWriter(out / "metrics.jsonl" if (out and rank == 0) else None)
+    eval_batches = [micro_batch(corpus.val, run.seed, 0, g, B, T, VAL) for g in range(dp_rank, run.eval_iters, lay.dp)]
+
+    # 3. the loop: one optimizer step per global batch
+    mpi.Barrier()
+    rec.reset_origin()
+    rec.take_totals()
+    bar = _progress(rank, run.steps)
+    history, val_loss, t_start = [], None, time.perf_counter()
+    for step in range(run.steps):
+        lr = cosine_lr(step, run.lr, min(run.warmup, run.steps), run.steps, run.min_lr)
+        batches = local_micro_batches(corpus.train, run.seed, step, dp_rank, run.n_micro, B, T)
+        t0 = time.perf_counter()
+        res = runner.train_step(batches, lr)
+        dt = time.perf_counter() - t0
+        rec.add(f"step {step}", "step", t0, dt)
+        do_eval = step == run.steps - 1 or bool(run.eval_every and (step + 1) % run.eval_every == 0)
+        if do_eval:
+            val_loss = runner.eval_loss(eval_batches)
+        tok_s = tokens_per_step / dt
+        record = {
+            "step": step, "loss": res["loss"], "val_loss": val_loss if do_eval else None,
+            "lr": lr, "grad_norm": res["grad_norm"], "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak,
+            "step_time": dt, "time_split": res["time_split"], "loss_scale": res["loss_scale"],
+            "skipped": res["skipped"],
+            "moe": [dict(layer=s["layer"], dropped_fraction=s["dropped_fraction"], **moe_layer_stats(s["tokens_per_expert"]))
+                    for s in res["moe"]],
+        }
+        history.append(record)
+        metrics.write(record)
+        bar.update(record, run.log_every)
+    bar.close()
+    wall = time.perf_counter() - t_start
+
+    # 4. the end: a sample, the merged trace, the summary
+    sample = _sample(runner, corpus, model_cfg, run)
+    if run.profile:
+        events = mpi.gather(rec.events, root=0)
+        if rank == 0 and out:
+            write_chrome_trace(out / "trace.json", events, [f"rank {r} (dp {r % lay.dp})" for r in range(world)])
+    if rank == 0:
+        summary = _summary(history, val_loss, wall, world, runner.n_params, describe(model_cfg, run))
+        _print_summary(summary, sample, out)
+        if out:
+            (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    metrics.close()
+    return 0
+
+
+def _fit_vocab(model_cfg, run, corpus: Corpus):
+    """Grow vocab_size to fit the data's token ids unless the user set it (then check it)."""
+    if corpus.vocab_size <= model_cfg.vocab_size:
+        return model_cfg
+    if "vocab_size" in run.model_overrides:
+        raise ConfigError(f"{corpus.name} has token ids up to {corpus.vocab_size - 1} but vocab_size="
+                          f"{model_cfg.vocab_size}; use --vocab-size {corpus.vocab_size} or more")
+    return replace(model_cfg, vocab_size=corpus.vocab_size).validate()
+
+
+def _measured_peak(mpi, seconds: float = 0.3) -> float:
+    """Aggregate matmul FLOP/s of all ranks running at once (the MFU denominator).
+
+    Every rank multiplies 256x256 float32 matrices for the same wall-clock window; the sum of
+    the ranks' achieved FLOP/s is what the machine gives this job when all ranks compute.
+    """
+    n = 256
+    a = np.ones((n, n), np.float32)
+    a @ a
+    mpi.Barrier()
+    t0, reps = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        a @ a
+        reps += 1
+    mine = 2.0 * n ** 3 * reps / (time.perf_counter() - t0)
+    return mpi.allreduce(mine)
+
+
+def _sample(runner, corpus, model_cfg, run):
+    """A short generation from the trained model (rank 0's text; None elsewhere)."""
+    if not run.sample_tokens:
+        return None
+    prompt_tokens = list(b"def ") if model_cfg.vocab_size == 256 else [int(corpus.val[0])]
+    rng = np.random.default_rng(run.seed)
+    toks = runner.generate(np.array([prompt_tokens], np.int64), run.sample_tokens, run.sample_top_k, rng)
+    if toks is None:
+        return None
+    toks = [int(t) for t in toks[0]]
+    if model_cfg.vocab_size == 256:
+        return "".join(chr(t) if 32 <= t < 127 or t in (9, 10) else "?" for t in toks)
+    return " ".join(map(str, toks))
+
+
+class _progress:
+    """tqdm bar on rank 0 when stderr is a terminal; plain log lines otherwise."""
+
+    def __init__(self, rank, total):
+        self.rank, self.total, self.bar = rank, total, None
+        if rank == 0 and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, r, log_every):
+        if self.rank:
+            return
+        val = f" val {r['val_loss']:.4f}" if r["val_loss"] is not None else ""
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {r['loss']:.4f}{val} {r['tokens_per_s']:,.0f} tok/s MFU {100 * r['mfu']:.1f}%")
+            self.bar.update(1)
+        elif r["step"] % log_every == 0 or r["step"] == self.total - 1 or val:
+            print(f"step {r['step'] + 1}/{self.total} loss {r['loss']:.4f}{val} lr {r['lr']:.2e} "
+                  f"grad_norm {r['grad_norm']:.3f} {r['tokens_per_s']:,.0f} tok/s MFU {100 * r['mfu']:.2f}% "
+                  f"({1000 * r['step_time']:.0f} ms)", flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _summary(history, val_loss, wall, world, n_params, config) -> dict:
+    steady = history[1:] or history              # the first step pays for warm-up
+    split = {k: sum(h["time_split"].get(k, 0.0) for h in steady) for k in SPLIT}
+    step_time = sum(h["step_time"] for h in steady)
+    return {
+        "steps": len(history), "ranks": world, "params": n_params,
+        "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"], "val_loss": val_loss,
+        "tokens_per_s": statistics.median(h["tokens_per_s"] for h in steady),
+        "mfu": statistics.median(h["mfu"] for h in steady),
+        "wall_s": wall, "time_fraction": {k: v / step_time for k, v in split.items()} if step_time else {},
+        "config": config,
+    }
+
+
+def _print_summary(s, sample, out):
+    if sample is not None:
+        print("--- sample (top-k) ---\n" + sample + "\n----------------------")
+    rows = [("steps", f"{s['steps']}"), ("ranks", f"{s['ranks']}"), ("parameters", f"{s['params']:,}"),
+            ("train loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"),
+            ("val loss", f"{s['val_loss']:.4f}" if s["val_loss"] is not None else "-"),
+            ("tokens/s (median)", f"{s['tokens_per_s']:,.0f}"), ("MFU (median)", f"{100 * s['mfu']:.2f}%"),
+            ("wall time", f"{s['wall_s']:.2f} s")]
+    rows += [(f"time in {k}", f"{100 * v:.1f}%") for k, v in s["time_fraction"].items() if v > 0]
+    if out:
+        rows.append(("output", str(out)))
+    w = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{w}}  {v}" for k, v in rows), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
