@@ -1,0 +1,72 @@
+"""Tensor-parallel causal self-attention: c_attn column-parallel BY HEADS, c_proj row-parallel.
+
+A tp rank owns heads [r*H/tp, (r+1)*H/tp). c_attn's weight (3C, C) stacks [q; k; v], so the
+rank's rows are that head range inside each of q, k and v: a non-contiguous Shard (three
+blocks along dim 0, see shard.py). The local projection then packs (B, T, 3, H/tp, hs) exactly
+like the full one packs (B, T, 3, H, hs). Attention itself needs no communication; c_proj's
+allreduce (or reduce-scatter with sequence parallelism) is the one collective of the forward.
+Gradient convention: see pympar/nn/parameter.py (param grads +=, activation grads =).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ... import kernels
+from ...nn.parameter import Module
+from ..shard import even_slice, stacked_slices
+from .collectives import as_collectives
+from .linear import ColumnParallelLinear, RowParallelLinear
+
+
+class TPCausalSelfAttention(Module):
+    def __init__(self, n_embd, n_head, tp, *, name, seed=0, dtype=np.float32, bias=True, n_layer=1,
+                 sequence_parallel=False):
+        tpc = as_collectives(tp)
+        if n_embd % n_head:
+            raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
+        if n_head % tpc.size:
+            raise ValueError(f"n_head={n_head} is not divisible by tp={tpc.size}")
+        self.n_head_local = n_head // tpc.size
+        self.head_size = n_embd // n_head
+        heads = even_slice(n_head, tpc.size, tpc.rank, "n_head")
+        feat = slice(heads.start * self.head_size, heads.stop * self.head_size)   # inside one of q/k/v
+        self.c_attn = ColumnParallelLinear(n_embd, 3 * n_embd, tpc, name=f"{name}.c_attn", seed=seed,
+                                           dtype=dtype, bias=bias, rows=stacked_slices(3, n_embd, feat),
+                                           input_mode="gather_seq" if sequence_parallel else "copy")
+        self.c_proj = RowParallelLinear(n_embd, n_embd, tpc, name=f"{name}.c_proj", seed=seed, dtype=dtype,
+                                        bias=bias, std=0.02 / (2 * n_layer) ** 0.5,
+                                        output_mode="reduce_scatter_seq" if sequence_parallel else "allreduce")
+
+    def sp_partial_params(self):
+        return self.c_proj.sp_partial_params()
+
+    def forward(self, x):                        # x (B, T, C) [SP: (B, T/tp, C)] -> same shape
+        qkv, c_in = self.c_attn.forward(x)       # (B, T, 3 * nhl * hs), T full
+        B, T, _ = qkv.shape
+        nh, hs = self.n_head_local, self.head_size
+        q, k, v = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)   # each (B, nh, T, hs)
+        scale = np.asarray(1.0 / np.sqrt(hs), dtype=qkv.dtype)
+        att = q @ k.transpose(0, 1, 3, 2)        # (B, nh, T, T)
+        att *= scale
+        p = kernels.softmax_causal_forward(att)
+        yh = p @ v                               # (B, nh, T, hs)
+        ya = yh.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
+        y, _ = self.c_proj.forward(ya)
+        return y, (c_in, q, k, v, p, ya)
+
+    def backward(self, dy, ctx):                 # dy like y -> dx like x
+        c_in, q, k, v, p, ya = ctx
+        B, nh, T, hs = q.shape
+        dya = self.c_proj.backward(dy, ya)       # (B, T, nh * hs)
+        dyh = dya.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)
+        dp = dyh @ v.transpose(0, 1, 3, 2)
+        dv = p.transpose(0, 1, 3, 2) @ dyh
+        datt = kernels.softmax_causal_backward(p, dp)
+        datt *= np.asarray(1.0 / np.sqrt(hs), dtype=datt.dtype)
+        dq = datt @ k
+        dk = datt.transpose(0, 1, 3, 2) @ q
+        dqkv = np.empty((B, T, 3, nh, hs), dtype=dq.dtype)
+        dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
+        dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
+        dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
+        return self.c_attn.backward(dqkv.reshape(B, T, 3 * nh * hs), c_in)

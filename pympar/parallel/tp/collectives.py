@@ -1,0 +1,97 @@
+"""The tensor-parallel collectives, timed: Megatron's conjugate pairs and the sequence-parallel ones.
+
+Every TP module talks to its tp group through one ``TPCollectives`` object, which counts the
+seconds spent inside collectives (``seconds``; ``take_seconds()`` reads and resets), the number
+of calls and the bytes sent into them, so a trainer can report ``tp_comm_fraction``.
+
+Sequence-parallel layout: activations (B, T, C) are split along T into tp equal parts; rank r
+holds rows [r*T/tp, (r+1)*T/tp) of every sequence. ``allgather_seq`` and ``reduce_scatter_seq``
+move between that and the full (B, T, C).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+class TPCollectives:
+    def __init__(self, comm):
+        if isinstance(comm, TPCollectives):
+            raise TypeError("TPCollectives wraps a Communicator, not another TPCollectives")
+        self.comm = comm
+        self.size = comm.size
+        self.rank = comm.rank
+        self.seconds = 0.0
+        self.calls = 0
+        self.bytes = 0
+
+    def take_seconds(self) -> float:
+        """Seconds spent in TP collectives since the last call; resets the counters."""
+        s = self.seconds
+        self.seconds, self.calls, self.bytes = 0.0, 0, 0
+        return s
+
+    def _timed(self, fn, x, *args, **kw):
+        t0 = time.perf_counter()
+        out = fn(x, *args, **kw)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        self.bytes += x.nbytes
+        return out
+
+    # --- plain collectives on contiguous arrays -------------------------------------------------
+    def allreduce(self, x, op="sum"):
+        """The elementwise reduction over the tp group (a new array; x untouched)."""
+        if self.size == 1:
+            return x
+        x = np.ascontiguousarray(x)
+        return self._timed(lambda a: self.comm.allreduce(a.copy(), op=op), x)
+
+    def allgather0(self, x):
+        """(n, ...) per rank -> (size*n, ...), rank order along axis 0."""
+        if self.size == 1:
+            return x
+        x = np.ascontiguousarray(x)
+        out = self._timed(self.comm.allgather, x)
+        return np.asarray(out).reshape((self.size * x.shape[0],) + x.shape[1:])
+
+    def reduce_scatter0(self, x):
+        """(size*n, ...) per rank -> (n, ...): the sum over ranks of this rank's block of axis 0."""
+        if self.size == 1:
+            return x
+        x = np.ascontiguousarray(x)
+        n = x.shape[0] // self.size
+        out = self._timed(self.comm.reduce_scatter, x)
+        return np.asarray(out).reshape((n,) + x.shape[1:])
+
+    # --- along the sequence axis (sequence parallelism) --------------------------------------------
+    def seq_slice(self, T: int) -> slice:
+        w = T // self.size
+        return slice(self.rank * w, (self.rank + 1) * w)
+
+    def allgather_seq(self, x):                  # x (B, T/tp, C) -> (B, T, C)
+        if self.size == 1:
+            return x
+        B, t, C = x.shape
+        g = self.allgather0(np.ascontiguousarray(x.transpose(1, 0, 2)))   # (tp*t, B, C)
+        return np.ascontiguousarray(g.transpose(1, 0, 2))
+
+    def reduce_scatter_seq(self, x):             # x (B, T, C) partial sums -> (B, T/tp, C) summed
+        if self.size == 1:
+            return x
+        B, T, C = x.shape
+        if T % self.size:
+            raise ValueError(f"sequence length T={T} is not divisible by tp={self.size} (sequence parallelism)")
+        r = self.reduce_scatter0(np.ascontiguousarray(x.transpose(1, 0, 2)))  # (T/tp, B, C)
+        return np.ascontiguousarray(r.transpose(1, 0, 2))
+
+    def split_seq(self, x):                      # x (B, T, C) replicated -> (B, T/tp, C), no comm
+        if self.size == 1:
+            return x
+        return np.ascontiguousarray(x[:, self.seq_slice(x.shape[1])])
+
+
+def as_collectives(comm_or_tpc) -> TPCollectives:
+    """Accept a Communicator (wrapped once) or an existing TPCollectives (shared counters)."""
+    return comm_or_tpc if isinstance(comm_or_tpc, TPCollectives) else TPCollectives(comm_or_tpc)

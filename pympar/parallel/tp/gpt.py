@@ -1,0 +1,164 @@
+"""TPGPT: the GPT of pympar.nn, tensor-parallel over a tp communicator (Megatron layout).
+
+Same public face as nn.GPT (loss_and_grad, forward_loss, logits, generate, zero_grad,
+named_parameters with GLOBAL names and ``.shard`` on the split ones, embedding/h/head for
+pipeline slicing, moe_stats, update_expert_bias, grad_ready_hooks). Every tp rank gets the same
+micro-batch; the loss it returns is identical on all of them.
+
+Sequence parallelism (``sequence_parallel=True``): activations between the tensor-parallel
+regions are (B, T/tp, C). Replicated parameters that only see this rank's rows (LayerNorms,
+wpe, row-parallel biases: ``sp_partial_params()``) have partial gradients; loss_and_grad sums
+THIS micro-batch's contribution over tp (one allreduce of their concatenation) before returning,
+so .grad is always complete. A pipeline executor that drives embedding/h/head itself does the
+same with ``SPGradSync`` around its backward passes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...nn.config import GPTConfig
+from ...nn.gpt import GPT
+from ...nn.parameter import Module
+from ..shard import shard_of
+from .block import TPBlock
+from .collectives import as_collectives
+from .cross_entropy import VocabParallelHead
+from .embedding import VocabParallelEmbedding
+from .validate import validate_tp
+
+
+class SPGradSync:
+    """Sum over tp the gradient added to ``params`` since ``begin()`` (one allreduce)."""
+
+    def __init__(self, params, tp):
+        self.params, self._tp = list(params), as_collectives(tp)
+        self._snap = None
+
+    def begin(self):
+        self._snap = [p.grad.copy() for p in self.params]
+
+    def finish(self):
+        if not self.params:
+            return
+        delta = np.concatenate([(p.grad - s).ravel() for p, s in zip(self.params, self._snap)])
+        delta = self._tp.allreduce(delta)
+        lo = 0
+        for p, s in zip(self.params, self._snap):
+            n = p.grad.size
+            p.grad[...] = s + delta[lo:lo + n].reshape(p.grad.shape)
+            lo += n
+        self._snap = None
+
+
+class TPGPT(GPT):
+    def __init__(self, config: GPTConfig, tp_comm, seed: int = 0, dtype=np.float32,
+                 sequence_parallel: bool = False):
+        tpc = as_collectives(tp_comm)
+        validate_tp(config, tpc.size, sequence_parallel)     # no communication: all ranks agree
+        dtype = np.dtype(dtype)
+        if dtype not in (np.float32, np.float64):
+            raise ValueError(f"master dtype {dtype} is not supported by TPGPT: use float32 or float64")
+        self.config, self.dtype, self.compute_dtype = config, dtype, None
+        self.tp = tpc
+        self.sequence_parallel = sequence_parallel
+        c = config
+        self.embedding = VocabParallelEmbedding(c.vocab_size, c.block_size, c.n_embd, tpc, seed=seed,
+                                                dtype=dtype, sequence_parallel=sequence_parallel)
+        self.h = [TPBlock(c, i, tpc, seed=seed, dtype=dtype, sequence_parallel=sequence_parallel)
+                  for i in range(c.n_layer)]
+        self.head = VocabParallelHead(c, self.embedding, tpc, dtype=dtype, sequence_parallel=sequence_parallel)
+        self.grad_ready_hooks = []
+        self._sp_sync = SPGradSync(self.sp_partial_params(), tpc)
+        self._sp_ids = {id(p) for p in self._sp_sync.params}
+
+    # --- tensor-parallel bookkeeping -----------------------------------------------------------
+    def sp_partial_params(self):
+        """Replicated parameters whose per-rank gradient is partial under sequence parallelism."""
+        out = list(self.embedding.sp_partial_params())
+        for b in self.h:
+            out += b.sp_partial_params()
+        return out + self.head.sp_partial_params()
+
+    def take_tp_comm_seconds(self) -> float:
+        """Seconds spent in TP collectives since the last call (resets): tp_comm_fraction's numerator."""
+        return self.tp.take_seconds()
+
+    def sharded_state(self):
+        """{global name: (local array, Shard or None)}: what pympar.checkpoint stores."""
+        return {n: (p.data, shard_of(p)) for n, p in self.named_parameters()}
+
+    def state_dict(self):
+        raise NotImplementedError("TPGPT holds shards: use sharded_state() (or load_full_state_dict "
+                                  "to load a full nn.GPT state dict)")
+
+    def load_full_state_dict(self, d):
+        """Load a FULL state dict (nn.GPT.state_dict()): each rank keeps its slices."""
+        for n, p in self.named_parameters():
+            a = np.asarray(d[n])
+            sh = shard_of(p)
+            p.data[...] = sh.take(a) if sh is not None else a
+        for i, m in self.moe_layers():
+            key = f"transformer.h.{i}.moe.expert_bias"
+            if key in d:
+                m.expert_bias[...] = np.asarray(d[key])
+
+    load_state_dict = load_full_state_dict
+
+    # --- forward / backward ----------------------------------------------------------------------
+    def _check_batch(self, idx):
+        T = np.asarray(idx).shape[1]
+        if self.sequence_parallel and T % self.tp.size:
+            raise ValueError(f"sequence length T={T} is not divisible by tp={self.tp.size}: sequence "
+                             f"parallelism splits every sequence into tp equal parts")
+
+    def _forward(self, idx, targets):
+        self._check_batch(idx)
+        return super()._forward(idx, targets)
+
+    def loss_and_grad(self, idx, targets, grad_scale=1.0) -> float:
+        """One micro-batch: loss = mean CE + MoE aux + z (identical on every tp rank); grads of
+        grad_scale * loss accumulate, complete (sequence-parallel partials summed over tp)."""
+        if self._sp_sync.params:
+            self._sp_sync.begin()
+        loss = super().loss_and_grad(idx, targets, grad_scale)
+        if self._sp_sync.params:
+            self._sp_sync.finish()
+            self._grad_ready_params(self._sp_sync.params)
+        return loss
+
+    def _grad_ready(self, module):
+        # sequence-parallel partial grads are only final after SPGradSync.finish()
+        params = [p for p in module.parameters() if id(p) not in self._sp_ids]
+        self._grad_ready_params(params)
+
+    def _grad_ready_params(self, params):
+        if params:
+            for hook in self.grad_ready_hooks:
+                hook(params)
+
+    def logits(self, idx):                       # idx (B, T) -> (B, T, V), gathered on every rank
+        idx = np.asarray(idx)
+        T, tp = idx.shape[1], self.tp.size
+        if not self.sequence_parallel or T % tp == 0:
+            return super().logits(idx)
+        # sequence parallelism needs T % tp == 0: pad on the right (causal attention: the
+        # padding cannot change the logits of the real positions) and crop
+        pad = np.zeros((idx.shape[0], -(-T // tp) * tp - T), dtype=idx.dtype)
+        return super().logits(np.concatenate([idx, pad], axis=1))[:, :T]
+
+
+def ctx_nbytes(ctx) -> int:
+    """Bytes of the arrays held in a ctx (nested tuples/lists/dicts): activation memory."""
+    if isinstance(ctx, np.ndarray):
+        return ctx.nbytes
+    if isinstance(ctx, dict):
+        return sum(ctx_nbytes(v) for v in ctx.values())
+    if isinstance(ctx, (tuple, list)):
+        return sum(ctx_nbytes(v) for v in ctx)
+    return 0
+
+
+def activation_bytes(model, idx, targets) -> int:
+    """Activation memory of one micro-batch on this rank: the bytes of every ctx its forward keeps."""
+    _, _, ctxs = model._forward(np.asarray(idx), np.asarray(targets))
+    return ctx_nbytes(ctxs)
