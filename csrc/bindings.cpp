@@ -1,6 +1,280 @@
+// pympar._C: the pybind11 face of the C++ kernels. The Python wrapper (pympar/kernels/native.py)
+// has already checked dtypes and contiguity and allocated the outputs; these bindings check
+// again what would corrupt memory if wrong (dtype, C-contiguity, element counts), release the
+// GIL, and call the kernel of the instruction set picked at import.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "dtypes.h"
+#include "kernels.h"
+#include "threadpool.h"
+
 namespace py = pybind11;
-static int g_threads = 1;
+using namespace pympar;
+
+namespace {
+
+const KernelTable* K = nullptr;
+
+const KernelTable* pick_table() {
+  const char* want = std::getenv("PYMPAR_ISA");  // generic | avx2 | avx512: force one (tests, benches)
+  std::string w = want ? want : "";
+#if defined(PYMPAR_X86)
+  __builtin_cpu_init();
+  bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (w == "generic") return table_generic();
+  if (w == "avx2" && avx2) return table_avx2();
+  if ((w.empty() || w == "avx512") && avx512) return table_avx512();
+  if (avx2) return table_avx2();
+#endif
+  return table_generic();
+}
+
+int dtype_code(const py::array& a) {
+  py::dtype d = a.dtype();
+  char kind = d.kind();
+  auto item = d.itemsize();
+  if (kind == 'f') return item == 4 ? F32 : item == 8 ? F64 : item == 2 ? F16 : -1;
+  if (kind == 'i') return item == 4 ? I32 : item == 8 ? I64 : -1;
+  if (item == 2 && py::str(d.attr("name")).cast<std::string>() == "bfloat16") return BF16;
+  return -1;
+}
+
+// the array, checked: dtype in `allowed` (a bit mask of DType codes), C-contiguous, `n` elements (n >= 0)
+int check(const py::array& a, const char* name, unsigned allowed, int64_t n = -1) {
+  int dt = dtype_code(a);
+  if (dt < 0 || !(allowed & (1u << dt)))
+    throw py::type_error(std::string(name) + ": unsupported dtype " + py::str(a.dtype()).cast<std::string>());
+  if (!(a.flags() & py::array::c_style))
+    throw py::value_error(std::string(name) + ": array must be C-contiguous (pass np.ascontiguousarray(...))");
+  if (n >= 0 && a.size() != n)
+    throw py::value_error(std::string(name) + ": expected " + std::to_string(n) + " elements, got " +
+                          std::to_string(a.size()));
+  return dt;
+}
+
+constexpr unsigned FLOATS = (1u << F32) | (1u << F64);
+constexpr unsigned HALVES = (1u << F16) | (1u << BF16);
+constexpr unsigned INTS = (1u << I32) | (1u << I64);
+constexpr unsigned I64ONLY = 1u << I64;
+
+const void* cp(const py::array& a) { return a.data(); }
+void* mp(py::array& a) { return a.mutable_data(); }
+
+template <typename T> const T* ct(const py::array& a) { return static_cast<const T*>(a.data()); }
+template <typename T> T* mt(py::array& a) { return static_cast<T*>(a.mutable_data()); }
+
+int64_t last_dim(const py::array& a) { return a.ndim() ? a.shape(a.ndim() - 1) : 1; }
+
+void check_targets(const int64_t* t, int64_t N, int64_t V) {
+  for (int64_t i = 0; i < N; ++i)
+    if (t[i] >= V)
+      throw py::index_error("cross_entropy: target " + std::to_string(t[i]) + " at row " + std::to_string(i) +
+                            " is >= the vocabulary size " + std::to_string(V));
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
-  m.def("set_num_threads", [](int n) { g_threads = n; });
+  K = pick_table();
+  m.doc() = "pympar C++ kernels (see pympar.kernels)";
+  m.def("isa", [] { return std::string(K->isa); }, "the instruction-set build of the arithmetic kernels in use");
+  m.def("set_num_threads", [](int n) {
+    if (n < 1) throw py::value_error("set_num_threads: n=" + std::to_string(n) + " must be >= 1");
+    py::gil_scoped_release g;
+    pympar::set_num_threads(n);
+  });
+  m.def("get_num_threads", [] { return pympar::get_num_threads(); });
+
+  m.def("softmax_causal_forward", [](const py::array& x, py::array& y) {
+    int64_t T = last_dim(x), n = x.size();
+    int dt = check(x, "x", FLOATS);
+    check(y, "y", 1u << dt, n);
+    int64_t B = T ? n / (T * T) : 0;
+    py::gil_scoped_release g;
+    if (dt == F32) K->softmax_causal_fwd_f32(ct<float>(x), mt<float>(y), B, T);
+    else K->softmax_causal_fwd_f64(ct<double>(x), mt<double>(y), B, T);
+  });
+  m.def("softmax_causal_backward", [](const py::array& y, const py::array& dy, py::array& dx) {
+    int64_t T = last_dim(y), n = y.size();
+    int dt = check(y, "y", FLOATS);
+    check(dy, "dy", 1u << dt, n);
+    check(dx, "dx", 1u << dt, n);
+    int64_t B = T ? n / (T * T) : 0;
+    py::gil_scoped_release g;
+    if (dt == F32) K->softmax_causal_bwd_f32(ct<float>(y), ct<float>(dy), mt<float>(dx), B, T);
+    else K->softmax_causal_bwd_f64(ct<double>(y), ct<double>(dy), mt<double>(dx), B, T);
+  });
+
+  m.def("layernorm_forward", [](const py::array& x, const py::array& w, const py::array& b, py::array& y,
+                                py::array& mean, py::array& rstd, double eps) {
+    int64_t C = last_dim(x), N = C ? x.size() / C : 0;
+    int dt = check(x, "x", FLOATS);
+    unsigned same = 1u << dt;
+    check(w, "w", same, C), check(b, "b", same, C), check(y, "y", same, x.size());
+    check(mean, "mean", same, N), check(rstd, "rstd", same, N);
+    py::gil_scoped_release g;
+    if (dt == F32)
+      K->layernorm_fwd_f32(ct<float>(x), ct<float>(w), ct<float>(b), mt<float>(y), mt<float>(mean), mt<float>(rstd),
+                           N, C, eps);
+    else
+      K->layernorm_fwd_f64(ct<double>(x), ct<double>(w), ct<double>(b), mt<double>(y), mt<double>(mean),
+                           mt<double>(rstd), N, C, eps);
+  });
+  m.def("layernorm_backward", [](const py::array& dy, const py::array& x, const py::array& w,
+                                 const py::array& mean, const py::array& rstd, py::array& dx, py::array& dw,
+                                 py::array& db) {
+    int64_t C = last_dim(x), N = C ? x.size() / C : 0;
+    int dt = check(x, "x", FLOATS);
+    unsigned same = 1u << dt;
+    check(dy, "dy", same, x.size()), check(w, "w", same, C), check(mean, "mean", same, N);
+    check(rstd, "rstd", same, N), check(dx, "dx", same, x.size()), check(dw, "dw", same, C), check(db, "db", same, C);
+    py::gil_scoped_release g;
+    if (dt == F32)
+      K->layernorm_bwd_f32(ct<float>(dy), ct<float>(x), ct<float>(w), ct<float>(mean), ct<float>(rstd),
+                           mt<float>(dx), mt<float>(dw), mt<float>(db), N, C);
+    else
+      K->layernorm_bwd_f64(ct<double>(dy), ct<double>(x), ct<double>(w), ct<double>(mean), ct<double>(rstd),
+                           mt<double>(dx), mt<double>(dw), mt<double>(db), N, C);
+  });
+
+  m.def("gelu_forward", [](const py::array& x, py::array& y) {
+    int dt = check(x, "x", FLOATS);
+    check(y, "y", 1u << dt, x.size());
+    py::gil_scoped_release g;
+    if (dt == F32) K->gelu_fwd_f32(ct<float>(x), mt<float>(y), x.size());
+    else K->gelu_fwd_f64(ct<double>(x), mt<double>(y), x.size());
+  });
+  m.def("gelu_backward", [](const py::array& x, const py::array& dy, py::array& dx) {
+    int dt = check(x, "x", FLOATS);
+    check(dy, "dy", 1u << dt, x.size()), check(dx, "dx", 1u << dt, x.size());
+    py::gil_scoped_release g;
+    if (dt == F32) K->gelu_bwd_f32(ct<float>(x), ct<float>(dy), mt<float>(dx), x.size());
+    else K->gelu_bwd_f64(ct<double>(x), ct<double>(dy), mt<double>(dx), x.size());
+  });
+
+  m.def("cross_entropy_forward", [](const py::array& logits, const py::array& targets, py::array& loss,
+                                    py::array& lse) {
+    int64_t V = last_dim(logits), N = V ? logits.size() / V : 0;
+    int dt = check(logits, "logits", FLOATS);
+    check(targets, "targets", I64ONLY, N), check(loss, "loss", 1u << dt, N), check(lse, "lse", 1u << dt, N);
+    check_targets(ct<int64_t>(targets), N, V);
+    py::gil_scoped_release g;
+    if (dt == F32) K->ce_fwd_f32(ct<float>(logits), ct<int64_t>(targets), mt<float>(loss), mt<float>(lse), N, V);
+    else K->ce_fwd_f64(ct<double>(logits), ct<int64_t>(targets), mt<double>(loss), mt<double>(lse), N, V);
+  });
+  m.def("cross_entropy_backward", [](const py::array& logits, const py::array& lse, const py::array& targets,
+                                     const py::array& dloss, py::array& dlogits) {
+    int64_t V = last_dim(logits), N = V ? logits.size() / V : 0;
+    int dt = check(logits, "logits", FLOATS);
+    check(lse, "lse", 1u << dt, N), check(targets, "targets", I64ONLY, N);
+    check(dloss, "dloss", 1u << dt), check(dlogits, "dlogits", 1u << dt, logits.size());
+    if (dloss.size() != 1 && dloss.size() != N)
+      throw py::value_error("cross_entropy_backward: dloss must be a scalar or have N=" + std::to_string(N) +
+                            " elements, got " + std::to_string(dloss.size()));
+    int64_t stride = dloss.size() == 1 ? 0 : 1;
+    check_targets(ct<int64_t>(targets), N, V);
+    py::gil_scoped_release g;
+    if (dt == F32)
+      K->ce_bwd_f32(ct<float>(logits), ct<float>(lse), ct<int64_t>(targets), ct<float>(dloss), stride,
+                    mt<float>(dlogits), N, V);
+    else
+      K->ce_bwd_f64(ct<double>(logits), ct<double>(lse), ct<int64_t>(targets), ct<double>(dloss), stride,
+                    mt<double>(dlogits), N, V);
+  });
+
+  m.def("adamw_step", [](py::array& p, const py::array& grad, py::array& mom, py::array& var, double lr,
+                         double beta1, double beta2, double eps, double weight_decay, double bc1, double bc2) {
+    int pdt = check(p, "p", FLOATS);
+    int gdt = check(grad, "g", FLOATS | HALVES, p.size());
+    if (pdt == F64 && gdt != F64) throw py::type_error("adamw_step: float64 parameters need a float64 gradient");
+    check(mom, "m", 1u << pdt, p.size()), check(var, "v", 1u << pdt, p.size());
+    py::gil_scoped_release g;
+    K->adamw(mp(p), cp(grad), mp(mom), mp(var), pdt, gdt, p.size(), lr, beta1, beta2, eps, weight_decay, bc1, bc2);
+  });
+
+  m.def("topk", [](const py::array& scores, int64_t k, py::array& idx, py::array& vals) {
+    int64_t E = last_dim(scores), N = E ? scores.size() / E : 0;
+    int dt = check(scores, "scores", FLOATS);
+    if (k < 1 || k > E) throw py::value_error("topk: k=" + std::to_string(k) + " must be in [1, " + std::to_string(E) + "]");
+    check(idx, "idx", I64ONLY, N * k), check(vals, "vals", 1u << dt, N * k);
+    py::gil_scoped_release g;
+    pympar::topk(cp(scores), dt, N, E, k, mt<int64_t>(idx), mp(vals));
+  });
+  m.def("capacity_positions", [](const py::array& expert, int64_t n_expert, int64_t capacity, py::array& pos,
+                                 py::array& counts) {
+    int64_t A = expert.size();
+    check(expert, "expert_idx", I64ONLY), check(pos, "pos", I64ONLY, A), check(counts, "counts", I64ONLY, n_expert);
+    try {
+      py::gil_scoped_release g;
+      pympar::capacity_positions(ct<int64_t>(expert), A, n_expert, capacity, mt<int64_t>(pos), mt<int64_t>(counts));
+    } catch (const std::out_of_range& e) {
+      throw py::index_error(e.what());
+    }
+  });
+  m.def("permute", [](const py::array& x, const py::array& rows, py::array& out) {
+    if (!(x.flags() & py::array::c_style) || !(out.flags() & py::array::c_style))
+      throw py::value_error("permute: x and out must be C-contiguous");
+    int64_t N = x.ndim() ? x.shape(0) : 0, M = rows.size();
+    check(rows, "rows", I64ONLY);
+    int64_t row_bytes = N ? x.nbytes() / N : 0;
+    if (!x.dtype().is(out.dtype()) || out.nbytes() != M * row_bytes)
+      throw py::value_error("permute: out must have x's dtype and shape (len(rows),) + x.shape[1:]");
+    const int64_t* r = ct<int64_t>(rows);
+    for (int64_t i = 0; i < M; ++i)
+      if (r[i] < 0 || r[i] >= N)
+        throw py::index_error("permute: row index " + std::to_string(r[i]) + " is out of bounds for " +
+                              std::to_string(N) + " rows");
+    py::gil_scoped_release g;
+    pympar::permute_rows(static_cast<const char*>(x.data()), r, static_cast<char*>(out.mutable_data()), M, row_bytes);
+  });
+  m.def("unpermute_add", [](const py::array& y, const py::array& rows, py::object weights, py::array& out) {
+    int64_t M = y.ndim() ? y.shape(0) : 0, C = M ? y.size() / M : 0;
+    int dt = check(y, "y", FLOATS);
+    check(rows, "rows", I64ONLY, M);
+    int64_t n_rows = out.ndim() ? out.shape(0) : 0;
+    check(out, "out", 1u << dt, n_rows * C);
+    const void* w = nullptr;
+    py::array wa;
+    if (!weights.is_none()) {
+      wa = weights.cast<py::array>();
+      check(wa, "weights", 1u << dt, M);
+      w = wa.data();
+    }
+    const int64_t* r = ct<int64_t>(rows);
+    for (int64_t i = 0; i < M; ++i)
+      if (r[i] < 0 || r[i] >= n_rows)
+        throw py::index_error("unpermute_add: row index " + std::to_string(r[i]) + " is out of bounds for n_rows=" +
+                              std::to_string(n_rows));
+    py::gil_scoped_release g;
+    pympar::unpermute_add(y.data(), r, w, out.mutable_data(), dt, M, C, n_rows);
+  });
+
+  m.def("cast", [](const py::array& src, py::array& dst) {
+    int sdt = check(src, "src", FLOATS | HALVES);
+    int ddt = check(dst, "dst", FLOATS | HALVES, src.size());
+    if (sdt == F64 && (ddt == F16 || ddt == BF16))
+      throw py::type_error("cast: float64 -> float16/bfloat16 is not offered natively (it would round twice)");
+    py::gil_scoped_release g;
+    K->cast(src.data(), sdt, dst.mutable_data(), ddt, src.size());
+  });
+  m.def("reduce_inplace", [](py::array& dst, const py::array& src, int op) {
+    int dt = check(dst, "dst", FLOATS | HALVES | INTS);
+    check(src, "src", 1u << dt, dst.size());
+    if (op < 0 || op > 3) throw py::value_error("reduce_inplace: op code must be 0..3 (sum, max, min, prod)");
+    py::gil_scoped_release g;
+    K->reduce(dst.mutable_data(), src.data(), dt, op, dst.size());
+  });
+  m.def("scale_inplace", [](py::array& x, double alpha) {
+    int dt = check(x, "x", FLOATS | HALVES | INTS);
+    py::gil_scoped_release g;
+    K->scale(x.mutable_data(), dt, alpha, x.size());
+  });
 }

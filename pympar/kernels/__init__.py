@@ -1,33 +1,69 @@
 """One Python face per kernel, dispatching to C++ (NumPy arrays), CUDA (CuPy arrays)
 or the pure-xp reference in :mod:`pympar.kernels.reference`.
 
-Set ``PYMPAR_KERNELS=reference`` to force the reference everywhere (tests use it to
-compare); ``backend()`` says which implementation an array would get.
+- NumPy arrays go to :mod:`pympar.kernels.native` (``pympar._C``) when it is built; it hands
+  dtypes and layouts it does not cover to the reference itself.
+- CuPy arrays go to :mod:`pympar.kernels.cuda` (``pympar._cuda``) when it is built, else to
+  the reference (which runs on CuPy unchanged).
+- ``PYMPAR_KERNELS=reference`` in the environment forces the reference everywhere (read at
+  every call, so tests may set it late); ``backend(array)`` says which implementation an
+  array would get.
+- ``set_num_threads(n)`` sets the C++ kernels' threads in this process (default 1, or
+  ``PYMPAR_NUM_THREADS``): exactly n threads run each kernel call.
 """
 from __future__ import annotations
 
 import os
 
 from . import reference
+from ..backend import is_cupy
 
 try:
     from .. import _C as _native  # C++ kernels (pybind11)
-except Exception:  # no native build: the reference kernels serve
+    from . import native as _cpu
+except ImportError:  # no native build: the reference kernels serve
     _native = None
+    _cpu = None
+
+try:
+    from . import cuda as _gpu  # imports pympar._cuda; fails cleanly without it
+except ImportError:
+    _gpu = None
 
 _threads = 1
 
+__all__ = [
+    "softmax_causal_forward", "softmax_causal_backward", "layernorm_forward", "layernorm_backward",
+    "gelu_forward", "gelu_backward", "cross_entropy_forward", "cross_entropy_backward", "adamw_step",
+    "topk", "capacity_positions", "permute", "unpermute_add", "cast", "reduce_inplace", "scale_inplace",
+    "set_num_threads", "get_num_threads", "native_available", "cuda_available", "backend",
+]
+
 
 def native_available() -> bool:
+    """True when the C++ kernels (pympar._C) are built and importable."""
     return _native is not None
+
+
+def cuda_available() -> bool:
+    """True when the CUDA kernels (pympar._cuda) are built and importable (a GPU may still be absent)."""
+    return _gpu is not None
+
+
+def native_isa() -> str | None:
+    """The instruction-set build of the C++ kernels in use ('avx512', 'avx2', 'generic'), or None."""
+    return _native.isa() if _native is not None else None
 
 
 def set_num_threads(n: int) -> None:
     """Threads used by each C++ kernel call in this process (default 1)."""
     global _threads
-    _threads = max(1, int(n))
-    if _native is not None and hasattr(_native, "set_num_threads"):
-        _native.set_num_threads(_threads)
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"set_num_threads: n={n} must be >= 1")
+    _threads = n
+    if _native is not None:
+        _native.set_num_threads(n)
 
 
 def get_num_threads() -> int:
@@ -38,23 +74,50 @@ def _forced_reference() -> bool:
     return os.environ.get("PYMPAR_KERNELS", "") == "reference"
 
 
-# The native dispatch (filled in by the C++/CUDA wrappers below the reference):
-# each public kernel name maps to reference.<name> unless a native version claims the call.
-softmax_causal_forward = reference.softmax_causal_forward
-softmax_causal_backward = reference.softmax_causal_backward
-layernorm_forward = reference.layernorm_forward
-layernorm_backward = reference.layernorm_backward
-gelu_forward = reference.gelu_forward
-gelu_backward = reference.gelu_backward
-cross_entropy_forward = reference.cross_entropy_forward
-cross_entropy_backward = reference.cross_entropy_backward
-adamw_step = reference.adamw_step
-topk = reference.topk
-capacity_positions = reference.capacity_positions
-permute = reference.permute
-unpermute_add = reference.unpermute_add
-cast = reference.cast
-reduce_inplace = reference.reduce_inplace
-scale_inplace = reference.scale_inplace
+def backend(a) -> str:
+    """'cuda', 'cpp' or 'reference': the implementation a call on array `a` is routed to.
+
+    (A native route may still hand an unsupported dtype to the reference.)"""
+    if _forced_reference():
+        return "reference"
+    if is_cupy(a):
+        return "cuda" if _gpu is not None else "reference"
+    return "cpp" if _cpu is not None else "reference"
+
+
+def _dispatch(name):
+    ref = getattr(reference, name)
+    cpu = getattr(_cpu, name) if _cpu is not None else None
+    gpu = getattr(_gpu, name) if _gpu is not None else None
+
+    def kernel(*args, **kwargs):
+        if _forced_reference():
+            return ref(*args, **kwargs)
+        if is_cupy(args[0]):
+            return (gpu or ref)(*args, **kwargs)
+        return (cpu or ref)(*args, **kwargs)
+
+    kernel.__name__ = name
+    kernel.__qualname__ = name
+    kernel.__doc__ = ref.__doc__
+    return kernel
+
+
+softmax_causal_forward = _dispatch("softmax_causal_forward")
+softmax_causal_backward = _dispatch("softmax_causal_backward")
+layernorm_forward = _dispatch("layernorm_forward")
+layernorm_backward = _dispatch("layernorm_backward")
+gelu_forward = _dispatch("gelu_forward")
+gelu_backward = _dispatch("gelu_backward")
+cross_entropy_forward = _dispatch("cross_entropy_forward")
+cross_entropy_backward = _dispatch("cross_entropy_backward")
+adamw_step = _dispatch("adamw_step")
+topk = _dispatch("topk")
+capacity_positions = _dispatch("capacity_positions")
+permute = _dispatch("permute")
+unpermute_add = _dispatch("unpermute_add")
+cast = _dispatch("cast")
+reduce_inplace = _dispatch("reduce_inplace")
+scale_inplace = _dispatch("scale_inplace")
 
 set_num_threads(int(os.environ.get("PYMPAR_NUM_THREADS", "1")))

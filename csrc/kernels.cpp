@@ -1,1 +1,0 @@
-// placeholder, filled by the kernels work

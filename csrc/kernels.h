@@ -1,0 +1,67 @@
+// The C++ kernels: C-style functions on raw pointers and sizes. Every kernel has a pure-xp
+// twin in pympar/kernels/reference.py that defines it; the shapes below use its names.
+//
+// The arithmetic kernels are compiled once per instruction set (generic x86-64/other, AVX2+FMA,
+// AVX-512) from the same source, and one table is picked at import time by what the CPU
+// supports (runtime-portable: the wheel carries no -march=native code).
+#pragma once
+#include <cstdint>
+
+namespace pympar {
+
+struct KernelTable {
+  const char* isa;
+  // x, y (B, T, T); row i of each matrix sees columns <= i
+  void (*softmax_causal_fwd_f32)(const float* x, float* y, int64_t B, int64_t T);
+  void (*softmax_causal_fwd_f64)(const double* x, double* y, int64_t B, int64_t T);
+  void (*softmax_causal_bwd_f32)(const float* y, const float* dy, float* dx, int64_t B, int64_t T);
+  void (*softmax_causal_bwd_f64)(const double* y, const double* dy, double* dx, int64_t B, int64_t T);
+  // x, y (N, C); w, b (C,); mean, rstd (N,)
+  void (*layernorm_fwd_f32)(const float* x, const float* w, const float* b, float* y, float* mean,
+                            float* rstd, int64_t N, int64_t C, double eps);
+  void (*layernorm_fwd_f64)(const double* x, const double* w, const double* b, double* y, double* mean,
+                            double* rstd, int64_t N, int64_t C, double eps);
+  // dx (N, C) =; dw, db (C,) = (not accumulated)
+  void (*layernorm_bwd_f32)(const float* dy, const float* x, const float* w, const float* mean,
+                            const float* rstd, float* dx, float* dw, float* db, int64_t N, int64_t C);
+  void (*layernorm_bwd_f64)(const double* dy, const double* x, const double* w, const double* mean,
+                            const double* rstd, double* dx, double* dw, double* db, int64_t N, int64_t C);
+  void (*gelu_fwd_f32)(const float* x, float* y, int64_t n);
+  void (*gelu_fwd_f64)(const double* x, double* y, int64_t n);
+  void (*gelu_bwd_f32)(const float* x, const float* dy, float* dx, int64_t n);
+  void (*gelu_bwd_f64)(const double* x, const double* dy, double* dx, int64_t n);
+  // logits (N, V), targets (N,) (< 0: ignored) -> loss, lse (N,)
+  void (*ce_fwd_f32)(const float* logits, const int64_t* targets, float* loss, float* lse, int64_t N, int64_t V);
+  void (*ce_fwd_f64)(const double* logits, const int64_t* targets, double* loss, double* lse, int64_t N, int64_t V);
+  // dlogits (N, V); dloss (N,) with stride 1, or one scalar with stride 0
+  void (*ce_bwd_f32)(const float* logits, const float* lse, const int64_t* targets, const float* dloss,
+                     int64_t dloss_stride, float* dlogits, int64_t N, int64_t V);
+  void (*ce_bwd_f64)(const double* logits, const double* lse, const int64_t* targets, const double* dloss,
+                     int64_t dloss_stride, double* dlogits, int64_t N, int64_t V);
+  // in place on p, m, v (n,) of dtype pdt (F32 or F64); g of dtype gdt (any float)
+  void (*adamw)(void* p, const void* g, void* m, void* v, int pdt, int gdt, int64_t n, double lr,
+                double beta1, double beta2, double eps, double weight_decay, double bc1, double bc2);
+  // dst = op(dst, src), op 0 sum, 1 max, 2 min, 3 prod; dtype any DType
+  void (*reduce)(void* dst, const void* src, int dt, int op, int64_t n);
+  void (*scale)(void* x, int dt, double alpha, int64_t n);
+  // dst[i] = src[i] converted; dtypes any float DType
+  void (*cast)(const void* src, int sdt, void* dst, int ddt, int64_t n);
+};
+
+const KernelTable* table_generic();
+#if defined(PYMPAR_X86)
+const KernelTable* table_avx2();
+const KernelTable* table_avx512();
+#endif
+
+// MoE routing (integer and memory bound; one build for all CPUs), in moe.cpp
+void topk(const void* scores, int dt, int64_t N, int64_t E, int64_t k, int64_t* idx, void* vals);
+void capacity_positions(const int64_t* expert, int64_t A, int64_t n_expert, int64_t capacity,
+                        int64_t* pos, int64_t* counts);
+// out (M, row_bytes) = x[rows]; rows already bounds-checked and non-negative
+void permute_rows(const char* x, const int64_t* rows, char* out, int64_t M, int64_t row_bytes);
+// out (n_rows, C) += w[i] * y[i] scattered to rows[i], in the order of i; dtype F32 or F64
+void unpermute_add(const void* y, const int64_t* rows, const void* w, void* out, int dt, int64_t M, int64_t C,
+                   int64_t n_rows);
+
+}  // namespace pympar

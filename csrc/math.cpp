@@ -1,0 +1,273 @@
+// Softmax, layernorm, GELU, fused cross-entropy and AdamW on float32/float64, one build per ISA.
+// Single-pass loops over rows with `omp simd` reductions (compiled with -fopenmp-simd: the
+// vector lanes are the only reassociation, no -ffast-math).
+#include <cmath>
+#include <vector>
+
+#include "dtypes.h"
+#include "fastmath.h"
+#include "isa.h"
+#include "kernels.h"
+#include "threadpool.h"
+
+namespace pympar {
+namespace PYMPAR_ISA {
+
+template <typename T>
+static T row_max(const T* x, int64_t n) {
+  T m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
+// --- causal softmax: x, y (B, T, T) ----------------------------------------------------
+template <typename T>
+void softmax_causal_fwd(const T* x, T* y, int64_t B, int64_t T_) {
+  parallel_for(B * T_, row_grain(T_), 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * T_;
+      T* yr = y + r * T_;
+      int64_t n = r % T_ + 1;  // visible columns
+      T m = row_max(xr, n);
+      T s = 0;
+#pragma omp simd reduction(+ : s)
+      for (int64_t j = 0; j < n; ++j) {
+        T e = exp_approx(xr[j] - m);
+        yr[j] = e;
+        s += e;
+      }
+      T inv = T(1) / s;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) yr[j] *= inv;
+      for (int64_t j = n; j < T_; ++j) yr[j] = 0;
+    }
+  });
+}
+
+// dx = y * (dy - sum(dy * y)); masked columns of y are 0, so only the visible ones are read
+template <typename T>
+void softmax_causal_bwd(const T* y, const T* dy, T* dx, int64_t B, int64_t T_) {
+  parallel_for(B * T_, row_grain(T_), 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T *yr = y + r * T_, *dyr = dy + r * T_;
+      T* dxr = dx + r * T_;
+      int64_t n = r % T_ + 1;
+      T dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < n; ++j) dot += dyr[j] * yr[j];
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) dxr[j] = yr[j] * (dyr[j] - dot);
+      for (int64_t j = n; j < T_; ++j) dxr[j] = 0;
+    }
+  });
+}
+
+// --- layernorm: x, y (N, C) ------------------------------------------------------------
+template <typename T>
+void layernorm_fwd(const T* x, const T* w, const T* b, T* y, T* mean, T* rstd, int64_t N, int64_t C,
+                   double eps) {
+  parallel_for(N, row_grain(C), 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * C;
+      T* yr = y + r * C;
+      T s = 0;
+#pragma omp simd reduction(+ : s)
+      for (int64_t j = 0; j < C; ++j) s += xr[j];
+      T mu = s / T(C);
+      T ss = 0;  // second pass over the centred values: no cancellation
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < C; ++j) ss += (xr[j] - mu) * (xr[j] - mu);
+      T rs = T(1) / std::sqrt(ss / T(C) + T(eps));
+#pragma omp simd
+      for (int64_t j = 0; j < C; ++j) yr[j] = (xr[j] - mu) * rs * w[j] + b[j];
+      mean[r] = mu;
+      rstd[r] = rs;
+    }
+  });
+}
+
+// dw, db: partial sums over a fixed number of row slices (independent of the thread count, so
+// every thread count gives bit-identical results), summed in slice order at the end.
+template <typename T>
+void layernorm_bwd(const T* dy, const T* x, const T* w, const T* mean, const T* rstd, T* dx, T* dw, T* db,
+                   int64_t N, int64_t C) {
+  const int64_t S = N < 64 ? (N > 0 ? N : 1) : 64;
+  std::vector<T> part(static_cast<size_t>(S * 2 * C), T(0));
+  parallel_for(S, 1, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      T* pdw = part.data() + s * 2 * C;
+      T* pdb = pdw + C;
+      for (int64_t r = N * s / S; r < N * (s + 1) / S; ++r) {
+        const T *xr = x + r * C, *dyr = dy + r * C;
+        T* dxr = dx + r * C;
+        const T mu = mean[r], rs = rstd[r];
+        T a = 0, bsum = 0;
+#pragma omp simd reduction(+ : a, bsum)
+        for (int64_t j = 0; j < C; ++j) {
+          T xhat = (xr[j] - mu) * rs;
+          T dxhat = dyr[j] * w[j];
+          a += dxhat;
+          bsum += dxhat * xhat;
+          pdw[j] += dyr[j] * xhat;
+          pdb[j] += dyr[j];
+        }
+        a /= T(C);
+        bsum /= T(C);
+#pragma omp simd
+        for (int64_t j = 0; j < C; ++j) {
+          T xhat = (xr[j] - mu) * rs;
+          dxr[j] = rs * (dyr[j] * w[j] - a - xhat * bsum);
+        }
+      }
+    }
+  });
+  for (int64_t j = 0; j < C; ++j) dw[j] = db[j] = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const T* pdw = part.data() + s * 2 * C;
+    for (int64_t j = 0; j < C; ++j) {
+      dw[j] += pdw[j];
+      db[j] += pdw[C + j];
+    }
+  }
+}
+
+// --- GELU, tanh form: 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = c (x + 0.044715 x^3) -----
+template <typename T>
+void gelu_fwd(const T* x, T* y, int64_t n) {
+  const T c = T(0.7978845608028654);
+  parallel_for(n, kElemGrain, kAlign, [&](int64_t i0, int64_t i1) {
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) {
+      T xi = x[i];
+      T u = c * (xi + T(0.044715) * xi * xi * xi);
+      y[i] = xi / (T(1) + exp_approx(T(-2) * u));
+    }
+  });
+}
+
+// d/dx = s + 2 x s (1 - s) u',  s = sigmoid(2u)
+template <typename T>
+void gelu_bwd(const T* x, const T* dy, T* dx, int64_t n) {
+  const T c = T(0.7978845608028654);
+  parallel_for(n, kElemGrain, kAlign, [&](int64_t i0, int64_t i1) {
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) {
+      T xi = x[i];
+      T x2 = xi * xi;
+      T u = c * (xi + T(0.044715) * x2 * xi);
+      T du = c * (T(1) + T(3 * 0.044715) * x2);
+      T s = T(1) / (T(1) + exp_approx(T(-2) * u));
+      dx[i] = (s + T(2) * xi * s * (T(1) - s) * du) * dy[i];
+    }
+  });
+}
+
+// --- fused softmax + cross-entropy: logits (N, V) ----------------------------------------
+template <typename T>
+void ce_fwd(const T* logits, const int64_t* targets, T* loss, T* lse, int64_t N, int64_t V) {
+  parallel_for(N, row_grain(V), 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* lr = logits + r * V;
+      T m = row_max(lr, V);
+      T s = 0;
+#pragma omp simd reduction(+ : s)
+      for (int64_t j = 0; j < V; ++j) s += exp_approx(lr[j] - m);
+      T l = m + std::log(s);
+      lse[r] = l;
+      int64_t t = targets[r];
+      loss[r] = t >= 0 ? l - lr[t] : T(0);
+    }
+  });
+}
+
+template <typename T>
+void ce_bwd(const T* logits, const T* lse, const int64_t* targets, const T* dloss, int64_t dloss_stride,
+            T* dlogits, int64_t N, int64_t V) {
+  parallel_for(N, row_grain(V), 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* lr = logits + r * V;
+      T* dr = dlogits + r * V;
+      int64_t t = targets[r];
+      if (t < 0) {
+        for (int64_t j = 0; j < V; ++j) dr[j] = 0;
+        continue;
+      }
+      const T l = lse[r], d = dloss[r * dloss_stride];
+#pragma omp simd
+      for (int64_t j = 0; j < V; ++j) dr[j] = exp_approx(lr[j] - l) * d;
+      dr[t] = (exp_approx(lr[t] - l) - T(1)) * d;
+    }
+  });
+}
+
+// --- AdamW, in place; mirrors the reference's order of operations ------------------------
+struct Half { uint16_t bits; };
+struct BHalf { uint16_t bits; };
+inline float load_f(float v) { return v; }
+inline double load_f(double v) { return v; }
+inline float load_f(Half h) { return f16_to_f32(h.bits); }
+inline float load_f(BHalf h) { return bf16_to_f32(h.bits); }
+
+template <typename P, typename G>
+static void adamw_g(P* p, const G* g, P* m, P* v, int64_t n, double lr, double b1, double b2, double eps,
+                    double wd, double bc1, double bc2) {
+  const P pb1 = P(b1), pb2 = P(b2), a1 = P(1 - b1), a2 = P(1 - b2), decay = P(1 - lr * wd);
+  const P plr = P(lr), pbc1 = P(bc1), pbc2 = P(bc2), peps = P(eps);
+  const bool use_decay = wd != 0;
+  parallel_for(n, kElemGrain, kAlign, [&](int64_t i0, int64_t i1) {
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) {
+      P gi = P(load_f(g[i]));
+      // m = b1 m + (1 - b1) g and v = b2 v + (1 - b2) g^2, as the reference's two in-place steps
+      P mi = m[i] * pb1 + a1 * gi;
+      P vi = v[i] * pb2 + a2 * gi * gi;
+      m[i] = mi;
+      v[i] = vi;
+      P pi = use_decay ? p[i] * decay : p[i];
+      p[i] = pi - plr * (mi / pbc1) / (std::sqrt(vi / pbc2) + peps);
+    }
+  });
+}
+
+template <typename P>
+static void adamw_p(P* p, const void* g, int gdt, P* m, P* v, int64_t n, double lr, double b1, double b2,
+                    double eps, double wd, double bc1, double bc2) {
+  switch (gdt) {
+    case F32: return adamw_g(p, static_cast<const float*>(g), m, v, n, lr, b1, b2, eps, wd, bc1, bc2);
+    case F64: return adamw_g(p, static_cast<const double*>(g), m, v, n, lr, b1, b2, eps, wd, bc1, bc2);
+    case F16: return adamw_g(p, static_cast<const Half*>(g), m, v, n, lr, b1, b2, eps, wd, bc1, bc2);
+    case BF16: return adamw_g(p, static_cast<const BHalf*>(g), m, v, n, lr, b1, b2, eps, wd, bc1, bc2);
+  }
+}
+
+void adamw(void* p, const void* g, void* m, void* v, int pdt, int gdt, int64_t n, double lr, double b1,
+           double b2, double eps, double wd, double bc1, double bc2) {
+  if (pdt == F32)
+    adamw_p(static_cast<float*>(p), g, gdt, static_cast<float*>(m), static_cast<float*>(v), n, lr, b1, b2, eps,
+            wd, bc1, bc2);
+  else
+    adamw_p(static_cast<double*>(p), g, gdt, static_cast<double*>(m), static_cast<double*>(v), n, lr, b1, b2,
+            eps, wd, bc1, bc2);
+}
+
+}  // namespace PYMPAR_ISA
+}  // namespace pympar
+
+// the float/double instances the table (table.cpp) points at
+namespace pympar {
+namespace PYMPAR_ISA {
+#define PYMPAR_INSTANTIATE(T)                                                                         \
+  template void softmax_causal_fwd<T>(const T*, T*, int64_t, int64_t);                                \
+  template void softmax_causal_bwd<T>(const T*, const T*, T*, int64_t, int64_t);                      \
+  template void layernorm_fwd<T>(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double); \
+  template void layernorm_bwd<T>(const T*, const T*, const T*, const T*, const T*, T*, T*, T*, int64_t, \
+                                 int64_t);                                                            \
+  template void gelu_fwd<T>(const T*, T*, int64_t);                                                   \
+  template void gelu_bwd<T>(const T*, const T*, T*, int64_t);                                         \
+  template void ce_fwd<T>(const T*, const int64_t*, T*, T*, int64_t, int64_t);                        \
+  template void ce_bwd<T>(const T*, const T*, const int64_t*, const T*, int64_t, T*, int64_t, int64_t);
+PYMPAR_INSTANTIATE(float)
+PYMPAR_INSTANTIATE(double)
+}  // namespace PYMPAR_ISA
+}  // namespace pympar

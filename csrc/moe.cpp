@@ -1,0 +1,107 @@
+// MoE routing helpers: top-k selection, capacity positions, row gather and weighted scatter-add.
+// Integer and memory bound, so one build serves every CPU.
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dtypes.h"
+#include "kernels.h"
+#include "threadpool.h"
+
+namespace pympar {
+
+// a ranks before b: larger first, NaN last (as argsort(-scores) puts NaN last)
+template <typename T>
+static inline bool before(T a, T b) {
+  return a > b || (b != b && a == a);
+}
+
+template <typename T>
+static void topk_t(const T* s, int64_t N, int64_t E, int64_t k, int64_t* idx, T* vals) {
+  parallel_for(N, 1 + (1 << 14) / (E > 0 ? E : 1), 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = s + r * E;
+      T* v = vals + r * k;
+      int64_t* ix = idx + r * k;
+      int64_t have = 0;
+      for (int64_t j = 0; j < E; ++j) {
+        T x = row[j];
+        if (have == k && !before(x, v[k - 1])) continue;
+        // insert after every kept entry that is not beaten by x (ties keep the lower index first)
+        int64_t p = have < k ? have : k - 1;
+        while (p > 0 && before(x, v[p - 1])) {
+          v[p] = v[p - 1];
+          ix[p] = ix[p - 1];
+          --p;
+        }
+        v[p] = x;
+        ix[p] = j;
+        if (have < k) ++have;
+      }
+    }
+  });
+}
+
+void topk(const void* scores, int dt, int64_t N, int64_t E, int64_t k, int64_t* idx, void* vals) {
+  if (dt == F32) topk_t(static_cast<const float*>(scores), N, E, k, idx, static_cast<float*>(vals));
+  else topk_t(static_cast<const double*>(scores), N, E, k, idx, static_cast<double*>(vals));
+}
+
+// One pass in priority order: the slot of an assignment is the number of earlier assignments to
+// the same expert; beyond capacity it is dropped (-1). Sequential by nature (the order is the rule).
+void capacity_positions(const int64_t* expert, int64_t A, int64_t n_expert, int64_t capacity, int64_t* pos,
+                        int64_t* counts) {
+  std::memset(counts, 0, sizeof(int64_t) * n_expert);
+  for (int64_t a = 0; a < A; ++a) {
+    int64_t e = expert[a];
+    if (e < 0 || e >= n_expert)
+      throw std::out_of_range("capacity_positions: expert index " + std::to_string(e) + " at position " +
+                              std::to_string(a) + " is outside [0, " + std::to_string(n_expert) + ")");
+    int64_t slot = counts[e]++;
+    pos[a] = (capacity > 0 && slot >= capacity) ? -1 : slot;
+  }
+}
+
+void permute_rows(const char* x, const int64_t* rows, char* out, int64_t M, int64_t row_bytes) {
+  parallel_for(M, 1 + (1 << 18) / (row_bytes > 0 ? row_bytes : 1), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) std::memcpy(out + i * row_bytes, x + rows[i] * row_bytes, row_bytes);
+  });
+}
+
+// Each thread owns a range of output rows and walks all M sources in order, so every output
+// element receives its additions in the order of i (the reference's order) at any thread count.
+template <typename T>
+static void unpermute_add_t(const T* y, const int64_t* rows, const T* w, T* out, int64_t M, int64_t C,
+                            int64_t n_rows) {
+  parallel_for(n_rows, 1 + (1 << 16) / (C > 0 ? C : 1), 1, [&](int64_t o0, int64_t o1) {
+    for (int64_t i = 0; i < M; ++i) {
+      int64_t r = rows[i];
+      if (r < o0 || r >= o1) continue;
+      const T* yi = y + i * C;
+      T* orow = out + r * C;
+      if (w) {
+        const T wi = w[i];
+        for (int64_t j = 0; j < C; ++j) {
+          T v = yi[j] * wi;  // rounded product first, as the reference forms y * w then adds
+          orow[j] += v;
+        }
+      } else {
+        for (int64_t j = 0; j < C; ++j) orow[j] += yi[j];
+      }
+    }
+  });
+}
+
+void unpermute_add(const void* y, const int64_t* rows, const void* w, void* out, int dt, int64_t M, int64_t C,
+                   int64_t n_rows) {
+  if (dt == F32)
+    unpermute_add_t(static_cast<const float*>(y), rows, static_cast<const float*>(w), static_cast<float*>(out), M,
+                    C, n_rows);
+  else
+    unpermute_add_t(static_cast<const double*>(y), rows, static_cast<const double*>(w),
+                    static_cast<double*>(out), M, C, n_rows);
+}
+
+}  // namespace pympar

@@ -1,0 +1,44 @@
+// The kernel table of one ISA build (see kernels.h).
+#include "isa.h"
+#include "kernels.h"
+
+namespace pympar {
+namespace PYMPAR_ISA {
+template <typename T> void softmax_causal_fwd(const T*, T*, int64_t, int64_t);
+template <typename T> void softmax_causal_bwd(const T*, const T*, T*, int64_t, int64_t);
+template <typename T> void layernorm_fwd(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double);
+template <typename T>
+void layernorm_bwd(const T*, const T*, const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t);
+template <typename T> void gelu_fwd(const T*, T*, int64_t);
+template <typename T> void gelu_bwd(const T*, const T*, T*, int64_t);
+template <typename T> void ce_fwd(const T*, const int64_t*, T*, T*, int64_t, int64_t);
+template <typename T> void ce_bwd(const T*, const T*, const int64_t*, const T*, int64_t, T*, int64_t, int64_t);
+void adamw(void*, const void*, void*, void*, int, int, int64_t, double, double, double, double, double, double,
+           double);
+void reduce(void*, const void*, int, int, int64_t);
+void scale(void*, int, double, int64_t);
+void cast(const void*, int, void*, int, int64_t);
+}  // namespace PYMPAR_ISA
+
+#define PYMPAR_STR2(x) #x
+#define PYMPAR_STR(x) PYMPAR_STR2(x)
+#define PYMPAR_CAT2(a, b) a##b
+#define PYMPAR_CAT(a, b) PYMPAR_CAT2(a, b)
+
+const KernelTable* PYMPAR_CAT(table_, PYMPAR_ISA)() {
+  namespace K = PYMPAR_ISA;
+  static const KernelTable t = {
+      PYMPAR_STR(PYMPAR_ISA),
+      K::softmax_causal_fwd<float>, K::softmax_causal_fwd<double>,
+      K::softmax_causal_bwd<float>, K::softmax_causal_bwd<double>,
+      K::layernorm_fwd<float>, K::layernorm_fwd<double>,
+      K::layernorm_bwd<float>, K::layernorm_bwd<double>,
+      K::gelu_fwd<float>, K::gelu_fwd<double>,
+      K::gelu_bwd<float>, K::gelu_bwd<double>,
+      K::ce_fwd<float>, K::ce_fwd<double>,
+      K::ce_bwd<float>, K::ce_bwd<double>,
+      K::adamw, K::reduce, K::scale, K::cast,
+  };
+  return &t;
+}
+}  // namespace pympar

@@ -1,0 +1,227 @@
+"""NumPy arrays -> the C++ kernels of ``pympar._C``.
+
+Each function has the signature of its twin in :mod:`pympar.kernels.reference` and checks
+dtype, contiguity and shape before a pointer crosses. What the C++ side does not cover is
+handed to the reference, so every call is answered:
+- the math kernels (softmax, layernorm, GELU, cross-entropy, top-k, unpermute_add) run
+  natively on float32 and float64; float16/bfloat16 inputs go to the reference;
+- AdamW runs natively on float32/float64 parameters with a float32/float64/float16/bfloat16
+  gradient;
+- cast, reduce_inplace and scale_inplace run natively on float16 and bfloat16 too (and the
+  reductions and scaling on int32/int64);
+- non-contiguous inputs are copied to contiguous ones; a non-contiguous in-place target
+  (AdamW's p/m/v, reduce_inplace's dst, scale_inplace's x) goes to the reference, which
+  updates it in place.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _C
+from ..backend import bfloat16
+from . import reference
+
+F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
+_FLOATS = (F32, F64)
+_HALVES = tuple(d for d in (np.dtype(np.float16), bfloat16) if d is not None)
+_CASTABLE = _FLOATS + _HALVES
+_REDUCIBLE = _CASTABLE + (np.dtype(np.int32), np.dtype(np.int64))
+_OPS = {"sum": 0, "max": 1, "min": 2, "prod": 3}
+
+
+def _c(a):
+    return np.ascontiguousarray(a)
+
+
+def _inplace_ok(a, dtypes):
+    return (isinstance(a, np.ndarray) and a.dtype in dtypes and a.flags.c_contiguous
+            and a.flags.writeable)
+
+
+def _i64(a):
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+# --- causal softmax ------------------------------------------------------------------------
+def softmax_causal_forward(x):
+    if x.dtype not in _FLOATS or x.ndim < 2 or x.shape[-1] != x.shape[-2]:
+        return reference.softmax_causal_forward(x)
+    x = _c(x)
+    y = np.empty_like(x)
+    _C.softmax_causal_forward(x, y)
+    return y
+
+
+def softmax_causal_backward(y, dy):
+    if y.dtype not in _FLOATS or dy.dtype != y.dtype or y.shape != dy.shape or y.ndim < 2 \
+            or y.shape[-1] != y.shape[-2]:
+        return reference.softmax_causal_backward(y, dy)
+    y, dy = _c(y), _c(dy)
+    dx = np.empty_like(y)
+    _C.softmax_causal_backward(y, dy, dx)
+    return dx
+
+
+# --- layernorm -----------------------------------------------------------------------------
+def layernorm_forward(x, w, b, eps=1e-5):
+    dt = x.dtype
+    if dt not in _FLOATS or w.dtype != dt or b.dtype != dt or x.ndim < 1 or w.shape != x.shape[-1:] \
+            or b.shape != w.shape:
+        return reference.layernorm_forward(x, w, b, eps)
+    x, w, b = _c(x), _c(w), _c(b)
+    y = np.empty_like(x)
+    mean = np.empty(x.shape[:-1], dtype=dt)
+    rstd = np.empty(x.shape[:-1], dtype=dt)
+    _C.layernorm_forward(x, w, b, y, mean, rstd, float(eps))
+    return y, mean, rstd
+
+
+def layernorm_backward(dy, x, w, mean, rstd):
+    dt = x.dtype
+    if dt not in _FLOATS or any(a.dtype != dt for a in (dy, w, mean, rstd)) or dy.shape != x.shape \
+            or x.ndim < 1 or w.shape != x.shape[-1:] or mean.shape != x.shape[:-1] or rstd.shape != mean.shape:
+        return reference.layernorm_backward(dy, x, w, mean, rstd)
+    dy, x, w, mean, rstd = _c(dy), _c(x), _c(w), _c(mean), _c(rstd)
+    dx = np.empty_like(x)
+    dw = np.empty_like(w)
+    db = np.empty_like(w)
+    _C.layernorm_backward(dy, x, w, mean, rstd, dx, dw, db)
+    return dx, dw, db
+
+
+# --- GELU ----------------------------------------------------------------------------------
+def gelu_forward(x):
+    if x.dtype not in _FLOATS:
+        return reference.gelu_forward(x)
+    x = _c(x)
+    y = np.empty_like(x)
+    _C.gelu_forward(x, y)
+    return y
+
+
+def gelu_backward(x, dy):
+    if x.dtype not in _FLOATS or dy.dtype != x.dtype or dy.shape != x.shape:
+        return reference.gelu_backward(x, dy)
+    x, dy = _c(x), _c(dy)
+    dx = np.empty_like(x)
+    _C.gelu_backward(x, dy, dx)
+    return dx
+
+
+# --- fused softmax + cross-entropy ---------------------------------------------------------
+def cross_entropy_forward(logits, targets):
+    if logits.dtype not in _FLOATS or logits.ndim != 2:
+        return reference.cross_entropy_forward(logits, targets)
+    logits, t = _c(logits), _i64(targets)
+    if t.shape != logits.shape[:1]:
+        raise ValueError(f"cross_entropy_forward: targets shape {t.shape} must be ({logits.shape[0]},)")
+    loss = np.empty(logits.shape[0], dtype=logits.dtype)
+    lse = np.empty_like(loss)
+    _C.cross_entropy_forward(logits, t, loss, lse)
+    return loss, lse
+
+
+def cross_entropy_backward(logits, lse, targets, dloss):
+    dt = logits.dtype
+    if dt not in _FLOATS or logits.ndim != 2 or lse.dtype != dt:
+        return reference.cross_entropy_backward(logits, lse, targets, dloss)
+    d = np.asarray(dloss, dtype=dt)
+    if d.ndim > 1:
+        return reference.cross_entropy_backward(logits, lse, targets, dloss)
+    logits, lse, t, d = _c(logits), _c(lse), _i64(targets), _c(d).reshape(-1)
+    dlogits = np.empty_like(logits)
+    _C.cross_entropy_backward(logits, lse, t, d, dlogits)
+    return dlogits
+
+
+# --- AdamW ---------------------------------------------------------------------------------
+def adamw_step(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step):
+    ok = (_inplace_ok(p, _FLOATS) and _inplace_ok(m, (p.dtype,)) and _inplace_ok(v, (p.dtype,))
+          and isinstance(g, np.ndarray) and g.shape == p.shape == m.shape == v.shape
+          and (g.dtype in _CASTABLE if p.dtype == F32 else g.dtype == F64))
+    if not ok:
+        return reference.adamw_step(p, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                    weight_decay=weight_decay, step=step)
+    bc1 = 1 - beta1 ** step
+    bc2 = 1 - beta2 ** step
+    _C.adamw_step(p, _c(g), m, v, float(lr), float(beta1), float(beta2), float(eps),
+                  float(weight_decay), float(bc1), float(bc2))
+
+
+# --- MoE routing helpers -------------------------------------------------------------------
+def topk(scores, k):
+    if scores.dtype not in _FLOATS or scores.ndim != 2 or not 1 <= k <= scores.shape[1]:
+        return reference.topk(scores, k)
+    scores = _c(scores)
+    idx = np.empty((scores.shape[0], k), dtype=np.int64)
+    vals = np.empty((scores.shape[0], k), dtype=scores.dtype)
+    _C.topk(scores, int(k), idx, vals)
+    return idx, vals
+
+
+def capacity_positions(expert_idx, n_expert, capacity):
+    e = _i64(expert_idx).reshape(-1)
+    pos = np.empty(e.shape[0], dtype=np.int64)
+    counts = np.empty(int(n_expert), dtype=np.int64)
+    _C.capacity_positions(e, int(n_expert), int(capacity), pos, counts)
+    return pos, counts
+
+
+def _rows(rows, n):
+    r = np.asarray(rows)
+    if r.ndim != 1 or r.dtype.kind not in "iu":
+        return None  # masks, nested indices: the reference (NumPy indexing) decides
+    r = _i64(r)
+    if r.size and r.min() < 0:
+        r = np.where(r < 0, r + n, r)  # NumPy's negative indices
+    return r
+
+
+def permute(x, rows):
+    r = _rows(rows, x.shape[0]) if isinstance(x, np.ndarray) and x.ndim >= 1 else None
+    if r is None:
+        return reference.permute(x, rows)
+    x = _c(x)
+    out = np.empty((r.shape[0],) + x.shape[1:], dtype=x.dtype)
+    _C.permute(x, r, out)
+    return out
+
+
+def unpermute_add(y, rows, weights, n_rows):
+    r = _rows(rows, n_rows) if y.dtype in _FLOATS and y.ndim == 2 else None
+    if r is None or r.shape[0] != y.shape[0]:
+        return reference.unpermute_add(y, rows, weights, n_rows)
+    y = _c(y)
+    w = None if weights is None else np.ascontiguousarray(weights, dtype=y.dtype).reshape(-1)
+    out = np.zeros((int(n_rows), y.shape[1]), dtype=y.dtype)
+    _C.unpermute_add(y, r, w, out)
+    return out
+
+
+# --- casts and elementwise reductions ------------------------------------------------------
+def cast(x, dtype):
+    dt = np.dtype(dtype)
+    if (not isinstance(x, np.ndarray) or x.dtype not in _CASTABLE or dt not in _CASTABLE
+            or not x.flags.c_contiguous or (x.dtype == F64 and dt in _HALVES)):
+        return reference.cast(x, dtype)
+    out = np.empty(x.shape, dtype=dt)
+    _C.cast(x, out)
+    return out
+
+
+def reduce_inplace(dst, src, op="sum"):
+    if op not in _OPS:
+        raise ValueError(f"unknown reduction op {op!r}: expected sum, max, min or prod")
+    if not (_inplace_ok(dst, _REDUCIBLE) and isinstance(src, np.ndarray) and src.dtype == dst.dtype
+            and src.shape == dst.shape):
+        return reference.reduce_inplace(dst, src, op)
+    _C.reduce_inplace(dst, _c(src), _OPS[op])
+    return dst
+
+
+def scale_inplace(x, alpha):
+    a = np.asarray(alpha)
+    if not (_inplace_ok(x, _REDUCIBLE) and a.ndim == 0 and a.dtype.kind in "iuf"):
+        return reference.scale_inplace(x, alpha)
+    _C.scale_inplace(x, float(a))
+    return x
