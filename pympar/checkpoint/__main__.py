@@ -1,0 +1,58 @@
+"""python -m pympar.checkpoint export DIR model.safetensors | import model.safetensors DIR | inspect DIR
+
+    export  write one nanoGPT-named state dict (PyTorch: safetensors.torch.load_file) from a
+            checkpoint of any layout (DIR may be a root with a `latest` pointer)
+    import  make a step-0 checkpoint from such a file, to start training from it
+    inspect print the manifest, the files and which ranks' files cover each tensor
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..backend import dtype as resolve_dtype
+from .convert import describe_checkpoint, export_state_dict, import_state_dict
+from .errors import CheckpointError
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pympar.checkpoint", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="checkpoint -> one nanoGPT-named safetensors file")
+    ex.add_argument("dir")
+    ex.add_argument("out")
+    ex.add_argument("--dtype", default=None, help="cast every tensor (float32, bfloat16, float16)")
+    ex.add_argument("--no-lm-head", action="store_true", help="leave out lm_head.weight (tied to wte)")
+    im = sub.add_parser("import", help="nanoGPT-named safetensors file -> step-0 checkpoint")
+    im.add_argument("file")
+    im.add_argument("dir")
+    im.add_argument("--n-head", type=int, default=None, help="heads (not readable from shapes)")
+    im.add_argument("--config", default=None, help="JSON of GPTConfig fields to set")
+    im.add_argument("--step", type=int, default=0)
+    ins = sub.add_parser("inspect", help="print what a checkpoint holds")
+    ins.add_argument("dir")
+    ins.add_argument("--verify", action="store_true", help="check every file's size and sha256")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "export":
+            shapes = export_state_dict(a.dir, a.out, resolve_dtype(a.dtype) if a.dtype else None,
+                                       lm_head=not a.no_lm_head)
+            print(f"wrote {len(shapes)} tensors to {a.out}")
+        elif a.cmd == "import":
+            cfg = json.loads(a.config) if a.config else None
+            path = import_state_dict(a.file, a.dir, cfg, n_head=a.n_head, step=a.step)
+            print(f"wrote checkpoint {path}")
+        else:
+            text = describe_checkpoint(a.dir, verify=a.verify)
+            print(text)
+            if a.verify and "DAMAGED" in text:
+                return 1
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
