@@ -1,0 +1,279 @@
+"""Data parallelism: bucketed gradient sync overlapped with backward, ZeRO-1, compression.
+
+Parameters are packed, in REVERSE order of their place in the model (the head's last,
+which backward finishes first), into flat buckets of about ``bucket_mb`` MiB, each padded
+to a multiple of dp. After the first bucket fill each ``p.grad`` is a view into its
+bucket's buffer, so the engine's ``p.grad += ...`` writes straight into it and nothing is
+copied for the sync. The model tells us when a parameter's gradient is final
+(``model.grad_ready_hooks``, see ``attach``); when every parameter of a bucket is final and
+this is the last micro-batch of the step, the bucket's nonblocking collective starts.
+Buckets start strictly in index order, so every rank issues the same collectives in the
+same order whatever order its grads arrive in. MPI progress in pympar's own algorithms
+happens only inside test/wait, so every notification also polls the requests in flight.
+
+``finish()`` starts what is left, waits for everything and turns sums into means over dp
+(with the engine's ``grad_scale = 1/n_micro`` the result is the mean over the global
+batch). Plain DP allreduces each bucket; ZeRO-1 reduce-scatters it, keeps only its own
+chunk and updates that chunk (see pympar.parallel.zero).
+
+Usage, per optimiser step::
+
+    dp = DataParallel(model.named_parameters(), mesh.dp_comm, bucket_mb=25, overlap=True)
+    dp.attach(model)
+    dp.begin_step()
+    for i, (x, y) in enumerate(micro_batches):
+        dp.begin_micro(last=(i == len(micro_batches) - 1))
+        model.loss_and_grad(x, y, grad_scale=1 / len(micro_batches))
+    dp.finish()
+    norm = dp.step(optimizer, lr, clip=1.0)
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .compress import dense_allreduce_bytes, make_compressor
+
+
+class Bucket:
+    """A flat (padded,) buffer of grads of ``params``; pieces [offset, offset+size) each."""
+
+    def __init__(self, index, params, names, dp):
+        self.index = index
+        self.params, self.names = params, names
+        self.dtype = params[0].grad.dtype
+        self.sizes = [int(p.grad.size) for p in params]
+        self.offsets = list(np.cumsum([0] + self.sizes[:-1]))
+        self.numel = int(sum(self.sizes))
+        self.padded = -(-self.numel // dp) * dp               # a multiple of dp (reduce-scatter)
+        self.buf = np.zeros(self.padded, dtype=self.dtype)    # (padded,)
+        self.views = [self.buf[o:o + s].reshape(p.grad.shape)
+                      for o, s, p in zip(self.offsets, self.sizes, params)]
+        self.ids = {id(p) for p in params}
+        self.chunk = self.padded // dp                        # ZeRO-1: rank r owns [r*chunk, (r+1)*chunk)
+        self.reset()
+
+    def reset(self):
+        self.ready = set()
+        self.request = None
+        self.launched = self.done = False
+        self.result = None                                    # ZeRO: the reduced chunk (chunk,)
+
+    def gather_grads(self):
+        """Make every p.grad the bucket's view (copying what the engine wrote elsewhere)."""
+        for p, v in zip(self.params, self.views):
+            if p.grad is not v:
+                v[...] = p.grad
+                p.grad = v
+
+
+def build_buckets(named_params, dp: int, bucket_mb: float):
+    """Reverse order of the model's parameters, cut every ~bucket_mb MiB (and where dtype changes)."""
+    items = list(named_params)[::-1]
+    limit = max(1, int(bucket_mb * 2**20))
+    buckets, cur, names, nbytes = [], [], [], 0
+    for name, p in items:
+        if cur and (nbytes + p.grad.nbytes > limit or p.grad.dtype != cur[0].grad.dtype):
+            buckets.append(Bucket(len(buckets), cur, names, dp))
+            cur, names, nbytes = [], [], 0
+        cur.append(p)
+        names.append(name)
+        nbytes += p.grad.nbytes
+    if cur:
+        buckets.append(Bucket(len(buckets), cur, names, dp))
+    return buckets
+
+
+def _wait(req):
+    return req.wait()
+
+
+class DataParallel:
+    """Gradient sync over the data-parallel communicator ``dp_comm`` (any pympar Communicator).
+
+    bucket_mb: bucket size in MiB; overlap: start each bucket during backward (False: all in
+    finish()); compress: None | 'fp16' | 'bf16' | 'topk:<ratio>' (see compress.py);
+    zero: ZeRO-1 distributed optimiser (the step updates only this rank's chunk).
+    """
+
+    def __init__(self, named_params, dp_comm, bucket_mb=25.0, overlap=True, compress=None,
+                 zero=False):
+        self.named = list(named_params)
+        if not self.named:
+            raise ValueError("DataParallel got no parameters")
+        self.comm = dp_comm
+        self.dp = int(dp_comm.size)
+        self.bucket_mb = float(bucket_mb)
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb={bucket_mb} must be > 0")
+        self.overlap = bool(overlap)
+        self.compressor = make_compressor(compress)
+        self.zero = bool(zero)
+        self.buckets = build_buckets(self.named, self.dp, self.bucket_mb)
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._zero_opt = None
+        self._sync = True
+        self._next = 0                                      # next bucket index to launch
+        self.totals = dict(steps=0, bytes_sent=0, payload_bytes=0, collectives=0, comm_s=0.0,
+                           exposed_s=0.0, span_s=0.0)
+        self.last = {}
+        self.begin_step()
+
+    # --- wiring -----------------------------------------------------------------------------
+    def attach(self, model):
+        """Register grad_ready on the model's backward notifications (GPT.grad_ready_hooks)."""
+        hooks = getattr(model, "grad_ready_hooks", None)
+        if hooks is None:
+            raise TypeError(f"{type(model).__name__} has no grad_ready_hooks: buckets will all start in finish()")
+        if self.grad_ready not in hooks:
+            hooks.append(self.grad_ready)
+        return self
+
+    # --- per step ---------------------------------------------------------------------------
+    def begin_step(self):
+        """Start a new optimiser step (before the first micro-batch)."""
+        for b in self.buckets:
+            b.reset()
+        self._next = 0
+        self._sync = True
+        self._t_first = None
+        self._t_done = None
+        self.last = dict(bytes_sent=0, payload_bytes=0, collectives=0, comm_s=0.0, exposed_s=0.0)
+
+    def begin_micro(self, last: bool):
+        """Say whether the coming micro-batch is the step's last: only then do buckets sync."""
+        self._sync = bool(last)
+
+    def grad_ready(self, params):
+        """Backward finished these parameters' grads for this micro-batch (model hook)."""
+        if self._sync and self.overlap:
+            for p in params:
+                b = self.bucket_of.get(id(p))
+                if b is not None:
+                    b.ready.add(id(p))
+            self._launch(only_ready=True)
+        self._poll()
+
+    def finish(self):
+        """Start the buckets not started yet, wait for all, average over dp."""
+        t0 = time.perf_counter()
+        self._launch(only_ready=False)
+        for b in self.buckets:
+            if not b.done:
+                self._complete(b, _wait(b.request) if b.request is not None else None)
+        now = time.perf_counter()
+        self.last["exposed_s"] = now - t0
+        self.last["comm_s"] += now - t0
+        self.last["span_s"] = (now - self._t_first) if self._t_first is not None else 0.0
+        self._t_done = now
+        for k in ("bytes_sent", "payload_bytes", "collectives", "comm_s", "exposed_s", "span_s"):
+            self.totals[k] += self.last[k]
+        self.totals["steps"] += 1
+
+    def step(self, optimizer, lr=None, clip=0.0, allreduce_sq=None):
+        """Clip to the global norm and update; returns the norm before clipping.
+
+        Plain DP: optimizer (pympar.optim.AdamW) steps on the averaged full grads.
+        ZeRO-1: a ZeroAdamW with the optimizer's hyper-parameters updates this rank's chunk
+        and allgathers the parameters (the optimizer's own m, v are never touched).
+        allreduce_sq sums a sum of squares over the OTHER groups (tp, pp); dp is handled here.
+        """
+        if not self.zero:
+            from ..optim import clip_grad_norm
+
+            norm = clip_grad_norm([p for _, p in self.named], clip, allreduce_sq)
+            optimizer.step(lr)
+            return norm
+        if self._zero_opt is None:
+            from .zero import ZeroAdamW
+
+            self._zero_opt = ZeroAdamW.from_optimizer(optimizer, self.buckets, self.comm)
+        return self._zero_opt.step(lr, clip, allreduce_sq)
+
+    # --- collectives ------------------------------------------------------------------------
+    def _launch(self, only_ready):
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if only_ready and len(b.ready) < len(b.ids):
+                return
+            self._start(b)
+            self._next += 1
+
+    def _start(self, b):
+        t0 = time.perf_counter()
+        if self._t_first is None:
+            self._t_first = t0
+        b.gather_grads()
+        b.launched = True
+        n = self.dp
+        if n == 1:
+            self._complete(b, None)
+        elif self.compressor is not None:             # blocking: compressors use alltoall/allgather
+            out, nb = self.compressor.reduce_mean(self.comm, b.index, b.buf, self.zero)
+            self._count(nb["payload"], nb["wire"], nb["collectives"])
+            self._complete(b, out, mean=True)
+        elif self.zero:
+            b.request = self.comm.ireduce_scatter(b.buf)
+            self._count(b.buf.nbytes, (n - 1) * b.buf.nbytes // n, 1)
+        else:
+            b.request = self.comm.iallreduce(b.buf)
+            nb = dense_allreduce_bytes(b.buf.nbytes, n)
+            self._count(nb["payload"], nb["wire"], 1)
+        self.last["comm_s"] += time.perf_counter() - t0
+
+    def _count(self, payload, wire, n_coll):
+        self.last["payload_bytes"] += int(payload)
+        self.last["bytes_sent"] += int(wire)
+        self.last["collectives"] += n_coll
+
+    def _poll(self):
+        """Let the nonblocking collectives in flight progress (cheap when none are)."""
+        t0 = time.perf_counter()
+        busy = False
+        for b in self.buckets[:self._next]:
+            if b.request is not None and not b.done:
+                busy = True
+                if b.request.test():
+                    self._complete(b, _wait(b.request))
+        if busy:
+            self.last["comm_s"] += time.perf_counter() - t0
+
+    def _complete(self, b, result, mean=False):
+        """Store the reduced values: means in b.buf (plain DP) or in b.result (ZeRO chunk).
+
+        result: None (reduced in place in b.buf), the reduced array, or (mean=True) a mean."""
+        n = self.dp
+        if self.zero:
+            if n == 1:
+                b.result = b.buf.copy()                       # (chunk,) = everything
+            else:
+                b.result = np.array(b.buf if result is None else result, dtype=b.dtype).reshape(-1)
+                if not mean:
+                    b.result *= b.dtype.type(1.0 / n)
+        elif n > 1:
+            if result is not None and result is not b.buf:
+                b.buf[...] = result.reshape(-1)
+            if not mean:
+                b.buf *= b.dtype.type(1.0 / n)
+        b.done = True
+
+    # --- reporting --------------------------------------------------------------------------
+    def stats(self):
+        """Last step's and cumulative figures: bytes sent (wire estimate and payload), number of
+        collectives, comm_s (time inside comm calls), exposed_s (time blocked in finish),
+        hidden_fraction = 1 - exposed / span (span: first bucket start to the end of finish)."""
+        last = dict(self.last)
+        span = last.get("span_s", 0.0)
+        last["hidden_fraction"] = (1.0 - last["exposed_s"] / span) if span > 0 else 0.0
+        tot = dict(self.totals)
+        tot["hidden_fraction"] = (1.0 - tot["exposed_s"] / tot["span_s"]) if tot["span_s"] > 0 else 0.0
+        return dict(last=last, total=tot, n_buckets=len(self.buckets), dp=self.dp,
+                    bucket_mb=self.bucket_mb, overlap=self.overlap, zero=self.zero,
+                    compress=None if self.compressor is None else self.compressor.name)
+
+    def memory_report(self):
+        """Optimiser bytes per rank, this layout against plain DP (see zero.optimizer_memory)."""
+        from .zero import optimizer_memory
+
+        return optimizer_memory(self.buckets, self.dp, self.zero)
