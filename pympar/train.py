@@ -64,15 +64,16 @@ def main(argv=None) -> int:
         corpus.check_block_size(model_cfg.block_size)
         check_supported(model_cfg, run.layout_resolved, run)
     except ValueError as e:                    # ConfigError, DataError, NotSupportedError
-        print(f"pympar.train: error: {e}", file=sys.stderr, flush=True)
+        sys.stderr.flush()                     # one write per line: ranks' lines must not interleave
+        os.write(2, f"pympar.train: error: {e}\n".encode())
         return 2
     except SystemExit as e:                    # --help
         return int(e.code or 0)
 
     # 2. set up: communicator, model replica(s), recorder, the measured peak
-    from .comm import world as world_comm
+    from .comm import MPIComm
     backend.set_num_threads(run.threads or backend.default_threads())
-    comm = world_comm()
+    comm = MPIComm(mpi, name="world", timeout=run.comm_timeout)
     lay = run.layout_resolved
     dp_rank = rank % lay.dp                    # pure DP: the world rank is the DP rank
     rec = Recorder(enabled=run.profile)

@@ -1,0 +1,74 @@
+"""pympar.report: the PNGs a run directory allows, from hand-made metrics and trace files."""
+import json
+
+import pytest
+
+from pympar import report
+from pympar.profile import Recorder, write_chrome_trace
+
+
+def _metrics(path, moe):
+    with open(path, "w") as f:
+        for s in range(6):
+            rec = {"step": s, "loss": 5.5 - 0.1 * s, "val_loss": 5.4 - 0.1 * s if s % 3 == 2 else None,
+                   "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0 + s, "mfu": 0.05, "step_time": 0.02,
+                   "time_split": {"compute": 0.015, "dp_comm": 0.003, "optimizer": 0.001}, "loss_scale": 1.0,
+                   "moe": [{"layer": i, "tokens_per_expert": [10, 20, 30, 40], "load_cv": 0.4,
+                            "max_over_mean": 1.6, "dropped_fraction": 0.0} for i in range(2)] if moe else []}
+            f.write(json.dumps(rec) + "\n")
+
+
+def _trace(path, ranks=3):
+    events = []
+    for r in range(ranks):
+        rec = Recorder(enabled=True)
+        rec.origin = 0.0
+        for step in range(2):
+            t = step * 1.0
+            rec.add(f"step {step}", "step", t, 0.9)
+            rec.add("micro-batch 0", "compute", t, 0.5)
+            rec.add("fwd h.0", "layer", t, 0.2, mb=0)
+            rec.add("allreduce grads", "dp_comm", t + 0.5, 0.3, bytes=1024)
+            rec.add("optimizer", "optimizer", t + 0.8, 0.1)
+        events.append(rec.events)
+    write_chrome_trace(path, events)
+
+
+@pytest.mark.parametrize("moe, trace", [(False, False), (True, True)])
+def test_report_writes_what_the_run_allows(tmp_path, moe, trace):
+    _metrics(tmp_path / "metrics.jsonl", moe)
+    if trace:
+        _trace(tmp_path / "trace.json")
+    wrote = {p.name for p in report.make_report(tmp_path)}
+    want = {"loss.png", "throughput.png", "time_split.png"} | ({"experts.png"} if moe else set()) \
+        | ({"pipeline.png"} if trace else set())
+    assert wrote == want
+    for name in want:
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+
+
+def test_chrome_trace_rows_and_units(tmp_path):
+    _trace(tmp_path / "t.json", ranks=2)
+    ev = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert [e["args"]["name"] for e in ev if e["name"] == "process_name"] == ["rank 0", "rank 1"]
+    ar = [e for e in ev if e["name"] == "allreduce grads" and e["pid"] == 1]
+    assert ar[1]["ts"] == pytest.approx(1.5e6) and ar[1]["dur"] == pytest.approx(0.3e6)   # microseconds
+    compute = [e for e in ev if e["name"] == "micro-batch 0" and e["pid"] == 1]
+    assert ar[0]["args"] == {"bytes": 1024} and ar[0]["tid"] != compute[0]["tid"]   # own thread row
+
+
+def test_recorder_totals_are_per_category_and_reset():
+    rec = Recorder(enabled=False)
+    rec.add("a", "compute", 0.0, 0.25)
+    rec.add("b", "compute", 0.0, 0.5)
+    rec.add("c", "dp_comm", 0.0, 0.125)
+    rec.add("d", "layer", 0.0, 9.0)               # nested detail: not part of the split
+    t = rec.take_totals()
+    assert t["compute"] == 0.75 and t["dp_comm"] == 0.125 and sum(t.values()) == 0.875
+    assert sum(rec.take_totals().values()) == 0 and rec.events == []
+
+
+def test_report_cli_errors_without_metrics(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 2
+    assert "no metrics file" in capsys.readouterr().err

@@ -1,0 +1,199 @@
+"""python -m pympar.train end to end under mpiexec, plus its configuration parsing in-process."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpirun import run_mpi
+from pympar.config import ConfigError, parse_args
+
+TINY = ["--preset", "tiny", "--block-size", "16", "--micro-batch-size", "2", "--sample-tokens", "8",
+        "--eval-iters", "2"]
+KEYS = {"step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "time_split", "loss_scale", "moe"}
+
+
+def train(n, *args, check=True, timeout=90, cache=None):
+    env = {"PYMPAR_CACHE": cache} if cache else None
+    return run_mpi(n, ["-m", "pympar.train", *TINY, *map(str, args)], timeout=timeout, check=check, env=env)
+
+
+def metrics(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def error_lines(res):
+    return [line for line in res.stdout.splitlines() if line.startswith("pympar.train: error:")]
+
+
+def test_help_lists_every_option_with_defaults():
+    res = run_mpi(1, ["-m", "pympar.train", "--help"], timeout=60)
+    for flag in ("--preset", "--dp", "--pp", "--tp", "--ep", "--schedule", "--micro-batch-size", "--n-micro",
+                 "--zero", "--seq-parallel", "--compress", "--device", "--dtype", "--steps", "--lr", "--seed",
+                 "--out", "--profile", "--config", "--data", "--n-expert", "--capacity-factor", "--comm-timeout"):
+        assert flag in res.stdout, flag
+    assert "(default: 200)" in res.stdout and "(default: tiny)" in res.stdout
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_default_run_on_n_ranks(tmp_path, n):
+    out = tmp_path / "run"
+    res = train(n, "--steps", 3, "--eval-every", 2, "--out", out)
+    assert f"layout dp={n} pp=1 tp=1 ep=1 (chosen for the world size)" in res.stdout
+    assert "python3" in res.stdout and "stdlib" in res.stdout          # the default corpus
+    assert res.stdout.count("--- sample (top-k) ---") == 1               # rank 0 only
+    m = metrics(out)
+    assert [r["step"] for r in m] == [0, 1, 2]
+    assert KEYS <= set(m[0])
+    assert m[0]["val_loss"] is None and m[1]["val_loss"] is not None and m[2]["val_loss"] is not None
+    assert all(np.isfinite(r["loss"]) and 4.0 < r["loss"] < 7.0 for r in m)   # ~ln(256)=5.55 at init
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in m)
+    assert (m[1]["time_split"]["dp_comm"] > 0) == (n > 1)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["ranks"] == n and s["config"]["run"]["layout_resolved"]["dp"] == n
+
+
+def test_data_parallel_matches_gradient_accumulation(tmp_path):
+    """The central claim: 2 ranks x 2 micro-batches == 1 rank x 4 micro-batches, step by step."""
+    train(1, "--steps", 3, "--n-micro", 4, "--out", tmp_path / "a")
+    train(2, "--steps", 3, "--n-micro", 2, "--out", tmp_path / "b")
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in a], [r["grad_norm"] for r in b], rtol=1e-4)
+    assert a[2]["loss"] != a[0]["loss"]                                  # it did train
+
+
+def test_moe_run_reports_expert_load(tmp_path):
+    train(2, "--preset", "moe-tiny", "--block-size", "16", "--steps", 2, "--out", tmp_path)
+    m = metrics(tmp_path)
+    layers = m[-1]["moe"]
+    assert [s["layer"] for s in layers] == [0, 1]
+    for s in layers:
+        # top_k=2 assignments of every token of the global batch (2 ranks x 2 x 16 tokens)
+        assert sum(s["tokens_per_expert"]) == 2 * 2 * 2 * 16 and len(s["tokens_per_expert"]) == 4
+        assert s["load_cv"] >= 0 and s["max_over_mean"] >= 1 and s["dropped_fraction"] == 0
+
+
+def test_profile_trace_has_a_row_per_rank_and_report_draws_it(tmp_path):
+    train(2, "--steps", 3, "--profile", "--out", tmp_path)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    ev = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in ev if e["name"] == "process_name"}
+    assert sorted(names) == [0, 1] and names[1].startswith("rank 1")
+    for r in (0, 1):
+        mine = [e for e in ev if e["pid"] == r and e["ph"] == "X"]
+        cats = {e["cat"] for e in mine}
+        assert {"compute", "dp_comm", "optimizer", "step", "layer"} <= cats
+        assert any(e["name"] == "fwd h.1" for e in mine) and any(e["name"] == "bwd embedding" for e in mine)
+        assert all(e["dur"] >= 0 for e in mine)
+    assert all(e["args"]["bytes"] > 0 for e in ev if e.get("cat") == "dp_comm")
+    res = run_mpi(1, ["-m", "pympar.report", tmp_path], timeout=60)
+    for png in ("loss.png", "throughput.png", "time_split.png", "pipeline.png"):
+        assert (tmp_path / png).stat().st_size > 1000, png
+    assert "experts.png" not in res.stdout
+
+
+def test_config_file_with_flag_override(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('steps = 5\nlr = 0.002\n[model]\nn_layer = 3\nn_embd = 16\n')
+    train(1, "--config", cfg, "--steps", 2, "--out", tmp_path / "o")
+    s = json.loads((tmp_path / "o" / "summary.json").read_text())["config"]
+    assert s["run"]["steps"] == 2 and s["run"]["lr"] == 0.002          # flag beats file; file beats default
+    assert s["model"]["n_layer"] == 3 and s["model"]["n_embd"] == 16
+    assert len(metrics(tmp_path / "o")) == 2
+
+
+# ----------------------------------------------------------------------------- data formats
+
+def _llmc(path, tokens):
+    header = np.zeros(256, np.int32)
+    header[:3] = (20240520, 1, len(tokens))
+    path.write_bytes(header.tobytes() + np.asarray(tokens, np.uint16).tobytes())
+
+
+def test_every_data_format_trains(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    tdir = tmp_path / "texts"
+    tdir.mkdir()
+    for i in range(12):
+        (tdir / f"{i}.md").write_text(f"# note {i}\n" + "some words here " * 20)
+    nano = tmp_path / "nano"
+    nano.mkdir()
+    rng = np.random.default_rng(0)
+    (nano / "train.bin").write_bytes(rng.integers(0, 300, 2000).astype(np.uint16).tobytes())
+    (nano / "val.bin").write_bytes(rng.integers(0, 300, 400).astype(np.uint16).tobytes())
+    _llmc(tmp_path / "tok_train.bin", rng.integers(0, 500, 3000))
+    _llmc(tmp_path / "tok_val.bin", rng.integers(0, 500, 500))
+    for spec, vocab in ((text, 256), (tdir, 256), (nano, None), (tmp_path / "tok_train.bin", None)):
+        out = tmp_path / f"o_{spec.name}"
+        res = train(2, "--data", spec, "--steps", 2, "--out", out, cache=tmp_path / "cache")
+        assert str(spec) in res.stdout
+        s = json.loads((out / "summary.json").read_text())
+        want = vocab or 1 + max(int(np.fromfile(p, np.uint16, offset=o).max()) for p, o in (
+            ((nano / "train.bin", 0), (nano / "val.bin", 0)) if spec == nano else
+            ((tmp_path / "tok_train.bin", 1024), (tmp_path / "tok_val.bin", 1024))))
+        assert s["config"]["model"]["vocab_size"] == want
+        assert all(np.isfinite(r["loss"]) for r in metrics(out))
+
+
+@pytest.mark.parametrize("case", ["empty", "binary", "magic", "short", "missing"])
+def test_bad_data_fails_every_rank_naming_the_file(tmp_path, case):
+    bad = tmp_path / ("bad.bin" if case in ("magic", "short") else "bad.txt")
+    if case == "empty":
+        bad.write_bytes(b"")
+    elif case == "binary":
+        bad.write_bytes(b"\x00\x01\x02" * 100)
+    elif case == "magic":
+        bad.write_bytes(np.zeros(300, np.int32).tobytes())
+    elif case == "short":
+        _llmc(bad, range(100))
+        bad.write_bytes(bad.read_bytes()[:-50])
+    res = train(2, "--data", bad, "--steps", 2, check=False, timeout=60)
+    assert res.returncode != 0
+    lines = error_lines(res)
+    assert len(lines) == 2 and lines[0] == lines[1], res.stdout[-2000:]   # every rank, same line
+    assert str(bad) in lines[0]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--dp", "3"], "does not match the world size 2"),
+    (["--tp", "2"], "tp=2 is not yet supported"),
+    (["--n-head", "3"], "n_embd=32 is not divisible by n_head=3"),
+    (["--schedule", "zigzag"], "invalid choice"),
+    (["--steps", "0"], "steps=0 must be >= 1"),
+    (["--block-size", "100000", "--data", "__SMALL__"], "fewer than block_size+1"),
+])
+def test_bad_config_exits_2_on_every_rank(tmp_path, args, needle):
+    small = tmp_path / "s.txt"
+    small.write_text("x" * 500)
+    args = [str(small) if a == "__SMALL__" else a for a in args]
+    res = train(2, *args, check=False, timeout=60, cache=tmp_path / "cache")
+    assert res.returncode == 2
+    lines = error_lines(res)
+    assert len(lines) == 2 and lines[0] == lines[1], res.stdout[-2000:]
+    assert needle in lines[0]
+
+
+# ----------------------------------------------------------------------------- parsing in-process
+
+def test_precedence_default_preset_file_flag(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('preset = "small"\nn_layer = 3\nmicro_batch_size = 4\n')
+    model, run = parse_args(["--config", str(cfg), "--n-layer", "5"], world_size=1)
+    assert model.n_embd == 128 and model.n_layer == 5 and run.micro_batch_size == 4 and run.steps == 200
+
+
+def test_layout_rule_and_errors(tmp_path):
+    _, run = parse_args([], world_size=8)
+    assert (run.layout_resolved.dp, run.layout_resolved.pp) == (8, 1) and run.layout_auto
+    _, run = parse_args(["--pp", "2"], world_size=8)
+    assert run.layout_resolved.dp == 4 and not run.layout_auto
+    with pytest.raises(ConfigError, match="not divisible by pp\\*tp"):
+        parse_args(["--pp", "3"], world_size=8)
+    with pytest.raises(ConfigError, match="ep=3 does not divide dp=8"):
+        parse_args(["--ep", "3", "--preset", "moe-tiny"], world_size=8)
+    with pytest.raises(ConfigError, match="unknown keys \\['nope'\\]"):
+        p = tmp_path / "nope.toml"
+        p.write_text("nope = 1\n")
+        parse_args(["--config", str(p)], world_size=1)
