@@ -1,0 +1,83 @@
+"""Ring reduce-scatter / allgather / allreduce, chunked and pipelined.
+
+Rank r sends to r+1 and receives from r-1. At step s it sends logical block (r - s) and
+receives logical block (r - s - 1); steps 0..n-2 reduce what arrives (reduce-scatter),
+steps n-1..2n-3 copy it (allgather). Each block travels in segments of SEGMENT_BYTES:
+as soon as segment k of step s has arrived and been reduced it is sent on as segment k of
+step s+1, and step s+1's receives are posted before step s is worked, so transfer overlaps
+reduction. One tag suffices: MPI keeps the order of messages between two ranks.
+"""
+from __future__ import annotations
+
+from .p2p import bounds
+
+SEGMENT_BYTES = 1 << 20
+
+
+def ring_allreduce(ctx, buf):
+    """buf (count,) reduced in place over the ring."""
+    _ring(ctx, buf, bounds(buf.size, ctx.size), 0, 2 * ctx.size - 2, 0)
+
+
+def ring_reduce_scatter(ctx, buf, E):
+    """buf (count,) reduced so that block r = buf[E[r]:E[r+1]] holds the result on rank r."""
+    _ring(ctx, buf, E, 0, ctx.size - 1, -1)
+
+
+def ring_allgather(ctx, buf, E):
+    """buf (count,) with block r filled on rank r; afterwards every block everywhere."""
+    _ring(ctx, buf, E, ctx.size - 1, 2 * ctx.size - 2, -1)
+
+
+def _ring(ctx, buf, E, s0, s1, shift):
+    n, r = ctx.size, ctx.rank
+    if n == 1 or s0 >= s1:
+        return
+    left, right = (r - 1) % n, (r + 1) % n
+    seg = max(1, SEGMENT_BYTES // max(1, buf.itemsize))
+    waiter = ctx.waiter
+
+    def blk(logical):
+        return (logical + shift) % n
+
+    def segs(b):
+        lo, hi = E[b], E[b + 1]
+        return [(i, min(i + seg, hi)) for i in range(lo, hi, seg)]
+
+    maxblk = max(E[i + 1] - E[i] for i in range(n))
+    tmp = [ctx.empty(maxblk, buf), ctx.empty(maxblk, buf)] if s0 < n - 1 else None
+    sends = {}  # step -> its send requests, waited before their buffer is written again
+
+    def wait_sends(t):
+        reqs = sends.pop(t, None)
+        if reqs:
+            waiter.wait(reqs, [right] * len(reqs))
+
+    def post_recvs(t):
+        if t >= s1:
+            return None
+        wait_sends(t + 1 - n)  # the block received at step t was sent at step t+1-n
+        b = blk(r - t - 1)
+        ss = segs(b)
+        if t < n - 1:
+            dst = [tmp[t % 2][lo - E[b]:hi - E[b]] for lo, hi in ss]
+        else:
+            dst = [buf[lo:hi] for lo, hi in ss]
+        return ss, dst, [ctx.irecv(d, left) for d in dst]
+
+    sends[s0] = [ctx.isend(buf[lo:hi], right) for lo, hi in segs(blk(r - s0))]
+    nxt = post_recvs(s0)
+    for s in range(s0, s1):
+        ss, dst, reqs = nxt
+        nxt = post_recvs(s + 1)
+        out = []
+        for (lo, hi), d, q in zip(ss, dst, reqs):
+            waiter.wait1(q, left)
+            if s < n - 1:
+                ctx.reduce(buf[lo:hi], d)
+            if s + 1 < s1:
+                out.append(ctx.isend(buf[lo:hi], right))
+        if s + 1 < s1:
+            sends[s + 1] = out
+    for t in list(sends):
+        wait_sends(t)

@@ -1,0 +1,148 @@
+"""Collectives through an MPI-3 shared-memory window on a node communicator.
+
+Each rank owns a segment of the window: a 64-byte header (its barrier counter, alone on
+its cache line) and two data regions used alternately by successive calls, so one call's
+readers never race the next call's writers. Allreduce: every rank copies its input into
+its region, then reduces its slice straight out of all the others' regions into its own,
+then gathers every rank's reduced slice. The barrier is a counter per rank in shared
+memory, so a stalled barrier can name the ranks that did not arrive.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ... import kernels
+from ..dtypes import finish_avg, reduce_op
+from ..errors import CommTimeoutError
+from ..progress import MAX_SLEEP, SPINS_BEFORE_YIELD, YIELD_SECONDS
+from .p2p import bounds
+
+HEADER = 64
+
+
+class ShmArena:
+    """The shared window of one node communicator (mpi4py), grown on demand (collectively)."""
+
+    def __init__(self, node_comm, parent_ranks):
+        self.comm = node_comm
+        self.rank, self.size = node_comm.Get_rank(), node_comm.Get_size()
+        self.parent_ranks = parent_ranks  # node rank -> rank in the owning communicator
+        self.win, self.cap, self.epoch, self.parity = None, 0, 0, 0
+        self.data, self.flags = [], []
+
+    def ensure(self, nbytes, waiter):
+        """Make each region hold nbytes; returns the parity this call should use."""
+        if self.win is None or nbytes > self.cap:
+            if self.win is not None:
+                self.barrier(waiter)  # nobody still reads the old window
+                self.win.Unlock_all()
+                self.win.Free()
+            cap = max(nbytes, 2 * self.cap, 1 << 16)
+            cap = (cap + 63) // 64 * 64
+            self.win = MPI.Win.Allocate_shared(HEADER + 2 * cap, 1, comm=self.comm)
+            self.win.Lock_all(MPI.MODE_NOCHECK)  # one passive epoch: Win.Sync is then a memory fence
+            self.cap, self.epoch = cap, 0
+            segs = [np.frombuffer(self.win.Shared_query(k)[0], dtype=np.uint8) for k in range(self.size)]
+            self.flags = [s[:HEADER].view(np.int64) for s in segs]
+            self.data = [s[HEADER:] for s in segs]
+            self.flags[self.rank][:] = 0
+            self.win.Sync()
+            self.comm.Barrier()
+        self.parity ^= 1
+        return self.parity
+
+    def region(self, k, parity, dtype, count):
+        off = parity * self.cap
+        return self.data[k][off:off + count * np.dtype(dtype).itemsize].view(dtype)
+
+    def barrier(self, waiter):
+        """All node ranks arrive; raises CommTimeoutError naming the missing ranks."""
+        self.epoch += 1
+        e = self.epoch
+        self.win.Sync()          # our writes are visible before the counter moves
+        self.flags[self.rank][0] = e
+        flags = self.flags
+        spins, sleep, yield_until = 0, 2e-5, None
+        while True:
+            if all(f[0] >= e for f in flags):
+                break
+            spins += 1
+            if spins < SPINS_BEFORE_YIELD:
+                continue
+            now = time.monotonic()
+            if now > waiter.deadline:
+                missing = [self.parent_ranks[k] for k, f in enumerate(flags) if f[0] < e]
+                raise CommTimeoutError(waiter.op, waiter.comm_name, waiter.seq, missing, waiter.timeout,
+                                       "shared-memory barrier")
+            if yield_until is None:
+                yield_until = now + YIELD_SECONDS
+            if now < yield_until:
+                os.sched_yield()
+            else:
+                time.sleep(sleep)
+                sleep = min(2 * sleep, MAX_SLEEP)
+        self.win.Sync()          # and we see everyone's writes
+
+    def free(self):
+        if self.win is not None:
+            self.win.Unlock_all()
+            self.win.Free()
+            self.win = None
+
+
+def shm_allreduce(arena, waiter, src, dst, op):
+    """dst (count,) = op over ranks of src (count,); src may be dst."""
+    n, r, count = arena.size, arena.rank, src.size
+    par = arena.ensure(src.nbytes, waiter)
+    mine = arena.region(r, par, src.dtype, count)
+    np.copyto(mine, src)
+    arena.barrier(waiter)
+    E = bounds(count, n)
+    lo, hi = E[r], E[r + 1]
+    acc, red = mine[lo:hi], reduce_op(op)
+    for j in range(1, n):
+        kernels.reduce_inplace(acc, arena.region((r + j) % n, par, src.dtype, count)[lo:hi], red)
+    if op == "avg":
+        finish_avg(acc, n)
+    arena.barrier(waiter)
+    for k in range(n):
+        np.copyto(dst[E[k]:E[k + 1]], arena.region(k, par, src.dtype, count)[E[k]:E[k + 1]])
+
+
+def shm_reduce_scatter(arena, waiter, src, out, E, op):
+    """out (E[r+1]-E[r],) = op over ranks of src[E[r]:E[r+1]]."""
+    n, r, count = arena.size, arena.rank, src.size
+    par = arena.ensure(src.nbytes, waiter)
+    np.copyto(arena.region(r, par, src.dtype, count), src)
+    arena.barrier(waiter)
+    lo, hi = E[r], E[r + 1]
+    np.copyto(out, arena.region(r, par, src.dtype, count)[lo:hi])
+    red = reduce_op(op)
+    for j in range(1, n):
+        kernels.reduce_inplace(out, arena.region((r + j) % n, par, src.dtype, count)[lo:hi], red)
+    if op == "avg":
+        finish_avg(out, n)
+
+
+def shm_allgather(arena, waiter, src, out):
+    """out (n*m,) = concatenation over node ranks of src (m,)."""
+    n, r, m = arena.size, arena.rank, src.size
+    par = arena.ensure(src.nbytes, waiter)
+    np.copyto(arena.region(r, par, src.dtype, m), src)
+    arena.barrier(waiter)
+    for k in range(n):
+        np.copyto(out[k * m:(k + 1) * m], arena.region(k, par, src.dtype, m))
+
+
+def shm_broadcast(arena, waiter, buf, root):
+    """buf (count,) of node rank root copied to every node rank."""
+    par = arena.ensure(buf.nbytes, waiter)
+    if arena.rank == root:
+        np.copyto(arena.region(root, par, buf.dtype, buf.size), buf)
+    arena.barrier(waiter)
+    if arena.rank != root:
+        np.copyto(buf, arena.region(root, par, buf.dtype, buf.size))

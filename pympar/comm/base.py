@@ -1,0 +1,108 @@
+"""The Communicator interface every backend implements, and the checks they share.
+
+Shapes: collectives split and concatenate along axis 0. ``reduce_scatter(x)`` with x
+(N, ...) gives rank r rows [E[r], E[r+1]) of the reduction, E = nearly equal blocks of N
+(the first N % size ranks get one more row); ``allgather(x)`` with x (m, ...) on every
+rank gives (size*m, ...); ``alltoall(x)`` with x (size*m, ...) sends rows [i*m, (i+1)*m)
+to rank i; ``alltoallv(x, send_counts)`` sends send_counts[i] rows to rank i.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import backend
+from .algorithms.p2p import bounds
+from .dtypes import check_dtype, check_op
+
+
+class Communicator:
+    """One interface over MPI, NCCL and the size-1 communicator (see docs/comm.md)."""
+
+    rank: int = 0
+    size: int = 1
+    name: str = "comm"
+    timeout: float = math.inf
+
+    # --- collectives: defined by each backend --------------------------------------
+    def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True):
+        raise NotImplementedError
+
+    def reduce_scatter(self, x, op="sum", algo="auto", out=None):
+        raise NotImplementedError
+
+    def allgather(self, x, algo="auto", out=None):
+        raise NotImplementedError
+
+    def broadcast(self, x, root=0, algo="auto"):
+        raise NotImplementedError
+
+    def alltoall(self, x, out=None, algo="auto"):
+        raise NotImplementedError
+
+    def alltoallv(self, x, send_counts, recv_counts=None, out=None):
+        raise NotImplementedError
+
+    def barrier(self):
+        raise NotImplementedError
+
+    def split(self, color, key=None, name=None):
+        raise NotImplementedError
+
+    # --- point to point -------------------------------------------------------------
+    def isend(self, x, dest, tag=0):
+        raise NotImplementedError
+
+    def irecv(self, buf, source, tag=0):
+        raise NotImplementedError
+
+    def send(self, x, dest, tag=0):
+        self.isend(x, dest, tag).wait()
+
+    def recv(self, buf, source, tag=0):
+        return self.irecv(buf, source, tag).wait()
+
+    def sendrecv(self, x, dest, buf, source, sendtag=0, recvtag=None):
+        """Send x to dest while receiving into buf from source; returns buf."""
+        r = self.irecv(buf, source, sendtag if recvtag is None else recvtag)
+        s = self.isend(x, dest, sendtag)
+        s.wait()
+        return r.wait()
+
+    def __repr__(self):
+        return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, size={self.size})"
+
+
+# --- argument checks shared by the backends ------------------------------------------
+def contiguous(a, what="operand"):
+    if not (a.flags.c_contiguous):
+        raise ValueError(f"{what} must be C-contiguous (got strides {a.strides}); pass xp.ascontiguousarray(x)")
+    check_dtype(a.dtype)
+    return a
+
+
+def flat(a):
+    return a.reshape(-1)
+
+
+def row_bounds(x, size):
+    """Element offsets of each rank's block when x (N, ...) is split along axis 0."""
+    rows = x.shape[0] if x.ndim else 1
+    per_row = int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
+    return [b * per_row for b in bounds(rows, size)], bounds(rows, size)
+
+
+def check_out(out, shape, dtype, what):
+    if out is None:
+        return None
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise ValueError(f"{what}: out has shape {tuple(out.shape)} dtype {out.dtype}, expected shape {tuple(shape)} dtype {dtype}")
+    return contiguous(out, f"{what} out")
+
+
+def new_like(x, shape):
+    return backend.xp_of(x).empty(shape, dtype=x.dtype)
+
+
+__all__ = ["Communicator", "check_op", "contiguous", "flat", "row_bounds", "check_out", "new_like"]

@@ -1,0 +1,356 @@
+"""MPIComm: the Communicator over any mpi4py communicator, with pympar's algorithms.
+
+Arrays travel through mpi4py's buffer interface (uppercase methods), never pickle. The
+wrapped communicator is duplicated twice: one copy carries the user's point-to-point
+verbs, the other pympar's collective algorithms, so neither can match the other's
+messages nor the messages of the program that owns the original communicator.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import backend
+from .algorithms.doubling import (doubling_allgather, halving_reduce_scatter,
+                                  rabenseifner_allreduce, recursive_doubling_allreduce)
+from .algorithms.hierarchical import hierarchical_allreduce
+from .algorithms.p2p import Ctx
+from .algorithms.ring import ring_allgather, ring_allreduce, ring_reduce_scatter
+from .algorithms.shm import ShmArena, shm_allgather, shm_allreduce, shm_broadcast, shm_reduce_scatter
+from .base import Communicator, check_op, check_out, contiguous, flat, new_like, row_bounds
+from .device import copy_back, needs_staging, sync_stream, to_host
+from .dtypes import finish_avg, mpi_op, reduce_op, wire
+from .progress import Request, Waiter, default_timeout
+from .topology import Topology
+from .tuning import choose, load_table
+
+ALGOS = {
+    "allreduce": ("ring", "recursive_doubling", "rabenseifner", "shm", "hierarchical", "mpi"),
+    "reduce_scatter": ("ring", "recursive_halving", "shm", "mpi"),
+    "allgather": ("ring", "recursive_doubling", "shm", "mpi"),
+    "broadcast": ("shm", "mpi"),
+    "alltoall": ("pairwise", "mpi"),
+}
+_P2P_ALLREDUCE = {"ring": ring_allreduce, "recursive_doubling": recursive_doubling_allreduce,
+                  "rabenseifner": rabenseifner_allreduce}
+_P2P_REDUCE_SCATTER = {"ring": ring_reduce_scatter, "recursive_halving": halving_reduce_scatter}
+_P2P_ALLGATHER = {"ring": ring_allgather, "recursive_doubling": doubling_allgather}
+_SHM = ("shm", "hierarchical")
+
+
+class MPIComm(Communicator):
+    """``MPIComm(comm)`` wraps an mpi4py communicator (COMM_WORLD when None).
+
+    timeout: seconds any blocking wait may take before CommTimeoutError (default
+    $PYMPAR_COMM_TIMEOUT or 300; math.inf disables).
+    """
+
+    def __init__(self, comm=None, name=None, timeout=None, _owned=False, _table=None):
+        comm = MPI.COMM_WORLD if comm is None else comm
+        self._p2p = comm if _owned else comm.Dup()
+        self._coll = self._p2p.Dup()
+        self.rank, self.size = self._p2p.Get_rank(), self._p2p.Get_size()
+        self.name = name or comm.Get_name() or "comm"
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.seq = 0          # collectives issued on this communicator (same on every rank)
+        self.p2p_seq = 0
+        self._topo = self._arena = None
+        self._table = _table if _table is not None else self._p2p.bcast(load_table() if self.rank == 0 else None, 0)
+
+    @property
+    def mpi_comm(self):
+        """The mpi4py communicator carrying this object's point-to-point traffic."""
+        return self._p2p
+
+    # --- plumbing ----------------------------------------------------------------
+    def _waiter(self, op):
+        self.seq += 1
+        return Waiter(op, self.name, self.seq, self.timeout)
+
+    def topology(self) -> Topology:
+        """Node structure (collective on first use: every rank must ask at the same call)."""
+        if self._topo is None:
+            self._topo = Topology(self._coll)
+        return self._topo
+
+    def _shm_arena(self):
+        if self._arena is None:
+            t = self.topology()
+            self._arena = ShmArena(t.node, t.node_to_comm)
+        return self._arena
+
+    def _pick(self, coll, algo, nbytes):
+        if algo == "auto":
+            return choose(self._table, coll, nbytes, self.topology().single_node)
+        if algo not in ALGOS[coll]:
+            raise ValueError(f"unknown {coll} algorithm {algo!r}: expected auto or one of {', '.join(ALGOS[coll])}")
+        if algo == "shm" and not self.topology().single_node:
+            raise ValueError(f"algo='shm' needs every rank of {self.name!r} on one node "
+                             f"(it spans {self.topology().n_nodes}); use 'hierarchical' or 'auto'")
+        return algo
+
+    def _ctx(self, waiter, op="sum", x=None, comm=None):
+        sync = (lambda: sync_stream(x)) if backend.is_cupy(x) else None
+        return Ctx(comm or self._coll, waiter, reduce_op(op), sync)
+
+    def _lib(self, waiter, start, finish=None, result=None):
+        """Run a library collective (nonblocking, polled against the deadline)."""
+        req = Request([start()], [None], waiter, finish, result)
+        return req.wait()
+
+    # --- collectives ---------------------------------------------------------------
+    def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True):
+        """op over ranks of x. out=None: in place into x (inplace=True) or a new array."""
+        check_op(op)
+        if needs_staging(x, out):
+            h = to_host(x)
+            self.allreduce(h, op, algo)
+            dst = out if out is not None else (x if inplace else None)
+            return copy_back(dst, h) if dst is not None else backend.xp_of(x).asarray(h)
+        x = contiguous(x, "allreduce operand")
+        dst = check_out(out, x.shape, x.dtype, "allreduce") if out is not None else (x if inplace else new_like(x, x.shape))
+        w = self._waiter("allreduce")
+        if self.size == 1:
+            if dst is not x:
+                dst[...] = x
+            return dst
+        algo = self._pick("allreduce", algo, x.nbytes)
+        if backend.is_cupy(x) and algo in _SHM:
+            algo = "ring"  # the shared window is host memory; CUDA-aware MPI moves device buffers
+        src_f, dst_f = flat(x), flat(dst)
+        if algo == "mpi":
+            sync_stream(x)
+            send = MPI.IN_PLACE if dst is x else wire(src_f)
+            self._lib(w, lambda: self._coll.Iallreduce(send, wire(dst_f), mpi_op(op, x.dtype)))
+            if op == "avg":
+                finish_avg(dst_f, self.size)
+        elif algo == "shm":
+            shm_allreduce(self._shm_arena(), w, src_f, dst_f, op)
+        elif algo == "hierarchical":
+            t = self.topology()
+            lctx = self._ctx(w, op, x, t.leaders) if t.leaders is not None else None
+            hierarchical_allreduce(self._shm_arena(), lctx, w, src_f, dst_f, op, self.size)
+        else:
+            if dst is not x:
+                dst_f[...] = src_f
+            _P2P_ALLREDUCE[algo](self._ctx(w, op, x), dst_f)
+            if op == "avg":
+                finish_avg(dst_f, self.size)
+        return dst
+
+    def reduce_scatter(self, x, op="sum", algo="auto", out=None):
+        """x (N, ...) -> this rank's rows [E[r], E[r+1]) of the reduction (see base.py)."""
+        check_op(op)
+        if needs_staging(x, out):
+            res = self.reduce_scatter(to_host(x), op, algo)
+            return copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res)
+        x = contiguous(x, "reduce_scatter operand")
+        if x.ndim == 0:
+            raise ValueError("reduce_scatter needs an array with at least one dimension (split along axis 0)")
+        E, R = row_bounds(x, self.size)
+        shape = (R[self.rank + 1] - R[self.rank],) + tuple(x.shape[1:])
+        out = check_out(out, shape, x.dtype, "reduce_scatter") if out is not None else new_like(x, shape)
+        w = self._waiter("reduce_scatter")
+        src_f, out_f = flat(x), flat(out)
+        if self.size == 1:
+            out_f[...] = src_f
+            return out
+        algo = self._pick("reduce_scatter", algo, x.nbytes)
+        if backend.is_cupy(x) and algo in _SHM:
+            algo = "ring"
+        if algo == "mpi":
+            sync_stream(x)
+            counts = [E[i + 1] - E[i] for i in range(self.size)]
+            self._lib(w, lambda: self._coll.Ireduce_scatter(wire(src_f), wire(out_f), counts, mpi_op(op, x.dtype)))
+        elif algo == "shm":
+            shm_reduce_scatter(self._shm_arena(), w, src_f, out_f, E, op)
+            return out
+        else:
+            work = src_f.copy()
+            _P2P_REDUCE_SCATTER[algo](self._ctx(w, op, x), work, E)
+            out_f[...] = work[E[self.rank]:E[self.rank + 1]]
+        if op == "avg":
+            finish_avg(out_f, self.size)
+        return out
+
+    def allgather(self, x, algo="auto", out=None):
+        """x (m, ...) on every rank -> (size*m, ...), rank k's rows at [k*m, (k+1)*m)."""
+        if needs_staging(x, out):
+            res = self.allgather(to_host(x), algo)
+            return copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res)
+        x = contiguous(x, "allgather operand")
+        if x.ndim == 0:
+            x = x.reshape(1)
+        shape = (self.size * x.shape[0],) + tuple(x.shape[1:])
+        out = check_out(out, shape, x.dtype, "allgather") if out is not None else new_like(x, shape)
+        w = self._waiter("allgather")
+        src_f, out_f = flat(x), flat(out)
+        m = src_f.size
+        if self.size == 1:
+            out_f[...] = src_f
+            return out
+        algo = self._pick("allgather", algo, out.nbytes)
+        if backend.is_cupy(x) and algo in _SHM:
+            algo = "ring"
+        if algo == "mpi":
+            sync_stream(x)
+            self._lib(w, lambda: self._coll.Iallgather(wire(src_f), wire(out_f)))
+        elif algo == "shm":
+            shm_allgather(self._shm_arena(), w, src_f, out_f)
+        else:
+            out_f[self.rank * m:(self.rank + 1) * m] = src_f
+            _P2P_ALLGATHER[algo](self._ctx(w, "sum", x), out_f, [k * m for k in range(self.size + 1)])
+        return out
+
+    def broadcast(self, x, root=0, algo="auto"):
+        """x of rank root copied into x on every rank (in place); returns x."""
+        if needs_staging(x):
+            h = to_host(x)
+            self.broadcast(h, root, algo)
+            return copy_back(x, h)
+        x = contiguous(x, "broadcast operand")
+        w = self._waiter("broadcast")
+        if self.size == 1:
+            return x
+        algo = self._pick("broadcast", algo, x.nbytes)
+        if algo == "shm" and not backend.is_cupy(x):
+            shm_broadcast(self._shm_arena(), w, flat(x), root)
+        else:
+            sync_stream(x)
+            self._lib(w, lambda: self._coll.Ibcast(wire(flat(x)), root))
+        return x
+
+    def alltoall(self, x, out=None, algo="auto"):
+        """x (size*m, ...): rows [i*m, (i+1)*m) go to rank i; out[j*m:(j+1)*m] came from j."""
+        if needs_staging(x, out):
+            res = self.alltoall(to_host(x), None, algo)
+            return copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res)
+        x = contiguous(x, "alltoall operand")
+        if x.ndim == 0 or x.shape[0] % self.size:
+            raise ValueError(f"alltoall: x has {x.shape[0] if x.ndim else 0} rows, not a multiple of size={self.size}")
+        out = check_out(out, x.shape, x.dtype, "alltoall") if out is not None else new_like(x, x.shape)
+        w = self._waiter("alltoall")
+        src_f, out_f = flat(x), flat(out)
+        algo = "mpi" if algo == "auto" else algo
+        if algo not in ALGOS["alltoall"]:
+            raise ValueError(f"unknown alltoall algorithm {algo!r}: expected auto, pairwise or mpi")
+        if algo == "mpi" or self.size == 1:
+            sync_stream(x)
+            self._lib(w, lambda: self._coll.Ialltoall(wire(src_f), wire(out_f)))
+            return out
+        m, n, r = src_f.size // self.size, self.size, self.rank
+        ctx = self._ctx(w, "sum", x)
+        out_f[r * m:(r + 1) * m] = src_f[r * m:(r + 1) * m]
+        reqs, peers = [], []
+        for k in range(1, n):
+            dst, src = (r + k) % n, (r - k) % n
+            reqs += [ctx.irecv(out_f[src * m:(src + 1) * m], src), ctx.isend(src_f[dst * m:(dst + 1) * m], dst)]
+            peers += [src, dst]
+        w.wait(reqs, peers)
+        return out
+
+    def alltoallv(self, x, send_counts, recv_counts=None, out=None):
+        """Send send_counts[i] rows of x (in order) to rank i -> (out, recv_counts).
+
+        recv_counts=None: the counts are exchanged first (one alltoall of int64).
+        """
+        if needs_staging(x, out):
+            res, rc = self.alltoallv(to_host(x), send_counts, recv_counts)
+            return (copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res)), rc
+        x = contiguous(x, "alltoallv operand")
+        sc = np.asarray(backend.to_numpy(send_counts), dtype=np.int64).reshape(-1)
+        if sc.size != self.size or (sc < 0).any() or sc.sum() != (x.shape[0] if x.ndim else 0):
+            raise ValueError(f"alltoallv: send_counts {sc.tolist()} must have size={self.size} non-negative "
+                             f"entries summing to x.shape[0]={x.shape[0] if x.ndim else 0}")
+        if recv_counts is None:
+            rc = np.empty(self.size, dtype=np.int64)
+            w0 = self._waiter("alltoallv.counts")
+            self._lib(w0, lambda: self._coll.Ialltoall([sc, MPI.INT64_T], [rc, MPI.INT64_T]))
+        else:
+            rc = np.asarray(backend.to_numpy(recv_counts), dtype=np.int64).reshape(-1)
+        per_row = int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
+        shape = (int(rc.sum()),) + tuple(x.shape[1:])
+        out = check_out(out, shape, x.dtype, "alltoallv") if out is not None else new_like(x, shape)
+        scounts, rcounts = sc * per_row, rc * per_row
+        sdis = np.concatenate([[0], np.cumsum(scounts)[:-1]])
+        rdis = np.concatenate([[0], np.cumsum(rcounts)[:-1]])
+        w = self._waiter("alltoallv")
+        src_f, out_f = flat(x), flat(out)
+        s, rb = wire(src_f), wire(out_f)
+        sync_stream(x)
+        self._lib(w, lambda: self._coll.Ialltoallv([s[0], (scounts, sdis), s[2]], [rb[0], (rcounts, rdis), rb[2]]))
+        return out, rc
+
+    def barrier(self):
+        w = self._waiter("barrier")
+        self._lib(w, self._coll.Ibarrier)
+
+    # --- nonblocking library collectives ---------------------------------------------
+    def iallreduce(self, x, op="sum"):
+        """Start an in-place allreduce of x (the library's); Request.wait() returns x."""
+        check_op(op)
+        x = contiguous(x, "iallreduce operand")
+        w = self._waiter("iallreduce")
+        sync_stream(x)
+        req = self._coll.Iallreduce(MPI.IN_PLACE, wire(flat(x)), mpi_op(op, x.dtype))
+        fin = (lambda: finish_avg(flat(x), self.size)) if op == "avg" else None
+        return Request([req], [None], w, fin, x)
+
+    def iallgather(self, x, out):
+        w = self._waiter("iallgather")
+        sync_stream(x)
+        return Request([self._coll.Iallgather(wire(flat(contiguous(x))), wire(flat(out)))], [None], w, None, out)
+
+    def ibroadcast(self, x, root=0):
+        w = self._waiter("ibroadcast")
+        sync_stream(x)
+        return Request([self._coll.Ibcast(wire(flat(contiguous(x))), root)], [None], w, None, x)
+
+    # --- point to point -----------------------------------------------------------------
+    def _p2p_waiter(self, op):
+        self.p2p_seq += 1
+        return Waiter(op, self.name, self.p2p_seq, self.timeout)
+
+    def isend(self, x, dest, tag=0):
+        if needs_staging(x):
+            x = to_host(x)
+        x = contiguous(x, "send operand")
+        sync_stream(x)
+        return Request([self._p2p.Isend(wire(flat(x)), dest, tag)], [dest], self._p2p_waiter("send"), None, x)
+
+    def irecv(self, buf, source, tag=0):
+        """Receive into buf (arrays never travel pickled: the receiver supplies the buffer)."""
+        if needs_staging(buf):
+            h = backend.to_numpy(buf).copy()
+            req = self._p2p.Irecv(wire(flat(h)), source, tag)
+            return Request([req], [source], self._p2p_waiter("recv"), lambda: copy_back(buf, h), buf)
+        buf = contiguous(buf, "recv buffer")
+        return Request([self._p2p.Irecv(wire(flat(buf)), source, tag)], [source], self._p2p_waiter("recv"), None, buf)
+
+    def split(self, color, key=None, name=None):
+        """Ranks with equal color form a new MPIComm (None for color=None)."""
+        c = self._p2p.Split(MPI.UNDEFINED if color is None else int(color), self.rank if key is None else int(key))
+        if c == MPI.COMM_NULL:
+            return None
+        return MPIComm(c, name=name or f"{self.name}/{color}", timeout=self.timeout, _owned=True, _table=self._table)
+
+    def free(self):
+        """Release the duplicated communicators and the shared window (collective)."""
+        if self._arena is not None:
+            self._arena.free()
+        for c in (self._coll, self._p2p):
+            if c != MPI.COMM_NULL and c not in (MPI.COMM_WORLD, MPI.COMM_SELF):
+                c.Free()
+
+
+_world = None
+
+
+def world() -> MPIComm:
+    """MPIComm over MPI.COMM_WORLD (one per process)."""
+    global _world
+    if _world is None:
+        _world = MPIComm(MPI.COMM_WORLD, name="world")
+    return _world

@@ -1,0 +1,54 @@
+"""Which ranks share a node: MPI's shared-memory split, or PYMPAR_RANKS_PER_NODE to simulate.
+
+With PYMPAR_RANKS_PER_NODE=k, world ranks [0,k), [k,2k), ... count as separate nodes
+(intersected with the real shared-memory split), so one machine can exercise the
+hierarchical algorithms and the topology-aware mesh.
+"""
+from __future__ import annotations
+
+import os
+
+from mpi4py import MPI
+
+
+def ranks_per_node_override():
+    v = os.environ.get("PYMPAR_RANKS_PER_NODE", "").strip()
+    if not v:
+        return None
+    k = int(v)
+    if k < 1:
+        raise ValueError(f"PYMPAR_RANKS_PER_NODE={v!r} must be a positive integer")
+    return k
+
+
+def node_split(comm):
+    """The node communicator of ``comm`` (mpi4py), ranks ordered as in comm."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    k = ranks_per_node_override()
+    if k is not None:
+        sim = node.Split(MPI.COMM_WORLD.Get_rank() // k, key=comm.Get_rank())
+        node.Free()
+        node = sim
+    return node
+
+
+class Topology:
+    """Node structure of one communicator (built collectively, once)."""
+
+    def __init__(self, comm):
+        self.node = node_split(comm)
+        self.node_rank, self.node_size = self.node.Get_rank(), self.node.Get_size()
+        is_leader = self.node_rank == 0
+        self.leaders = comm.Split(0 if is_leader else MPI.UNDEFINED, key=comm.Get_rank())
+        if self.leaders == MPI.COMM_NULL:
+            self.leaders = None
+        self.n_nodes = comm.allreduce(1 if is_leader else 0)
+        self.uniform = comm.allreduce(self.node_size, op=MPI.MIN) == comm.allreduce(self.node_size, op=MPI.MAX)
+        grp = comm.Get_group()
+        self.node_to_comm = self.node.Get_group().Translate_ranks(list(range(self.node_size)), grp)
+        self.leader_comm_ranks = None
+        grp.Free()
+
+    @property
+    def single_node(self) -> bool:
+        return self.n_nodes == 1
