@@ -1,0 +1,238 @@
+"""Run one pipeline rank's action list: forward/backward of its chunks, isend/irecv between stages.
+
+Per step (m micro-batches, loss = mean over micro-batches, as single-process accumulation):
+  * receives are posted ahead (a window of upcoming actions), so a neighbour's message lands
+    while this rank computes; activations and gradients leave by isend, and the send
+    requests are only completed at the end of the step;
+  * the last stage computes each micro-batch's loss and starts backward with grad_scale
+    = loss_scale / m; MoE blocks add their aux/z-loss gradient with the same scale;
+  * after the last action the tied wte/lm_head gradient is summed between the first and last
+    rank (pp > 1), and the per-micro-batch losses are summed over the pipeline group, so every
+    rank returns the same mean loss;
+  * each rank measures its bubble: 1 - (time computing F/B) / (step time up to the loss
+    reduction), the time it waited on receives, and its peak micro-batches in flight.
+
+Message tags: each message is named by the receiver's (kind, micro, local chunk), so any order
+of arrival matches the right buffer.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .schedules import Action, build_schedule, validate_schedule
+
+TIED_TAG = 32767                     # the MPI standard's smallest guaranteed tag upper bound
+
+
+class _P2P:
+    """The point-to-point and reduction calls the executor needs, over a pympar Communicator
+    (isend/irecv -> Request.wait()/test(), allreduce) or a raw mpi4py communicator."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.raw = hasattr(comm, "Isend")
+        self.rank = comm.Get_rank() if self.raw else comm.rank
+        self.size = comm.Get_size() if self.raw else comm.size
+
+    def isend(self, buf, dest, tag):
+        if self.raw:
+            r = self.comm.Isend(buf, dest=dest, tag=tag)
+            return _RawReq(r)
+        return self.comm.isend(buf, dest, tag=tag)
+
+    def irecv(self, buf, source, tag):
+        if self.raw:
+            return _RawReq(self.comm.Irecv(buf, source=source, tag=tag))
+        return self.comm.irecv(buf, source, tag=tag)
+
+    def allreduce_sum(self, x):
+        if self.raw:
+            from mpi4py import MPI
+            out = np.empty_like(x)
+            self.comm.Allreduce(x, out, op=MPI.SUM)
+            return out
+        return self.comm.allreduce(x, op="sum")
+
+
+class _RawReq:
+    __slots__ = ("r",)
+
+    def __init__(self, r):
+        self.r = r
+
+    def wait(self):
+        self.r.Wait()
+
+    def test(self):
+        return bool(self.r.Test())
+
+
+class PipelineExecutor:
+    """Runs ``schedule`` ("gpipe", "1f1b", "interleaved") for a PipelineGPT over the pipeline
+    communicator ``comm`` (rank i = pipeline stage i; a pympar Communicator or mpi4py comm).
+
+    ``recv_window``: how many upcoming receives are kept posted (default: all of the step's,
+    bounded by 2*(p*v)+2 to cap the extra gradient buffers).
+    """
+
+    def __init__(self, model, comm, schedule: str = "1f1b", recv_window: int | None = None):
+        self.model, self.schedule = model, schedule
+        self.p2p = _P2P(comm)
+        if self.p2p.size != model.pp or self.p2p.rank != model.rank:
+            raise ValueError(f"pipeline communicator has rank {self.p2p.rank} of {self.p2p.size}, "
+                             f"but the model was built for rank {model.rank} of pp={model.pp}")
+        validate_schedule(schedule, model.pp, model.pp, model.v)   # name and v (n_micro is checked per step)
+        self.recv_window = recv_window or 2 * model.pp * model.v + 2
+        self.stats = {}
+
+    # --- neighbours and tags --------------------------------------------------------------
+    def _peer(self, stage):
+        return stage % self.model.pp
+
+    def _tag(self, kind, micro, chunk, m):
+        return ((chunk * m + micro) << 1) | (kind == "B")
+
+    def _needs_recv(self, a: Action):
+        s = a.chunk * self.model.pp + self.model.rank
+        if a.kind == "F":
+            return s > 0, s - 1
+        return s < self.model.part.n_stage - 1, s + 1
+
+    # --- one training step ----------------------------------------------------------------
+    def train_step(self, micro_batches, loss_scale: float = 1.0) -> dict:
+        """Forward and backward of all micro-batches [(idx (B,T), targets (B,T)), ...] on this rank.
+
+        Every rank gets the same list (the first stage reads idx, the last targets). Gradients of
+        loss_scale * mean loss accumulate into .grad (call zero_grad before). Returns a dict:
+        loss (mean over micro-batches, same on every rank), losses (per micro-batch), bubble,
+        recv_wait_s, compute_s, step_s, peak_in_flight."""
+        model, p, v = self.model, self.model.pp, self.model.v
+        m = len(micro_batches)
+        actions = build_schedule(self.schedule, p, m, v, model.rank)
+        B, T = np.asarray(micro_batches[0][0]).shape
+        act_dtype = model.act_dtype
+        shape = (B, T, model.config.n_embd)
+        grad_scale = loss_scale / m
+        if 2 * m * v >= TIED_TAG:
+            raise ValueError(f"n_micro={m} x v={v} needs more message tags than MPI guarantees: use n_micro*v < {TIED_TAG // 2}")
+
+        t0 = time.perf_counter()
+        recv_wait = compute = 0.0
+        pending = {}                 # (kind, micro, chunk) -> (request, buffer)
+        sends = []
+        to_post = [a for a in actions if self._needs_recv(a)[0]]
+        posted = 0
+
+        def post_upto(k):
+            nonlocal posted
+            while posted < min(k, len(to_post)):
+                a = to_post[posted]
+                buf = np.empty(shape, dtype=act_dtype)
+                src = self._peer(self._needs_recv(a)[1])
+                pending[(a.kind, a.micro, a.chunk)] = (self.p2p.irecv(buf, src, self._tag(a.kind, a.micro, a.chunk, m)), buf)
+                posted += 1
+
+        post_upto(self.recv_window)
+        ctxs = {}
+        local_terms = np.zeros(m, dtype=np.float64)
+        live = peak = 0
+        n_recv_used = 0
+        for a in actions:
+            has_recv, src_stage = self._needs_recv(a)
+            inp = None
+            if has_recv:
+                req, buf = pending.pop((a.kind, a.micro, a.chunk))
+                tw = time.perf_counter()
+                req.wait()
+                recv_wait += time.perf_counter() - tw
+                inp = buf
+                n_recv_used += 1
+                post_upto(n_recv_used + self.recv_window)
+            chunk = model.chunks[a.chunk]
+            s = chunk.stage
+            tc = time.perf_counter()
+            if a.kind == "F":
+                idx, targets = micro_batches[a.micro]
+                x = np.asarray(idx) if inp is None else inp
+                y, ctx, terms = chunk.forward(x, np.asarray(targets) if chunk.head is not None else None)
+                ctxs[(a.micro, a.chunk)] = ctx
+                local_terms[a.micro] += terms
+                live += 1
+                peak = max(peak, live)
+                out, dest_stage = y, s + 1
+            else:
+                ctx = ctxs.pop((a.micro, a.chunk))
+                out = chunk.backward(inp, ctx, grad_scale)
+                model._grad_ready_chunk(chunk)
+                live -= 1
+                dest_stage = s - 1
+            compute += time.perf_counter() - tc
+            if out is not None:
+                send = np.ascontiguousarray(out, dtype=act_dtype)
+                dest_chunk = dest_stage // p
+                sends.append((self.p2p.isend(send, self._peer(dest_stage), self._tag(a.kind, a.micro, dest_chunk, m)), send))
+            # let MPI progress outstanding transfers without blocking
+            sends = [(r, b) for r, b in sends if not r.test()]
+        for r, _ in sends:
+            r.wait()
+        t_pipe = time.perf_counter() - t0
+        self._sum_tied_grad()
+        losses = self.p2p.allreduce_sum(local_terms) if p > 1 else local_terms
+        step = time.perf_counter() - t0
+        self.stats = dict(loss=float(np.mean(losses)), losses=[float(x) for x in losses],
+                          bubble=1.0 - compute / step if step > 0 else 0.0,
+                          recv_wait_s=recv_wait, compute_s=compute, pipeline_s=t_pipe, step_s=step,
+                          peak_in_flight=peak)
+        return self.stats
+
+    def _sum_tied_grad(self):
+        """wte.grad (first stage: embedding part; last: lm_head part) := their sum, on both."""
+        model = self.model
+        if model.pp == 1 or not (model.is_first or model.is_last):
+            return
+        g = model.tied_weight.grad
+        other = 0 if model.is_last else model.pp - 1
+        peer = np.empty_like(g)
+        tag = TIED_TAG
+        rr = self.p2p.irecv(peer, other, tag)
+        sr = self.p2p.isend(np.ascontiguousarray(g), other, tag)
+        rr.wait()
+        sr.wait()
+        g += peer                      # g0 + g_last on both ranks: addition commutes, so bitwise equal
+        model._grad_ready_params([model.tied_weight])
+
+    # --- evaluation ----------------------------------------------------------------------
+    def forward_loss(self, micro_batches) -> float:
+        """Mean loss over micro-batches without gradients (forwards only, GPipe order)."""
+        model, p, v = self.model, self.model.pp, self.model.v
+        m = len(micro_batches)
+        B, T = np.asarray(micro_batches[0][0]).shape
+        shape, dt = (B, T, model.config.n_embd), model.act_dtype
+        local = np.zeros(m, dtype=np.float64)
+        sends = []
+        layers = [moe for _, moe in model.moe_layers()]
+        for moe in layers:
+            moe.recording = False        # an evaluation does not count expert loads
+        # stage order within a micro-batch: chunk c of this rank after chunk c-1's round trip
+        for c in range(v):
+            chunk = model.chunks[c]
+            for j, (idx, targets) in enumerate(micro_batches):
+                s = chunk.stage
+                if s == 0:
+                    x = np.asarray(idx)
+                else:
+                    x = np.empty(shape, dtype=dt)
+                    self.p2p.irecv(x, self._peer(s - 1), self._tag("F", j, c, m)).wait()
+                y, _, terms = chunk.forward(x, np.asarray(targets) if chunk.head is not None else None)
+                local[j] += terms
+                if y is not None:
+                    buf = np.ascontiguousarray(y, dtype=dt)
+                    sends.append((self.p2p.isend(buf, self._peer(s + 1), self._tag("F", j, (s + 1) // p, m)), buf))
+        for r, _ in sends:
+            r.wait()
+        for moe in layers:
+            moe.recording = True
+        losses = self.p2p.allreduce_sum(local) if p > 1 else local
+        return float(np.mean(losses))

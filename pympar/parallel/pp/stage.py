@@ -1,0 +1,230 @@
+"""Build only this pipeline rank's chunks of a GPT, with global parameter names.
+
+A model factory makes the three kinds of pieces; the default makes pympar.nn's modules, and a
+tensor-parallel factory can make TP modules with the same contract:
+
+  factory.embedding(config, seed)   -> module with .wte (the tied Parameter); forward(idx) -> x
+  factory.block(config, i, seed)    -> block i (name transformer.h.{i}); forward(x) -> (y, ctx),
+                                       ctx["aux_loss"] for MoE blocks; backward(dy, ctx, daux)
+  factory.head(config, wte, seed)   -> ln_f + lm_head tied to wte + mean CE;
+                                       forward((x, targets)) -> (ce, ctx); backward(dloss, ctx)
+
+Any callable ``make(config, seed) -> model with .embedding/.h/.head`` also works (wrapped in
+``SlicedModelFactory``: it builds the whole model once and keeps the pieces a rank needs).
+The tied embedding/lm_head weight lives on the first stage (in the embedding) and on the
+last (a fresh copy from the same (seed, name)), and the executor sums its gradient.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...nn.gpt import Block, Head
+from ...nn.layers import Embedding
+from .partition import Partition, partition as make_partition
+
+TIED_NAME = "transformer.wte.weight"
+
+
+class GPTPartsFactory:
+    """pympar.nn pieces (dense or MoE blocks), in master ``dtype`` and optional ``compute_dtype``."""
+
+    def __init__(self, dtype=np.float32, compute_dtype=None):
+        from ...backend import dtype as resolve_dtype
+        self.dtype = np.dtype(dtype)
+        cdt = None if compute_dtype is None else resolve_dtype(compute_dtype)
+        self.compute_dtype = None if cdt == self.dtype else cdt
+
+    def embedding(self, config, seed):
+        return Embedding(config.vocab_size, config.block_size, config.n_embd, seed=seed,
+                         dtype=self.dtype, compute_dtype=self.compute_dtype)
+
+    def block(self, config, i, seed):
+        return Block(config, i, seed=seed, dtype=self.dtype, compute_dtype=self.compute_dtype)
+
+    def head(self, config, wte, seed):
+        return Head(config, wte, dtype=self.dtype, compute_dtype=self.compute_dtype)
+
+
+class SlicedModelFactory:
+    """Pieces cut from a whole model made by ``make(config, seed)`` (simple, not memory-lean)."""
+
+    def __init__(self, make):
+        self.make, self._model = make, None
+
+    def _whole(self, config, seed):
+        if self._model is None:
+            self._model = self.make(config, seed)
+        return self._model
+
+    def embedding(self, config, seed):
+        return self._whole(config, seed).embedding
+
+    def block(self, config, i, seed):
+        return self._whole(config, seed).h[i]
+
+    def head(self, config, wte, seed):
+        head = self._whole(config, seed).head
+        if head.wte is not wte:
+            raise ValueError("SlicedModelFactory: the head must be tied to the model's own embedding")
+        return head
+
+
+def as_factory(factory, dtype=np.float32, compute_dtype=None):
+    if factory is None:
+        return GPTPartsFactory(dtype, compute_dtype)
+    if all(hasattr(factory, k) for k in ("embedding", "block", "head")):
+        return factory
+    if callable(factory):
+        return SlicedModelFactory(factory)
+    raise TypeError(f"model factory {factory!r} has neither embedding/block/head methods nor is callable")
+
+
+def _aux(ctx) -> float:
+    return float(ctx.get("aux_loss", 0.0)) if isinstance(ctx, dict) else 0.0
+
+
+class StageChunk:
+    """Global stage ``stage``: [embedding] -> blocks[lo:hi] -> [head + loss]."""
+
+    def __init__(self, stage, block_ids, blocks, embedding=None, head=None):
+        self.stage, self.block_ids, self.blocks = stage, list(block_ids), list(blocks)
+        self.embedding, self.head = embedding, head
+
+    def forward(self, x, targets=None):
+        """x: token ids (B, T) on the first stage, else activations (B, T, C).
+
+        Returns (y, ctx, loss_terms): y (B, T, C), or None on the last stage; loss_terms the
+        stage's share of this micro-batch's loss (MoE aux + z of its blocks, and CE if last)."""
+        ctx = {"blocks": []}
+        if self.embedding is not None:
+            x, ctx["emb"] = self.embedding.forward(x)
+        terms = 0.0
+        for b in self.blocks:
+            x, c = b.forward(x)
+            ctx["blocks"].append(c)
+            terms += _aux(c)
+        if self.head is not None:
+            ce, ctx["head"] = self.head.forward((x, targets))
+            return None, ctx, terms + float(ce)
+        return x, ctx, terms
+
+    def backward(self, dy, ctx, grad_scale):
+        """dy (B, T, C) from the next stage (None on the last); returns dx (None on the first)."""
+        if self.head is not None:
+            dy = self.head.backward(grad_scale, ctx["head"])
+        for b, c in zip(reversed(self.blocks), reversed(ctx["blocks"])):
+            dy = b.backward(dy, c, grad_scale)
+        if self.embedding is not None:
+            self.embedding.backward(dy, ctx["emb"])
+            return None
+        return dy
+
+    def named_parameters(self):
+        if self.embedding is not None:
+            yield from self.embedding.named_parameters("transformer")
+        for i, b in zip(self.block_ids, self.blocks):
+            yield from b.named_parameters(f"transformer.h.{i}")
+        if self.head is not None:
+            yield from self.head.ln_f.named_parameters("transformer.ln_f")
+
+
+class PipelineGPT:
+    """The chunks of a GPT that pipeline rank ``rank`` of ``pp`` holds (v chunks: interleaved).
+
+    Construction is pure (no communication). ``chunks[c]`` is global stage ``c*pp + rank``.
+    Parameters keep their global names, so checkpoints and comparisons work by name.
+    """
+
+    def __init__(self, config, seed=0, *, pp=1, rank=0, v=1, dtype=np.float32, compute_dtype=None,
+                 factory=None, part: Partition | None = None):
+        self.config = config.validate()
+        if not 0 <= rank < pp:
+            raise ValueError(f"pipeline rank={rank} must be in 0..pp-1={pp - 1}")
+        self.part = part or make_partition(config, pp, v)
+        if (self.part.pp, self.part.v) != (pp, v):
+            raise ValueError(f"partition is for pp={self.part.pp}, v={self.part.v}, not pp={pp}, v={v}")
+        self.pp, self.rank, self.v, self.seed = pp, rank, v, seed
+        fac = as_factory(factory, dtype, compute_dtype)
+        self.dtype = np.dtype(getattr(fac, "dtype", dtype))
+        cdt = getattr(fac, "compute_dtype", None)
+        # activations (and their gradients) travel between stages in this dtype
+        self.act_dtype = np.dtype(cdt) if cdt is not None else self.dtype
+        # callbacks h(params) told which parameters' grads are final for a micro-batch (as nn.GPT)
+        self.grad_ready_hooks = []
+        S = self.part.n_stage
+        self.tied_weight = None
+        self.chunks = []
+        for s in self.part.stages_of(rank):
+            emb = head = None
+            if s == 0:
+                emb = fac.embedding(config, seed)
+                self.tied_weight = emb.wte
+            blocks = [fac.block(config, i, seed) for i in self.part.blocks(s)]
+            if s == S - 1:
+                if self.tied_weight is None:
+                    # the last stage's copy of wte: same (seed, name) so the same numbers
+                    self.tied_weight = fac.embedding(config, seed).wte
+                head = fac.head(config, self.tied_weight, seed)
+            self.chunks.append(StageChunk(s, self.part.blocks(s), blocks, emb, head))
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.pp - 1
+
+    @property
+    def holds_tied_copy(self) -> bool:
+        """True on the last rank when it is not also the first: its wte duplicates stage 0's."""
+        return self.pp > 1 and self.is_last
+
+    def named_parameters(self, include_tied_copy=True):
+        """(global name, Parameter) of this rank; include_tied_copy=False drops the last rank's wte
+        copy, so that a sum over pipeline ranks (gradient norm, checkpoint) counts it once."""
+        seen = set()
+        for ch in self.chunks:
+            for n, p in ch.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield n, p
+        if self.tied_weight is not None and id(self.tied_weight) not in seen:
+            if include_tied_copy or not self.holds_tied_copy:
+                yield TIED_NAME, self.tied_weight
+
+    def parameters(self, include_tied_copy=True):
+        return [p for _, p in self.named_parameters(include_tied_copy)]
+
+    def _grad_ready_params(self, params):
+        for hook in self.grad_ready_hooks:
+            hook(params)
+
+    def _grad_ready_chunk(self, chunk):
+        """After a chunk's backward: its parameters' grads are final for this micro-batch, except
+        the tied wte when pp > 1 (final only after the first/last-stage sum)."""
+        if self.grad_ready_hooks:
+            tied = id(self.tied_weight) if self.pp > 1 else None
+            self._grad_ready_params([p for _, p in chunk.named_parameters() if id(p) != tied])
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.grad[...] = 0
+
+    def state_dict(self):
+        """This rank's parameters (global names, numpy copies; wte once, on the first rank)."""
+        d = {n: p.data.copy() for n, p in self.named_parameters(include_tied_copy=False)}
+        for i, m in self.moe_layers():
+            d[f"transformer.h.{i}.moe.expert_bias"] = m.expert_bias.copy()
+        return d
+
+    def moe_layers(self):
+        """(global block index, MoE) for the MoE blocks on this rank."""
+        return [(i, b.moe) for ch in self.chunks for i, b in zip(ch.block_ids, ch.blocks) if hasattr(b, "moe")]
+
+    def moe_stats(self):
+        return [dict(layer=i, **m.take_stats()) for i, m in self.moe_layers()]
+
+    def update_expert_bias(self):
+        for _, m in self.moe_layers():
+            m.update_expert_bias()
