@@ -67,7 +67,7 @@ def _header_bytes(tensors: dict, metadata: dict | None):
 
 def write(path, tensors: dict, metadata: dict | None = None, fsync: bool = True) -> str:
     """Write {name: ndarray} (C order, little endian) to ``path``; return the file's sha256 hex."""
-    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    tensors = {k: np.asarray(v, order="C") for k, v in tensors.items()}  # (ascontiguousarray makes 0-d 1-d)
     for k, a in tensors.items():
         if a.dtype.byteorder == ">":
             tensors[k] = a.astype(a.dtype.newbyteorder("<"))
