@@ -1,0 +1,496 @@
+"""Auto-parallel planner: which layout to run before spending machine time.
+
+    python -m pympar.plan --preset small --world 8 --global-batch 32
+    python -m pympar.plan --preset gpt2-124m --world 64 --ranks-per-node 8 --device h100 \\
+        --mem-per-rank 80GiB --global-batch 512
+    python -m pympar.plan --preset small --world 4 --bench-json allreduce.json --measure
+
+For every valid layout (dp, pp, tp, ep, micro-batch size and count, schedule, ZeRO-1,
+sequence parallelism) it predicts the memory per rank and the step time, prints the best
+candidates and why the others were rejected. ``--measure`` runs the top candidates for a few
+steps with the real trainer and prints predicted against measured step time.
+
+The model (all costs per rank, per optimiser step):
+
+  memory  = params * 4 B (float32 master weights) + grads * 4 B + AdamW m, v * 8 B
+            (ZeRO-1: m, v / dp) + activations * act_bytes * micro-batches in flight
+            (from the schedule's own action list: GPipe m, 1F1B min(p, m), interleaved more)
+  compute = flops_per_token * tokens / (pp * tp) at the measured matmul rate, plus a fixed
+            overhead per block and micro-batch (Python and kernel launches)
+  tp comm = 4 allreduces per block per micro-batch (2 forward, 2 backward) of B*T*C
+  ep comm = 4 all-to-alls per MoE block per micro-batch of B*T*k*C
+  pp comm = one send forward and one backward of B*T*C per micro-batch and stage boundary
+  pipeline: the schedule simulator of pympar.parallel.pp runs the per-rank action lists with
+            these forward/backward costs, which gives the bubble
+  dp comm = one allreduce (ZeRO-1: reduce-scatter + allgather) of the rank's gradients,
+            of which ``overlap`` is hidden behind backward
+Collectives follow the alpha-beta model t(n) = alpha + n / beta with the algorithm's bus
+factor (allreduce 2(k-1)/k, reduce-scatter/allgather/all-to-all (k-1)/k); alpha and beta come
+from ``pympar.bench --json`` files of this machine (intra-node), or from the device table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+
+from .metrics import flops_per_token, is_moe_layer
+from .nn.config import PRESETS, GPTConfig
+
+GiB = 1024 ** 3
+
+# peak FLOP/s (bf16 dense) and link bandwidths (bytes/s) of GPU models; cpu is measured.
+DEVICES = {
+    "a100": dict(peak=312e12, intra_bw=240e9, inter_bw=25e9, alpha=10e-6, mem=80 * GiB, act_bytes=2, overhead=3e-5),
+    "h100": dict(peak=989e12, intra_bw=360e9, inter_bw=50e9, alpha=8e-6, mem=80 * GiB, act_bytes=2, overhead=3e-5),
+    "h200": dict(peak=989e12, intra_bw=360e9, inter_bw=50e9, alpha=8e-6, mem=141 * GiB, act_bytes=2, overhead=3e-5),
+}
+CPU_DEFAULT = dict(alpha=20e-6, intra_bw=2e9, inter_bw=1e9, act_bytes=4, overhead=3e-4)
+MFU_ASSUMED = {"cpu": 0.5, "gpu": 0.45}   # fraction of the matmul peak a training step reaches
+
+
+def divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def parse_bytes(s) -> int:
+    s = str(s).strip()
+    units = {"k": 1024, "m": 1024 ** 2, "g": GiB, "t": 1024 ** 4}
+    low = s.lower().rstrip("ib").rstrip("b") if s.lower().endswith(("ib", "b")) else s.lower()
+    if low and low[-1] in units:
+        return int(float(low[:-1]) * units[low[-1]])
+    return int(float(low))
+
+
+@dataclass
+class Layout:
+    dp: int
+    pp: int
+    tp: int
+    ep: int
+    micro_batch_size: int
+    n_micro: int
+    schedule: str
+    virtual_stages: int = 1
+    zero: bool = False
+    seq_parallel: bool = False
+
+    def key(self) -> str:
+        s = f"dp{self.dp} pp{self.pp} tp{self.tp} ep{self.ep} mbs{self.micro_batch_size} m{self.n_micro} {self.schedule}"
+        if self.virtual_stages > 1:
+            s += f"(v{self.virtual_stages})"
+        return s + (" zero1" if self.zero else "") + (" sp" if self.seq_parallel else "")
+
+    def train_args(self) -> list:
+        a = ["--dp", self.dp, "--pp", self.pp, "--tp", self.tp, "--ep", self.ep,
+             "--micro-batch-size", self.micro_batch_size, "--n-micro", self.n_micro,
+             "--schedule", self.schedule]
+        if self.virtual_stages > 1:
+            a += ["--virtual-stages", self.virtual_stages]
+        if self.zero:
+            a += ["--zero"]
+        if self.seq_parallel:
+            a += ["--seq-parallel"]
+        return [str(x) for x in a]
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    memory: dict = field(default_factory=dict)     # bytes per rank by kind, the worst rank
+    time: dict = field(default_factory=dict)       # seconds per step by kind
+    step_time: float = 0.0
+    bubble: float = 0.0
+    peak_in_flight: int = 0
+
+    def row(self) -> dict:
+        return {"layout": self.layout.key(), **asdict(self.layout), "step_time_s": self.step_time,
+                "memory_bytes": self.memory.get("total", 0), "bubble": self.bubble,
+                "memory": self.memory, "time": self.time, "peak_in_flight": self.peak_in_flight}
+
+
+# --- the machine: alpha-beta constants -------------------------------------------------
+@dataclass
+class Machine:
+    peak: float                  # matmul FLOP/s per rank
+    alpha: float                 # collective latency, s
+    intra_bw: float              # bytes/s of a collective's bus inside a node
+    inter_bw: float              # bytes/s across nodes
+    mem: int                     # bytes per rank
+    act_bytes: int               # bytes per activation element
+    mfu: float                   # fraction of peak a step reaches
+    ranks_per_node: int
+    overlap: float               # fraction of the DP sync hidden behind backward
+    overhead: float = 0.0        # fixed seconds per block and micro-batch (Python, kernel launches)
+
+    def coll(self, kind: str, nbytes: float, k: int, cross_node: bool) -> float:
+        """Alpha-beta time of a collective of ``nbytes`` over k ranks."""
+        if k <= 1 or nbytes <= 0:
+            return 0.0
+        factor = {"allreduce": 2 * (k - 1) / k, "reduce_scatter": (k - 1) / k,
+                  "allgather": (k - 1) / k, "alltoall": (k - 1) / k, "sendrecv": 1.0}[kind]
+        bw = self.inter_bw if cross_node else self.intra_bw
+        steps = math.ceil(math.log2(k)) if kind == "allreduce" else 1
+        return self.alpha * steps + factor * nbytes / bw
+
+
+def fit_alpha_beta(paths) -> tuple:
+    """(alpha s, busbw bytes/s) fitted to the best algorithm's rows of pympar.bench --json files.
+
+    alpha = the smallest message's time; beta = the best bus bandwidth at >= 1 MiB."""
+    alphas, bws = [], []
+    for p in paths:
+        with open(p) as f:
+            data = json.load(f)
+        rows = data["rows"] if isinstance(data, dict) and "rows" in data else data
+        for r in rows:
+            size = r.get("size") or r.get("size_bytes") or r.get("bytes")
+            t = r.get("time_us") or r.get("oop_time_us") or (r.get("out_of_place") or {}).get("time_us")
+            bus = r.get("busbw") or r.get("oop_busbw") or (r.get("out_of_place") or {}).get("busbw")
+            if size is None or t is None:
+                continue
+            if size <= 64:
+                alphas.append(t * 1e-6)
+            if size >= 1 << 20 and bus:
+                bws.append(bus * 1e9)
+    if not alphas or not bws:
+        raise ValueError(f"no usable rows in {list(paths)}: expected `python -m pympar.bench --json` "
+                         f"output with size and time columns, including sizes <= 64 B and >= 1 MiB")
+    return min(alphas), max(bws)
+
+
+# --- the model's parameter and activation counts per rank ------------------------------
+def params_per_rank(cfg: GPTConfig, lay: Layout, stage_blocks, first: bool, last: bool) -> int:
+    C, tp = cfg.n_embd, lay.tp
+    n = 0
+    for i in stage_blocks:
+        n += 4 * C                                    # ln_1, ln_2
+        n += (3 * C * C + 3 * C) // tp + C * C // tp + C   # c_attn (column), c_proj (row) + its bias
+        mlp = (4 * C * C + 4 * C) // tp + 4 * C * C // tp + C
+        if is_moe_layer(cfg, i):
+            n += cfg.n_expert * C                       # router, replicated
+            n += (cfg.n_expert // lay.ep) * mlp
+            if cfg.shared_expert:
+                n += mlp
+        else:
+            n += mlp
+    vpad = -(-cfg.vocab_size // tp) * tp
+    if first:
+        n += vpad * C // tp + cfg.block_size * C        # wte shard, wpe
+    if last:
+        n += 2 * C + (0 if first else vpad * C // tp)   # ln_f, tied head copy on the last stage
+    return n
+
+
+def activations_per_micro(cfg: GPTConfig, lay: Layout, stage_blocks, last: bool) -> float:
+    """Elements a stage keeps per micro-batch in flight (the ctx of forward for backward)."""
+    B, T, C, H, tp = lay.micro_batch_size, cfg.block_size, cfg.n_embd, cfg.n_head, lay.tp
+    rep = 4.0 / tp if lay.seq_parallel else 4.0        # block input, ln_1 out, residual, ln_2 out
+    n = 0.0
+    for i in stage_blocks:
+        n += B * T * C * rep + B * T * C * 5.0 / tp + 2.0 * B * H * T * T / tp   # qkv, attn out, scores+probs
+        if is_moe_layer(cfg, i):
+            tok = B * T * cfg.top_k
+            n += tok * (C + 8.0 * C / tp) + B * T * cfg.n_expert * 2
+        else:
+            n += B * T * 8.0 * C / tp                   # c_fc out and GELU out
+    if last:
+        vpad = -(-cfg.vocab_size // tp) * tp
+        n += B * T * (C * 2 + vpad / tp)               # ln_f in/out, vocab-parallel logits
+    return n
+
+
+def _schedules(lay: Layout):
+    from .parallel.pp import schedules as S
+    return [S.build_schedule(lay.schedule, lay.pp, lay.n_micro, lay.virtual_stages, r) for r in range(lay.pp)]
+
+
+# --- prediction ---------------------------------------------------------------------------
+def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
+    from .parallel.pp import schedules as S
+    from .parallel.pp.partition import partition
+
+    part = partition(cfg, lay.pp, lay.virtual_stages)
+    scheds = _schedules(lay)
+    B, T, C = lay.micro_batch_size, cfg.block_size, cfg.n_embd
+    tp_cross = lay.tp > m.ranks_per_node
+    pp_cross = lay.tp * lay.pp > m.ranks_per_node
+    dp_cross = lay.tp * lay.pp * lay.dp > m.ranks_per_node
+    worst = None
+    for r in range(lay.pp):
+        stages = part.stages_of(r)
+        blocks = [i for s in stages for i in part.blocks(s)]
+        first, last = 0 in stages, (part.n_stage - 1) in stages
+        n_par = params_per_rank(cfg, lay, blocks, first, last)
+        opt = 8 * n_par / (lay.dp if lay.zero else 1)
+        inflight = S.peak_in_flight(scheds[r])
+        # per-chunk activations: use the rank's blocks spread over its chunks
+        act = activations_per_micro(cfg, lay, blocks, last) / max(1, len(stages))
+        mem = {"params": 4 * n_par, "grads": 4 * n_par, "optimizer": opt,
+               "activations": act * m.act_bytes * inflight}
+        mem["total"] = sum(mem.values())
+        if worst is None or mem["total"] > worst[0]["total"]:
+            worst = (mem, n_par, inflight)
+    mem, n_par_worst, inflight = worst
+
+    # per micro-batch forward/backward time of one stage chunk (pp*v chunks in all)
+    tokens = B * T
+    flops_micro = flops_per_token(cfg) * tokens / (lay.tp * lay.pp)
+    comp = flops_micro / (m.peak * m.mfu) + m.overhead * (cfg.n_layer + 2) / lay.pp
+    blocks_per_rank = cfg.n_layer / lay.pp
+    moe_per_rank = sum(1 for i in range(cfg.n_layer) if is_moe_layer(cfg, i)) / lay.pp
+    act_b = tokens * C * m.act_bytes
+    tp_t = 4 * blocks_per_rank * m.coll("allreduce", act_b, lay.tp, tp_cross)
+    ep_t = 4 * moe_per_rank * m.coll("alltoall", act_b * cfg.top_k, lay.ep, dp_cross)
+    pp_t = m.coll("sendrecv", act_b, 2, pp_cross) if lay.pp > 1 else 0.0
+    f_cost = comp / 3 + (tp_t + ep_t) / 2
+    b_cost = 2 * comp / 3 + (tp_t + ep_t) / 2
+    sim = S.simulate(scheds, lay.pp, lay.virtual_stages, f_cost * lay.virtual_stages,
+                     b_cost * lay.virtual_stages, comm_cost=pp_t / lay.virtual_stages)
+    pipe = sim["makespan"]
+    busy = max(sim["busy"])
+    grad_bytes = 4 * n_par_worst
+    if lay.zero:
+        dp_t = m.coll("reduce_scatter", grad_bytes, lay.dp, dp_cross) + m.coll("allgather", grad_bytes, lay.dp, dp_cross)
+    else:
+        dp_t = m.coll("allreduce", grad_bytes, lay.dp, dp_cross)
+    dp_exposed = dp_t * (1 - m.overlap)
+    opt_t = n_par_worst / (lay.dp if lay.zero else 1) * 40 / 10e9   # ~40 B touched per param at ~10 GB/s
+    step = pipe + dp_exposed + opt_t
+    time = {"compute": comp * lay.n_micro, "tp_comm": tp_t * lay.n_micro, "ep_comm": ep_t * lay.n_micro,
+            "pp_comm": pp_t * lay.n_micro if lay.pp > 1 else 0.0, "bubble": pipe - busy,
+            "dp_comm": dp_exposed, "optimizer": opt_t}
+    return Prediction(lay, mem, time, step, (pipe - busy) / pipe if pipe else 0.0, inflight)
+
+
+def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_node: int,
+                      max_micro: int = 64):
+    """Yield (Layout, None) for valid layouts and (Layout-or-dict, reason) for rejected ones."""
+    from .parallel.pp.partition import validate_pipeline
+    from .parallel.tp.validate import validate_tp
+
+    for tp in divisors(world):
+        try:
+            validate_tp(cfg, tp)
+        except ValueError as e:
+            yield {"tp": tp}, f"invalid: {e}"
+            continue
+        if tp > ranks_per_node:
+            yield {"tp": tp}, f"tp={tp} spans nodes of {ranks_per_node} ranks (tensor parallelism stays in a node)"
+            continue
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                yield {"tp": tp, "pp": pp, "dp": dp}, f"global batch {global_batch} not divisible by dp={dp}"
+                continue
+            eps = [e for e in divisors(dp) if cfg.n_expert % e == 0] if cfg.n_expert else [1]
+            per_dp = global_batch // dp
+            for ep in eps:
+                for mbs in divisors(per_dp):
+                    nm = per_dp // mbs
+                    if nm > max_micro:
+                        continue
+                    scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)]
+                    if pp > 1 and cfg.n_layer % (pp * 2) == 0:
+                        scheds.append(("interleaved", 2))
+                    for sched, v in scheds:
+                        lay0 = Layout(dp, pp, tp, ep, mbs, nm, sched, v)
+                        try:
+                            validate_pipeline(cfg, pp, nm, sched, v)
+                        except ValueError as e:
+                            yield lay0, f"invalid: {e}"
+                            continue
+                        for zero in ([False, True] if dp > 1 else [False]):
+                            for sp in ([False, True] if tp > 1 else [False]):
+                                yield Layout(dp, pp, tp, ep, mbs, nm, sched, v, zero, sp), None
+
+
+def plan(cfg: GPTConfig, world: int, global_batch: int, machine: Machine):
+    """-> (sorted list of Prediction that fit, list of (layout key, reason) rejected)."""
+    ok, rejected = [], []
+    for lay, reason in enumerate_layouts(cfg, world, global_batch, machine.ranks_per_node):
+        if reason:
+            rejected.append((lay.key() if isinstance(lay, Layout) else str(lay), reason))
+            continue
+        p = predict(cfg, lay, machine)
+        if p.memory["total"] > machine.mem:
+            rejected.append((lay.key(), f"out of memory: {p.memory['total'] / GiB:.2f} GiB > "
+                                        f"{machine.mem / GiB:.2f} GiB per rank"))
+            continue
+        ok.append(p)
+    ok.sort(key=lambda p: (p.step_time, p.memory["total"]))
+    return ok, rejected
+
+
+def build_machine(args) -> Machine:
+    if args.device == "cpu":
+        from .metrics import measure_matmul_peak
+
+        peak = args.peak_flops or measure_matmul_peak()
+        d = dict(CPU_DEFAULT)
+        mem = parse_bytes(args.mem_per_rank) if args.mem_per_rank else 24 * GiB // max(1, args.ranks_per_node)
+        mfu, overlap = MFU_ASSUMED["cpu"], 0.0
+    else:
+        d = dict(DEVICES[args.device])
+        peak = args.peak_flops or d["peak"]
+        mem = parse_bytes(args.mem_per_rank) if args.mem_per_rank else d["mem"]
+        mfu, overlap = MFU_ASSUMED["gpu"], 0.8
+    if args.bench_json:
+        d["alpha"], d["intra_bw"] = fit_alpha_beta(args.bench_json)
+    if args.overlap is not None:
+        overlap = args.overlap
+    return Machine(peak=peak, alpha=d["alpha"], intra_bw=d["intra_bw"], inter_bw=d["inter_bw"], mem=mem,
+                   act_bytes=d["act_bytes"], mfu=mfu, ranks_per_node=args.ranks_per_node or args.world,
+                   overlap=overlap, overhead=d["overhead"])
+
+
+def format_table(preds, top: int) -> str:
+    hdr = f"{'#':>3}  {'layout':<48} {'step(ms)':>9} {'mem/rank':>10} {'bubble':>7} {'tp':>6} {'dp':>6} {'pp':>6}"
+    lines = [hdr, "-" * len(hdr)]
+    for i, p in enumerate(preds[:top]):
+        t = p.time
+        lines.append(f"{i + 1:>3}  {p.layout.key():<48} {p.step_time * 1e3:>9.2f} "
+                     f"{p.memory['total'] / 2**20:>8.1f}Mi {p.bubble:>7.2f} {t['tp_comm'] * 1e3:>6.1f} "
+                     f"{t['dp_comm'] * 1e3:>6.1f} {t['pp_comm'] * 1e3:>6.1f}")
+    return "\n".join(lines)
+
+
+def measure(preds, args, cfg_args) -> list:
+    """Run each layout for a few steps with the real trainer; -> rows with measured step time."""
+    import os
+    import subprocess
+    import tempfile
+
+    from .train import read_metrics  # noqa: F401  (imported lazily: the trainer is heavy)
+
+    rows = []
+    for p in preds:
+        with tempfile.TemporaryDirectory() as out:
+            cmd = ["mpiexec", "-n", str(args.world), sys.executable, "-m", "pympar.train", *cfg_args,
+                   *p.layout.train_args(), "--steps", str(args.measure_steps), "--out", out,
+                   "--eval-every", "0", "--sample-tokens", "0"]
+            env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.measure_timeout)
+            if r.returncode != 0:
+                rows.append({"layout": p.layout.key(), "predicted_s": p.step_time, "error": r.stdout[-300:] + r.stderr[-300:]})
+                continue
+            steps = read_metrics(os.path.join(out, "metrics.jsonl"))
+            times = sorted(s["step_time"] for s in steps[1:]) or [steps[0]["step_time"]]
+            rows.append({"layout": p.layout.key(), "predicted_s": p.step_time,
+                         "measured_s": times[len(times) // 2],
+                         "predicted_mem": p.memory["total"],
+                         "measured_rss": max(s.get("rss_bytes", 0) for s in steps)})
+    return rows
+
+
+def spearman(a, b) -> float:
+    """Rank correlation of two equal-length sequences (ties get their mean rank)."""
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    ma, mb = sum(ra) / n, sum(rb) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = math.sqrt(sum((x - ma) ** 2 for x in ra))
+    vb = math.sqrt(sum((y - mb) ** 2 for y in rb))
+    return cov / (va * vb) if va and vb else 0.0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pympar.plan", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--preset", default="small", help=f"model preset: {', '.join(PRESETS)}")
+    for f in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "n_expert", "top_k", "moe_every"):
+        ap.add_argument("--" + f.replace("_", "-"), type=int, default=None, help=f"override the preset's {f}")
+    ap.add_argument("--world", type=int, required=True, help="number of ranks")
+    ap.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: all in one)")
+    ap.add_argument("--mem-per-rank", default=None, help="memory per rank, e.g. 2GiB (default: device's, or 24GiB/ranks-per-node on cpu)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", *DEVICES], help="cpu (measured) or a GPU model")
+    ap.add_argument("--peak-flops", type=float, default=None, help="override the matmul FLOP/s per rank")
+    ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 4*world)")
+    ap.add_argument("--bench-json", nargs="*", default=None, help="pympar.bench --json files for alpha/beta")
+    ap.add_argument("--overlap", type=float, default=None, help="fraction of DP sync hidden behind backward")
+    ap.add_argument("--top", type=int, default=10, help="candidates to print")
+    ap.add_argument("--show-rejected", type=int, default=10, help="rejected layouts to print")
+    ap.add_argument("--json", default=None, help="write every candidate and rejection as JSON")
+    ap.add_argument("--measure", type=int, nargs="?", const=3, default=0,
+                    help="run the top N candidates with the real trainer and compare")
+    ap.add_argument("--measure-steps", type=int, default=4)
+    ap.add_argument("--measure-timeout", type=float, default=600)
+    args = ap.parse_args(argv)
+    over = {f: getattr(args, f) for f in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
+                                         "n_expert", "top_k", "moe_every") if getattr(args, f) is not None}
+    try:
+        cfg = GPTConfig.from_preset(args.preset, **over)
+        if args.world < 1:
+            raise ValueError(f"--world={args.world} must be >= 1")
+    except ValueError as e:
+        ap.error(str(e))
+    args.ranks_per_node = args.ranks_per_node or args.world
+    gb = args.global_batch or 4 * args.world
+    machine = build_machine(args)
+    preds, rejected = plan(cfg, args.world, gb, machine)
+    print(f"model {args.preset} ({cfg.n_layer} layers, C={cfg.n_embd}, heads={cfg.n_head}, experts={cfg.n_expert}); "
+          f"world {args.world}, {args.ranks_per_node} ranks/node, global batch {gb}; device {args.device}: "
+          f"peak {machine.peak / 1e9:.1f} GFLOP/s/rank, alpha {machine.alpha * 1e6:.1f} us, "
+          f"bus {machine.intra_bw / 1e9:.2f} GB/s, memory {machine.mem / GiB:.1f} GiB/rank")
+    if not preds:
+        print("no layout fits.")
+    else:
+        print(format_table(preds, args.top))
+    if rejected and args.show_rejected:
+        print(f"\nrejected ({len(rejected)}), first {min(len(rejected), args.show_rejected)}:")
+        seen = set()
+        for key, why in rejected:
+            if why in seen:
+                continue
+            seen.add(why)
+            print(f"  {key}: {why}")
+            if len(seen) >= args.show_rejected:
+                break
+    out = {"candidates": [p.row() for p in preds], "rejected": [{"layout": k, "reason": r} for k, r in rejected]}
+    if args.measure and preds:
+        cfg_args = ["--preset", args.preset] + [x for f, v in over.items() for x in ("--" + f.replace("_", "-"), str(v))]
+        rows = measure(preds[:args.measure], args, cfg_args)
+        print(f"\n{'layout':<48} {'predicted(ms)':>14} {'measured(ms)':>13}")
+        for r in rows:
+            print(f"{r['layout']:<48} {r['predicted_s'] * 1e3:>14.2f} "
+                  + (f"{r['measured_s'] * 1e3:>13.2f}" if "measured_s" in r else f"  failed: {r['error'][-120:]}"))
+        good = [r for r in rows if "measured_s" in r]
+        if len(good) >= 3:
+            rho = spearman([r["predicted_s"] for r in good], [r["measured_s"] for r in good])
+            print(f"rank correlation (Spearman) predicted vs measured: {rho:.2f}")
+            out["spearman"] = rho
+        out["measured"] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+def choose_layout(cfg: GPTConfig, world: int, global_batch: int, ranks_per_node: int | None = None,
+                  mem_per_rank: int | None = None) -> Layout:
+    """The planner's best layout, for ``python -m pympar.train --layout auto``."""
+    ns = argparse.Namespace(device="cpu", peak_flops=1e10, mem_per_rank=mem_per_rank, ranks_per_node=ranks_per_node or world,
+                            bench_json=None, overlap=None, world=world)
+    preds, rejected = plan(cfg, world, global_batch, build_machine(ns))
+    if not preds:
+        reasons = sorted({r for _, r in rejected})[:3]
+        raise ValueError(f"no valid layout of {world} ranks for this model and global batch {global_batch}: {reasons}")
+    return preds[0].layout
+
+
+if __name__ == "__main__":
+    sys.exit(main())
