@@ -328,7 +328,12 @@ def build_machine(args) -> Machine:
     if args.device == "cpu":
         from .metrics import measure_matmul_peak
 
+        import os
+
         peak = args.peak_flops or measure_matmul_peak()
+        # ranks beyond the cores share them: each rank gets cores/ranks of the single-process rate
+        rpn = args.ranks_per_node or args.world
+        peak *= min(1.0, (os.cpu_count() or 1) / rpn)
         d = dict(CPU_DEFAULT)
         mem = parse_bytes(args.mem_per_rank) if args.mem_per_rank else 24 * GiB // max(1, args.ranks_per_node)
         mfu, overlap = MFU_ASSUMED["cpu"], 0.0
