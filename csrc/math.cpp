@@ -212,9 +212,10 @@ inline float load_f(BHalf h) { return bf16_to_f32(h.bits); }
 template <typename P, typename G>
 static void adamw_g(P* p, const G* g, P* m, P* v, int64_t n, double lr, double b1, double b2, double eps,
                     double wd, double bc1, double bc2) {
-  const P pb1 = P(b1), pb2 = P(b2), a1 = P(1 - b1), a2 = P(1 - b2), decay = P(1 - lr * wd);
+  const P pb1 = P(b1), pb2 = P(b2), a1 = P(1 - b1), a2 = P(1 - b2), decay = wd != 0 ? P(1 - lr * wd) : P(1);
   const P plr = P(lr), pbc1 = P(bc1), pbc2 = P(bc2), peps = P(eps);
-  const bool use_decay = wd != 0;
+  // p * 1 is exact, so always multiplying equals the reference's skip when weight_decay == 0
+  // (and keeps the loop free of a branch GCC would not vectorise)
   parallel_for(n, kElemGrain, kAlign, [&](int64_t i0, int64_t i1) {
 #pragma omp simd
     for (int64_t i = i0; i < i1; ++i) {
@@ -224,7 +225,7 @@ static void adamw_g(P* p, const G* g, P* m, P* v, int64_t n, double lr, double b
       P vi = v[i] * pb2 + a2 * gi * gi;
       m[i] = mi;
       v[i] = vi;
-      P pi = use_decay ? p[i] * decay : p[i];
+      P pi = p[i] * decay;
       p[i] = pi - plr * (mi / pbc1) / (std::sqrt(vi / pbc2) + peps);
     }
   });
