@@ -16,10 +16,11 @@ import numpy as np
 
 
 class TPCollectives:
-    def __init__(self, comm):
+    def __init__(self, comm, algo="auto"):
+        """algo: the Communicator's algorithm for every TP collective ('auto' lets it choose)."""
         if isinstance(comm, TPCollectives):
             raise TypeError("TPCollectives wraps a Communicator, not another TPCollectives")
-        self.comm = comm
+        self.comm, self.algo = comm, algo
         self.size = comm.size
         self.rank = comm.rank
         self.seconds = 0.0
@@ -46,14 +47,14 @@ class TPCollectives:
         if self.size == 1:
             return x
         x = np.ascontiguousarray(x)
-        return self._timed(lambda a: self.comm.allreduce(a.copy(), op=op), x)
+        return self._timed(lambda a: self.comm.allreduce(a, op=op, algo=self.algo, inplace=False), x)
 
     def allgather0(self, x):
         """(n, ...) per rank -> (size*n, ...), rank order along axis 0."""
         if self.size == 1:
             return x
         x = np.ascontiguousarray(x)
-        out = self._timed(self.comm.allgather, x)
+        out = self._timed(self.comm.allgather, x, algo=self.algo)
         return np.asarray(out).reshape((self.size * x.shape[0],) + x.shape[1:])
 
     def reduce_scatter0(self, x):
@@ -62,7 +63,7 @@ class TPCollectives:
             return x
         x = np.ascontiguousarray(x)
         n = x.shape[0] // self.size
-        out = self._timed(self.comm.reduce_scatter, x)
+        out = self._timed(self.comm.reduce_scatter, x, algo=self.algo)
         return np.asarray(out).reshape((n,) + x.shape[1:])
 
     # --- along the sequence axis (sequence parallelism) --------------------------------------------

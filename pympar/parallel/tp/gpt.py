@@ -162,3 +162,18 @@ def activation_bytes(model, idx, targets) -> int:
     """Activation memory of one micro-batch on this rank: the bytes of every ctx its forward keeps."""
     _, _, ctxs = model._forward(np.asarray(idx), np.asarray(targets))
     return ctx_nbytes(ctxs)
+
+
+def tp_allreduce_sq(params, tp, then=None):
+    """An ``allreduce_sq`` for optim.clip_grad_norm over a TP model's parameters: the squares of
+    sharded gradients are summed over tp, replicated ones (identical on every tp rank) count once.
+    ``then``: a further reduction of the total (e.g. the sum over pipeline stages), or None."""
+    tpc = as_collectives(tp)
+    repl = [p for p in params if shard_of(p) is None]
+
+    def allreduce_sq(sq):
+        rsq = sum(float(np.dot(p.grad.reshape(-1), p.grad.reshape(-1))) for p in repl)
+        total = float(tpc.allreduce(np.array([sq - rsq]))[0]) + rsq
+        return then(total) if then is not None else total
+
+    return allreduce_sq
