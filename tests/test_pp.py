@@ -1,0 +1,122 @@
+"""Pipeline parallelism: schedule properties (pure Python) and the MPI equivalence tests.
+
+The MPI part (tests/mpi/mpi_pp.py) runs the world as one pipeline and compares every stage
+with the single-process nn.GPT doing gradient accumulation over the same micro-batches.
+"""
+import itertools
+
+import pytest
+
+from mpirun import run_pytest_mpi
+from pympar.nn import GPTConfig
+from pympar.parallel.pp import (SCHEDULES, Action, bubble_formula, build_schedule, partition,
+                                peak_in_flight, simulate, validate_pipeline, validate_schedule)
+
+GRID = [(s, p, m, v) for s in SCHEDULES for p in range(1, 5) for m in range(1, 9) for v in (1, 2)]
+
+
+def valid(s, p, m, v):
+    try:
+        validate_schedule(s, p, m, v)
+        return True
+    except ValueError:
+        return False
+
+
+VALID = [g for g in GRID if valid(*g)]
+
+
+def test_grid_has_every_schedule():
+    assert {s for s, *_ in VALID} == set(SCHEDULES)
+    assert any(s == "interleaved" and v == 2 for s, p, m, v in VALID)
+
+
+@pytest.mark.parametrize("s,p,m,v", VALID)
+def test_schedule_properties(s, p, m, v):
+    sch = [build_schedule(s, p, m, v, r) for r in range(p)]
+    for r, acts in enumerate(sch):
+        # every (micro, chunk) exactly one F and one B, the F first
+        want = {(k, j, c) for k in "FB" for j in range(m) for c in range(v)}
+        got = [(a.kind, a.micro, a.chunk) for a in acts]
+        assert len(got) == len(want) and set(got) == want, (r, acts)
+        for j, c in itertools.product(range(m), range(v)):
+            assert got.index(("F", j, c)) < got.index(("B", j, c)), (r, j, c)
+    # dependencies across ranks are satisfiable (simulate raises on a deadlock) and with
+    # backward = 2 x forward the idle time is exactly the textbook bubble
+    res = simulate(sch, p, v, f_cost=1.0, b_cost=2.0)
+    assert max(res["bubble"]) == pytest.approx(bubble_formula(s, p, m, v), abs=1e-12)
+    peaks = [peak_in_flight(a) for a in sch]
+    if s == "gpipe":
+        assert peaks == [m] * p
+    elif v == 1:                             # 1f1b, and interleaved with one chunk is 1f1b
+        assert peaks == [min(p - r, m) for r in range(p)] and max(peaks) <= p
+    else:                                    # interleaved: Megatron's warm-up depth + 1
+        assert peaks == [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) for r in range(p)]
+
+
+def test_simulate_detects_deadlock():
+    # rank 1 wants micro-batch 1 before 0, rank 0 sends 0 first and waits for 0's gradient
+    sch = [[Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)],
+           [Action("F", 1), Action("B", 1), Action("F", 0), Action("B", 0)]]
+    res = simulate(sch, 2)                   # fine: sends never block in the executor
+    assert res["makespan"] > 0
+    bad = [[Action("F", 0), Action("B", 0)], [Action("B", 0), Action("F", 0)]]
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate(bad, 2)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("zb", 2, 4, 1), "unknown pipeline schedule"),
+    (("1f1b", 2, 4, 2), "use schedule 'interleaved'"),
+    (("interleaved", 4, 6, 2), "n_micro divisible by pp"),
+    (("gpipe", 0, 4, 1), "pp=0"),
+    (("gpipe", 2, 0, 1), "n_micro=0"),
+])
+def test_invalid_schedules(args, msg):
+    with pytest.raises(ValueError, match=msg):
+        validate_schedule(*args)
+
+
+def test_partition_balances_cost():
+    c = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    part = partition(c, 4)
+    assert part.bounds[0] == 0 and part.bounds[-1] == 12
+    assert all(part.bounds[i] < part.bounds[i + 1] for i in range(4))
+    # the head (2*C*V per token) is worth several blocks: the last stage gets fewer blocks
+    sizes = [len(part.blocks(s)) for s in range(4)]
+    assert sizes[-1] < sizes[1], sizes
+    # no contiguous cut has a lower maximum stage cost
+    best = min(max(sum(x) for x in _costs(c, cut)) for cut in itertools.combinations(range(1, 12), 3))
+    assert max(part.costs) == pytest.approx(best)
+
+
+def _costs(c, cut):
+    from pympar.parallel.pp.partition import block_flops, embedding_flops, head_flops
+    b = (0,) + cut + (c.n_layer,)
+    out = [[block_flops(c, i) for i in range(b[s], b[s + 1])] for s in range(len(b) - 1)]
+    out[0].append(embedding_flops(c))
+    out[-1].append(head_flops(c))
+    return out
+
+
+def test_partition_interleaved_and_moe():
+    c = GPTConfig(n_layer=8, n_expert=4, moe_every=2)
+    part = partition(c, 2, 2)
+    assert part.bounds == (0, 2, 4, 6, 8) and part.stages_of(1) == [1, 3]
+    with pytest.raises(ValueError, match="divisible by pp\\*v"):
+        partition(GPTConfig(n_layer=6), 2, 2)
+    with pytest.raises(ValueError, match="cannot fill"):
+        validate_pipeline(GPTConfig(n_layer=2), 3, 3)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_pipeline_mpi(n):
+    run_pytest_mpi(n, "mpi_pp.py", timeout=60 + 15 * n)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_pipeline_mpi_full_matrix(n):
+    run_pytest_mpi(n, "mpi_pp.py", timeout=120 + 60 * n, env={"PYMPAR_PP_FULL": "1"})
