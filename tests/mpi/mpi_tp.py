@@ -33,6 +33,16 @@ class PlainMPI:
         self.c.Allreduce(x, out, op={"sum": MPI.SUM, "max": MPI.MAX}[op])
         return out
 
+    def iallreduce(self, x, op="sum"):
+        from mpi4py import MPI
+        req = self.c.Iallreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+
+        class Done:
+            def wait(self_):
+                req.Wait()
+                return x
+        return Done()
+
     def allgather(self, x, algo="auto"):
         out = np.empty((self.size * x.shape[0],) + x.shape[1:], dtype=x.dtype)
         self.c.Allgather(x, out)

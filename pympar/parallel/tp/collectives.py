@@ -49,6 +49,18 @@ class TPCollectives:
         x = np.ascontiguousarray(x)
         return self._timed(lambda a: self.comm.allreduce(a, op=op, algo=self.algo, inplace=False), x)
 
+    def allreduce_start(self, x):
+        """Start an in-place sum of x over tp; the returned handle's ``wait()`` gives it.
+        Falls back to a blocking allreduce when the Communicator has no iallreduce. Only the
+        time spent starting and waiting counts (communication hidden behind compute is free)."""
+        if self.size == 1:
+            return _Done(x)
+        x = np.ascontiguousarray(x)
+        if not hasattr(self.comm, "iallreduce"):
+            return _Done(self.allreduce(x))
+        req = self._timed(self.comm.iallreduce, x)
+        return _Timed(req, self)
+
     def allgather0(self, x):
         """(n, ...) per rank -> (size*n, ...), rank order along axis 0."""
         if self.size == 1:
@@ -91,6 +103,25 @@ class TPCollectives:
         if self.size == 1:
             return x
         return np.ascontiguousarray(x[:, self.seq_slice(x.shape[1])])
+
+
+class _Done:
+    def __init__(self, x):
+        self.x = x
+
+    def wait(self):
+        return self.x
+
+
+class _Timed:
+    def __init__(self, req, tpc):
+        self.req, self.tpc = req, tpc
+
+    def wait(self):
+        t0 = time.perf_counter()
+        out = self.req.wait()
+        self.tpc.seconds += time.perf_counter() - t0
+        return out
 
 
 def as_collectives(comm_or_tpc) -> TPCollectives:

@@ -2,7 +2,8 @@
 
 ColumnParallelLinear: each tp rank holds some OUTPUT rows of W (and of b); its input is the full
 activation. The collective sits on the input side:
-  input_mode="copy"        forward identity, backward allreduce of dx   (Megatron's f)
+  input_mode="copy"        forward identity, backward allreduce of dx   (Megatron's f); the
+                           allreduce is started nonblocking and overlaps the weight gradient
   input_mode="gather_seq"  forward allgather along T, backward reduce-scatter of dx along T
                            (sequence parallelism; ctx keeps only the LOCAL x and re-gathers it)
   input_mode="none"        no collective (the caller reduces dx)
@@ -53,14 +54,16 @@ class ColumnParallelLinear(Module):
         return y, x                              # ctx: the LOCAL input only
 
     def backward(self, dy, x):                   # dy (..., out/tp) -> dx like x
+        dx = dy @ self.weight.data               # partial: this rank's output rows only
+        # "copy": the allreduce of dx runs while the weight gradient is computed (overlap)
+        pending = self._tp.allreduce_start(dx) if self._mode == "copy" else None
         xf = self._tp.allgather_seq(x) if self._mode == "gather_seq" else x
         dy2 = dy.reshape(-1, dy.shape[-1])
         accumulate(self.weight, dy2.T @ xf.reshape(-1, xf.shape[-1]))
         if self.bias is not None:
             accumulate(self.bias, dy2.sum(axis=0))
-        dx = dy @ self.weight.data               # partial: this rank's output rows only
-        if self._mode == "copy":
-            return self._tp.allreduce(dx)
+        if pending is not None:
+            return pending.wait()
         if self._mode == "gather_seq":
             return self._tp.reduce_scatter_seq(dx)
         return dx
