@@ -214,12 +214,18 @@ class DataParallel:
             self._count(nb["payload"], nb["wire"], nb["collectives"])
             self._complete(b, out, mean=True)
         elif self.zero:
-            b.request = self.comm.ireduce_scatter(b.buf)
             self._count(b.buf.nbytes, (n - 1) * b.buf.nbytes // n, 1)
+            if hasattr(self.comm, "ireduce_scatter"):
+                b.request = self.comm.ireduce_scatter(b.buf)
+            else:                                     # no nonblocking form: reduce now
+                self._complete(b, self.comm.reduce_scatter(b.buf))
         else:
-            b.request = self.comm.iallreduce(b.buf)
             nb = dense_allreduce_bytes(b.buf.nbytes, n)
             self._count(nb["payload"], nb["wire"], 1)
+            if hasattr(self.comm, "iallreduce"):
+                b.request = self.comm.iallreduce(b.buf)
+            else:
+                self._complete(b, self.comm.allreduce(b.buf))
         self.last["comm_s"] += time.perf_counter() - t0
 
     def _count(self, payload, wire, n_coll):
