@@ -196,7 +196,7 @@ class MPIComm(Communicator):
             algo = "ring"
         if algo == "mpi":
             sync_stream(x)
-            self._lib(w, lambda: self._coll.Iallgather(wire(src_f), wire(out_f)))
+            self._lib(w, lambda: self._coll.Iallgather(wire(src_f), _per_rank(wire(out_f), m)))
         elif algo == "shm":
             shm_allgather(self._shm_arena(), w, src_f, out_f)
         else:
@@ -301,7 +301,8 @@ class MPIComm(Communicator):
     def iallgather(self, x, out):
         w = self._waiter("iallgather")
         sync_stream(x)
-        return Request([self._coll.Iallgather(wire(flat(contiguous(x))), wire(flat(out)))], [None], w, None, out)
+        src = wire(flat(contiguous(x)))
+        return Request([self._coll.Iallgather(src, _per_rank(wire(flat(out)), src[1]))], [None], w, None, out)
 
     def ibroadcast(self, x, root=0):
         w = self._waiter("ibroadcast")
@@ -354,3 +355,8 @@ def world() -> MPIComm:
     if _world is None:
         _world = MPIComm(MPI.COMM_WORLD, name="world")
     return _world
+
+
+def _per_rank(spec, count):
+    """An allgather receive spec counts the elements FROM EACH rank, not the whole buffer."""
+    return [spec[0], count, spec[2]]
