@@ -95,3 +95,16 @@ def run_dp(comm, cfg, dtype, n_micro, steps, **dp_kw):
         losses.append(float(np.asarray(tot).reshape(-1)[0]) / comm.size)
     return dict(losses=losses, norms=norms, dp=dp,
                 params={n: p.data.copy() for n, p in model.named_parameters()})
+
+
+def synced_grads(comm, cfg, dtype, n_micro, **dp_kw):
+    """The gradients after DataParallel.finish() of step 0, and the DataParallel."""
+    model, _ = _model(cfg, dtype)
+    dp = DataParallel(model.named_parameters(), comm, **dp_kw).attach(model)
+    mine = global_batch(0, n_micro * comm.size, cfg["vocab_size"])[comm.rank * n_micro:(comm.rank + 1) * n_micro]
+    dp.begin_step()
+    for j, (x, y) in enumerate(mine):
+        dp.begin_micro(last=(j == n_micro - 1))
+        model.loss_and_grad(x, y, grad_scale=1.0 / n_micro)
+    dp.finish()
+    return {n: p.grad.copy() for n, p in model.named_parameters()}, dp
