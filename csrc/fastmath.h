@@ -2,26 +2,38 @@
 // exp(x) = 2^n * exp(r), n = round(x / ln2), |r| <= ln2/2, exp(r) by its Taylor polynomial:
 // degree 7 (float, truncation error < 1e-8 relative) or 13 (double, < 1e-17).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace pympar {
 
+// a * b + c: one fused instruction where the ISA build has FMA. The kernels are compiled with
+// -ffp-contract=off so that every other expression rounds like the NumPy reference does.
+template <typename T>
+inline T madd(T a, T b, T c) {
+#if defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 inline float exp_approx(float x) {
   x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float t = x * 1.44269504088896341f + shifter;
+  float t = madd(x, 1.44269504088896341f, shifter);
   float n = t - shifter;
-  float r = x - n * 0.693145751953125f;   // ln2 split in a high part exact in float ...
-  r = r - n * 1.428606765330187045e-06f;   // ... and the rest
+  float r = madd(n, -0.693145751953125f, x);   // ln2 split in a high part exact in float ...
+  r = madd(n, -1.428606765330187045e-06f, r);   // ... and the rest
   float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  p = madd(p, r, 1.0f / 720.0f);
+  p = madd(p, r, 1.0f / 120.0f);
+  p = madd(p, r, 1.0f / 24.0f);
+  p = madd(p, r, 1.0f / 6.0f);
+  p = madd(p, r, 0.5f);
+  p = madd(p, r, 1.0f);
+  p = madd(p, r, 1.0f);
   int32_t ti, si;
   std::memcpy(&ti, &t, 4);
   std::memcpy(&si, &shifter, 4);
@@ -34,24 +46,24 @@ inline float exp_approx(float x) {
 inline double exp_approx(double x) {
   x = x < -708.0 ? -708.0 : (x > 709.0 ? 709.0 : x);
   const double shifter = 6755399441055744.0;  // 1.5 * 2^52
-  double t = x * 1.4426950408889634074 + shifter;
+  double t = madd(x, 1.4426950408889634074, shifter);
   double n = t - shifter;
-  double r = x - n * 6.93147180369123816490e-01;
-  r = r - n * 1.90821492927058770002e-10;
+  double r = madd(n, -6.93147180369123816490e-01, x);
+  r = madd(n, -1.90821492927058770002e-10, r);
   double p = 1.0 / 6227020800.0;  // 1/13!
-  p = p * r + 1.0 / 479001600.0;
-  p = p * r + 1.0 / 39916800.0;
-  p = p * r + 1.0 / 3628800.0;
-  p = p * r + 1.0 / 362880.0;
-  p = p * r + 1.0 / 40320.0;
-  p = p * r + 1.0 / 5040.0;
-  p = p * r + 1.0 / 720.0;
-  p = p * r + 1.0 / 120.0;
-  p = p * r + 1.0 / 24.0;
-  p = p * r + 1.0 / 6.0;
-  p = p * r + 0.5;
-  p = p * r + 1.0;
-  p = p * r + 1.0;
+  p = madd(p, r, 1.0 / 479001600.0);
+  p = madd(p, r, 1.0 / 39916800.0);
+  p = madd(p, r, 1.0 / 3628800.0);
+  p = madd(p, r, 1.0 / 362880.0);
+  p = madd(p, r, 1.0 / 40320.0);
+  p = madd(p, r, 1.0 / 5040.0);
+  p = madd(p, r, 1.0 / 720.0);
+  p = madd(p, r, 1.0 / 120.0);
+  p = madd(p, r, 1.0 / 24.0);
+  p = madd(p, r, 1.0 / 6.0);
+  p = madd(p, r, 0.5);
+  p = madd(p, r, 1.0);
+  p = madd(p, r, 1.0);
   int64_t ti, si;
   std::memcpy(&ti, &t, 8);
   std::memcpy(&si, &shifter, 8);

@@ -1,0 +1,53 @@
+"""The native build: when a compiled pympar._C sits in the package, it must be the one in use,
+expose every kernel of the contract, and pick the best instruction-set build for this CPU.
+(That the CUDA sources compile wherever nvcc exists is checked by CI's build itself.)"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import pympar
+import pympar.kernels as K
+from pympar.kernels import reference
+
+PKG = Path(pympar.__file__).resolve().parent
+built = sorted(PKG.glob("_C*.so")) + sorted(PKG.glob("_C*.pyd"))
+
+
+@pytest.mark.skipif(not built, reason="pympar._C is not built (pure-reference install)")
+def test_built_module_is_the_one_in_use():
+    assert K.native_available(), f"{built[0].name} exists but pympar._C did not import"
+    assert K.backend(__import__("numpy").zeros(1)) == "cpp"
+    from pympar import _C
+
+    assert Path(_C.__file__).resolve().parent == PKG
+
+
+@pytest.mark.skipif(not built, reason="pympar._C is not built")
+def test_every_contract_kernel_is_bound():
+    from pympar import _C
+
+    kernels = [n for n in dir(reference) if not n.startswith("_") and callable(getattr(reference, n))
+               and getattr(reference, n).__module__ == reference.__name__]
+    missing = [n for n in kernels if not hasattr(_C, n)]
+    assert not missing, f"pympar._C lacks {missing}"
+
+
+@pytest.mark.skipif(not built, reason="pympar._C is not built")
+def test_best_isa_for_this_cpu():
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma", "f16c"} <= flags:
+        want = "avx512"
+    elif {"avx2", "fma", "f16c"} <= flags:
+        want = "avx2"
+    else:
+        want = "generic"
+    import os
+
+    if os.environ.get("PYMPAR_ISA"):
+        pytest.skip("PYMPAR_ISA forces a build")
+    assert K.native_isa() == want

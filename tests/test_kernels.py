@@ -1,0 +1,405 @@
+"""Every C++ kernel (pympar._C through pympar.kernels.native) against its pure-NumPy reference.
+
+float32 and float64 (and float16/bfloat16 where the kernel takes them), odd shapes, non-contiguous
+inputs, ignored cross-entropy targets, capacity dropping order, 1 vs 2 threads bit-identical,
+every instruction-set build, the forced-reference path and the no-native path.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pympar.kernels as K
+from pympar.backend import bfloat16
+from pympar.kernels import reference as R
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_native = pytest.mark.skipif(not K.native_available(), reason="pympar._C is not built")
+if K.native_available():
+    from pympar.kernels import native as N
+FLOATS = [np.float32, np.float64]
+TOL = {np.float32: dict(rtol=2e-5, atol=2e-6), np.float64: dict(rtol=1e-12, atol=1e-13)}
+
+
+def rand(rng, shape, dt, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(dt)
+
+
+def close(a, b, dt):
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    np.testing.assert_allclose(a, b, **TOL[np.dtype(dt).type])
+
+
+@pytest.fixture
+def threads():
+    yield
+    K.set_num_threads(1)
+
+
+# --- causal softmax ---------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 1), (2, 7, 7), (3, 2, 13, 13), (1, 61, 61)])
+def test_softmax_causal(dt, shape):
+    rng = np.random.default_rng(1)
+    x = rand(rng, shape, dt, 3.0)
+    T = shape[-1]
+    x[..., np.triu(np.ones((T, T), bool), 1)] = np.inf  # masked entries must not leak
+    y = N.softmax_causal_forward(x)
+    yr = R.softmax_causal_forward(x)
+    close(y, yr, dt)
+    assert np.all(y[..., np.triu(np.ones((T, T), bool), 1)] == 0)
+    dy = rand(rng, shape, dt)
+    close(N.softmax_causal_backward(y, dy), R.softmax_causal_backward(yr, dy), dt)
+
+
+@needs_native
+def test_softmax_causal_noncontiguous_input_is_copied():
+    x = rand(np.random.default_rng(2), (2, 9, 9), np.float32).transpose(0, 2, 1)
+    assert not x.flags.c_contiguous
+    close(N.softmax_causal_forward(x), R.softmax_causal_forward(x), np.float32)
+
+
+# --- layernorm --------------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (2, 3, 31), (67, 97)])
+def test_layernorm(dt, shape):
+    rng = np.random.default_rng(3)
+    x = rand(rng, shape, dt, 2.0) + 1.5
+    w, b = rand(rng, shape[-1:], dt), rand(rng, shape[-1:], dt)
+    got, want = N.layernorm_forward(x, w, b, 1e-5), R.layernorm_forward(x, w, b, 1e-5)
+    for g_, r_ in zip(got, want):
+        close(g_, r_.astype(dt), dt)
+    dy = rand(rng, shape, dt)
+    got = N.layernorm_backward(dy, x, w, want[1], want[2])
+    for g_, r_ in zip(got, R.layernorm_backward(dy, x, w, want[1], want[2])):
+        close(g_, r_.astype(dt), dt)
+
+
+@needs_native
+def test_layernorm_noncontiguous_input():
+    rng = np.random.default_rng(4)
+    x = rand(rng, (9, 40), np.float64)[:, ::2]
+    w, b = rand(rng, (20,), np.float64), rand(rng, (20,), np.float64)
+    for g_, r_ in zip(N.layernorm_forward(x, w, b), R.layernorm_forward(x, w, b)):
+        close(g_, r_, np.float64)
+
+
+# --- GELU -------------------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("n", [1, 7, 1009, 70001])
+def test_gelu(dt, n):
+    rng = np.random.default_rng(5)
+    x = rand(rng, (n,), dt, 4.0)
+    x[:1] = -30.0 if n > 1 else x[:1]  # deep negative tail: y -> -0, no overflow
+    dy = rand(rng, (n,), dt)
+    got = [N.gelu_forward(x), N.gelu_backward(x, dy)]
+    ref = [R.gelu_forward(x), R.gelu_backward(x, dy)]
+    if dt is np.float64:
+        for a, b in zip(got, ref):
+            close(a, b, dt)
+        return
+    # float32: the reference's 1 + tanh(u) cancels in the negative tail, so both are judged
+    # against the float64 evaluation: the native kernel must be about as accurate
+    exact = [R.gelu_forward(x.astype(np.float64)), R.gelu_backward(x.astype(np.float64), dy.astype(np.float64))]
+    for a, b, e in zip(got, ref, exact):
+        assert a.dtype == np.float32
+        err, ref_err = np.abs(a - e).max(), np.abs(b - e).max()
+        assert err <= 2 * ref_err + 1e-6, (err, ref_err)
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+
+
+# --- fused cross-entropy ----------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("NV", [(1, 1), (13, 97), (5, 1031)])
+def test_cross_entropy(dt, NV):
+    n, v = NV
+    rng = np.random.default_rng(6)
+    logits = rand(rng, (n, v), dt, 4.0)
+    t = rng.integers(0, v, n)
+    t[::3] = -100  # ignored rows
+    loss, lse = N.cross_entropy_forward(logits, t)
+    rl, rlse = R.cross_entropy_forward(logits, t)
+    close(loss, rl, dt)
+    close(lse, rlse, dt)
+    assert np.all(loss[::3] == 0)
+    for dloss in (1.0 / n, rand(rng, (n,), dt)):
+        d = N.cross_entropy_backward(logits, lse, t, dloss)
+        close(d, R.cross_entropy_backward(logits, rlse, t, dloss), dt)
+        assert np.all(d[::3] == 0)
+
+
+@needs_native
+def test_cross_entropy_target_out_of_range_is_an_error():
+    with pytest.raises(IndexError, match="vocabulary size 5"):
+        N.cross_entropy_forward(np.zeros((2, 5), np.float32), np.array([1, 5]))
+
+
+# --- AdamW ------------------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("pdt,gdt", [(np.float32, np.float32), (np.float64, np.float64),
+                                     (np.float32, np.float16), (np.float32, "bf16")])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_adamw(pdt, gdt, wd):
+    gdt = bfloat16 if gdt == "bf16" else gdt
+    rng = np.random.default_rng(7)
+    n = 1037
+    state = [rand(rng, (n,), pdt), np.zeros(n, pdt), np.zeros(n, pdt)]
+    ref = [a.copy() for a in state]
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=wd)
+    for step in (1, 2, 3):
+        g = rand(rng, (n,), np.float32).astype(gdt)
+        N.adamw_step(state[0], g, state[1], state[2], step=step, **kw)
+        R.adamw_step(ref[0], g, ref[1], ref[2], step=step, **kw)
+    for a, b in zip(state, ref):
+        close(a, b, pdt)
+
+
+@needs_native
+def test_adamw_noncontiguous_parameter_updates_in_place():
+    rng = np.random.default_rng(8)
+    p = rand(rng, (6, 8), np.float32)[:, ::2]
+    m, v = np.zeros((6, 4), np.float32), np.zeros((6, 4), np.float32)
+    want = p.copy()
+    g = rand(rng, (6, 4), np.float32)
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1)
+    K.adamw_step(p, g, m, v, **kw)
+    R.adamw_step(want, g, np.zeros_like(m), np.zeros_like(v), **kw)
+    close(p, want, np.float32)
+
+
+# --- MoE routing ------------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_topk_ties_pick_lower_index(dt, k):
+    rng = np.random.default_rng(9)
+    s = rng.integers(0, 4, (31, 8)).astype(dt)  # many ties
+    s[3, 2] = np.nan  # NaN ranks last, as argsort(-s) puts it
+    idx, vals = N.topk(s, k)
+    ridx, rvals = R.topk(s, k)
+    np.testing.assert_array_equal(idx, ridx)
+    np.testing.assert_array_equal(vals, rvals)
+
+
+@needs_native
+@pytest.mark.parametrize("capacity", [0, 1, 3])
+def test_capacity_positions_drops_in_priority_order(capacity):
+    e = np.array([2, 0, 2, 2, 1, 0, 2, 1, 0, 0])
+    pos, counts = N.capacity_positions(e, 4, capacity)
+    rpos, rcounts = R.capacity_positions(e, 4, capacity)
+    np.testing.assert_array_equal(pos, rpos)
+    np.testing.assert_array_equal(counts, [4, 2, 4, 0])
+    np.testing.assert_array_equal(counts, rcounts)
+    if capacity == 1:  # the first assignment of each expert keeps slot 0, later ones drop
+        np.testing.assert_array_equal(pos, [0, 0, -1, -1, 0, -1, -1, -1, -1, -1])
+
+
+@needs_native
+def test_capacity_positions_rejects_bad_expert():
+    with pytest.raises(IndexError, match="outside"):
+        N.capacity_positions(np.array([0, 4]), 4, 0)
+
+
+@needs_native
+@pytest.mark.parametrize("dt", FLOATS + [np.int32])
+def test_permute_and_unpermute_add(dt):
+    rng = np.random.default_rng(10)
+    x = (rng.standard_normal((11, 5)) * 10).astype(dt)
+    rows = rng.integers(0, 11, 23)  # duplicates
+    rows[0] = -1  # NumPy's negative index
+    np.testing.assert_array_equal(N.permute(x, rows), R.permute(x, rows))
+    if dt is np.int32:
+        return
+    y = rand(rng, (23, 5), dt)
+    w = rand(rng, (23,), dt)
+    for weights in (None, w):
+        got = N.unpermute_add(y, rows % 11, weights, 11)
+        np.testing.assert_array_equal(got, R.unpermute_add(y, rows % 11, weights, 11))  # same order of adds
+    with pytest.raises(IndexError, match="out of bounds"):
+        N.permute(x, np.array([11]))
+
+
+# --- casts, reductions, scaling ---------------------------------------------------------
+SPECIALS = np.array([0.0, -0.0, 1.0, -2.5, 65504.0, 65519.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 1e-5,
+                     1e-40, 3.4e38, np.inf, -np.inf, np.nan, 1.00048828125, 1.000732421875,
+                     1.00390625, 1.01171875], dtype=np.float32)
+HALVES = [np.dtype(np.float16), bfloat16]
+
+
+@needs_native
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy warns on the inf/NaN it casts
+@pytest.mark.parametrize("src", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("dst", ["float32", "float64", "float16", "bfloat16"])
+def test_cast_rounds_like_numpy(src, dst):
+    sd, dd = (bfloat16 if s == "bfloat16" else np.dtype(s) for s in (src, dst))
+    rng = np.random.default_rng(11)
+    base = np.concatenate([SPECIALS, -SPECIALS, rng.standard_normal(70001).astype(np.float32) * 100,
+                           rng.integers(0, 2**32, 5000, dtype=np.uint32).view(np.float32)])
+    x = base.astype(sd)
+    got, want = N.cast(x, dd), R.cast(x, dd)
+    assert got.dtype == want.dtype
+    if dd.itemsize == 2:
+        np.testing.assert_array_equal(got.view(np.uint16)[~np.isnan(want)], want.view(np.uint16)[~np.isnan(want)])
+    else:
+        np.testing.assert_array_equal(got[~np.isnan(want)], want[~np.isnan(want)])
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), np.isnan(want.astype(np.float32)))
+
+
+REDUCE_DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), bfloat16,
+                 np.dtype(np.int32), np.dtype(np.int64)]
+
+
+@needs_native
+@pytest.mark.parametrize("dt", REDUCE_DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("op", ["sum", "max", "min", "prod"])
+@pytest.mark.parametrize("n", [1, 1031, 200003])
+def test_reduce_inplace_matches_reference_exactly(dt, op, n):
+    rng = np.random.default_rng(12)
+    if dt.kind == "i":
+        a, b = (rng.integers(-2**31, 2**31, n).astype(dt) for _ in range(2))  # wraps on sum/prod
+    else:
+        a, b = (rng.standard_normal(n).astype(np.float32).astype(dt) * dt.type(3) for _ in range(2))
+        a[n // 2] = np.nan  # NaN propagates (max/min included)
+    want = R.reduce_inplace(a.copy(), b, op)
+    got = a.copy()
+    assert N.reduce_inplace(got, b, op) is got
+    np.testing.assert_array_equal(got.view(f"u{dt.itemsize}"), want.view(f"u{dt.itemsize}"))
+
+
+@needs_native
+def test_reduce_inplace_bad_op_and_noncontiguous_dst():
+    with pytest.raises(ValueError, match="expected sum, max, min or prod"):
+        K.reduce_inplace(np.ones(3), np.ones(3), "mean")
+    d = np.ones((4, 6))[:, ::2]
+    K.reduce_inplace(d, np.full((4, 3), 2.0), "sum")  # reference handles the strided target in place
+    np.testing.assert_array_equal(d, 3.0)
+
+
+@needs_native
+@pytest.mark.parametrize("dt", REDUCE_DTYPES, ids=lambda d: d.name)
+def test_scale_inplace(dt):
+    rng = np.random.default_rng(13)
+    x = (rng.standard_normal(100003) * 50).astype(dt)
+    for alpha in (0.37, 3):
+        want = R.scale_inplace(x.copy(), alpha)
+        got = N.scale_inplace(x.copy(), alpha)
+        np.testing.assert_array_equal(got.view(f"u{dt.itemsize}"), want.view(f"u{dt.itemsize}"))
+
+
+@needs_native
+def test_low_precision_math_falls_back_to_reference():
+    x = np.linspace(-3, 3, 101).astype(np.float16)
+    np.testing.assert_array_equal(K.gelu_forward(x), R.gelu_forward(x))
+
+
+# --- threads ----------------------------------------------------------------------------
+@needs_native
+def test_threads_1_and_2_bit_identical(threads):
+    rng = np.random.default_rng(14)
+    x = rand(rng, (300, 517), np.float32)
+    w, b = rand(rng, (517,), np.float32), rand(rng, (517,), np.float32)
+    att = rand(rng, (4, 130, 130), np.float32)
+    t = rng.integers(-1, 517, 300)
+    big = rand(rng, (300001,), np.float32)
+    e = rng.integers(0, 8, 300)
+
+    def run():
+        y, mu, rs = N.layernorm_forward(x, w, b)
+        acc = big.copy()
+        N.reduce_inplace(acc, big, "sum")
+        return [y, mu, rs, *N.layernorm_backward(x, x, w, mu, rs), N.gelu_forward(big), N.gelu_backward(big, big),
+                N.softmax_causal_forward(att), N.cross_entropy_forward(x, t)[0], acc,
+                N.topk(x, 3)[0], N.unpermute_add(x, e, None, 8), N.cast(big, bfloat16).view(np.uint16)]
+
+    K.set_num_threads(1)
+    one = run()
+    K.set_num_threads(2)
+    assert K.get_num_threads() == 2
+    two = run()
+    for a, b_ in zip(one, two):
+        np.testing.assert_array_equal(a, b_)
+
+
+def test_set_num_threads_rejects_zero():
+    with pytest.raises(ValueError, match=">= 1"):
+        K.set_num_threads(0)
+
+
+# --- other paths: every ISA build, forced reference, no native module -------------------
+ISA_CHECK = textwrap.dedent("""
+    import numpy as np, pympar.kernels as K
+    from pympar.kernels import native as N, reference as R
+    assert K.native_isa() == "{isa}", K.native_isa()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((33, 257)).astype(np.float32)
+    w = np.ones(257, np.float32)
+    for a, b in zip(N.layernorm_forward(x, w, w), R.layernorm_forward(x, w, w)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(N.gelu_forward(x), R.gelu_forward(x), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(N.cross_entropy_forward(x, np.arange(33))[1], R.cross_entropy_forward(x, np.arange(33))[1], rtol=2e-5)
+    d = x.copy(); N.reduce_inplace(d, x, "max"); np.testing.assert_array_equal(d, x)
+    np.testing.assert_array_equal(N.cast(x, np.float16), x.astype(np.float16))
+    print("ok")
+""")
+
+
+def _run(code, **env):
+    e = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
+
+
+def _cpu_flags():
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+@needs_native
+@pytest.mark.parametrize("isa,flags", [("generic", set()), ("avx2", {"avx2", "fma", "f16c"}),
+                                       ("avx512", {"avx512f", "avx512bw", "avx512dq", "avx512vl"})])
+def test_every_isa_build(isa, flags):
+    if not flags <= _cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(flags - _cpu_flags())}")
+    r = _run(ISA_CHECK.format(isa=isa), PYMPAR_ISA=isa)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_forced_reference(monkeypatch):
+    monkeypatch.setenv("PYMPAR_KERNELS", "reference")
+    x = np.linspace(-2, 2, 11).astype(np.float32)
+    assert K.backend(x) == "reference"
+    np.testing.assert_array_equal(K.gelu_forward(x), R.gelu_forward(x))
+    monkeypatch.delenv("PYMPAR_KERNELS")
+    assert K.backend(x) == ("cpp" if K.native_available() else "reference")
+
+
+def test_without_native_module_the_reference_serves():
+    code = textwrap.dedent("""
+        import sys
+        class Block:  # make pympar._C and pympar._cuda unimportable
+            def find_spec(self, name, path=None, target=None):
+                if name in ("pympar._C", "pympar._cuda"):
+                    raise ImportError("blocked for the test")
+        sys.meta_path.insert(0, Block())
+        import numpy as np, pympar.kernels as K
+        assert not K.native_available() and not K.cuda_available()
+        x = np.linspace(-2, 2, 11).astype(np.float32)
+        assert K.backend(x) == "reference"
+        y, mu, rs = K.layernorm_forward(x[None], np.ones(11, np.float32), np.zeros(11, np.float32))
+        d = x.copy(); K.reduce_inplace(d, x); assert np.array_equal(d, 2 * x)
+        K.set_num_threads(2)
+        print("ok")
+    """)
+    r = _run(code)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
