@@ -27,18 +27,13 @@ import time
 import numpy as np
 
 
-def is_moe_layer(cfg, i: int) -> bool:
-    """Block i is MoE when the model has experts and (i + 1) is a multiple of moe_every."""
-    return cfg.n_expert > 0 and (i + 1) % max(1, cfg.moe_every) == 0
-
-
 def matmul_params_per_token(cfg) -> int:
     """N_matmul of the module docstring: weights one token multiplies by (active only)."""
     C = cfg.n_embd
     n = 0
     for i in range(cfg.n_layer):
         n += 4 * C * C
-        if is_moe_layer(cfg, i):
+        if cfg.is_moe_block(i):
             n += cfg.top_k * 8 * C * C + C * cfg.n_expert
             if getattr(cfg, "shared_expert", False):
                 n += 8 * C * C
@@ -52,26 +47,26 @@ def flops_per_token(cfg) -> float:
     return 6.0 * matmul_params_per_token(cfg) + 12.0 * cfg.n_layer * cfg.block_size * cfg.n_embd
 
 
-def measure_matmul_peak(xp=np, dtype=np.float32, n: int = 512, seconds: float = 0.25) -> float:
-    """Best FLOP/s of an n x n x n matmul in this process (a short timing, ~``seconds``)."""
+def measure_matmul_peak(xp=np, dtype=np.float32, n: int = 256, seconds: float = 0.3, barrier=None) -> float:
+    """FLOP/s this process achieves multiplying n x n matrices for ``seconds`` of wall time.
+
+    Pass the job's barrier so that every rank measures in the same window: the sum over
+    ranks is then what the machine gives the job when all its ranks compute at once.
+    """
     if xp is not np:
         n = max(n, 4096)
     a = xp.ones((n, n), dtype=dtype)
-    b = xp.ones((n, n), dtype=dtype)
     sync = (lambda: xp.cuda.Device().synchronize()) if xp is not np else (lambda: None)
-    a @ b  # warm-up
+    a @ a  # warm-up
     sync()
-    best, deadline = float("inf"), time.perf_counter() + seconds
-    reps = 0
-    while reps < 3 or time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - t0)
+    if barrier is not None:
+        barrier()
+    t0, reps = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        a @ a
         reps += 1
-        if reps >= 200:
-            break
-    return 2.0 * n ** 3 / best
+    sync()
+    return 2.0 * n ** 3 * reps / (time.perf_counter() - t0)
 
 
 def moe_layer_stats(tokens_per_expert) -> dict:

@@ -41,7 +41,7 @@ import numpy as np
 from . import backend
 from .config import ConfigError, describe, parse_args
 from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
-from .metrics import MetricsWriter, flops_per_token, moe_layer_stats
+from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, moe_layer_stats
 from .optim import cosine_lr
 from .parallel.runner import build_runner, check_supported
 from .profile import SPLIT, Recorder, write_chrome_trace
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     dp_rank = rank % lay.dp                    # pure DP: the world rank is the DP rank
     rec = Recorder(enabled=run.profile)
     runner = build_runner(model_cfg, lay, comm, run, rec)
-    peak = _measured_peak(mpi)
+    peak = mpi.allreduce(measure_matmul_peak(barrier=mpi.Barrier))   # all ranks at once, summed
     fpt = flops_per_token(model_cfg)
     B, T = run.micro_batch_size, model_cfg.block_size
     tokens_per_step = B * run.n_micro * lay.dp * T
@@ -149,24 +149,6 @@ def _fit_vocab(model_cfg, run, corpus: Corpus):
         raise ConfigError(f"{corpus.name} has token ids up to {corpus.vocab_size - 1} but vocab_size="
                           f"{model_cfg.vocab_size}; use --vocab-size {corpus.vocab_size} or more")
     return replace(model_cfg, vocab_size=corpus.vocab_size).validate()
-
-
-def _measured_peak(mpi, seconds: float = 0.3) -> float:
-    """Aggregate matmul FLOP/s of all ranks running at once (the MFU denominator).
-
-    Every rank multiplies 256x256 float32 matrices for the same wall-clock window; the sum of
-    the ranks' achieved FLOP/s is what the machine gives this job when all ranks compute.
-    """
-    n = 256
-    a = np.ones((n, n), np.float32)
-    a @ a
-    mpi.Barrier()
-    t0, reps = time.perf_counter(), 0
-    while time.perf_counter() - t0 < seconds:
-        a @ a
-        reps += 1
-    mine = 2.0 * n ** 3 * reps / (time.perf_counter() - t0)
-    return mpi.allreduce(mine)
 
 
 def _sample(runner, corpus, model_cfg, run):
