@@ -85,6 +85,8 @@ class PipelineExecutor:
                              f"but the model was built for rank {model.rank} of pp={model.pp}")
         validate_schedule(schedule, model.pp, model.pp, model.v)   # name and v (n_micro is checked per step)
         self.recv_window = recv_window or 2 * model.pp * model.v + 2
+        # tensor + sequence parallelism: replicated params with per-tp-rank partial grads
+        self.partial_sync = model.make_partial_grad_sync()
         self.stats = {}
 
     # --- neighbours and tags --------------------------------------------------------------
@@ -113,11 +115,13 @@ class PipelineExecutor:
         actions = build_schedule(self.schedule, p, m, v, model.rank)
         B, T = np.asarray(micro_batches[0][0]).shape
         act_dtype = model.act_dtype
-        shape = (B, T, model.config.n_embd)
+        shape = model.activation_shape(B, T)
         grad_scale = loss_scale / m
         if 2 * m * v >= TIED_TAG:
             raise ValueError(f"n_micro={m} x v={v} needs more message tags than MPI guarantees: use n_micro*v < {TIED_TAG // 2}")
 
+        if self.partial_sync is not None:
+            self.partial_sync.begin()
         t0 = time.perf_counter()
         recv_wait = compute = 0.0
         pending = {}                 # (kind, micro, chunk) -> (request, buffer)
@@ -170,6 +174,10 @@ class PipelineExecutor:
                 dest_stage = s - 1
             compute += time.perf_counter() - tc
             if out is not None:
+                if out.shape != shape or not np.can_cast(out.dtype, act_dtype, "same_kind") or \
+                        out.dtype.itemsize > act_dtype.itemsize:
+                    raise ValueError(f"stage {s} produced {a.kind} output {out.shape} {out.dtype}, but stages "
+                                     f"exchange {shape} {act_dtype}: the model's dtype/activation_shape is wrong")
                 send = np.ascontiguousarray(out, dtype=act_dtype)
                 dest_chunk = dest_stage // p
                 sends.append((self.p2p.isend(send, self._peer(dest_stage), self._tag(a.kind, a.micro, dest_chunk, m)), send))
@@ -178,6 +186,9 @@ class PipelineExecutor:
         for r, _ in sends:
             r.wait()
         t_pipe = time.perf_counter() - t0
+        if self.partial_sync is not None:
+            self.partial_sync.finish()
+            model._grad_ready_params(self.partial_sync.params)
         self._sum_tied_grad()
         losses = self.p2p.allreduce_sum(local_terms) if p > 1 else local_terms
         step = time.perf_counter() - t0
@@ -209,7 +220,7 @@ class PipelineExecutor:
         model, p, v = self.model, self.model.pp, self.model.v
         m = len(micro_batches)
         B, T = np.asarray(micro_batches[0][0]).shape
-        shape, dt = (B, T, model.config.n_embd), model.act_dtype
+        shape, dt = model.activation_shape(B, T), model.act_dtype
         local = np.zeros(m, dtype=np.float64)
         sends = []
         layers = [moe for _, moe in model.moe_layers()]

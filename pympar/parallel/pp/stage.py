@@ -51,6 +51,14 @@ class SlicedModelFactory:
     def __init__(self, make):
         self.make, self._model = make, None
 
+    @property
+    def dtype(self):
+        return getattr(self._model, "dtype", None)
+
+    @property
+    def compute_dtype(self):
+        return getattr(self._model, "compute_dtype", None)
+
     def _whole(self, config, seed):
         if self._model is None:
             self._model = self.make(config, seed)
@@ -67,6 +75,18 @@ class SlicedModelFactory:
         if head.wte is not wte:
             raise ValueError("SlicedModelFactory: the head must be tied to the model's own embedding")
         return head
+
+    def activation_shape(self, config, B, T):
+        """(B, T, C); (B, T/tp, C) for a sequence-parallel tensor-parallel model."""
+        model = self._model
+        if getattr(model, "sequence_parallel", False):
+            return (B, T // model.tp.size, config.n_embd)
+        return (B, T, config.n_embd)
+
+    def partial_grad_sync(self, params):
+        """Sums over tp the sequence-parallel partial gradients of ``params`` (TPGPT only)."""
+        from ..tp.gpt import SPGradSync
+        return SPGradSync(params, self._model.tp)
 
 
 def as_factory(factory, dtype=np.float32, compute_dtype=None):
@@ -144,11 +164,7 @@ class PipelineGPT:
         if (self.part.pp, self.part.v) != (pp, v):
             raise ValueError(f"partition is for pp={self.part.pp}, v={self.part.v}, not pp={pp}, v={v}")
         self.pp, self.rank, self.v, self.seed = pp, rank, v, seed
-        fac = as_factory(factory, dtype, compute_dtype)
-        self.dtype = np.dtype(getattr(fac, "dtype", dtype))
-        cdt = getattr(fac, "compute_dtype", None)
-        # activations (and their gradients) travel between stages in this dtype
-        self.act_dtype = np.dtype(cdt) if cdt is not None else self.dtype
+        fac = self._factory = as_factory(factory, dtype, compute_dtype)
         # callbacks h(params) told which parameters' grads are final for a micro-batch (as nn.GPT)
         self.grad_ready_hooks = []
         S = self.part.n_stage
@@ -166,6 +182,12 @@ class PipelineGPT:
                     self.tied_weight = fac.embedding(config, seed).wte
                 head = fac.head(config, self.tied_weight, seed)
             self.chunks.append(StageChunk(s, self.part.blocks(s), blocks, emb, head))
+        # master dtype: the factory's, else the parameters' (a factory may ignore our dtype)
+        own = [p.data.dtype for _, p in self.named_parameters()]
+        self.dtype = np.dtype(getattr(fac, "dtype", None) or (own[0] if own else dtype))
+        cdt = getattr(fac, "compute_dtype", None)
+        # activations (and their gradients) travel between stages in this dtype
+        self.act_dtype = np.dtype(cdt) if cdt is not None else self.dtype
 
     @property
     def is_first(self) -> bool:
@@ -196,16 +218,44 @@ class PipelineGPT:
     def parameters(self, include_tied_copy=True):
         return [p for _, p in self.named_parameters(include_tied_copy)]
 
+    def activation_shape(self, B, T):
+        """Shape of the activations (and gradients) that travel between stages."""
+        if hasattr(self._factory, "activation_shape"):
+            return tuple(self._factory.activation_shape(self.config, B, T))
+        return (B, T, self.config.n_embd)
+
+    def sp_partial_params(self):
+        """This rank's parameters whose gradient is partial per tp rank (sequence parallelism)."""
+        out = []
+        for ch in self.chunks:
+            for mod in [ch.embedding, *ch.blocks, ch.head]:
+                if mod is not None and hasattr(mod, "sp_partial_params"):
+                    out += [p for p in mod.sp_partial_params() if all(p is not q for q in out)]
+        return out
+
+    def make_partial_grad_sync(self):
+        """An object with begin()/finish() summing the partial grads over tp, or None."""
+        params = self.sp_partial_params()
+        if not params:
+            return None
+        if not hasattr(self._factory, "partial_grad_sync"):
+            raise ValueError("the model has sequence-parallel partial gradients but its factory has no "
+                             "partial_grad_sync(params) to sum them over tp")
+        return self._factory.partial_grad_sync(params)
+
     def _grad_ready_params(self, params):
         for hook in self.grad_ready_hooks:
             hook(params)
 
     def _grad_ready_chunk(self, chunk):
         """After a chunk's backward: its parameters' grads are final for this micro-batch, except
-        the tied wte when pp > 1 (final only after the first/last-stage sum)."""
+        the tied wte when pp > 1 (final only after the first/last-stage sum) and sequence-parallel
+        partial grads (final after the tp sum at the end of the step)."""
         if self.grad_ready_hooks:
-            tied = id(self.tied_weight) if self.pp > 1 else None
-            self._grad_ready_params([p for _, p in chunk.named_parameters() if id(p) != tied])
+            later = {id(p) for p in self.sp_partial_params()}
+            if self.pp > 1:
+                later.add(id(self.tied_weight))
+            self._grad_ready_params([p for _, p in chunk.named_parameters() if id(p) not in later])
 
     def zero_grad(self):
         for p in self.parameters():
