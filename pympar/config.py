@@ -72,6 +72,7 @@ class RunConfig:
     eval_iters: int = 4
     sample_tokens: int = 200
     sample_top_k: int = 40
+    progress: str = "auto"
     log_every: int = 1
     out: str | None = None
     profile: bool = False
@@ -103,7 +104,8 @@ _HELP = {
     "seed": "seed of the parameters and of the batch stream",
     "eval_every": "validation loss every N steps (0 = only at the end)", "eval_iters": "validation micro-batches",
     "sample_tokens": "bytes of text to sample at the end (0 = none)", "sample_top_k": "top-k of the sampler",
-    "log_every": "print a log line every N steps when there is no progress bar",
+    "progress": "rank 0 shows a tqdm bar ('bar'), log lines ('log'), or the bar on a terminal ('auto')",
+    "log_every": "with log lines: one every N steps (and at every validation)",
     "out": "directory for metrics.jsonl, trace.json, summary.json",
     "profile": "record every rank's events; write OUT/trace.json (Chrome trace)",
 }
@@ -111,6 +113,7 @@ _CHOICES = {
     "preset": sorted(PRESETS), "schedule": ["gpipe", "1f1b", "interleaved"],
     "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"],
     "dtype": ["float32", "bfloat16", "float16"], "layout": ["auto"], "zero": [0, 1, 2, 3],
+    "progress": ["auto", "bar", "log"],
 }
 _RUN_FIELDS = [f for f in fields(RunConfig) if f.name not in ("layout_resolved", "layout_auto", "model_overrides")]
 _MODEL_FIELDS = list(fields(GPTConfig))

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     mpi.Barrier()
     rec.reset_origin()
     rec.take_totals()
-    bar = _progress(rank, run.steps)
+    bar = _progress(rank, run.steps, run.progress)
     history, val_loss, t_start = [], None, time.perf_counter()
     for step in range(run.steps):
         lr = cosine_lr(step, run.lr, min(run.warmup, run.steps), run.steps, run.min_lr)
@@ -167,25 +167,37 @@ def _sample(runner, corpus, model_cfg, run):
 
 
 class _progress:
-    """tqdm bar on rank 0 when stderr is a terminal; plain log lines otherwise."""
+    """Rank 0's view of the loop: a tqdm bar (step, loss, tok/s, MFU) or plain log lines.
 
-    def __init__(self, rank, total):
+    mode 'auto' shows the bar when rank 0's stderr is a terminal, or when an MPI launcher
+    forwards it from one (the launcher hides the terminal from the ranks, so TERM decides).
+    """
+
+    def __init__(self, rank, total, mode="auto"):
         self.rank, self.total, self.bar = rank, total, None
-        if rank == 0 and sys.stderr.isatty():
+        if mode == "auto":
+            launched = any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+            mode = "bar" if sys.stderr.isatty() or (launched and os.environ.get("TERM", "dumb") != "dumb") else "log"
+        if rank == 0 and mode == "bar":
             from tqdm import tqdm
-            self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5,
+                            file=sys.stdout)          # one stream with the log lines: no interleaving
 
     def update(self, r, log_every):
         if self.rank:
             return
         val = f" val {r['val_loss']:.4f}" if r["val_loss"] is not None else ""
+        line = (f"step {r['step'] + 1}/{self.total} loss {r['loss']:.4f}{val} lr {r['lr']:.2e} "
+                f"grad_norm {r['grad_norm']:.3f} {r['tokens_per_s']:,.0f} tok/s MFU {100 * r['mfu']:.2f}% "
+                f"({1000 * r['step_time']:.0f} ms)")
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {r['loss']:.4f}{val} {r['tokens_per_s']:,.0f} tok/s MFU {100 * r['mfu']:.1f}%")
+            self.bar.set_postfix_str(f"loss {r['loss']:.4f} {r['tokens_per_s']:,.0f} tok/s MFU {100 * r['mfu']:.1f}%",
+                                     refresh=False)
             self.bar.update(1)
+            if val:                            # validation results stay on screen above the bar
+                self.bar.write(line)
         elif r["step"] % log_every == 0 or r["step"] == self.total - 1 or val:
-            print(f"step {r['step'] + 1}/{self.total} loss {r['loss']:.4f}{val} lr {r['lr']:.2e} "
-                  f"grad_norm {r['grad_norm']:.3f} {r['tokens_per_s']:,.0f} tok/s MFU {100 * r['mfu']:.2f}% "
-                  f"({1000 * r['step_time']:.0f} ms)", flush=True)
+            print(line, flush=True)
 
     def close(self):
         if self.bar is not None:

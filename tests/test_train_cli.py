@@ -197,3 +197,11 @@ def test_layout_rule_and_errors(tmp_path):
         p = tmp_path / "nope.toml"
         p.write_text("nope = 1\n")
         parse_args(["--config", str(p)], world_size=1)
+
+
+def test_float16_run_uses_loss_scaling_and_log_lines(tmp_path):
+    res = train(1, "--dtype", "float16", "--steps", 2, "--progress", "log", "--out", tmp_path)
+    m = metrics(tmp_path)
+    assert m[0]["loss_scale"] == 2.0 ** 16 and not m[0]["skipped"]
+    assert all(np.isfinite(r["loss"]) for r in m)
+    assert "step 2/2 loss" in res.stdout
