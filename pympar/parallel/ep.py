@@ -1,0 +1,321 @@
+"""Expert parallelism: the experts of every MoE layer spread over the ep group, tokens moved by alltoallv.
+
+Layout. ``ep`` divides ``dp``; the ep group is ``ep`` data-parallel ranks (pympar.parallel.mesh:
+ep_rank = dp_rank % ep). Rank ``r`` of the ep group holds the ``n_local = n_expert / ep`` whole
+experts ``[r*n_local, (r+1)*n_local)``; under tensor parallelism each of them is further split
+along its hidden width over tp (TPMoE), so EP and TP compose without knowing of each other.
+Expert parameters keep their GLOBAL names ``transformer.h.{i}.moe.experts.{e}.*``.
+
+Dispatch, per MoE layer and micro-batch (``install_expert_parallel`` swaps the layer's
+``run_experts`` seam; routing, capacity, gates and the aux/z losses are unchanged). Each rank
+routes ITS OWN micro-batch exactly as the single-process model routes that micro-batch alone:
+capacity (ceil(k * N * cf / E) with N the micro-batch's tokens) and drops are decided on the
+source rank before anything moves, so the kept tokens are the single-process model's. Then:
+
+    counts (ep, n_local) --alltoall-->  recv_by (ep, n_local)  rows each source sends each local expert
+    xs (M, C) --alltoallv-->  xr (R, C)  source-major; regroup expert-major, run the local experts
+    yr (R, C) --alltoallv-->  ys (M, C)  back in the source's order; combined with the gates there
+Backward sends dys the same way and brings dxs back (two alltoallv, the counts are reused).
+
+Gradients. With the trainer's grad_scale = 1/n_micro, a dense gradient on a rank is
+(1/n_micro) * sum over its micro-batches; the mean over dp gives (1/G) * sum over all
+G = dp * n_micro micro-batches -- the single-process gradient. An expert on ep rank r receives
+tokens from the micro-batches of all ep ranks of its group, so its local gradient is
+(1/n_micro) * sum over the group's micro-batches; SUMMING over the edp group (the dp/ep ranks
+that hold the same expert, one per ep group) covers every micro-batch once, so
+
+    expert grad = sum over edp / dp  =  (mean over edp) / ep
+
+which is what ``EPGradSync`` does (and ``expert_grad_scale`` states). Global-norm clipping:
+after the sync dense grads are identical on every dp rank and count once; expert grads are
+identical over edp and distinct over ep, so their squares are summed over ep
+(``ep_allreduce_sq``).
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+
+_EXPERT = re.compile(r"\.moe\.experts\.(\d+)\.")
+
+
+# --- parameter grouping ------------------------------------------------------------------------
+def is_expert_param(name: str) -> bool:
+    """True for ``...moe.experts.{e}...`` (held by one ep rank, synced over edp); False: dense (dp)."""
+    return _EXPERT.search(name) is not None
+
+
+def split_expert_params(named_params):
+    """[(name, p)] -> (dense [(name, p)], expert [(name, p)]) in the given order."""
+    dense, expert = [], []
+    for n, p in named_params:
+        (expert if is_expert_param(n) else dense).append((n, p))
+    return dense, expert
+
+
+def expert_grad_scale(dp: int, ep: int, edp_size: int) -> float:
+    """Factor applied to the edp-SUM of an expert gradient so it equals the single-process one: 1/dp.
+
+    edp_size = dp // ep; ``EPGradSync`` means over edp (divides by edp_size) and then scales by
+    edp_size / dp = 1/ep."""
+    if dp != ep * edp_size:
+        raise ValueError(f"dp={dp} must equal ep*edp = {ep}*{edp_size}")
+    return 1.0 / dp
+
+
+def validate_ep(config, ep: int) -> None:
+    """Raise ValueError unless the model's experts divide over ep ranks (no communication)."""
+    if not isinstance(ep, (int, np.integer)) or ep < 1:
+        raise ValueError(f"ep={ep!r} must be a positive integer")
+    if ep > 1 and config.n_expert and config.n_expert % ep:
+        divisors = [d for d in range(1, config.n_expert + 1) if config.n_expert % d == 0]
+        raise ValueError(f"n_expert={config.n_expert} is not divisible by ep={ep}: each ep rank holds "
+                         f"n_expert/ep whole experts, so ep must be one of {divisors}")
+
+
+def expert_range(n_expert: int, ep: int, ep_rank: int):
+    """(lo, hi): the global expert ids held by ep rank ``ep_rank``."""
+    if n_expert % ep:
+        raise ValueError(f"n_expert={n_expert} is not divisible by ep={ep}")
+    n_local = n_expert // ep
+    return ep_rank * n_local, (ep_rank + 1) * n_local
+
+
+# --- the dispatch ------------------------------------------------------------------------------
+def _expert_major(recv_by):
+    """recv_by (ep, n_local) -> perm (R,): rows of the source-major buffer in expert-major order."""
+    sizes = recv_by.reshape(-1)
+    starts = np.cumsum(sizes) - sizes                       # block (s, j) starts here (s-major)
+    starts, sizes = starts.reshape(recv_by.shape).T.reshape(-1), recv_by.T.reshape(-1)
+    if not sizes.sum():
+        return np.zeros(0, np.int64)
+    return np.concatenate([np.arange(a, a + n) for a, n in zip(starts.tolist(), sizes.tolist()) if n])
+
+
+class ExpertParallelMixin:
+    """Put in front of a MoE class (nn.MoE, TPMoE) by ``install_expert_parallel``: the layer keeps
+    its routing and runs its (local) experts through the parent's ``run_experts``."""
+
+    def _ep_setup(self, ep_comm, lo, hi):
+        self._ep = ep_comm
+        self._ep_lo, self._n_local = lo, hi - lo
+        self.experts = self.experts[lo:hi]                  # local experts, local index j = e - lo
+        self._ep_reset()
+
+    def _ep_reset(self):
+        self._ep_acc = dict(processed=np.zeros(self._n_local, np.int64), routed=np.zeros(self.n_expert, np.int64),
+                            kept=0, assignments=0, a2a_s=0.0, a2a_bytes=0, a2a_calls=0)
+
+    @property
+    def local_experts(self):
+        """Global ids of the experts this rank holds."""
+        return range(self._ep_lo, self._ep_lo + self._n_local)
+
+    def _named_parameters(self, prefix):
+        pre = f"{prefix}.experts." if prefix else "experts."
+        for name, p in super()._named_parameters(prefix):
+            if name.startswith(pre):
+                j, rest = name[len(pre):].split(".", 1)
+                name = f"{pre}{self._ep_lo + int(j)}.{rest}"
+            yield name, p
+
+    def _a2a(self, x, send, recv):
+        t0 = time.perf_counter()
+        out, _ = self._ep.alltoallv(np.ascontiguousarray(x), send, recv)
+        a = self._ep_acc
+        a["a2a_s"] += time.perf_counter() - t0
+        a["a2a_bytes"] += int(x.nbytes)
+        a["a2a_calls"] += 1
+        return out
+
+    def run_experts(self, xs, counts):           # xs (M, C) grouped by global expert, counts (E,)
+        ep, nl = self._ep.size, self._n_local
+        per_dest = np.ascontiguousarray(np.asarray(counts, np.int64).reshape(ep, nl))   # (ep, n_local)
+        t0 = time.perf_counter()
+        recv_by = np.asarray(self._ep.alltoall(per_dest)).reshape(ep, nl)             # (ep, n_local)
+        self._ep_acc["a2a_s"] += time.perf_counter() - t0
+        send, recv = per_dest.sum(axis=1), recv_by.sum(axis=1)                        # (ep,) rows
+        xr = self._a2a(xs, send, recv)                       # (R, C) source-major
+        perm = _expert_major(recv_by)                        # (R,)
+        local_counts = recv_by.sum(axis=0)                   # (n_local,)
+        yg, inner = super().run_experts(xr[perm], local_counts)   # (R, C) expert-major
+        yr = np.empty_like(yg)
+        yr[perm] = yg
+        ys = self._a2a(yr, recv, send)                       # (M, C) in xs's order
+        if self.recording:
+            self._ep_acc["processed"] += local_counts
+        return ys, (send, recv, perm, inner)
+
+    def run_experts_backward(self, dys, ctx):    # dys (M, C) -> dxs (M, C)
+        send, recv, perm, inner = ctx
+        dr = self._a2a(dys, send, recv)                      # (R, C) source-major
+        dxg = super().run_experts_backward(dr[perm], inner)
+        dxr = np.empty_like(dxg)
+        dxr[perm] = dxg
+        return self._a2a(dxr, recv, send)
+
+    def forward(self, x):
+        y, ctx = super().forward(x)
+        if self.recording:
+            B, T, _ = ctx["shape"]
+            a, n_assign = self._ep_acc, B * T * self.top_k
+            a["routed"] += np.rint(ctx["f"] * n_assign).astype(np.int64)
+            a["kept"] += len(ctx["order"])
+            a["assignments"] += n_assign
+        return y, ctx
+
+    def take_ep_stats(self):
+        """This rank's raw counters since the last call (resets them)."""
+        a = self._ep_acc
+        self._ep_reset()
+        return a
+
+
+_CLASSES = {}
+
+
+def _ep_class(cls):
+    if issubclass(cls, ExpertParallelMixin):
+        raise ValueError(f"{cls.__name__} already has expert parallelism installed")
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelMixin, cls), {})
+    return _CLASSES[cls]
+
+
+def moe_layers_of(model):
+    """[(layer index, MoE layer)] of a GPT/TPGPT/PipelineGPT (its moe_layers())."""
+    return list(model.moe_layers())
+
+
+def install_expert_parallel(model, ep_comm):
+    """Keep only this ep rank's experts in every MoE layer of ``model`` and route tokens over ep_comm.
+
+    The model must have been built from (config, seed) like every other rank's: the kept experts are
+    then exactly the full model's experts [lo, hi) (init depends on (seed, global name) only). All
+    experts exist transiently during the model's construction. Returns the model."""
+    cfg = model.config
+    validate_ep(cfg, ep_comm.size)
+    for _, layer in moe_layers_of(model):
+        lo, hi = expert_range(layer.n_expert, ep_comm.size, ep_comm.rank)
+        if len(layer.experts) != layer.n_expert:
+            raise ValueError(f"MoE layer holds {len(layer.experts)} experts, expected all {layer.n_expert} "
+                             "before installing expert parallelism")
+        layer.__class__ = _ep_class(type(layer))
+        layer._ep_setup(ep_comm, lo, hi)
+    model.ep_comm = ep_comm
+    return model
+
+
+# --- gradients, clipping, statistics -------------------------------------------------------------
+def ep_allreduce_sq(params, ep_comm, then=None):
+    """An ``allreduce_sq`` for optim.clip_grad_norm: expert squares summed over ep, dense ones once.
+
+    params: the Parameters handed to clip_grad_norm (expert ones recognised by their global
+    ``.name``); call after the dp/edp sync. ``then``: a further reduction of the total, e.g.
+    ``tp_allreduce_sq(params, tp)`` (it sums sharded squares over tp) or a sum over pipeline stages."""
+    expert = [p for p in params if is_expert_param(p.name)]
+
+    def allreduce_sq(sq):
+        esq = sum(float(np.dot(p.grad.reshape(-1), p.grad.reshape(-1))) for p in expert)
+        if ep_comm.size > 1:
+            esq_all = float(np.asarray(ep_comm.allreduce(np.array([esq], np.float64))).reshape(-1)[0])
+        else:
+            esq_all = esq
+        total = sq - esq + esq_all
+        return then(total) if then is not None else total
+
+    return allreduce_sq
+
+
+class EPGradSync:
+    """Gradient sync of an expert-parallel model: dense params mean over dp_comm, expert params
+    sum over edp_comm / dp (see the module docstring), both bucketed and overlapped by DataParallel.
+
+    Usage per step: begin_step(); begin_micro(last) before each micro-batch; finish(); step(opt, lr, clip).
+    """
+
+    def __init__(self, named_params, dp_comm, edp_comm, ep: int, **dp_kw):
+        from .dp import DataParallel
+
+        if dp_kw.get("zero"):
+            raise ValueError("ZeRO-1 is not supported together with expert parallelism yet (use zero=0)")
+        self.dp, self.ep, self.edp = int(dp_comm.size), int(ep), int(edp_comm.size)
+        self._scale = expert_grad_scale(self.dp, self.ep, self.edp) * self.edp   # after the edp mean
+        dense, expert = split_expert_params(named_params)
+        self.params = [p for _, p in dense] + [p for _, p in expert]
+        self.ep_comm = None
+        self.dense = DataParallel(dense, dp_comm, **dp_kw)
+        self.expert = DataParallel(expert, edp_comm, **dp_kw) if expert else None
+        self._expert_params = [p for _, p in expert]
+
+    def attach(self, model):
+        self.dense.attach(model)
+        if self.expert:
+            self.expert.attach(model)
+        self.ep_comm = getattr(model, "ep_comm", None)
+        return self
+
+    def begin_step(self):
+        for s in self._syncs():
+            s.begin_step()
+
+    def begin_micro(self, last: bool):
+        for s in self._syncs():
+            s.begin_micro(last)
+
+    def finish(self):
+        for s in self._syncs():
+            s.finish()
+        if self._scale != 1.0:
+            for p in self._expert_params:
+                p.grad *= p.grad.dtype.type(self._scale)
+
+    def step(self, optimizer, lr=None, clip=0.0, then=None):
+        """Clip to the global (single-process) norm and update; returns the norm before clipping."""
+        from ..optim import clip_grad_norm
+
+        sq = ep_allreduce_sq(self.params, self.ep_comm, then) if self.ep_comm is not None else then
+        norm = clip_grad_norm(self.params, clip, sq)
+        optimizer.step(lr)
+        return norm
+
+    def _syncs(self):
+        return [self.dense] + ([self.expert] if self.expert else [])
+
+
+def ep_step_stats(model, dp_comm=None):
+    """Per MoE layer, over all dp ranks since the last call: tokens_per_expert (kept tokens each
+    expert processed), load_cv and max_over_mean of that load, routed_per_expert (assignments
+    before dropping), dropped_fraction, a2a_seconds (mean over dp ranks of the time inside the
+    alltoall/alltoallv calls), a2a_bytes (sent, summed over ranks). One allreduce per call."""
+    layers = moe_layers_of(model)
+    if not layers:
+        return []
+    rows = []
+    for _, m in layers:
+        a = m.take_ep_stats()
+        proc = np.zeros(m.n_expert, np.float64)
+        proc[m._ep_lo:m._ep_lo + m._n_local] = a["processed"]
+        rows.append(np.concatenate([proc, a["routed"], [a["kept"], a["assignments"], a["a2a_bytes"], a["a2a_s"]]]))
+    vec = np.concatenate(rows).astype(np.float64)
+    n = 1
+    if dp_comm is not None and dp_comm.size > 1:
+        red = dp_comm.allreduce(vec)
+        vec, n = (vec if red is None else np.asarray(red)), dp_comm.size
+    out, lo = [], 0
+    for (i, m), r in zip(layers, rows):
+        v = vec[lo:lo + len(r)]
+        lo += len(r)
+        E = m.n_expert
+        load = v[:E]
+        mean = load.mean()
+        kept, assign, nbytes, secs = v[2 * E:]
+        out.append(dict(layer=i, tokens_per_expert=[int(round(t)) for t in load],
+                        load_cv=float(load.std() / mean) if mean > 0 else 0.0,
+                        max_over_mean=float(load.max() / mean) if mean > 0 else 0.0,
+                        routed_per_expert=[int(round(t)) for t in v[E:2 * E]],
+                        dropped_fraction=float(1.0 - kept / assign) if assign else 0.0,
+                        a2a_seconds=float(secs / n), a2a_bytes=int(round(nbytes))))
+    return out

@@ -1,0 +1,39 @@
+"""Expert parallelism under mpiexec (tests/mpi/mpi_ep.py): dp = n with every ep | gcd(n, n_expert),
+against the single-process run; plus the pure helpers in this process."""
+import numpy as np
+import pytest
+
+from mpirun import run_pytest_mpi
+from pympar.nn.config import GPTConfig
+from pympar.parallel.ep import expert_grad_scale, expert_range, is_expert_param, validate_ep
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_ep_matches_single_process(n):
+    run_pytest_mpi(n, "mpi_ep.py", timeout=80)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_ep_matches_single_process_other_sizes(n):
+    run_pytest_mpi(n, "mpi_ep.py", timeout=240)
+
+
+def test_expert_param_names():
+    assert is_expert_param("transformer.h.3.moe.experts.12.c_fc.weight")
+    assert not is_expert_param("transformer.h.3.moe.router.weight")
+    assert not is_expert_param("transformer.h.3.moe.shared.c_fc.weight")
+    assert not is_expert_param("transformer.h.3.mlp.c_fc.weight")
+
+
+def test_expert_range_and_validation():
+    assert [expert_range(8, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="not divisible by ep=3"):
+        validate_ep(GPTConfig(n_expert=4), 3)
+    validate_ep(GPTConfig(n_expert=4), 4)
+    validate_ep(GPTConfig(), 2)                  # dense model: nothing to spread
+    assert expert_grad_scale(8, 2, 4) == 1 / 8
+    with pytest.raises(ValueError):
+        expert_grad_scale(8, 2, 2)
