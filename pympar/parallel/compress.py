@@ -53,8 +53,7 @@ class CastCompressor:
         if P % n:
             raise ValueError(f"bucket of {P} elements is not padded to a multiple of dp={n}")
         low = kernels.cast(buf, self.dtype)                     # (P,) = n chunks of P/n
-        # data movement only: ship the 16-bit patterns (any communicator moves uint16)
-        got = comm.alltoall(low.view(np.uint16)).reshape(-1).view(self.dtype)   # (P,): chunk r of rank j at j
+        got = comm.alltoall(low).reshape(-1)                    # (P,): chunk r of rank j at j
         acc = _acc_dtype(buf.dtype)
         chunks = got.reshape(n, P // n)
         total = chunks[0].astype(acc)
@@ -64,8 +63,7 @@ class CastCompressor:
         sent = (n - 1) * low.nbytes // n
         if shard_only:
             return total.astype(buf.dtype, copy=False), dict(payload=low.nbytes, wire=sent, collectives=1)
-        mine = kernels.cast(total, self.dtype).view(np.uint16)
-        full = comm.allgather(mine).reshape(-1).view(self.dtype)   # (P,) low precision
+        full = comm.allgather(kernels.cast(total, self.dtype)).reshape(-1)   # (P,) low precision
         sent += (n - 1) * (low.nbytes // n)
         return full.astype(buf.dtype), dict(payload=low.nbytes + low.nbytes // n, wire=sent, collectives=2)
 

@@ -112,6 +112,7 @@ class DataParallel:
         self.zero = bool(zero)
         self.buckets = build_buckets(self.named, self.dp, self.bucket_mb)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.grad_bytes = int(sum(b.buf.nbytes for b in self.buckets))   # the buffers synced per step
         self._zero_opt = None
         self._sync = True
         self._next = 0                                      # next bucket index to launch
@@ -190,6 +191,21 @@ class DataParallel:
 
             self._zero_opt = ZeroAdamW.from_optimizer(optimizer, self.buckets, self.comm)
         return self._zero_opt.step(lr, clip, allreduce_sq)
+
+    def grads_finite(self) -> bool:
+        """After finish(): are all synced gradients finite (the same answer on every rank)?"""
+        if not self.zero:
+            return all(bool(np.isfinite(b.buf).all()) for b in self.buckets)
+        bad = np.array([sum(0 if np.isfinite(b.result).all() else 1 for b in self.buckets)], np.float64)
+        if self.dp > 1:                                  # chunks differ per rank: agree
+            bad = np.asarray(self.comm.allreduce(bad)).reshape(-1)
+        return bool(bad[0] == 0)
+
+    def scale_grads(self, alpha):
+        """After finish(): multiply the synced gradients by alpha (loss-scale unscaling)."""
+        for b in self.buckets:
+            g = b.result if self.zero else b.buf
+            g *= b.dtype.type(alpha)
 
     # --- collectives ------------------------------------------------------------------------
     def _launch(self, only_ready):

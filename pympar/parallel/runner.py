@@ -27,6 +27,7 @@ import numpy as np
 from .. import profile as _profile
 from ..nn import GPT
 from ..optim import AdamW, DynamicLossScaler, clip_grad_norm
+from .dp import DataParallel
 
 
 class NotSupportedError(ValueError):
@@ -39,12 +40,10 @@ def check_supported(model_cfg, layout, opts) -> None:
         if getattr(layout, k) > 1:
             raise NotSupportedError(f"{k}={getattr(layout, k)} is not yet supported by this build's trainer "
                                     f"(only data parallelism: launch with --{k} 1)")
-    if opts.zero:
-        raise NotSupportedError(f"zero={opts.zero} is not yet supported by this build's trainer (use --zero 0)")
+    if opts.zero not in (0, 1):
+        raise NotSupportedError(f"zero={opts.zero} is not yet supported by this build's trainer (use --zero 0 or 1)")
     if opts.seq_parallel:
         raise NotSupportedError("--seq-parallel is not yet supported by this build's trainer (it needs tp > 1)")
-    if opts.compress != "none":
-        raise NotSupportedError(f"--compress {opts.compress} is not yet supported by this build's trainer (use none)")
     if opts.device != "cpu":
         raise NotSupportedError(f"--device {opts.device} is not yet supported by this build's trainer (use cpu)")
 
@@ -68,12 +67,21 @@ class DataParallelRunner:
         named = list(self.model.named_parameters())
         self.params = [p for _, p in named]
         self.n_params = sum(p.data.size for p in self.params)
-        # every .grad becomes a view of one flat buffer: [grads..., loss_sum, moe stats...]
+        # dp > 1: DataParallel syncs the grads (buckets overlapped with backward, ZeRO-1,
+        # compression); self.flat then carries only [loss_sum, moe stats...]
+        self.sync = None
+        if self.dp > 1:
+            compress = f"topk:{opts.topk_ratio}" if opts.compress == "topk" else opts.compress
+            self.sync = DataParallel(named, comm, bucket_mb=opts.bucket_mb, compress=compress,
+                                     overlap=getattr(opts, "dp_overlap", True),
+                                     zero=opts.zero == 1).attach(self.model)
+        # otherwise every .grad becomes a view of one flat buffer: [grads..., loss_sum, moe stats...]
         self.n_moe = len(self.model.moe_layers())
         n_extra = 1 + self.n_moe * (model_cfg.n_expert + 1)
-        self.flat = np.zeros(self.n_params + n_extra, dtype=np.float32)
+        self._g0 = 0 if self.sync else self.n_params
+        self.flat = np.zeros(self._g0 + n_extra, dtype=np.float32)
         off = 0
-        for p in self.params:
+        for p in self.params if not self.sync else ():
             p.grad = self.flat[off:off + p.data.size].reshape(p.data.shape)
             off += p.data.size
         self._grads = [p.grad for p in self.params]
@@ -86,7 +94,10 @@ class DataParallelRunner:
 
     # --- one optimizer step ------------------------------------------------------------------
     def train_step(self, micro_batches, lr) -> dict:
-        if any(p.grad is not g for p, g in zip(self.params, self._grads)):
+        if self.sync:
+            self.model.zero_grad()
+            self.sync.begin_step()
+        elif any(p.grad is not g for p, g in zip(self.params, self._grads)):
             raise RuntimeError("a parameter's .grad was replaced; DataParallelRunner keeps them as views of its flat buffer")
         self.flat[:] = 0
         n = len(micro_batches)
@@ -94,9 +105,11 @@ class DataParallelRunner:
         loss_sum = 0.0
         for j, (idx, targets) in enumerate(micro_batches):
             self._mb = j
+            if self.sync:
+                self.sync.begin_micro(last=(j == n - 1))
             with self.rec.span(f"micro-batch {j}", "compute", mb=j):
                 loss_sum += self.model.loss_and_grad(idx, targets, grad_scale=scale / n)
-        extra = self.flat[self.n_params:]
+        extra = self.flat[self._g0:]
         extra[0] = loss_sum / n
         moe = self.model.moe_stats()
         for i, st in enumerate(moe):
@@ -104,7 +117,9 @@ class DataParallelRunner:
             extra[k:k + self.model_cfg.n_expert] = st["tokens_per_expert"]
             extra[k + self.model_cfg.n_expert] = st["dropped_fraction"]
         if self.dp > 1:
-            with self.rec.span("allreduce grads", "dp_comm", bytes=int(self.flat.nbytes)):
+            with self.rec.span("dp grad sync", "dp_comm", bytes=self.sync.grad_bytes):
+                self.sync.finish()
+            with self.rec.span("allreduce loss", "dp_comm", bytes=int(self.flat.nbytes)):
                 reduced = self.comm.allreduce(self.flat)
                 if reduced is not None and reduced is not self.flat:
                     self.flat[:] = reduced
@@ -118,11 +133,20 @@ class DataParallelRunner:
             skipped = False
             if self.scaler:
                 grads = self.flat[:self.n_params]
-                skipped = self.scaler.update(not np.isfinite(grads).all())
-                grads *= np.float32(1.0 / scale)
-            norm = float("nan") if skipped else clip_grad_norm(self.params, self.grad_clip)
-            if not skipped:
+                finite = self.sync.grads_finite() if self.sync else np.isfinite(grads).all()
+                skipped = self.scaler.update(not finite)
+                if self.sync:
+                    self.sync.scale_grads(1.0 / scale)
+                else:
+                    grads *= np.float32(1.0 / scale)
+            if skipped:
+                norm = float("nan")
+            elif self.sync:
+                norm = self.sync.step(self.opt, lr=lr, clip=self.grad_clip)
+            else:
+                norm = clip_grad_norm(self.params, self.grad_clip)
                 self.opt.step(lr=lr)
+            if not skipped:
                 # aux-loss-free balancing must see the global loads, or replicas drift apart
                 for (_, layer), st in zip(self.model.moe_layers(), moe):
                     layer._load_since_update = np.asarray(st["tokens_per_expert"], np.int64)
