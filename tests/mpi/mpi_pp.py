@@ -196,3 +196,21 @@ def test_pipeline_of_tensor_parallel_stages(mpi_world, sp):
         sh = shard_of(prm)
         g = full[n].grad if sh is None else sh.take(full[n].grad)
         assert rel(prm.grad, g) <= TOL, f"rank {mpi_world.rank}: grad of {n} (sp={sp}) rel {rel(prm.grad, g):.2e}"
+
+
+def test_clip_grad_norm_is_the_single_process_norm(mpi_world):
+    from pympar.optim import clip_grad_norm
+    from pympar.parallel.pp import pp_allreduce_sq
+    p = mpi_world.size
+    cfg = config(p)
+    comm = pp_comm(mpi_world)
+    model = PipelineGPT(cfg, seed=4, pp=p, rank=mpi_world.rank, dtype=np.float64)
+    ex = PipelineExecutor(model, comm, "gpipe")
+    ref = GPT(cfg, seed=4, dtype=np.float64)
+    mbs = micro_batches(2)
+    ex.train_step(mbs)
+    reference_step(ref, mbs)
+    norm = clip_grad_norm(model.parameters(), 1e-3, allreduce_sq=pp_allreduce_sq(model, comm))
+    want = clip_grad_norm(ref.parameters(), 1e-3)
+    assert abs(norm - want) <= TOL * want, (norm, want)
+    compare(mpi_world, model, ref, ("grad",))       # both copies of wte clipped alike

@@ -73,8 +73,8 @@ class PipelineExecutor:
     """Runs ``schedule`` ("gpipe", "1f1b", "interleaved") for a PipelineGPT over the pipeline
     communicator ``comm`` (rank i = pipeline stage i; a pympar Communicator or mpi4py comm).
 
-    ``recv_window``: how many upcoming receives are kept posted (default: all of the step's,
-    bounded by 2*(p*v)+2 to cap the extra gradient buffers).
+    ``recv_window``: how many upcoming receives are kept posted ahead of the action that needs
+    them (default 2*p*v + 2: more than a 1F1B round trip, without a buffer per micro-batch).
     """
 
     def __init__(self, model, comm, schedule: str = "1f1b", recv_window: int | None = None):
@@ -114,6 +114,10 @@ class PipelineExecutor:
         m = len(micro_batches)
         actions = build_schedule(self.schedule, p, m, v, model.rank)
         B, T = np.asarray(micro_batches[0][0]).shape
+        for j, (idx, targets) in enumerate(micro_batches):
+            if np.shape(idx) != (B, T) or np.shape(targets) != (B, T):
+                raise ValueError(f"micro-batch {j} has idx {np.shape(idx)}, targets {np.shape(targets)}: every "
+                                 f"micro-batch of a pipeline step must be ({B}, {T}) (receive buffers are sized once)")
         act_dtype = model.act_dtype
         shape = model.activation_shape(B, T)
         grad_scale = loss_scale / m

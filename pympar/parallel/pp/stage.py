@@ -278,3 +278,22 @@ class PipelineGPT:
     def update_expert_bias(self):
         for _, m in self.moe_layers():
             m.update_expert_bias()
+
+
+def pp_allreduce_sq(model: PipelineGPT, pp_comm, then=None):
+    """An ``allreduce_sq`` for optim.clip_grad_norm(model.parameters(), ...): the local sum of
+    squares is summed over the pipeline group with the last stage's copy of the tied wte left
+    out (it equals the first stage's), so the norm is the single-process norm while clipping
+    still scales both copies alike. ``then``: a further reduction (tp, dp), or None."""
+    def allreduce_sq(sq):
+        if model.holds_tied_copy:
+            g = model.tied_weight.grad.reshape(-1)
+            sq -= float(np.dot(g, g))
+        if model.pp > 1:
+            if hasattr(pp_comm, "Allreduce"):                  # a raw mpi4py communicator
+                sq = float(pp_comm.allreduce(sq))
+            else:
+                sq = float(pp_comm.allreduce(np.array([sq], dtype=np.float64))[0])
+        return then(sq) if then is not None else sq
+
+    return allreduce_sq
