@@ -85,3 +85,17 @@ def test_topk_with_error_feedback_still_trains_on_text(comm):
               f"(dense {last_base:.3f}); payload {dp.stats()['last']['payload_bytes']} B/step")
     assert last_base < first - 0.5                          # the dense run learns
     assert last_sparse < first - 0.5                        # and so does the sparsified one
+
+
+@pytest.mark.parametrize("kind", ["topk:1.0", "fp16"])
+def test_compression_composes_with_zero1(comm, kind):
+    """ZeRO-1 keeps only its chunk of the compressed mean: topk:1.0 sends everything, so the run
+    equals the single-process one; fp16 stays close to it."""
+    from dp_cases import run_dp, run_single
+
+    ref = run_single(TINY, np.float64, 2 * comm.size, 2)
+    got = run_dp(comm, TINY, np.float64, 2, 2, bucket_mb=0.004, zero=True, compress=kind)
+    tol = 1e-6 if kind.startswith("topk") else 2e-2
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=tol)
+    for n, want in ref["params"].items():
+        assert _rel(got["params"][n], want) < tol, n
