@@ -13,11 +13,12 @@ m and v for N/dp of them (3 N/dp words), less than plain DP from dp = 2 on.
 """
 from __future__ import annotations
 
-import math
+from types import SimpleNamespace
 
 import numpy as np
 
 from .. import kernels
+from ..optim import clip_grad_norm
 
 
 def optimizer_memory(buckets, dp: int, zero: bool) -> dict:
@@ -80,16 +81,7 @@ class ZeroAdamW:
             if s.bucket.result is None:
                 raise RuntimeError(f"bucket {s.bucket.index} has no reduced gradient: call DataParallel.finish() before step()")
             grads.append(s.bucket.result)                                   # (chunk,)
-        sq = sum(float(np.dot(g, g)) for g in grads)
-        if self.comm.size > 1:                      # the chunks partition the gradient over dp
-            sq = float(np.asarray(self.comm.allreduce(np.array([sq], dtype=np.float64))).reshape(-1)[0])
-        if allreduce_sq is not None:
-            sq = float(allreduce_sq(sq))
-        norm = math.sqrt(sq) if sq >= 0 else float("nan")
-        if clip and clip > 0 and math.isfinite(norm) and norm > clip:
-            coef = clip / (norm + 1e-6)
-            for g in grads:
-                g *= np.asarray(coef, dtype=g.dtype)
+        norm = clip_grad_norm([SimpleNamespace(grad=g) for g in grads], clip, self._sum_sq(allreduce_sq))
         lr = self.lr if lr is None else lr
         self.step_count += 1
         for s, g in zip(self.shards, grads):
@@ -100,6 +92,14 @@ class ZeroAdamW:
                                    step=self.step_count)
         self._allgather_params()
         return norm
+
+    def _sum_sq(self, allreduce_sq):
+        """A sum of squares over dp (the chunks partition the gradient), then over the other groups."""
+        def total(sq):
+            if self.comm.size > 1:
+                sq = float(np.asarray(self.comm.allreduce(np.array([sq], dtype=np.float64))).reshape(-1)[0])
+            return sq if allreduce_sq is None else float(allreduce_sq(sq))
+        return total
 
     def _allgather_params(self):
         for s in self.shards:
