@@ -56,11 +56,14 @@ def mpi_type(dt):
 
 
 def wire(a):
-    """The buffer spec mpi4py wants for a contiguous array: [buffer, count, MPI type]."""
+    """The buffer spec mpi4py wants for a contiguous array: [buffer, MPI type].
+
+    No count: mpi4py derives it from the buffer, per peer for alltoall/allgather receives.
+    """
     dt = a.dtype
     if dt in _NATIVE:
-        return [a, a.size, _NATIVE[dt]]
-    return [a.view(np.uint16), a.size, raw2()]   # memoryview refuses bfloat16: pass raw 2-byte words
+        return [a, _NATIVE[dt]]
+    return [a.view(np.uint16), raw2()]   # memoryview refuses bfloat16: pass raw 2-byte words
 
 
 def raw_bytes(a):

@@ -81,6 +81,10 @@ class MPIComm(Communicator):
             self._arena = ShmArena(t.node, t.node_to_comm)
         return self._arena
 
+    def _check_algo(self, coll, algo):
+        if algo != "auto" and algo not in ALGOS[coll]:
+            raise ValueError(f"unknown {coll} algorithm {algo!r}: expected auto or one of {', '.join(ALGOS[coll])}")
+
     def _pick(self, coll, algo, nbytes):
         if algo == "auto":
             return choose(self._table, coll, nbytes, self.topology().single_node)
@@ -111,6 +115,7 @@ class MPIComm(Communicator):
             return copy_back(dst, h) if dst is not None else backend.xp_of(x).asarray(h)
         x = contiguous(x, "allreduce operand")
         dst = check_out(out, x.shape, x.dtype, "allreduce") if out is not None else (x if inplace else new_like(x, x.shape))
+        self._check_algo("allreduce", algo)
         w = self._waiter("allreduce")
         if self.size == 1:
             if dst is not x:
@@ -152,6 +157,7 @@ class MPIComm(Communicator):
         E, R = row_bounds(x, self.size)
         shape = (R[self.rank + 1] - R[self.rank],) + tuple(x.shape[1:])
         out = check_out(out, shape, x.dtype, "reduce_scatter") if out is not None else new_like(x, shape)
+        self._check_algo("reduce_scatter", algo)
         w = self._waiter("reduce_scatter")
         src_f, out_f = flat(x), flat(out)
         if self.size == 1:
@@ -185,6 +191,7 @@ class MPIComm(Communicator):
             x = x.reshape(1)
         shape = (self.size * x.shape[0],) + tuple(x.shape[1:])
         out = check_out(out, shape, x.dtype, "allgather") if out is not None else new_like(x, shape)
+        self._check_algo("allgather", algo)
         w = self._waiter("allgather")
         src_f, out_f = flat(x), flat(out)
         m = src_f.size
@@ -196,7 +203,7 @@ class MPIComm(Communicator):
             algo = "ring"
         if algo == "mpi":
             sync_stream(x)
-            self._lib(w, lambda: self._coll.Iallgather(wire(src_f), _per_rank(wire(out_f), m)))
+            self._lib(w, lambda: self._coll.Iallgather(wire(src_f), wire(out_f)))
         elif algo == "shm":
             shm_allgather(self._shm_arena(), w, src_f, out_f)
         else:
@@ -211,6 +218,7 @@ class MPIComm(Communicator):
             self.broadcast(h, root, algo)
             return copy_back(x, h)
         x = contiguous(x, "broadcast operand")
+        self._check_algo("broadcast", algo)
         w = self._waiter("broadcast")
         if self.size == 1:
             return x
@@ -280,7 +288,7 @@ class MPIComm(Communicator):
         src_f, out_f = flat(x), flat(out)
         s, rb = wire(src_f), wire(out_f)
         sync_stream(x)
-        self._lib(w, lambda: self._coll.Ialltoallv([s[0], (scounts, sdis), s[2]], [rb[0], (rcounts, rdis), rb[2]]))
+        self._lib(w, lambda: self._coll.Ialltoallv([s[0], (scounts, sdis), s[1]], [rb[0], (rcounts, rdis), rb[1]]))
         return out, rc
 
     def barrier(self):
@@ -301,8 +309,8 @@ class MPIComm(Communicator):
     def iallgather(self, x, out):
         w = self._waiter("iallgather")
         sync_stream(x)
-        src = wire(flat(contiguous(x)))
-        return Request([self._coll.Iallgather(src, _per_rank(wire(flat(out)), src[1]))], [None], w, None, out)
+        # receive spec without a count: mpi4py divides the buffer by size (count per rank)
+        return Request([self._coll.Iallgather(wire(flat(contiguous(x))), wire(flat(out)))], [None], w, None, out)
 
     def ibroadcast(self, x, root=0):
         w = self._waiter("ibroadcast")
@@ -355,8 +363,3 @@ def world() -> MPIComm:
     if _world is None:
         _world = MPIComm(MPI.COMM_WORLD, name="world")
     return _world
-
-
-def _per_rank(spec, count):
-    """An allgather receive spec counts the elements FROM EACH rank, not the whole buffer."""
-    return [spec[0], count, spec[2]]

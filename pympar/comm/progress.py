@@ -64,8 +64,8 @@ class Waiter:
 
     def expire(self, reqs, peers, detail=""):
         pending = [p for r, p in zip(reqs, peers) if r != MPI.REQUEST_NULL and not r.Test()]
-        for r in reqs:  # withdraw our receives so the library holds no dangling buffers
-            if r != MPI.REQUEST_NULL:
+        for r, p in zip(reqs, peers):  # withdraw point-to-point requests (collectives cannot be)
+            if r != MPI.REQUEST_NULL and p is not None:
                 try:
                     r.Cancel()
                 except MPI.Exception:

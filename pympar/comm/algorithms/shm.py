@@ -9,8 +9,10 @@ memory, so a stalled barrier can name the ranks that did not arrive.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import time
+import weakref
 
 import numpy as np
 from mpi4py import MPI
@@ -22,6 +24,19 @@ from ..progress import MAX_SLEEP, SPINS_BEFORE_YIELD, YIELD_SECONDS
 from .p2p import bounds
 
 HEADER = 64
+_LIVE = weakref.WeakSet()
+
+
+@atexit.register
+def _close_epochs():
+    """Close the passive epochs before mpi4py's MPI_Finalize (local; finalize frees windows)."""
+    for arena in list(_LIVE):
+        if arena.win is not None:
+            try:
+                arena.win.Unlock_all()
+            except Exception:
+                pass
+            arena.win = None
 
 
 class ShmArena:
@@ -33,6 +48,7 @@ class ShmArena:
         self.parent_ranks = parent_ranks  # node rank -> rank in the owning communicator
         self.win, self.cap, self.epoch, self.parity = None, 0, 0, 0
         self.data, self.flags = [], []
+        _LIVE.add(self)
 
     def ensure(self, nbytes, waiter):
         """Make each region hold nbytes; returns the parity this call should use."""
@@ -95,22 +111,30 @@ class ShmArena:
 
 
 def shm_allreduce(arena, waiter, src, dst, op):
-    """dst (count,) = op over ranks of src (count,); src may be dst."""
+    """dst (count,) = op over ranks of src (count,); src may be dst.
+
+    Rank r publishes every slice but its own (nobody else reads slice r of rank r), reduces
+    slice r from its own src and the others' regions into its region, then gathers.
+    """
     n, r, count = arena.size, arena.rank, src.size
     par = arena.ensure(src.nbytes, waiter)
-    mine = arena.region(r, par, src.dtype, count)
-    np.copyto(mine, src)
-    arena.barrier(waiter)
     E = bounds(count, n)
     lo, hi = E[r], E[r + 1]
+    mine = arena.region(r, par, src.dtype, count)
+    np.copyto(mine[:lo], src[:lo])
+    np.copyto(mine[hi:], src[hi:])
+    arena.barrier(waiter)
     acc, red = mine[lo:hi], reduce_op(op)
+    np.copyto(acc, src[lo:hi])
     for j in range(1, n):
         kernels.reduce_inplace(acc, arena.region((r + j) % n, par, src.dtype, count)[lo:hi], red)
     if op == "avg":
         finish_avg(acc, n)
+    np.copyto(dst[lo:hi], acc)
     arena.barrier(waiter)
     for k in range(n):
-        np.copyto(dst[E[k]:E[k + 1]], arena.region(k, par, src.dtype, count)[E[k]:E[k + 1]])
+        if k != r:
+            np.copyto(dst[E[k]:E[k + 1]], arena.region(k, par, src.dtype, count)[E[k]:E[k + 1]])
 
 
 def shm_reduce_scatter(arena, waiter, src, out, E, op):

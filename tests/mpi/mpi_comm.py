@@ -1,0 +1,188 @@
+"""Communicator verbs and every algorithm against a NumPy reference, at any world size."""
+import os
+
+import numpy as np
+import pytest
+
+from pympar import backend
+from pympar.comm import MPIComm, SelfComm
+from pympar.comm.dtypes import DTYPES, reference_reduce
+from pympar.comm.mpi import ALGOS
+
+SLOW = os.environ.get("PYMPAR_TEST_FULL") == "1"
+COUNTS = [0, 1, 13, 1009] if SLOW else [0, 1, 13, 131]   # empty, one, prime, non-divisible
+DT = DTYPES if SLOW else DTYPES
+OPS = ("sum", "avg", "max", "min")
+
+
+@pytest.fixture(scope="module")
+def comm(mpi_world):
+    c = MPIComm(mpi_world, name="test", timeout=60)
+    yield c
+
+
+def data(rank, count, dt, rows_shape=()):
+    # small integers: sums over 8 ranks stay exact in float16 and bfloat16
+    v = ((np.arange(count) * 3 + rank * 5) % 11 - 5).astype(np.float64)
+    return v.astype(backend.dtype(dt))
+
+
+def tol(dt):
+    return 0.05 if backend.is_low_precision(backend.dtype(dt)) else 1e-6
+
+
+def algos_for(comm, coll):
+    return [a for a in ALGOS[coll] if a != "shm" or comm.topology().single_node] + ["auto"]
+
+
+def test_allreduce_every_algo_dtype_op(comm):
+    n, r = comm.size, comm.rank
+    for algo in algos_for(comm, "allreduce"):
+        for dt in DT:
+            for op in OPS:
+                for count in COUNTS:
+                    want = reference_reduce([data(k, count, dt) for k in range(n)], op)
+                    x = data(r, count, dt)
+                    out = np.full_like(x, 7)
+                    got = comm.allreduce(x, op=op, algo=algo, out=out)
+                    assert got is out
+                    np.testing.assert_array_equal(x, data(r, count, dt), err_msg="out-of-place changed its input")
+                    np.testing.assert_allclose(got.astype(np.float64), want, atol=tol(dt), err_msg=f"{algo} {dt} {op} {count}")
+                    y = comm.allreduce(x, op=op, algo=algo)      # in place
+                    assert y is x
+                    np.testing.assert_allclose(y.astype(np.float64), want, atol=tol(dt), err_msg=f"in-place {algo} {dt} {op} {count}")
+
+
+def test_allreduce_2d_and_bigger_than_a_ring_segment(comm):
+    r, n = comm.rank, comm.size
+    x = np.arange(3 * 100_003, dtype=np.float32).reshape(3, -1) % 17 + r
+    want = (np.arange(3 * 100_003, dtype=np.float64).reshape(3, -1) % 17) * n + n * (n - 1) / 2
+    for algo in algos_for(comm, "allreduce"):
+        np.testing.assert_allclose(comm.allreduce(x.copy(), algo=algo), want, err_msg=algo)
+
+
+def test_reduce_scatter_every_algo(comm):
+    n, r = comm.size, comm.rank
+    for algo in algos_for(comm, "reduce_scatter"):
+        for dt in DT:
+            for op in OPS:
+                for rows in [n, 2 * n + 1, 1, 0]:
+                    x = data(r, rows * 3, dt).reshape(rows, 3)
+                    want = reference_reduce([data(k, rows * 3, dt).reshape(rows, 3) for k in range(n)], op)
+                    E = np.array_split(np.arange(rows), n)[r]
+                    got = comm.reduce_scatter(x, op=op, algo=algo)
+                    assert got.shape == (len(E), 3)
+                    np.testing.assert_allclose(got.astype(np.float64), want[E], atol=tol(dt), err_msg=f"{algo} {dt} {op} {rows}")
+
+
+def test_allgather_every_algo(comm):
+    n, r = comm.size, comm.rank
+    for algo in algos_for(comm, "allgather"):
+        for dt in DT:
+            for m in [0, 1, 7]:
+                x = data(r, 2 * m, dt).reshape(m, 2)
+                want = np.concatenate([data(k, 2 * m, dt).reshape(m, 2) for k in range(n)])
+                out = comm.allgather(x, algo=algo)
+                np.testing.assert_array_equal(out, want, err_msg=f"{algo} {dt} {m}")
+
+
+def test_broadcast_from_every_root(comm):
+    for algo in ["mpi", "auto"] + (["shm"] if comm.topology().single_node else []):
+        for root in range(comm.size):
+            for dt in ("float32", "bfloat16", "int64"):
+                x = data(comm.rank, 11, dt) if comm.rank == root else np.zeros(11, backend.dtype(dt))
+                got = comm.broadcast(x, root=root, algo=algo)
+                np.testing.assert_array_equal(got, data(root, 11, dt))
+
+
+def test_alltoall(comm):
+    n, r = comm.size, comm.rank
+    for algo in ("mpi", "pairwise"):
+        for dt in ("float32", "float16", "int32"):
+            x = (np.arange(n * 3) + 100 * r).astype(backend.dtype(dt))   # block j -> rank j
+            got = comm.alltoall(x, algo=algo)
+            want = np.concatenate([np.arange(r * 3, r * 3 + 3) + 100 * j for j in range(n)]).astype(x.dtype)
+            np.testing.assert_array_equal(got, want)
+
+
+def test_alltoallv_with_zero_counts(comm):
+    n, r = comm.size, comm.rank
+    # rank r sends (r + j) % 3 rows to rank j: some counts are zero; rank 0 sends nothing to itself
+    sc = np.array([(r + j) % 3 for j in range(n)])
+    rows = [np.full((sc[j], 2), 1000 * r + j, dtype=np.float32) for j in range(n)]
+    x = np.concatenate(rows) if sc.sum() else np.empty((0, 2), np.float32)
+    for given in (False, True):
+        rc_in = np.array([(j + r) % 3 for j in range(n)]) if given else None
+        out, rc = comm.alltoallv(x, sc, recv_counts=rc_in)
+        assert rc.tolist() == [(j + r) % 3 for j in range(n)]
+        want = [np.full(((j + r) % 3, 2), 1000 * j + r, dtype=np.float32) for j in range(n)]
+        np.testing.assert_array_equal(out, np.concatenate(want))
+    with pytest.raises(ValueError, match="send_counts"):
+        comm.alltoallv(x, sc + 1)
+
+
+def test_point_to_point_ring(comm):
+    n, r = comm.size, comm.rank
+    for dt in DT:
+        x = data(r, 5, dt)
+        buf = np.zeros(5, x.dtype)
+        got = comm.sendrecv(x, (r + 1) % n, buf, (r - 1) % n, sendtag=3)
+        np.testing.assert_array_equal(got, data((r - 1) % n, 5, dt))
+    rq = comm.irecv(np.zeros(4), (r - 1) % n, tag=9)
+    sq = comm.isend(np.full(4, float(r)), (r + 1) % n, tag=9)
+    sq.wait()
+    got = rq.wait()
+    assert rq.test() and got.tolist() == [float((r - 1) % n)] * 4
+
+
+def test_nonblocking_library_allreduce_and_barrier(comm):
+    x = np.full(10, comm.rank + 1.0)
+    req = comm.iallreduce(x, op="avg")
+    comm.barrier()
+    np.testing.assert_allclose(req.wait(), (comm.size + 1) / 2)
+
+
+def test_split_into_even_and_odd(comm):
+    sub = comm.split(comm.rank % 2, name="parity")
+    members = sub.allgather(np.array([comm.rank]))
+    assert members.tolist() == list(range(comm.rank % 2, comm.size, 2))
+    assert comm.split(None) is None or True  # every rank must call split: color None opts out
+    x = np.arange(5.0) + comm.rank
+    want = sum(np.arange(5.0) + k for k in range(comm.rank % 2, comm.size, 2))
+    np.testing.assert_allclose(sub.allreduce(x, algo="ring"), want)
+
+
+def test_user_mpi4py_messages_are_not_confused(mpi_world, comm):
+    """A pending message on the user's own communicator does not match pympar's traffic."""
+    n, r = comm.size, comm.rank
+    if n == 1:
+        return
+    mpi_world.Isend(np.array([42.0]), (r + 1) % n, tag=0)
+    x = np.ones(3)
+    comm.allreduce(x, algo="ring")
+    got = np.zeros(1)
+    mpi_world.Recv(got, (r - 1) % n, tag=0)
+    assert got[0] == 42.0 and (x == n).all()
+
+
+def test_bad_arguments_raise_clearly(comm):
+    with pytest.raises(ValueError, match="unknown reduction op"):
+        comm.allreduce(np.ones(2), op="mean")
+    with pytest.raises(ValueError, match="unknown allreduce algorithm"):
+        comm.allreduce(np.ones(2), algo="butterfly")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        comm.allreduce(np.ones((4, 4))[:, 1])
+    with pytest.raises(TypeError, match="not supported"):
+        comm.allreduce(np.ones(2, dtype=np.complex64))
+
+
+def test_selfcomm_same_answers():
+    s = SelfComm()
+    x = np.arange(6.0).reshape(3, 2)
+    assert s.allreduce(x.copy(), op="avg").tolist() == x.tolist()
+    assert s.reduce_scatter(x).tolist() == x.tolist()
+    assert s.allgather(x).tolist() == x.tolist()
+    out, rc = s.alltoallv(x, [3])
+    assert out.tolist() == x.tolist() and rc.tolist() == [3]
+    s.send(x, 0, tag=1)
+    assert s.recv(np.zeros_like(x), 0, tag=1).tolist() == x.tolist()

@@ -1,0 +1,53 @@
+"""Mesh groups for every valid layout of this world size, and the error for invalid ones."""
+import numpy as np
+import pytest
+
+from pympar.comm import MPIComm
+from pympar.parallel.mesh import Mesh
+
+
+def layouts(world):
+    for tp in range(1, world + 1):
+        for pp in range(1, world + 1):
+            if world % (tp * pp) == 0:
+                dp = world // (tp * pp)
+                for ep in range(1, dp + 1):
+                    if dp % ep == 0:
+                        yield dict(dp=dp, pp=pp, tp=tp, ep=ep)
+
+
+@pytest.fixture(scope="module")
+def comm(mpi_world):
+    return MPIComm(mpi_world, name="w", timeout=60)
+
+
+
+def test_every_valid_layout(comm):
+    n, r = comm.size, comm.rank
+    for lay in layouts(n):
+        m = Mesh(comm, **lay)
+        want = Mesh.groups(n, **lay)
+        me = np.array([r])
+        for kind in ("tp", "dp", "pp", "ep", "edp"):
+            sub = getattr(m, f"{kind}_comm")
+            got = sub.allgather(me, algo="mpi").tolist()
+            assert got in want[kind], f"{lay} {kind}: {got} not in {want[kind]}"
+            assert r in got and got.index(r) == sub.rank
+        assert (m.pp_rank, m.dp_rank, m.tp_rank) == Mesh.coords(r, lay["dp"], lay["pp"], lay["tp"])
+        assert m.tp_comm.size == lay["tp"] and m.edp_comm.size == lay["dp"] // lay["ep"]
+        assert m.prev_stage == (r - lay["dp"] * lay["tp"] if m.pp_rank > 0 else None)
+        assert m.next_stage == (r + lay["dp"] * lay["tp"] if m.pp_rank < lay["pp"] - 1 else None)
+        # tensor-parallel ranks are adjacent, pipeline stages are contiguous blocks
+        tpg = m.tp_comm.allgather(me, algo="mpi").tolist()
+        assert tpg == list(range(tpg[0], tpg[0] + lay["tp"]))
+        block = lay["dp"] * lay["tp"]
+        assert m.pp_rank == r // block
+
+
+def test_invalid_layouts_raise_before_any_collective(comm):
+    n = comm.size
+    for bad, msg in [(dict(dp=n + 1), "world size"), (dict(dp=n, ep=n + 1), "does not divide"),
+                     (dict(dp=n, tp=0), "positive integer")]:
+        with pytest.raises(ValueError, match=msg):
+            Mesh(comm, **bad)
+    comm.barrier()  # every rank raised and is still in step
