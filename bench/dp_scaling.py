@@ -139,7 +139,9 @@ def launch_scaling(a):
     for r in res:
         off = by.get((r["dp"], False))
         r["sync_off_s"] = off["exposed_s"] if off else float("nan")
-        r["hidden"] = (1 - r["exposed_s"] / off["exposed_s"]) if (off and r["overlap"] and off["exposed_s"] > 0) else 0.0
+        has = off and r["overlap"] and r["dp"] > 1 and off["exposed_s"] > 0   # dp=1 has nothing to hide
+        r["hidden"] = (1 - r["exposed_s"] / off["exposed_s"]) if has else 0.0
+        r["hidden_span"] = r["hidden_span"] if r["dp"] > 1 else 0.0
         r["slowdown_vs_dp1"] = r["step_s"] / base
         print(f"{r['dp']:>3} {str(r['overlap']):>7} {r['step_s'] * 1e3:>8.1f} {r['slowdown_vs_dp1']:>7.2f} "
               f"{r['compute_s'] * 1e3:>8.1f} {r['exposed_s'] * 1e3:>8.2f} {r['sync_off_s'] * 1e3:>8.2f} "
