@@ -138,16 +138,20 @@ class DataParallel:
             b.reset()
         self._next = 0
         self._sync = True
+        self._finished = False
         self._t_first = None
-        self._t_done = None
         self.last = dict(bytes_sent=0, payload_bytes=0, collectives=0, comm_s=0.0, exposed_s=0.0)
 
     def begin_micro(self, last: bool):
         """Say whether the coming micro-batch is the step's last: only then do buckets sync."""
+        if self._finished:                          # a new step without begin_step()
+            self.begin_step()
         self._sync = bool(last)
 
     def grad_ready(self, params):
         """Backward finished these parameters' grads for this micro-batch (model hook)."""
+        if self._finished:
+            self.begin_step()
         if self._sync and self.overlap:
             for p in params:
                 b = self.bucket_of.get(id(p))
@@ -158,6 +162,8 @@ class DataParallel:
 
     def finish(self):
         """Start the buckets not started yet, wait for all, average over dp."""
+        if self._finished:
+            self.begin_step()
         t0 = time.perf_counter()
         self._launch(only_ready=False)
         for b in self.buckets:
@@ -167,7 +173,7 @@ class DataParallel:
         self.last["exposed_s"] = now - t0
         self.last["comm_s"] += now - t0
         self.last["span_s"] = (now - self._t_first) if self._t_first is not None else 0.0
-        self._t_done = now
+        self._finished = True
         for k in ("bytes_sent", "payload_bytes", "collectives", "comm_s", "exposed_s", "span_s"):
             self.totals[k] += self.last[k]
         self.totals["steps"] += 1
@@ -284,7 +290,9 @@ class DataParallel:
     def stats(self):
         """Last step's and cumulative figures: bytes sent (wire estimate and payload), number of
         collectives, comm_s (time inside comm calls), exposed_s (time blocked in finish),
-        hidden_fraction = 1 - exposed / span (span: first bucket start to the end of finish)."""
+        hidden_fraction = 1 - exposed / span (span: first bucket start to the end of finish; an
+        upper bound: a transfer that only progresses inside finish's wait still counts its
+        span; bench/dp_scaling.py compares against overlap=False for the real figure)."""
         last = dict(self.last)
         span = last.get("span_s", 0.0)
         last["hidden_fraction"] = (1.0 - last["exposed_s"] / span) if span > 0 else 0.0

@@ -1,6 +1,5 @@
 """Shared pieces of the data-parallel MPI tests: tiny models, the global batch, the
 single-process reference and the same steps under DataParallel."""
-import os
 
 import numpy as np
 

@@ -3,7 +3,7 @@ single-process run of the same global batch (DESIGN.md, Determinism). Holds for 
 import numpy as np
 import pytest
 
-from dp_cases import LR, TINY, MOE, dp_communicator, global_batch, run_dp, run_single, Counting
+from dp_cases import LR, MOE, TINY, Counting, dp_communicator, run_dp, run_single
 
 STEPS = 3
 
