@@ -209,21 +209,37 @@ def install_expert_parallel(model, ep_comm):
 
 
 # --- gradients, clipping, statistics -------------------------------------------------------------
-def ep_allreduce_sq(params, ep_comm, then=None):
-    """An ``allreduce_sq`` for optim.clip_grad_norm: expert squares summed over ep, dense ones once.
+def _sum_over(comm, values):
+    v = np.asarray(values, np.float64)
+    if comm is None or comm.size == 1:
+        return v
+    out = comm.allreduce(v.copy())
+    return np.asarray(v if out is None else out, np.float64)
+
+
+def ep_allreduce_sq(params, ep_comm, tp=None, then=None):
+    """An ``allreduce_sq`` for optim.clip_grad_norm giving the single-process norm (call after the
+    dp/edp sync): dense squares count once, expert squares are summed over ep; with tensor
+    parallelism (``tp``: the tp communicator) tp-sharded squares (``param.shard`` set) are summed
+    over tp and tp-replicated ones (e.g. an expert's c_proj.bias) count once -- in this order:
+
+        total = tp_sum(dense_sharded) + dense_replicated + ep_sum(tp_sum(expert_sharded) + expert_replicated)
 
     params: the Parameters handed to clip_grad_norm (expert ones recognised by their global
-    ``.name``); call after the dp/edp sync. ``then``: a further reduction of the total, e.g.
-    ``tp_allreduce_sq(params, tp)`` (it sums sharded squares over tp) or a sum over pipeline stages."""
-    expert = [p for p in params if is_expert_param(p.name)]
+    ``.name``). ``then``: a further reduction of the total (e.g. the sum over pipeline stages)."""
+    from .shard import shard_of
+
+    groups = [(is_expert_param(p.name), shard_of(p) is not None, p) for p in params]
 
     def allreduce_sq(sq):
-        esq = sum(float(np.dot(p.grad.reshape(-1), p.grad.reshape(-1))) for p in expert)
-        if ep_comm.size > 1:
-            esq_all = float(np.asarray(ep_comm.allreduce(np.array([esq], np.float64))).reshape(-1)[0])
-        else:
-            esq_all = esq
-        total = sq - esq + esq_all
+        parts = np.zeros((2, 2))                      # [dense, expert] x [replicated, sharded]
+        for is_exp, sharded, p in groups:
+            g = p.grad.reshape(-1)
+            parts[int(is_exp), int(sharded)] += float(np.dot(g, g))
+        other = sq - parts.sum()                      # anything the caller summed that is not in params
+        d_sh, e_sh = _sum_over(tp, [parts[0, 1], parts[1, 1]])
+        e_all = _sum_over(ep_comm, [e_sh + parts[1, 0]])[0]
+        total = other + d_sh + parts[0, 0] + e_all
         return then(total) if then is not None else total
 
     return allreduce_sq
@@ -233,19 +249,21 @@ class EPGradSync:
     """Gradient sync of an expert-parallel model: dense params mean over dp_comm, expert params
     sum over edp_comm / dp (see the module docstring), both bucketed and overlapped by DataParallel.
 
-    Usage per step: begin_step(); begin_micro(last) before each micro-batch; finish(); step(opt, lr, clip).
+    mesh: a pympar.parallel.mesh.Mesh (its dp_comm, edp_comm, ep_comm); dp_kw: DataParallel's
+    bucket_mb, overlap, compress. Usage per step: attach(model) once; begin_step(); begin_micro(last)
+    before each micro-batch; finish(); step(opt, lr, clip, tp=mesh.tp_comm when tp > 1).
     """
 
-    def __init__(self, named_params, dp_comm, edp_comm, ep: int, **dp_kw):
+    def __init__(self, named_params, mesh, **dp_kw):
         from .dp import DataParallel
 
         if dp_kw.get("zero"):
             raise ValueError("ZeRO-1 is not supported together with expert parallelism yet (use zero=0)")
-        self.dp, self.ep, self.edp = int(dp_comm.size), int(ep), int(edp_comm.size)
+        dp_comm, edp_comm, self.ep_comm = mesh.dp_comm, mesh.edp_comm, mesh.ep_comm
+        self.dp, self.ep, self.edp = int(dp_comm.size), int(mesh.ep), int(edp_comm.size)
         self._scale = expert_grad_scale(self.dp, self.ep, self.edp) * self.edp   # after the edp mean
         dense, expert = split_expert_params(named_params)
         self.params = [p for _, p in dense] + [p for _, p in expert]
-        self.ep_comm = None
         self.dense = DataParallel(dense, dp_comm, **dp_kw)
         self.expert = DataParallel(expert, edp_comm, **dp_kw) if expert else None
         self._expert_params = [p for _, p in expert]
@@ -254,7 +272,6 @@ class EPGradSync:
         self.dense.attach(model)
         if self.expert:
             self.expert.attach(model)
-        self.ep_comm = getattr(model, "ep_comm", None)
         return self
 
     def begin_step(self):
@@ -272,11 +289,12 @@ class EPGradSync:
             for p in self._expert_params:
                 p.grad *= p.grad.dtype.type(self._scale)
 
-    def step(self, optimizer, lr=None, clip=0.0, then=None):
-        """Clip to the global (single-process) norm and update; returns the norm before clipping."""
+    def step(self, optimizer, lr=None, clip=0.0, tp=None, then=None):
+        """Clip to the global (single-process) norm and update; returns the norm before clipping.
+        tp: the tp communicator under tensor parallelism; then: e.g. the sum over pipeline stages."""
         from ..optim import clip_grad_norm
 
-        sq = ep_allreduce_sq(self.params, self.ep_comm, then) if self.ep_comm is not None else then
+        sq = ep_allreduce_sq(self.params, self.ep_comm, tp, then)
         norm = clip_grad_norm(self.params, clip, sq)
         optimizer.step(lr)
         return norm
