@@ -18,6 +18,9 @@ test/wait calls DataParallel makes between blocks. Read the ratios, not the seco
     python bench/dp_scaling.py --launch --dp 1,2,4 --json bench/dp_scaling.json
     python bench/dp_scaling.py --launch --curves --json bench/dp_compress.json
     mpiexec -n 2 python bench/dp_scaling.py --overlap 1 --bucket-mb 1      # one configuration
+
+By default (--overlap 2) each run alternates overlap on and off step by step, so that both
+modes see the same machine load (this VM is shared); the medians are per mode.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--launch", action="store_true", help="spawn mpiexec for every dp and overlap setting")
     ap.add_argument("--dp", default="1,2,4")
-    ap.add_argument("--overlap", type=int, default=1, help="worker: 1 = start buckets during backward")
+    ap.add_argument("--overlap", type=int, default=2,
+                    help="worker: 1 = start buckets during backward, 0 = all in finish, 2 = alternate per step")
     ap.add_argument("--bucket-mb", type=float, default=1.0)
     ap.add_argument("--preset", default="small")
     ap.add_argument("--micro-batch-size", type=int, default=4)
@@ -72,9 +76,11 @@ def worker(a):
     dp = DataParallel(model.named_parameters(), comm, bucket_mb=a.bucket_mb, overlap=bool(a.overlap),
                       compress=a.compress).attach(model)
     corpus = load_corpus(None)
-    steps = a.curve_steps if a.curves else a.warmup + a.steps
+    steps = a.curve_steps if a.curves else a.warmup + a.steps * (2 if a.overlap == 2 else 1)
     rows = []
     for s in range(steps):
+        if a.overlap == 2:           # paired: on and off alternate, so both see the same load
+            dp.overlap = s % 2 == 1
         mbs = local_micro_batches(corpus.train, 7, s, comm.rank, a.n_micro, a.micro_batch_size, cfg.block_size)
         comm.barrier()
         t0 = time.perf_counter()
@@ -90,7 +96,7 @@ def worker(a):
         t1 = time.perf_counter()
         loss = float(np.asarray(comm.allreduce(np.array([local]))).reshape(-1)[0]) / comm.size
         st = dp.stats()["last"]
-        rows.append(dict(step_s=t1 - t0, compute_s=t_bwd - t0, exposed_s=st["exposed_s"], span_s=st["span_s"],
+        rows.append(dict(overlap=dp.overlap, step_s=t1 - t0, compute_s=t_bwd - t0, exposed_s=st["exposed_s"], span_s=st["span_s"],
                          bytes_sent=st["bytes_sent"], payload_bytes=st["payload_bytes"], loss=loss))
     if comm.rank != 0:
         return
@@ -98,12 +104,14 @@ def worker(a):
         out = dict(compress=a.compress, dp=comm.size, losses=[r["loss"] for r in rows],
                    bytes_sent=rows[-1]["bytes_sent"], payload_bytes=rows[-1]["payload_bytes"])
     else:
-        timed = rows[a.warmup:]
-        med = {k: statistics.median(r[k] for r in timed) for k in ("step_s", "compute_s", "exposed_s", "span_s")}
-        out = dict(dp=comm.size, overlap=bool(a.overlap), bucket_mb=a.bucket_mb, n_buckets=len(dp.buckets),
-                   params=int(sum(p.data.size for p in model.parameters())),
-                   bytes_sent=timed[-1]["bytes_sent"],
-                   hidden_span=(1 - med["exposed_s"] / med["span_s"]) if med["span_s"] > 0 else 0.0, **med)
+        out = []
+        for ov in sorted({r["overlap"] for r in rows[a.warmup:]}):
+            timed = [r for r in rows[a.warmup:] if r["overlap"] == ov]
+            med = {k: statistics.median(r[k] for r in timed) for k in ("step_s", "compute_s", "exposed_s", "span_s")}
+            out.append(dict(dp=comm.size, overlap=ov, bucket_mb=a.bucket_mb, n_buckets=len(dp.buckets),
+                            params=int(sum(p.data.size for p in model.parameters())),
+                            bytes_sent=timed[-1]["bytes_sent"], steps=len(timed),
+                            hidden_span=(1 - med["exposed_s"] / med["span_s"]) if med["span_s"] > 0 else 0.0, **med))
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -115,7 +123,7 @@ def run_one(a, n, extra):
     args = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(n), sys.executable, __file__,
             "--preset", a.preset, "--micro-batch-size", str(a.micro_batch_size), "--block-size", str(a.block_size),
             "--n-micro", str(a.n_micro), "--steps", str(a.steps), "--warmup", str(a.warmup),
-            "--bucket-mb", str(a.bucket_mb), "--curve-steps", str(a.curve_steps), *extra]
+            "--bucket-mb", str(a.bucket_mb), "--curve-steps", str(a.curve_steps), "--overlap", str(a.overlap), *extra]
     p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=a.timeout)
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     if p.returncode or not lines:
@@ -126,14 +134,15 @@ def run_one(a, n, extra):
 def launch_scaling(a):
     res = []
     for n in [int(x) for x in a.dp.split(",")]:
-        for ov in (0, 1):
-            r = run_one(a, n, ["--overlap", str(ov)])
-            res.append(r)
-            print(f"  dp={n} overlap={ov}: step {r['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+        got = run_one(a, n, [])
+        res += got
+        for r in got:
+            print(f"  dp={n} overlap={r['overlap']}: step {r['step_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     by = {(r["dp"], r["overlap"]): r for r in res}
     base = by.get((1, False), res[0])["step_s"]
     print(f"\nDP weak scaling, preset {a.preset}, {res[0]['params']:,} params, {res[0]['n_buckets']} buckets of "
-          f"{a.bucket_mb} MiB, B={a.micro_batch_size} T={a.block_size} n_micro={a.n_micro}; median of {a.steps} steps")
+          f"{a.bucket_mb} MiB, B={a.micro_batch_size} T={a.block_size} n_micro={a.n_micro}; median of {a.steps} steps"
+          f"{' per mode, on/off alternating' if a.overlap == 2 else ''}")
     print(f"{'dp':>3} {'overlap':>7} {'step ms':>8} {'vs dp1':>7} {'bwd ms':>8} {'exposed':>8} {'sync off':>8} "
           f"{'hidden':>7} {'span est':>8} {'MB sent':>8}")
     for r in res:
