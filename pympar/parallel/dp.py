@@ -198,6 +198,22 @@ class DataParallel:
             self._zero_opt = ZeroAdamW.from_optimizer(optimizer, self.buckets, self.comm)
         return self._zero_opt.step(lr, clip, allreduce_sq)
 
+    def export_optimizer_state(self, optimizer):
+        """ZeRO-1, collective: fill optimizer (pympar AdamW) with the full m, v and step, e.g.
+        before a checkpoint save. Plain DP: nothing to do (the optimizer holds its state)."""
+        if self.zero and self._zero_opt is not None:
+            self._zero_opt.export_to(optimizer)
+
+    def import_optimizer_state(self, optimizer):
+        """ZeRO-1: load this rank's chunks from optimizer's m, v, step and the model's
+        parameters, e.g. after a checkpoint restore into them."""
+        if self.zero:
+            from .zero import ZeroAdamW
+
+            if self._zero_opt is None:
+                self._zero_opt = ZeroAdamW.from_optimizer(optimizer, self.buckets, self.comm)
+            self._zero_opt.import_from(optimizer)
+
     def grads_finite(self) -> bool:
         """After finish(): are all synced gradients finite (the same answer on every rank)?"""
         if not self.zero:

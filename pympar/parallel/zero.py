@@ -108,6 +108,33 @@ class ZeroAdamW:
             for p, off, size in zip(b.params, b.offsets, b.sizes):           # full (padded,)
                 p.data[...] = full[off:off + size].reshape(p.data.shape)
 
+    def export_to(self, opt):
+        """Collective over dp: write the full m, v (allgathered) and the step into a pympar
+        AdamW ``opt``, so checkpoints see the ordinary, layout-free optimiser state."""
+        for s in self.shards:
+            b = s.bucket
+            for mine, full_of in ((s.m, opt.m), (s.v, opt.v)):
+                full = mine if self.comm.size == 1 else np.asarray(self.comm.allgather(mine)).reshape(-1)
+                for name, off, size in zip(b.names, b.offsets, b.sizes):   # full (padded,)
+                    full_of[name][...] = full[off:off + size].reshape(full_of[name].shape)
+        opt.step_count = self.step_count
+
+    def import_from(self, opt):
+        """Take this rank's chunks of m, v, the step from ``opt`` and master weights from the
+        parameters (after a checkpoint restore into the model and the full AdamW)."""
+        r = self.comm.rank
+        for s in self.shards:
+            b = s.bucket
+            lo = r * b.chunk
+            flat = {k: np.zeros(b.padded, dtype=s.master.dtype) for k in ("master", "m", "v")}
+            for p, name, off, size in zip(b.params, b.names, b.offsets, b.sizes):
+                flat["master"][off:off + size] = p.data.reshape(-1)
+                flat["m"][off:off + size] = opt.m[name].reshape(-1)
+                flat["v"][off:off + size] = opt.v[name].reshape(-1)
+            for k, a in flat.items():
+                getattr(s, k)[...] = a[lo:lo + b.chunk]
+        self.step_count = int(opt.step_count)
+
     def state_dict(self):
         """This rank's chunks: step, and per bucket index the (master, m, v) arrays."""
         return dict(step=self.step_count,
