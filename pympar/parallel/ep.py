@@ -267,6 +267,7 @@ class EPGradSync:
         self.dense = DataParallel(dense, dp_comm, **dp_kw)
         self.expert = DataParallel(expert, edp_comm, **dp_kw) if expert else None
         self._expert_params = [p for _, p in expert]
+        self.grad_bytes = self.dense.grad_bytes + (self.expert.grad_bytes if self.expert else 0)
 
     def attach(self, model):
         self.dense.attach(model)
@@ -289,6 +290,17 @@ class EPGradSync:
             for p in self._expert_params:
                 p.grad *= p.grad.dtype.type(self._scale)
 
+    def grads_finite(self) -> bool:
+        """After finish(): all synced gradients finite? (the same answer on every dp rank: expert
+        grads differ over ep, so the verdict is agreed over ep)."""
+        bad = np.array([0.0 if all(s.grads_finite() for s in self._syncs()) else 1.0])
+        return bool(_sum_over(self.ep_comm, bad)[0] == 0)
+
+    def scale_grads(self, alpha):
+        """After finish(): multiply every synced gradient by alpha (loss-scale unscaling)."""
+        for s in self._syncs():
+            s.scale_grads(alpha)
+
     def step(self, optimizer, lr=None, clip=0.0, tp=None, then=None):
         """Clip to the global (single-process) norm and update; returns the norm before clipping.
         tp: the tp communicator under tensor parallelism; then: e.g. the sum over pipeline stages."""
@@ -301,6 +313,22 @@ class EPGradSync:
 
     def _syncs(self):
         return [self.dense] + ([self.expert] if self.expert else [])
+
+
+def lockstep_forward_losses(model, batches, ep_comm):
+    """[model.forward_loss(x, y) for x, y in batches], with every rank of the ep group running the
+    same number of forward passes (MoE layers exchange tokens in each): ranks with fewer batches
+    run padding passes whose losses are discarded. One allreduce (max) of the count."""
+    n = len(batches)
+    n_max = n
+    if ep_comm is not None and ep_comm.size > 1:
+        got = ep_comm.allreduce(np.array([n], np.int64), op="max")
+        n_max = int(np.asarray(got).reshape(-1)[0])
+    pad = batches[0] if batches else (np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64))
+    losses = [model.forward_loss(x, y) for x, y in batches]
+    for _ in range(n_max - n):
+        model.forward_loss(*pad)
+    return losses
 
 
 def ep_step_stats(model, dp_comm=None):

@@ -28,6 +28,8 @@ from .. import profile as _profile
 from ..nn import GPT
 from ..optim import AdamW, DynamicLossScaler, clip_grad_norm
 from .dp import DataParallel
+from .ep import EPGradSync, ep_step_stats, install_expert_parallel, is_expert_param, lockstep_forward_losses
+from .mesh import Mesh
 
 
 class NotSupportedError(ValueError):
@@ -36,10 +38,13 @@ class NotSupportedError(ValueError):
 
 def check_supported(model_cfg, layout, opts) -> None:
     """Raise NotSupportedError for what no Runner implements yet (no communication)."""
-    for k in ("pp", "tp", "ep"):
+    for k in ("pp", "tp"):
         if getattr(layout, k) > 1:
             raise NotSupportedError(f"{k}={getattr(layout, k)} is not yet supported by this build's trainer "
                                     f"(only data parallelism: launch with --{k} 1)")
+    if layout.ep > 1 and opts.zero:
+        raise NotSupportedError(f"--zero {opts.zero} with ep={layout.ep} is not yet supported by this build's "
+                                f"trainer (use --zero 0 with expert parallelism)")
     if opts.zero not in (0, 1):
         raise NotSupportedError(f"zero={opts.zero} is not yet supported by this build's trainer (use --zero 0 or 1)")
     if opts.seq_parallel:
@@ -64,17 +69,25 @@ class DataParallelRunner:
             raise ValueError(f"DataParallelRunner needs a communicator of size dp={self.dp}, got {comm.size}")
         compute = None if opts.dtype == "float32" else opts.dtype
         self.model = GPT(model_cfg, seed=opts.seed, dtype=np.float32, compute_dtype=compute)
+        self.ep_comm = None
+        if layout.ep > 1:     # expert parallelism (pympar.parallel.ep): keep n_expert/ep experts
+            mesh = Mesh(comm, dp=self.dp, ep=layout.ep)
+            self.ep_comm = install_expert_parallel(self.model, mesh.ep_comm).ep_comm
         named = list(self.model.named_parameters())
         self.params = [p for _, p in named]
         self.n_params = sum(p.data.size for p in self.params)
+        if self.ep_comm is not None:   # the whole model's size: the other ep ranks' experts too
+            self.n_params += (layout.ep - 1) * sum(p.data.size for n, p in named if is_expert_param(n))
         # dp > 1: DataParallel syncs the grads (buckets overlapped with backward, ZeRO-1,
         # compression); self.flat then carries only [loss_sum, moe stats...]
         self.sync = None
         if self.dp > 1:
             compress = f"topk:{opts.topk_ratio}" if opts.compress == "topk" else opts.compress
-            self.sync = DataParallel(named, comm, bucket_mb=opts.bucket_mb, compress=compress,
-                                     overlap=getattr(opts, "dp_overlap", True),
-                                     zero=opts.zero == 1).attach(self.model)
+            kw = dict(bucket_mb=opts.bucket_mb, compress=compress, overlap=getattr(opts, "dp_overlap", True))
+            if self.ep_comm is not None:   # dense grads over dp, expert grads over edp (sum / dp)
+                self.sync = EPGradSync(named, mesh, **kw).attach(self.model)
+            else:
+                self.sync = DataParallel(named, comm, zero=opts.zero == 1, **kw).attach(self.model)
         # otherwise every .grad becomes a view of one flat buffer: [grads..., loss_sum, moe stats...]
         self.n_moe = len(self.model.moe_layers())
         n_extra = 1 + self.n_moe * (model_cfg.n_expert + 1)
@@ -129,6 +142,9 @@ class DataParallelRunner:
             k = 1 + i * (self.model_cfg.n_expert + 1)
             st["tokens_per_expert"] = [int(round(v * self.dp)) for v in extra[k:k + self.model_cfg.n_expert]]
             st["dropped_fraction"] = float(extra[k + self.model_cfg.n_expert])
+        if self.ep_comm is not None:
+            for st, es in zip(moe, ep_step_stats(self.model, self.comm)):
+                st.update(a2a_seconds=es["a2a_seconds"], a2a_bytes=es["a2a_bytes"])
         with self.rec.span("optimizer", "optimizer"):
             skipped = False
             if self.scaler:
@@ -158,15 +174,18 @@ class DataParallelRunner:
     def eval_loss(self, batches) -> float:
         """Mean forward loss over this rank's batches and those of the other DP ranks."""
         with self.rec.span("eval", "eval", n=len(batches)):
-            local = np.array([sum(self.model.forward_loss(x, y) for x, y in batches), len(batches)], np.float64)
+            losses = lockstep_forward_losses(self.model, batches, self.ep_comm)
+            local = np.array([sum(losses), len(batches)], np.float64)
             tot = self.comm.allreduce(local) if self.dp > 1 else local
             tot = local if tot is None else tot
         return float(tot[0] / max(tot[1], 1))
 
     def generate(self, prompt, n, top_k, rng):
-        if self.comm.rank != 0:
+        if self.comm.rank != 0 and self.ep_comm is None:
             return None
-        return self.model.generate(prompt, n, top_k=top_k, rng=rng)
+        # with expert parallelism every rank runs it (same prompt and rng): MoE layers exchange tokens
+        toks = self.model.generate(prompt, n, top_k=top_k, rng=rng)
+        return toks if self.comm.rank == 0 else None
 
     # --- profiling ------------------------------------------------------------------------------
     def _instrument_layers(self):
