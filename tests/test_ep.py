@@ -37,3 +37,21 @@ def test_expert_range_and_validation():
     assert expert_grad_scale(8, 2, 4) == 1 / 8
     with pytest.raises(ValueError):
         expert_grad_scale(8, 2, 2)
+
+
+@pytest.mark.mpi
+def test_trainer_cli_with_expert_parallelism_matches_ep1(tmp_path):
+    """`mpirun -n 4 python -m pympar.train --preset moe-tiny --dp 4 --ep 2`: the same losses as ep=1."""
+    import json
+
+    from mpirun import run_mpi
+
+    losses = {}
+    for ep in (1, 2):
+        out = tmp_path / f"ep{ep}"
+        run_mpi(4, ["-m", "pympar.train", "--preset", "moe-tiny", "--dp", "4", "--ep", str(ep), "--steps", "3",
+                    "--out", out], timeout=90)
+        rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+        losses[ep] = [r["loss"] for r in rows if "loss" in r]
+        assert len(losses[ep]) == 3, rows
+    np.testing.assert_allclose(losses[2], losses[1], rtol=1e-5)
