@@ -25,10 +25,10 @@ class Linear(Module):
 
     def forward(self, x):                        # x (..., in) -> y (..., out)
         w = compute_cast(self.weight.data, self._cdt)
-        y = matmul(x, w.T)
+        y = matmul(x.reshape(-1, x.shape[-1]), w.T)   # one GEMM over all tokens: (N, out)
         if self.bias is not None:
             y += compute_cast(self.bias.data, self._cdt)
-        return y, x
+        return y.reshape(*x.shape[:-1], y.shape[-1]), x
 
     def backward(self, dy, x):                   # dy (..., out) -> dx (..., in)
         dy2 = dy.reshape(-1, dy.shape[-1])       # (N, out)
@@ -36,7 +36,8 @@ class Linear(Module):
         accumulate(self.weight, matmul(dy2.T, x2, self.weight.grad.dtype))  # (out, in)
         if self.bias is not None:
             accumulate(self.bias, dy2.sum(axis=0, dtype=self.bias.grad.dtype))
-        return matmul(dy, compute_cast(self.weight.data, self._cdt))
+        dx = matmul(dy2, compute_cast(self.weight.data, self._cdt))   # (N, in)
+        return dx.reshape(*dy.shape[:-1], dx.shape[-1])
 
 
 class LayerNorm(Module):
