@@ -146,13 +146,15 @@ def run_rank(args):
 
     from pympar.comm import MPIComm
     from pympar.nn import GPTConfig
-    from pympar.parallel.pp import PipelineExecutor, PipelineGPT, bubble_formula, validate_schedule
+    from pympar.parallel.pp import (PipelineExecutor, PipelineGPT, bubble_formula, build_schedule,
+                                    simulate, validate_schedule)
 
     world = MPIComm(MPI.COMM_WORLD)
     p, r = world.size, world.rank
     C = args.embd if args.work == "model" else 16
     cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=args.layers, n_head=4, n_embd=C)
     rng = np.random.default_rng(0)
+    lat = neighbour_latency(world, (2, 32, C), np.float32)
     rows = []
     for sched in args.schedules.split(","):
         v = args.v if sched == "interleaved" else 1
@@ -176,8 +178,15 @@ def run_rank(args):
             peaks = MPI.COMM_WORLD.gather(st["peak_in_flight"], root=0)
             if r == 0:
                 a = np.array(allr)
+                # the same schedule on the discrete-event model with the nominal block cost and
+                # the measured one-way message latency: what a perfect executor would show here
+                f = args.block_ms / 1e3 * args.layers / p if args.work in ("spin", "sleep") else 0.0
+                sim = simulate([build_schedule(sched, p, m, v, q) for q in range(p)], p, v,
+                               f_cost=f, b_cost=2 * f, comm_cost=lat) if f else None
                 rows.append(dict(schedule=sched, p=p, m=m, v=v, work=args.work,
                                  formula=bubble_formula(sched, p, m, v),
+                                 latency_ms=lat * 1e3,
+                                 model_with_latency=float(np.mean(sim["bubble"])) if sim else None,
                                  bubble_mean=float(a[:, 0].mean()), bubble_max=float(a[:, 0].max()),
                                  bubble_per_rank=[float(x) for x in a[:, 0]],
                                  recv_wait_fraction_mean=float(a[:, 1].mean()),
@@ -186,14 +195,39 @@ def run_rank(args):
         print(json.dumps(rows), flush=True)
 
 
+def neighbour_latency(world, shape, dtype, reps=30):
+    """Median one-way time of an activation-sized message between pipeline neighbours (s)."""
+    import numpy as np
+    a, b = np.zeros(shape, dtype), np.empty(shape, dtype)
+    r, p = world.rank, world.size
+    times = []
+    for _ in range(reps):
+        world.barrier()
+        t = time.perf_counter()
+        if p > 1 and r % 2 == 0 and r + 1 < p:             # ping-pong on pairs (0,1), (2,3), ...
+            world.isend(a, r + 1, tag=5).wait()
+            world.irecv(b, r + 1, tag=6).wait()
+        elif p > 1 and r % 2 == 1:
+            world.irecv(b, r - 1, tag=5).wait()
+            world.isend(a, r - 1, tag=6).wait()
+        times.append((time.perf_counter() - t) / 2)
+    mine = float(np.median(times)) if p > 1 else 0.0
+    return float(world.allreduce(np.array([mine]), op="max")[0])
+
+
 # --- driver ----------------------------------------------------------------------------------
 def table(rows):
-    head = f"{'schedule':<12}{'p':>3}{'m':>4}{'v':>3}{'formula':>9}{'bubble':>9}{'worst':>8}{'diff':>8}{'step ms':>9}  peak in flight"
+    head = (f"{'schedule':<12}{'p':>3}{'m':>4}{'v':>3}{'formula':>9}{'bubble':>9}{'worst':>8}{'diff':>8}"
+            f"{'+latency':>9}{'step ms':>9}  peak in flight")
     lines = [head, "-" * len(head)]
     for x in rows:
         lines.append(f"{x['schedule']:<12}{x['p']:>3}{x['m']:>4}{x['v']:>3}{x['formula']:>9.3f}"
                      f"{x['bubble_mean']:>9.3f}{x['bubble_max']:>8.3f}{x['bubble_mean'] - x['formula']:>+8.3f}"
+                     f"{x['model_with_latency'] if x['model_with_latency'] is not None else float('nan'):>9.3f}"
                      f"{x['step_ms']:>9.1f}  {x['peak_in_flight']}")
+    lat = sorted({round(x['latency_ms'], 3) for x in rows if x['p'] > 1})
+    lines.append(f"measured one-way neighbour latency (ms): {lat}; +latency = the discrete-event model "
+                 f"of the same schedule with that latency (0 latency = formula)")
     return "\n".join(lines)
 
 
@@ -222,7 +256,7 @@ def launch(args, argv):
         rows += json.loads(out.stdout.strip().splitlines()[-1])
     print(table(rows))
     if args.json:
-        meta = dict(cores=os.cpu_count(), work=args.work, block_ms=args.block_ms, reps=args.reps,
+        meta = dict(cores=os.cpu_count(), load_average=os.getloadavg(), work=args.work, block_ms=args.block_ms, reps=args.reps,
                     layers=args.layers, steps=args.steps)
         Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     return rows
