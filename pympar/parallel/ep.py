@@ -66,7 +66,8 @@ def expert_grad_scale(dp: int, ep: int, edp_size: int) -> float:
 
 
 def validate_ep(config, ep: int) -> None:
-    """Raise ValueError unless the model's experts divide over ep ranks (no communication)."""
+    """Raise ValueError unless the experts divide over ep ranks (no communication); config: anything
+    with ``n_expert`` (a GPTConfig or a MoE layer)."""
     if not isinstance(ep, (int, np.integer)) or ep < 1:
         raise ValueError(f"ep={ep!r} must be a positive integer")
     if ep > 1 and config.n_expert and config.n_expert % ep:
@@ -195,9 +196,8 @@ def install_expert_parallel(model, ep_comm):
     The model must have been built from (config, seed) like every other rank's: the kept experts are
     then exactly the full model's experts [lo, hi) (init depends on (seed, global name) only). All
     experts exist transiently during the model's construction. Returns the model."""
-    cfg = model.config
-    validate_ep(cfg, ep_comm.size)
     for _, layer in moe_layers_of(model):
+        validate_ep(layer, ep_comm.size)
         lo, hi = expert_range(layer.n_expert, ep_comm.size, ep_comm.rank)
         if len(layer.experts) != layer.n_expert:
             raise ValueError(f"MoE layer holds {len(layer.experts)} experts, expected all {layer.n_expert} "
