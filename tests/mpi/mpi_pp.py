@@ -214,3 +214,20 @@ def test_clip_grad_norm_is_the_single_process_norm(mpi_world):
     want = clip_grad_norm(ref.parameters(), 1e-3)
     assert abs(norm - want) <= TOL * want, (norm, want)
     compare(mpi_world, model, ref, ("grad",))       # both copies of wte clipped alike
+
+
+def test_build_pipeline_and_sharded_state(mpi_world):
+    from pympar.parallel.pp import build_pipeline
+    p = mpi_world.size
+    comm = pp_comm(mpi_world)
+    cfg = config(p)
+    model, ex = build_pipeline(cfg, 3, comm, schedule="1f1b", n_micro=2, dtype=np.float64)
+    mbs = micro_batches(2)
+    st = ex.train_step(mbs)
+    assert abs(st["loss"] - reference_step(GPT(cfg, seed=3, dtype=np.float64), mbs)) <= 1e-10 * st["loss"]
+    names = sorted(mpi_world.allgather(sorted(model.sharded_state())))
+    flat = [n for part in names for n in part]
+    assert sorted(flat) == sorted(n for n, _ in GPT(cfg, seed=3).named_parameters()), "every name exactly once"
+    if p > 1:
+        with pytest.raises(ValueError, match="n_micro divisible by pp"):
+            build_pipeline(config(p, 2), 0, comm, schedule="interleaved", v=2, n_micro=p + 1)

@@ -251,3 +251,16 @@ class PipelineExecutor:
             moe.recording = True
         losses = self.p2p.allreduce_sum(local) if p > 1 else local
         return float(np.mean(losses))
+
+
+def build_pipeline(config, seed, pp_comm, *, schedule="1f1b", v=1, n_micro=None, dtype=np.float32,
+                   compute_dtype=None, factory=None):
+    """Validate the layout (ValueError before any communication), build this rank's PipelineGPT
+    and its PipelineExecutor over ``pp_comm`` (its rank is the stage). Returns (model, executor)."""
+    from .partition import validate_pipeline
+    from .stage import PipelineGPT
+    p2p = _P2P(pp_comm)
+    part = validate_pipeline(config, p2p.size, n_micro if n_micro is not None else p2p.size, schedule, v)
+    model = PipelineGPT(config, seed, pp=p2p.size, rank=p2p.rank, v=v, dtype=dtype,
+                        compute_dtype=compute_dtype, factory=factory, part=part)
+    return model, PipelineExecutor(model, pp_comm, schedule)

@@ -268,6 +268,11 @@ class PipelineGPT:
             d[f"transformer.h.{i}.moe.expert_bias"] = m.expert_bias.copy()
         return d
 
+    def sharded_state(self):
+        """{global name: (local array, Shard or None)} of this rank for pympar.checkpoint; the tied
+        wte once over the pipeline (on stage 0)."""
+        return {n: (p.data, getattr(p, "shard", None)) for n, p in self.named_parameters(include_tied_copy=False)}
+
     def moe_layers(self):
         """(global block index, MoE) for the MoE blocks on this rank."""
         return [(i, b.moe) for ch in self.chunks for i, b in zip(ch.block_ids, ch.blocks) if hasattr(b, "moe")]
