@@ -33,7 +33,9 @@ import time
 
 import numpy as np
 
+from ..optim import clip_grad_norm
 from .compress import dense_allreduce_bytes, make_compressor
+from .zero import ZeroAdamW, optimizer_memory
 
 
 class Bucket:
@@ -85,10 +87,6 @@ def build_buckets(named_params, dp: int, bucket_mb: float):
     return buckets
 
 
-def _wait(req):
-    return req.wait()
-
-
 class DataParallel:
     """Gradient sync over the data-parallel communicator ``dp_comm`` (any pympar Communicator).
 
@@ -126,7 +124,8 @@ class DataParallel:
         """Register grad_ready on the model's backward notifications (GPT.grad_ready_hooks)."""
         hooks = getattr(model, "grad_ready_hooks", None)
         if hooks is None:
-            raise TypeError(f"{type(model).__name__} has no grad_ready_hooks: buckets will all start in finish()")
+            raise TypeError(f"{type(model).__name__} has no grad_ready_hooks: use DataParallel without "
+                            "attach() (every bucket then starts in finish())")
         if self.grad_ready not in hooks:
             hooks.append(self.grad_ready)
         return self
@@ -168,7 +167,7 @@ class DataParallel:
         self._launch(only_ready=False)
         for b in self.buckets:
             if not b.done:
-                self._complete(b, _wait(b.request) if b.request is not None else None)
+                self._complete(b, b.request.wait() if b.request is not None else None)
         now = time.perf_counter()
         self.last["exposed_s"] = now - t0
         self.last["comm_s"] += now - t0
@@ -187,14 +186,10 @@ class DataParallel:
         allreduce_sq sums a sum of squares over the OTHER groups (tp, pp); dp is handled here.
         """
         if not self.zero:
-            from ..optim import clip_grad_norm
-
             norm = clip_grad_norm([p for _, p in self.named], clip, allreduce_sq)
             optimizer.step(lr)
             return norm
         if self._zero_opt is None:
-            from .zero import ZeroAdamW
-
             self._zero_opt = ZeroAdamW.from_optimizer(optimizer, self.buckets, self.comm)
         return self._zero_opt.step(lr, clip, allreduce_sq)
 
@@ -208,8 +203,6 @@ class DataParallel:
         """ZeRO-1: load this rank's chunks from optimizer's m, v, step and the model's
         parameters, e.g. after a checkpoint restore into them."""
         if self.zero:
-            from .zero import ZeroAdamW
-
             if self._zero_opt is None:
                 self._zero_opt = ZeroAdamW.from_optimizer(optimizer, self.buckets, self.comm)
             self._zero_opt.import_from(optimizer)
@@ -279,7 +272,7 @@ class DataParallel:
             if b.request is not None and not b.done:
                 busy = True
                 if b.request.test():
-                    self._complete(b, _wait(b.request))
+                    self._complete(b, b.request.wait())
         if busy:
             self.last["comm_s"] += time.perf_counter() - t0
 
@@ -320,6 +313,4 @@ class DataParallel:
 
     def memory_report(self):
         """Optimiser bytes per rank, this layout against plain DP (see zero.optimizer_memory)."""
-        from .zero import optimizer_memory
-
         return optimizer_memory(self.buckets, self.dp, self.zero)
