@@ -9,37 +9,16 @@
 #include "dtypes.h"
 #include "kernels.h"
 #include "threadpool.h"
+#include "topk_insert.h"
 
 namespace pympar {
-
-// a ranks before b: larger first, NaN last (as argsort(-scores) puts NaN last)
-template <typename T>
-static inline bool before(T a, T b) {
-  return a > b || (b != b && a == a);
-}
 
 template <typename T>
 static void topk_t(const T* s, int64_t N, int64_t E, int64_t k, int64_t* idx, T* vals) {
   parallel_for(N, 1 + (1 << 14) / (E > 0 ? E : 1), 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const T* row = s + r * E;
-      T* v = vals + r * k;
-      int64_t* ix = idx + r * k;
       int64_t have = 0;
-      for (int64_t j = 0; j < E; ++j) {
-        T x = row[j];
-        if (have == k && !before(x, v[k - 1])) continue;
-        // insert after every kept entry that is not beaten by x (ties keep the lower index first)
-        int64_t p = have < k ? have : k - 1;
-        while (p > 0 && before(x, v[p - 1])) {
-          v[p] = v[p - 1];
-          ix[p] = ix[p - 1];
-          --p;
-        }
-        v[p] = x;
-        ix[p] = j;
-        if (have < k) ++have;
-      }
+      for (int64_t j = 0; j < E; ++j) topk_offer(vals + r * k, idx + r * k, have, k, s[r * E + j], j);
     }
   });
 }

@@ -1,6 +1,9 @@
 #include "threadpool.h"
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -22,6 +25,9 @@ class Pool {
   }
 
   int size() const { return nthreads_; }
+
+  // after fork: the worker handles name threads of the parent; forget them without joining
+  void abandon() { new std::vector<std::thread>(std::move(workers_)); }
 
   void run(int64_t n, int64_t grain, int64_t align, const std::function<void(int64_t, int64_t)>& fn) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
@@ -92,9 +98,25 @@ class Pool {
   bool stop_ = false;
 };
 
+// A forked child has the pool's memory but none of its worker threads (and possibly a mutex
+// locked by a thread that no longer exists): it abandons that pool and builds a new one of the
+// same size on first use. Pools are never destroyed: no joins during interpreter teardown.
+std::atomic<bool> g_forked{false};
+Pool* g_pool = nullptr;
+std::once_flag g_once;
+
 Pool& pool() {
-  static Pool* p = new Pool();  // never destroyed: no joins during interpreter teardown
-  return *p;
+  std::call_once(g_once, [] {
+    g_pool = new Pool();
+    pthread_atfork(nullptr, nullptr, [] { g_forked.store(true); });
+  });
+  if (g_forked.exchange(false)) {
+    int n = g_pool->size();
+    g_pool->abandon();
+    g_pool = new Pool();
+    g_pool->resize(n);
+  }
+  return *g_pool;
 }
 
 }  // namespace

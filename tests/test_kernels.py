@@ -403,3 +403,23 @@ def test_without_native_module_the_reference_serves():
     """)
     r = _run(code)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+@needs_native
+def test_thread_pool_survives_fork():
+    code = textwrap.dedent("""
+        import os, numpy as np, pympar.kernels as K
+        K.set_num_threads(2)
+        x = np.ones(1 << 20, np.float32)
+        K.reduce_inplace(x, x)  # the pool's workers exist now
+        pid = os.fork()
+        if pid == 0:  # the child has no workers: it must rebuild them, not wait for ghosts
+            y = np.ones(1 << 20, np.float32)
+            K.reduce_inplace(y, y)
+            os._exit(0 if (y == 2).all() else 3)
+        _, status = os.waitpid(pid, 0)
+        K.reduce_inplace(x, x)
+        print("ok" if os.waitstatus_to_exitcode(status) == 0 and (x == 4).all() else "bad")
+    """)
+    r = _run(code)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-2000:]

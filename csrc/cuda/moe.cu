@@ -2,35 +2,23 @@
 // row gather, and the deterministic segmented scatter-add back to token order.
 #include "common.cuh"
 #include "kernels_cuda.h"
+#include "topk_insert.h"
 
 namespace pympar_cuda {
 
 constexpr int kMaxK = 16;
 constexpr int kMaxExperts = 256;
 
-// one thread per row; larger first, ties keep the lower index, NaN last
+// one thread per row (topk_insert.h: larger first, ties keep the lower index, NaN last)
 template <typename T>
 __global__ void topk_k(const T* s, int64_t N, int64_t E, int k, int64_t* idx, T* vals) {
   int64_t r = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (r >= N) return;
   float v[kMaxK];
   int64_t ix[kMaxK];
-  int have = 0;
+  int64_t have = 0;
   const T* row = s + r * E;
-  for (int64_t j = 0; j < E; ++j) {
-    float x = to_f(row[j]);
-    auto before = [](float a, float b) { return a > b || (b != b && a == a); };
-    if (have == k && !before(x, v[k - 1])) continue;
-    int p = have < k ? have : k - 1;
-    while (p > 0 && before(x, v[p - 1])) {
-      v[p] = v[p - 1];
-      ix[p] = ix[p - 1];
-      --p;
-    }
-    v[p] = x;
-    ix[p] = j;
-    if (have < k) ++have;
-  }
+  for (int64_t j = 0; j < E; ++j) pympar::topk_offer(v, ix, have, int64_t(k), to_f(row[j]), j);
   for (int q = 0; q < k; ++q) {
     idx[r * k + q] = ix[q];
     vals[r * k + q] = row[ix[q]];
