@@ -9,8 +9,8 @@ Tensors are stored under their GLOBAL nanoGPT names with the region of the full 
 piece covers, so a checkpoint written by one parallel layout loads into any other.
 """
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointNotFound
-from .load import Checkpoint, load, resolve
-from .save import save
+from .loading import Checkpoint, load, resolve
+from .saving import save
 
 __all__ = ["save", "load", "resolve", "Checkpoint", "CheckpointError", "CheckpointCorrupt",
            "CheckpointMismatch", "CheckpointNotFound"]

@@ -16,8 +16,8 @@ import numpy as np
 from . import layout_io as L
 from . import safetensors_format as st
 from .errors import CheckpointError, CheckpointMismatch
-from .load import Checkpoint
-from .save import full_shards, save
+from .loading import Checkpoint
+from .saving import full_shards, save
 
 WTE, LM_HEAD = "transformer.wte.weight", "lm_head.weight"
 

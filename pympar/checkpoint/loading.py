@@ -17,7 +17,7 @@ from . import safetensors_format as st
 from .collectives import agree
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointNotFound
 from .regions import as_shard, index_json, intersect, shard_from_json, sub_index
-from .save import FORMAT
+from .saving import FORMAT
 
 
 def resolve(directory) -> Path:

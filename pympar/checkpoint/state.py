@@ -15,8 +15,8 @@ import numpy as np
 
 from ..backend import to_numpy
 from . import layout_io as L
-from .load import Checkpoint, load
-from .save import save
+from .loading import Checkpoint, load
+from .saving import save
 
 # config fields that decide the model's function and shapes: a resume must match them
 ARCH_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "n_expert",
