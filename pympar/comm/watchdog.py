@@ -1,0 +1,137 @@
+"""Collective watchdog: who did not arrive, and ending the whole job when a wait expires.
+
+Every MPIComm keeps an :class:`ArrivalBoard`: a tiny RMA window on a shadow communicator
+(a ``Dup``) holding this rank's last collective entered, ``(seq, op code)``. Entering a
+collective is one local store into that memory (no message, no MPI call), so the board
+costs nothing while things go well. Only when a wait passes its deadline does the waiting
+rank read every peer's slot (passive-target ``Rget``, itself bounded in time) and list the
+ranks that never entered the stalled call: the ones a point-to-point algorithm cannot name
+(a ring waits on its neighbour, not on the rank that skipped) and the ones a library
+collective cannot name at all.
+
+``abort_job(err)`` prints the report on this rank's stderr and calls ``MPI_Abort`` on
+COMM_WORLD, so a stalled or dead rank ends every rank of the job with a non-zero status.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import zlib
+
+import numpy as np
+
+ABORT_STATUS = 3          # exit status of a job ended by the watchdog (2 = bad configuration)
+READ_SECONDS = 2.0        # how long a timed-out rank waits for the peers' slots
+# names of the operations MPIComm issues, so a report can name a call this rank never made
+KNOWN_OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "alltoallv",
+             "alltoallv.counts", "barrier", "iallreduce", "iallgather", "ibroadcast")
+
+
+def op_code(op: str) -> int:
+    """A stable integer for an operation name (the same on every rank and run)."""
+    return zlib.crc32(op.encode())
+
+
+class ArrivalBoard:
+    """This rank's last collective ``(seq, op code)``, readable by the other ranks on demand.
+
+    Collective to build and to free (over ``mpi_comm``'s ranks); ``enter`` is local.
+    """
+
+    def __init__(self, mpi_comm):
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.comm = mpi_comm.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.slots = np.zeros(2, np.int64)                  # [seq, op code]
+        self.names = {op_code(n): n for n in KNOWN_OPS}     # op code -> name (for reports)
+        self.win = MPI.Win.Create(self.slots, self.slots.itemsize, comm=self.comm) if self.size > 1 else None
+
+    def enter(self, seq: int, op: str):
+        code = op_code(op)
+        self.names.setdefault(code, op)
+        self.slots[1] = code
+        self.slots[0] = seq
+
+    def read(self, timeout: float = READ_SECONDS) -> dict:
+        """{peer rank: (seq, op code)} of the peers that answered within ``timeout`` seconds.
+
+        One helper thread per peer: an MPI library may block a lock or a get until the target
+        enters MPI (or forever when it died), and neither the report nor the reads of the
+        other peers may wait for that (the threads' MPI calls also answer the peers' reads)."""
+        if self.win is None:
+            return {}
+        out, deadline = {}, time.monotonic() + timeout
+        threads = [threading.Thread(target=self._read_one, args=(p, out, deadline), daemon=True)
+                   for p in range(self.size) if p != self.rank]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline + 0.2 - time.monotonic()))
+        return dict(out)
+
+    def _read_one(self, p, out, deadline):
+        MPI = self._MPI
+        buf = np.full(2, -1, np.int64)
+        try:
+            self.win.Lock(p, MPI.LOCK_SHARED)
+            req = self.win.Rget(buf, p)
+            while not req.Test():
+                if time.monotonic() > deadline:
+                    return         # the epoch stays open: the job is about to end
+                time.sleep(1e-4)
+            self.win.Unlock(p)
+        except MPI.Exception:
+            return
+        out[p] = (int(buf[0]), int(buf[1]))
+
+    def missing(self, seq: int, op: str, timeout: float = READ_SECONDS):
+        """(ranks that did not enter call #seq, one-line details) -- read from the peers."""
+        code = op_code(op)
+        got = self.read(timeout)
+        missing, notes = [], []
+        for p in range(self.size):
+            if p == self.rank:
+                continue
+            if p not in got:
+                missing.append(p)
+                notes.append(f"rank {p} did not answer (dead, or busy outside MPI)")
+                continue
+            s, c = got[p]
+            name = self.names.get(c, f"op#{c}")
+            if s < seq:
+                missing.append(p)
+                notes.append(f"rank {p} is at #{s} ({name})" if s > 0 else f"rank {p} entered no collective yet")
+            elif s == seq and c != code:
+                missing.append(p)
+                notes.append(f"rank {p} called {name} as #{s}")
+        return missing, notes
+
+    def free(self):
+        if self.win is not None:
+            self.win.Free()
+            self.win = None
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+
+def report(err: BaseException, rank: int | None = None) -> str:
+    """The one-line report of a watchdog error (timeout or collective mismatch)."""
+    who = f"rank {rank}" if rank is not None else "a rank"
+    return f"pympar: {who}: collective watchdog: {err}; aborting the job"
+
+
+def abort_job(err: BaseException, status: int = ABORT_STATUS):
+    """Print the report on stderr and end every rank of the job (MPI_Abort on COMM_WORLD)."""
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(2, (report(err, rank) + "\n").encode())
+    MPI.COMM_WORLD.Abort(status)
+    os._exit(status)   # not reached: Abort does not return

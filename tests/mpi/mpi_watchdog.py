@@ -1,0 +1,77 @@
+"""Run under mpiexec (a script, not pytest): scenarios of the collective watchdog.
+
+    mpi_watchdog.py skip ALGO      rank 1 skips allreduce #2; the others print who did not arrive
+    mpi_watchdog.py wrongop ALGO   rank 1 calls a barrier where the others call allreduce #2
+    mpi_watchdog.py mismatch       (PYMPAR_DEBUG_COLLECTIVES=1) rank 1 passes another count
+    mpi_watchdog.py rootmismatch   (PYMPAR_DEBUG_COLLECTIVES=1) rank 1 broadcasts from another root
+    mpi_watchdog.py busy ALGO      rank 1 sleeps outside MPI instead: reported as not answering
+    mpi_watchdog.py abort          rank 1 skips; the others call watchdog.abort_job (job ends non-zero)
+    mpi_watchdog.py sendrecv       rank 1 never sends; rank 0's recv times out naming rank 1
+
+Each rank prints one line ``rank R: <KIND> ...`` that tests/test_watchdog.py parses.
+"""
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from pympar.comm import CommTimeoutError, MPIComm
+from pympar.comm.debug import CollectiveMismatchError
+from pympar.comm.watchdog import abort_job
+
+scenario = sys.argv[1]
+algo = sys.argv[2] if len(sys.argv) > 2 else "auto"
+world = MPI.COMM_WORLD
+c = MPIComm(world, name="watched", timeout=float(os.environ.get("WATCHDOG_TIMEOUT", "1.5")))
+c.allreduce(np.ones(4), algo=algo)   # seq 1 completes everywhere
+t0 = time.monotonic()
+
+
+def line(kind, e=None):
+    extra = ""
+    if isinstance(e, CommTimeoutError):
+        extra = f" op={e.op} comm={e.comm_name} seq={e.seq} peers={e.pending_peers} "
+    print(f"rank {c.rank}: {kind}{extra} after={time.monotonic() - t0:.1f}s msg={e}", flush=True)
+
+
+try:
+    if scenario in ("skip", "abort"):
+        if c.rank != 1:
+            c.allreduce(np.ones(4), algo=algo)
+        else:
+            world.Barrier()      # moved on: waits inside MPI (so it answers the board's reads)
+        line("NO-ERROR")
+    elif scenario == "busy":     # rank 1 computes outside MPI (cannot answer one-sided reads)
+        if c.rank != 1:
+            c.allreduce(np.ones(4), algo=algo)
+        else:
+            time.sleep(float(os.environ.get("WATCHDOG_TIMEOUT", "1.5")) + 5)
+        line("NO-ERROR")
+    elif scenario == "wrongop":
+        if c.rank != 1:
+            c.allreduce(np.ones(4), algo=algo)
+        else:
+            c.barrier()
+        line("NO-ERROR")
+    elif scenario == "mismatch":
+        c.allreduce(np.ones(4 if c.rank != 1 else 5))
+        line("NO-ERROR")
+    elif scenario == "rootmismatch":
+        c.broadcast(np.ones(3), root=0 if c.rank != 1 else 1)
+        line("NO-ERROR")
+    elif scenario == "sendrecv":
+        if c.rank == 0:
+            c.recv(np.empty(2), 1)
+        line("NO-ERROR")
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+except (CommTimeoutError, CollectiveMismatchError) as e:
+    if scenario == "abort":
+        abort_job(e)
+    line("TIMEOUT" if isinstance(e, CommTimeoutError) else "MISMATCH", e)
+if not (scenario in ("skip", "abort") and c.rank == 1):   # rank 1 of skip waits there already
+    world.Barrier()              # nobody leaves before the others have reported
+sys.stdout.flush()
+os._exit(0)   # leave without MPI_Finalize: the abandoned collective may still be pending
