@@ -25,6 +25,8 @@ from .dtypes import finish_avg, mpi_op, reduce_op, wire
 from .progress import Request, Waiter, default_timeout
 from .topology import Topology
 from .tuning import choose, load_table
+from .watchdog import ArrivalBoard
+from . import debug as _debug
 
 ALGOS = {
     "allreduce": ("ring", "recursive_doubling", "rabenseifner", "shm", "hierarchical", "mpi"),
@@ -58,6 +60,9 @@ class MPIComm(Communicator):
         self.p2p_seq = 0
         self._topo = self._arena = None
         self._table = _table if _table is not None else self._p2p.bcast(load_table() if self.rank == 0 else None, 0)
+        # watchdog side channels (shadow communicators): who entered which call; debug fingerprints
+        self._board = ArrivalBoard(self._coll)
+        self._fp = _debug.FingerprintChecker(self._coll, self.name) if _debug.enabled() else None
 
     @property
     def mpi_comm(self):
@@ -65,9 +70,17 @@ class MPIComm(Communicator):
         return self._p2p
 
     # --- plumbing ----------------------------------------------------------------
-    def _waiter(self, op):
+    def _waiter(self, op, x=None, count=None, root=-1):
+        """The deadline of collective #seq; marks this rank's arrival on the board.
+
+        x/count/root: the fingerprint compared across ranks in debug mode (count defaults to x.size)."""
         self.seq += 1
-        return Waiter(op, self.name, self.seq, self.timeout)
+        self._board.enter(self.seq, op)
+        w = Waiter(op, self.name, self.seq, self.timeout, self._board)
+        if self._fp is not None:
+            n = count if count is not None else (int(x.size) if x is not None else 0)
+            self._fp.check(op, self.seq, n, None if x is None else x.dtype, root, w)
+        return w
 
     def topology(self) -> Topology:
         """Node structure (collective on first use: every rank must ask at the same call)."""
@@ -116,7 +129,7 @@ class MPIComm(Communicator):
         x = contiguous(x, "allreduce operand")
         dst = check_out(out, x.shape, x.dtype, "allreduce") if out is not None else (x if inplace else new_like(x, x.shape))
         self._check_algo("allreduce", algo)
-        w = self._waiter("allreduce")
+        w = self._waiter("allreduce", x)
         if self.size == 1:
             if dst is not x:
                 dst[...] = x
@@ -158,7 +171,7 @@ class MPIComm(Communicator):
         shape = (R[self.rank + 1] - R[self.rank],) + tuple(x.shape[1:])
         out = check_out(out, shape, x.dtype, "reduce_scatter") if out is not None else new_like(x, shape)
         self._check_algo("reduce_scatter", algo)
-        w = self._waiter("reduce_scatter")
+        w = self._waiter("reduce_scatter", x)
         src_f, out_f = flat(x), flat(out)
         if self.size == 1:
             out_f[...] = src_f
@@ -192,7 +205,7 @@ class MPIComm(Communicator):
         shape = (self.size * x.shape[0],) + tuple(x.shape[1:])
         out = check_out(out, shape, x.dtype, "allgather") if out is not None else new_like(x, shape)
         self._check_algo("allgather", algo)
-        w = self._waiter("allgather")
+        w = self._waiter("allgather", x)
         src_f, out_f = flat(x), flat(out)
         m = src_f.size
         if self.size == 1:
@@ -219,7 +232,7 @@ class MPIComm(Communicator):
             return copy_back(x, h)
         x = contiguous(x, "broadcast operand")
         self._check_algo("broadcast", algo)
-        w = self._waiter("broadcast")
+        w = self._waiter("broadcast", x, root=root)
         if self.size == 1:
             return x
         algo = self._pick("broadcast", algo, x.nbytes)
@@ -239,7 +252,7 @@ class MPIComm(Communicator):
         if x.ndim == 0 or x.shape[0] % self.size:
             raise ValueError(f"alltoall: x has {x.shape[0] if x.ndim else 0} rows, not a multiple of size={self.size}")
         out = check_out(out, x.shape, x.dtype, "alltoall") if out is not None else new_like(x, x.shape)
-        w = self._waiter("alltoall")
+        w = self._waiter("alltoall", x)
         src_f, out_f = flat(x), flat(out)
         algo = "mpi" if algo == "auto" else algo
         if algo not in ALGOS["alltoall"]:
@@ -274,7 +287,7 @@ class MPIComm(Communicator):
                              f"entries summing to x.shape[0]={x.shape[0] if x.ndim else 0}")
         if recv_counts is None:
             rc = np.empty(self.size, dtype=np.int64)
-            w0 = self._waiter("alltoallv.counts")
+            w0 = self._waiter("alltoallv.counts", sc)
             self._lib(w0, lambda: self._coll.Ialltoall([sc, MPI.INT64_T], [rc, MPI.INT64_T]))
         else:
             rc = np.asarray(backend.to_numpy(recv_counts), dtype=np.int64).reshape(-1)
@@ -284,7 +297,7 @@ class MPIComm(Communicator):
         scounts, rcounts = sc * per_row, rc * per_row
         sdis = np.concatenate([[0], np.cumsum(scounts)[:-1]])
         rdis = np.concatenate([[0], np.cumsum(rcounts)[:-1]])
-        w = self._waiter("alltoallv")
+        w = self._waiter("alltoallv", x, count=per_row)
         src_f, out_f = flat(x), flat(out)
         s, rb = wire(src_f), wire(out_f)
         sync_stream(x)
@@ -300,20 +313,20 @@ class MPIComm(Communicator):
         """Start an in-place allreduce of x (the library's); Request.wait() returns x."""
         check_op(op)
         x = contiguous(x, "iallreduce operand")
-        w = self._waiter("iallreduce")
+        w = self._waiter("iallreduce", x)
         sync_stream(x)
         req = self._coll.Iallreduce(MPI.IN_PLACE, wire(flat(x)), mpi_op(op, x.dtype))
         fin = (lambda: finish_avg(flat(x), self.size)) if op == "avg" else None
         return Request([req], [None], w, fin, x)
 
     def iallgather(self, x, out):
-        w = self._waiter("iallgather")
+        w = self._waiter("iallgather", x)
         sync_stream(x)
         # receive spec without a count: mpi4py divides the buffer by size (count per rank)
         return Request([self._coll.Iallgather(wire(flat(contiguous(x))), wire(flat(out)))], [None], w, None, out)
 
     def ibroadcast(self, x, root=0):
-        w = self._waiter("ibroadcast")
+        w = self._waiter("ibroadcast", x, root=root)
         sync_stream(x)
         return Request([self._coll.Ibcast(wire(flat(contiguous(x))), root)], [None], w, None, x)
 
@@ -349,6 +362,9 @@ class MPIComm(Communicator):
         """Release the duplicated communicators and the shared window (collective)."""
         if self._arena is not None:
             self._arena.free()
+        for side in (self._board, self._fp):
+            if side is not None:
+                side.free()
         for c in (self._coll, self._p2p):
             if c != MPI.COMM_NULL and c not in (MPI.COMM_WORLD, MPI.COMM_SELF):
                 c.Free()

@@ -29,10 +29,11 @@ def default_timeout() -> float:
 class Waiter:
     """Deadline of one operation: ``wait(reqs, peers)`` blocks until all complete or it expires."""
 
-    __slots__ = ("op", "comm_name", "seq", "timeout", "deadline")
+    __slots__ = ("op", "comm_name", "seq", "timeout", "deadline", "board")
 
-    def __init__(self, op: str, comm_name: str, seq: int, timeout: float):
+    def __init__(self, op: str, comm_name: str, seq: int, timeout: float, board=None):
         self.op, self.comm_name, self.seq, self.timeout = op, comm_name, seq, timeout
+        self.board = board    # watchdog.ArrivalBoard of a collective: names who never entered it
         self.deadline = time.monotonic() + timeout if math.isfinite(timeout) else math.inf
 
     def wait1(self, req, peer):
@@ -70,6 +71,13 @@ class Waiter:
                     r.Cancel()
                 except MPI.Exception:
                     pass
+        if self.board is not None:   # ask the peers which call they are in (bounded, see watchdog.py)
+            missing, notes = self.board.missing(self.seq, self.op)
+            peers_left = sorted(set(p for p in pending if p is not None))
+            if peers_left:
+                notes.append("waiting on rank(s) " + ", ".join(map(str, peers_left)))
+            pending = missing or pending
+            detail = "; ".join(([detail] if detail else []) + notes)
         raise CommTimeoutError(self.op, self.comm_name, self.seq, pending, self.timeout, detail)
 
 
