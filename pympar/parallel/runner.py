@@ -1,22 +1,31 @@
-"""The seam between the trainer and the parallel strategies.
+"""The seam between the trainer and the parallel strategies: one ``ParallelRunner`` for any
+layout dp x pp x tp with ep | dp.
 
-``build_runner(model_cfg, layout, comm, opts, rec)`` returns a ``Runner``; the trainer only
-ever calls
+``build_runner(model_cfg, layout, comm, opts, rec)`` returns it; the trainer only ever calls
 
-    runner.train_step(micro_batches, lr) -> dict(loss, grad_norm, loss_scale, skipped, moe, time_split)
+    runner.train_step(micro_batches, lr) -> dict(loss, grad_norm, loss_scale, skipped, moe, time_split, pipeline)
     runner.eval_loss(batches)             -> float, the mean loss over the batches of all DP ranks
     runner.generate(prompt, n, top_k, rng) -> (1, T+n) tokens on world rank 0, None elsewhere
-    runner.n_params, runner.model_cfg
+    runner.n_params, runner.model_cfg, runner.mesh
 
-``micro_batches`` is this rank's list of (idx (B,T), targets (B,T)) for the step, i.e. the
-global micro-batches g = dp_rank*n_micro + j (see pympar.data). Every loss is the mean over
-all micro-batches of the global batch, so every layout computes the same step.
+``micro_batches`` is this rank's list of (idx (B,T), targets (B,T)): the global micro-batches
+g = dp_rank*n_micro + j (pympar.data); every rank of a tp group and of a pipeline gets the
+same list. The step's loss is the mean over all micro-batches of the global batch, so every
+layout computes the single-process step (DESIGN.md, Determinism).
 
-Implemented here: ``DataParallelRunner`` -- one process (dp=1: gradient accumulation) or
-plain data parallelism (all gradients in one flat buffer, one allreduce per step, averaged
-over dp). Pipeline, tensor and expert parallelism, ZeRO, bucketed/overlapped or
-compressed DP plug in as further Runner classes chosen in ``build_runner``; until they do,
-``check_supported`` rejects such layouts at validation time (before any collective).
+Composition, per rank with mesh coordinates (pp stage, dp rank, tp rank, ep rank):
+  model     pp = 1: nn.GPT (tp = 1) or parallel.tp.TPGPT; pp > 1: this stage's chunks
+            (parallel.pp.build_pipeline; TP stages cut from a TPGPT by SlicedModelFactory);
+            ep > 1: install_expert_parallel keeps this ep rank's experts (alltoallv dispatch)
+  backward  pp = 1: loss_and_grad per micro-batch (grad_scale = loss_scale / n_micro);
+            pp > 1: the executor's schedule, which also sums the tied wte between the first
+            and last stage and the sequence-parallel partial grads over tp
+  sync      ComposedGradSync: dense grads mean over dp, expert grads over edp x 1/ep
+            (buckets, overlap, ZeRO-1, compression from parallel.dp)
+  norm      every rank counts the gradient elements it owns; ONE world allreduce of
+            [loss, non-finite count, norm^2, MoE loads] per step gives the single-process
+            loss and norm, and every MoE layer's global load (for expert-bias balancing and
+            rank 0's metrics)
 """
 from __future__ import annotations
 
@@ -26,172 +35,290 @@ import numpy as np
 
 from .. import profile as _profile
 from ..nn import GPT
-from ..optim import AdamW, DynamicLossScaler, clip_grad_norm
-from .dp import DataParallel
-from .ep import EPGradSync, ep_step_stats, install_expert_parallel, is_expert_param, lockstep_forward_losses
+from ..optim import AdamW, DynamicLossScaler
+from .ep import ep_step_stats, install_expert_parallel, is_expert_param, validate_ep
+from .gradsync import ComposedGradSync
 from .mesh import Mesh
+from .shard import shard_of
 
 
 class NotSupportedError(ValueError):
-    """The configuration is valid but this build has no strategy for it yet."""
+    """The configuration is valid but this build has no strategy for it."""
 
 
 def check_supported(model_cfg, layout, opts) -> None:
-    """Raise NotSupportedError for what no Runner implements yet (no communication)."""
-    for k in ("pp", "tp"):
-        if getattr(layout, k) > 1:
-            raise NotSupportedError(f"{k}={getattr(layout, k)} is not yet supported by this build's trainer "
-                                    f"(only data parallelism: launch with --{k} 1)")
-    if layout.ep > 1 and opts.zero:
-        raise NotSupportedError(f"--zero {opts.zero} with ep={layout.ep} is not yet supported by this build's "
-                                f"trainer (use --zero 0 with expert parallelism)")
-    if opts.zero not in (0, 1):
-        raise NotSupportedError(f"zero={opts.zero} is not yet supported by this build's trainer (use --zero 0 or 1)")
-    if opts.seq_parallel:
-        raise NotSupportedError("--seq-parallel is not yet supported by this build's trainer (it needs tp > 1)")
+    """Raise ValueError (NotSupportedError for what no strategy implements) before any
+    communication: every rank reaches the same verdict on its own."""
+    dp, pp, tp, ep = layout.dp, layout.pp, layout.tp, layout.ep
     if opts.device != "cpu":
         raise NotSupportedError(f"--device {opts.device} is not yet supported by this build's trainer (use cpu)")
+    if opts.zero not in (0, 1):
+        raise NotSupportedError(f"zero={opts.zero} is not supported (ZeRO-1 only): use --zero 0 or 1")
+    if opts.seq_parallel and tp == 1:
+        raise NotSupportedError("--seq-parallel splits activations over the tensor-parallel group: it needs --tp > 1")
+    if tp > 1 and opts.dtype != "float32":
+        raise NotSupportedError(f"--dtype {opts.dtype} with tp={tp}: tensor-parallel modules compute in their "
+                                f"master dtype only; use --dtype float32 with --tp > 1")
+    Mesh.validate(dp * pp * tp, dp, pp, tp, ep)
+    validate_ep(model_cfg, ep)
+    if ep > 1 and not model_cfg.n_expert:
+        raise ValueError(f"ep={ep} needs a MoE model (n_expert > 0)")
+    if tp > 1:
+        from .tp import validate_tp
+        validate_tp(model_cfg, tp, opts.seq_parallel, seq_len=model_cfg.block_size)
+    v = getattr(opts, "virtual_stages", 1)
+    if pp > 1:
+        from .pp import validate_pipeline
+        validate_pipeline(model_cfg, pp, opts.n_micro, opts.schedule, v)
+    elif v != 1:
+        raise ValueError(f"virtual_stages={v} needs a pipeline: use --pp > 1 with --schedule interleaved, or 1")
 
 
 def build_runner(model_cfg, layout, comm, opts, rec=_profile.NULL):
     """The Runner for this layout (see the module docstring); comm is the world communicator."""
     check_supported(model_cfg, layout, opts)
-    return DataParallelRunner(model_cfg, layout, comm, opts, rec)
+    return ParallelRunner(model_cfg, layout, comm, opts, rec)
 
 
-class DataParallelRunner:
-    """Full model replica per rank; gradients averaged over dp with one flat allreduce."""
+class ParallelRunner:
+    """Builds this rank's part of the model for (pp stage, tp rank, ep rank) and trains it.
+
+    opts: the trainer's RunConfig (or any object with its fields); ``opts.master_dtype``
+    (optional, default float32) sets the master weights' dtype, e.g. float64 in tests."""
 
     def __init__(self, model_cfg, layout, comm, opts, rec=_profile.NULL):
         self.model_cfg, self.layout, self.comm, self.rec = model_cfg, layout, comm, rec
-        self.dp = layout.dp
-        if comm.size != self.dp:
-            raise ValueError(f"DataParallelRunner needs a communicator of size dp={self.dp}, got {comm.size}")
-        compute = None if opts.dtype == "float32" else opts.dtype
-        self.model = GPT(model_cfg, seed=opts.seed, dtype=np.float32, compute_dtype=compute)
-        self.ep_comm = None
-        if layout.ep > 1:     # expert parallelism (pympar.parallel.ep): keep n_expert/ep experts
-            mesh = Mesh(comm, dp=self.dp, ep=layout.ep)
-            self.ep_comm = install_expert_parallel(self.model, mesh.ep_comm).ep_comm
-        named = list(self.model.named_parameters())
+        self.mesh = mesh = Mesh(comm, dp=layout.dp, pp=layout.pp, tp=layout.tp, ep=layout.ep)
+        self.dp, self.pp, self.tp, self.ep = layout.dp, layout.pp, layout.tp, layout.ep
+        self.seed = opts.seed
+        self.master = np.dtype(getattr(opts, "master_dtype", "float32"))
+        self.compute = None if opts.dtype == "float32" else opts.dtype
+        self.model, self.executor, self._tp_model = self._build_model(opts)
+        if self.ep > 1:               # keep n_expert/ep experts; tokens move by alltoallv
+            install_expert_parallel(self.model, mesh.ep_comm)
+        self.named = named = list(self.model.named_parameters())
         self.params = [p for _, p in named]
-        self.n_params = sum(p.data.size for p in self.params)
-        if self.ep_comm is not None:   # the whole model's size: the other ep ranks' experts too
-            self.n_params += (layout.ep - 1) * sum(p.data.size for n, p in named if is_expert_param(n))
-        # dp > 1: DataParallel syncs the grads (buckets overlapped with backward, ZeRO-1,
-        # compression); self.flat then carries only [loss_sum, moe stats...]
-        self.sync = None
-        if self.dp > 1:
-            compress = f"topk:{opts.topk_ratio}" if opts.compress == "topk" else opts.compress
-            kw = dict(bucket_mb=opts.bucket_mb, compress=compress, overlap=getattr(opts, "dp_overlap", True))
-            if self.ep_comm is not None:   # dense grads over dp, expert grads over edp (sum / dp)
-                self.sync = EPGradSync(named, mesh, **kw).attach(self.model)
-            else:
-                self.sync = DataParallel(named, comm, zero=opts.zero == 1, **kw).attach(self.model)
-        # otherwise every .grad becomes a view of one flat buffer: [grads..., loss_sum, moe stats...]
-        self.n_moe = len(self.model.moe_layers())
-        n_extra = 1 + self.n_moe * (model_cfg.n_expert + 1)
-        self._g0 = 0 if self.sync else self.n_params
-        self.flat = np.zeros(self._g0 + n_extra, dtype=np.float32)
-        off = 0
-        for p in self.params if not self.sync else ():
-            p.grad = self.flat[off:off + p.data.size].reshape(p.data.shape)
-            off += p.data.size
-        self._grads = [p.grad for p in self.params]
+        tied_copy = self.model.tied_weight if self.pp > 1 and self.model.holds_tied_copy else None
+        compress = f"topk:{opts.topk_ratio}" if opts.compress == "topk" else opts.compress
+        self.sync = ComposedGradSync(named, mesh, tied_copy, bucket_mb=opts.bucket_mb,
+                                     overlap=getattr(opts, "dp_overlap", True),
+                                     compress=None if compress in (None, "none") else compress,
+                                     zero=opts.zero == 1).attach(self.model)
         self.opt = AdamW(named, lr=opts.lr, weight_decay=opts.weight_decay)
         self.grad_clip = opts.grad_clip
         self.scaler = DynamicLossScaler() if opts.dtype == "float16" else None
+        self.moe_ids = [i for i in range(model_cfg.n_layer) if model_cfg.is_moe_block(i)]
+        self.n_params = self._count_params()
         self._mb = 0
         if rec.enabled:
             self._instrument_layers()
 
+    def _build_model(self, opts):
+        """(model, pipeline executor or None, the TPGPT whose collectives are timed or None)."""
+        cfg, mesh, sp = self.model_cfg, self.mesh, bool(opts.seq_parallel)
+        tp_model = None
+        if self.tp > 1:
+            from .tp import TPGPT
+
+            def make_tp(c, seed):
+                nonlocal tp_model
+                tp_model = TPGPT(c, mesh.tp_comm, seed=seed, dtype=self.master, sequence_parallel=sp)
+                return tp_model
+        if self.pp == 1:
+            if self.tp > 1:
+                return make_tp(cfg, self.seed), None, tp_model
+            return GPT(cfg, seed=self.seed, dtype=self.master, compute_dtype=self.compute), None, None
+        from .pp import SlicedModelFactory, build_pipeline
+        factory = SlicedModelFactory(make_tp) if self.tp > 1 else None
+        model, executor = build_pipeline(cfg, self.seed, mesh.pp_comm, schedule=opts.schedule,
+                                         v=getattr(opts, "virtual_stages", 1), n_micro=opts.n_micro,
+                                         dtype=self.master, compute_dtype=self.compute, factory=factory)
+        return model, executor, tp_model
+
+    def _count_params(self) -> int:
+        """Parameters of the whole model (each element once over the mesh): one allreduce."""
+        m, own = self.mesh, 0
+        for name, p in self.named:
+            first = m.edp_rank == 0 if is_expert_param(name) else m.dp_rank == 0
+            if first and self.sync.counts_in_norm(p):   # not the tied copy, tp-replicated on tp rank 0
+                own += p.data.size
+        return int(round(self._allreduce(np.array([own], np.float64))[0]))
+
+    def _allreduce(self, v):
+        if self.comm.size == 1:
+            return v
+        out = self.comm.allreduce(v)
+        return v if out is None else np.asarray(out)
+
     # --- one optimizer step ------------------------------------------------------------------
     def train_step(self, micro_batches, lr) -> dict:
-        if self.sync:
-            self.model.zero_grad()
-            self.sync.begin_step()
-        elif any(p.grad is not g for p, g in zip(self.params, self._grads)):
-            raise RuntimeError("a parameter's .grad was replaced; DataParallelRunner keeps them as views of its flat buffer")
-        self.flat[:] = 0
+        rec, sync, model = self.rec, self.sync, self.model
         n = len(micro_batches)
+        model.zero_grad()
+        sync.begin_step()
         scale = self.scaler.scale if self.scaler else 1.0
-        loss_sum = 0.0
-        for j, (idx, targets) in enumerate(micro_batches):
-            self._mb = j
-            if self.sync:
-                self.sync.begin_micro(last=(j == n - 1))
-            with self.rec.span(f"micro-batch {j}", "compute", mb=j):
-                loss_sum += self.model.loss_and_grad(idx, targets, grad_scale=scale / n)
-        extra = self.flat[self._g0:]
-        extra[0] = loss_sum / n
-        moe = self.model.moe_stats()
-        for i, st in enumerate(moe):
-            k = 1 + i * (self.model_cfg.n_expert + 1)
-            extra[k:k + self.model_cfg.n_expert] = st["tokens_per_expert"]
-            extra[k + self.model_cfg.n_expert] = st["dropped_fraction"]
-        if self.dp > 1:
-            with self.rec.span("dp grad sync", "dp_comm", bytes=self.sync.grad_bytes):
-                self.sync.finish()
-            with self.rec.span("allreduce loss", "dp_comm", bytes=int(self.flat.nbytes)):
-                reduced = self.comm.allreduce(self.flat)
-                if reduced is not None and reduced is not self.flat:
-                    self.flat[:] = reduced
-            self.flat *= np.float32(1.0 / self.dp)
-        loss = float(extra[0])
-        for i, st in enumerate(moe):
-            k = 1 + i * (self.model_cfg.n_expert + 1)
-            st["tokens_per_expert"] = [int(round(v * self.dp)) for v in extra[k:k + self.model_cfg.n_expert]]
-            st["dropped_fraction"] = float(extra[k + self.model_cfg.n_expert])
-        if self.ep_comm is not None:
-            for st, es in zip(moe, ep_step_stats(self.model, self.comm)):
-                st.update(a2a_seconds=es["a2a_seconds"], a2a_bytes=es["a2a_bytes"])
-        with self.rec.span("optimizer", "optimizer"):
+        t0 = time.perf_counter()
+        pipe = {}
+        if self.executor is not None:
+            sync.begin_micro(last=False)                  # buckets start in finish()
+            pipe = self.executor.train_step(micro_batches, loss_scale=scale)
+            loss, compute = pipe["loss"], pipe["compute_s"]
+            bubble, pp_other = pipe["recv_wait_s"], max(pipe["step_s"] - pipe["compute_s"] - pipe["recv_wait_s"], 0.0)
+        else:
+            loss = 0.0
+            for j, (idx, targets) in enumerate(micro_batches):
+                self._mb = j
+                sync.begin_micro(last=(j == n - 1))
+                tm = time.perf_counter()
+                loss += model.loss_and_grad(idx, targets, grad_scale=scale / n) / n
+                rec.add(f"micro-batch {j}", "micro", tm, time.perf_counter() - tm, mb=j)
+            compute, bubble, pp_other = time.perf_counter() - t0, 0.0, 0.0
+        tp_s = self._tp_model.take_tp_comm_seconds() if self._tp_model is not None else 0.0
+        local_moe = {st["layer"]: st for st in model.moe_stats()}
+        a2a = {s["layer"]: s for s in ep_step_stats(model, self.mesh.dp_comm)} if self.ep > 1 else {}
+        ep_s = sum(s["a2a_seconds"] for s in a2a.values())
+        rec.add("forward/backward", "compute", t0, max(compute - tp_s - ep_s, 0.0))
+        rec.add("tp collectives", "tp_comm", t0, tp_s)
+        rec.add("expert all-to-all", "ep_comm", t0, ep_s)
+        rec.add("pipeline wait", "bubble", t0, bubble)
+        rec.add("pipeline send/tied/loss", "pp_comm", t0, pp_other)
+
+        with rec.span("grad sync", "dp_comm" if self.dp > 1 else "optimizer", bytes=sync.grad_bytes):
+            sync.finish()
+        with rec.span("step allreduce", self._world_comm_category()):
+            red = self._allreduce(self._step_vector(loss, local_moe, a2a))
+        loss = float(red[0] / self.dp)
+        nonfinite, total_sq = red[1], float(red[2])
+        moe = self._moe_from(red[3:])
+
+        with rec.span("optimizer", "optimizer"):
             skipped = False
             if self.scaler:
-                grads = self.flat[:self.n_params]
-                finite = self.sync.grads_finite() if self.sync else np.isfinite(grads).all()
-                skipped = self.scaler.update(not finite)
-                if self.sync:
-                    self.sync.scale_grads(1.0 / scale)
-                else:
-                    grads *= np.float32(1.0 / scale)
+                skipped = self.scaler.update(bool(nonfinite))
+                sync.scale_grads(1.0 / scale)
+                total_sq /= scale * scale
             if skipped:
                 norm = float("nan")
-            elif self.sync:
-                norm = self.sync.step(self.opt, lr=lr, clip=self.grad_clip)
             else:
-                norm = clip_grad_norm(self.params, self.grad_clip)
-                self.opt.step(lr=lr)
-            if not skipped:
+                norm = sync.step(self.opt, lr, self.grad_clip, total_sq)
                 # aux-loss-free balancing must see the global loads, or replicas drift apart
-                for (_, layer), st in zip(self.model.moe_layers(), moe):
-                    layer._load_since_update = np.asarray(st["tokens_per_expert"], np.int64)
-                self.model.update_expert_bias()
-        return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, moe=moe,
-                    time_split=self.rec.take_totals() if hasattr(self.rec, "take_totals") else {})
+                for i, layer in model.moe_layers():
+                    layer._load_since_update = np.asarray(moe[self.moe_ids.index(i)]["tokens_per_expert"], np.int64)
+                model.update_expert_bias()
+        split = rec.take_totals() if hasattr(rec, "take_totals") else {}
+        return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, moe=moe, time_split=split,
+                    pipeline={k: pipe[k] for k in ("bubble", "peak_in_flight") if k in pipe})
+
+    def _world_comm_category(self):
+        """The time-split key of a world collective: the largest kind of group it spans."""
+        for key, size in (("dp_comm", self.dp), ("pp_comm", self.pp), ("tp_comm", self.tp)):
+            if size > 1:
+                return key
+        return "optimizer"
+
+    def _step_vector(self, loss, local_moe, a2a):
+        """This rank's share of [loss*dp, non-finite, norm^2, per MoE layer: load (E), dropped, a2a s, a2a bytes]."""
+        E, m = self.model_cfg.n_expert, self.mesh
+        head = m.tp_rank == 0 and m.pp_rank == 0           # the loss is the same over tp and pp
+        vec = np.zeros(3 + len(self.moe_ids) * (E + 3), np.float64)
+        vec[0] = loss if head else 0.0
+        vec[1] = self.sync.nonfinite()
+        vec[2] = self.sync.local_sq()
+        for k, i in enumerate(self.moe_ids):
+            if i in local_moe and m.tp_rank == 0:          # routing is replicated over tp
+                o = 3 + k * (E + 3)
+                vec[o:o + E] = local_moe[i]["tokens_per_expert"]
+                vec[o + E] = local_moe[i]["dropped_fraction"]
+                if i in a2a and m.dp_rank == 0:            # already summed over dp
+                    vec[o + E + 1] = a2a[i]["a2a_seconds"]
+                    vec[o + E + 2] = a2a[i]["a2a_bytes"]
+        return vec
+
+    def _moe_from(self, v):
+        E, out = self.model_cfg.n_expert, []
+        for k, i in enumerate(self.moe_ids):
+            o = k * (E + 3)
+            st = dict(layer=i, tokens_per_expert=[int(round(t)) for t in v[o:o + E]],
+                      dropped_fraction=float(v[o + E] / self.dp))
+            if self.ep > 1:
+                st.update(a2a_seconds=float(v[o + E + 1]), a2a_bytes=int(round(v[o + E + 2])))
+            out.append(st)
+        return out
 
     # --- evaluation and sampling ---------------------------------------------------------------
     def eval_loss(self, batches) -> float:
-        """Mean forward loss over this rank's batches and those of the other DP ranks."""
+        """Mean forward loss over this rank's batches and those of the other DP ranks.
+
+        Every rank of a dp group runs the same number of forward passes (the most any has;
+        padding passes are discarded): MoE layers exchange tokens over ep, stages over pp."""
         with self.rec.span("eval", "eval", n=len(batches)):
-            losses = lockstep_forward_losses(self.model, batches, self.ep_comm)
-            local = np.array([sum(losses), len(batches)], np.float64)
-            tot = self.comm.allreduce(local) if self.dp > 1 else local
-            tot = local if tot is None else tot
+            n_max = len(batches)
+            if self.dp > 1:
+                n_max = int(np.asarray(self.mesh.dp_comm.allreduce(np.array([n_max], np.int64), op="max")).reshape(-1)[0])
+            T = self.model_cfg.block_size
+            pad = batches[0] if batches else (np.zeros((1, T), np.int64), np.zeros((1, T), np.int64))
+            total = 0.0
+            for j in range(n_max):
+                x, y = batches[j] if j < len(batches) else pad
+                if self.executor is not None:
+                    loss = self.executor.forward_loss([(x, y)])
+                else:
+                    loss = self.model.forward_loss(x, y)
+                total += loss if j < len(batches) else 0.0
+            local = np.array([total, len(batches)], np.float64)
+            tot = local
+            if self.dp > 1:
+                out = self.mesh.dp_comm.allreduce(local)
+                tot = local if out is None else np.asarray(out)
         return float(tot[0] / max(tot[1], 1))
 
     def generate(self, prompt, n, top_k, rng):
-        if self.comm.rank != 0 and self.ep_comm is None:
+        """Sample on world rank 0. A layout that splits the model first gathers the full
+        parameters there (one gather); the other ranks return None without further collectives."""
+        if self.pp == self.tp == self.ep == 1:
+            return self.model.generate(prompt, n, top_k=top_k, rng=rng) if self.comm.rank == 0 else None
+        state = self.full_state_dict()
+        if state is None:
             return None
-        # with expert parallelism every rank runs it (same prompt and rng): MoE layers exchange tokens
-        toks = self.model.generate(prompt, n, top_k=top_k, rng=rng)
-        return toks if self.comm.rank == 0 else None
+        full = GPT(self.model_cfg, seed=self.seed, dtype=self.master, compute_dtype=self.compute)
+        full.load_state_dict(state)
+        return full.generate(prompt, n, top_k=top_k, rng=rng)
+
+    def full_state_dict(self):
+        """Collective over the world: the full nn.GPT state dict on world rank 0, None elsewhere.
+        Only the dp ranks 0..ep-1 (together all experts) send their pieces."""
+        m = self.mesh
+        mine = None
+        if m.edp_rank == 0:
+            mine = [(n, p.data, shard_of(p)) for n, p in self.model.named_parameters()]
+            mine += [(f"transformer.h.{i}.moe.expert_bias", layer.expert_bias, None) for i, layer in self.model.moe_layers()]
+        pieces = self.comm.mpi_comm.gather(mine, root=0) if self.comm.size > 1 else [mine]
+        if self.comm.rank != 0:
+            return None
+        state = {}
+        for part in pieces:
+            for name, a, sh in part or ():
+                if sh is None:
+                    state[name] = np.array(a)
+                else:
+                    full = state.setdefault(name, np.zeros(sh.full_shape, a.dtype))
+                    sh.put(full, a)
+        return state
+
+    def sharded_state(self):
+        """{global name: (local array, Shard or None)} of this rank (checkpoints); the tied wte once."""
+        if self.executor is not None:
+            return self.model.sharded_state()
+        return {n: (p.data, shard_of(p)) for n, p in self.model.named_parameters()}
 
     # --- profiling ------------------------------------------------------------------------------
     def _instrument_layers(self):
-        """Wrap each layer's forward/backward so the trace shows them per micro-batch."""
+        """Wrap each layer's (or pipeline chunk's) forward/backward so the trace shows them."""
         m = self.model
-        layers = [("embedding", m.embedding)] + [(f"h.{i}", b) for i, b in enumerate(m.h)] + [("head", m.head)]
+        if self.executor is not None:
+            layers = [(f"stage {ch.stage}", ch) for ch in m.chunks]
+        else:
+            layers = [("embedding", m.embedding)] + [(f"h.{i}", b) for i, b in enumerate(m.h)] + [("head", m.head)]
         for name, mod in layers:
             for kind in ("forward", "backward"):
                 fn = getattr(mod, kind)
