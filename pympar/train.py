@@ -43,6 +43,7 @@ from .config import ConfigError, describe, parse_args
 from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
 from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, moe_layer_stats
 from .optim import cosine_lr
+from .parallel.mesh import Mesh
 from .parallel.runner import build_runner, check_supported
 from .profile import SPLIT, Recorder, write_chrome_trace
 
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     backend.set_num_threads(run.threads or backend.default_threads())
     comm = MPIComm(mpi, name="world", timeout=run.comm_timeout)
     lay = run.layout_resolved
-    dp_rank = rank % lay.dp                    # pure DP: the world rank is the DP rank
+    dp_rank = Mesh.coords(rank, lay.dp, lay.pp, lay.tp)[1]   # this rank's data shard
     rec = Recorder(enabled=run.profile)
     runner = build_runner(model_cfg, lay, comm, run, rec)
     peak = mpi.allreduce(measure_matmul_peak(barrier=mpi.Barrier))   # all ranks at once, summed
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
     if run.profile:
         events = mpi.gather(rec.events, root=0)
         if rank == 0 and out:
-            write_chrome_trace(out / "trace.json", events, [f"rank {r} (dp {r % lay.dp})" for r in range(world)])
+            write_chrome_trace(out / "trace.json", events, [f"rank {r} (pp, dp, tp) {Mesh.coords(r, lay.dp, lay.pp, lay.tp)}" for r in range(world)])
     if rank == 0:
         summary = _summary(history, val_loss, wall, world, runner.n_params, describe(model_cfg, run))
         _print_summary(summary, sample, out)
