@@ -154,6 +154,7 @@ class ParallelRunner:
     def train_step(self, micro_batches, lr) -> dict:
         rec, sync, model = self.rec, self.sync, self.model
         n = len(micro_batches)
+        self._reset_comm_counters()                       # eval/generation since the last step
         model.zero_grad()
         sync.begin_step()
         scale = self.scaler.scale if self.scaler else 1.0
@@ -208,6 +209,13 @@ class ParallelRunner:
         split = rec.take_totals() if hasattr(rec, "take_totals") else {}
         return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, moe=moe, time_split=split,
                     pipeline={k: pipe[k] for k in ("bubble", "peak_in_flight") if k in pipe})
+
+    def _reset_comm_counters(self):
+        if self._tp_model is not None:
+            self._tp_model.take_tp_comm_seconds()
+        if self.ep > 1:
+            for _, layer in self.model.moe_layers():
+                layer.take_ep_stats()
 
     def _world_comm_category(self):
         """The time-split key of a world collective: the largest kind of group it spans."""
