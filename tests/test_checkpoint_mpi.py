@@ -9,7 +9,7 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("n", [4])
 def test_reshard_pairs_in_one_job(n, tmp_path):
     # pairs of (save ranks, layout) -> (load ranks, layout) on sub-communicators of one job
-    run_pytest_mpi(n, "mpi_checkpoint.py", timeout=90, env={"CKPT_DIR": tmp_path})
+    run_pytest_mpi(n, "mpi_checkpoint.py", timeout=60, env={"CKPT_DIR": tmp_path})
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pympar.checkpoint import CheckpointMismatch, load, save
-from pympar.checkpoint.collectives import agree
+from pympar.checkpoint.collectives import agree, allgather_json
 from pympar.parallel.shard import Shard
 
 # full tensors: shapes divisible by 1, 2, 3, 4 and 6 along every axis that gets split
@@ -123,15 +123,21 @@ def test_reshard_pair(mpi_world, pair):
              meta={"config": {"n_embd": 12}, "layout": lay_save}, comm=c, rank_meta={"rank": c.rank})
     mpi_world.Barrier()
     c = sub(mpi_world, n_load)
+    failure = None
     if c is not None:
         arrays, manifest = load(d, wanted_for(lay_load, c.rank, c.size), comm=c,
                                 expect_config={"n_embd": 12})
-        assert manifest["step"] == 7 and manifest["world_size"] == n_save
-        assert manifest["ranks"] == [{"rank": r} for r in range(n_save)]
-        check_loaded(arrays, lay_load, c.rank, c.size)
-        if lay_save == "rows_dp2":          # replicas written once: only the lowest rank of each
-            assert len(manifest["files"]) == max(n_save // 2, 1)
-    mpi_world.Barrier()
+        try:
+            assert manifest["step"] == 7 and manifest["world_size"] == n_save
+            assert manifest["ranks"] == [{"rank": r} for r in range(n_save)]
+            check_loaded(arrays, lay_load, c.rank, c.size)
+            if lay_save == "rows_dp2":      # replicas written once: only the lowest rank of each
+                assert len(manifest["files"]) == max(n_save // 2, 1)
+        except AssertionError as e:
+            failure = f"rank {mpi_world.rank}: {e}"
+    # every rank fails together (a lone failing rank would leave the others in the next test)
+    failures = [f for f in allgather_json(mpi_world, failure) if f]
+    assert not failures, "\n".join(failures)
 
 
 def test_error_reaches_every_rank(mpi_world):
@@ -166,3 +172,22 @@ def test_phase(mpi_world):
         arrays, manifest = load(d, wanted_for(layout, r, n), comm=mpi_world)
         assert manifest["world_size"] == int(os.environ["CKPT_SAVED_BY"])
         check_loaded(arrays, layout, r, n)
+
+
+def test_with_pympar_communicator(mpi_world):
+    """The same save/load through pympar.comm.MPIComm (watchdog-guarded collectives)."""
+    from pympar.comm import MPIComm
+    c = MPIComm(mpi_world, timeout=60)
+    d = shared_dir(mpi_world, "pympar_comm")
+    save(d, 2, rank_shards("qkv", c.rank, c.size), rank_optim("qkv", c.rank, c.size), comm=c)
+    arrays, manifest = load(d, wanted_for("cols", c.rank, c.size), comm=c)
+    failure = None
+    try:
+        check_loaded(arrays, "cols", c.rank, c.size)
+    except AssertionError as e:
+        failure = f"rank {c.rank}: {e}"
+    failures = [f for f in allgather_json(c, failure) if f]
+    assert not failures, "\n".join(failures)
+    bad = {"transformer.ln_f.weight": Shard((13,), ())} if c.rank == 0 else {}
+    with pytest.raises(CheckpointMismatch):
+        load(d, bad, comm=c)
