@@ -25,3 +25,9 @@ def test_reshard_across_jobs(tmp_path, n_save, lay_save, n_load, lay_load):
     run_pytest_mpi(n_save, "mpi_checkpoint.py", timeout=60, env=env, extra_args=["-k", "test_phase"])
     env.update(CKPT_PHASE="load", CKPT_LAYOUT=lay_load, CKPT_SAVED_BY=n_save)
     run_pytest_mpi(n_load, "mpi_checkpoint.py", timeout=60, env=env, extra_args=["-k", "test_phase"])
+
+
+@pytest.mark.parametrize("n", [2])
+def test_tensor_parallel_model_checkpoint(n, tmp_path):
+    """TPGPT on n ranks -> checkpoint -> single-process GPT and a fresh TPGPT continue the run."""
+    run_pytest_mpi(n, "mpi_checkpoint_model.py", timeout=90, env={"CKPT_DIR": tmp_path})

@@ -40,30 +40,22 @@ def allgather_json(comm, obj) -> list:
 
 
 def agree(comm, error: Exception | None, what: str):
-    """Collective: raise on every rank if any rank failed (its message), else return.
+    """Collective: raise on every rank if any rank failed, else return.
 
-    The failing rank re-raises its own exception; the others raise the same class of error
-    naming the first failing rank, so no rank walks on into a collective the others skip.
+    The failing rank re-raises its own exception; the others raise the same class of
+    checkpoint error naming the first failing rank, so no rank walks on into a collective
+    the others skip.
     """
-    from .errors import CheckpointError
+    from . import errors
 
     mine = None if error is None else {"type": type(error).__name__, "msg": str(error)}
-    rank, _ = rank_size(comm)
-    every = allgather_json(comm, mine)
-    bad = [(r, e) for r, e in enumerate(every) if e is not None]
+    bad = [(r, e) for r, e in enumerate(allgather_json(comm, mine)) if e is not None]
     if not bad:
         return
     if error is not None:
         raise error
     r, e = bad[0]
-    cls = CheckpointError
-    from . import errors as errs
-    cls = getattr(errs, e["type"], CheckpointError)
-    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
-        cls = CheckpointError
-    raise cls(f"rank {r}", f"{what} failed there: {e['type']}: {e['msg']}")
-
-
-def barrier(comm):
-    if comm is not None and rank_size(comm)[1] > 1:
-        comm.barrier() if hasattr(comm, "barrier") else comm.Barrier()
+    cls = getattr(errors, e["type"], errors.CheckpointError)
+    if not (isinstance(cls, type) and issubclass(cls, errors.CheckpointError)):
+        cls = errors.CheckpointError
+    raise cls(f"rank {r}", f"{what} failed there: {e['msg']}")
