@@ -193,9 +193,12 @@ class ParallelRunner:
         moe = self._moe_from(red[3:])
 
         with rec.span("optimizer", "optimizer"):
-            skipped = False
+            # a non-finite loss or gradient never reaches the weights (agreed: red is reduced over
+            # the world); float16 also lowers the loss scale
+            nonfinite = bool(nonfinite) or not np.isfinite(loss)
+            skipped = nonfinite
             if self.scaler:
-                skipped = self.scaler.update(bool(nonfinite))
+                skipped = self.scaler.update(nonfinite)
                 sync.scale_grads(1.0 / scale)
                 total_sq /= scale * scale
             if skipped:
@@ -207,7 +210,7 @@ class ParallelRunner:
                     layer._load_since_update = np.asarray(moe[self.moe_ids.index(i)]["tokens_per_expert"], np.int64)
                 model.update_expert_bias()
         split = rec.take_totals() if hasattr(rec, "take_totals") else {}
-        return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, moe=moe, time_split=split,
+        return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, nonfinite=nonfinite, moe=moe, time_split=split,
                     pipeline={k: pipe[k] for k in ("bubble", "peak_in_flight") if k in pipe})
 
     def _reset_comm_counters(self):
