@@ -21,7 +21,9 @@ class Pool {
     stop_workers();
     nthreads_ = std::max(1, n);
     stop_ = false;
-    for (int i = 1; i < nthreads_; ++i) workers_.emplace_back([this, i] { loop(i); });
+    // a new worker has seen every job so far: it must not run the last one again
+    uint64_t gen = generation_;
+    for (int i = 1; i < nthreads_; ++i) workers_.emplace_back([this, i, gen] { loop(i, gen); });
   }
 
   int size() const { return nthreads_; }
@@ -61,8 +63,7 @@ class Pool {
     if (b < e) (*fn_)(b, e);
   }
 
-  void loop(int id) {
-    uint64_t seen = 0;
+  void loop(int id, uint64_t seen) {
     for (;;) {
       {
         std::unique_lock<std::mutex> lk(m_);

@@ -423,3 +423,14 @@ def test_thread_pool_survives_fork():
     """)
     r = _run(code)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+@needs_native
+def test_resizing_the_pool_between_calls(threads):
+    # a worker spawned by a resize once re-ran the previous job (with its freed closure)
+    x = np.ones(300001, np.float32)
+    for n in (2, 1, 2, 3, 2, 1, 2) * 5:
+        K.set_num_threads(n)
+        y = x.copy()
+        N.reduce_inplace(y, x, "sum")
+        assert (y == 2).all()
