@@ -54,7 +54,7 @@ class RunConfig:
     compress: str = "none"
     topk_ratio: float = 0.01
     bucket_mb: float = 25.0
-    comm_timeout: float = 300.0
+    comm_timeout: float = 300.0          # default: $PYMPAR_COMM_TIMEOUT, else 300 s
     # device and numerics
     device: str = "cpu"
     dtype: str = "float32"
@@ -76,6 +76,11 @@ class RunConfig:
     log_every: int = 1
     out: str | None = None
     profile: bool = False
+    # checkpoints and failures (pympar.faults)
+    save_every: int = 0
+    keep: int = 0
+    resume: str | None = None
+    max_bad_steps: int = 3
     # resolved by parse_args
     layout_resolved: Layout = field(default_factory=Layout)
     layout_auto: bool = True
@@ -96,7 +101,9 @@ _HELP = {
     "n_micro": "micro-batches per DP rank per step (global batch = micro_batch_size*n_micro*dp)",
     "zero": "ZeRO stage (0 = off)", "seq_parallel": "sequence parallelism with TP",
     "compress": "gradient compression for the DP allreduce", "topk_ratio": "kept fraction with --compress topk",
-    "bucket_mb": "DP gradient bucket size (MiB)", "comm_timeout": "seconds before a stalled collective fails",
+    "bucket_mb": "DP gradient bucket size (MiB)",
+    "comm_timeout": "seconds before a stalled collective or send/recv aborts the job, naming the ranks that did not "
+                    "arrive (default: $PYMPAR_COMM_TIMEOUT, else 300)",
     "device": "cpu or cuda", "dtype": "compute dtype (master weights stay float32)",
     "threads": "kernel/BLAS threads per rank (0 = from OMP_NUM_THREADS / cores)",
     "steps": "optimizer steps", "lr": "peak learning rate", "min_lr": "final learning rate of the cosine",
@@ -108,6 +115,10 @@ _HELP = {
     "log_every": "with log lines: one every N steps (and at every validation)",
     "out": "directory for metrics.jsonl, trace.json, summary.json",
     "profile": "record every rank's events; write OUT/trace.json (Chrome trace)",
+    "save_every": "checkpoint OUT/checkpoints/step_N every N steps (0 = never)",
+    "keep": "keep the newest K checkpoints (0 = all)",
+    "resume": "checkpoint directory to continue from, or 'auto' = the latest under OUT/checkpoints if any",
+    "max_bad_steps": "stop after this many consecutive steps with non-finite loss/gradients (0 = never)",
 }
 _CHOICES = {
     "preset": sorted(PRESETS), "schedule": ["gpipe", "1f1b", "interleaved"],
@@ -189,6 +200,11 @@ def parse_args(argv, world_size: int) -> tuple[GPTConfig, RunConfig]:
     ns = vars(build_parser().parse_args(argv))
     given = dict(_load_toml(ns["config"])) if ns.get("config") else {}
     given.update(ns)                                       # flags override the file
+    if "comm_timeout" not in given and os.environ.get("PYMPAR_COMM_TIMEOUT"):
+        try:
+            given["comm_timeout"] = float(os.environ["PYMPAR_COMM_TIMEOUT"])
+        except ValueError:
+            raise ConfigError(f"PYMPAR_COMM_TIMEOUT={os.environ['PYMPAR_COMM_TIMEOUT']!r} is not a number of seconds") from None
     run_names = {f.name for f in _RUN_FIELDS}
     run = RunConfig(**{k: v for k, v in given.items() if k in run_names})
     for k in ("schedule", "compress", "device", "dtype", "preset", "zero"):
@@ -225,6 +241,13 @@ def _check_run(run: RunConfig) -> None:
         v = getattr(run, k)
         if v is not None and v < 1:
             raise ConfigError(f"{k}={v} must be >= 1")
+    for k in ("save_every", "keep", "max_bad_steps"):
+        if getattr(run, k) < 0:
+            raise ConfigError(f"{k}={getattr(run, k)} must be >= 0")
+    if run.save_every and not run.out:
+        raise ConfigError(f"--save-every {run.save_every} needs --out DIR (checkpoints go to DIR/checkpoints)")
+    if run.resume == "auto" and not run.out:
+        raise ConfigError("--resume auto needs --out DIR (it resumes from the latest checkpoint in DIR/checkpoints)")
 
 
 def choose_layout(world: int, model: GPTConfig, run: RunConfig) -> Layout:

@@ -41,6 +41,7 @@ import numpy as np
 from . import backend
 from .config import ConfigError, describe, parse_args
 from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
+from .faults import STOP_STATUS, BadStepGuard, FaultInjector, NonFiniteStop, resolve_resume, restore_run, save_run
 from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, moe_layer_stats
 from .optim import cosine_lr
 from .parallel.mesh import Mesh
@@ -64,6 +65,7 @@ def main(argv=None) -> int:
         model_cfg = _fit_vocab(model_cfg, run, corpus)
         corpus.check_block_size(model_cfg.block_size)
         check_supported(model_cfg, run.layout_resolved, run)
+        resume_path = resolve_resume(run)
     except ValueError as e:                    # ConfigError, DataError, NotSupportedError
         sys.stderr.flush()                     # one write per line: ranks' lines must not interleave
         os.write(2, f"pympar.train: error: {e}\n".encode())
@@ -71,6 +73,29 @@ def main(argv=None) -> int:
     except SystemExit as e:                    # --help
         return int(e.code or 0)
 
+    # 2.-4. no rank may be left waiting: a stalled collective (or one that does not match, with
+    # PYMPAR_DEBUG_COLLECTIVES=1) or any other error after this point ends the whole job
+    from .comm import CommTimeoutError
+    from .comm.debug import CollectiveMismatchError
+    from .comm.watchdog import abort_job
+    try:
+        return _train(mpi, model_cfg, run, corpus, resume_path)
+    except (CommTimeoutError, CollectiveMismatchError) as e:
+        abort_job(e)
+    except NonFiniteStop as e:                 # agreed on every rank: all stop together
+        sys.stderr.flush()
+        os.write(2, f"pympar.train: error: rank {rank}: {e}\n".encode())
+        return STOP_STATUS
+    except Exception as e:
+        if world == 1:
+            raise
+        import traceback
+        traceback.print_exc()
+        abort_job(RuntimeError(f"unexpected {type(e).__name__} on this rank: {e}"), status=1)
+
+
+def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
+    rank, world = mpi.Get_rank(), mpi.Get_size()
     # 2. set up: communicator, model replica(s), recorder, the measured peak
     from .comm import MPIComm
     backend.set_num_threads(run.threads or backend.default_threads())
@@ -79,7 +104,10 @@ def main(argv=None) -> int:
     dp_rank = Mesh.coords(rank, lay.dp, lay.pp, lay.tp)[1]   # this rank's data shard
     rec = Recorder(enabled=run.profile)
     runner = build_runner(model_cfg, lay, comm, run, rec)
-    peak = mpi.allreduce(measure_matmul_peak(barrier=mpi.Barrier))   # all ranks at once, summed
+    peak = float(comm.allreduce(np.array([measure_matmul_peak(barrier=comm.barrier)]))[0])  # all ranks at once, summed
+    guard = BadStepGuard(run.max_bad_steps, getattr(runner, "scaler", None))
+    faults = FaultInjector(rank, runner.model)
+    start = restore_run(runner, resume_path, guard, comm) if resume_path else 0
     fpt = flops_per_token(model_cfg)
     B, T = run.micro_batch_size, model_cfg.block_size
     tokens_per_step = B * run.n_micro * lay.dp * T
@@ -93,16 +121,22 @@ def main(argv=None) -> int:
         print(f"pympar.train: model {run.preset} {runner.n_params:,} params, {fpt / 1e6:.2f} MFLOP/token; "
               f"global batch {B}x{run.n_micro}x{lay.dp} sequences x {T} = {tokens_per_step:,} tokens; "
               f"matmul peak {peak / 1e9:.1f} GFLOP/s (all ranks)", flush=True)
+        if resume_path:
+            print(f"pympar.train: resumed from {resume_path} at step {start}", flush=True)
+    kept = _metrics_before(out / "metrics.jsonl", start) if (out and rank == 0 and start) else []
     metrics = MetricsWriter(out / "metrics.jsonl" if (out and rank == 0) else None)
+    for line in kept:                          # a resumed run continues the file of the first
+        metrics.write(line)
     eval_batches = [micro_batch(corpus.val, run.seed, 0, g, B, T, VAL) for g in range(dp_rank, run.eval_iters, lay.dp)]
 
     # 3. the loop: one optimizer step per global batch
-    mpi.Barrier()
+    comm.barrier()
     rec.reset_origin()
     rec.take_totals()
     bar = _progress(rank, run.steps, run.progress)
     history, val_loss, t_start = [], None, time.perf_counter()
-    for step in range(run.steps):
+    for step in range(start, run.steps):
+        faults.begin_step(step)
         lr = cosine_lr(step, run.lr, min(run.warmup, run.steps), run.steps, run.min_lr)
         batches = local_micro_batches(corpus.train, run.seed, step, dp_rank, run.n_micro, B, T)
         t0 = time.perf_counter()
@@ -121,9 +155,16 @@ def main(argv=None) -> int:
             "moe": [dict(layer=s["layer"], dropped_fraction=s["dropped_fraction"], **moe_layer_stats(s["tokens_per_expert"]))
                     for s in res["moe"]],
         }
+        try:
+            record.update(guard.after_step(step, res, comm, runner.model.named_parameters()))
+        except NonFiniteStop:
+            metrics.write(dict(record, nonfinite=True))   # the last step is logged, then all ranks stop
+            raise
         history.append(record)
         metrics.write(record)
         bar.update(record, run.log_every)
+        if run.save_every and (step + 1) % run.save_every == 0:
+            save_run(runner, run, step + 1, guard, comm, lay)
     bar.close()
     wall = time.perf_counter() - t_start
 
@@ -133,13 +174,28 @@ def main(argv=None) -> int:
         events = mpi.gather(rec.events, root=0)
         if rank == 0 and out:
             write_chrome_trace(out / "trace.json", events, [f"rank {r} (pp, dp, tp) {Mesh.coords(r, lay.dp, lay.pp, lay.tp)}" for r in range(world)])
-    if rank == 0:
+    if rank == 0 and history:                  # (empty when resumed at the last step)
         summary = _summary(history, val_loss, wall, world, runner.n_params, describe(model_cfg, run))
         _print_summary(summary, sample, out)
         if out:
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
     metrics.close()
     return 0
+
+
+def _metrics_before(path: Path, start: int) -> list:
+    """The records of steps before ``start`` from an earlier run's metrics.jsonl (resume)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            break                              # a line cut short by a kill
+        if isinstance(r, dict) and r.get("step", start) < start:
+            out.append(r)
+    return out
 
 
 def _fit_vocab(model_cfg, run, corpus: Corpus):

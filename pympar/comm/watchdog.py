@@ -14,6 +14,7 @@ COMM_WORLD, so a stalled or dead rank ends every rank of the job with a non-zero
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -27,6 +28,22 @@ READ_SECONDS = 2.0        # how long a timed-out rank waits for the peers' slots
 # names of the operations MPIComm issues, so a report can name a call this rank never made
 KNOWN_OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "alltoallv",
              "alltoallv.counts", "barrier", "iallreduce", "iallgather", "ibroadcast")
+
+
+_LIVE = []                # boards not yet freed, in creation order (the same on every rank)
+_TAINTED = False          # a wait expired here: the peers may be gone, freeing could block
+
+
+@atexit.register
+def _free_live_boards():
+    """Free the windows before mpi4py's MPI_Finalize (left registered, the transport warns).
+
+    Win_free is collective: every rank frees the same boards in the same order. After a
+    timeout the other ranks may be gone, so nothing is freed then (MPI_Finalize cleans up)."""
+    if _TAINTED:
+        return
+    for board in list(_LIVE):
+        board.free()
 
 
 def op_code(op: str) -> int:
@@ -46,9 +63,15 @@ class ArrivalBoard:
         self._MPI = MPI
         self.comm = mpi_comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.slots = np.zeros(2, np.int64)                  # [seq, op code]
         self.names = {op_code(n): n for n in KNOWN_OPS}     # op code -> name (for reports)
-        self.win = MPI.Win.Create(self.slots, self.slots.itemsize, comm=self.comm) if self.size > 1 else None
+        self.win = None
+        if self.size > 1:   # memory the library allocates (user memory left registered warns at exit)
+            self.win = MPI.Win.Allocate(16, 8, comm=self.comm)
+            self.slots = np.frombuffer(self.win.tomemory(), np.int64)   # [seq, op code]
+            self.slots[:] = 0
+        else:
+            self.slots = np.zeros(2, np.int64)
+        _LIVE.append(self)
 
     def enter(self, seq: int, op: str):
         code = op_code(op)
@@ -90,6 +113,8 @@ class ArrivalBoard:
 
     def missing(self, seq: int, op: str, timeout: float = READ_SECONDS):
         """(ranks that did not enter call #seq, one-line details) -- read from the peers."""
+        global _TAINTED
+        _TAINTED = True
         code = op_code(op)
         got = self.read(timeout)
         missing, notes = [], []
@@ -111,7 +136,10 @@ class ArrivalBoard:
         return missing, notes
 
     def free(self):
+        if self in _LIVE:
+            _LIVE.remove(self)
         if self.win is not None:
+            self.slots = np.zeros(2, np.int64)     # the window's memory goes with it
             self.win.Free()
             self.win = None
         if self.comm is not None:

@@ -1,0 +1,204 @@
+"""The trainer's defences: non-finite steps, checkpoints of a run, and injected faults for tests.
+
+Non-finite steps. The runner skips any step whose loss or synced gradients are not finite
+(the verdict is the same on every rank), so nothing non-finite reaches the weights, the
+optimiser state or a checkpoint. :class:`BadStepGuard` counts consecutive skipped steps
+and stops the run after ``--max-bad-steps`` of them, naming the first parameter (in
+named_parameters order, on the lowest rank that has one) whose gradient was non-finite. With float16
+the loss scaler halves the scale on each skipped step; only steps skipped with the scale
+already at its floor count against the limit.
+
+Checkpoints of a run. ``save_run`` / ``restore_run`` put the runner's model and optimiser
+through pympar.checkpoint with the trainer's position: the next step (the data stream is a
+function of (seed, step), so this is the data position), the loss scaler's state and the
+bad-step count. The training loop itself draws no random numbers (the sampler at the end
+seeds its own generator from --seed), so there is no other RNG state to carry.
+
+Injected faults (read from the environment by the trainer only; for tests):
+    PYMPAR_INJECT_NAN_STEP=3[,4,...]   steps whose gradient gets a NaN
+    PYMPAR_INJECT_NAN_RANK=0           on this rank (default 0; -1 = every rank)
+    PYMPAR_INJECT_NAN_PARAM=NAME       in this parameter (default: the first one backward finishes)
+    PYMPAR_INJECT_KILL_STEP=k, PYMPAR_INJECT_KILL_RANK=r   rank r SIGKILLs itself at step k
+    PYMPAR_INJECT_HANG_STEP=k, PYMPAR_INJECT_HANG_RANK=r   rank r sleeps (outside MPI) from step k
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+
+STOP_STATUS = 4            # exit status when the run stops on non-finite steps
+
+
+class NonFiniteStop(RuntimeError):
+    """Too many consecutive steps with non-finite loss or gradients."""
+
+
+# --- naming the first non-finite gradient -------------------------------------------------
+def first_nonfinite_grad(named_params):
+    """The name of the first parameter whose local .grad holds inf or nan, else None."""
+    for name, p in named_params:
+        g = getattr(p, "grad", None)
+        if g is not None and not np.isfinite(g).all():
+            return name
+    return None
+
+
+def agree_first_bad(comm, named_params, width=240):
+    """Collective: (rank, name) of the lowest rank's first non-finite gradient, or None everywhere."""
+    name = first_nonfinite_grad(named_params)
+    rec = np.zeros(width, np.uint8)
+    if name is not None:
+        b = name.encode()[:width - 1]
+        rec[0] = 1
+        rec[1:1 + len(b)] = np.frombuffer(b, np.uint8)
+    allrec = comm.allgather(rec.reshape(1, -1)) if comm.size > 1 else rec.reshape(1, -1)
+    for r, row in enumerate(np.asarray(allrec).reshape(comm.size, width)):
+        if row[0]:
+            return r, row[1:].tobytes().rstrip(b"\0").decode()
+    return None
+
+
+class BadStepGuard:
+    """Counts consecutive bad (skipped) steps; raises NonFiniteStop past the limit."""
+
+    def __init__(self, max_bad_steps: int, scaler=None):
+        self.max_bad, self.scaler = max_bad_steps, scaler
+        self.consecutive = 0
+        self.first = None          # (step, rank, name) of the first bad step of the current run
+
+    def after_step(self, step, res, comm, named_params) -> dict:
+        """Call on every rank after train_step; returns fields for the metrics record."""
+        if not res.get("nonfinite"):
+            self.consecutive, self.first = 0, None
+            return {}
+        found = agree_first_bad(comm, named_params)
+        where = f"parameter {found[1]}" if found else "the loss (every gradient was finite)"
+        at_floor = self.scaler is None or res["loss_scale"] <= self.scaler.min_scale
+        if at_floor:
+            self.consecutive += 1
+            if self.first is None:
+                self.first = (step, where)
+        if self.max_bad and self.consecutive >= self.max_bad:
+            s0, w0 = self.first
+            raise NonFiniteStop(f"{self.consecutive} consecutive steps with non-finite loss or gradients "
+                                f"(steps {s0}..{step}); the first non-finite gradient at step {s0} was in {w0}. "
+                                f"No update was applied; the last checkpoint holds finite weights "
+                                f"(--max-bad-steps {self.max_bad})")
+        return {"nonfinite": True, "first_nonfinite": where, "bad_steps": self.consecutive}
+
+    def state_dict(self):
+        return {"consecutive": self.consecutive}
+
+    def load_state_dict(self, d):
+        self.consecutive = int(d.get("consecutive", 0))
+
+
+# --- checkpoints of a run -------------------------------------------------------------------
+def checkpoint_root(run) -> Path | None:
+    return Path(run.out) / "checkpoints" if run.out else None
+
+
+def resolve_resume(run):
+    """Before any collective: the checkpoint to resume from (a Path), or None to start fresh.
+
+    --resume auto: the latest checkpoint under OUT/checkpoints if there is one. --resume DIR:
+    DIR must be a checkpoint (or a root with a 'latest' pointer); raises ValueError otherwise."""
+    from .checkpoint import CheckpointError, resolve
+
+    if not run.resume:
+        return None
+    if run.resume == "auto":
+        root = checkpoint_root(run)
+        try:
+            return resolve(root) if root is not None and root.is_dir() else None
+        except CheckpointError:
+            return None
+    try:
+        return resolve(run.resume)
+    except CheckpointError as e:
+        raise ValueError(f"--resume {run.resume}: {e.problem}") from None
+
+
+def _zero_sync(runner):
+    sync = getattr(runner, "sync", None)
+    return sync if sync is not None and hasattr(sync, "export_optimizer_state") else None
+
+
+def save_run(runner, run, next_step, guard, comm, layout):
+    """Collective: checkpoint OUT/checkpoints/step_<next_step> (the weights after next_step steps)."""
+    from .checkpoint import save_training
+
+    model, opt = runner.model, runner.opt
+    for name, p in model.named_parameters():      # never write a non-finite number
+        if not np.isfinite(p.data).all():
+            raise NonFiniteStop(f"parameter {name} holds non-finite values at step {next_step}; not saving")
+    if (z := _zero_sync(runner)) is not None:
+        z.export_optimizer_state(opt)
+    scaler = getattr(runner, "scaler", None)
+    meta = {"next_step": int(next_step), "seed": run.seed, "layout": vars(layout) if hasattr(layout, "__dict__") else str(layout),
+            "loss_scaler": scaler.state_dict() if scaler else None, "guard": guard.state_dict(),
+            "data": {"seed": run.seed, "next_step": int(next_step)}}
+    return save_training(checkpoint_root(run), next_step, model, opt, comm, meta=meta, keep=run.keep or None)
+
+
+def restore_run(runner, path, guard, comm) -> int:
+    """Collective: load checkpoint ``path`` into the runner; returns the step to continue from."""
+    from .checkpoint import restore_into
+
+    manifest = restore_into(runner.model, runner.opt, path, comm)
+    if (z := _zero_sync(runner)) is not None:
+        z.import_optimizer_state(runner.opt)
+    meta = manifest.get("meta", {})
+    scaler = getattr(runner, "scaler", None)
+    if scaler is not None and meta.get("loss_scaler"):
+        scaler.load_state_dict(meta["loss_scaler"])
+    guard.load_state_dict(meta.get("guard") or {})
+    return int(meta.get("next_step", manifest.get("step", 0)))
+
+
+# --- injected faults (tests) ------------------------------------------------------------------
+def _env_steps(name):
+    v = os.environ.get(name, "")
+    return {int(s) for s in v.split(",") if s.strip()}
+
+
+def _env_rank(name, default=0):
+    return int(os.environ.get(name, default))
+
+
+class FaultInjector:
+    """The PYMPAR_INJECT_* faults of this rank (see the module docstring); inert when unset."""
+
+    def __init__(self, rank, model):
+        self.rank, self.step = rank, -1
+        self.nan_steps = _env_steps("PYMPAR_INJECT_NAN_STEP")
+        nan_rank = _env_rank("PYMPAR_INJECT_NAN_RANK")
+        self.nan_here = bool(self.nan_steps) and nan_rank in (-1, rank)
+        self.nan_param = os.environ.get("PYMPAR_INJECT_NAN_PARAM") or None
+        self.kill = _env_steps("PYMPAR_INJECT_KILL_STEP") if _env_rank("PYMPAR_INJECT_KILL_RANK") == rank else set()
+        self.hang = _env_steps("PYMPAR_INJECT_HANG_STEP") if _env_rank("PYMPAR_INJECT_HANG_RANK") == rank else set()
+        if self.nan_here:
+            self._names = {id(p): n for n, p in model.named_parameters()}
+            if self.nan_param is not None and self.nan_param not in self._names.values():
+                raise ValueError(f"PYMPAR_INJECT_NAN_PARAM={self.nan_param}: no such parameter")
+            model.grad_ready_hooks.insert(0, self._poison)   # before the DP sync copies the grads
+
+    def begin_step(self, step):
+        self.step = step
+        if step in self.kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step in self.hang:
+            while True:
+                time.sleep(3600)
+
+    def _poison(self, params):
+        if self.step not in self.nan_steps:
+            return
+        for p in params:
+            if self.nan_param is None or self._names.get(id(p)) == self.nan_param:
+                p.grad.reshape(-1)[0] = np.nan
+                return
