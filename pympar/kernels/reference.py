@@ -79,14 +79,14 @@ def layernorm_backward(dy, x, w, mean, rstd):
 def gelu_forward(x):
     xp = xp_of(x)
     xf = _up(x)
-    y = 0.5 * xf * (1.0 + xp.tanh(GELU_C * (xf + 0.044715 * xf ** 3)))
+    y = 0.5 * xf * (1.0 + xp.tanh(GELU_C * (xf + 0.044715 * (xf * xf * xf))))
     return y.astype(x.dtype, copy=False)
 
 
 def gelu_backward(x, dy):
     xp = xp_of(x)
     xf, dyf = _up(x), _up(dy)
-    u = GELU_C * (xf + 0.044715 * xf ** 3)
+    u = GELU_C * (xf + 0.044715 * (xf * xf * xf))
     t = xp.tanh(u)
     du = GELU_C * (1.0 + 3 * 0.044715 * xf * xf)
     g = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * du
