@@ -33,7 +33,8 @@ def line(kind, e=None):
     extra = ""
     if isinstance(e, CommTimeoutError):
         extra = f" op={e.op} comm={e.comm_name} seq={e.seq} peers={e.pending_peers} "
-    print(f"rank {c.rank}: {kind}{extra} after={time.monotonic() - t0:.1f}s msg={e}", flush=True)
+    msg = f"rank {c.rank}: {kind}{extra} after={time.monotonic() - t0:.1f}s msg={e}\n"
+    os.write(1, msg.encode())     # one write per line: the ranks' lines must not interleave
 
 
 try:
