@@ -64,6 +64,7 @@ class ArrivalBoard:
         self.comm = mpi_comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.names = {op_code(n): n for n in KNOWN_OPS}     # op code -> name (for reports)
+        self._codes = {n: c for c, n in self.names.items()}
         self.win = None
         if self.size > 1:   # memory the library allocates (user memory left registered warns at exit)
             self.win = MPI.Win.Allocate(16, 8, comm=self.comm)
@@ -74,10 +75,13 @@ class ArrivalBoard:
         _LIVE.append(self)
 
     def enter(self, seq: int, op: str):
-        code = op_code(op)
-        self.names.setdefault(code, op)
-        self.slots[1] = code
-        self.slots[0] = seq
+        code = self._codes.get(op)
+        if code is None:
+            code = self._codes[op] = op_code(op)
+            self.names[code] = op
+        slots = self.slots
+        slots[1] = code
+        slots[0] = seq
 
     def read(self, timeout: float = READ_SECONDS) -> dict:
         """{peer rank: (seq, op code)} of the peers that answered within ``timeout`` seconds.
