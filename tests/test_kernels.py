@@ -19,7 +19,10 @@ import pympar.kernels as K
 from pympar.backend import bfloat16
 from pympar.kernels import reference as R
 
-ROOT = Path(__file__).resolve().parent.parent
+import pympar
+
+# subprocesses import the same pympar as this process (the source tree or an installed copy)
+PYMPAR_HOME = Path(pympar.__file__).resolve().parent.parent
 needs_native = pytest.mark.skipif(not K.native_available(), reason="pympar._C is not built")
 if K.native_available():
     from pympar.kernels import native as N
@@ -354,7 +357,7 @@ ISA_CHECK = textwrap.dedent("""
 
 
 def _run(code, **env):
-    e = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    e = dict(os.environ, PYTHONPATH=str(PYMPAR_HOME), **env)
     return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
 
 
