@@ -378,13 +378,20 @@ def test_every_isa_build(isa, flags):
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
 
 
-def test_forced_reference(monkeypatch):
-    monkeypatch.setenv("PYMPAR_KERNELS", "reference")
+def test_forced_reference():
     x = np.linspace(-2, 2, 11).astype(np.float32)
-    assert K.backend(x) == "reference"
-    np.testing.assert_array_equal(K.gelu_forward(x), R.gelu_forward(x))
-    monkeypatch.delenv("PYMPAR_KERNELS")
+    K.use_reference(True)
+    try:
+        assert K.backend(x) == "reference"
+        np.testing.assert_array_equal(K.gelu_forward(x), R.gelu_forward(x))
+    finally:
+        K.use_reference(False)
     assert K.backend(x) == ("cpp" if K.native_available() else "reference")
+
+
+def test_forced_reference_by_environment():
+    r = _run("import numpy as np, pympar.kernels as K; print(K.backend(np.zeros(1)))", PYMPAR_KERNELS="reference")
+    assert r.returncode == 0 and r.stdout.strip() == "reference", r.stderr[-2000:]
 
 
 def test_without_native_module_the_reference_serves():

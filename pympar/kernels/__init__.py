@@ -5,15 +5,17 @@ or the pure-xp reference in :mod:`pympar.kernels.reference`.
   dtypes and layouts it does not cover to the reference itself.
 - CuPy arrays go to :mod:`pympar.kernels.cuda` (``pympar._cuda``) when it is built, else to
   the reference (which runs on CuPy unchanged).
-- ``PYMPAR_KERNELS=reference`` in the environment forces the reference everywhere (read at
-  every call, so tests may set it late); ``backend(array)`` says which implementation an
-  array would get.
+- ``PYMPAR_KERNELS=reference`` in the environment (read at import) or ``use_reference(True)``
+  forces the reference everywhere; ``backend(array)`` says which implementation an array
+  would get.
 - ``set_num_threads(n)`` sets the C++ kernels' threads in this process (default 1, or
   ``PYMPAR_NUM_THREADS``): exactly n threads run each kernel call.
 """
 from __future__ import annotations
 
 import os
+
+import numpy as np
 
 from . import reference
 from ..backend import is_cupy
@@ -36,7 +38,7 @@ __all__ = [
     "softmax_causal_forward", "softmax_causal_backward", "layernorm_forward", "layernorm_backward",
     "gelu_forward", "gelu_backward", "cross_entropy_forward", "cross_entropy_backward", "adamw_step",
     "topk", "capacity_positions", "permute", "unpermute_add", "cast", "reduce_inplace", "scale_inplace",
-    "set_num_threads", "get_num_threads", "native_available", "cuda_available", "backend",
+    "set_num_threads", "get_num_threads", "native_available", "cuda_available", "backend", "use_reference",
 ]
 
 
@@ -70,8 +72,17 @@ def get_num_threads() -> int:
     return _threads
 
 
+_force_reference = os.environ.get("PYMPAR_KERNELS", "") == "reference"
+
+
+def use_reference(flag: bool = True) -> None:
+    """Route every kernel call to the reference (True) or to the best implementation (False)."""
+    global _force_reference
+    _force_reference = bool(flag)
+
+
 def _forced_reference() -> bool:
-    return os.environ.get("PYMPAR_KERNELS", "") == "reference"
+    return _force_reference
 
 
 def backend(a) -> str:
@@ -87,15 +98,16 @@ def backend(a) -> str:
 
 def _dispatch(name):
     ref = getattr(reference, name)
-    cpu = getattr(_cpu, name) if _cpu is not None else None
-    gpu = getattr(_gpu, name) if _gpu is not None else None
+    cpu = getattr(_cpu, name) if _cpu is not None else ref
+    gpu = getattr(_gpu, name) if _gpu is not None else ref
+    ndarray = np.ndarray
 
     def kernel(*args, **kwargs):
-        if _forced_reference():
+        if _force_reference:
             return ref(*args, **kwargs)
-        if is_cupy(args[0]):
-            return (gpu or ref)(*args, **kwargs)
-        return (cpu or ref)(*args, **kwargs)
+        if type(args[0]) is ndarray:  # the common case first: one type check per call
+            return cpu(*args, **kwargs)
+        return (gpu if is_cupy(args[0]) else cpu)(*args, **kwargs)
 
     kernel.__name__ = name
     kernel.__qualname__ = name
