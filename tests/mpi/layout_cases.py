@@ -1,0 +1,98 @@
+"""The layouts of the equivalence test (tests/mpi/mpi_layouts.py): pure enumeration, no MPI.
+
+A layout is (dp, pp, tp, ep, model, schedule, v, sp, zero, dtype) with dp*pp*tp = world.
+``all_layouts(world)`` is every layout the test models admit (pp <= n_layer, tp | n_head,
+ep | dp and ep | n_expert, interleaved only where n_layer divides into pp*2 chunks, sequence
+parallelism only with tp > 1, ZeRO-1 only with dp > 1), in float64. ``ci_layouts(world)`` is a
+representative slice: a greedy all-pairs cover (every pair of dimension values that occurs in
+the full matrix occurs in some chosen layout), with float32 as one more dimension value.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, replace
+
+N_LAYER, N_HEAD, N_EXPERT = 4, 8, 8
+DENSE = dict(vocab_size=61, block_size=8, n_layer=N_LAYER, n_head=N_HEAD, n_embd=16)
+MOE = dict(DENSE, n_expert=N_EXPERT, top_k=2, moe_every=2, capacity_factor=0.0)   # dropless
+G = 8                  # global micro-batches per step (= dp * n_micro in every layout)
+WORLDS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    pp: int
+    tp: int
+    ep: int
+    model: str           # "dense" | "moe"
+    schedule: str        # "-" when pp == 1
+    v: int
+    sp: bool
+    zero: int
+    dtype: str = "float64"
+
+    @property
+    def world(self):
+        return self.dp * self.pp * self.tp
+
+    @property
+    def n_micro(self):
+        return G // self.dp
+
+    def __str__(self):
+        s = f"dp{self.dp}.pp{self.pp}.tp{self.tp}.ep{self.ep} {self.model}"
+        if self.pp > 1:
+            s += f" {self.schedule}" + (f"(v={self.v})" if self.v > 1 else "")
+        return s + (" sp" if self.sp else "") + (" zero1" if self.zero else "") + f" {self.dtype}"
+
+    def features(self):
+        """(dimension, value) items whose pairs the CI slice must cover."""
+        return [("shape", (self.dp, self.pp, self.tp)), ("ep", self.ep), ("model", self.model),
+                ("schedule", self.schedule), ("sp", self.sp), ("zero", self.zero), ("dtype", self.dtype)]
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def all_layouts(world: int, dtypes=("float64",)):
+    out = []
+    for pp in _divisors(world):
+        if pp > N_LAYER:
+            continue
+        for tp in _divisors(world // pp):
+            if N_HEAD % tp:
+                continue
+            dp = world // (pp * tp)
+            scheds = [("-", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)] + \
+                ([("interleaved", 2)] if N_LAYER % (2 * pp) == 0 else [])
+            for model in ("dense", "moe"):
+                eps = [1] if model == "dense" else [e for e in _divisors(dp) if N_EXPERT % e == 0]
+                for ep, (sched, v), sp, zero, dt in itertools.product(
+                        eps, scheds, [False, True] if tp > 1 else [False], [0, 1] if dp > 1 else [0], dtypes):
+                    out.append(Layout(dp, pp, tp, ep, model, sched, v, sp, zero, dt))
+    return out
+
+
+def _pairs(layout):
+    f = layout.features()
+    return {(a, b) for a, b in itertools.combinations(f, 2)}
+
+
+def ci_layouts(world: int):
+    """A greedy all-pairs cover of the full matrix with float32 added as a dtype value."""
+    pool = all_layouts(world, dtypes=("float64", "float32"))
+    random.Random(world).shuffle(pool)            # deterministic, not biased to the first shapes
+    want = set().union(*(_pairs(x) for x in pool))
+    chosen = []
+    while want:
+        best = max(pool, key=lambda x: len(_pairs(x) & want))
+        chosen.append(best)
+        want -= _pairs(best)
+    return chosen
+
+
+def as_float32(layout):
+    return replace(layout, dtype="float32")

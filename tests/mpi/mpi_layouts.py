@@ -1,0 +1,184 @@
+"""The project's central claim, inside every rank of one mpiexec launch: every layout of this
+world size trains the single-process run (DESIGN.md, Determinism; issue 5, Proof).
+
+Each rank loops over the layouts of its world size (tests/mpi/layout_cases.py; PYMPAR_LAYOUTS
+= ci | full), builds the mesh and ``ParallelRunner`` for the layout, trains STEPS optimiser
+steps on the global batch (G micro-batches, rank gets g = dp_rank*n_micro + j) and compares
+with the single-process reference that every rank computes locally (nn.GPT accumulating the G
+micro-batches, global-norm clipping, AdamW): the loss and the grad norm at every step, every
+parameter this rank holds (its shard of the full tensor) after the last step, the evaluation
+loss, and a sampled continuation. Relative tolerance 1e-6 in float64, 1e-4 in float32.
+Verdicts are gathered after each layout; the test fails listing each failing layout and the
+first quantity that differs.
+"""
+import os
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from layout_cases import DENSE, G, MOE, all_layouts, ci_layouts
+from pympar.nn import GPT
+from pympar.nn.config import GPTConfig
+from pympar.optim import AdamW, clip_grad_norm
+from pympar.parallel.runner import ParallelRunner, check_supported
+from pympar.parallel.shard import shard_of
+
+B, T, STEPS, WD, CLIP, SEED = 2, 8, 3, 0.1, 0.5, 5
+TOL = {"float64": 1e-6, "float32": 1e-4}
+# AdamW's first steps move each element by about lr * sign(grad): an element whose gradient is
+# rounding noise in float32 moves by lr either way, so float32 runs take a smaller lr (a wrong
+# gradient still moves parameters by ~lr = 5% of their scale per step)
+LR = {"float64": 1e-2, "float32": 1e-3}
+# ... and a larger AdamW eps: an element whose exact gradient is below float32's resolution of
+# the terms summed into it (e.g. the attention key bias: zero, softmax being shift-invariant)
+# holds rounding noise, which eps = 1e-8 would turn into a step of up to ~lr
+EPS = {"float64": 1e-8, "float32": 1e-6}
+MODE = os.environ.get("PYMPAR_LAYOUTS", "ci")
+
+
+def cfg_of(model):
+    return GPTConfig(**(MOE if model == "moe" else DENSE))
+
+
+def global_batch(step, vocab):
+    rng = np.random.default_rng([23, step])
+    toks = rng.integers(0, vocab, size=(G, B, T + 1))
+    return [(t[:, :-1], t[:, 1:]) for t in toks]
+
+
+def eval_batches(vocab, n=3):
+    rng = np.random.default_rng(99)
+    toks = rng.integers(0, vocab, size=(n, B, T + 1))
+    return [(t[:, :-1], t[:, 1:]) for t in toks]
+
+
+PROMPT = np.array([[1, 2, 3]], np.int64)
+
+
+def reference(model, dtype, _cache={}):
+    """Single process: losses, norms per step, params after STEPS, eval loss, a sample."""
+    key = (model, dtype)
+    if key not in _cache:
+        cfg = cfg_of(model)
+        m = GPT(cfg, seed=SEED, dtype=np.dtype(dtype))
+        opt = AdamW(m.named_parameters(), lr=LR[dtype], weight_decay=WD)
+        opt.eps = EPS[dtype]
+        losses, norms = [], []
+        for s in range(STEPS):
+            m.zero_grad()
+            mbs = global_batch(s, cfg.vocab_size)
+            losses.append(sum(m.loss_and_grad(x, y, grad_scale=1.0 / G) for x, y in mbs) / G)
+            norms.append(clip_grad_norm(m.parameters(), CLIP))
+            opt.step(LR[dtype])
+            m.moe_stats()
+        ev = eval_batches(cfg.vocab_size)
+        _cache[key] = dict(losses=losses, norms=norms, params={n: p.data.copy() for n, p in m.named_parameters()},
+                           eval=float(np.mean([m.forward_loss(x, y) for x, y in ev])),
+                           sample=m.generate(PROMPT, 3, top_k=5, rng=np.random.default_rng(1)))
+    return _cache[key]
+
+
+def opts_of(lay):
+    return SimpleNamespace(seed=SEED, dtype="float32", master_dtype=lay.dtype, n_micro=lay.n_micro,
+                           schedule=lay.schedule if lay.pp > 1 else "1f1b", virtual_stages=lay.v,
+                           zero=lay.zero, seq_parallel=lay.sp, compress="none", topk_ratio=0.01,
+                           bucket_mb=0.01, device="cpu", lr=LR[lay.dtype], weight_decay=WD, grad_clip=CLIP)
+
+
+WORST = {}                     # dtype -> the largest relative difference seen (reported)
+
+
+def rel(a, b, dtype=None, floor=1e-30):
+    """||a - b|| / max(||b||, floor) (Frobenius) in float64.
+
+    Parameters compare with floor = lr * sqrt(size), the length of one AdamW step of every
+    element: biases start at zero, and an element whose gradient is (near) zero in exact
+    arithmetic -- e.g. the attention key bias, softmax being shift-invariant -- holds rounding
+    noise that AdamW turns into steps up to ~lr in either run; a wrong gradient moves elements by
+    ~lr per step, i.e. a relative error of order 1 on this scale."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    r = float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), floor)) if b.size else 0.0
+    if dtype is not None and np.isfinite(r):
+        WORST[dtype] = max(WORST.get(dtype, 0.0), r)
+    return r
+
+
+def first_difference(runner, lay, got):
+    """None, or a message naming the first quantity of this rank that differs from the reference."""
+    ref, tol = reference(lay.model, lay.dtype), TOL[lay.dtype]
+    for s, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+        if not rel(a, b, lay.dtype) <= tol:
+            return f"loss at step {s}: {a!r} vs single-process {b!r} (rel {rel(a, b):.2e} > {tol})"
+    for s, (a, b) in enumerate(zip(got["norms"], ref["norms"])):
+        if not rel(a, b, lay.dtype) <= tol:
+            return f"grad norm at step {s}: {a!r} vs single-process {b!r} (rel {rel(a, b):.2e} > {tol})"
+    for name, p in runner.named:
+        full = ref["params"][name]
+        want = shard_of(p).take(full) if shard_of(p) is not None else full
+        got_p = p.data
+        floor = LR[lay.dtype] * np.sqrt(want.size)        # one AdamW step of every element
+        if got_p.shape != want.shape or not rel(got_p, want, lay.dtype, floor) <= tol:
+            where = f" shard {shard_of(p).index}" if shard_of(p) is not None else ""
+            diff = f"rel diff {rel(got_p, want, floor=floor):.2e} > {tol}" if got_p.shape == want.shape \
+                else f"shape {got_p.shape}, expected {want.shape}"
+            return f"parameter {name}{where} after {STEPS} steps: {diff}"
+    if not rel(got["eval"], ref["eval"], lay.dtype) <= tol:
+        return f"eval loss {got['eval']!r} vs single-process {ref['eval']!r}"
+    if got["sample"] is not None and not np.array_equal(got["sample"], ref["sample"]):
+        return f"sample {got['sample'].tolist()} vs single-process {ref['sample'].tolist()}"
+    return None
+
+
+def run_layout(world, lay):
+    cfg = cfg_of(lay.model)
+    check_supported(cfg, lay, opts_of(lay))                      # the trainer's validation
+    runner = ParallelRunner(cfg, lay, world, opts_of(lay))
+    runner.opt.eps = EPS[lay.dtype]                              # ZeRO-1 takes it from there too
+    got = dict(losses=[], norms=[])
+    for s in range(STEPS):
+        mbs = global_batch(s, cfg.vocab_size)
+        mine = mbs[runner.mesh.dp_rank * lay.n_micro:(runner.mesh.dp_rank + 1) * lay.n_micro]
+        res = runner.train_step(mine, LR[lay.dtype])
+        got["losses"].append(res["loss"])
+        got["norms"].append(res["grad_norm"])
+    ev = eval_batches(cfg.vocab_size)
+    got["eval"] = runner.eval_loss(ev[runner.mesh.dp_rank::lay.dp])   # unequal counts per dp rank
+    got["sample"] = runner.generate(PROMPT, 3, 5, np.random.default_rng(1))
+    return runner, got
+
+
+def free_mesh(mesh):
+    for c in (mesh.tp_comm, mesh.dp_comm, mesh.pp_comm, mesh.ep_comm, mesh.edp_comm):
+        if hasattr(c, "free"):
+            c.free()
+
+
+@pytest.fixture(scope="module")
+def world(mpi_world):
+    from pympar.comm import MPIComm
+
+    return MPIComm(mpi_world, name="world", timeout=60)
+
+
+def test_every_layout_matches_single_process(world, mpi_world):
+    layouts = ci_layouts(world.size) if MODE == "ci" else all_layouts(world.size)
+    failures, t0 = [], time.perf_counter()
+    for lay in layouts:
+        try:
+            runner, got = run_layout(world, lay)
+            msg = first_difference(runner, lay, got)
+            free_mesh(runner.mesh)
+        except Exception as e:                 # noqa: BLE001 -- reported with the layout, below
+            msg = f"raised {type(e).__name__}: {e}"
+        verdicts = mpi_world.allgather(msg)
+        bad = [(r, m) for r, m in enumerate(verdicts) if m is not None]
+        if bad:
+            failures.append(f"layout [{lay}] rank {bad[0][0]}: {bad[0][1]}")
+    secs = time.perf_counter() - t0
+    if world.rank == 0:
+        print(f"\nLAYOUTS world={world.size} mode={MODE} ran={len(layouts)} "
+              f"failed={len(failures)} seconds={secs:.1f} worst_rel={WORST}", flush=True)
+    assert not failures, f"{len(failures)} of {len(layouts)} layouts differ from the single process:\n" + \
+        "\n".join(failures[:20])
