@@ -5,6 +5,7 @@ One launch per world size runs all its layouts. CI runs the all-pairs slice (``c
 whole matrix is ``python -m pytest -m slow tests/test_layouts.py``. Each run checks that the launch
 covered exactly the layouts enumerated here, and prints how many it ran and how long it took.
 """
+import json
 import re
 import sys
 from pathlib import Path
@@ -50,3 +51,50 @@ def test_ci_slice_covers_every_pair_of_dimension_values():
         got = set().union(*(_pairs(x) for x in ci_layouts(n)))
         assert want == got, (n, sorted(want - got)[:5])
     assert len(all_layouts(8)) > 100 and {x.schedule for x in all_layouts(8)} == {"-", "gpipe", "1f1b", "interleaved"}
+
+
+# ----------------------------------------------------------------------------- the trainer's CLI
+
+CLI = ["-m", "pympar.train", "--block-size", "16", "--micro-batch-size", "2", "--sample-tokens", "8",
+       "--eval-iters", "3", "--eval-every", "2", "--steps", "3", "--progress", "log"]
+
+
+def _losses(n, out, *args):
+    from mpirun import run_mpi
+
+    res = run_mpi(n, [*CLI, "--out", out, *map(str, args)], timeout=120)
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return res, rows
+
+
+@pytest.mark.parametrize("args, n_micro", [
+    (["--preset", "tiny", "--pp", 2, "--tp", 2], 4),
+    (["--preset", "tiny", "--dp", 2, "--tp", 2, "--seq-parallel", "--zero", 1], 2),
+    (["--preset", "moe-tiny", "--dp", 2, "--pp", 2, "--ep", 2, "--schedule", "gpipe"], 2),
+    (["--preset", "moe-tiny", "--dp", 4, "--ep", 2, "--zero", 1], 1),
+], ids=["pp2-tp2", "dp2-tp2-sp-zero1", "dp2-pp2-ep2-gpipe", "dp4-ep2-zero1"])
+def test_cli_layout_matches_one_process(tmp_path, args, n_micro):
+    """python -m pympar.train on 4 ranks == on 1 rank with the same global batch (4 micro-batches):
+    losses, grad norms and validation losses per step (rel 1e-5, float32)."""
+    preset = args[args.index("--preset") + 1]
+    _, one = _losses(1, tmp_path / "one", "--preset", preset, "--n-micro", 4)
+    res, four = _losses(4, tmp_path / "four", *args, "--n-micro", n_micro)
+    assert "layout dp=" in res.stdout and res.stdout.count("--- sample (top-k) ---") == 1
+    for a, b in zip(one, four):
+        for k in ("loss", "grad_norm", "val_loss"):
+            if a[k] is not None:
+                assert b[k] == pytest.approx(a[k], rel=1e-5), (k, a["step"], a[k], b[k])
+        if preset.startswith("moe"):
+            assert [m["tokens_per_expert"] for m in a["moe"]] == [m["tokens_per_expert"] for m in b["moe"]]
+    split = four[-1]["time_split"]
+    assert split["compute"] > 0 and split["optimizer"] > 0
+    assert (split["pp_comm"] > 0) == ("--pp" in args) and (split["tp_comm"] > 0) == ("--tp" in args)
+    assert (split["ep_comm"] > 0) == ("--ep" in args) and (split["dp_comm"] > 0) == ("--dp" in args)
+
+
+def test_cli_rejects_mixed_precision_with_tensor_parallelism(tmp_path):
+    from mpirun import run_mpi
+
+    res = run_mpi(2, [*CLI, "--preset", "tiny", "--tp", 2, "--dtype", "bfloat16"], timeout=60, check=False)
+    lines = [x for x in res.stdout.splitlines() if x.startswith("pympar.train: error:")]
+    assert res.returncode == 2 and len(lines) == 2 and "use --dtype float32 with --tp > 1" in lines[0]

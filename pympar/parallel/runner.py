@@ -176,8 +176,8 @@ class ParallelRunner:
             compute, bubble, pp_other = time.perf_counter() - t0, 0.0, 0.0
         tp_s = self._tp_model.take_tp_comm_seconds() if self._tp_model is not None else 0.0
         local_moe = {st["layer"]: st for st in model.moe_stats()}
+        ep_s = sum(layer._ep_acc["a2a_s"] for _, layer in model.moe_layers()) if self.ep > 1 else 0.0
         a2a = {s["layer"]: s for s in ep_step_stats(model, self.mesh.dp_comm)} if self.ep > 1 else {}
-        ep_s = sum(s["a2a_seconds"] for s in a2a.values())
         rec.add("forward/backward", "compute", t0, max(compute - tp_s - ep_s, 0.0))
         rec.add("tp collectives", "tp_comm", t0, tp_s)
         rec.add("expert all-to-all", "ep_comm", t0, ep_s)
