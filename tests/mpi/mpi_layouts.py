@@ -108,12 +108,11 @@ def rel(a, b, dtype=None, floor=1e-30):
 def first_difference(runner, lay, got):
     """None, or a message naming the first quantity of this rank that differs from the reference."""
     ref, tol = reference(lay.model, lay.dtype), TOL[lay.dtype]
-    for s, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
-        if not rel(a, b, lay.dtype) <= tol:
-            return f"loss at step {s}: {a!r} vs single-process {b!r} (rel {rel(a, b):.2e} > {tol})"
-    for s, (a, b) in enumerate(zip(got["norms"], ref["norms"])):
-        if not rel(a, b, lay.dtype) <= tol:
-            return f"grad norm at step {s}: {a!r} vs single-process {b!r} (rel {rel(a, b):.2e} > {tol})"
+    for s in range(STEPS):                   # in the order they happen: loss, then norm, per step
+        for what, key in (("loss", "losses"), ("grad norm", "norms")):
+            a, b = got[key][s], ref[key][s]
+            if not rel(a, b, lay.dtype) <= tol:
+                return f"{what} at step {s}: {a!r} vs single-process {b!r} (rel {rel(a, b):.2e} > {tol})"
     for name, p in runner.named:
         full = ref["params"][name]
         want = shard_of(p).take(full) if shard_of(p) is not None else full
