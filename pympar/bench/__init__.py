@@ -1,0 +1,1 @@
+"""``python -m pympar.bench``: nccl-tests-style collective microbenchmarks (see cli.py)."""

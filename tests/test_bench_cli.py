@@ -1,0 +1,42 @@
+"""python -m pympar.bench: help, a short run of every collective with the table and JSON."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mpirun import ROOT, mpi_env, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+
+def test_help_explains_the_columns():
+    p = subprocess.run([sys.executable, "-m", "pympar.bench", "--help"], capture_output=True, text=True,
+                       env=mpi_env(), cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr
+    for word in ("busbw", "--algo", "--tune", "library", "torch-gloo", "allreduce"):
+        assert word in p.stdout
+
+
+@pytest.mark.parametrize("coll", ["allreduce", "alltoall", "alltoallv"] + [
+    pytest.param(c, marks=pytest.mark.slow) for c in ("reduce_scatter", "allgather", "broadcast", "sendrecv")])
+def test_every_collective_runs_and_checks(coll, tmp_path):
+    out = tmp_path / "b.json"
+    p = run_mpi(3, ["-m", "pympar.bench", coll, "-b", "8", "-e", "4K", "-f", "16", "-n", "2", "-w", "1",
+                    "--algo", "all", "--no-torch", "--json", out, "--tune", tmp_path / "t.json"], timeout=120)
+    assert "Avg bus bandwidth" in p.stdout and "Out of bounds values : 0 OK" in p.stdout, p.stdout
+    d = json.loads(out.read_text())
+    assert d["nranks"] == 3 and d["rows"] and all(r["wrong"] == 0 for r in d["rows"])
+    assert {"library"} <= {r["algo"] for r in d["rows"]}
+
+
+def test_tune_table_drives_auto(tmp_path):
+    t = tmp_path / "tune.json"
+    run_mpi(2, ["-m", "pympar.bench", "allreduce", "-b", "1K", "-e", "64K", "-f", "8", "-n", "2", "-w", "1",
+                "--algo", "ring,recursive_doubling,shm", "-c", "0", "--tune", t], timeout=120)
+    table = json.loads(t.read_text())
+    rows = table["allreduce"]["single_node"]
+    assert rows[-1][0] == float("inf") and all(a in ("ring", "recursive_doubling", "shm") for _, a in rows)
+    p = run_mpi(2, ["-m", "pympar.bench", "allreduce", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0"],
+                timeout=60, env={"PYMPAR_TUNING": t})
+    assert "auto" in p.stdout and "0 OK" in p.stdout
