@@ -69,6 +69,18 @@ def measure_matmul_peak(xp=np, dtype=np.float32, n: int = 256, seconds: float = 
     return 2.0 * n ** 3 * reps / (time.perf_counter() - t0)
 
 
+def rss_bytes() -> int:
+    """This process's resident set size (VmRSS of /proc/self/status), 0 where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024          # "VmRSS:   123456 kB"
+    except OSError:
+        pass
+    return 0
+
+
 def moe_layer_stats(tokens_per_expert) -> dict:
     """Load statistics of one MoE layer from its per-expert token counts."""
     t = np.asarray(tokens_per_expert, dtype=np.float64)

@@ -36,7 +36,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field
 
-from .metrics import flops_per_token, is_moe_layer
+from .metrics import flops_per_token
 from .nn.config import PRESETS, GPTConfig
 
 GiB = 1024 ** 3
@@ -49,6 +49,10 @@ DEVICES = {
 }
 CPU_DEFAULT = dict(alpha=20e-6, intra_bw=2e9, inter_bw=1e9, act_bytes=4, overhead=3e-4)
 MFU_ASSUMED = {"cpu": 0.5, "gpu": 0.45}   # fraction of the matmul peak a training step reaches
+
+
+def is_moe_layer(cfg: GPTConfig, i: int) -> bool:
+    return cfg.is_moe_block(i)
 
 
 def divisors(n: int) -> list:
@@ -90,7 +94,7 @@ class Layout:
         if self.virtual_stages > 1:
             a += ["--virtual-stages", self.virtual_stages]
         if self.zero:
-            a += ["--zero"]
+            a += ["--zero", 1]
         if self.seq_parallel:
             a += ["--seq-parallel"]
         return [str(x) for x in a]
@@ -368,7 +372,7 @@ def measure(preds, args, cfg_args) -> list:
     import subprocess
     import tempfile
 
-    from .train import read_metrics  # noqa: F401  (imported lazily: the trainer is heavy)
+    from .report import read_metrics
 
     rows = []
     for p in preds:

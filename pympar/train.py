@@ -42,7 +42,7 @@ from . import backend
 from .config import ConfigError, describe, parse_args
 from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
 from .faults import STOP_STATUS, BadStepGuard, FaultInjector, NonFiniteStop, resolve_resume, restore_run, save_run
-from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, moe_layer_stats
+from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, moe_layer_stats, rss_bytes
 from .optim import cosine_lr
 from .parallel.mesh import Mesh
 from .parallel.runner import build_runner, check_supported
@@ -147,11 +147,13 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
         if do_eval:
             val_loss = runner.eval_loss(eval_batches)
         tok_s = tokens_per_step / dt
+        rss = rss_bytes()                      # resident memory: rank 0's and the largest of any rank
+        rss_max = int(np.asarray(comm.allreduce(np.array([rss], np.int64), op="max")).reshape(-1)[0]) if world > 1 else rss
         record = {
             "step": step, "loss": res["loss"], "val_loss": val_loss if do_eval else None,
             "lr": lr, "grad_norm": res["grad_norm"], "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak,
             "step_time": dt, "time_split": res["time_split"], "loss_scale": res["loss_scale"],
-            "skipped": res["skipped"],
+            "skipped": res["skipped"], "rss_bytes": rss, "rss_max_bytes": rss_max,
             "moe": [dict(layer=s["layer"], dropped_fraction=s["dropped_fraction"], **moe_layer_stats(s["tokens_per_expert"]))
                     for s in res["moe"]],
         }
