@@ -73,6 +73,37 @@ def to_numpy(a):
     return np.asarray(a)
 
 
+def scatter_add(dst, idx, src):
+    """dst[idx] += src with repeated indices accumulated (np.add.at; cupyx.scatter_add on CuPy)."""
+    if is_cupy(dst):
+        import cupyx
+
+        cupyx.scatter_add(dst, idx, src)
+    else:
+        np.add.at(dst, idx, src)
+    return dst
+
+
+_lowp_gemm = {}
+
+
+def lowp_gemm(a) -> bool:
+    """Whether ``a @ b`` in a's float16/bfloat16 dtype runs natively with float32 accumulation
+    (CuPy -> cuBLAS tensor cores). NumPy: False (callers multiply in float32 and round). A
+    CuPy without bfloat16 matrix products (probed once per dtype) also answers False."""
+    if not is_cupy(a):
+        return False
+    key = np.dtype(a.dtype).name
+    if key not in _lowp_gemm:
+        cp = cupy_or_none()
+        try:
+            t = cp.ones((4, 4), dtype=a.dtype)
+            _lowp_gemm[key] = bool(float((t @ t).astype(cp.float32)[0, 0]) == 4.0)
+        except Exception:
+            _lowp_gemm[key] = False
+    return _lowp_gemm[key]
+
+
 def to_device(a, device: str):
     xp = get_xp(device)
     if xp is np:

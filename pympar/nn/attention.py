@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
+from ..backend import xp_of
 from .layers import Linear
 from .parameter import Module, matmul
 
@@ -29,7 +30,7 @@ class CausalSelfAttention(Module):
         qkv, _ = self.c_attn.forward(x)          # (B, T, 3C)
         # (B, T, 3, nh, hs) -> (3, B, nh, T, hs)
         q, k, v = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)
-        scale = np.asarray(1.0 / np.sqrt(hs), dtype=x.dtype)
+        scale = xp_of(x).asarray(1.0 / np.sqrt(hs), dtype=x.dtype)
         att = matmul(q, k.transpose(0, 1, 3, 2))  # (B, nh, T, T)
         att *= scale
         p = kernels.softmax_causal_forward(att)  # (B, nh, T, T), zeros above the diagonal
@@ -48,10 +49,11 @@ class CausalSelfAttention(Module):
         dp = matmul(dyh, v.transpose(0, 1, 3, 2))  # (B, nh, T, T)
         dv = matmul(p.transpose(0, 1, 3, 2), dyh)  # (B, nh, T, hs)
         datt = kernels.softmax_causal_backward(p, dp)
-        datt *= np.asarray(1.0 / np.sqrt(hs), dtype=datt.dtype)
+        xp = xp_of(datt)
+        datt *= xp.asarray(1.0 / np.sqrt(hs), dtype=datt.dtype)
         dq = matmul(datt, k)                     # (B, nh, T, hs)
         dk = matmul(datt.transpose(0, 1, 3, 2), q)
-        dqkv = np.empty((B, T, 3, nh, hs), dtype=dq.dtype)  # (B, T, 3C) packed like c_attn
+        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dq.dtype)  # (B, T, 3C) packed like c_attn
         dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
         dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
         dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)

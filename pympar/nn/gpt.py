@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import kernels
 from ..backend import dtype as resolve_dtype
+from ..backend import to_numpy, xp_of
 from .attention import CausalSelfAttention
 from .config import GPTConfig
 from .layers import MLP, Embedding, LayerNorm
@@ -80,9 +81,9 @@ class Head(Module):
         h, c_ln = self.ln_f.forward(x)
         h2 = h.reshape(B * T, C)
         logits = matmul(h2, compute_cast(self._wte.data, self._cdt).T)   # (N, V)
-        t = np.asarray(targets).reshape(-1)
+        t = xp_of(logits).asarray(targets).reshape(-1)
         loss_rows, lse = kernels.cross_entropy_forward(logits, t)
-        n_valid = int((t >= 0).sum())
+        n_valid = int((t >= 0).sum())                 # (on a GPU: the step's host syncs)
         loss = float(loss_rows.sum()) / max(n_valid, 1)
         return loss, (c_ln, h2, logits, lse, t, n_valid, x.shape)
 
@@ -126,9 +127,9 @@ class GPT(Module):
 
     def state_dict(self):
         """nanoGPT names -> numpy copies (no lm_head.weight; MoE selection biases included)."""
-        d = {n: p.data.copy() for n, p in self.named_parameters()}
+        d = {n: np.array(to_numpy(p.data)) for n, p in self.named_parameters()}
         for i, m in self.moe_layers():
-            d[f"transformer.h.{i}.moe.expert_bias"] = m.expert_bias.copy()
+            d[f"transformer.h.{i}.moe.expert_bias"] = np.array(to_numpy(m.expert_bias))
         return d
 
     def load_state_dict(self, d):
@@ -144,15 +145,20 @@ class GPT(Module):
         if missing or unexpected:
             raise ValueError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
         for n, p in own.items():
-            a = np.asarray(d[n])
+            a = to_numpy(d[n])
             if a.shape != p.data.shape:
                 raise ValueError(f"{n}: shape {a.shape} in the state dict, model has {p.data.shape}")
-            p.data[...] = a
+            p.data[...] = xp_of(p.data).asarray(a)
         for n, m in biases.items():
             if n in d:
-                m.expert_bias[...] = np.asarray(d[n])
+                m.expert_bias[...] = xp_of(m.expert_bias).asarray(to_numpy(d[n]))
 
     # --- forward / backward ----------------------------------------------------------------
+    def _inputs(self, *arrays):
+        """Token arrays on the parameters' device (host batches are copied to a GPU model)."""
+        xp = xp_of(self.embedding.wte.data)
+        return [xp.asarray(a) for a in arrays]
+
     def _forward(self, idx, targets):
         x, c_emb = self.embedding.forward(idx)
         ctxs, aux = [], 0.0
@@ -165,7 +171,7 @@ class GPT(Module):
 
     def loss_and_grad(self, idx, targets, grad_scale=1.0) -> float:
         """One micro-batch: loss = mean CE + MoE aux + z; grads of grad_scale * loss accumulate."""
-        idx, targets = np.asarray(idx), np.asarray(targets)
+        idx, targets = self._inputs(idx, targets)
         ce, aux, (c_emb, ctxs, c_head) = self._forward(idx, targets)
         dx = self.head.backward(grad_scale, c_head)
         self._grad_ready(self.head.ln_f)         # not the tied wte: the embedding adds to it last
@@ -188,7 +194,7 @@ class GPT(Module):
         for m in layers:
             m.recording = False
         try:
-            ce, aux, _ = self._forward(np.asarray(idx), np.asarray(targets))
+            ce, aux, _ = self._forward(*self._inputs(idx, targets))
         finally:
             for m in layers:
                 m.recording = True
@@ -199,7 +205,7 @@ class GPT(Module):
         for m in layers:
             m.recording = False
         try:
-            x, _ = self.embedding.forward(np.asarray(idx))
+            x, _ = self.embedding.forward(*self._inputs(idx))
             for b in self.h:
                 x, _ = b.forward(x)
             return self.head.logits(x)
@@ -210,10 +216,10 @@ class GPT(Module):
     def generate(self, idx, n, top_k=None, rng=None, temperature=1.0):
         """Append n sampled tokens to idx (B, T)."""
         rng = np.random.default_rng(0) if rng is None else rng
-        idx = np.asarray(idx)
+        idx = to_numpy(idx)                      # sampling runs on the host
         for _ in range(n):
             ctx = idx[:, -self.config.block_size:]
-            lg = self.logits(ctx)[:, -1, :].astype(np.float64) / temperature   # (B, V)
+            lg = to_numpy(self.logits(ctx)[:, -1, :]).astype(np.float64) / temperature   # (B, V)
             if top_k is not None:
                 kth = np.sort(lg, axis=-1)[:, -min(top_k, lg.shape[-1])][:, None]
                 lg = np.where(lg < kth, -np.inf, lg)

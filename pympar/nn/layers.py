@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
+from ..backend import scatter_add, xp_of
 from .parameter import Module, Parameter, accumulate, compute_cast, init_param, matmul
 
 
@@ -49,7 +50,7 @@ class LayerNorm(Module):
 
     def _b(self):
         if self.bias is None:
-            return np.zeros_like(self.weight.data)
+            return xp_of(self.weight.data).zeros_like(self.weight.data)
         return self.bias.data
 
     def forward(self, x):                        # x (..., C) -> y (..., C)
@@ -113,6 +114,6 @@ class Embedding(Module):
         B, T = idx.shape
         C = dx.shape[-1]
         dxf = dx.astype(self.wte.grad.dtype, copy=False)
-        np.add.at(self.wte.grad, idx.reshape(-1), dxf.reshape(-1, C))
+        scatter_add(self.wte.grad, idx.reshape(-1), dxf.reshape(-1, C))
         self.wpe.grad[:T] += dxf.sum(axis=0)
         return None

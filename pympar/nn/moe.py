@@ -22,8 +22,19 @@ import math
 import numpy as np
 
 from .. import kernels
+from ..backend import to_device, xp_of
 from .layers import MLP
 from .parameter import Module, Parameter, accumulate, init_param
+
+
+def _stable_argsort(a):
+    """argsort keeping equal keys in index order (CuPy's sort is always stable; an older
+    CuPy that refuses the ``kind`` argument gets the plain call)."""
+    xp = xp_of(a)
+    try:
+        return xp.argsort(a, kind="stable")
+    except (TypeError, ValueError, NotImplementedError):
+        return xp.argsort(a)
 
 
 class MoE(Module):
@@ -44,8 +55,17 @@ class MoE(Module):
         self.shared = MLP(n_embd, name=f"{name}.shared", **mk) if shared_expert else None
         self.expert_bias = np.zeros(n_expert, dtype=self._acc)  # selection only, not trained
         self.recording = True            # count loads (False for evaluation passes)
-        self._stats = np.zeros(n_expert, np.int64), 0, 0   # (load, dropped, assignments)
-        self._load_since_update = np.zeros(n_expert, np.int64)
+        self._reset_counters()
+
+    def _reset_counters(self):
+        """Loads counted on the device of expert_bias (no host sync per micro-batch)."""
+        xp = xp_of(self.expert_bias)
+        self._stats = xp.zeros(self.n_expert, np.int64), 0, 0   # (load, dropped, assignments)
+        self._load_since_update = xp.zeros(self.n_expert, np.int64)
+
+    def _move_buffers(self, device):
+        self.expert_bias = to_device(self.expert_bias, device)
+        self._reset_counters()
 
     def capacity(self, n_tokens: int) -> int:
         """Slots per expert for a micro-batch of n_tokens; 0 = unlimited."""
@@ -56,9 +76,9 @@ class MoE(Module):
     # --- experts: the seam expert parallelism replaces ---------------------------------------
     def run_experts(self, xs, counts):
         """xs (M, C) rows grouped by expert (counts (E,) rows each) -> (ys (M, C), ctx)."""
-        ys = np.empty_like(xs)
+        ys = xp_of(xs).empty_like(xs)
         ctxs, lo = [], 0
-        for e, n in enumerate(counts.tolist()):
+        for e, n in enumerate(counts.tolist()):          # slice bounds: one host sync on a GPU
             if n:
                 ys[lo:lo + n], c = self.experts[e].forward(xs[lo:lo + n])
                 ctxs.append((e, lo, n, c))
@@ -67,7 +87,7 @@ class MoE(Module):
 
     def run_experts_backward(self, dys, ctxs):
         """dys (M, C) -> dxs (M, C); expert parameter grads accumulate."""
-        dxs = np.zeros_like(dys)
+        dxs = xp_of(dys).zeros_like(dys)
         for e, lo, n, c in ctxs:
             dxs[lo:lo + n] = self.experts[e].backward(dys[lo:lo + n], c)
         return dxs
@@ -76,27 +96,28 @@ class MoE(Module):
     def forward(self, x):                        # x (B, T, C) -> y (B, T, C)
         B, T, C = x.shape
         N, E, k, acc = B * T, self.n_expert, self.top_k, self._acc
+        xp = xp_of(x)
         xf = x.reshape(N, C)
         xa = xf.astype(acc, copy=False)
         logits = xa @ self.router.weight.data.astype(acc, copy=False).T   # (N, E)
         m = logits.max(axis=1, keepdims=True)
-        ez = np.exp(logits - m)
+        ez = xp.exp(logits - m)
         s = ez.sum(axis=1, keepdims=True)
         probs = ez / s                                                     # (N, E)
-        lse = (m + np.log(s))[:, 0]                                        # (N,)
+        lse = (m + xp.log(s))[:, 0]                                        # (N,)
         idx, _ = kernels.topk(probs + self.expert_bias, k)                 # (N, k)
-        psel = np.take_along_axis(probs, idx, axis=1)                      # (N, k)
+        psel = xp.take_along_axis(probs, idx, axis=1)                      # (N, k)
         ssum = psel.sum(axis=1, keepdims=True)
         gates = psel / ssum if k > 1 else psel                             # (N, k)
         # assignments in choice-major priority order: (k, N) flattened
         a_expert = idx.T.reshape(-1)
-        a_token = np.tile(np.arange(N), k)
+        a_token = xp.tile(xp.arange(N), k)
         pos, counts = kernels.capacity_positions(a_expert, E, self.capacity(N))
-        kept = np.flatnonzero(pos >= 0)
-        order = kept[np.argsort(a_expert[kept], kind="stable")]            # (M,) grouped by expert
+        kept = xp.flatnonzero(pos >= 0)
+        order = kept[_stable_argsort(a_expert[kept])]            # (M,) grouped by expert
         rows = a_token[order]                                              # (M,) token of each row
         gate_rows = gates.T.reshape(-1)[order]                             # (M,)
-        kept_counts = np.bincount(a_expert[order], minlength=E)
+        kept_counts = xp.bincount(a_expert[order], minlength=E)
         xs = kernels.permute(xf, rows)                                     # (M, C)
         ys, ectx = self.run_experts(xs, kept_counts)
         y = kernels.unpermute_add(ys, rows, gate_rows, N)                  # (N, C)
@@ -119,10 +140,11 @@ class MoE(Module):
     def backward(self, dy, ctx, daux=1.0):       # dy (B, T, C) -> dx (B, T, C)
         B, T, C = ctx["shape"]
         N, E, k, acc = B * T, self.n_expert, self.top_k, self._acc
+        xp = xp_of(dy)
         dyf = dy.reshape(N, C)
         rows, ys = ctx["rows"], ctx["ys"]
         dys_raw = kernels.permute(dyf, rows)                               # (M, C)
-        dgate_rows = np.einsum("mc,mc->m", dys_raw.astype(acc, copy=False),
+        dgate_rows = xp.einsum("mc,mc->m", dys_raw.astype(acc, copy=False),
                                ys.astype(acc, copy=False))                 # (M,)
         dys = dys_raw * ctx["gate_rows"][:, None].astype(dys_raw.dtype)
         dxs = self.run_experts_backward(dys, ctx["ectx"])
@@ -130,7 +152,7 @@ class MoE(Module):
         if self.shared is not None:
             dxf += self.shared.backward(dyf, ctx["shctx"])
         # gates -> chosen probabilities -> all probabilities
-        dgates = np.zeros(k * N, dtype=acc)
+        dgates = xp.zeros(k * N, dtype=acc)
         dgates[ctx["order"]] = dgate_rows
         dgates = dgates.reshape(k, N).T                                    # (N, k)
         gates, probs, lse = ctx["gates"], ctx["probs"], ctx["lse"]
@@ -138,8 +160,8 @@ class MoE(Module):
             dpsel = (dgates - (dgates * gates).sum(axis=1, keepdims=True)) / ctx["ssum"]
         else:
             dpsel = dgates
-        dprobs = np.zeros((N, E), dtype=acc)
-        np.put_along_axis(dprobs, ctx["idx"], dpsel, axis=1)
+        dprobs = xp.zeros((N, E), dtype=acc)
+        dprobs[xp.arange(N)[:, None], ctx["idx"]] = dpsel                 # top-k experts are distinct
         dprobs += (daux * self.aux_coef * E / N) * ctx["f"]                # aux loss, via P_i
         dlogits = probs * (dprobs - (dprobs * probs).sum(axis=1, keepdims=True))
         dlogits += (daux * self.z_coef * 2.0 / N) * lse[:, None] * probs  # z-loss
@@ -152,12 +174,13 @@ class MoE(Module):
     def take_stats(self):
         """{tokens_per_expert, dropped_fraction} since the last call; resets the counters."""
         load, dropped, total = self._stats
-        self._stats = np.zeros(self.n_expert, np.int64), 0, 0
+        self._stats = xp_of(load).zeros(self.n_expert, np.int64), 0, 0
         return dict(tokens_per_expert=load.tolist(), dropped_fraction=dropped / total if total else 0.0)
 
     def update_expert_bias(self):
         """bias += rate * sign(mean_load - load) over the loads since the last update."""
-        load = self._load_since_update
+        xp = xp_of(self.expert_bias)
+        load = xp.asarray(self._load_since_update)
         if self.bias_update_rate > 0 and load.sum() > 0:
-            self.expert_bias += self.bias_update_rate * np.sign(load.mean() - load)
-        self._load_since_update = np.zeros(self.n_expert, np.int64)
+            self.expert_bias += self.bias_update_rate * xp.sign(load.mean() - load)
+        self._load_since_update = xp.zeros(self.n_expert, np.int64)

@@ -15,7 +15,7 @@ import zlib
 import numpy as np
 
 from .. import kernels
-from ..backend import is_low_precision
+from ..backend import is_low_precision, lowp_gemm, to_device, xp_of
 
 
 class Parameter:
@@ -25,7 +25,7 @@ class Parameter:
 
     def __init__(self, data, grad=None, name=""):
         self.data = data
-        self.grad = np.zeros_like(data) if grad is None else grad
+        self.grad = xp_of(data).zeros_like(data) if grad is None else grad
         self.name = name
 
     @property
@@ -99,6 +99,30 @@ class Module:
         for p in self.parameters():
             p.grad[...] = 0
 
+    def modules(self):
+        """This module and every sub-module below it (depth first, each once)."""
+        seen, stack = set(), [self]
+        while stack:
+            m = stack.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            yield m
+            stack.extend(v for _, v in reversed(list(m._children())) if isinstance(v, Module))
+
+    def to(self, device: str):
+        """Move every parameter (data and grad, tied ones once) and buffer to 'cpu' or 'cuda'
+        in place; returns self. Build on the host, then move: initial values are device-free."""
+        for _, p in self.named_parameters():
+            p.data = to_device(p.data, device)
+            p.grad = to_device(p.grad, device)
+        for m in self.modules():
+            m._move_buffers(device)
+        return self
+
+    def _move_buffers(self, device: str):
+        """Arrays a module keeps besides its Parameters (MoE: the expert selection bias)."""
+
 
 def compute_cast(a, cdt):
     """``a`` in the compute dtype (no copy when it already is)."""
@@ -107,8 +131,9 @@ def compute_cast(a, cdt):
 
 def matmul(a, b, out_dtype=None):
     """a @ b; float16/bfloat16 operands are multiplied with float32 accumulation (like tensor
-    cores) and the product rounded to ``out_dtype`` (default: the operands' dtype)."""
-    if is_low_precision(a.dtype):
+    cores; on CuPy by cuBLAS on the tensor cores themselves) and the product rounded to
+    ``out_dtype`` (default: the operands' dtype)."""
+    if is_low_precision(a.dtype) and not lowp_gemm(a):   # NumPy: no float16/bf16 GEMM of its own
         y = a.astype(np.float32) @ b.astype(np.float32)
         return y.astype(out_dtype or a.dtype, copy=False)
     y = a @ b
