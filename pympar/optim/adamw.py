@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
+from ..backend import to_numpy, xp_of
 
 
 def decays(name: str, data) -> bool:
@@ -22,8 +23,8 @@ class AdamW:
             raise ValueError("AdamW got the same parameter name twice")
         self.lr, self.beta1, self.beta2, self.eps, self.weight_decay = lr, betas[0], betas[1], eps, weight_decay
         self.decay = {n: bool(decay_fn(n, p.data)) for n, p in self.params}
-        self.m = {n: np.zeros_like(p.data) for n, p in self.params}
-        self.v = {n: np.zeros_like(p.data) for n, p in self.params}
+        self.m = {n: xp_of(p.data).zeros_like(p.data) for n, p in self.params}   # on the params' device
+        self.v = {n: xp_of(p.data).zeros_like(p.data) for n, p in self.params}
         self.step_count = 0
 
     def step(self, lr=None):
@@ -46,5 +47,6 @@ class AdamW:
                              f"unexpected {sorted(set(d['m']) - set(self.m))[:5]}")
         self.step_count = int(d["step"])
         for n in self.m:
-            self.m[n][...] = d["m"][n]
-            self.v[n][...] = d["v"][n]
+            xp = xp_of(self.m[n])
+            self.m[n][...] = xp.asarray(to_numpy(d["m"][n]))
+            self.v[n][...] = xp.asarray(to_numpy(d["v"][n]))

@@ -5,6 +5,23 @@ import math
 
 import numpy as np
 
+from ..backend import to_numpy, xp_of
+
+
+def _sq(g):
+    """sum(g*g) as a 0-d array on g's device (float16 squared in float32)."""
+    g = g.reshape(-1)
+    xp = xp_of(g)
+    return xp.dot(g, g) if g.dtype != np.float16 else xp.dot(g.astype(np.float32), g)
+
+
+def _to_host(terms):
+    """The 0-d device arrays as host scalars, in order, with one transfer."""
+    if not terms:
+        return []
+    xp = xp_of(terms[0])
+    return list(to_numpy(xp.stack([xp.asarray(t, dtype=np.float64) for t in terms])))
+
 
 def clip_grad_norm(params, max_norm, allreduce_sq=None) -> float:
     """Scale every .grad so the global L2 norm is at most max_norm; return the norm before.
@@ -14,14 +31,13 @@ def clip_grad_norm(params, max_norm, allreduce_sq=None) -> float:
     as is and the grads are left untouched (the loss scaler decides what to do).
     """
     sq = 0.0
-    for p in params:
-        g = p.grad.reshape(-1)
-        sq += float(np.dot(g, g)) if g.dtype != np.float16 else float(np.dot(g.astype(np.float32), g))
+    for term in _to_host([_sq(p.grad) for p in params]):   # one device->host copy on a GPU
+        sq += float(term)
     if allreduce_sq is not None:
         sq = float(allreduce_sq(sq))
     norm = math.sqrt(sq) if sq >= 0 else float("nan")
     if max_norm and max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
         for p in params:
-            p.grad *= np.asarray(coef, dtype=p.grad.dtype)
+            p.grad *= p.grad.dtype.type(coef)
     return norm

@@ -1,7 +1,7 @@
 """Dynamic loss scaling for float16 training."""
 from __future__ import annotations
 
-import numpy as np
+from ..backend import xp_of
 
 
 class DynamicLossScaler:
@@ -17,7 +17,12 @@ class DynamicLossScaler:
     @staticmethod
     def found_inf(params) -> bool:
         """Whether any local gradient holds inf or nan (reduce with MAX over ranks when sharded)."""
-        return any(not np.isfinite(p.grad).all() for p in params)
+        params = list(params)
+        if not params:
+            return False
+        xp = xp_of(params[0].grad)
+        flags = [xp.isfinite(p.grad).all() for p in params]
+        return not bool(xp.stack(flags).all())       # one host sync on a GPU
 
     def update(self, found_inf: bool) -> bool:
         """Advance after a backward pass; returns True when the optimiser step must be skipped."""
