@@ -1,0 +1,112 @@
+"""Shared by the bench scripts: launch the trainer or a script under mpiexec, read its
+metrics, describe the machine, save small PNG figures.
+
+Every benchmark on this machine oversubscribes 2 cores with several ranks: absolute times
+are noise, the ratios of one run are the figures to read (docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def env() -> dict:
+    """One BLAS/kernel thread per rank; pympar from this checkout."""
+    return dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYMPAR_NUM_THREADS="1",
+                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def mpiexec() -> str:
+    m = Path(sys.executable).parent / "mpiexec"
+    return str(m if m.exists() else "mpiexec")
+
+
+def launch(n: int, args: list, timeout: float) -> subprocess.CompletedProcess:
+    """``mpiexec -n n python args...`` (oversubscribed), output captured."""
+    cmd = [mpiexec(), "-n", str(n), sys.executable, *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=timeout, cwd=ROOT)
+
+
+def read_jsonl(path) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train(n: int, args: list, timeout: float = 600, out: str | None = None) -> list:
+    """Run ``python -m pympar.train`` on n ranks; -> its metrics.jsonl records.
+
+    Raises RuntimeError with the trainer's last output when it fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        d = out or tmp
+        base = ["-m", "pympar.train", "--out", d, "--sample-tokens", "0", "--progress", "log"]
+        extra = [] if "--eval-every" in args else ["--eval-every", "0"]
+        p = launch(n, base + extra + [str(a) for a in args], timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"pympar.train -n {n} {' '.join(map(str, args))} failed ({p.returncode}):\n"
+                               f"{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
+        return read_jsonl(Path(d) / "metrics.jsonl")
+
+
+def steady(records: list, skip: int = 1) -> list:
+    """The records after the first ``skip`` steps (warm-up)."""
+    return records[skip:] or records
+
+
+def median(records: list, key: str) -> float:
+    return statistics.median(r[key] for r in records)
+
+
+def machine() -> str:
+    """One line naming the machine, for titles and docs."""
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            mem = f", {int(f.readline().split()[1]) / 2**20:.0f} GiB"
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores{mem}, {platform.machine()}, no GPU; ranks oversubscribe the cores"
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 8, "axes.titlesize": 9, "figure.dpi": 80})
+    return plt
+
+
+def save(fig, path) -> Path:
+    """Save a figure small (< 100 KB): modest dpi, PNG with a reduced palette when PIL is there."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    try:
+        from PIL import Image
+
+        im = Image.open(path).convert("RGB").quantize(colors=64)
+        im.save(path, optimize=True)
+    except ImportError:
+        pass
+    return path
+
+
+def write_json(path, obj) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1))
+    return path
