@@ -8,14 +8,14 @@ import numpy as np
 from ..backend import to_numpy, xp_of
 
 
-def _sq(g):
+def sum_sq(g):
     """sum(g*g) as a 0-d array on g's device (float16 squared in float32)."""
     g = g.reshape(-1)
     xp = xp_of(g)
     return xp.dot(g, g) if g.dtype != np.float16 else xp.dot(g.astype(np.float32), g)
 
 
-def _to_host(terms):
+def host_scalars(terms):
     """The 0-d device arrays as host scalars, in order, with one transfer."""
     if not terms:
         return []
@@ -31,7 +31,7 @@ def clip_grad_norm(params, max_norm, allreduce_sq=None) -> float:
     as is and the grads are left untouched (the loss scaler decides what to do).
     """
     sq = 0.0
-    for term in _to_host([_sq(p.grad) for p in params]):   # one device->host copy on a GPU
+    for term in host_scalars([sum_sq(p.grad) for p in params]):   # one device->host copy on a GPU
         sq += float(term)
     if allreduce_sq is not None:
         sq = float(allreduce_sq(sq))

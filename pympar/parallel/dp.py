@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 
+from ..backend import xp_of
 from ..optim import clip_grad_norm
 from .compress import dense_allreduce_bytes, make_compressor
 from .zero import ZeroAdamW, optimizer_memory
@@ -49,7 +50,7 @@ class Bucket:
         self.offsets = list(np.cumsum([0] + self.sizes[:-1]))
         self.numel = int(sum(self.sizes))
         self.padded = -(-self.numel // dp) * dp               # a multiple of dp (reduce-scatter)
-        self.buf = np.zeros(self.padded, dtype=self.dtype)    # (padded,)
+        self.buf = xp_of(params[0].grad).zeros(self.padded, dtype=self.dtype)   # (padded,) on the grads' device
         self.views = [self.buf[o:o + s].reshape(p.grad.shape)
                       for o, s, p in zip(self.offsets, self.sizes, params)]
         self.ids = {id(p) for p in params}
@@ -210,8 +211,8 @@ class DataParallel:
     def grads_finite(self) -> bool:
         """After finish(): are all synced gradients finite (the same answer on every rank)?"""
         if not self.zero:
-            return all(bool(np.isfinite(b.buf).all()) for b in self.buckets)
-        bad = np.array([sum(0 if np.isfinite(b.result).all() else 1 for b in self.buckets)], np.float64)
+            return all(bool(xp_of(b.buf).isfinite(b.buf).all()) for b in self.buckets)
+        bad = np.array([sum(0 if xp_of(b.result).isfinite(b.result).all() else 1 for b in self.buckets)], np.float64)
         if self.dp > 1:                                  # chunks differ per rank: agree
             bad = np.asarray(self.comm.allreduce(bad)).reshape(-1)
         return bool(bad[0] == 0)
@@ -285,7 +286,7 @@ class DataParallel:
             if n == 1:
                 b.result = b.buf.copy()                       # (chunk,) = everything
             else:
-                b.result = np.array(b.buf if result is None else result, dtype=b.dtype).reshape(-1)
+                b.result = xp_of(b.buf).array(b.buf if result is None else result, dtype=b.dtype).reshape(-1)
                 if not mean:
                     b.result *= b.dtype.type(1.0 / n)
         elif n > 1:

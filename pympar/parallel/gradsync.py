@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..backend import xp_of
 from ..optim import clip_grad_norm
+from ..optim.clip import host_scalars, sum_sq
 from .dp import DataParallel
 from .ep import is_expert_param
 from .shard import shard_of
@@ -102,7 +104,7 @@ class ComposedGradSync:
 
     def local_sq(self) -> float:
         """This rank's share of the squared global norm (sum over the world = single-process norm^2)."""
-        sq = 0.0
+        terms = []
         for owner, b, g, lo in self._synced():
             if not owner:
                 continue
@@ -110,13 +112,15 @@ class ComposedGradSync:
             for p, off, size in zip(b.params, b.offsets, b.sizes):
                 a, e = max(off, lo), min(off + size, hi)
                 if a < e and self._counts[id(p)]:
-                    s = g[a - lo:e - lo]
-                    sq += float(np.dot(s, s))
+                    terms.append(sum_sq(g[a - lo:e - lo]))
+        sq = 0.0
+        for t in host_scalars(terms):                 # one device->host copy on a GPU
+            sq += float(t)
         return sq
 
     def nonfinite(self) -> int:
         """Number of synced buckets (or chunks) here holding an inf or nan."""
-        return sum(0 if np.isfinite(g).all() else 1 for _, _, g, _ in self._synced())
+        return sum(0 if xp_of(g).isfinite(g).all() else 1 for _, _, g, _ in self._synced())
 
     def step(self, optimizer, lr, clip, total_sq: float) -> float:
         """Clip every gradient by the global norm sqrt(total_sq) and update; returns the norm."""

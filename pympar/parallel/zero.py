@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from .. import kernels
+from ..backend import xp_of
 from ..optim import clip_grad_norm
 
 
@@ -39,7 +40,8 @@ class _Shard:
 
     def __init__(self, bucket, rank, decay_of):
         lo, hi = rank * bucket.chunk, (rank + 1) * bucket.chunk
-        flat = np.zeros(bucket.padded, dtype=bucket.params[0].data.dtype)   # (padded,)
+        xp = xp_of(bucket.params[0].data)
+        flat = xp.zeros(bucket.padded, dtype=bucket.params[0].data.dtype)   # (padded,)
         self.pieces = []
         for p, name, off, size in zip(bucket.params, bucket.names, bucket.offsets, bucket.sizes):
             flat[off:off + size] = p.data.reshape(-1)
@@ -47,8 +49,8 @@ class _Shard:
             if a < e:
                 self.pieces.append((a - lo, e - lo, decay_of(name, p.data)))
         self.master = flat[lo:hi].copy()                                     # (chunk,)
-        self.m = np.zeros_like(self.master)
-        self.v = np.zeros_like(self.master)
+        self.m = xp.zeros_like(self.master)
+        self.v = xp.zeros_like(self.master)
         self.bucket = bucket
 
 
@@ -104,7 +106,7 @@ class ZeroAdamW:
     def _allgather_params(self):
         for s in self.shards:
             b = s.bucket
-            full = s.master if self.comm.size == 1 else np.asarray(self.comm.allgather(s.master)).reshape(-1)
+            full = s.master if self.comm.size == 1 else xp_of(s.master).asarray(self.comm.allgather(s.master)).reshape(-1)
             for p, off, size in zip(b.params, b.offsets, b.sizes):           # full (padded,)
                 p.data[...] = full[off:off + size].reshape(p.data.shape)
 
@@ -114,7 +116,7 @@ class ZeroAdamW:
         for s in self.shards:
             b = s.bucket
             for mine, full_of in ((s.m, opt.m), (s.v, opt.v)):
-                full = mine if self.comm.size == 1 else np.asarray(self.comm.allgather(mine)).reshape(-1)
+                full = mine if self.comm.size == 1 else xp_of(mine).asarray(self.comm.allgather(mine)).reshape(-1)
                 for name, off, size in zip(b.names, b.offsets, b.sizes):   # full (padded,)
                     full_of[name][...] = full[off:off + size].reshape(full_of[name].shape)
         opt.step_count = self.step_count
@@ -126,7 +128,7 @@ class ZeroAdamW:
         for s in self.shards:
             b = s.bucket
             lo = r * b.chunk
-            flat = {k: np.zeros(b.padded, dtype=s.master.dtype) for k in ("master", "m", "v")}
+            flat = {k: xp_of(s.master).zeros(b.padded, dtype=s.master.dtype) for k in ("master", "m", "v")}
             for p, name, off, size in zip(b.params, b.names, b.offsets, b.sizes):
                 flat["master"][off:off + size] = p.data.reshape(-1)
                 flat["m"][off:off + size] = opt.m[name].reshape(-1)
