@@ -186,8 +186,9 @@ class ParallelRunner:
 
         with rec.span("grad sync", "dp_comm" if self.dp > 1 else "optimizer", bytes=sync.grad_bytes):
             sync.finish()
-        with rec.span("step allreduce", self._world_comm_category()):
-            red = self._allreduce(self._step_vector(loss, local_moe, a2a))
+        vec = self._step_vector(loss, local_moe, a2a)
+        with rec.span("step allreduce", self._world_comm_category(), bytes=int(vec.nbytes)):
+            red = self._allreduce(vec)
         loss = float(red[0] / self.dp)
         nonfinite, total_sq = red[1], float(red[2])
         moe = self._moe_from(red[3:])
