@@ -2,6 +2,7 @@
 // exp(x) = 2^n * exp(r), n = round(x / ln2), |r| <= ln2/2, exp(r) by its Taylor polynomial:
 // degree 7 (float, truncation error < 1e-8 relative) or 13 (double, < 1e-17).
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -20,7 +21,7 @@ inline T madd(T a, T b, T c) {
 }
 
 inline float exp_approx(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  x = std::min(std::max(x, -87.0f), 88.0f);  // min/max, not branches: vectorises on SSE2 too
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   float t = madd(x, 1.44269504088896341f, shifter);
   float n = t - shifter;
@@ -44,7 +45,7 @@ inline float exp_approx(float x) {
 }
 
 inline double exp_approx(double x) {
-  x = x < -708.0 ? -708.0 : (x > 709.0 ? 709.0 : x);
+  x = std::min(std::max(x, -708.0), 709.0);
   const double shifter = 6755399441055744.0;  // 1.5 * 2^52
   double t = madd(x, 1.4426950408889634074, shifter);
   double n = t - shifter;

@@ -51,3 +51,23 @@ def test_best_isa_for_this_cpu():
     if os.environ.get("PYMPAR_ISA"):
         pytest.skip("PYMPAR_ISA forces a build")
     assert K.native_isa() == want
+
+
+def test_tests_import_the_package_that_was_built():
+    """pip installed a pympar with a native module, but the tests import another copy without one
+    (e.g. `python -m pytest` from the repository root puts the source tree first on sys.path):
+    every native test would skip silently."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("pympar")
+    except metadata.PackageNotFoundError:
+        pytest.skip("pympar is not pip-installed (source tree in use)")
+    installed = [f for f in (dist.files or []) if f.name.startswith("_C.") and f.suffix in (".so", ".pyd")]
+    if not installed:
+        pytest.skip("the installed pympar has no native module")
+    where = Path(dist.locate_file(installed[0])).resolve().parent
+    assert K.native_available(), (
+        f"pympar imported from {PKG} has no pympar._C, but the installed one in {where} has: run the tests "
+        f"with the installed package first on sys.path (`pytest`, not `python -m pytest`, from the repository "
+        f"root), or build in place with tools/build_native.sh")
