@@ -47,15 +47,27 @@ def _source_tree_mode() -> bool:
         return True
 
 
+def _abs(a) -> str:
+    """Script paths given relative to the repository root, made absolute."""
+    a = str(a)
+    if not a.startswith("-") and a.endswith(".py") and not os.path.isabs(a) and (ROOT / a).exists():
+        return str(ROOT / a)
+    return a
+
+
 def run_mpi(n: int, args, timeout: float = 120, env=None, cwd=None, check=True):
     """Run ``mpiexec -n n python <args>``; return CompletedProcess (stdout+stderr merged).
 
     Raises AssertionError naming the command and showing the output tail when it fails
     (check=True) or exceeds ``timeout`` seconds.
     """
-    cmd = [mpiexec(), "-n", str(n), sys.executable] + [str(a) for a in args]
+    cmd = [mpiexec(), "-n", str(n), sys.executable] + [_abs(a) for a in args]
+    if cwd is None:
+        # run where the source tree cannot shadow the installed package (and its native _C):
+        # `python -m` puts the working directory first on sys.path
+        cwd = ROOT if _source_tree_mode() else ROOT / "tests"
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=mpi_env(env), cwd=cwd or ROOT, start_new_session=True)
+                         env=mpi_env(env), cwd=cwd, start_new_session=True)
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
