@@ -26,6 +26,32 @@ def default_timeout() -> float:
     return math.inf if t <= 0 else t
 
 
+class Backoff:
+    """Polling pace: tight spins, then sched_yield for YIELD_SECONDS, then doubling sleeps.
+
+    ``pause()`` returns the current time when it checked the clock (None while spinning).
+    """
+
+    __slots__ = ("spins", "sleep", "yield_until")
+
+    def __init__(self):
+        self.spins, self.sleep, self.yield_until = 0, 2e-5, None
+
+    def pause(self):
+        self.spins += 1
+        if self.spins < SPINS_BEFORE_YIELD:
+            return None
+        now = time.monotonic()
+        if self.yield_until is None:
+            self.yield_until = now + YIELD_SECONDS
+        if now < self.yield_until:
+            os.sched_yield()
+        else:
+            time.sleep(self.sleep)
+            self.sleep = min(self.sleep * 2, MAX_SLEEP)
+        return now
+
+
 class Waiter:
     """Deadline of one operation: ``wait(reqs, peers)`` blocks until all complete or it expires."""
 
@@ -45,23 +71,11 @@ class Waiter:
         if not reqs:
             return
         testall = MPI.Request.Testall
-        spins = 0
-        sleep = 2e-5
-        yield_until = None
+        pace = Backoff()
         while not testall(reqs):
-            spins += 1
-            if spins < SPINS_BEFORE_YIELD:
-                continue
-            now = time.monotonic()
-            if now > self.deadline:
+            now = pace.pause()
+            if now is not None and now > self.deadline:
                 self.expire(reqs, peers)
-            if yield_until is None:
-                yield_until = now + YIELD_SECONDS
-            if now < yield_until:
-                os.sched_yield()
-            else:
-                time.sleep(sleep)
-                sleep = min(sleep * 2, MAX_SLEEP)
 
     def expire(self, reqs, peers, detail=""):
         pending = [p for r, p in zip(reqs, peers) if r != MPI.REQUEST_NULL and not r.Test()]

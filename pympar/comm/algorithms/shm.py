@@ -10,8 +10,6 @@ memory, so a stalled barrier can name the ranks that did not arrive.
 from __future__ import annotations
 
 import atexit
-import os
-import time
 import weakref
 
 import numpy as np
@@ -20,7 +18,7 @@ from mpi4py import MPI
 from ... import kernels
 from ..dtypes import finish_avg, reduce_op
 from ..errors import CommTimeoutError
-from ..progress import MAX_SLEEP, SPINS_BEFORE_YIELD, YIELD_SECONDS
+from ..progress import Backoff
 from .p2p import bounds
 
 HEADER = 64
@@ -82,25 +80,13 @@ class ShmArena:
         self.win.Sync()          # our writes are visible before the counter moves
         self.flags[self.rank][0] = e
         flags = self.flags
-        spins, sleep, yield_until = 0, 2e-5, None
-        while True:
-            if all(f[0] >= e for f in flags):
-                break
-            spins += 1
-            if spins < SPINS_BEFORE_YIELD:
-                continue
-            now = time.monotonic()
-            if now > waiter.deadline:
+        pace = Backoff()
+        while not all(f[0] >= e for f in flags):
+            now = pace.pause()
+            if now is not None and now > waiter.deadline:
                 missing = [self.parent_ranks[k] for k, f in enumerate(flags) if f[0] < e]
                 raise CommTimeoutError(waiter.op, waiter.comm_name, waiter.seq, missing, waiter.timeout,
                                        "shared-memory barrier")
-            if yield_until is None:
-                yield_until = now + YIELD_SECONDS
-            if now < yield_until:
-                os.sched_yield()
-            else:
-                time.sleep(sleep)
-                sleep = min(2 * sleep, MAX_SLEEP)
         self.win.Sync()          # and we see everyone's writes
 
     def free(self):
