@@ -65,6 +65,8 @@ def main(argv=None) -> int:
         model_cfg = _fit_vocab(model_cfg, run, corpus)
         corpus.check_block_size(model_cfg.block_size)
         check_supported(model_cfg, run.layout_resolved, run)
+        if run.device == "cuda":
+            _check_gpu(run)
         resume_path = resolve_resume(run)
     except ValueError as e:                    # ConfigError, DataError, NotSupportedError
         sys.stderr.flush()                     # one write per line: ranks' lines must not interleave
@@ -99,12 +101,17 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
     # 2. set up: communicator, model replica(s), recorder, the measured peak
     from .comm import MPIComm
     backend.set_num_threads(run.threads or backend.default_threads())
-    comm = MPIComm(mpi, name="world", timeout=run.comm_timeout)
+    if run.device == "cuda":                  # one GPU per rank; NCCL for device arrays, MPI for host ones
+        from . import gpu
+        gpu.select_device(mpi)
+        comm = gpu.device_world(mpi, timeout=run.comm_timeout)
+    else:
+        comm = MPIComm(mpi, name="world", timeout=run.comm_timeout)
     lay = run.layout_resolved
     dp_rank = Mesh.coords(rank, lay.dp, lay.pp, lay.tp)[1]   # this rank's data shard
     rec = Recorder(enabled=run.profile)
     runner = build_runner(model_cfg, lay, comm, run, rec)
-    peak = float(comm.allreduce(np.array([measure_matmul_peak(barrier=comm.barrier)]))[0])  # all ranks at once, summed
+    peak = float(comm.allreduce(np.array([_peak(run, comm)]))[0])  # all ranks at once, summed
     guard = BadStepGuard(run.max_bad_steps, getattr(runner, "scaler", None))
     faults = FaultInjector(rank, runner.model)
     start = restore_run(runner, resume_path, guard, comm) if resume_path else 0
@@ -147,13 +154,14 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
         if do_eval:
             val_loss = runner.eval_loss(eval_batches)
         tok_s = tokens_per_step / dt
-        rss = rss_bytes()                      # resident memory: rank 0's and the largest of any rank
-        rss_max = int(np.asarray(comm.allreduce(np.array([rss], np.int64), op="max")).reshape(-1)[0]) if world > 1 else rss
+        rss = np.array([rss_bytes(), rss_bytes("RssAnon")], np.int64)   # rank 0's, and the largest of any rank
+        rss_max = np.asarray(comm.allreduce(rss.copy(), op="max")).reshape(-1) if world > 1 else rss
         record = {
             "step": step, "loss": res["loss"], "val_loss": val_loss if do_eval else None,
             "lr": lr, "grad_norm": res["grad_norm"], "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak,
             "step_time": dt, "time_split": res["time_split"], "loss_scale": res["loss_scale"],
-            "skipped": res["skipped"], "rss_bytes": rss, "rss_max_bytes": rss_max,
+            "skipped": res["skipped"], "rss_bytes": int(rss[0]), "rss_max_bytes": int(rss_max[0]),
+            "rss_anon_bytes": int(rss[1]), "rss_anon_max_bytes": int(rss_max[1]),
             "moe": [dict(layer=s["layer"], dropped_fraction=s["dropped_fraction"], **moe_layer_stats(s["tokens_per_expert"]))
                     for s in res["moe"]],
         }
@@ -183,6 +191,31 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
     metrics.close()
     return 0
+
+
+def _check_gpu(run):
+    """ValueError (a clean exit 2) when --device cuda cannot run here."""
+    try:
+        backend.get_xp("cuda")
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
+    from . import gpu
+    if run.dtype == "bfloat16" and not gpu.bfloat16_supported():
+        raise ValueError("--dtype bfloat16 on --device cuda needs a CuPy with bfloat16 arrays (CuPy >= 14 with "
+                         "ml_dtypes); use --dtype float16 (loss-scaled) or float32")
+
+
+def _peak(run, comm) -> float:
+    """FLOP/s this rank's MFU is measured against: on a GPU the datasheet's dense bf16 rate of
+    the device (pympar.gpu.PEAKS; unknown GPUs: a measured float16 GEMM), on the CPU the
+    measured float32 matmul peak."""
+    if run.device == "cuda":
+        from . import gpu
+        p = gpu.peak_flops(gpu.device_name(), "bfloat16")
+        if p:
+            return p
+        return measure_matmul_peak(xp=backend.get_xp("cuda"), dtype=np.float16, barrier=comm.barrier)
+    return measure_matmul_peak(barrier=comm.barrier)
 
 
 def _metrics_before(path: Path, start: int) -> list:

@@ -17,7 +17,7 @@ import struct
 
 import numpy as np
 
-from ..backend import bfloat16
+from ..backend import bfloat16, to_numpy
 from .errors import CheckpointCorrupt
 
 # safetensors dtype code <-> numpy dtype
@@ -67,7 +67,7 @@ def _header_bytes(tensors: dict, metadata: dict | None):
 
 def write(path, tensors: dict, metadata: dict | None = None, fsync: bool = True) -> str:
     """Write {name: ndarray} (C order, little endian) to ``path``; return the file's sha256 hex."""
-    tensors = {k: np.asarray(v, order="C") for k, v in tensors.items()}  # (ascontiguousarray makes 0-d 1-d)
+    tensors = {k: np.asarray(to_numpy(v), order="C") for k, v in tensors.items()}  # GPU arrays: host copies  # (ascontiguousarray makes 0-d 1-d)
     for k, a in tensors.items():
         if a.dtype.byteorder == ">":
             tensors[k] = a.astype(a.dtype.newbyteorder("<"))

@@ -50,8 +50,12 @@ def check_supported(model_cfg, layout, opts) -> None:
     """Raise ValueError (NotSupportedError for what no strategy implements) before any
     communication: every rank reaches the same verdict on its own."""
     dp, pp, tp, ep = layout.dp, layout.pp, layout.tp, layout.ep
-    if opts.device != "cpu":
-        raise NotSupportedError(f"--device {opts.device} is not yet supported by this build's trainer (use cpu)")
+    if opts.device not in ("cpu", "cuda"):
+        raise ValueError(f"--device {opts.device!r}: expected cpu or cuda")
+    if opts.device == "cuda" and (pp > 1 or tp > 1 or ep > 1):
+        raise NotSupportedError(f"--device cuda runs data parallelism (any --dp, ZeRO-1, dense or MoE models); "
+                                f"pp={pp} tp={tp} ep={ep} on GPUs is not wired yet: use --pp 1 --tp 1 --ep 1 "
+                                f"or --device cpu")
     if opts.zero not in (0, 1):
         raise NotSupportedError(f"zero={opts.zero} is not supported (ZeRO-1 only): use --zero 0 or 1")
     if opts.seq_parallel and tp == 1:
@@ -94,6 +98,9 @@ class ParallelRunner:
         self.master = np.dtype(getattr(opts, "master_dtype", "float32"))
         self.compute = None if opts.dtype == "float32" else opts.dtype
         self.model, self.executor, self._tp_model = self._build_model(opts)
+        self.device = getattr(opts, "device", "cpu")
+        if self.device != "cpu":      # built on the host (same numbers), then moved, before any state
+            self.model.to(self.device)
         if self.ep > 1:               # keep n_expert/ep experts; tokens move by alltoallv
             install_expert_parallel(self.model, mesh.ep_comm)
         self.named = named = list(self.model.named_parameters())

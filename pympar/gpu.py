@@ -1,0 +1,107 @@
+"""GPU set-up for a training job: one GPU per rank, the job's communicator, the device's peak.
+
+    dev = select_device(mpi_comm)            # cupy.cuda.Device(local_rank % n_gpus), made current
+    comm = device_world(mpi_comm, timeout)   # DeviceComm: NCCL for CuPy arrays, MPI for host ones
+    peak = peak_flops(dev_name(), "bfloat16")  # the datasheet's dense rate, or None if unknown
+
+Nothing here runs on the CPU path; everything imports CuPy lazily.
+"""
+from __future__ import annotations
+
+import os
+
+from . import backend
+
+# Dense (no sparsity) tensor-core rates from the vendors' datasheets, FLOP/s per GPU, by a
+# substring of the name CUDA reports. bf16 and fp16 are the same on these parts; "float32"
+# is the plain (non-tensor-core) FP32 rate, which CuPy's float32 GEMMs get unless TF32 is on.
+# Order matters: the first matching substring wins (H100 PCIe before H100 SXM, ...).
+PEAKS = [
+    ("H200", {"bfloat16": 989e12, "float32": 67e12}),
+    ("H100 PCIe", {"bfloat16": 756e12, "float32": 51e12}),
+    ("H100 NVL", {"bfloat16": 835e12, "float32": 60e12}),
+    ("H100", {"bfloat16": 989e12, "float32": 67e12}),
+    ("GH200", {"bfloat16": 989e12, "float32": 67e12}),
+    ("H800", {"bfloat16": 989e12, "float32": 67e12}),
+    ("B200", {"bfloat16": 2250e12, "float32": 80e12}),
+    ("A100", {"bfloat16": 312e12, "float32": 19.5e12}),
+    ("A800", {"bfloat16": 312e12, "float32": 19.5e12}),
+    ("A10G", {"bfloat16": 70e12, "float32": 31.2e12}),
+    ("A10", {"bfloat16": 125e12, "float32": 31.2e12}),
+    ("L40S", {"bfloat16": 362e12, "float32": 91.6e12}),
+    ("L40", {"bfloat16": 181e12, "float32": 90.5e12}),
+    ("L4", {"bfloat16": 121e12, "float32": 30.3e12}),
+    ("RTX 4090", {"bfloat16": 165e12, "float32": 82.6e12}),
+    ("RTX 3090", {"bfloat16": 71e12, "float32": 35.6e12}),
+    ("V100", {"bfloat16": 0.0, "float16": 125e12, "float32": 15.7e12}),   # no bf16 tensor cores
+    ("T4", {"bfloat16": 0.0, "float16": 65e12, "float32": 8.1e12}),
+]
+
+
+def peak_flops(name: str, dtype: str = "bfloat16"):
+    """The datasheet peak of GPU ``name`` for ``dtype`` ('bfloat16', 'float16', 'float32'), or
+    None when the GPU is not in the table. float16 defaults to the bf16 rate where equal."""
+    for key, rates in PEAKS:
+        if key.lower() in name.lower():
+            v = rates.get(dtype, rates.get("bfloat16") if dtype == "float16" else None)
+            return v or None
+    return None
+
+
+def device_name() -> str:
+    cp = backend.get_xp("cuda")
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    n = props["name"]
+    return n.decode() if isinstance(n, bytes) else str(n)
+
+
+def local_rank(mpi_comm) -> int:
+    """This rank's index among the ranks of its node (launcher variables first, then MPI)."""
+    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK", "PMI_LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    from mpi4py import MPI
+
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
+
+
+def select_device(mpi_comm):
+    """Make GPU local_rank % n_gpus current for this process (one GPU per rank); returns it."""
+    cp = backend.get_xp("cuda")
+    n = cp.cuda.runtime.getDeviceCount()
+    dev = cp.cuda.Device(local_rank(mpi_comm) % n)
+    dev.use()
+    return dev
+
+
+def bfloat16_supported() -> bool:
+    """Whether this CuPy holds and multiplies bfloat16 arrays (CuPy 14 with ml_dtypes)."""
+    cp = backend.cupy_or_none()
+    if cp is None or backend.bfloat16 is None:
+        return False
+    try:
+        a = cp.ones((2, 2), dtype=backend.bfloat16)
+        return float((a @ a).astype(cp.float32)[0, 0]) == 2.0
+    except Exception:
+        return False
+
+
+def device_world(mpi_comm, timeout=None, name="world", use_nccl=None):
+    """The job's communicator on GPUs: DeviceComm over NCCL (CuPy operands) and MPI (host
+    operands). PYMPAR_NCCL=0 (or use_nccl=False) keeps everything on MPI: CUDA-aware MPI
+    where the library says it is, host staging otherwise."""
+    from .comm.hybrid import DeviceComm
+    from .comm.mpi import MPIComm
+
+    mpi = MPIComm(mpi_comm, name=name, timeout=timeout)
+    if use_nccl is None:
+        use_nccl = os.environ.get("PYMPAR_NCCL", "1") != "0"
+    if use_nccl and mpi.size > 1:
+        from .comm.nccl import NCCLComm
+
+        return DeviceComm(NCCLComm(mpi, name=f"nccl:{name}", timeout=timeout))
+    return DeviceComm.mpi_only(mpi)      # a single rank needs no NCCL communicator

@@ -1,0 +1,175 @@
+"""The engine on CuPy against the engine on NumPy (marked `gpu`: skipped without CuPy and a GPU).
+
+Kernels one by one are in test_kernels_gpu.py and NCCLComm's verbs in test_comm_nccl.py; here:
+dense and MoE losses and every gradient of a model moved to the GPU against the same model on
+the host (float32, and bfloat16/float16 compute within their tolerance), a few AdamW steps
+(float32; float16 with the loss scaler), DeviceComm's routing, and the trainer's
+``--device cuda`` against ``--device cpu`` end to end.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pympar import backend
+from pympar.nn import GPT, GPTConfig
+from pympar.optim import AdamW, DynamicLossScaler, clip_grad_norm
+
+cp = backend.cupy_or_none()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason="needs CuPy and a visible GPU")]
+
+DENSE = dict(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=32)
+MOE = dict(DENSE, n_expert=4, top_k=2, capacity_factor=1.25, shared_expert=True, bias_update_rate=0.01)
+
+
+def batch(cfg, seed=0, B=3):
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, cfg.vocab_size, (B, cfg.block_size))
+    tgt = rng.integers(0, cfg.vocab_size, (B, cfg.block_size))
+    tgt[0, :3] = -1                                   # ignored targets take the same path on both
+    return idx, tgt
+
+
+def pair(kw, compute_dtype=None):
+    cfg = GPTConfig(**kw)
+    host = GPT(cfg, seed=3, compute_dtype=None)
+    dev = GPT(cfg, seed=3, compute_dtype=compute_dtype).to("cuda")
+    return cfg, host, dev
+
+
+def grads(model):
+    return {n: backend.to_numpy(p.grad).astype(np.float64) for n, p in model.named_parameters()}
+
+
+def rel_err(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12))
+
+
+def test_to_cuda_moves_everything_and_keeps_the_tie():
+    _, host, dev = pair(MOE)
+    for n, p in dev.named_parameters():
+        assert backend.is_cupy(p.data) and backend.is_cupy(p.grad), n
+    assert dev.head.wte is dev.embedding.wte and backend.is_cupy(dev.head.wte.data)
+    for _, m in dev.moe_layers():
+        assert backend.is_cupy(m.expert_bias)
+    sd_h, sd_d = host.state_dict(), dev.state_dict()        # state dicts are host arrays either way
+    assert sd_h.keys() == sd_d.keys()
+    for k in sd_h:
+        assert isinstance(sd_d[k], np.ndarray)
+        np.testing.assert_array_equal(sd_d[k], sd_h[k])
+
+
+@pytest.mark.parametrize("kw", [DENSE, MOE], ids=["dense", "moe"])
+def test_float32_loss_and_every_gradient_match_numpy(kw):
+    cfg, host, dev = pair(kw)
+    idx, tgt = batch(cfg)
+    lh = host.loss_and_grad(idx, tgt, grad_scale=0.5)
+    ld = dev.loss_and_grad(idx, tgt, grad_scale=0.5)    # host batches are moved by the model
+    assert abs(ld - lh) < 1e-5 * max(1.0, abs(lh))
+    gh, gd = grads(host), grads(dev)
+    for n in gh:
+        np.testing.assert_allclose(gd[n], gh[n], rtol=2e-3, atol=2e-6, err_msg=n)
+    assert host.moe_stats() == dev.moe_stats()          # identical routing and drops
+
+
+@pytest.mark.parametrize("cdt", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kw", [DENSE, MOE], ids=["dense", "moe"])
+def test_low_precision_gradients_within_tolerance(kw, cdt):
+    if cdt == "bfloat16":
+        from pympar import gpu
+        if not gpu.bfloat16_supported():
+            pytest.skip("this CuPy has no bfloat16 arrays")
+    cfg, host, dev = pair(kw, compute_dtype=cdt)
+    idx, tgt = batch(cfg, 1)
+    lh = host.loss_and_grad(idx, tgt)
+    ld = dev.loss_and_grad(idx, tgt)
+    assert abs(ld - lh) < 3e-2 * max(1.0, abs(lh))
+    for n, p in dev.named_parameters():
+        assert p.grad.dtype == np.float32, n          # master grads stay float32
+    gh, gd = grads(host), grads(dev)
+    total = rel_err(np.concatenate([g.ravel() for g in gd.values()]), np.concatenate([g.ravel() for g in gh.values()]))
+    assert total < 5e-2, f"{cdt}: relative gradient error {total:.3g}"
+
+
+def _train(model, cfg, steps, scaler=None):
+    opt = AdamW(list(model.named_parameters()), lr=3e-3)
+    losses, skipped = [], 0
+    for s in range(steps):
+        model.zero_grad()
+        idx, tgt = batch(cfg, 10 + s)
+        scale = scaler.scale if scaler else 1.0
+        losses.append(model.loss_and_grad(idx, tgt, grad_scale=scale))
+        params = model.parameters()
+        if scaler:
+            if scaler.update(DynamicLossScaler.found_inf(params)):
+                skipped += 1
+                continue
+            for p in params:
+                p.grad *= p.grad.dtype.type(1.0 / scale)
+        clip_grad_norm(params, 1.0)
+        opt.step()
+        model.update_expert_bias()
+    return losses, skipped
+
+
+@pytest.mark.parametrize("kw", [DENSE, MOE], ids=["dense", "moe"])
+def test_a_few_adamw_steps_match_the_cpu_run(kw):
+    cfg, host, dev = pair(kw)
+    lh, _ = _train(host, cfg, 4)
+    ld, _ = _train(dev, cfg, 4)
+    np.testing.assert_allclose(ld, lh, rtol=2e-4)
+    assert ld[-1] < ld[0]
+    for (n, ph), (_, pd) in zip(host.named_parameters(), dev.named_parameters()):
+        np.testing.assert_allclose(backend.to_numpy(pd.data), ph.data, rtol=1e-3, atol=1e-4, err_msg=n)
+
+
+def test_float16_with_loss_scaling_tracks_float32():
+    cfg, host, dev = pair(DENSE, compute_dtype="float16")
+    lh, _ = _train(host, cfg, 5)
+    ld, skipped = _train(dev, cfg, 5, DynamicLossScaler(init_scale=2.0 ** 16, growth_interval=2))
+    assert skipped < 5
+    np.testing.assert_allclose(ld[0], lh[0], rtol=3e-2)
+    assert ld[-1] < ld[0]
+
+
+def test_device_comm_routes_device_and_host_operands():
+    from mpi4py import MPI
+
+    from pympar.comm.hybrid import DeviceComm
+    from pympar.comm.mpi import MPIComm
+    from pympar.comm.nccl import NCCLComm
+
+    c = DeviceComm(NCCLComm(MPIComm(MPI.COMM_WORLD.Dup())))
+    x = cp.arange(6, dtype=cp.float32)
+    y = c.allreduce(x.copy())
+    assert backend.is_cupy(y if y is not None else x)
+    h = c.allreduce(np.arange(3.0))
+    assert not backend.is_cupy(h if h is not None else np.zeros(1))
+    sub = c.split(0, key=c.rank)
+    assert isinstance(sub, DeviceComm) and sub.uses_nccl and sub.size == c.size
+    c.barrier()
+
+
+def test_trainer_device_cuda_matches_device_cpu(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    common = [sys.executable, "-m", "pympar.train", "--preset", "tiny", "--block-size", "16", "--micro-batch-size", "2",
+              "--n-micro", "2", "--steps", "3", "--eval-iters", "1", "--sample-tokens", "4", "--lr", "1e-3"]
+    out = {}
+    for dev in ("cpu", "cuda"):
+        res = subprocess.run(common + ["--device", dev, "--out", str(tmp_path / dev)], cwd=root, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+        assert res.returncode == 0, res.stdout[-3000:]        # one rank: MPI singleton, no mpiexec
+        out[dev] = [json.loads(line) for line in (tmp_path / dev / "metrics.jsonl").read_text().splitlines()]
+    lc = [r["loss"] for r in out["cpu"] if "loss" in r]
+    lg = [r["loss"] for r in out["cuda"] if "loss" in r]
+    assert len(lc) == len(lg) == 3
+    np.testing.assert_allclose(lg, lc, rtol=1e-3)
+    assert all(0 < r["mfu"] < 1 for r in out["cuda"] if "mfu" in r)
