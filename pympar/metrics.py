@@ -69,12 +69,15 @@ def measure_matmul_peak(xp=np, dtype=np.float32, n: int = 256, seconds: float = 
     return 2.0 * n ** 3 * reps / (time.perf_counter() - t0)
 
 
-def rss_bytes() -> int:
-    """This process's resident set size (VmRSS of /proc/self/status), 0 where there is none."""
+def rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory from /proc/self/status, 0 where there is none.
+
+    field: VmRSS (all resident pages) or RssAnon (heap and anonymous maps only: without the
+    file pages of a memory-mapped corpus, which grow as training reads more of the file)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024          # "VmRSS:   123456 kB"
     except OSError:
         pass
