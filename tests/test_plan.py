@@ -1,0 +1,220 @@
+"""pympar.plan: the enumerator, the validator verdicts, the memory model against the real
+models' parameter counts, the step-time model's pieces, and the CLI without --measure."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pympar.nn import GPT, GPTConfig
+from pympar.parallel.ep import is_expert_param
+from pympar.parallel.pp.partition import partition
+from pympar.parallel.pp.schedules import bubble_formula
+from pympar.plan import (Layout, Machine, choose_layout, enumerate_layouts, fit_alpha_beta, params_per_rank,
+                         plan, predict, spearman)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def machine(**kw):
+    d = dict(peak=1e10, alpha=1e-5, intra_bw=1e9, inter_bw=1e8, mem=1 << 34, act_bytes=4, mfu=0.5,
+             ranks_per_node=8, overlap=0.0, overhead=0.0, cores=0)
+    d.update(kw)
+    return Machine(**d)
+
+
+def n_params(model, keep=lambda name: True):
+    return sum(p.data.size for name, p in model.named_parameters() if keep(name))
+
+
+# --- the enumerator and the validators ------------------------------------------------------
+@pytest.mark.parametrize("preset, world", [("small", 4), ("small", 8), ("moe-small", 8), ("tiny", 6)])
+def test_every_enumerated_layout_is_valid(preset, world):
+    cfg = GPTConfig.from_preset(preset)
+    gb = 4 * world
+    valid = [lay for lay, why in enumerate_layouts(cfg, world, gb, world) if why is None]
+    assert valid
+    for lay in valid:
+        assert lay.dp * lay.pp * lay.tp == world
+        assert lay.micro_batch_size * lay.n_micro * lay.dp == gb
+        assert cfg.n_head % lay.tp == 0 and lay.pp <= cfg.n_layer
+        assert lay.dp % lay.ep == 0 and (lay.ep == 1 or cfg.n_expert % lay.ep == 0)
+        assert not (lay.seq_parallel and lay.tp == 1) and not (lay.zero and lay.dp == 1)
+    keys = [lay.key() for lay in valid]
+    assert len(keys) == len(set(keys))
+
+
+def test_enumerator_covers_the_dimensions():
+    cfg = GPTConfig.from_preset("moe-small")                      # 4 layers, 4 heads, 8 experts
+    valid = [lay for lay, why in enumerate_layouts(cfg, 8, 32, 8) if why is None]
+    got = {(lay.dp, lay.pp, lay.tp) for lay in valid}
+    assert {(8, 1, 1), (1, 8 // 2, 2), (2, 2, 2), (2, 1, 4), (1, 2, 4)} <= got
+    assert {lay.ep for lay in valid} == {1, 2, 4, 8}
+    assert {lay.schedule for lay in valid} == {"1f1b", "gpipe", "interleaved"}
+    assert any(lay.zero for lay in valid) and any(lay.seq_parallel for lay in valid)
+
+
+def test_rejections_say_why():
+    cfg = GPTConfig.from_preset("small")                          # 4 heads
+    rejected = [why for lay, why in enumerate_layouts(cfg, 8, 12, 8) if why]
+    assert any("not divisible by dp=8" in w for w in rejected)    # 12 sequences over 8 DP ranks
+    assert any("tp=8" in w or "n_head" in w for w in rejected)    # 4 heads over tp=8
+    node = [why for lay, why in enumerate_layouts(cfg, 8, 32, ranks_per_node=2) if why]
+    assert any("spans nodes" in w for w in node)
+
+
+def test_out_of_memory_is_rejected_with_the_numbers():
+    cfg = GPTConfig.from_preset("small")
+    ok, rejected = plan(cfg, 4, 16, machine(mem=30 * 2**20, ranks_per_node=4))
+    assert all(p.memory["total"] <= 30 * 2**20 for p in ok)
+    oom = [why for _, why in rejected if why.startswith("out of memory")]
+    assert oom and "GiB per rank" in oom[0]
+    ok_big, _ = plan(cfg, 4, 16, machine(ranks_per_node=4))
+    assert len(ok_big) == len(ok) + len(oom)
+
+
+# --- the memory model -------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["tiny", "small", "moe-tiny", "moe-small"])
+def test_params_single_rank_equal_the_model(preset):
+    cfg = GPTConfig.from_preset(preset)
+    lay = Layout(1, 1, 1, 1, 1, 1, "1f1b")
+    assert params_per_rank(cfg, lay, range(cfg.n_layer), True, True) == n_params(GPT(cfg))
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_params_with_expert_parallelism(ep):
+    cfg = GPTConfig.from_preset("moe-tiny")                       # 4 experts
+    model = GPT(cfg)
+    dense = n_params(model, lambda n: not is_expert_param(n))
+    experts = n_params(model, is_expert_param)
+    lay = Layout(ep, 1, 1, ep, 1, 1, "1f1b")
+    assert params_per_rank(cfg, lay, range(cfg.n_layer), True, True) == dense + experts // ep
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_params_over_stages_sum_to_the_model_plus_the_tied_copy(pp):
+    cfg = GPTConfig.from_preset("small")
+    part = partition(cfg, pp)
+    lay = Layout(1, pp, 1, 1, 1, 4, "1f1b")
+    total = sum(params_per_rank(cfg, lay, part.blocks(s), s == 0, s == pp - 1) for s in range(pp))
+    assert total == n_params(GPT(cfg)) + cfg.vocab_size * cfg.n_embd      # the last stage's wte copy
+
+
+def test_memory_zero1_divides_the_optimizer_state():
+    cfg = GPTConfig.from_preset("small")
+    plain = predict(cfg, Layout(4, 1, 1, 1, 2, 2, "1f1b"), machine())
+    zero = predict(cfg, Layout(4, 1, 1, 1, 2, 2, "1f1b", zero=True), machine())
+    assert plain.memory["params"] == zero.memory["params"]
+    assert zero.memory["optimizer"] == pytest.approx(plain.memory["optimizer"] / 4)
+    assert plain.memory["optimizer"] == 2 * plain.memory["params"]          # AdamW m, v in float32
+
+
+def test_memory_activations_follow_micro_batches_in_flight():
+    cfg = GPTConfig.from_preset("small")
+    m = machine()
+    gpipe = predict(cfg, Layout(1, 4, 1, 1, 1, 16, "gpipe"), m)
+    ofob = predict(cfg, Layout(1, 4, 1, 1, 1, 16, "1f1b"), m)
+    assert gpipe.peak_in_flight == 16 and ofob.peak_in_flight == 4         # stage 0 of 1F1B keeps p
+    # GPipe keeps all 16 on every stage, 1F1B at most p=4 (the worst ranks differ: the last stage holds logits)
+    assert gpipe.memory["activations"] > 3 * ofob.memory["activations"]
+    half = predict(cfg, Layout(4, 1, 1, 1, 2, 2, "1f1b"), m)
+    full = predict(cfg, Layout(4, 1, 1, 1, 4, 1, "1f1b"), m)
+    assert full.memory["activations"] > 1.9 * half.memory["activations"]
+    sp = predict(cfg, Layout(2, 1, 2, 1, 8, 1, "1f1b", seq_parallel=True), m)
+    nosp = predict(cfg, Layout(2, 1, 2, 1, 8, 1, "1f1b"), m)
+    assert sp.memory["activations"] < nosp.memory["activations"]
+
+
+# --- the step-time model -----------------------------------------------------------------------
+@pytest.mark.parametrize("sched, p, mm, v", [("gpipe", 4, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2)])
+def test_bubble_without_communication_is_the_formula(sched, p, mm, v):
+    cfg = GPTConfig.from_preset("small")
+    pred = predict(cfg, Layout(1, p, 1, 1, 1, mm, sched, v), machine(alpha=0.0, intra_bw=1e30))
+    assert pred.bubble == pytest.approx(bubble_formula(sched, p, mm, v), rel=1e-6)
+
+
+def test_oversubscribed_ranks_share_the_cores():
+    cfg = GPTConfig.from_preset("small")
+    lay = Layout(1, 4, 1, 1, 1, 4, "gpipe")
+    alone = predict(cfg, lay, machine(ranks_per_node=4, cores=0))
+    shared = predict(cfg, lay, machine(ranks_per_node=4, cores=2))
+    assert alone.time["shared_cores"] == 0.0
+    # 4 ranks on 2 cores: the step is at least twice one rank's busy work
+    busy = alone.time["compute"]
+    assert shared.step_time >= 2 * busy * 0.999 and shared.step_time > alone.step_time
+    dp = predict(cfg, Layout(4, 1, 1, 1, 1, 1, "1f1b"), machine(ranks_per_node=4, cores=2))   # same batch of 4
+    assert dp.step_time == pytest.approx(shared.step_time, rel=0.05)      # same work, bubble given away
+
+
+def test_tp_and_dp_communication_grow_with_size():
+    cfg = GPTConfig.from_preset("small")
+    slow = machine(intra_bw=1e8)
+    tp2 = predict(cfg, Layout(2, 1, 2, 1, 8, 1, "1f1b"), slow)
+    tp4 = predict(cfg, Layout(1, 1, 4, 1, 16, 1, "1f1b"), slow)
+    assert 0 < tp2.time["tp_comm"] < tp4.time["tp_comm"]
+    dp = predict(cfg, Layout(4, 1, 1, 1, 4, 1, "1f1b"), slow)
+    assert dp.time["dp_comm"] > 0 and tp2.time["dp_comm"] < dp.time["dp_comm"]
+
+
+def test_fit_alpha_beta(tmp_path):
+    rows = [dict(bytes=8, algo="ring", time_us=50.0, busbw=0.0), dict(bytes=8, algo="library", time_us=30.0, busbw=0.0),
+            dict(bytes=1 << 20, algo="ring", time_us=1000.0, busbw=1.5), dict(bytes=1 << 22, algo="ring", time_us=3e3, busbw=2.5)]
+    f = tmp_path / "a.json"
+    f.write_text(json.dumps(dict(collective="allreduce", nranks=4, rows=rows)))
+    assert fit_alpha_beta([f]) == (pytest.approx(30e-6), pytest.approx(2.5e9))
+    g = tmp_path / "b.json"                # bench/collectives.py form: other rank counts and collectives
+    g.write_text(json.dumps(dict(rows=[dict(r, collective="allreduce", nranks=8, time_us=r["time_us"] * 2,
+                                            busbw=r["busbw"] / 2) for r in rows]
+                                 + [dict(rows[0], collective="allgather", nranks=4, time_us=1.0)])))
+    assert fit_alpha_beta([f, g], nranks=8) == (pytest.approx(60e-6), pytest.approx(1.25e9))
+    assert fit_alpha_beta([f, g], nranks=4)[0] == pytest.approx(30e-6)     # allgather's 1 us is not used
+    bad = tmp_path / "c.json"
+    bad.write_text(json.dumps(dict(collective="allreduce", rows=rows[:2])))
+    with pytest.raises(ValueError, match=">= 1 MiB"):
+        fit_alpha_beta([bad])
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
+    assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.8660254, rel=1e-6)   # ties share their mean rank
+
+
+def test_choose_layout_is_a_valid_layout_of_the_world():
+    for preset, world in [("small", 4), ("moe-small", 8), ("tiny", 3)]:
+        lay = choose_layout(GPTConfig.from_preset(preset), world, 4 * world)
+        assert lay.dp * lay.pp * lay.tp == world and lay.micro_batch_size * lay.n_micro * lay.dp == 4 * world
+    with pytest.raises(ValueError, match="no valid layout"):
+        choose_layout(GPTConfig.from_preset("small"), 4, 16, mem_per_rank=1024)
+
+
+# --- the CLI (no --measure) -------------------------------------------------------------------
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "pympar.plan", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+
+
+def test_cli_table_and_json(tmp_path):
+    out = tmp_path / "plan.json"
+    r = run_cli("--preset", "small", "--world", "4", "--peak-flops", "1e10", "--top", "5", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "world 4" in lines[0] and "step(ms)" in lines[1]
+    assert [l.split()[0] for l in lines[3:8]] == ["1", "2", "3", "4", "5"]
+    d = json.loads(out.read_text())
+    times = [c["step_time_s"] for c in d["candidates"]]
+    assert times == sorted(times) and len(times) > 20
+    assert d["rejected"] and all(x["reason"] for x in d["rejected"])
+
+
+def test_cli_gpu_device_and_errors():
+    r = run_cli("--preset", "gpt2-124m", "--world", "64", "--ranks-per-node", "2", "--device", "h100",
+                "--global-batch", "512", "--top", "3")
+    assert r.returncode == 0, r.stderr
+    assert "device h100" in r.stdout and "spans nodes" in r.stdout        # tp=4 leaves a node of 2
+    bad = run_cli("--preset", "small", "--world", "0")
+    assert bad.returncode == 2 and "--world=0 must be >= 1" in bad.stderr
+    bad = run_cli("--preset", "nope", "--world", "2")
+    assert bad.returncode == 2 and "unknown preset" in bad.stderr
