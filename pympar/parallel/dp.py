@@ -212,9 +212,10 @@ class DataParallel:
         """After finish(): are all synced gradients finite (the same answer on every rank)?"""
         if not self.zero:
             return all(bool(xp_of(b.buf).isfinite(b.buf).all()) for b in self.buckets)
-        bad = np.array([sum(0 if xp_of(b.result).isfinite(b.result).all() else 1 for b in self.buckets)], np.float64)
+        bad = np.array([sum(0 if xp_of(b.result).isfinite(b.result).all() else 1  # host count
+                            for b in self.buckets)], np.float64)
         if self.dp > 1:                                  # chunks differ per rank: agree
-            bad = np.asarray(self.comm.allreduce(bad)).reshape(-1)
+            bad = np.asarray(self.comm.allreduce(bad)).reshape(-1)   # host vector over MPI
         return bool(bad[0] == 0)
 
     def scale_grads(self, alpha):
