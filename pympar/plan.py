@@ -55,7 +55,10 @@ DEVICES = {
     "h200": dict(peak=989e12, intra_bw=360e9, inter_bw=50e9, alpha=8e-6, mem=141 * GiB, act_bytes=2, overhead=3e-5),
 }
 CPU_DEFAULT = dict(alpha=20e-6, intra_bw=2e9, inter_bw=1e9, act_bytes=4, overhead=3e-4)
-MFU_ASSUMED = {"cpu": 0.5, "gpu": 0.45}   # fraction of the matmul peak a training step reaches
+# fraction of the matmul peak a training step reaches. cpu: the peak is a 256^3 float32 burst;
+# a whole step of the small preset ran at 1.0-1.2x that rate (bench/plan_accuracy.py, 4 ranks on
+# 2 cores), larger GEMMs than the burst's; 0.5 had predicted every step 2.5x too slow.
+MFU_ASSUMED = {"cpu": 1.0, "gpu": 0.45}
 
 
 def is_moe_layer(cfg: GPTConfig, i: int) -> bool:
@@ -273,8 +276,8 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     pp_t = m.coll("sendrecv", act_b, 2, pp_cross) if lay.pp > 1 else 0.0
     f_cost = comp / 3 + (tp_t + ep_t) / 2
     b_cost = 2 * comp / 3 + (tp_t + ep_t) / 2
-    sim = S.simulate(scheds, lay.pp, lay.virtual_stages, f_cost * lay.virtual_stages,
-                     b_cost * lay.virtual_stages, comm_cost=pp_t / lay.virtual_stages)
+    # simulate() charges each of a rank's v chunks cost/v; every chunk boundary sends the full B*T*C
+    sim = S.simulate(scheds, lay.pp, lay.virtual_stages, f_cost, b_cost, comm_cost=pp_t)
     pipe = sim["makespan"]
     busy = max(sim["busy"])
     grad_bytes = 4 * n_par_worst

@@ -1,0 +1,110 @@
+"""Regenerate every benchmark figure in one command: JSON under bench/results/, PNG under
+docs/img/, and docs/benchmarks.md presenting them (bench/report_md.py).
+
+    python bench/run_all.py               # the full suite: 20-40 minutes on the 2-core VM
+    python bench/run_all.py --quick       # a smoke run of every step, a few minutes
+    python bench/run_all.py --only strategies,moe_balance     # some steps; the doc is rewritten
+                                                               # from whatever JSON is there
+
+Each step is one bench script run as a subprocess (so one failing step does not stop the
+others: the doc marks it failed). Every comparison is measured side by side inside one
+step, so its ratios share one machine load; different steps ran at different times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import report_md  # noqa: E402
+
+R, IMG = common.RESULTS, common.ROOT / "docs" / "img"
+PY = sys.executable
+B = common.ROOT / "bench"
+
+
+def steps(quick: bool) -> list:
+    """(name, argv, figure argv or None) in run order; collectives first: the planner reads them."""
+    q = quick
+    return [
+        ("kernels", [PY, B / "kernels.py", "--sizes", *(["65536"] if q else ["1048576", "16384"]),
+                     "--threads", "1", "2", "--min-time", "0.05" if q else "0.2", "--json", R / "kernels.json"],
+         ["kernels", R / "kernels.json", IMG / "kernels.png"]),
+        ("train_step", [PY, B / "train_step.py", "--preset", "small", "--batch", "8", "--threads", "1",
+                        "--steps", "2" if q else "5", "--profile", "0", "--json", R / "train_step.json"], None),
+        ("collectives", [PY, B / "collectives.py", *(["--ranks", "2,4", "--max", "1M", "--max-other", "64K",
+                                                      "--collectives", "allreduce,allgather", "--factor", "64",
+                                                      "--iters", "3"] if q else ["--ranks", "2,4,8"]),
+                         "--json", R / "collectives.json", "--png-dir", IMG], None),
+        ("pipeline", [PY, B / "pipeline.py", "--launch", "--pp", "2" if q else "2,4", "--m", "2,4" if q else "1,2,4,8,16",
+                      "--steps", "2" if q else "4", "--work", "spin", "--block-ms", "1" if q else "2",
+                      "--json", R / "pipeline.json"], ["pipeline", R / "pipeline.json", IMG / "pipeline.png"]),
+        ("dp_scaling", [PY, B / "dp_scaling.py", "--launch", "--dp", "1,2" if q else "1,2,4", "--bucket-mb", "0.5",
+                        "--steps", "3" if q else "10", "--json", R / "dp_scaling.json"],
+         ["dp_scaling", R / "dp_scaling.json", IMG / "dp_scaling.png"]),
+        ("compression", [PY, B / "compression.py", "--curve-steps", "12" if q else "60", "--json", R / "compression.json",
+                         "--png", IMG / "compression.png"], None),
+        ("strategies", [PY, B / "strategies.py", "--world", "4" if q else "4,8", "--steps", "2" if q else "5",
+                        "--warmup", "1" if q else "2", "--rounds", "1" if q else "2", "--json", R / "strategies.json",
+                        "--png", IMG / "strategies.png"], None),
+        ("moe_balance", [PY, B / "moe_balance.py", "--steps", "20" if q else "300", "--json", R / "moe_balance.json",
+                         "--png", IMG / "moe_balance.png"], None),
+        ("plan_accuracy", [PY, B / "plan_accuracy.py", "--world", "4" if q else "4,8", "--rounds", "1" if q else "2",
+                           "--steps", "2" if q else "4", "--bench-json", R / "collectives.json",
+                           "--json", R / "plan_accuracy.json", "--png", IMG / "plan_accuracy.png"], None),
+        ("soak", [PY, B / "soak.py", "--world", "8", "--preset", "tiny" if q else "small", "--steps", "30" if q else "400",
+                  "--save-every", "10" if q else "25", "--json", R / "soak.json", "--png", IMG / "soak.png"], None),
+    ]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes and few steps: a smoke run")
+    ap.add_argument("--only", default="", help="comma-separated step names")
+    ap.add_argument("--doc", default=str(common.ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per step")
+    a = ap.parse_args(argv)
+    todo = steps(a.quick)
+    names = [s[0] for s in todo]
+    only = [x for x in a.only.split(",") if x]
+    bad = sorted(set(only) - set(names))
+    if bad:
+        ap.error(f"--only {bad}: the steps are {names}")
+    R.mkdir(parents=True, exist_ok=True)
+    IMG.mkdir(parents=True, exist_ok=True)
+    status_path = R / "run_all_status.json"
+    status = json.loads(status_path.read_text()) if status_path.exists() else {}
+    for name, cmd, fig in todo:
+        if only and name not in only:
+            continue
+        t0 = time.time()
+        print(f"[run_all] {name}: {' '.join(map(str, cmd[1:]))}", flush=True)
+        try:
+            p = subprocess.run([str(c) for c in cmd], env=common.env(), cwd=common.ROOT, timeout=a.timeout,
+                               capture_output=True, text=True)
+            ok = p.returncode == 0 or (name == "soak" and p.returncode == 1)     # soak: 1 = growth over the limit
+            if ok and fig:
+                f = subprocess.run([PY, str(B / "figures.py"), *map(str, fig)], env=common.env(), cwd=common.ROOT,
+                                   capture_output=True, text=True, timeout=300)
+                ok, p = f.returncode == 0, (p if f.returncode == 0 else f)
+            tail = (p.stdout[-2000:] + p.stderr[-2000:]).strip()
+        except subprocess.TimeoutExpired:
+            ok, tail = False, f"timed out after {a.timeout:.0f} s"
+        status[name] = dict(ok=ok, seconds=round(time.time() - t0, 1), quick=a.quick, when=time.strftime("%Y-%m-%d %H:%M"),
+                            log_tail=None if ok else tail[-1500:])
+        print(f"[run_all] {name}: {'ok' if ok else 'FAILED'} in {time.time() - t0:.0f} s" + ("" if ok else f"\n{tail[-1500:]}"),
+              flush=True)
+        (R / f"{name}.log").write_text(tail + "\n")
+        status_path.write_text(json.dumps(status, indent=1))
+    Path(a.doc).write_text(report_md.render(R, status))
+    print(f"[run_all] wrote {a.doc}")
+    return 0 if all(s["ok"] for n, s in status.items() if not only or n in only) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
