@@ -104,6 +104,16 @@ def read_all(directory):
     return {k: ck.read(k) for k in ck.tensors}, ck
 
 
+def assert_written_once(ck):
+    """Every element of every tensor is in exactly one stored piece: DP replicas, tp-replicated
+    tensors and the tied wte of the first and last pipeline stage are written once."""
+    for key, t in ck.tensors.items():
+        full = int(np.prod(t["full_shape"]))
+        stored = sum(int(np.prod([sum(b - a for a, b in dim) for dim in p["index"]])) if p["index"] else full
+                     for p in t["pieces"])
+        assert stored == full, (key, full, stored, t["pieces"])
+
+
 def _pair(text, tmp_path, model, a, b):
     A, B = tmp_path / "a", tmp_path / "b"
     ref = train(text, model, a, A, "--save-every", K)              # uninterrupted, N steps
@@ -125,6 +135,8 @@ def _pair(text, tmp_path, model, a, b):
         if k.startswith("optim."):
             np.testing.assert_allclose(sb[k], sa[k], rtol=1e-4, atol=1e-9 * max(1.0, float(np.abs(sa[k]).max())),
                                        err_msg=k)
+    assert_written_once(cka)
+    assert_written_once(ckb)
     assert ckb.meta["optimizer"]["step"] == cka.meta["optimizer"]["step"] == N
     lay_b = dict(zip(b.split()[::2], b.split()[1::2]))
     assert ckb.meta["layout"]["dp"] == int(lay_b["--dp"]) and ckb.meta["next_step"] == N
