@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import replace, asdict, dataclass, field, fields
 
 from .nn.config import PRESETS, GPTConfig
 
@@ -44,7 +44,7 @@ class RunConfig:
     pp: int | None = None
     tp: int | None = None
     ep: int | None = None
-    layout: str = "auto"
+    layout: str = "rule"
     schedule: str = "1f1b"
     virtual_stages: int = 1
     micro_batch_size: int = 8
@@ -95,7 +95,9 @@ _HELP = {
     "dp": "data-parallel size (default: world / (pp*tp))",
     "pp": "pipeline-parallel stages", "tp": "tensor-parallel size",
     "ep": "expert-parallel size (divides dp and n_expert)",
-    "layout": "'auto' = choose a valid layout for the world size when dp/pp/tp/ep are not given",
+    "layout": "'rule': dp/pp/tp/ep not given are filled in (pp=tp=ep=1, dp takes the rest); "
+              "'auto': the planner (python -m pympar.plan) picks dp, pp, tp, ep, micro-batches, schedule, "
+              "ZeRO and sequence parallelism for the same global batch (micro_batch_size*n_micro*world)",
     "schedule": "pipeline schedule", "virtual_stages": "model chunks per rank (interleaved schedule)",
     "micro_batch_size": "sequences per micro-batch",
     "n_micro": "micro-batches per DP rank per step (global batch = micro_batch_size*n_micro*dp)",
@@ -123,7 +125,7 @@ _HELP = {
 _CHOICES = {
     "preset": sorted(PRESETS), "schedule": ["gpipe", "1f1b", "interleaved"],
     "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"],
-    "dtype": ["float32", "bfloat16", "float16"], "layout": ["auto"], "zero": [0, 1, 2, 3],
+    "dtype": ["float32", "bfloat16", "float16"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
     "progress": ["auto", "bar", "log"],
 }
 _RUN_FIELDS = [f for f in fields(RunConfig) if f.name not in ("layout_resolved", "layout_auto", "model_overrides")]
@@ -207,7 +209,7 @@ def parse_args(argv, world_size: int) -> tuple[GPTConfig, RunConfig]:
             raise ConfigError(f"PYMPAR_COMM_TIMEOUT={os.environ['PYMPAR_COMM_TIMEOUT']!r} is not a number of seconds") from None
     run_names = {f.name for f in _RUN_FIELDS}
     run = RunConfig(**{k: v for k, v in given.items() if k in run_names})
-    for k in ("schedule", "compress", "device", "dtype", "preset", "zero"):
+    for k in ("schedule", "compress", "device", "dtype", "preset", "zero", "layout"):
         if getattr(run, k) not in _CHOICES[k]:
             raise ConfigError(f"{k}={getattr(run, k)!r} is not one of {_CHOICES[k]}")
     overrides = {k: v for k, v in given.items() if k not in run_names}
@@ -218,8 +220,36 @@ def parse_args(argv, world_size: int) -> tuple[GPTConfig, RunConfig]:
     run.model_overrides = sorted(overrides)
     _check_run(run)
     run.layout_auto = all(getattr(run, k) is None for k in ("dp", "pp", "tp", "ep"))
+    if run.layout == "auto":
+        _apply_planner(world_size, model, run)
     run.layout_resolved = choose_layout(world_size, model, run)
     return model, run
+
+
+def _apply_planner(world: int, model: GPTConfig, run: RunConfig) -> None:
+    """--layout auto: the planner's best layout for the same global batch (no communication;
+    the planner's constants are fixed, so every rank picks the same layout)."""
+    given = [k for k in ("dp", "pp", "tp", "ep") if getattr(run, k) is not None]
+    if given:
+        raise ConfigError(f"--layout auto chooses dp, pp, tp and ep itself, but {', '.join('--' + k for k in given)} "
+                          f"was given: drop it, or drop --layout auto")
+    from .parallel.runner import check_supported
+    from .plan import choose_layout as plan_layout
+
+    def accept(lay):          # only layouts this run's options can execute
+        opts = replace(run, micro_batch_size=lay.micro_batch_size, n_micro=lay.n_micro, schedule=lay.schedule,
+                       virtual_stages=lay.virtual_stages, zero=int(lay.zero), seq_parallel=lay.seq_parallel)
+        check_supported(model, Layout(lay.dp, lay.pp, lay.tp, lay.ep), opts)
+
+    gb = run.micro_batch_size * run.n_micro * world
+    try:
+        lay = plan_layout(model, world, gb, accept=accept)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    run.dp, run.pp, run.tp, run.ep = lay.dp, lay.pp, lay.tp, lay.ep
+    run.micro_batch_size, run.n_micro = lay.micro_batch_size, lay.n_micro
+    run.schedule, run.virtual_stages = lay.schedule, lay.virtual_stages
+    run.zero, run.seq_parallel = int(lay.zero), lay.seq_parallel
 
 
 def _check_run(run: RunConfig) -> None:

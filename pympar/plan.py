@@ -519,15 +519,24 @@ def main(argv=None) -> int:
 
 
 def choose_layout(cfg: GPTConfig, world: int, global_batch: int, ranks_per_node: int | None = None,
-                  mem_per_rank: int | None = None) -> Layout:
-    """The planner's best layout, for ``python -m pympar.train --layout auto``."""
-    ns = argparse.Namespace(device="cpu", peak_flops=1e10, mem_per_rank=mem_per_rank, ranks_per_node=ranks_per_node or world,
-                            bench_json=None, overlap=None, world=world)
+                  mem_per_rank: int | None = None, accept=None) -> Layout:
+    """The planner's best layout, for ``python -m pympar.train --layout auto``.
+
+    Fixed machine constants (no measurement), so every rank computes the same answer without
+    communicating. ``accept(layout)`` may raise ValueError to skip layouts the run cannot use."""
+    ns = argparse.Namespace(device="cpu", peak_flops=1e10, mem_per_rank=mem_per_rank,
+                            ranks_per_node=ranks_per_node or world, bench_json=None, overlap=None, world=world)
     preds, rejected = plan(cfg, world, global_batch, build_machine(ns))
-    if not preds:
-        reasons = sorted({r for _, r in rejected})[:3]
-        raise ValueError(f"no valid layout of {world} ranks for this model and global batch {global_batch}: {reasons}")
-    return preds[0].layout
+    for p in preds:
+        try:
+            if accept is not None:
+                accept(p.layout)
+        except ValueError as e:
+            rejected.append((p.layout.key(), str(e)))
+            continue
+        return p.layout
+    reasons = sorted({r for _, r in rejected})[:3]
+    raise ValueError(f"no valid layout of {world} ranks for this model and global batch {global_batch}: {reasons}")
 
 
 if __name__ == "__main__":

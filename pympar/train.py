@@ -122,7 +122,10 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
     if rank == 0:
         if out:
             out.mkdir(parents=True, exist_ok=True)
-        how = "chosen for the world size" if run.layout_auto else "as given"
+        how = ("chosen by the planner: " + f"micro-batch {run.micro_batch_size} x {run.n_micro}, {run.schedule}"
+               + (f" v={run.virtual_stages}" if run.virtual_stages > 1 else "") + (", ZeRO-1" if run.zero else "")
+               + (", sequence parallel" if run.seq_parallel else "")) if run.layout == "auto" else \
+              ("chosen for the world size" if run.layout_auto else "as given")
         print(f"pympar.train: {world} rank(s), layout {lay} ({how}); data {corpus.name}: "
               f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens, vocab {model_cfg.vocab_size}")
         print(f"pympar.train: model {run.preset} {runner.n_params:,} params, {fpt / 1e6:.2f} MFLOP/token; "
