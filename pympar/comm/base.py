@@ -50,6 +50,30 @@ class Communicator:
     def split(self, color, key=None, name=None):
         raise NotImplementedError
 
+    # --- nonblocking collectives: Request.wait() gives what the blocking verb returns ----------
+    # Backends with a real nonblocking path (MPIComm, NCCLComm) override these; the defaults
+    # run the blocking verb and hand back a completed request (right for size-1 communicators).
+    def iallreduce(self, x, op="sum", algo="auto", out=None, inplace=True):
+        return _done(self.allreduce(x, op, algo, out, inplace))
+
+    def ireduce_scatter(self, x, op="sum", algo="auto", out=None):
+        return _done(self.reduce_scatter(x, op, algo, out))
+
+    def iallgather(self, x, out=None, algo="auto"):
+        return _done(self.allgather(x, algo, out))
+
+    def ibroadcast(self, x, root=0, algo="auto"):
+        return _done(self.broadcast(x, root, algo))
+
+    def ialltoall(self, x, out=None, algo="auto"):
+        return _done(self.alltoall(x, out, algo))
+
+    def ialltoallv(self, x, send_counts, recv_counts=None, out=None):
+        return _done(self.alltoallv(x, send_counts, recv_counts, out))
+
+    def ibarrier(self):
+        return _done(self.barrier())
+
     # --- point to point -------------------------------------------------------------
     def isend(self, x, dest, tag=0):
         raise NotImplementedError
@@ -65,13 +89,36 @@ class Communicator:
 
     def sendrecv(self, x, dest, buf, source, sendtag=0, recvtag=None):
         """Send x to dest while receiving into buf from source; returns buf."""
+        return self.isendrecv(x, dest, buf, source, sendtag, recvtag).wait()
+
+    def isendrecv(self, x, dest, buf, source, sendtag=0, recvtag=None):
+        """Start a sendrecv; the request's wait() returns buf."""
         r = self.irecv(buf, source, sendtag if recvtag is None else recvtag)
         s = self.isend(x, dest, sendtag)
-        s.wait()
-        return r.wait()
+        return _SendRecv(s, r)
 
     def __repr__(self):
         return f"{type(self).__name__}(name={self.name!r}, rank={self.rank}, size={self.size})"
+
+
+def _done(result):
+    from .progress import DoneRequest
+
+    return DoneRequest(result)
+
+
+class _SendRecv:
+    """The send and the receive of a sendrecv as one request; wait() returns the buffer."""
+
+    def __init__(self, send, recv):
+        self.send, self.recv = send, recv
+
+    def test(self) -> bool:
+        return bool(self.send.test()) & bool(self.recv.test())
+
+    def wait(self):
+        self.send.wait()
+        return self.recv.wait()
 
 
 # --- argument checks shared by the backends ------------------------------------------

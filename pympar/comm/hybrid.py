@@ -18,7 +18,7 @@ from .. import backend
 # verbs whose first operand decides the route (everything else, barrier included, goes to MPI)
 _ROUTED = ("allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "allgather", "iallgather",
            "broadcast", "ibroadcast", "alltoall", "ialltoall", "alltoallv", "ialltoallv",
-           "send", "recv", "isend", "irecv", "sendrecv")
+           "send", "recv", "isend", "irecv", "sendrecv", "isendrecv")
 
 
 class DeviceComm:

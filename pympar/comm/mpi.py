@@ -15,14 +15,16 @@ from mpi4py import MPI
 from .. import backend
 from .algorithms.doubling import (doubling_allgather, halving_reduce_scatter,
                                   rabenseifner_allreduce, recursive_doubling_allreduce)
-from .algorithms.hierarchical import hierarchical_allreduce
+from .algorithms.broadcast import binomial_broadcast, scatter_allgather_broadcast
+from .algorithms.hierarchical import hierarchical_allgather, hierarchical_allreduce, hierarchical_reduce_scatter
 from .algorithms.p2p import Ctx
-from .algorithms.ring import ring_allgather, ring_allreduce, ring_reduce_scatter
+from .algorithms.ring import (ring_allgather, ring_allgather_steps, ring_allreduce, ring_allreduce_steps,
+                              ring_reduce_scatter, ring_reduce_scatter_steps)
 from .algorithms.shm import ShmArena, shm_allgather, shm_allreduce, shm_broadcast, shm_reduce_scatter
 from .base import Communicator, check_op, check_out, contiguous, flat, new_like, row_bounds
 from .device import copy_back, needs_staging, sync_stream, to_host
 from .dtypes import finish_avg, mpi_op, reduce_op, wire
-from .progress import Request, Waiter, default_timeout
+from .progress import Request, StagedRequest, Waiter, default_timeout
 from .topology import Topology
 from .tuning import choose, load_table
 from .watchdog import ArrivalBoard
@@ -30,15 +32,19 @@ from . import debug as _debug
 
 ALGOS = {
     "allreduce": ("ring", "recursive_doubling", "rabenseifner", "shm", "hierarchical", "mpi"),
-    "reduce_scatter": ("ring", "recursive_halving", "shm", "mpi"),
-    "allgather": ("ring", "recursive_doubling", "shm", "mpi"),
-    "broadcast": ("shm", "mpi"),
+    "reduce_scatter": ("ring", "recursive_halving", "shm", "hierarchical", "mpi"),
+    "allgather": ("ring", "recursive_doubling", "shm", "hierarchical", "mpi"),
+    "broadcast": ("binomial", "scatter_allgather", "shm", "mpi"),
     "alltoall": ("pairwise", "mpi"),
 }
+# the nonblocking verbs: the library's nonblocking collective, or pympar's ring run as a
+# state machine that Request.test() moves on (progress.StagedRequest)
+I_ALGOS = ("mpi", "ring")
 _P2P_ALLREDUCE = {"ring": ring_allreduce, "recursive_doubling": recursive_doubling_allreduce,
                   "rabenseifner": rabenseifner_allreduce}
 _P2P_REDUCE_SCATTER = {"ring": ring_reduce_scatter, "recursive_halving": halving_reduce_scatter}
 _P2P_ALLGATHER = {"ring": ring_allgather, "recursive_doubling": doubling_allgather}
+_P2P_BROADCAST = {"binomial": binomial_broadcast, "scatter_allgather": scatter_allgather_broadcast}
 _SHM = ("shm", "hierarchical")
 
 
@@ -57,6 +63,7 @@ class MPIComm(Communicator):
         self.name = name or comm.Get_name() or "comm"
         self.timeout = default_timeout() if timeout is None else float(timeout)
         self.seq = 0          # collectives issued on this communicator (same on every rank)
+        self._inflight = []   # unfinished nonblocking operations run by pympar (progress.StagedRequest)
         self.p2p_seq = 0
         self._topo = self._arena = None
         self._table = _table if _table is not None else self._p2p.bcast(load_table() if self.rank == 0 else None, 0)
@@ -108,9 +115,12 @@ class MPIComm(Communicator):
                              f"(it spans {self.topology().n_nodes}); use 'hierarchical' or 'auto'")
         return algo
 
-    def _ctx(self, waiter, op="sum", x=None, comm=None):
+    def _ctx(self, waiter, op="sum", x=None, comm=None, nonblocking=False):
         sync = (lambda: sync_stream(x)) if backend.is_cupy(x) else None
-        return Ctx(comm or self._coll, waiter, reduce_op(op), sync)
+        # a nonblocking algorithm tags its messages with its call's number (1..30000): several
+        # in flight on this communicator never match each other's messages
+        tag = 1 + self.seq % 30000 if nonblocking else 0
+        return Ctx(comm or self._coll, waiter, reduce_op(op), sync, tag)
 
     def _lib(self, waiter, start, finish=None, result=None):
         """Run a library collective (nonblocking, polled against the deadline)."""
@@ -186,6 +196,11 @@ class MPIComm(Communicator):
         elif algo == "shm":
             shm_reduce_scatter(self._shm_arena(), w, src_f, out_f, E, op)
             return out
+        elif algo == "hierarchical":
+            t = self.topology()
+            lctx = self._ctx(w, op, x, t.leaders) if t.leaders is not None else None
+            hierarchical_reduce_scatter(self._shm_arena(), t, lctx, w, src_f, out_f, E, op, self.size)
+            return out
         else:
             work = src_f.copy()
             _P2P_REDUCE_SCATTER[algo](self._ctx(w, op, x), work, E)
@@ -219,6 +234,10 @@ class MPIComm(Communicator):
             self._lib(w, lambda: self._coll.Iallgather(wire(src_f), wire(out_f)))
         elif algo == "shm":
             shm_allgather(self._shm_arena(), w, src_f, out_f)
+        elif algo == "hierarchical":
+            t = self.topology()
+            lctx = self._ctx(w, "sum", x, t.leaders) if t.leaders is not None else None
+            hierarchical_allgather(self._shm_arena(), t, lctx, w, src_f, out_f, self.size)
         else:
             out_f[self.rank * m:(self.rank + 1) * m] = src_f
             _P2P_ALLGATHER[algo](self._ctx(w, "sum", x), out_f, [k * m for k in range(self.size + 1)])
@@ -238,6 +257,8 @@ class MPIComm(Communicator):
         algo = self._pick("broadcast", algo, x.nbytes)
         if algo == "shm" and not backend.is_cupy(x):
             shm_broadcast(self._shm_arena(), w, flat(x), root)
+        elif algo in _P2P_BROADCAST:
+            _P2P_BROADCAST[algo](self._ctx(w, "sum", x), flat(x), root)
         else:
             sync_stream(x)
             self._lib(w, lambda: self._coll.Ibcast(wire(flat(x)), root))
@@ -308,27 +329,166 @@ class MPIComm(Communicator):
         w = self._waiter("barrier")
         self._lib(w, self._coll.Ibarrier)
 
-    # --- nonblocking library collectives ---------------------------------------------
-    def iallreduce(self, x, op="sum"):
-        """Start an in-place allreduce of x (the library's); Request.wait() returns x."""
-        check_op(op)
-        x = contiguous(x, "iallreduce operand")
-        w = self._waiter("iallreduce", x)
-        sync_stream(x)
-        req = self._coll.Iallreduce(MPI.IN_PLACE, wire(flat(x)), mpi_op(op, x.dtype))
-        fin = (lambda: finish_avg(flat(x), self.size)) if op == "avg" else None
-        return Request([req], [None], w, fin, x)
+    # --- nonblocking collectives ------------------------------------------------------
+    # Each i-verb takes the blocking verb's operands and returns a Request whose wait() gives
+    # what the blocking verb returns; test() progresses it. algo: "mpi" (auto: the library's
+    # nonblocking collective) or "ring" (pympar's ring as a state machine; allreduce,
+    # reduce_scatter, allgather). The operands must stay untouched until the request completes.
+    # CuPy operands without CUDA-aware MPI go through a host copy written back on completion.
+    def _i_algo(self, verb, algo, ring_ok=True):
+        algo = "mpi" if algo == "auto" else algo
+        if algo not in I_ALGOS or (algo == "ring" and not ring_ok):
+            ok = ("auto", "mpi", "ring") if ring_ok else ("auto", "mpi")
+            raise ValueError(f"unknown {verb} algorithm {algo!r}: the nonblocking form takes one of {', '.join(ok)}")
+        return algo
 
-    def iallgather(self, x, out):
+    def _staged(self, waiter, steps, finish=None):
+        return StagedRequest(steps, waiter, finish, self._inflight)
+
+    @staticmethod
+    def _lib_steps(start, result):
+        req = start()
+        yield [req], [None]
+        return result
+
+    def iallreduce(self, x, op="sum", algo="auto", out=None, inplace=True):
+        """Start allreduce(x, op, out=out, inplace=inplace); Request.wait() returns its result."""
+        check_op(op)
+        algo = self._i_algo("iallreduce", algo)
+        if needs_staging(x, out):
+            h = to_host(x)
+            dst = out if out is not None else (x if inplace else None)
+            r = self.iallreduce(h, op, algo)
+            return _Then(r, lambda hh: copy_back(dst, hh) if dst is not None else backend.xp_of(x).asarray(hh))
+        x = contiguous(x, "iallreduce operand")
+        dst = check_out(out, x.shape, x.dtype, "iallreduce") if out is not None else (x if inplace else new_like(x, x.shape))
+        w = self._waiter("iallreduce", x)
+        src_f, dst_f = flat(x), flat(dst)
+        fin = (lambda: finish_avg(dst_f, self.size)) if op == "avg" and self.size > 1 else None
+        if self.size == 1 or algo == "ring":
+            if dst is not x:
+                dst_f[...] = src_f
+            steps = ring_allreduce_steps(self._ctx(w, op, x, nonblocking=True), dst_f) if self.size > 1 else iter(())
+            return self._staged(w, _then_return(steps, dst), fin)
+        sync_stream(x)
+        send = MPI.IN_PLACE if dst is x else wire(src_f)
+        return self._staged(w, self._lib_steps(
+            lambda: self._coll.Iallreduce(send, wire(dst_f), mpi_op(op, x.dtype)), dst), fin)
+
+    def ireduce_scatter(self, x, op="sum", algo="auto", out=None):
+        """Start reduce_scatter(x, op, out=out): wait() returns this rank's rows of the reduction."""
+        check_op(op)
+        algo = self._i_algo("ireduce_scatter", algo)
+        if needs_staging(x, out):
+            r = self.ireduce_scatter(to_host(x), op, algo)
+            return _Then(r, lambda res: copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res))
+        x = contiguous(x, "ireduce_scatter operand")
+        if x.ndim == 0:
+            raise ValueError("ireduce_scatter needs an array with at least one dimension (split along axis 0)")
+        E, R = row_bounds(x, self.size)
+        shape = (R[self.rank + 1] - R[self.rank],) + tuple(x.shape[1:])
+        out = check_out(out, shape, x.dtype, "ireduce_scatter") if out is not None else new_like(x, shape)
+        w = self._waiter("ireduce_scatter", x)
+        src_f, out_f = flat(x), flat(out)
+        fin = (lambda: finish_avg(out_f, self.size)) if op == "avg" and self.size > 1 else None
+        if self.size == 1:
+            out_f[...] = src_f
+            return self._staged(w, _then_return(iter(()), out))
+        if algo == "ring":
+            work = src_f.copy()
+
+            def steps():
+                yield from ring_reduce_scatter_steps(self._ctx(w, op, x, nonblocking=True), work, E)
+                out_f[...] = work[E[self.rank]:E[self.rank + 1]]
+                return out
+            return self._staged(w, steps(), fin)
+        sync_stream(x)
+        counts = [E[i + 1] - E[i] for i in range(self.size)]
+        return self._staged(w, self._lib_steps(
+            lambda: self._coll.Ireduce_scatter(wire(src_f), wire(out_f), counts, mpi_op(op, x.dtype)), out), fin)
+
+    def iallgather(self, x, out=None, algo="auto"):
+        """Start allgather(x, out=out): wait() returns (size*m, ...)."""
+        algo = self._i_algo("iallgather", algo)
+        if needs_staging(x, out):
+            r = self.iallgather(to_host(x), None, algo)
+            return _Then(r, lambda res: copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res))
+        x = contiguous(x, "iallgather operand")
+        x = x.reshape(1) if x.ndim == 0 else x
+        shape = (self.size * x.shape[0],) + tuple(x.shape[1:])
+        out = check_out(out, shape, x.dtype, "iallgather") if out is not None else new_like(x, shape)
         w = self._waiter("iallgather", x)
+        src_f, out_f = flat(x), flat(out)
+        m = src_f.size
+        if self.size == 1 or algo == "ring":
+            out_f[self.rank * m:(self.rank + 1) * m] = src_f
+            E = [k * m for k in range(self.size + 1)]
+            steps = ring_allgather_steps(self._ctx(w, "sum", x, nonblocking=True), out_f, E) if self.size > 1 else iter(())
+            return self._staged(w, _then_return(steps, out))
         sync_stream(x)
         # receive spec without a count: mpi4py divides the buffer by size (count per rank)
-        return Request([self._coll.Iallgather(wire(flat(contiguous(x))), wire(flat(out)))], [None], w, None, out)
+        return self._staged(w, self._lib_steps(lambda: self._coll.Iallgather(wire(src_f), wire(out_f)), out))
 
-    def ibroadcast(self, x, root=0):
+    def ibroadcast(self, x, root=0, algo="auto"):
+        """Start broadcast(x, root) (in place): wait() returns x."""
+        algo = self._i_algo("ibroadcast", algo, ring_ok=False)
+        if needs_staging(x):
+            h = to_host(x)
+            return _Then(self.ibroadcast(h, root, algo), lambda hh: copy_back(x, hh))
+        x = contiguous(x, "ibroadcast operand")
         w = self._waiter("ibroadcast", x, root=root)
         sync_stream(x)
-        return Request([self._coll.Ibcast(wire(flat(contiguous(x))), root)], [None], w, None, x)
+        return self._staged(w, self._lib_steps(lambda: self._coll.Ibcast(wire(flat(x)), root), x))
+
+    def ialltoall(self, x, out=None, algo="auto"):
+        """Start alltoall(x, out=out): wait() returns out."""
+        algo = self._i_algo("ialltoall", algo, ring_ok=False)
+        if needs_staging(x, out):
+            r = self.ialltoall(to_host(x), None, algo)
+            return _Then(r, lambda res: copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res))
+        x = contiguous(x, "ialltoall operand")
+        if x.ndim == 0 or x.shape[0] % self.size:
+            raise ValueError(f"ialltoall: x has {x.shape[0] if x.ndim else 0} rows, not a multiple of size={self.size}")
+        out = check_out(out, x.shape, x.dtype, "ialltoall") if out is not None else new_like(x, x.shape)
+        w = self._waiter("ialltoall", x)
+        sync_stream(x)
+        return self._staged(w, self._lib_steps(lambda: self._coll.Ialltoall(wire(flat(x)), wire(flat(out))), out))
+
+    def ialltoallv(self, x, send_counts, recv_counts=None, out=None):
+        """Start alltoallv: wait() returns (out, recv_counts). Without recv_counts the counts are
+        exchanged first (a nonblocking alltoall of int64), then the rows: two stages."""
+        if needs_staging(x, out):
+            r = self.ialltoallv(to_host(x), send_counts, recv_counts)
+            xp = backend.xp_of(x)
+            return _Then(r, lambda res: ((copy_back(out, res[0]) if out is not None else xp.asarray(res[0])), res[1]))
+        x = contiguous(x, "ialltoallv operand")
+        sc = np.asarray(backend.to_numpy(send_counts), dtype=np.int64).reshape(-1)
+        if sc.size != self.size or (sc < 0).any() or sc.sum() != (x.shape[0] if x.ndim else 0):
+            raise ValueError(f"ialltoallv: send_counts {sc.tolist()} must have size={self.size} non-negative "
+                             f"entries summing to x.shape[0]={x.shape[0] if x.ndim else 0}")
+        per_row = int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
+        w = self._waiter("ialltoallv", x, count=per_row)
+        sync_stream(x)
+
+        def steps():
+            if recv_counts is None:
+                rc = np.empty(self.size, dtype=np.int64)
+                yield [self._coll.Ialltoall([sc, MPI.INT64_T], [rc, MPI.INT64_T])], [None]
+            else:
+                rc = np.asarray(backend.to_numpy(recv_counts), dtype=np.int64).reshape(-1)
+            shape = (int(rc.sum()),) + tuple(x.shape[1:])
+            res = check_out(out, shape, x.dtype, "ialltoallv") if out is not None else new_like(x, shape)
+            scounts, rcounts = sc * per_row, rc * per_row
+            sdis = np.concatenate([[0], np.cumsum(scounts)[:-1]])
+            rdis = np.concatenate([[0], np.cumsum(rcounts)[:-1]])
+            s, rb = wire(flat(x)), wire(flat(res))
+            yield [self._coll.Ialltoallv([s[0], (scounts, sdis), s[1]], [rb[0], (rcounts, rdis), rb[1]])], [None]
+            return res, rc
+        return self._staged(w, steps())
+
+    def ibarrier(self):
+        w = self._waiter("ibarrier")
+        return self._staged(w, self._lib_steps(self._coll.Ibarrier, None))
 
     # --- point to point -----------------------------------------------------------------
     def _p2p_waiter(self, op):
@@ -368,6 +528,29 @@ class MPIComm(Communicator):
         for c in (self._coll, self._p2p):
             if c != MPI.COMM_NULL and c not in (MPI.COMM_WORLD, MPI.COMM_SELF):
                 c.Free()
+
+
+def _then_return(steps, result):
+    """A staged operation's steps, then ``result``."""
+    yield from steps
+    return result
+
+
+class _Then:
+    """A request whose result goes through ``then`` once (host staging copy-back)."""
+
+    def __init__(self, req, then):
+        self._req, self._then, self._done, self._result = req, then, False, None
+
+    def test(self):
+        if not self._done and self._req.test():
+            self._result, self._done = self._then(self._req.wait()), True
+        return self._done
+
+    def wait(self):
+        if not self._done:
+            self._result, self._done = self._then(self._req.wait()), True
+        return self._result
 
 
 _world = None

@@ -71,6 +71,7 @@ class NCCLComm(Communicator):
         self.mpi = world() if mpi_comm is None else (mpi_comm if isinstance(mpi_comm, MPIComm) else MPIComm(mpi_comm))
         self._cp, self._nccl = cp, nccl
         self.rank, self.size = self.mpi.rank, self.mpi.size
+        self._defer = False               # set by _nonblocking: _end returns the request
         self.name = name or f"nccl:{self.mpi.name}"
         self.timeout = default_timeout() if timeout is None else float(timeout)
         self.seq = 0
@@ -107,7 +108,15 @@ class NCCLComm(Communicator):
 
     def _end(self, op, result, finish=None, blocking=True):
         req = _StreamRequest(self, op, result, finish)
-        return req.wait() if blocking else req
+        return req.wait() if blocking and not self._defer else req
+
+    def _nonblocking(self, verb, *args, **kwargs):
+        """Run a blocking verb without its final wait: the request of its stream event."""
+        self._defer = True
+        try:
+            return getattr(self, verb)(*args, **kwargs)
+        finally:
+            self._defer = False
 
     def _avg_fix(self, op, a):
         if op == "avg" and not hasattr(self._nccl, "NCCL_AVG"):
@@ -131,8 +140,29 @@ class NCCLComm(Communicator):
         self.nc.allReduce(x.data.ptr, dst.data.ptr, x.size, self._t(x), self._ops[op], self.stream.ptr)
         return self._end("allreduce", dst, self._avg_fix(op, dst), blocking)
 
-    def iallreduce(self, x, op="sum"):
-        return self.allreduce(x, op, blocking=False)
+    def iallreduce(self, x, op="sum", algo="auto", out=None, inplace=True):
+        return self.allreduce(x, op, algo, out, inplace, blocking=False)
+
+    # the other nonblocking verbs: NCCL kernels are asynchronous on self.stream already
+    def ireduce_scatter(self, x, op="sum", algo="auto", out=None):
+        return self._nonblocking("reduce_scatter", x, op, algo, out)
+
+    def iallgather(self, x, out=None, algo="auto"):
+        return self._nonblocking("allgather", x, algo, out)
+
+    def ibroadcast(self, x, root=0, algo="auto"):
+        return self._nonblocking("broadcast", x, root, algo)
+
+    def ialltoall(self, x, out=None, algo="auto"):
+        return self._nonblocking("alltoall", x, out, algo)
+
+    def ialltoallv(self, x, send_counts, recv_counts=None, out=None):
+        req, rc = self._nonblocking("alltoallv", x, send_counts, recv_counts, out)
+        req._result = (req._result, rc)
+        return req
+
+    def isendrecv(self, x, dest, buf, source, sendtag=0, recvtag=None):
+        return self._nonblocking("sendrecv", x, dest, buf, source, sendtag, recvtag)
 
     def reduce_scatter(self, x, op="sum", algo="auto", out=None):
         check_op(op)

@@ -118,12 +118,78 @@ class Request:
         return self._complete()
 
     def test(self) -> bool:
+        """Progress the operation once; True when it is complete. Past the deadline a test
+        raises CommTimeoutError like wait() would (a polled request cannot hang silently)."""
         if self._done:
             return True
         if MPI.Request.Testall(self._reqs):
             self._complete()
             return True
+        self._check_deadline()
         return False
+
+    def _check_deadline(self):
+        w = self._waiter
+        if w is not None and w.deadline != math.inf and time.monotonic() > w.deadline:
+            w.expire(self._reqs, self._peers)
+
+
+class StagedRequest(Request):
+    """A nonblocking operation run as a state machine: ``steps`` is a generator that yields
+    (MPI requests, their peers) of the stage in flight and returns the result. ``test()`` moves it
+    on while stages complete; ``wait()`` drives it to the end against the deadline.
+
+    ``inflight``: the communicator's list of unfinished staged requests. While one waits, it
+    moves all of them on, so ranks that wait for their requests in different orders still
+    progress the ones their peers wait for (MPI gives its own nonblocking collectives that
+    guarantee; pympar's algorithms get it here)."""
+
+    def __init__(self, steps, waiter: Waiter, finish=None, inflight=None):
+        super().__init__([], [], waiter, finish, None)
+        self._steps, self._inflight = steps, inflight
+        if not self._advance() and inflight is not None:
+            inflight.append(self)
+
+    def _advance(self) -> bool:
+        while not self._done:
+            if self._reqs and not MPI.Request.Testall(self._reqs):
+                return False
+            try:
+                reqs, peers = next(self._steps)
+                self._reqs, self._peers = list(reqs), list(peers)
+            except StopIteration as stop:
+                self._reqs, self._result = [], stop.value
+                self._complete()
+                if self._inflight is not None and self in self._inflight:
+                    self._inflight.remove(self)
+        return True
+
+    def test(self) -> bool:
+        if self._advance():
+            return True
+        self._check_deadline()
+        return False
+
+    def wait(self):
+        pace = Backoff()
+        while not self._advance():
+            for other in list(self._inflight or ()):
+                if other is not self:
+                    other._advance()
+            now = pace.pause()
+            if now is not None and now > self._waiter.deadline:
+                self._waiter.expire(self._reqs, self._peers)
+        return self._result
+
+
+def drive(waiter: Waiter, steps):
+    """Run a staged operation (see StagedRequest) to the end, blocking; returns its result."""
+    try:
+        while True:
+            reqs, peers = next(steps)
+            waiter.wait(reqs, peers)
+    except StopIteration as stop:
+        return stop.value
 
 
 class DoneRequest(Request):

@@ -46,6 +46,12 @@ class Topology:
         self.uniform = comm.allreduce(self.node_size, op=MPI.MIN) == comm.allreduce(self.node_size, op=MPI.MAX)
         grp = comm.Get_group()
         self.node_to_comm = self.node.Get_group().Translate_ranks(list(range(self.node_size)), grp)
+        # node index (in the order of the leaders' communicator) of every rank of comm, and the
+        # ranks of each node in node order: what the hierarchical reduce-scatter/allgather need
+        leader_of = comm.allgather(self.node_to_comm[0])
+        order = sorted(set(leader_of))
+        self.node_of = [order.index(l) for l in leader_of]
+        self.node_members = [[k for k, j in enumerate(self.node_of) if j == i] for i in range(len(order))]
         self.leader_comm_ranks = None
         grp.Free()
 

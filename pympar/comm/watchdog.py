@@ -27,7 +27,8 @@ ABORT_STATUS = 3          # exit status of a job ended by the watchdog (2 = bad 
 READ_SECONDS = 2.0        # how long a timed-out rank waits for the peers' slots
 # names of the operations MPIComm issues, so a report can name a call this rank never made
 KNOWN_OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "alltoallv",
-             "alltoallv.counts", "barrier", "iallreduce", "iallgather", "ibroadcast")
+             "alltoallv.counts", "barrier", "iallreduce", "iallgather", "ibroadcast",
+             "ireduce_scatter", "ialltoall", "ialltoallv", "ibarrier")
 
 
 _LIVE = []                # boards not yet freed, in creation order (the same on every rank)

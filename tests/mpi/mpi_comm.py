@@ -87,12 +87,14 @@ def test_allgather_every_algo(comm):
 
 
 def test_broadcast_from_every_root(comm):
-    for algo in ["mpi", "auto"] + (["shm"] if comm.topology().single_node else []):
+    for algo in algos_for(comm, "broadcast"):
         for root in range(comm.size):
             for dt in ("float32", "bfloat16", "int64"):
-                x = data(comm.rank, 11, dt) if comm.rank == root else np.zeros(11, backend.dtype(dt))
-                got = comm.broadcast(x, root=root, algo=algo)
-                np.testing.assert_array_equal(got, data(root, 11, dt))
+                for count in (0, 1, 11, 2 * comm.size + 1):
+                    x = data(comm.rank, count, dt) if comm.rank == root else np.zeros(count, backend.dtype(dt))
+                    got = comm.broadcast(x, root=root, algo=algo)
+                    assert got is x
+                    np.testing.assert_array_equal(got, data(root, count, dt), err_msg=f"{algo} root={root} {dt} {count}")
 
 
 def test_alltoall(comm):
@@ -133,6 +135,66 @@ def test_point_to_point_ring(comm):
     sq.wait()
     got = rq.wait()
     assert rq.test() and got.tolist() == [float((r - 1) % n)] * 4
+
+
+def _progress(req):
+    """Drive a request with test() only (as DataParallel's polling does), then wait()."""
+    for _ in range(1_000_000):
+        if req.test():
+            break
+    return req.wait()
+
+
+def test_nonblocking_verbs_match_blocking(comm):
+    n, r = comm.size, comm.rank
+    for algo in ("auto", "mpi", "ring"):
+        for dt in ("float32", "float64", "bfloat16", "int32"):
+            for op in ("sum", "avg", "max"):
+                if op == "avg" and dt == "int32":
+                    continue
+                for count in (0, 1, 13, 2 * n + 1):
+                    want = reference_reduce([data(k, count, dt) for k in range(n)], op)
+                    x = data(r, count, dt)
+                    got = _progress(comm.iallreduce(x, op=op, algo=algo, inplace=False))
+                    np.testing.assert_array_equal(x, data(r, count, dt))
+                    np.testing.assert_allclose(got.astype(np.float64), want, atol=tol(dt), err_msg=f"i {algo} {dt} {op} {count}")
+                    rows = want.reshape(count, 1)[np.array_split(np.arange(count), n)[r]]
+                    got = comm.ireduce_scatter(x.reshape(count, 1), op=op, algo=algo).wait()
+                    np.testing.assert_allclose(got.astype(np.float64), rows, atol=tol(dt), err_msg=f"irs {algo} {dt} {op} {count}")
+            for m in (0, 3):
+                x = data(r, 2 * m, dt).reshape(m, 2)
+                got = _progress(comm.iallgather(x, algo=algo))
+                np.testing.assert_array_equal(got, np.concatenate([data(k, 2 * m, dt).reshape(m, 2) for k in range(n)]))
+    for root in range(n):
+        x = data(r, 9, "float32") if r == root else np.zeros(9, np.float32)
+        assert _progress(comm.ibroadcast(x, root=root)) is x
+        np.testing.assert_array_equal(x, data(root, 9, "float32"))
+    x = (np.arange(n * 3) + 100 * r).astype(np.float32)
+    want = np.concatenate([np.arange(r * 3, r * 3 + 3) + 100 * j for j in range(n)]).astype(x.dtype)
+    np.testing.assert_array_equal(_progress(comm.ialltoall(x)), want)
+    sc = np.array([(r + j) % 3 for j in range(n)])
+    xv = np.concatenate([np.full((sc[j], 2), 1000 * r + j, dtype=np.float32) for j in range(n)])
+    for given in (None, np.array([(j + r) % 3 for j in range(n)])):
+        out, rc = _progress(comm.ialltoallv(xv, sc, recv_counts=given))
+        assert rc.tolist() == [(j + r) % 3 for j in range(n)]
+        want = [np.full(((j + r) % 3, 2), 1000 * j + r, dtype=np.float32) for j in range(n)]
+        np.testing.assert_array_equal(out, np.concatenate(want))
+    buf = np.zeros(4)
+    got = _progress(comm.isendrecv(np.full(4, float(r)), (r + 1) % n, buf, (r - 1) % n, sendtag=5))
+    assert got is buf and buf.tolist() == [float((r - 1) % n)] * 4
+    _progress(comm.ibarrier())
+    with pytest.raises(ValueError, match="nonblocking form"):
+        comm.ibroadcast(np.zeros(2), algo="ring")
+
+
+def test_nonblocking_overlaps_several_in_flight(comm):
+    """Several ring and library requests in flight at once, waited in a different order on
+    odd and even ranks (the wait of one must progress the others)."""
+    n, r = comm.size, comm.rank
+    xs = [np.full(50_000 + k, float(r + k)) for k in range(4)]
+    reqs = [comm.iallreduce(x, algo=("ring", "mpi")[k % 2]) for k, x in enumerate(xs)]
+    for k in (reversed(range(4)) if r % 2 else range(4)):
+        np.testing.assert_allclose(reqs[k].wait(), sum(j + k for j in range(n)))
 
 
 def test_nonblocking_library_allreduce_and_barrier(comm):

@@ -22,26 +22,28 @@ def bounds(count: int, parts: int):
 class Ctx:
     """An algorithm's view of one call: p2p on ``comm`` (mpi4py), waits through ``waiter``."""
 
-    def __init__(self, comm, waiter, op: str = "sum", sync=None):
-        self.comm, self.waiter, self.op = comm, waiter, op
+    def __init__(self, comm, waiter, op: str = "sum", sync=None, tag=0):
+        self.comm, self.waiter, self.op, self.tag = comm, waiter, op, tag
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._sync = sync  # device-stream synchronisation before MPI reads device memory
 
-    def isend(self, a, dest, tag=0):
+    # tag None: the call's own tag (0 for blocking calls; nonblocking ones in flight together
+    # each get their own, so their messages cannot match each other's receives)
+    def isend(self, a, dest, tag=None):
         if self._sync is not None:
             self._sync()
-        return self.comm.Isend(raw_bytes(a), dest, tag)
+        return self.comm.Isend(raw_bytes(a), dest, self.tag if tag is None else tag)
 
-    def irecv(self, a, source, tag=0):
-        return self.comm.Irecv(raw_bytes(a), source, tag)
+    def irecv(self, a, source, tag=None):
+        return self.comm.Irecv(raw_bytes(a), source, self.tag if tag is None else tag)
 
-    def send(self, a, dest, tag=0):
+    def send(self, a, dest, tag=None):
         self.waiter.wait1(self.isend(a, dest, tag), dest)
 
-    def recv(self, a, source, tag=0):
+    def recv(self, a, source, tag=None):
         self.waiter.wait1(self.irecv(a, source, tag), source)
 
-    def sendrecv(self, sbuf, dest, rbuf, source, tag=0):
+    def sendrecv(self, sbuf, dest, rbuf, source, tag=None):
         reqs = [self.irecv(rbuf, source, tag), self.isend(sbuf, dest, tag)]
         self.waiter.wait(reqs, [source, dest])
 

@@ -6,27 +6,44 @@ steps n-1..2n-3 copy it (allgather). Each block travels in segments of SEGMENT_B
 as soon as segment k of step s has arrived and been reduced it is sent on as segment k of
 step s+1, and step s+1's receives are posted before step s is worked, so transfer overlaps
 reduction. One tag suffices: MPI keeps the order of messages between two ranks.
+
+The ring is written as a generator of stages (``*_steps``: each yields the requests it waits
+for), so the same code runs blocking (``drive``) and nonblocking (``progress.StagedRequest``,
+moved on by ``test()``; see MPIComm's i-verbs).
 """
 from __future__ import annotations
 
+from ..progress import drive
 from .p2p import bounds
 
 SEGMENT_BYTES = 1 << 20
 
 
-def ring_allreduce(ctx, buf):
+def ring_allreduce_steps(ctx, buf):
     """buf (count,) reduced in place over the ring."""
-    _ring(ctx, buf, bounds(buf.size, ctx.size), 0, 2 * ctx.size - 2, 0)
+    return _ring(ctx, buf, bounds(buf.size, ctx.size), 0, 2 * ctx.size - 2, 0)
+
+
+def ring_reduce_scatter_steps(ctx, buf, E):
+    """buf (count,) reduced so that block r = buf[E[r]:E[r+1]] holds the result on rank r."""
+    return _ring(ctx, buf, E, 0, ctx.size - 1, -1)
+
+
+def ring_allgather_steps(ctx, buf, E):
+    """buf (count,) with block r filled on rank r; afterwards every block everywhere."""
+    return _ring(ctx, buf, E, ctx.size - 1, 2 * ctx.size - 2, -1)
+
+
+def ring_allreduce(ctx, buf):
+    drive(ctx.waiter, ring_allreduce_steps(ctx, buf))
 
 
 def ring_reduce_scatter(ctx, buf, E):
-    """buf (count,) reduced so that block r = buf[E[r]:E[r+1]] holds the result on rank r."""
-    _ring(ctx, buf, E, 0, ctx.size - 1, -1)
+    drive(ctx.waiter, ring_reduce_scatter_steps(ctx, buf, E))
 
 
 def ring_allgather(ctx, buf, E):
-    """buf (count,) with block r filled on rank r; afterwards every block everywhere."""
-    _ring(ctx, buf, E, ctx.size - 1, 2 * ctx.size - 2, -1)
+    drive(ctx.waiter, ring_allgather_steps(ctx, buf, E))
 
 
 def _ring(ctx, buf, E, s0, s1, shift):
@@ -35,7 +52,6 @@ def _ring(ctx, buf, E, s0, s1, shift):
         return
     left, right = (r - 1) % n, (r + 1) % n
     seg = max(1, SEGMENT_BYTES // max(1, buf.itemsize))
-    waiter = ctx.waiter
 
     def blk(logical):
         return (logical + shift) % n
@@ -48,15 +64,9 @@ def _ring(ctx, buf, E, s0, s1, shift):
     tmp = [ctx.empty(maxblk, buf), ctx.empty(maxblk, buf)] if s0 < n - 1 else None
     sends = {}  # step -> its send requests, waited before their buffer is written again
 
-    def wait_sends(t):
-        reqs = sends.pop(t, None)
-        if reqs:
-            waiter.wait(reqs, [right] * len(reqs))
-
     def post_recvs(t):
         if t >= s1:
             return None
-        wait_sends(t + 1 - n)  # the block received at step t was sent at step t+1-n
         b = blk(r - t - 1)
         ss = segs(b)
         if t < n - 1:
@@ -69,10 +79,13 @@ def _ring(ctx, buf, E, s0, s1, shift):
     nxt = post_recvs(s0)
     for s in range(s0, s1):
         ss, dst, reqs = nxt
+        old = sends.pop(s + 2 - n, None)   # the block received at step s+1 was sent at step s+2-n
+        if old:
+            yield old, [right] * len(old)
         nxt = post_recvs(s + 1)
         out = []
         for (lo, hi), d, q in zip(ss, dst, reqs):
-            waiter.wait1(q, left)
+            yield [q], [left]
             if s < n - 1:
                 ctx.reduce(buf[lo:hi], d)
             if s + 1 < s1:
@@ -80,4 +93,5 @@ def _ring(ctx, buf, E, s0, s1, shift):
         if s + 1 < s1:
             sends[s + 1] = out
     for t in list(sends):
-        wait_sends(t)
+        reqs = sends.pop(t)
+        yield reqs, [right] * len(reqs)
