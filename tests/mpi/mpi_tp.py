@@ -119,6 +119,43 @@ def test_loss_logits_and_every_gradient_match(comm, cfg, sp):
     assert abs(tpm.forward_loss(x, y) - ref.forward_loss(x, y)) <= 1e-10 * abs(ref.forward_loss(x, y))
 
 
+def _mixed_cases():
+    base = [("dense", False, "bfloat16"), ("moe", True, "bfloat16"), ("dense", True, "float16")]
+    extra = [("moe", False, "float16"), ("moe_full", True, "bfloat16"), ("dense", False, "float16")]
+    return base + (extra if SLOW else [])
+
+
+@pytest.mark.parametrize("cfg,sp,cdt", _mixed_cases())
+def test_mixed_precision_matches_single_process(comm, cfg, sp, cdt):
+    """TPGPT with compute_dtype bf16/fp16 against nn.GPT with the same compute_dtype: loss and
+    every gradient within the low-precision tolerance of nn's own mixed-precision test, and much
+    closer to it than the float32 model is (so the TP run really computes in low precision)."""
+    config = GPTConfig(**CONFIGS[cfg])
+    ref = GPT(config, seed=7, compute_dtype=cdt)
+    f32 = GPT(config, seed=7)
+    tpm = TPGPT(config, comm, seed=7, compute_dtype=cdt, sequence_parallel=sp)
+    lt = lr_ = l32 = 0.0
+    for g in range(2):
+        x, y = batch(0, config.vocab_size, g)
+        lr_ += ref.loss_and_grad(x, y, grad_scale=0.5)
+        l32 += f32.loss_and_grad(x, y, grad_scale=0.5)
+        lt += tpm.loss_and_grad(x, y, grad_scale=0.5)
+    tol = 5e-2 if cdt == "bfloat16" else 1e-2
+    assert abs(lt - lr_) <= tol * abs(lr_), (lt, lr_)
+    full, full32 = dict(ref.named_parameters()), dict(f32.named_parameters())
+    worst = worst32 = 0.0
+    for n, p in tpm.named_parameters():
+        sh = shard_of(p)
+        assert p.grad.dtype == p.data.dtype == np.float32, n      # float32 master weights and grads
+        want = full[n].grad if sh is None else sh.take(full[n].grad)
+        w32 = full32[n].grad if sh is None else sh.take(full32[n].grad)
+        scale = max(float(np.abs(want).max()), 1e-6)
+        d = float(np.abs(p.grad - want).max()) / scale
+        assert d < tol, (n, d)
+        worst, worst32 = max(worst, d), max(worst32, float(np.abs(w32 - want).max()) / scale)
+    assert worst < worst32, (worst, worst32)
+
+
 def _train(model, comm, steps, dtype, n_micro=2):
     opt = AdamW(model.named_parameters(), lr=1e-2)
     sq = tp_allreduce_sq(model.parameters(), comm) if comm is not None else None

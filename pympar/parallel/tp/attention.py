@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import kernels
-from ...nn.parameter import Module
+from ...nn.parameter import Module, matmul
 from ..shard import even_slice, stacked_slices
 from .collectives import as_collectives
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -20,7 +20,7 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 
 class TPCausalSelfAttention(Module):
     def __init__(self, n_embd, n_head, tp, *, name, seed=0, dtype=np.float32, bias=True, n_layer=1,
-                 sequence_parallel=False):
+                 sequence_parallel=False, compute_dtype=None):
         tpc = as_collectives(tp)
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
@@ -32,10 +32,12 @@ class TPCausalSelfAttention(Module):
         feat = slice(heads.start * self.head_size, heads.stop * self.head_size)   # inside one of q/k/v
         self.c_attn = ColumnParallelLinear(n_embd, 3 * n_embd, tpc, name=f"{name}.c_attn", seed=seed,
                                            dtype=dtype, bias=bias, rows=stacked_slices(3, n_embd, feat),
-                                           input_mode="gather_seq" if sequence_parallel else "copy")
+                                           input_mode="gather_seq" if sequence_parallel else "copy",
+                                           compute_dtype=compute_dtype)
         self.c_proj = RowParallelLinear(n_embd, n_embd, tpc, name=f"{name}.c_proj", seed=seed, dtype=dtype,
                                         bias=bias, std=0.02 / (2 * n_layer) ** 0.5,
-                                        output_mode="reduce_scatter_seq" if sequence_parallel else "allreduce")
+                                        output_mode="reduce_scatter_seq" if sequence_parallel else "allreduce",
+                                        compute_dtype=compute_dtype)
 
     def sp_partial_params(self):
         return self.c_proj.sp_partial_params()
@@ -46,10 +48,10 @@ class TPCausalSelfAttention(Module):
         nh, hs = self.n_head_local, self.head_size
         q, k, v = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)   # each (B, nh, T, hs)
         scale = np.asarray(1.0 / np.sqrt(hs), dtype=qkv.dtype)
-        att = q @ k.transpose(0, 1, 3, 2)        # (B, nh, T, T)
+        att = matmul(q, k.transpose(0, 1, 3, 2))  # (B, nh, T, T)
         att *= scale
-        p = kernels.softmax_causal_forward(att)
-        yh = p @ v                               # (B, nh, T, hs)
+        p = kernels.softmax_causal_forward(att)  # statistics in float32 (the kernel's), p like att
+        yh = matmul(p, v)                        # (B, nh, T, hs)
         ya = yh.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
         y, _ = self.c_proj.forward(ya)
         return y, (c_in, q, k, v, p, ya)
@@ -59,12 +61,12 @@ class TPCausalSelfAttention(Module):
         B, nh, T, hs = q.shape
         dya = self.c_proj.backward(dy, ya)       # (B, T, nh * hs)
         dyh = dya.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)
-        dp = dyh @ v.transpose(0, 1, 3, 2)
-        dv = p.transpose(0, 1, 3, 2) @ dyh
+        dp = matmul(dyh, v.transpose(0, 1, 3, 2))
+        dv = matmul(p.transpose(0, 1, 3, 2), dyh)
         datt = kernels.softmax_causal_backward(p, dp)
         datt *= np.asarray(1.0 / np.sqrt(hs), dtype=datt.dtype)
-        dq = datt @ k
-        dk = datt.transpose(0, 1, 3, 2) @ q
+        dq = matmul(datt, k)
+        dk = matmul(datt.transpose(0, 1, 3, 2), q)
         dqkv = np.empty((B, T, 3, nh, hs), dtype=dq.dtype)
         dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
         dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)

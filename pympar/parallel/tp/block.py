@@ -22,11 +22,12 @@ from .moe import TPMoE
 
 class TPBlock(Block):
     def __init__(self, config: GPTConfig, i: int, tp, *, seed=0, dtype=np.float32,
-                 sequence_parallel=False):
+                 sequence_parallel=False, compute_dtype=None):
         c = config
         tpc = as_collectives(tp)
         name = f"transformer.h.{i}"
-        mk = dict(seed=seed, dtype=dtype, bias=c.bias, n_layer=c.n_layer, sequence_parallel=sequence_parallel)
+        mk = dict(seed=seed, dtype=dtype, bias=c.bias, n_layer=c.n_layer, sequence_parallel=sequence_parallel,
+                  compute_dtype=compute_dtype)
         self._sp = sequence_parallel
         self.ln_1 = LayerNorm(c.n_embd, name=f"{name}.ln_1", dtype=dtype, bias=c.bias, eps=c.ln_eps)
         self.attn = TPCausalSelfAttention(c.n_embd, c.n_head, tpc, name=f"{name}.attn", **mk)

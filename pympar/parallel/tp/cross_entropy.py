@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...nn.layers import LayerNorm
-from ...nn.parameter import Module, accumulate
+from ...nn.parameter import Module, accumulate, compute_cast, matmul
 from .collectives import as_collectives
 
 
@@ -76,8 +76,14 @@ class VocabParallelHead(Module):
     Input x is (B, T, C) replicated, or (B, T/tp, C) with sequence parallelism (gathered after
     ln_f; the input gradient reduce-scattered back)."""
 
-    def __init__(self, config, embedding, tp, *, dtype=np.float32, sequence_parallel=False):
+    def __init__(self, config, embedding, tp, *, dtype=np.float32, sequence_parallel=False,
+                 compute_dtype=None):
+        """compute_dtype: the logits GEMM runs in it (float32 accumulation); the softmax
+        statistics are float32 (``_acc``); dh's partial sum over the vocabulary parts is reduced
+        in float32 and rounded once."""
         self._tp, self._sp = as_collectives(tp), sequence_parallel
+        self._cdt = compute_dtype
+        self._pdt = None if compute_dtype is None else _acc(dtype)
         self.ln_f = LayerNorm(config.n_embd, name="transformer.ln_f", dtype=dtype, bias=config.bias,
                               eps=config.ln_eps)
         self._emb = embedding                    # wte is the SAME ShardedParameter
@@ -91,9 +97,9 @@ class VocabParallelHead(Module):
         return self.ln_f.parameters() if self._sp else []
 
     def _local_logits(self, h2):                 # h2 (N, C) -> (N, P) padded with -inf
-        w = self.wte.data
+        w = compute_cast(self.wte.data, self._cdt)
         out = np.full((h2.shape[0], self._emb.vocab_part), -np.inf, dtype=h2.dtype)
-        out[:, :w.shape[0]] = h2 @ w.T
+        out[:, :w.shape[0]] = matmul(h2, w.T)
         return out
 
     def _normed_full(self, x):
@@ -125,7 +131,9 @@ class VocabParallelHead(Module):
                                                    dloss / max(n_valid, 1))
         w = self.wte
         dl = dl[:, :w.data.shape[0]]             # drop the padding columns (their grads are 0)
-        accumulate(w, dl.T @ h2)
-        dh = (dl @ w.data).reshape(shape)        # partial over the vocabulary parts
+        accumulate(w, matmul(dl.T, h2, w.grad.dtype))
+        dh = matmul(dl, compute_cast(w.data, self._cdt), self._pdt).reshape(shape)  # partial over the vocabulary parts
         dh = self._tp.reduce_scatter_seq(dh) if self._sp else self._tp.allreduce(dh)
+        if self._cdt is not None:
+            dh = dh.astype(self._cdt)
         return self.ln_f.backward(dh, c_ln)

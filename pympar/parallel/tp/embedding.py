@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...nn.parameter import Module
+from ...nn.parameter import Module, compute_cast
 from ..shard import make_replicated, make_sharded, padded_partition, padded_slice
 from .collectives import as_collectives
 
 
 class VocabParallelEmbedding(Module):
     def __init__(self, vocab_size, block_size, n_embd, tp, *, seed=0, dtype=np.float32,
-                 sequence_parallel=False, prefix="transformer"):
+                 sequence_parallel=False, prefix="transformer", compute_dtype=None):
         tpc = as_collectives(tp)
         self._tp, self._sp = tpc, sequence_parallel
+        self._cdt = compute_dtype               # output cast to it (the sum itself in the master dtype)
         self.vocab_size = vocab_size
         self.vocab_padded, self.vocab_part = padded_partition(vocab_size, tpc.size)
         rows = padded_slice(vocab_size, tpc.size, tpc.rank)
@@ -53,13 +54,13 @@ class VocabParallelEmbedding(Module):
         part = np.zeros((B, T, self.wte.data.shape[1]), dtype=self.wte.data.dtype)
         part[own] = self.wte.data[loc[own]]                 # (B, T, C), zeros for foreign tokens
         x = self._tp.reduce_scatter_seq(part) if self._sp else self._tp.allreduce(part)
-        return x + self.wpe.data[self._positions(T)], idx
+        return compute_cast(x + self.wpe.data[self._positions(T)], self._cdt), idx
 
     def backward(self, dx, idx):                 # dx like x -> None
         B, T = idx.shape
         C = dx.shape[-1]
-        self.wpe.grad[self._positions(T)] += dx.sum(axis=0)
-        dfull = self._tp.allgather_seq(dx) if self._sp else dx   # (B, T, C)
+        self.wpe.grad[self._positions(T)] += dx.sum(axis=0, dtype=self.wpe.grad.dtype)
+        dfull = (self._tp.allgather_seq(dx) if self._sp else dx).astype(self.wte.grad.dtype, copy=False)  # (B, T, C)
         loc, own = self._local(idx)
         np.add.at(self.wte.grad, loc[own], dfull[own].reshape(-1, C))
         return None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...backend import dtype as resolve_dtype
 from ...nn.config import GPTConfig
 from ...nn.gpt import GPT
 from ...nn.parameter import Module
@@ -52,21 +53,29 @@ class SPGradSync:
 
 class TPGPT(GPT):
     def __init__(self, config: GPTConfig, tp_comm, seed: int = 0, dtype=np.float32,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, compute_dtype=None):
+        """compute_dtype: None, 'float16' or 'bfloat16': mixed precision exactly as nn.GPT (float32
+        master weights and grads, low-precision GEMMs accumulating in float32, softmax and
+        LayerNorm statistics in float32); partial sums over tp are reduced in float32."""
         tpc = as_collectives(tp_comm)
         validate_tp(config, tpc.size, sequence_parallel)     # no communication: all ranks agree
         dtype = np.dtype(dtype)
         if dtype not in (np.float32, np.float64):
-            raise ValueError(f"master dtype {dtype} is not supported by TPGPT: use float32 or float64")
-        self.config, self.dtype, self.compute_dtype = config, dtype, None
+            raise ValueError(f"master dtype {dtype} is not supported by TPGPT: use float32 or float64 "
+                             "(and compute_dtype='float16'/'bfloat16' for mixed precision)")
+        cdt = None if compute_dtype is None else resolve_dtype(compute_dtype)
+        if cdt == dtype:
+            cdt = None
+        self.config, self.dtype, self.compute_dtype = config, dtype, cdt
         self.tp = tpc
         self.sequence_parallel = sequence_parallel
         c = config
         self.embedding = VocabParallelEmbedding(c.vocab_size, c.block_size, c.n_embd, tpc, seed=seed,
-                                                dtype=dtype, sequence_parallel=sequence_parallel)
-        self.h = [TPBlock(c, i, tpc, seed=seed, dtype=dtype, sequence_parallel=sequence_parallel)
+                                                dtype=dtype, sequence_parallel=sequence_parallel, compute_dtype=cdt)
+        self.h = [TPBlock(c, i, tpc, seed=seed, dtype=dtype, sequence_parallel=sequence_parallel, compute_dtype=cdt)
                   for i in range(c.n_layer)]
-        self.head = VocabParallelHead(c, self.embedding, tpc, dtype=dtype, sequence_parallel=sequence_parallel)
+        self.head = VocabParallelHead(c, self.embedding, tpc, dtype=dtype, sequence_parallel=sequence_parallel,
+                                      compute_dtype=cdt)
         self.grad_ready_hooks = []
         self._sp_sync = SPGradSync(self.sp_partial_params(), tpc)
         self._sp_ids = {id(p) for p in self._sp_sync.params}

@@ -16,13 +16,19 @@ The row-parallel bias is replicated and added once after the reduction. Under se
 parallelism it is added on this rank's rows of the sequence only, so its gradient is a partial
 sum over tp: such parameters are listed in ``sp_partial_params()`` and summed over tp once per
 micro-batch by the model (see gpt.py).
+Mixed precision (``compute_dtype`` float16/bfloat16, as in pympar.nn.Linear): weights are cast
+to the compute dtype for the GEMMs, which accumulate in float32; gradients go into the float32
+master grads. A partial sum over tp (the row-parallel output, the column-parallel input
+gradient) is kept in float32 through its reduction and rounded to the compute dtype once, after
+it, so the result is the single-process GEMM's float32 sum rounded once (with tp = 1 exactly
+nn.Linear's numbers). With mode "none" the float32 partial is returned for the caller to reduce.
 Gradient convention: see pympar/nn/parameter.py (param grads +=, activation grads =).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ...nn.parameter import Module, accumulate
+from ...nn.parameter import Module, accumulate, compute_cast, matmul
 from ..shard import even_slice, make_replicated, make_sharded
 from .collectives import as_collectives
 
@@ -30,9 +36,20 @@ _IN_MODES = ("copy", "gather_seq", "none")
 _OUT_MODES = ("allreduce", "reduce_scatter_seq", "none")
 
 
+def partial_dtype(cdt, master_dtype):
+    """The dtype a partial sum over tp is kept in: float32 under mixed precision, else None
+    (the operands' own dtype)."""
+    return None if cdt is None else (np.float64 if np.dtype(master_dtype) == np.float64 else np.float32)
+
+
+def _gemm(x, w, out_dtype=None):                # x (..., k) @ w (n, k).T -> (..., n): one GEMM
+    y = matmul(x.reshape(-1, x.shape[-1]), w.T, out_dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 class ColumnParallelLinear(Module):
     def __init__(self, n_in, n_out, tp, *, name, seed=0, dtype=np.float32, bias=True, std=0.02,
-                 rows=None, input_mode="copy"):
+                 rows=None, input_mode="copy", compute_dtype=None):
         """rows: this rank's output rows (a slice or a tuple of slices into range(n_out));
         default the rank's equal contiguous part."""
         if input_mode not in _IN_MODES:
@@ -42,36 +59,40 @@ class ColumnParallelLinear(Module):
         self.weight = make_sharded(seed, f"{name}.weight", (n_out, n_in), (rows, slice(None)), dtype, std)
         self.bias = make_sharded(seed, f"{name}.bias", (n_out,), (rows,), dtype) if bias else None
         self._mode = input_mode
+        self._cdt, self._pdt = compute_dtype, partial_dtype(compute_dtype, dtype)
 
     def sp_partial_params(self):
         return []
 
     def forward(self, x):                        # x (..., in) [or (B, T/tp, in) gathered] -> (..., out/tp)
         xf = self._tp.allgather_seq(x) if self._mode == "gather_seq" else x
-        y = xf @ self.weight.data.T
+        y = _gemm(xf, compute_cast(self.weight.data, self._cdt))
         if self.bias is not None:
-            y += self.bias.data
+            y += compute_cast(self.bias.data, self._cdt)
         return y, x                              # ctx: the LOCAL input only
 
     def backward(self, dy, x):                   # dy (..., out/tp) -> dx like x
-        dx = dy @ self.weight.data               # partial: this rank's output rows only
+        # partial: this rank's output rows only (float32 under mixed precision)
+        dx = _gemm(dy, compute_cast(self.weight.data, self._cdt).T, self._pdt)
         # "copy": the allreduce of dx runs while the weight gradient is computed (overlap)
         pending = self._tp.allreduce_start(dx) if self._mode == "copy" else None
         xf = self._tp.allgather_seq(x) if self._mode == "gather_seq" else x
         dy2 = dy.reshape(-1, dy.shape[-1])
-        accumulate(self.weight, dy2.T @ xf.reshape(-1, xf.shape[-1]))
+        accumulate(self.weight, matmul(dy2.T, xf.reshape(-1, xf.shape[-1]), self.weight.grad.dtype))
         if self.bias is not None:
-            accumulate(self.bias, dy2.sum(axis=0))
+            accumulate(self.bias, dy2.sum(axis=0, dtype=self.bias.grad.dtype))
         if pending is not None:
-            return pending.wait()
-        if self._mode == "gather_seq":
-            return self._tp.reduce_scatter_seq(dx)
-        return dx
+            dx = pending.wait()
+        elif self._mode == "gather_seq":
+            dx = self._tp.reduce_scatter_seq(dx)
+        elif self._mode == "none":
+            return dx                            # the caller reduces the (float32) partial
+        return dx if self._cdt is None else dx.astype(self._cdt)
 
 
 class RowParallelLinear(Module):
     def __init__(self, n_in, n_out, tp, *, name, seed=0, dtype=np.float32, bias=True, std=0.02,
-                 output_mode="allreduce"):
+                 output_mode="allreduce", compute_dtype=None):
         if output_mode not in _OUT_MODES:
             raise ValueError(f"output_mode={output_mode!r}: expected one of {_OUT_MODES}")
         self._tp = as_collectives(tp)
@@ -79,24 +100,29 @@ class RowParallelLinear(Module):
         self.weight = make_sharded(seed, f"{name}.weight", (n_out, n_in), (slice(None), cols), dtype, std)
         self.bias = make_replicated(seed, f"{name}.bias", (n_out,), dtype) if bias else None
         self._mode = output_mode
+        self._cdt, self._pdt = compute_dtype, partial_dtype(compute_dtype, dtype)
 
     def sp_partial_params(self):
         return [self.bias] if self._mode == "reduce_scatter_seq" and self.bias is not None else []
 
     def forward(self, x):                        # x (..., in/tp) -> y (..., out) [(B, T/tp, out) scattered]
-        y = x @ self.weight.data.T               # partial sum over tp
+        y = _gemm(x, compute_cast(self.weight.data, self._cdt), self._pdt)   # partial sum over tp
+        if self._mode == "none":
+            return y, x                          # the caller reduces the (float32) partial
         if self._mode == "allreduce":
             y = self._tp.allreduce(y)
         elif self._mode == "reduce_scatter_seq":
             y = self._tp.reduce_scatter_seq(y)
-        if self.bias is not None and self._mode != "none":
-            y = y + self.bias.data
+        if self._cdt is not None:
+            y = y.astype(self._cdt)              # rounded once, after the float32 reduction
+        if self.bias is not None:
+            y = y + compute_cast(self.bias.data, self._cdt)
         return y, x
 
     def backward(self, dy, x):                   # dy like y -> dx (..., in/tp)
         if self.bias is not None and self._mode != "none":
-            accumulate(self.bias, dy.reshape(-1, dy.shape[-1]).sum(axis=0))
+            accumulate(self.bias, dy.reshape(-1, dy.shape[-1]).sum(axis=0, dtype=self.bias.grad.dtype))
         dyf = self._tp.allgather_seq(dy) if self._mode == "reduce_scatter_seq" else dy
         dy2 = dyf.reshape(-1, dyf.shape[-1])
-        accumulate(self.weight, dy2.T @ x.reshape(-1, x.shape[-1]))
-        return dyf @ self.weight.data
+        accumulate(self.weight, matmul(dy2.T, x.reshape(-1, x.shape[-1]), self.weight.grad.dtype))
+        return _gemm(dyf, compute_cast(self.weight.data, self._cdt).T)

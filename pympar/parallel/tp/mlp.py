@@ -15,7 +15,7 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 
 class TPMLP(MLP):
     def __init__(self, n_embd, tp, *, name, seed=0, dtype=np.float32, bias=True, n_layer=1,
-                 sequence_parallel=False, reduce=True):
+                 sequence_parallel=False, reduce=True, compute_dtype=None):
         """reduce=False: no collective at all and no c_proj bias in forward/backward (the caller
         reduces the partial output and adds ``c_proj.bias``: used for MoE experts)."""
         tpc = as_collectives(tp)
@@ -26,10 +26,10 @@ class TPMLP(MLP):
         else:
             in_mode, out_mode = "copy", "allreduce"
         self.c_fc = ColumnParallelLinear(n_embd, 4 * n_embd, tpc, name=f"{name}.c_fc", seed=seed,
-                                         dtype=dtype, bias=bias, input_mode=in_mode)
+                                         dtype=dtype, bias=bias, input_mode=in_mode, compute_dtype=compute_dtype)
         self.c_proj = RowParallelLinear(4 * n_embd, n_embd, tpc, name=f"{name}.c_proj", seed=seed,
                                         dtype=dtype, bias=bias, std=0.02 / (2 * n_layer) ** 0.5,
-                                        output_mode=out_mode)
+                                        output_mode=out_mode, compute_dtype=compute_dtype)
 
     def sp_partial_params(self):
         return self.c_proj.sp_partial_params()

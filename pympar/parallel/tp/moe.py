@@ -17,19 +17,22 @@ from __future__ import annotations
 import numpy as np
 
 from ...nn.moe import MoE
-from ...nn.parameter import accumulate
+from ...nn.parameter import accumulate, compute_cast
+from .linear import partial_dtype
 from .collectives import as_collectives
 from .mlp import TPMLP
 
 
 class TPMoE(MoE):
     def __init__(self, n_embd, n_expert, tp, *, name, seed=0, dtype=np.float32, bias=True, n_layer=1,
-                 sequence_parallel=False, **moe_kw):
+                 sequence_parallel=False, compute_dtype=None, **moe_kw):
         super().__init__(n_embd, n_expert, name=name, seed=seed, dtype=dtype, bias=bias, n_layer=n_layer,
-                         **moe_kw)
+                         compute_dtype=compute_dtype, **moe_kw)
         tpc = as_collectives(tp)
         self._tp, self._sp = tpc, sequence_parallel
-        mk = dict(seed=seed, dtype=dtype, bias=bias, n_layer=n_layer)
+        # mixed precision: the experts' partial outputs/input grads are summed over tp in float32
+        self._cdt, self._pdt = compute_dtype, partial_dtype(compute_dtype, dtype)
+        mk = dict(seed=seed, dtype=dtype, bias=bias, n_layer=n_layer, compute_dtype=compute_dtype)
         # replace the full experts built by nn.MoE with hidden-width shards (same init numbers)
         self.experts = [TPMLP(n_embd, tpc, name=f"{name}.experts.{e}", reduce=False, **mk)
                         for e in range(n_expert)]
@@ -40,28 +43,28 @@ class TPMoE(MoE):
         return []                                # the whole layer runs on the full sequence
 
     def run_experts(self, xs, counts):           # xs (M, C) grouped by expert -> ys (M, C)
-        ys = np.zeros_like(xs)
+        ys = np.zeros(xs.shape, dtype=self._pdt or xs.dtype)
         ctxs, lo = [], 0
         for e, n in enumerate(counts.tolist()):
             if n:
                 ys[lo:lo + n], c = self.experts[e].forward(xs[lo:lo + n])   # partial over tp
                 ctxs.append((e, lo, n, c))
             lo += n
-        ys = self._tp.allreduce(ys)
+        ys = self._tp.allreduce(ys).astype(xs.dtype, copy=False)       # rounded once, after the sum
         for e, lo, n, _ in ctxs:
             b = self.experts[e].c_proj.bias
             if b is not None:
-                ys[lo:lo + n] += b.data
+                ys[lo:lo + n] += compute_cast(b.data, self._cdt)
         return ys, ctxs
 
     def run_experts_backward(self, dys, ctxs):   # dys (M, C) replicated -> dxs (M, C)
-        dxs = np.zeros_like(dys)
+        dxs = np.zeros(dys.shape, dtype=self._pdt or dys.dtype)
         for e, lo, n, c in ctxs:
             ex = self.experts[e]
             if ex.c_proj.bias is not None:
-                accumulate(ex.c_proj.bias, dys[lo:lo + n].sum(axis=0))
+                accumulate(ex.c_proj.bias, dys[lo:lo + n].sum(axis=0, dtype=ex.c_proj.bias.grad.dtype))
             dxs[lo:lo + n] = ex.backward(dys[lo:lo + n], c)               # partial over tp
-        return self._tp.allreduce(dxs)
+        return self._tp.allreduce(dxs).astype(dys.dtype, copy=False)
 
     def forward(self, x):                        # x (B, T, C) [SP: (B, T/tp, C)] -> same shape
         if self._sp:
