@@ -60,9 +60,6 @@ def check_supported(model_cfg, layout, opts) -> None:
         raise NotSupportedError(f"zero={opts.zero} is not supported (ZeRO-1 only): use --zero 0 or 1")
     if opts.seq_parallel and tp == 1:
         raise NotSupportedError("--seq-parallel splits activations over the tensor-parallel group: it needs --tp > 1")
-    if tp > 1 and opts.dtype != "float32":
-        raise NotSupportedError(f"--dtype {opts.dtype} with tp={tp}: tensor-parallel modules compute in their "
-                                f"master dtype only; use --dtype float32 with --tp > 1")
     Mesh.validate(dp * pp * tp, dp, pp, tp, ep)
     validate_ep(model_cfg, ep)
     if ep > 1 and not model_cfg.n_expert:
@@ -129,7 +126,8 @@ class ParallelRunner:
 
             def make_tp(c, seed):
                 nonlocal tp_model
-                tp_model = TPGPT(c, mesh.tp_comm, seed=seed, dtype=self.master, sequence_parallel=sp)
+                tp_model = TPGPT(c, mesh.tp_comm, seed=seed, dtype=self.master, sequence_parallel=sp,
+                                 compute_dtype=self.compute)
                 return tp_model
         if self.pp == 1:
             if self.tp > 1:
