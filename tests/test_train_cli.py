@@ -158,7 +158,7 @@ def test_bad_data_fails_every_rank_naming_the_file(tmp_path, case):
 
 @pytest.mark.parametrize("args, needle", [
     (["--dp", "3"], "does not match the world size 2"),
-    (["--tp", "2", "--dtype", "bfloat16"], "use --dtype float32 with --tp > 1"),
+    (["--seq-parallel"], "--seq-parallel splits activations over the tensor-parallel group"),
     (["--n-head", "3"], "n_embd=32 is not divisible by n_head=3"),
     (["--schedule", "zigzag"], "invalid choice"),
     (["--steps", "0"], "steps=0 must be >= 1"),
