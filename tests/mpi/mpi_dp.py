@@ -81,16 +81,21 @@ def test_accumulation_syncs_only_on_last_micro_batch(comm):
     assert dp.stats()["last"]["collectives"] == len(dp.buckets)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_overlap_starts_buckets_during_backward(comm, overlap):
+@pytest.mark.parametrize("overlap,zero", [(True, False), (False, False), (True, True)])
+def test_overlap_starts_buckets_during_backward(comm, overlap, zero):
+    """Plain DP's allreduce and ZeRO-1's reduce-scatter: each bucket's NONBLOCKING collective
+    starts in backward as soon as its grads are final (overlap), else all of them in finish."""
     if comm.size == 1:
         pytest.skip("no collectives at dp=1")
     counting = Counting(comm)
-    got = run_dp(counting, TINY, np.float32, 1, 1, bucket_mb=0.002, overlap=overlap, zero=False)
+    got = run_dp(counting, TINY, np.float32, 1, 1, bucket_mb=0.002, overlap=overlap, zero=zero)
     n_buckets = len(got["dp"].buckets)
     assert n_buckets >= 4
-    early = [k for k, ph in counting.calls if k == "iallreduce" and ph == "micro 0"]
-    late = [k for k, ph in counting.calls if k == "iallreduce" and ph == "finish"]
+    verb = "ireduce_scatter" if zero else "iallreduce"
+    blocking = [k for k, ph in counting.calls if k == verb[1:] and ph in ("micro 0", "finish")]
+    assert blocking == [], f"buckets synced with the blocking {verb[1:]}"
+    early = [k for k, ph in counting.calls if k == verb and ph == "micro 0"]
+    late = [k for k, ph in counting.calls if k == verb and ph == "finish"]
     if overlap:
         # every bucket but the embedding's (finished at the very end of backward) starts early
         assert len(early) >= n_buckets - 1 and len(early) + len(late) == n_buckets
