@@ -16,7 +16,7 @@ def test_comm_verbs_and_algorithms(n):
 def test_hierarchical_on_simulated_nodes():
     # 5 ranks as nodes of 2, 2, 1: uneven nodes, a leader ring of 3
     run_pytest_mpi(5, "mpi_comm.py", timeout=180, env={"PYMPAR_RANKS_PER_NODE": 2},
-                   extra_args=["-k", "allreduce or reduce_scatter or allgather"])
+                   extra_args=["-k", "allreduce or reduce_scatter or allgather or permuted or broadcast"])
 
 
 @pytest.mark.slow

@@ -248,3 +248,18 @@ def test_selfcomm_same_answers():
     assert out.tolist() == x.tolist() and rc.tolist() == [3]
     s.send(x, 0, tag=1)
     assert s.recv(np.zeros_like(x), 0, tag=1).tolist() == x.tolist()
+
+
+def test_hierarchical_on_a_permuted_communicator(mpi_world):
+    """Ranks ordered evens first (world 0, 2, 4, ..., 1, 3, ...): under PYMPAR_RANKS_PER_NODE a
+    node's ranks are not contiguous in this communicator."""
+    n, w = mpi_world.Get_size(), mpi_world.Get_rank()
+    sub = MPIComm(mpi_world.Split(0, (w % 2) * n + w // 2), name="permuted", timeout=60, _owned=True)
+    r = sub.rank
+    for algo in ("hierarchical", "auto"):
+        x = (np.arange(2 * n + 3, dtype=np.float64) * (r + 1)).reshape(-1, 1)
+        rows = np.array_split(np.arange(2 * n + 3), n)[r]
+        np.testing.assert_allclose(sub.reduce_scatter(x, algo=algo)[:, 0], rows * n * (n + 1) / 2, err_msg=algo)
+        got = sub.allgather(np.full((2, 3), r, dtype=np.float32), algo=algo)
+        assert got[:, 0].tolist() == [k for k in range(n) for _ in range(2)], algo
+        np.testing.assert_allclose(sub.allreduce(np.full(5, r + 1.0), algo=algo), n * (n + 1) / 2)

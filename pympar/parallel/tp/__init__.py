@@ -5,8 +5,9 @@ c_proj row-parallel; MLP c_fc column-parallel, c_proj row-parallel: two allreduc
 in forward, two in backward. Vocab-parallel token embedding and fused cross-entropy (the vocab
 padded to a multiple of tp, never gathering full logits). MoE experts are split along their
 hidden width (all experts on every tp rank; routing replicated). Optional sequence parallelism.
+Mixed precision (``compute_dtype``) as in pympar.nn, partial sums over tp reduced in float32.
 
-Entry points: ``TPGPT(config, tp_comm, seed, dtype, sequence_parallel=False)``,
+Entry points: ``TPGPT(config, tp_comm, seed, dtype, sequence_parallel=False, compute_dtype=None)``,
 ``validate_tp(config, tp, sequence_parallel, seq_len)`` (no communication), and the layers.
 """
 from .attention import TPCausalSelfAttention
