@@ -122,6 +122,16 @@ class MPIComm(Communicator):
         tag = 1 + self.seq % 30000 if nonblocking else 0
         return Ctx(comm or self._coll, waiter, reduce_op(op), sync, tag)
 
+    def _rs_operands(self, x, out, what):
+        """reduce_scatter's checked operand, element bounds E of the ranks' blocks, and output."""
+        x = contiguous(x, f"{what} operand")
+        if x.ndim == 0:
+            raise ValueError(f"{what} needs an array with at least one dimension (split along axis 0)")
+        E, R = row_bounds(x, self.size)
+        shape = (R[self.rank + 1] - R[self.rank],) + tuple(x.shape[1:])
+        out = check_out(out, shape, x.dtype, what) if out is not None else new_like(x, shape)
+        return x, E, out
+
     def _lib(self, waiter, start, finish=None, result=None):
         """Run a library collective (nonblocking, polled against the deadline)."""
         req = Request([start()], [None], waiter, finish, result)
@@ -174,12 +184,7 @@ class MPIComm(Communicator):
         if needs_staging(x, out):
             res = self.reduce_scatter(to_host(x), op, algo)
             return copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res)
-        x = contiguous(x, "reduce_scatter operand")
-        if x.ndim == 0:
-            raise ValueError("reduce_scatter needs an array with at least one dimension (split along axis 0)")
-        E, R = row_bounds(x, self.size)
-        shape = (R[self.rank + 1] - R[self.rank],) + tuple(x.shape[1:])
-        out = check_out(out, shape, x.dtype, "reduce_scatter") if out is not None else new_like(x, shape)
+        x, E, out = self._rs_operands(x, out, "reduce_scatter")
         self._check_algo("reduce_scatter", algo)
         w = self._waiter("reduce_scatter", x)
         src_f, out_f = flat(x), flat(out)
@@ -382,12 +387,7 @@ class MPIComm(Communicator):
         if needs_staging(x, out):
             r = self.ireduce_scatter(to_host(x), op, algo)
             return _Then(r, lambda res: copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res))
-        x = contiguous(x, "ireduce_scatter operand")
-        if x.ndim == 0:
-            raise ValueError("ireduce_scatter needs an array with at least one dimension (split along axis 0)")
-        E, R = row_bounds(x, self.size)
-        shape = (R[self.rank + 1] - R[self.rank],) + tuple(x.shape[1:])
-        out = check_out(out, shape, x.dtype, "ireduce_scatter") if out is not None else new_like(x, shape)
+        x, E, out = self._rs_operands(x, out, "ireduce_scatter")
         w = self._waiter("ireduce_scatter", x)
         src_f, out_f = flat(x), flat(out)
         fin = (lambda: finish_avg(out_f, self.size)) if op == "avg" and self.size > 1 else None
