@@ -195,7 +195,18 @@ def sec_plan(res, status) -> str:
             "of bench/results/collectives.json for the same rank count.", "",
             "Spearman rank correlation of predicted against measured step time: " +
             ", ".join(f"{k} ranks {v:.2f}" if k != "pooled" else f"pooled {v:.2f}" for k, v in rho.items()) +
-            f" over {len(ok)} layouts.", "", _img("plan_accuracy", "planner"), "",
+            f" over {len(ok)} layouts (one run each).", "", _img("plan_accuracy", "planner"), ""]
+    for w in sorted({r["world"] for r in ok}):
+        q = [r["measured_s"] / r["predicted_s"] for r in ok if r["world"] == w]
+        out.append(f"- {w} ranks: measured / predicted step time, median {statistics.median(q):.2f}x "
+                   f"(range {min(q):.2f}x to {max(q):.2f}x).")
+    pr = [r["persistent_ratio"] for r in ok]
+    ar = [r["activation_ratio"] for r in ok]
+    out += [f"- Memory: parameters per rank exact in {sum(r['params_exact'] for r in ok)} of {len(ok)} layouts; "
+            f"persistent bytes measured / predicted {min(pr):.2f}x to {max(pr):.2f}x (above 1.5x: "
+            f"{', '.join(r['layout'] for r in ok if r['persistent_ratio'] > 1.5) or 'none'}; the model counts "
+            f"params + grads + AdamW state only, not gradient buckets or communication buffers); activation "
+            f"peak {min(ar):.2f}x to {max(ar):.2f}x.", "",
             "| ranks | layout | predicted ms | measured ms | params exact | persistent meas/pred | activations meas/pred |",
             "| ---: | --- | ---: | ---: | --- | ---: | ---: |"]
     for r in ok:
