@@ -358,7 +358,10 @@ ISA_CHECK = textwrap.dedent("""
 
 def _run(code, **env):
     e = dict(os.environ, PYTHONPATH=str(PYMPAR_HOME), **env)
-    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
+    # cwd: `python -c` puts the working directory first on sys.path; run beside the package under
+    # test so a source checkout (without the built _C) cannot shadow an installed one
+    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60,
+                          cwd=str(PYMPAR_HOME))
 
 
 def _cpu_flags():
