@@ -150,7 +150,7 @@ def save(directory, step: int, shards: dict, opt_shards: dict | None = None, met
             _publish(tmp, final)
             _write_latest(root, final)
             _prune(root, keep, final)
-        except OSError as e:
+        except (OSError, TypeError, ValueError) as e:   # TypeError: meta that is not JSON-able
             err = CheckpointError(final, f"publishing the checkpoint failed: {e}")
     agree(comm, err, "publishing the checkpoint")
     return final
