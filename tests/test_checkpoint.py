@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pympar.backend import bfloat16
-from pympar.checkpoint import (CheckpointCorrupt, CheckpointMismatch, CheckpointNotFound, load,
+from pympar.checkpoint import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointNotFound, load,
                                restore_into, save, save_training)
 from pympar.checkpoint import safetensors_format as stf
 from pympar.checkpoint.convert import export_state_dict, import_state_dict
@@ -111,6 +111,16 @@ def test_save_same_step_again_replaces(tmp_path):
 def test_shape_that_does_not_match_its_shard_is_refused(tmp_path):
     with pytest.raises(Exception, match=r"w: array shape \(3,\) does not match"):
         save(tmp_path, 1, {"w": (np.zeros(3, np.float32), Shard((8,), (slice(0, 4),)))}, {})
+
+
+def test_meta_that_is_not_json_fails_as_a_checkpoint_error(tmp_path):
+    """Rank 0's manifest write fails: a CheckpointError every rank agrees on (a bare TypeError on
+    rank 0 alone would leave the other ranks waiting); the previous checkpoint stays latest."""
+    save(tmp_path, 1, {"w": (np.zeros(2, np.float32), None)}, {})
+    with pytest.raises(CheckpointError, match="publishing the checkpoint failed.*JSON serializable"):
+        save(tmp_path, 2, {"w": (np.ones(2, np.float32), None)}, {}, meta={"bad": object()})
+    arrays, manifest = load(tmp_path, {"w": None})
+    assert manifest["step"] == 1 and arrays["w"].tolist() == [0.0, 0.0]
 
 
 # --- damaged checkpoints: each names the file and the problem ----------------------------------
