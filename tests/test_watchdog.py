@@ -74,6 +74,8 @@ def test_debug_mode_off_lets_a_mismatch_through_unchecked():
     p = run_mpi(2, [SCRIPT, "rootmismatch"], timeout=60, env={"PYMPAR_DEBUG_COLLECTIVES": "0", "WATCHDOG_TIMEOUT": "1"},
                 check=False)
     assert not _lines(p.stdout, "MISMATCH"), p.stdout
+    # ... and the script really reached its report on every rank (a crash would also print no MISMATCH)
+    assert len(_lines(p.stdout, "(NO-ERROR|TIMEOUT)")) == 2, p.stdout
 
 
 def test_abort_ends_every_rank_with_the_report():
