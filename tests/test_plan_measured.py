@@ -2,19 +2,24 @@
 on 10 layouts of 4 ranks and 10 of 8 (preset small), one run each.
 
   * parameters per rank: the planner's count equals every rank's own parameters exactly;
-  * memory: what stays allocated after two steps (tracemalloc) is within 0.8x-2.5x of
-    params + grads + optimizer predicted, and the peak of a step above it within 0.5x-2x of
-    the predicted activations (ZeRO-1 keeps full gradients and buckets beyond the model);
-  * step time: Spearman's rho of predicted against measured is positive at each world size
-    (the measured values are in docs/benchmarks.md; the machine is shared, so one run's rho
-    moves by tenths).
+  * memory: what stays allocated after two steps (tracemalloc) is at least the predicted
+    params + grads + optimizer and at most that plus the buffers the model leaves out (see
+    test_memory_model_against_measured); the peak of a step above it within 0.5x-2x of the
+    predicted activations;
+  * step time: Spearman's rho of predicted against measured beats the 95th percentile of rho
+    for random permutations of the same predictions (a planner that ranks at random).
+    Expected to fail at 4 ranks: bench/results/plan_accuracy.json measured rho 0.08 against a
+    null p95 of 0.54 (8 ranks: 0.64 against 0.54); see docs/benchmarks.md.
 """
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from pympar.plan import spearman, spearman_null_p95
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,15 +53,47 @@ def test_params_per_rank_exact(accuracy):
             assert r["params_exact"], (r["layout"], r["params_predicted"], r["params_measured"])
 
 
+def _omitted_bytes(r) -> float:
+    """Upper bound of what the memory model (pympar/plan.py docstring: params, grads, AdamW
+    m and v, activations in flight) leaves out of the bytes that outlive a step."""
+    dp, pp, tp = (int(re.search(rf"{k}(\d+)", r["layout"]).group(1)) for k in ("dp", "pp", "tp"))
+    pm = r["predicted_memory"]
+    out = 0.0
+    if dp > 1:       # gradient buckets: one flat float32 copy of the rank's gradients
+        out += pm["grads"]
+    if "zero1" in r["layout"]:   # ZeRO-1 reduce-scatter output and allgather input: one grads copy each
+        out += 2 * pm["grads"]
+    if pp > 1 or tp > 1:         # receive / gathered buffers kept between steps: slices of one
+        out += pm["activations"] / max(1, r["peak_in_flight"])   # micro-batch's activations at most
+    return out
+
+
 def test_memory_model_against_measured(accuracy):
     for r in accuracy["rows"]:
         if r["status"] != "ok":
             continue
-        assert 0.8 <= r["persistent_ratio"] <= 2.5, (r["layout"], r["measured_memory"], r["predicted_memory"])
-        assert 0.5 <= r["activation_ratio"] <= 2.0, (r["layout"], r["measured_memory"], r["predicted_memory"])
+        pm, mm = r["predicted_memory"], r["measured_memory"]
+        counted = pm["params"] + pm["grads"] + pm["optimizer"]
+        # every byte the model counts exists on the worst rank (sizes exact, params_exact), so
+        # tracemalloc cannot see less; more is bounded by the omissions listed in _omitted_bytes.
+        # The pp/tp term has no size in the model's own terms (the executor allocates its
+        # messages per step; what outlives a step is the allocator's), so the earlier empirical
+        # cap of 2.5x counted also applies: the bound is never looser than before.
+        upper = min(counted + _omitted_bytes(r), 2.5 * counted)
+        assert counted <= mm["persistent"] <= upper, (r["layout"], mm, pm, upper)
+        # the activation model is a count of saved tensors, not of the allocator's temporaries:
+        # a factor-2 band either way (not derived from the model)
+        assert 0.5 <= r["activation_ratio"] <= 2.0, (r["layout"], mm, pm)
 
 
-def test_ranking_correlates_with_measured_step_time(accuracy):
-    rho = accuracy["spearman"]
-    print("Spearman:", rho)
-    assert rho["4"] > 0 and rho["8"] > 0, rho
+@pytest.mark.parametrize("world", [
+    pytest.param(4, marks=pytest.mark.xfail(strict=False, reason=(
+        "planner does not rank 4-rank layouts better than chance: bench/results/plan_accuracy.json "
+        "measured Spearman 0.08 against a permutation-null p95 of 0.54 (10 layouts, one run each)"))),
+    8])
+def test_ranking_beats_random_permutations(accuracy, world):
+    ok = [r for r in accuracy["rows"] if r["world"] == world and r["status"] == "ok"]
+    pred, meas = [r["predicted_s"] for r in ok], [r["measured_s"] for r in ok]
+    rho, p95 = spearman(pred, meas), spearman_null_p95(pred, meas)
+    print(f"{world} ranks: Spearman {rho:.2f}, null p95 {p95:.2f}")
+    assert rho > p95, (world, rho, p95)
