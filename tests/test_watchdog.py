@@ -14,14 +14,16 @@ def _lines(out, kind):
     return [ln for ln in out.splitlines() if re.match(rf"rank \d+: {kind}", ln)]
 
 
-@pytest.mark.parametrize("algo,n", [("mpi", 3), ("ring", 3), ("recursive_doubling", 4)])
+@pytest.mark.parametrize("algo,n", [("mpi", 3), ("ring", 3), ("shm", 3), ("recursive_doubling", 4)])
 def test_skipped_collective_names_the_missing_rank(algo, n):
     p = run_mpi(n, [SCRIPT, "skip", algo], timeout=60)
     lines = _lines(p.stdout, "TIMEOUT")
-    assert len(lines) == n - 1, p.stdout
+    assert sorted(int(re.match(r"rank (\d+)", ln).group(1)) for ln in lines) == [k for k in range(n) if k != 1], p.stdout
+    assert [ln.split(":")[0] for ln in _lines(p.stdout, "NO-ERROR")] == ["rank 1"], p.stdout   # only the skipper
     for ln in lines:
         assert "op=allreduce comm=watched seq=2 peers=[1] " in ln, ln   # only rank 1, even for the library's
-        assert "rank 1 is at #1 (allreduce)" in ln, ln
+        if algo != "shm":   # the shm barrier raises its own timeout without reading the board (algorithms/shm.py)
+            assert "rank 1 is at #1 (allreduce)" in ln, ln
         assert 1.4 <= float(re.search(r"after=([\d.]+)s", ln).group(1)) < 10, ln
 
 
