@@ -6,6 +6,7 @@ process group of the launcher is killed and the test fails with the tail of its 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -82,6 +83,18 @@ def run_mpi(n: int, args, timeout: float = 120, env=None, cwd=None, check=True):
 
 def run_pytest_mpi(n: int, test_file: str, timeout: float = 180, env=None, extra_args=()):
     """Run a test module of tests/mpi/ on n ranks, each rank a pytest process (mpi4py's style)."""
-    args = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=",
+    args = ["-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", "-o", "addopts=",
             "--timeout", str(int(timeout * 0.8)), str(ROOT / "tests" / "mpi" / test_file), *extra_args]
-    return run_mpi(n, args, timeout=timeout, env=env)
+    res = run_mpi(n, args, timeout=timeout, env=env)
+    # a rank whose every test skipped exits 0 but tested nothing (e.g. a missing module)
+    for summary in _SUMMARY.findall(res.stdout):
+        if "skipped" in summary and "passed" not in summary:
+            raise AssertionError(f"every test of {test_file} skipped on a rank at -n {n} ({summary.strip()}): "
+                                 f"nothing was tested; the skip reasons are in the output\n"
+                                 f"--- output tail ---\n{res.stdout[-4000:]}")
+    return res
+
+
+# one rank's pytest summary, e.g. "3 passed, 1 skipped in 0.52s" (ranks' lines may interleave)
+_SUMMARY = re.compile(r"((?:\d+ (?:passed|failed|skipped|xfailed|xpassed|errors?|warnings?|deselected)(?:, )?)+)"
+                      r" in [\d.]+s")
