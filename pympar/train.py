@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from . import backend
+from .comm.objects import gather_object
 from .config import ConfigError, describe, parse_args
 from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
 from .faults import STOP_STATUS, BadStepGuard, FaultInjector, NonFiniteStop, resolve_resume, restore_run, save_run
@@ -184,7 +185,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
     # 4. the end: a sample, the merged trace, the summary
     sample = _sample(runner, corpus, model_cfg, run)
     if run.profile:
-        events = mpi.gather(rec.events, root=0)
+        events = gather_object(comm, rec.events, root=0)   # timed by comm.timeout
         if rank == 0 and out:
             write_chrome_trace(out / "trace.json", events, [f"rank {r} (pp, dp, tp) {Mesh.coords(r, lay.dp, lay.pp, lay.tp)}" for r in range(world)])
     if rank == 0 and history:                  # (empty when resumed at the last step)

@@ -85,3 +85,13 @@ def test_abort_ends_every_rank_with_the_report():
     assert p.returncode != 0, p.stdout
     assert re.search(r"pympar: rank [02]: collective watchdog: allreduce #2 on communicator 'watched' "
                      r"timed out after 1.5s: no answer from rank\(s\) 1 .*aborting the job", p.stdout), p.stdout
+
+
+def test_gather_object_gathers_and_times_out_instead_of_hanging():
+    p = run_mpi(3, [SCRIPT, "gatherok"], timeout=60)
+    assert len(_lines(p.stdout, "GATHERED")) == 3, p.stdout
+    p = run_mpi(3, [SCRIPT, "gather"], timeout=60)
+    lines = _lines(p.stdout, "TIMEOUT")
+    assert sorted(int(re.match(r"rank (\d+)", ln).group(1)) for ln in lines) == [0, 2], p.stdout
+    for ln in lines:
+        assert "op=allgather comm=watched seq=2 peers=[1] " in ln, ln

@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 from .. import profile as _profile
+from ..comm.objects import gather_object
 from ..nn import GPT
 from ..optim import AdamW, DynamicLossScaler
 from .ep import ep_step_stats, install_expert_parallel, is_expert_param, validate_ep
@@ -309,7 +310,7 @@ class ParallelRunner:
         if m.edp_rank == 0:
             mine = [(n, p.data, shard_of(p)) for n, p in self.model.named_parameters()]
             mine += [(f"transformer.h.{i}.moe.expert_bias", layer.expert_bias, None) for i, layer in self.model.moe_layers()]
-        pieces = self.comm.mpi_comm.gather(mine, root=0) if self.comm.size > 1 else [mine]
+        pieces = gather_object(self.comm, mine, root=0)   # timed: a missing rank raises, not hangs
         if self.comm.rank != 0:
             return None
         state = {}

@@ -7,6 +7,8 @@
     mpi_watchdog.py busy ALGO      rank 1 sleeps outside MPI instead: reported as not answering
     mpi_watchdog.py abort          rank 1 skips; the others call watchdog.abort_job (job ends non-zero)
     mpi_watchdog.py sendrecv       rank 1 never sends; rank 0's recv times out naming rank 1
+    mpi_watchdog.py gather         rank 1 skips comm.objects.gather_object: the others time out
+    mpi_watchdog.py gatherok       every rank gathers a dict holding an array: rank 0 checks the list
 
 Each rank prints one line ``rank R: <KIND> ...`` that tests/test_watchdog.py parses.
 """
@@ -18,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from pympar.comm import CommTimeoutError, MPIComm
+from pympar.comm.objects import gather_object
 from pympar.comm.debug import CollectiveMismatchError
 from pympar.comm.watchdog import abort_job
 
@@ -62,6 +65,17 @@ try:
     elif scenario == "rootmismatch":
         c.broadcast(np.ones(3), root=0 if c.rank != 1 else 1)
         line("NO-ERROR")
+    elif scenario == "gather":   # rank 1 skips gather_object (the timed twin of mpi4py's gather)
+        if c.rank != 1:
+            got = gather_object(c, {"rank": c.rank}, root=0)
+        else:
+            world.Barrier()
+        line("NO-ERROR")
+    elif scenario == "gatherok":
+        got = gather_object(c, {"rank": c.rank, "a": np.arange(c.rank + 1)}, root=0)
+        want = [{"rank": r, "a": list(range(r + 1))} for r in range(c.size)] if c.rank == 0 else None
+        ok = got is None if c.rank else [dict(g, a=g["a"].tolist()) for g in got] == want
+        line("GATHERED" if ok else f"WRONG {got}")
     elif scenario == "sendrecv":
         if c.rank == 0:
             c.recv(np.empty(2), 1)
@@ -72,7 +86,7 @@ except (CommTimeoutError, CollectiveMismatchError) as e:
     if scenario == "abort":
         abort_job(e)
     line("TIMEOUT" if isinstance(e, CommTimeoutError) else "MISMATCH", e)
-if not (scenario in ("skip", "abort") and c.rank == 1):   # rank 1 of skip waits there already
+if not (scenario in ("skip", "abort", "gather") and c.rank == 1):   # rank 1 of skip waits there already
     world.Barrier()              # nobody leaves before the others have reported
 sys.stdout.flush()
 os._exit(0)   # leave without MPI_Finalize: the abandoned collective may still be pending
