@@ -109,6 +109,15 @@ def test_partition_interleaved_and_moe():
         validate_pipeline(GPTConfig(n_layer=2), 3, 3)
 
 
+def test_validate_pipeline_rejects_micro_batches_beyond_the_tag_space():
+    c = GPTConfig(n_layer=4)
+    validate_pipeline(c, 2, 16383)                      # tags up to 32765: below the tied weight's 32767
+    with pytest.raises(ValueError, match="n_micro=16384 x v=1 = 16384 .* reaches the tied-weight tag 32767.*<= 16383"):
+        validate_pipeline(c, 2, 16384)
+    with pytest.raises(ValueError, match="n_micro=8192 x v=2"):
+        validate_pipeline(c, 2, 8192, "interleaved", v=2)
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 4])
 def test_pipeline_mpi(n):
