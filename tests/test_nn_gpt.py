@@ -185,3 +185,17 @@ def test_training_on_text_drives_loss_down(moe):
         stats = m.moe_stats()
         assert len(stats) == 2 and sum(stats[0]["tokens_per_expert"]) == 150 * 8 * 32 * 2
         assert 0 <= stats[0]["dropped_fraction"] < 0.5
+
+
+def test_precision_resolution_shared_by_gpt_and_tpgpt():
+    from pympar.comm import SelfComm
+    from pympar.nn.parameter import resolve_precision
+    from pympar.parallel.tp.gpt import TPGPT
+
+    assert resolve_precision(np.float32, None) == (np.float32, None)
+    assert resolve_precision("float32", "float32") == (np.float32, None)     # same as master: no casts
+    assert resolve_precision(np.float32, "float16")[1] == np.float16
+    with pytest.raises(ValueError, match="master dtype float16 is not supported by GPT: use float32 or float64"):
+        GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=16, block_size=8), dtype=np.float16)
+    with pytest.raises(ValueError, match="not supported by TPGPT"):
+        TPGPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=16, block_size=8), SelfComm(), dtype=np.int32)

@@ -8,13 +8,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
-from ..backend import dtype as resolve_dtype
 from ..backend import to_numpy, xp_of
 from .attention import CausalSelfAttention
 from .config import GPTConfig
 from .layers import MLP, Embedding, LayerNorm
 from .moe import MoE
-from .parameter import Module, accumulate, compute_cast, matmul
+from .parameter import Module, accumulate, compute_cast, matmul, resolve_precision
 
 
 class Block(Module):
@@ -98,13 +97,7 @@ class Head(Module):
 class GPT(Module):
     def __init__(self, config: GPTConfig, seed: int = 0, dtype=np.float32, compute_dtype=None):
         self.config = config.validate()
-        dtype = np.dtype(dtype)
-        if dtype not in (np.float32, np.float64):
-            raise ValueError(f"master dtype {dtype} is not supported: use float32 or float64 "
-                             "(and compute_dtype='float16'/'bfloat16' for mixed precision)")
-        cdt = None if compute_dtype is None else resolve_dtype(compute_dtype)
-        if cdt == dtype:
-            cdt = None
+        dtype, cdt = resolve_precision(dtype, compute_dtype)
         self.dtype, self.compute_dtype = dtype, cdt
         c = config
         self.embedding = Embedding(c.vocab_size, c.block_size, c.n_embd, seed=seed, dtype=dtype,

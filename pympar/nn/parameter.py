@@ -15,6 +15,7 @@ import zlib
 import numpy as np
 
 from .. import kernels
+from ..backend import dtype as backend_dtype
 from ..backend import is_low_precision, lowp_gemm, to_device, xp_of
 
 
@@ -122,6 +123,17 @@ class Module:
 
     def _move_buffers(self, device: str):
         """Arrays a module keeps besides its Parameters (MoE: the expert selection bias)."""
+
+
+def resolve_precision(dtype, compute_dtype, model: str = "GPT"):
+    """(master dtype, compute dtype or None) of a model: master float32/float64; compute
+    'float16'/'bfloat16' (or a dtype) for mixed precision, None when it equals the master."""
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise ValueError(f"master dtype {dtype} is not supported by {model}: use float32 or float64 "
+                         "(and compute_dtype='float16'/'bfloat16' for mixed precision)")
+    cdt = None if compute_dtype is None else backend_dtype(compute_dtype)
+    return dtype, (None if cdt == dtype else cdt)
 
 
 def compute_cast(a, cdt):

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...backend import dtype as resolve_dtype
 from ...nn.config import GPTConfig
 from ...nn.gpt import GPT
-from ...nn.parameter import Module
+from ...nn.parameter import Module, resolve_precision
 from ..shard import shard_of
 from .block import TPBlock
 from .collectives import as_collectives
@@ -59,13 +58,7 @@ class TPGPT(GPT):
         LayerNorm statistics in float32); partial sums over tp are reduced in float32."""
         tpc = as_collectives(tp_comm)
         validate_tp(config, tpc.size, sequence_parallel)     # no communication: all ranks agree
-        dtype = np.dtype(dtype)
-        if dtype not in (np.float32, np.float64):
-            raise ValueError(f"master dtype {dtype} is not supported by TPGPT: use float32 or float64 "
-                             "(and compute_dtype='float16'/'bfloat16' for mixed precision)")
-        cdt = None if compute_dtype is None else resolve_dtype(compute_dtype)
-        if cdt == dtype:
-            cdt = None
+        dtype, cdt = resolve_precision(dtype, compute_dtype, "TPGPT")
         self.config, self.dtype, self.compute_dtype = config, dtype, cdt
         self.tp = tpc
         self.sequence_parallel = sequence_parallel
