@@ -110,3 +110,16 @@ def write_json(path, obj) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=1))
     return path
+
+
+def add_output_args(ap, name: str):
+    """--json (bench/results/NAME.json) and --png (docs/img/NAME.png) of a benchmark script."""
+    ap.add_argument("--json", default=str(RESULTS / f"{name}.json"))
+    ap.add_argument("--png", default=str(ROOT / "docs" / "img" / f"{name}.png"))
+
+
+def write_outputs(a, res, plot) -> None:
+    """The result as JSON at a.json, plot(res, a.png), and a line saying where both went."""
+    write_json(a.json, res)
+    plot(res, a.png)
+    print(f"wrote {a.json} {a.png}")

@@ -56,13 +56,10 @@ def main(argv=None):
     ap.add_argument("--curve-steps", type=int, default=60)
     ap.add_argument("--topk", type=float, default=0.01, help="top-k ratio (also runs 10x it)")
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--json", default=str(common.RESULTS / "compression.json"))
-    ap.add_argument("--png", default=str(common.ROOT / "docs" / "img" / "compression.png"))
+    common.add_output_args(ap, "compression")
     a = ap.parse_args(argv)
     res = run(a.curve_steps, a.topk, a.timeout)
-    common.write_json(a.json, res)
-    plot(res, a.png)
-    print(f"wrote {a.json} {a.png}")
+    common.write_outputs(a, res, plot)
 
 
 if __name__ == "__main__":

@@ -93,13 +93,10 @@ def main(argv=None):
     ap.add_argument("--aux", type=float, default=0.01, help="aux_coef of the aux-loss variant")
     ap.add_argument("--rate", type=float, default=0.01, help="bias_update_rate of the aux-free variant")
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--json", default=str(common.RESULTS / "moe_balance.json"))
-    ap.add_argument("--png", default=str(common.ROOT / "docs" / "img" / "moe_balance.png"))
+    common.add_output_args(ap, "moe_balance")
     a = ap.parse_args(argv)
     res = run(a)
-    common.write_json(a.json, res)
-    plot(res, a.png)
-    print(f"wrote {a.json} {a.png}")
+    common.write_outputs(a, res, plot)
 
 
 if __name__ == "__main__":

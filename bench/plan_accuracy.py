@@ -216,13 +216,10 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2, help="runs per layout, interleaved; median kept")
     ap.add_argument("--bench-json", nargs="*", default=None, help="pympar.bench --json files for the planner's alpha/beta")
     ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--json", default=str(common.RESULTS / "plan_accuracy.json"))
-    ap.add_argument("--png", default=str(common.ROOT / "docs" / "img" / "plan_accuracy.png"))
+    common.add_output_args(ap, "plan_accuracy")
     a = ap.parse_args(argv)
     res = run(a)
-    common.write_json(a.json, res)
-    plot(res, a.png)
-    print(f"wrote {a.json} {a.png}")
+    common.write_outputs(a, res, plot)
 
 
 if __name__ == "__main__":

@@ -87,13 +87,10 @@ def main(argv=None):
     ap.add_argument("--extra", default="", help="more trainer flags, e.g. '--dp 4 --pp 2'")
     ap.add_argument("--max-growth", type=float, default=0.05)
     ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--json", default=str(common.RESULTS / "soak.json"))
-    ap.add_argument("--png", default=str(common.ROOT / "docs" / "img" / "soak.png"))
+    common.add_output_args(ap, "soak")
     a = ap.parse_args(argv)
     res = run(a)
-    common.write_json(a.json, res)
-    plot(res, a.png)
-    print(f"wrote {a.json} {a.png}")
+    common.write_outputs(a, res, plot)
     return 0 if res["passed"] else 1
 
 

@@ -127,8 +127,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="untimed first steps")
     ap.add_argument("--rounds", type=int, default=2, help="runs per layout, interleaved; the median is kept")
     ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--json", default=str(common.RESULTS / "strategies.json"))
-    ap.add_argument("--png", default=str(common.ROOT / "docs" / "img" / "strategies.png"))
+    common.add_output_args(ap, "strategies")
     a = ap.parse_args(argv)
     rows = []
     for w in [int(x) for x in a.world.split(",")]:
