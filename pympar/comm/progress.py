@@ -16,8 +16,44 @@ from mpi4py import MPI
 from .errors import CommTimeoutError
 
 SPINS_BEFORE_YIELD = 200      # tight Test calls first: most waits end in microseconds
+SPINS_OVERSUBSCRIBED = 4      # ... unless this node runs more ranks than cores: then the peer
+                              # we wait for needs our core, so yield almost at once
 YIELD_SECONDS = 0.02          # then sched_yield between tests for this long
 MAX_SLEEP = 1e-3              # then sleep, doubling from 20 us up to this
+
+
+def _local_ranks():
+    """Ranks of this job on this node, from the launcher (MPICH hydra, Open MPI), or None."""
+    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        v = os.environ.get(var, "").split("(")[0].strip()
+        if v.isdigit():
+            return int(v)
+    return None
+
+
+def _cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+_spins = SPINS_BEFORE_YIELD
+
+
+def note_local_ranks(n: int) -> None:
+    """Tell the polling pace how many ranks share this node (Topology calls it; the launcher's
+    environment is read at import). More ranks than cores -> yield after a few tests."""
+    global _spins
+    _spins = SPINS_OVERSUBSCRIBED if n > _cores() else SPINS_BEFORE_YIELD
+
+
+def oversubscribed() -> bool:
+    return _spins == SPINS_OVERSUBSCRIBED
+
+
+if _local_ranks() is not None:
+    note_local_ranks(_local_ranks())
 
 
 def default_timeout() -> float:
@@ -27,19 +63,20 @@ def default_timeout() -> float:
 
 
 class Backoff:
-    """Polling pace: tight spins, then sched_yield for YIELD_SECONDS, then doubling sleeps.
+    """Polling pace: tight spins (a few when the node is oversubscribed), then sched_yield for
+    YIELD_SECONDS, then doubling sleeps.
 
     ``pause()`` returns the current time when it checked the clock (None while spinning).
     """
 
-    __slots__ = ("spins", "sleep", "yield_until")
+    __slots__ = ("spins", "sleep", "yield_until", "limit")
 
     def __init__(self):
-        self.spins, self.sleep, self.yield_until = 0, 2e-5, None
+        self.spins, self.sleep, self.yield_until, self.limit = 0, 2e-5, None, _spins
 
     def pause(self):
         self.spins += 1
-        if self.spins < SPINS_BEFORE_YIELD:
+        if self.spins < self.limit:
             return None
         now = time.monotonic()
         if self.yield_until is None:
@@ -50,6 +87,16 @@ class Backoff:
             time.sleep(self.sleep)
             self.sleep = min(self.sleep * 2, MAX_SLEEP)
         return now
+
+
+def poll1(req, waiter_factory):
+    """Wait for one MPI request: tight Tests first, then ``waiter_factory().wait`` (the deadline,
+    backoff and the watchdog report) -- the Waiter is built only when the wait is not short."""
+    test = req.Test
+    for _ in range(_spins):
+        if test():
+            return
+    waiter_factory().wait([req], [None])
 
 
 class Waiter:
@@ -69,6 +116,13 @@ class Waiter:
 
     def wait(self, reqs, peers):
         if not reqs:
+            return
+        if len(reqs) == 1:
+            test, pace = reqs[0].Test, Backoff()
+            while not test():
+                now = pace.pause()
+                if now is not None and now > self.deadline:
+                    self.expire(reqs, peers)
             return
         testall = MPI.Request.Testall
         pace = Backoff()

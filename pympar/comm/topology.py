@@ -10,6 +10,8 @@ import os
 
 from mpi4py import MPI
 
+from . import progress
+
 
 def ranks_per_node_override():
     v = os.environ.get("PYMPAR_RANKS_PER_NODE", "").strip()
@@ -38,6 +40,7 @@ class Topology:
     def __init__(self, comm):
         self.node = node_split(comm)
         self.node_rank, self.node_size = self.node.Get_rank(), self.node.Get_size()
+        progress.note_local_ranks(max(self.node_size, progress._local_ranks() or 0))  # polling pace
         is_leader = self.node_rank == 0
         self.leaders = comm.Split(0 if is_leader else MPI.UNDEFINED, key=comm.Get_rank())
         if self.leaders == MPI.COMM_NULL:

@@ -22,9 +22,10 @@ def bounds(count: int, parts: int):
 class Ctx:
     """An algorithm's view of one call: p2p on ``comm`` (mpi4py), waits through ``waiter``."""
 
-    def __init__(self, comm, waiter, op: str = "sum", sync=None, tag=0):
+    def __init__(self, comm, waiter, op: str = "sum", sync=None, tag=0, rank=None, size=None):
         self.comm, self.waiter, self.op, self.tag = comm, waiter, op, tag
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.rank = comm.Get_rank() if rank is None else rank
+        self.size = comm.Get_size() if size is None else size
         self._sync = sync  # device-stream synchronisation before MPI reads device memory
 
     # tag None: the call's own tag (0 for blocking calls; nonblocking ones in flight together
