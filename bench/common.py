@@ -123,3 +123,12 @@ def write_outputs(a, res, plot) -> None:
     write_json(a.json, res)
     plot(res, a.png)
     print(f"wrote {a.json} {a.png}")
+
+
+def run_and_write(ap, argv, name: str, run, plot):
+    """A benchmark's main: parse argv (with add_output_args), res = run(args), write_outputs; res."""
+    add_output_args(ap, name)
+    a = ap.parse_args(argv)
+    res = run(a)
+    write_outputs(a, res, plot)
+    return res

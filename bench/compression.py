@@ -56,10 +56,7 @@ def main(argv=None):
     ap.add_argument("--curve-steps", type=int, default=60)
     ap.add_argument("--topk", type=float, default=0.01, help="top-k ratio (also runs 10x it)")
     ap.add_argument("--timeout", type=float, default=900)
-    common.add_output_args(ap, "compression")
-    a = ap.parse_args(argv)
-    res = run(a.curve_steps, a.topk, a.timeout)
-    common.write_outputs(a, res, plot)
+    common.run_and_write(ap, argv, "compression", lambda a: run(a.curve_steps, a.topk, a.timeout), plot)
 
 
 if __name__ == "__main__":

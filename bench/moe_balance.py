@@ -93,10 +93,7 @@ def main(argv=None):
     ap.add_argument("--aux", type=float, default=0.01, help="aux_coef of the aux-loss variant")
     ap.add_argument("--rate", type=float, default=0.01, help="bias_update_rate of the aux-free variant")
     ap.add_argument("--timeout", type=float, default=900)
-    common.add_output_args(ap, "moe_balance")
-    a = ap.parse_args(argv)
-    res = run(a)
-    common.write_outputs(a, res, plot)
+    common.run_and_write(ap, argv, "moe_balance", run, plot)
 
 
 if __name__ == "__main__":

@@ -216,10 +216,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2, help="runs per layout, interleaved; median kept")
     ap.add_argument("--bench-json", nargs="*", default=None, help="pympar.bench --json files for the planner's alpha/beta")
     ap.add_argument("--timeout", type=float, default=600)
-    common.add_output_args(ap, "plan_accuracy")
-    a = ap.parse_args(argv)
-    res = run(a)
-    common.write_outputs(a, res, plot)
+    common.run_and_write(ap, argv, "plan_accuracy", run, plot)
 
 
 if __name__ == "__main__":

@@ -87,10 +87,7 @@ def main(argv=None):
     ap.add_argument("--extra", default="", help="more trainer flags, e.g. '--dp 4 --pp 2'")
     ap.add_argument("--max-growth", type=float, default=0.05)
     ap.add_argument("--timeout", type=float, default=1800)
-    common.add_output_args(ap, "soak")
-    a = ap.parse_args(argv)
-    res = run(a)
-    common.write_outputs(a, res, plot)
+    res = common.run_and_write(ap, argv, "soak", run, plot)
     return 0 if res["passed"] else 1
 
 
