@@ -26,3 +26,9 @@ def test_comm_full_matrix(n):
 @pytest.mark.slow
 def test_hierarchical_8_ranks_4_nodes():
     run_pytest_mpi(8, "mpi_comm.py", timeout=600, env={"PYMPAR_RANKS_PER_NODE": 2, "PYMPAR_TEST_FULL": 1})
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_comm_fast_paths(n):
+    # chunked shm allreduce at chunk boundaries, every dtype/op; allreduce's cached plans
+    run_pytest_mpi(n, "mpi_comm_fastpath.py", timeout=150)
