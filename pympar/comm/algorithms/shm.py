@@ -109,7 +109,7 @@ class ShmArena:
 # slots stay in the last-level cache between the copy-in, the reduction and the copy-out, and
 # only src and dst stream through memory. Counters are per rank in the header (only the owner
 # writes), numbered across calls (ShmArena.chunks), so a stalled wait names the ranks behind.
-CHUNK_BYTES = int(os.environ.get("PYMPAR_SHM_CHUNK", 1 << 20))
+CHUNK_BYTES = int(os.environ.get("PYMPAR_SHM_CHUNK", 1 << 19))
 SLOTS = 2
 _IN, _RED, _OUT = 1, 2, 3          # header words (int64) of the per-rank counters; 0 is the barrier
 # dtypes whose first reduction step runs as one three-operand NumPy ufunc pass (acc = a op b)
