@@ -2,10 +2,10 @@
 
 Each rank owns a segment of the window: a 64-byte header (its barrier counter, alone on
 its cache line) and two data regions used alternately by successive calls, so one call's
-readers never race the next call's writers. Allreduce: every rank copies its input into
-its region, then reduces its slice straight out of all the others' regions into its own,
-then gathers every rank's reduced slice. The barrier is a counter per rank in shared
-memory, so a stalled barrier can name the ranks that did not arrive.
+readers never race the next call's writers. Allreduce runs chunk by chunk through two slots
+of its region with per-rank progress counters (see the note above shm_allreduce); the other
+verbs copy in, meet at a barrier and read. The barrier is a counter per rank in shared
+memory, so a stalled barrier or counter wait can name the ranks that did not arrive.
 """
 from __future__ import annotations
 
