@@ -158,6 +158,9 @@ def report(err: BaseException, rank: int | None = None) -> str:
     return f"pympar: {who}: collective watchdog: {err}; aborting the job"
 
 
+ABORT_GRACE_S = 1.0
+
+
 def abort_job(err: BaseException, status: int = ABORT_STATUS):
     """Print the report on stderr and end every rank of the job (MPI_Abort on COMM_WORLD)."""
     from mpi4py import MPI
@@ -166,5 +169,8 @@ def abort_job(err: BaseException, status: int = ABORT_STATUS):
     sys.stdout.flush()
     sys.stderr.flush()
     os.write(2, (report(err, rank) + "\n").encode())
+    # give the launcher a moment to forward the report: MPI_Abort tears the job down at once,
+    # and output still in the launcher's pipes can be lost with it
+    time.sleep(ABORT_GRACE_S)
     MPI.COMM_WORLD.Abort(status)
     os._exit(status)   # not reached: Abort does not return
