@@ -110,11 +110,11 @@ def measure(world: int, lay: Layout, preset: str, steps: int, timeout: float) ->
     return json.loads(lines[-1][7:])
 
 
-def machine_for(world: int, bench_json):
+def machine_for(world: int, bench_json, calibration=None):
     from pympar.plan import build_machine
 
     ns = argparse.Namespace(device="cpu", peak_flops=None, mem_per_rank=None, ranks_per_node=world,
-                            bench_json=bench_json, overlap=None, world=world)
+                            bench_json=bench_json, overlap=None, world=world, calibration=calibration)
     return build_machine(ns)
 
 
@@ -123,9 +123,9 @@ def run(a) -> dict:
     from pympar.plan import params_per_rank, predict
 
     cfg = GPTConfig.from_preset(a.preset)
-    rows = []
+    rows, machines = [], {}
     for world in [int(x) for x in a.world.split(",")]:
-        m = machine_for(world, a.bench_json)
+        m = machines[str(world)] = machine_for(world, a.bench_json, a.calibration)
         meas = {lay.key(): [] for lay in LAYOUTS[world]}
         for k in range(a.rounds):                          # rounds interleaved: the load drifts
             for lay in LAYOUTS[world]:
@@ -165,7 +165,8 @@ def run(a) -> dict:
                   f"params {'exact' if row['params_exact'] else 'DIFFER'}  act meas/pred {row['activation_ratio']:.2f}  "
                   f"persistent meas/pred {row['persistent_ratio']:.2f}", file=sys.stderr, flush=True)
     res = dict(kind="plan_accuracy", machine=common.machine(), preset=a.preset, rounds=a.rounds, rows=rows,
-               spearman={})
+               spearman={}, calibration=a.calibration, bench_json=a.bench_json,
+               constants={w: vars(m) for w, m in machines.items()})
     for world in sorted({r["world"] for r in rows}):
         ok = [r for r in rows if r["world"] == world and r["status"] == "ok"]
         if len(ok) >= 3:
@@ -215,6 +216,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=4, help="timed steps per layout")
     ap.add_argument("--rounds", type=int, default=2, help="runs per layout, interleaved; median kept")
     ap.add_argument("--bench-json", nargs="*", default=None, help="pympar.bench --json files for the planner's alpha/beta")
+    ap.add_argument("--calibration", default=None,
+                    help="bench/plan_calibrate.py JSON for the planner's CPU constants (measured apart from these layouts)")
     ap.add_argument("--timeout", type=float, default=600)
     common.run_and_write(ap, argv, "plan_accuracy", run, plot)
 

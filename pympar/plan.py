@@ -15,22 +15,52 @@ The model (all costs per rank, per optimiser step):
   memory  = params * 4 B (float32 master weights) + grads * 4 B + AdamW m, v * 8 B
             (ZeRO-1: m, v / dp) + activations * act_bytes * micro-batches in flight
             (from the schedule's own action list: GPipe m, 1F1B min(p, m), interleaved more)
-  compute = flops_per_token * tokens / (pp * tp) at the measured matmul rate, plus a fixed
-            overhead per block and micro-batch (Python and kernel launches)
-  tp comm = 4 allreduces per block per micro-batch (2 forward, 2 backward) of B*T*C
+  compute = per micro-batch and stage: flops_per_token * tokens / (pp * tp) at the matmul
+            rate, + elem_time * the activation elements the stage produces (the non-matmul
+            work: layernorm, residual adds, GELU, softmax; with tensor parallelism the
+            layernorm/residual part is replicated on every TP rank, not divided, unless
+            sequence parallel: counted by activations_per_micro's own split), + overhead per
+            block (Python dispatch of every op, independent of the micro-batch size)
+  tp comm = per micro-batch 4 allreduces per block (2 forward, 2 backward) of B*T*C, + 3 for
+            the vocab-parallel embedding and cross-entropy; each pays the latency alpha
   ep comm = 4 all-to-alls per MoE block per micro-batch of B*T*k*C
   pp comm = one send forward and one backward of B*T*C per micro-batch and stage boundary
   pipeline: the schedule simulator of pympar.parallel.pp runs the per-rank action lists with
             these forward/backward costs, which gives the bubble
   dp comm = one allreduce (ZeRO-1: reduce-scatter + allgather) of the rank's gradients,
             of which ``overlap`` is hidden behind backward
-Oversubscribed CPU (more ranks on a node than cores): a rank that waits (pipeline bubble,
-            a peer late to a collective) frees its core for the others, so the step is at
-            least the busy work of all the node's ranks shared by its cores:
-            step = max(pipeline makespan, sum of busy time of the node's ranks / cores)
-            + the exposed communication, with rank compute at the single-process rate.
-            (Measured on the 2-core VM, bench/plan_accuracy.py: without this term the model
-            charged the pipeline bubble in full and ranked every pipeline last.)
+  optimiser = opt_per_param * the rank's parameters (ZeRO-1: / dp)
+Oversubscribed CPU (more ranks on a node than cores): every rank runs at cores / ranks of a
+            core for the whole step, waiting or not: a rank waiting in a pipeline bubble or
+            for a collective polls (pympar's oversubscribed polling yields, but the yielding
+            rank stays runnable and the scheduler keeps giving it its share), so the bubble
+            is NOT given to the busy ranks. Compute and optimiser costs are multiplied by
+            ranks / cores; the collectives' alpha and beta are measured at the rank count
+            (they already hold the context switches of an oversubscribed collective).
+            Measured (bench/results/plan_accuracy.json, quiet machine, 4 ranks on 2 cores,
+            medians of 3 interleaved runs): dp2 pp2 GPipe m=2 1.50x dp4's step and dp1 pp4
+            GPipe m=4 1.65x, against bubble factors (m+p-1)/m of 1.50 and 1.75; the earlier
+            "waiting ranks free their core" term had predicted both equal to dp4.
+Where the constants come from on a CPU (bench/plan_calibrate.py, --calibration FILE), from
+microbenchmarks that are not the layouts being ranked:
+  peak        the best of short 256^3 float32 matmul bursts of one process
+  overhead, elem_time, opt_per_param
+              one process (no communication) stepping the model at several micro-batch sizes
+              B and counts m: the plane t = step_fixed + m * micro_fixed + m * B * per_seq;
+              overhead = micro_fixed / (n_layer + 2), elem_time = (per_seq - matmul time of
+              one sequence at ``peak``) / one sequence's activation elements, opt_per_param
+              = step_fixed / the model's parameters (negative intercepts, noise around a
+              cost too small to see, count as 0). When one sequence's FLOPs at ``peak`` take
+              longer than per_seq (measured: the small preset's step ran at 1.2x the burst
+              rate), peak is raised to FLOPs / per_seq and elem_time is 0.
+  alpha, beta ``pympar.bench allreduce --algo auto`` at the layouts' rank count k: alpha = the
+              smallest message's time / ceil(log2 k) (Machine.coll charges alpha per round of
+              a log2(k)-round allreduce, and one round to a pipeline send), beta = its busbw
+              at >= 1 MiB. Measured on the 2-core VM: 1.7 ms for 8 B at 4 ranks, 4.3 ms at 8
+              (a few scheduler time slices), which is why tensor parallelism's 4 per block
+              per micro-batch dominate its cost there.
+Without a calibration file the CPU constants are CPU_DEFAULT (measured once on the 2-core VM,
+see docs/benchmarks.md) and the matmul peak is measured when the planner starts.
 Collectives follow the alpha-beta model t(n) = alpha + n / beta with the algorithm's bus
 factor (allreduce 2(k-1)/k, reduce-scatter/allgather/all-to-all (k-1)/k); alpha and beta come
 from ``pympar.bench --json`` files of this machine (intra-node), or from the device table.
@@ -54,7 +84,10 @@ DEVICES = {
     "h100": dict(peak=989e12, intra_bw=360e9, inter_bw=50e9, alpha=8e-6, mem=80 * GiB, act_bytes=2, overhead=3e-5),
     "h200": dict(peak=989e12, intra_bw=360e9, inter_bw=50e9, alpha=8e-6, mem=141 * GiB, act_bytes=2, overhead=3e-5),
 }
-CPU_DEFAULT = dict(alpha=20e-6, intra_bw=2e9, inter_bw=1e9, act_bytes=4, overhead=3e-4)
+# cpu without --calibration: bench/plan_calibrate.py on the 2-core VM, 4 ranks (alpha per round:
+# 1.7 ms for an 8 B allreduce of 2 rounds; busbw 0.35 GB/s at 8 MiB; the per-micro-batch fixed
+# cost fitted below the noise, so overhead 0)
+CPU_DEFAULT = dict(alpha=0.85e-3, intra_bw=0.35e9, inter_bw=0.35e9, act_bytes=4, overhead=0.0)
 # fraction of the matmul peak a training step reaches. cpu: the peak is a 256^3 float32 burst;
 # a whole step of the small preset ran at 1.0-1.2x that rate (bench/plan_accuracy.py, 4 ranks on
 # 2 cores), larger GEMMs than the burst's; 0.5 had predicted every step 2.5x too slow.
@@ -139,6 +172,12 @@ class Machine:
     overlap: float               # fraction of the DP sync hidden behind backward
     overhead: float = 0.0        # fixed seconds per block and micro-batch (Python, kernel launches)
     cores: int = 0               # cores per node when ranks share them (CPU); 0 = a device per rank
+    elem_time: float = 0.0       # seconds per activation element produced (non-matmul work)
+    opt_per_param: float = 4e-9  # optimiser step seconds per parameter (~40 B touched at ~10 GB/s)
+
+    def oversubscription(self, ranks_on_node: int) -> float:
+        """How much slower a rank computes than alone: ranks / cores when they share cores."""
+        return max(1.0, ranks_on_node / self.cores) if self.cores else 1.0
 
     def coll(self, kind: str, nbytes: float, k: int, cross_node: bool) -> float:
         """Alpha-beta time of a collective of ``nbytes`` over k ranks."""
@@ -264,14 +303,18 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
             worst = (mem, n_par, inflight)
     mem, n_par_worst, inflight = worst
 
-    # per micro-batch forward/backward time of one stage chunk (pp*v chunks in all)
+    # per micro-batch forward+backward time of one rank (all its v chunks), at the rate of a
+    # rank alone; ``slow`` stretches it when the node's ranks share fewer cores
+    slow = m.oversubscription(min(m.ranks_per_node, lay.dp * lay.pp * lay.tp))
     tokens = B * T
     flops_micro = flops_per_token(cfg) * tokens / (lay.tp * lay.pp)
-    comp = flops_micro / (m.peak * m.mfu) + m.overhead * (cfg.n_layer + 2) / lay.pp
+    elems = activations_per_micro(cfg, lay, range(cfg.n_layer), True) / lay.pp   # non-matmul work, mean stage
+    comp = slow * (flops_micro / (m.peak * m.mfu) + m.elem_time * elems + m.overhead * (cfg.n_layer + 2) / lay.pp)
     blocks_per_rank = cfg.n_layer / lay.pp
     moe_per_rank = sum(1 for i in range(cfg.n_layer) if is_moe_layer(cfg, i)) / lay.pp
     act_b = tokens * C * m.act_bytes
-    tp_t = 4 * blocks_per_rank * m.coll("allreduce", act_b, lay.tp, tp_cross)
+    # 4 per block, + embedding (first stage) and cross-entropy's 2 (last stage): 3 spread over the stages
+    tp_t = (4 * blocks_per_rank + 3 / lay.pp) * m.coll("allreduce", act_b, lay.tp, tp_cross)
     ep_t = 4 * moe_per_rank * m.coll("alltoall", act_b * cfg.top_k, lay.ep, dp_cross)
     pp_t = m.coll("sendrecv", act_b, 2, pp_cross) if lay.pp > 1 else 0.0
     f_cost = comp / 3 + (tp_t + ep_t) / 2
@@ -286,15 +329,11 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     else:
         dp_t = m.coll("allreduce", grad_bytes, lay.dp, dp_cross)
     dp_exposed = dp_t * (1 - m.overlap)
-    opt_t = n_par_worst / (lay.dp if lay.zero else 1) * 40 / 10e9   # ~40 B touched per param at ~10 GB/s
-    wait = 0.0
-    if m.cores and m.ranks_per_node > m.cores:   # waiting ranks give their core away: the node's work bounds the step
-        per_node = min(m.ranks_per_node, lay.dp * lay.pp * lay.tp)
-        wait = max(0.0, sum(sim["busy"]) / lay.pp * per_node / m.cores - pipe)
-    step = pipe + wait + dp_exposed + opt_t
+    opt_t = slow * m.opt_per_param * n_par_worst / (lay.dp if lay.zero else 1)
+    step = pipe + dp_exposed + opt_t
     time = {"compute": comp * lay.n_micro, "tp_comm": tp_t * lay.n_micro, "ep_comm": ep_t * lay.n_micro,
             "pp_comm": pp_t * lay.n_micro if lay.pp > 1 else 0.0, "bubble": pipe - busy,
-            "dp_comm": dp_exposed, "optimizer": opt_t, "shared_cores": wait}
+            "dp_comm": dp_exposed, "optimizer": opt_t, "oversubscription": slow}
     return Prediction(lay, mem, time, step, (pipe - busy) / pipe if pipe else 0.0, inflight)
 
 
@@ -375,13 +414,52 @@ def build_machine(args) -> Machine:
         peak = args.peak_flops or d["peak"]
         mem = parse_bytes(args.mem_per_rank) if args.mem_per_rank else d["mem"]
         mfu, overlap, cores = MFU_ASSUMED["gpu"], 0.8, 0
+    cal = getattr(args, "calibration", None)
+    if cal:
+        if args.device != "cpu":
+            raise ValueError(f"--calibration describes this CPU machine; it does not apply to --device {args.device}")
+        c = load_calibration(cal, args.ranks_per_node or args.world)
+        peak = args.peak_flops or c.pop("peak")
+        d.update(c)
     if args.bench_json:
         d["alpha"], d["intra_bw"] = fit_alpha_beta(args.bench_json, nranks=args.ranks_per_node or args.world)
     if args.overlap is not None:
         overlap = args.overlap
     return Machine(peak=peak, alpha=d["alpha"], intra_bw=d["intra_bw"], inter_bw=d["inter_bw"], mem=mem,
                    act_bytes=d["act_bytes"], mfu=mfu, ranks_per_node=args.ranks_per_node or args.world,
-                   overlap=overlap, overhead=d["overhead"], cores=cores)
+                   overlap=overlap, overhead=d["overhead"], cores=cores, elem_time=d.get("elem_time", 0.0),
+                   opt_per_param=d.get("opt_per_param", 4e-9))
+
+
+def load_calibration(path, nranks: int) -> dict:
+    """Machine constants from a bench/plan_calibrate.py JSON (see the module docstring):
+    peak, overhead, elem_time, opt_per_param, and alpha/intra_bw of the rank count nearest
+    ``nranks``."""
+    with open(path) as f:
+        c = json.load(f)
+    try:
+        cfg = GPTConfig.from_preset(c["preset"])
+        sp = c["single_process"]
+        peak = c["matmul_peak"]
+        T = cfg.block_size
+        one = Layout(1, 1, 1, 1, 1, 1, "1f1b")
+        elem = activations_per_micro(cfg, one, range(cfg.n_layer), True)
+        per_seq = sp["per_seq_s"]
+        if per_seq <= 0:
+            raise ValueError(f"single_process.per_seq_s={per_seq} must be > 0")
+        # the step's GEMMs can run faster than the 256^3 burst (larger, better blocked): then
+        # the whole sequence time is the matmul rate's and nothing is left for elem_time
+        peak = max(peak, flops_per_token(cfg) * T / per_seq)
+        nonmm = per_seq - flops_per_token(cfg) * T / peak
+        near = min(c["allreduce"], key=lambda k: (abs(int(k) - nranks), -int(k)))
+        ar = c["allreduce"][near]
+        n_par = params_per_rank(cfg, one, range(cfg.n_layer), True, True)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path} is not a bench/plan_calibrate.py result ({e!r}): expected preset, matmul_peak, "
+                         f"single_process.{{step_fixed_s, micro_fixed_s, per_seq_s}} and allreduce.<ranks>") from None
+    return dict(peak=peak, overhead=max(0.0, sp["micro_fixed_s"]) / (cfg.n_layer + 2),
+                elem_time=max(0.0, nonmm) / elem, opt_per_param=max(0.0, sp["step_fixed_s"]) / n_par,
+                alpha=ar["alpha_s"] / max(1, math.ceil(math.log2(int(near)))), intra_bw=ar["busbw"])
 
 
 def format_table(preds, top: int) -> str:
@@ -473,6 +551,7 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-flops", type=float, default=None, help="override the matmul FLOP/s per rank")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 4*world)")
     ap.add_argument("--bench-json", nargs="*", default=None, help="pympar.bench --json files for alpha/beta")
+    ap.add_argument("--calibration", default=None, help="bench/plan_calibrate.py JSON: this CPU's constants")
     ap.add_argument("--overlap", type=float, default=None, help="fraction of DP sync hidden behind backward")
     ap.add_argument("--top", type=int, default=10, help="candidates to print")
     ap.add_argument("--show-rejected", type=int, default=10, help="rejected layouts to print")

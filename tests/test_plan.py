@@ -1,6 +1,7 @@
 """pympar.plan: the enumerator, the validator verdicts, the memory model against the real
 models' parameter counts, the step-time model's pieces, and the CLI without --measure."""
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,9 @@ from pympar.nn import GPT, GPTConfig
 from pympar.parallel.ep import is_expert_param
 from pympar.parallel.pp.partition import partition
 from pympar.parallel.pp.schedules import bubble_formula
-from pympar.plan import (Layout, Machine, choose_layout, enumerate_layouts, fit_alpha_beta, params_per_rank,
-                         plan, predict, spearman)
+from pympar.metrics import flops_per_token
+from pympar.plan import (Layout, Machine, activations_per_micro, choose_layout, enumerate_layouts, fit_alpha_beta,
+                         load_calibration, params_per_rank, plan, predict, spearman)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,17 +136,56 @@ def test_bubble_without_communication_is_the_formula(sched, p, mm, v):
     assert pred.bubble == pytest.approx(bubble_formula(sched, p, mm, v), rel=1e-6)
 
 
-def test_oversubscribed_ranks_share_the_cores():
+def test_oversubscribed_ranks_run_at_cores_over_ranks_and_the_bubble_is_charged():
     cfg = GPTConfig.from_preset("small")
+    free = dict(alpha=0.0, intra_bw=1e30, opt_per_param=0.0)          # compute only
     lay = Layout(1, 4, 1, 1, 1, 4, "gpipe")
-    alone = predict(cfg, lay, machine(ranks_per_node=4, cores=0))
-    shared = predict(cfg, lay, machine(ranks_per_node=4, cores=2))
-    assert alone.time["shared_cores"] == 0.0
-    # 4 ranks on 2 cores: the step is at least twice one rank's busy work
-    busy = alone.time["compute"]
-    assert shared.step_time >= 2 * busy * 0.999 and shared.step_time > alone.step_time
-    dp = predict(cfg, Layout(4, 1, 1, 1, 1, 1, "1f1b"), machine(ranks_per_node=4, cores=2))   # same batch of 4
-    assert dp.step_time == pytest.approx(shared.step_time, rel=0.05)      # same work, bubble given away
+    alone = predict(cfg, lay, machine(ranks_per_node=4, cores=0, **free))
+    shared = predict(cfg, lay, machine(ranks_per_node=4, cores=2, **free))
+    assert alone.time["oversubscription"] == 1.0 and shared.time["oversubscription"] == 2.0
+    assert shared.step_time == pytest.approx(2 * alone.step_time, rel=1e-9)   # every rank at half a core
+    # the same work as DP (4 sequences, every block once per sequence): a waiting rank keeps its
+    # share of the cores, so GPipe's bubble costs its full (m + p - 1) / m
+    dp = predict(cfg, Layout(4, 1, 1, 1, 1, 1, "1f1b"), machine(ranks_per_node=4, cores=2, **free))
+    assert shared.step_time / dp.step_time == pytest.approx((4 + 4 - 1) / 4, rel=1e-6)
+    # a node with a core per rank is not slowed
+    assert predict(cfg, lay, machine(ranks_per_node=4, cores=4, **free)).step_time == pytest.approx(alone.step_time)
+
+
+def test_tp_pays_the_latency_of_every_allreduce():
+    cfg = GPTConfig.from_preset("small")                          # 4 blocks
+    m = machine(alpha=1e-3, intra_bw=1e30, ranks_per_node=4)
+    for tp, nm in [(2, 1), (4, 1), (2, 4)]:
+        p = predict(cfg, Layout(4 // tp, 1, tp, 1, 2, nm, "1f1b"), m)
+        # 4 per block (2 forward, 2 backward) + embedding + cross-entropy's 2, log2(tp) rounds each
+        assert p.time["tp_comm"] == pytest.approx(nm * (4 * 4 + 3) * 1e-3 * math.ceil(math.log2(tp)))
+
+
+def test_load_calibration(tmp_path):
+    cfg = GPTConfig.from_preset("small")
+    one = Layout(1, 1, 1, 1, 1, 1, "1f1b")
+    mm = flops_per_token(cfg) * cfg.block_size
+    cal = dict(preset="small", matmul_peak=1e9,
+               single_process=dict(step_fixed_s=0.012, micro_fixed_s=0.006, per_seq_s=2 * mm / 1e9),
+               allreduce={"4": dict(alpha_s=1e-3, busbw=2e8), "8": dict(alpha_s=3e-3, busbw=1e8)})
+    f = tmp_path / "cal.json"
+    f.write_text(json.dumps(cal))
+    c = load_calibration(f, 8)
+    assert c["peak"] == 1e9 and (c["alpha"], c["intra_bw"]) == (1e-3, 1e8)      # 3 rounds of 8 ranks
+    assert c["overhead"] == pytest.approx(0.006 / (cfg.n_layer + 2))
+    assert c["opt_per_param"] == pytest.approx(0.012 / params_per_rank(cfg, one, range(cfg.n_layer), True, True))
+    # half of a sequence's time is matmul at the peak, the rest spread over its activation elements
+    elems = activations_per_micro(cfg, one, range(cfg.n_layer), True)
+    assert c["elem_time"] == pytest.approx(mm / 1e9 / elems)
+    assert load_calibration(f, 5)["alpha"] == 0.5e-3               # nearest rank count: 4, 2 rounds
+    # a step faster than the burst's rate: the peak rises to it and nothing is left for elem_time
+    cal["single_process"]["per_seq_s"] = mm / 4e9
+    f.write_text(json.dumps(cal))
+    c = load_calibration(f, 4)
+    assert c["peak"] == pytest.approx(4e9) and c["elem_time"] == 0.0
+    f.write_text(json.dumps(dict(preset="small")))
+    with pytest.raises(ValueError, match="not a bench/plan_calibrate.py result"):
+        load_calibration(f, 4)
 
 
 def test_tp_and_dp_communication_grow_with_size():

@@ -29,13 +29,13 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def accuracy(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plan")
-    coll = tmp / "coll.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "collectives.py"), "--collectives", "allreduce", "--ranks", "4,8",
-                    "--max", "4M", "--factor", "16", "--iters", "3", "--json", str(coll), "--png-dir", str(tmp)],
+    cal = tmp / "cal.json"           # the planner's constants, from microbenchmarks apart from the layouts
+    subprocess.run([sys.executable, str(ROOT / "bench" / "plan_calibrate.py"), "--world", "4,8", "--rounds", "2",
+                    "--json", str(cal), "--png", str(tmp / "cal.png")],
                    check=True, timeout=900, cwd=ROOT, capture_output=True)
     out = tmp / "acc.json"
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_accuracy.py"), "--world", "4,8", "--rounds", "1",
-                        "--steps", "3", "--bench-json", str(coll), "--json", str(out), "--png", str(tmp / "a.png")],
+                        "--steps", "3", "--calibration", str(cal), "--json", str(out), "--png", str(tmp / "a.png")],
                        timeout=1800, cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     return json.loads(out.read_text())

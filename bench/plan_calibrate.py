@@ -1,0 +1,122 @@
+"""Machine constants for pympar.plan's CPU model, from microbenchmarks that are not the
+layouts the planner ranks (bench/plan_accuracy.py ranks those; nothing here sees them).
+
+  single process   bench/plan_accuracy.py's worker on 1 rank, layout dp1 pp1 tp1 with m
+                   micro-batches of B sequences, (B, m) in --shapes; the least-squares plane
+                   t = step_fixed + m * micro_fixed + m * B * per_seq gives the cost of a step
+                   outside the micro-batches (optimiser, gradient zeroing, loss bookkeeping),
+                   the fixed cost of one micro-batch through the model (Python dispatch of
+                   every op, independent of B) and one sequence's forward + backward on one
+                   core. The matmul peak of the same process (best of short bursts) is kept
+                   with them: per_seq minus the matmul FLOPs at that rate is the non-matmul
+                   (elementwise, softmax, layernorm) time.
+  allreduce        ``mpiexec -n k python -m pympar.bench allreduce --algo auto`` at each rank
+                   count k of --world (the ranks oversubscribe the cores exactly as the
+                   layouts' ranks do): alpha = the time of the smallest message, the latency a
+                   tensor-parallel allreduce of a few KiB pays; busbw at >= 1 MiB.
+Rounds are interleaved and each number is the median over them.
+
+    python bench/plan_calibrate.py --world 4,8 --json bench/results/plan_calibration.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+sys.path.insert(0, str(common.ROOT))
+from pympar.plan import Layout, fit_alpha_beta  # noqa: E402
+
+
+def single_step(preset: str, mbs: int, n_micro: int, steps: int, timeout: float) -> float:
+    """Median step time of one process, ``n_micro`` micro-batches of ``mbs`` sequences."""
+    import plan_accuracy
+
+    return plan_accuracy.measure(1, Layout(1, 1, 1, 1, mbs, n_micro, "1f1b"), preset, steps, timeout)[0]["step_s"]
+
+
+def allreduce_json(world: int, out: Path, timeout: float) -> Path:
+    p = common.launch(world, ["-m", "pympar.bench", "allreduce", "-b", "8", "-e", "8M", "-f", "16", "-n", "40",
+                              "-w", "5", "--algo", "auto", "--no-torch", "--json", str(out)], timeout)
+    if p.returncode:
+        raise RuntimeError(f"pympar.bench allreduce -n {world} failed ({p.returncode}):\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
+    return out
+
+
+def plane_fit(shapes, ys) -> tuple:
+    """Least squares t = a + m b + m B c over (B, m) shapes -> (a, b, c)."""
+    import numpy as np
+
+    X = np.array([[1.0, m, m * B] for B, m in shapes])
+    coef = np.linalg.lstsq(X, np.array(ys), rcond=None)[0]
+    return tuple(float(c) for c in coef)
+
+
+def run(a) -> dict:
+    from pympar.metrics import measure_matmul_peak
+
+    worlds = [int(x) for x in a.world.split(",")]
+    shapes = [tuple(int(v) for v in x.split("x")) for x in a.shapes.split(",")]
+    step = {s: [] for s in shapes}
+    peaks = []
+    coll = {w: [] for w in worlds}
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(a.rounds):                         # interleaved: the load drifts
+            peaks.append(max(measure_matmul_peak(seconds=0.05) for _ in range(6)))
+            for B, m in shapes:
+                step[(B, m)].append(single_step(a.preset, B, m, a.steps, a.timeout))
+            for w in worlds:
+                alpha, bw = fit_alpha_beta([allreduce_json(w, Path(tmp) / f"ar{w}_{k}.json", a.timeout)])
+                coll[w].append((alpha, bw))
+    med = {s: statistics.median(v) for s, v in step.items()}
+    step_fixed, micro_fixed, per_seq = plane_fit(shapes, [med[s] for s in shapes])
+    name = {s: f"{s[0]}x{s[1]}" for s in shapes}
+    res = dict(kind="plan_calibration", machine=common.machine(), preset=a.preset, rounds=a.rounds,
+               matmul_peak=statistics.median(peaks), matmul_peak_rounds=peaks,
+               single_process=dict(shapes=[name[s] for s in shapes], step_s={name[s]: med[s] for s in shapes},
+                                   rounds={name[s]: step[s] for s in shapes},
+                                   step_fixed_s=step_fixed, micro_fixed_s=micro_fixed, per_seq_s=per_seq),
+               allreduce={str(w): dict(alpha_s=statistics.median(x[0] for x in coll[w]),
+                                       busbw=statistics.median(x[1] for x in coll[w]),
+                                       rounds=coll[w]) for w in worlds})
+    print(json.dumps({k: res[k] for k in ("matmul_peak", "single_process", "allreduce")}, indent=1), flush=True)
+    return res
+
+
+def plot(res: dict, png) -> None:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    sp = res["single_process"]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in sp["shapes"]]
+    fit = [sp["step_fixed_s"] + m * sp["micro_fixed_s"] + m * B * sp["per_seq_s"] for B, m in shapes]
+    ax.plot([sp["step_s"][s] * 1e3 for s in sp["shapes"]], [f * 1e3 for f in fit], "o")
+    for s, f in zip(sp["shapes"], fit):
+        ax.annotate(f"B x m = {s}", (sp["step_s"][s] * 1e3, f * 1e3), fontsize=6)
+    lim = max(ax.get_xlim()[1], ax.get_ylim()[1])
+    ax.plot([0, lim], [0, lim], "k:", lw=0.6)
+    ax.set(xlabel="measured single-process step (ms, median)",
+           ylabel=f"fit {sp['step_fixed_s'] * 1e3:.1f} + m {sp['micro_fixed_s'] * 1e3:.1f} + mB {sp['per_seq_s'] * 1e3:.2f} ms",
+           title=f"planner calibration, preset {res['preset']}")
+    ax.legend(fontsize=7)
+    common.save(fig, png)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", default="4,8", help="rank counts whose allreduce latency to measure")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--shapes", default="1x1,4x1,16x1,1x4,4x4", help="BxM: micro-batch size x count of the single-process steps")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per single-process run")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=600)
+    common.run_and_write(ap, sys.argv[1:] if argv is None else argv, "plan_calibration", run, plot)
+
+
+if __name__ == "__main__":
+    main()
