@@ -53,13 +53,16 @@ def _p(a) -> int:
 
 
 # --- causal softmax ------------------------------------------------------------------------
-def softmax_causal_forward(x):
+def softmax_causal_forward(x, out=None):
     if not _float(x) or x.ndim < 2 or x.shape[-1] != x.shape[-2]:
-        return reference.softmax_causal_forward(x)
+        return reference.softmax_causal_forward(x, out=out)
     x = _c(x)
     y = cp.empty_like(x)
     T = x.shape[-1]
     _cuda.softmax_causal_forward(_p(x), _p(y), _code(x.dtype), x.size // max(T * T, 1), T, _stream())
+    if out is not None:
+        out[...] = y
+        return out
     return y
 
 

@@ -43,12 +43,16 @@ def _i64(a):
 
 
 # --- causal softmax ------------------------------------------------------------------------
-def softmax_causal_forward(x):
+def softmax_causal_forward(x, out=None):
     if x.dtype not in _FLOATS or x.ndim < 2 or x.shape[-1] != x.shape[-2]:
-        return reference.softmax_causal_forward(x)
+        return reference.softmax_causal_forward(x, out=out)
     x = _c(x)
-    y = np.empty_like(x)
+    direct = out is not None and _inplace_ok(out, (x.dtype,)) and out.shape == x.shape
+    y = out if direct else np.empty_like(x)
     _C.softmax_causal_forward(x, y)
+    if out is not None and not direct:
+        out[...] = y
+        return out
     return y
 
 

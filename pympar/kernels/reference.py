@@ -27,10 +27,11 @@ def _up(x):
 
 
 # --- causal softmax -------------------------------------------------------------------
-def softmax_causal_forward(x):
+def softmax_causal_forward(x, out=None):
     """x (..., T, T) attention scores (already scaled) -> probabilities, row i sees columns <= i.
 
-    Masked entries of the output are exactly 0 whatever the input holds there.
+    Masked entries of the output are exactly 0 whatever the input holds there. ``out``: an
+    array of x's shape and dtype to write the probabilities into (returned).
     """
     xp = xp_of(x)
     T = x.shape[-1]
@@ -40,6 +41,9 @@ def softmax_causal_forward(x):
     xf = xf - xf.max(axis=-1, keepdims=True)
     e = xp.exp(xf)
     y = e / e.sum(axis=-1, keepdims=True)
+    if out is not None:
+        out[...] = y
+        return out
     return y.astype(x.dtype, copy=False)
 
 

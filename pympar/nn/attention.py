@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
+from ..kernels.blas import over_chunks
 from ..backend import xp_of
 from .layers import Linear
 from .parameter import Module, matmul
@@ -27,34 +28,55 @@ class CausalSelfAttention(Module):
         B, T, C = x.shape
         nh = self.n_head
         hs = C // nh
+        xp = xp_of(x)
         qkv, _ = self.c_attn.forward(x)          # (B, T, 3C)
-        # (B, T, 3, nh, hs) -> (3, B, nh, T, hs)
+        # (B, T, 3, nh, hs) -> (3, B, nh, T, hs): views into qkv, no copies
         q, k, v = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)
-        scale = xp_of(x).asarray(1.0 / np.sqrt(hs), dtype=x.dtype)
-        att = matmul(q, k.transpose(0, 1, 3, 2))  # (B, nh, T, T)
-        att *= scale
-        p = kernels.softmax_causal_forward(att)  # (B, nh, T, T), zeros above the diagonal
-        yh = matmul(p, v)                        # (B, nh, T, hs)
-        ya = yh.transpose(0, 2, 1, 3).reshape(B, T, C)
+        # the 1/sqrt(hs) scale goes on q (N C numbers) rather than on att (B nh T T)
+        qs = q * xp.asarray(1.0 / np.sqrt(hs), dtype=q.dtype)   # (B, nh, T, hs)
+        ya = xp.empty((B, T, C), dtype=qkv.dtype)
+        yh = ya.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)       # (B, nh, T, hs) view of ya
+        p = xp.empty((B, nh, T, T), dtype=qkv.dtype)
+
+        def rows(b0, b1):                        # batch rows [b0, b1): writes p and ya only
+            att = matmul(qs[b0:b1], k[b0:b1].transpose(0, 1, 3, 2))   # (b, nh, T, T)
+            kernels.softmax_causal_forward(att, out=p[b0:b1])       # zeros above the diagonal
+            matmul(p[b0:b1], v[b0:b1], out=yh[b0:b1])                # straight into ya
+
+        _split(B, rows, xp)
         y, _ = self.c_proj.forward(ya)
-        return y, (x, q, k, v, p, ya)
+        return y, (x, qs, k, v, p, ya)
 
     def backward(self, dy, ctx):                 # dy (B, T, C) -> dx (B, T, C)
-        x, q, k, v, p, ya = ctx
+        x, qs, k, v, p, ya = ctx
         B, T, C = x.shape
         nh = self.n_head
         hs = C // nh
         dya = self.c_proj.backward(dy, ya)       # (B, T, C)
         dyh = dya.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
-        dp = matmul(dyh, v.transpose(0, 1, 3, 2))  # (B, nh, T, T)
-        dv = matmul(p.transpose(0, 1, 3, 2), dyh)  # (B, nh, T, hs)
-        datt = kernels.softmax_causal_backward(p, dp)
-        xp = xp_of(datt)
-        datt *= xp.asarray(1.0 / np.sqrt(hs), dtype=datt.dtype)
-        dq = matmul(datt, k)                     # (B, nh, T, hs)
-        dk = matmul(datt.transpose(0, 1, 3, 2), q)
-        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dq.dtype)  # (B, T, 3C) packed like c_attn
-        dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
-        dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
-        dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
+        xp = xp_of(dya)
+        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dya.dtype)  # (B, T, 3C) packed like c_attn
+        dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)           # (B, nh, T, hs) views of dqkv
+        scale = xp.asarray(1.0 / np.sqrt(hs), dtype=dqkv.dtype)
+
+        def rows(b0, b1):                        # batch rows [b0, b1): writes dqkv only
+            pb, dyb = p[b0:b1], dyh[b0:b1]
+            dp = matmul(dyb, v[b0:b1].transpose(0, 1, 3, 2))        # (b, nh, T, T)
+            matmul(pb.transpose(0, 1, 3, 2), dyb, out=dv[b0:b1])
+            datt = kernels.softmax_causal_backward(pb, dp)          # d(att), att = qs k^T
+            matmul(datt.transpose(0, 1, 3, 2), qs[b0:b1], out=dk[b0:b1])
+            dqb = dq[b0:b1]
+            matmul(datt, k[b0:b1], out=dqb)                         # d(qs); dq = d(qs) * scale
+            dqb *= scale
+
+        _split(B, rows, xp)
         return self.c_attn.backward(dqkv.reshape(B, T, 3 * C), x)
+
+
+def _split(B, rows, xp):
+    """rows(b0, b1) over the batch: on NumPy side by side on the kernels' threads (the per-head
+    GEMMs are too small for the BLAS's own threads to pay), else in one call."""
+    if xp is np:
+        over_chunks(B, rows, kernels.get_num_threads())
+    else:
+        rows(0, B)

@@ -141,13 +141,24 @@ def compute_cast(a, cdt):
     return a if cdt is None or a.dtype == cdt else kernels.cast(a, cdt)
 
 
-def matmul(a, b, out_dtype=None):
+def matmul(a, b, out_dtype=None, out=None):
     """a @ b; float16/bfloat16 operands are multiplied with float32 accumulation (like tensor
     cores; on CuPy by cuBLAS on the tensor cores themselves) and the product rounded to
-    ``out_dtype`` (default: the operands' dtype)."""
+    ``out_dtype`` (default: the operands' dtype). ``out``: an array (a view is fine, e.g. one
+    slot of a packed tensor) of the product's shape and dtype to write into; it is returned."""
     if is_low_precision(a.dtype) and not lowp_gemm(a):   # NumPy: no float16/bf16 GEMM of its own
         y = a.astype(np.float32) @ b.astype(np.float32)
+        if out is not None:
+            out[...] = y
+            return out
         return y.astype(out_dtype or a.dtype, copy=False)
+    if out is not None:
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise ValueError(f"matmul: out has dtype {out.dtype}, out_dtype asks for {out_dtype}")
+        if out.dtype == a.dtype:
+            return xp_of(a).matmul(a, b, out=out)   # BLAS writes a strided view directly
+        out[...] = a @ b
+        return out
     y = a @ b
     return y if out_dtype is None else y.astype(out_dtype, copy=False)
 
