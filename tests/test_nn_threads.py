@@ -71,3 +71,24 @@ def test_gpt_step_same_loss_and_grads_at_two_threads(threads):
     assert res[0][0] == res[1][0]
     for k, g in res[0][1].items():
         np.testing.assert_allclose(res[1][1][k], g, rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+def test_moe_experts_threads_bit_identical(threads):
+    cfg = GPTConfig.from_preset("moe-tiny")
+    rng = np.random.default_rng(2)
+    idx = rng.integers(0, cfg.vocab_size, (4, 32))
+    res = []
+    for n in (1, 2):
+        threads(n)
+        m = GPT(cfg, seed=1)
+        moe = m.h[0].moe
+        x = rng.standard_normal((64, cfg.n_embd)).astype(np.float32) if not res else res[0][0]
+        counts = np.array([10, 0, 30, 24])
+        ys, ctx = moe.run_experts(x, counts)
+        dxs = moe.run_experts_backward(2 * ys, ctx)
+        grads = [p.grad.copy() for e in moe.experts for p in e.parameters()]
+        res.append((x, ys, dxs, grads))
+    for a, b in zip(res[0][1:3], res[1][1:3]):
+        assert np.array_equal(a, b)
+    for a, b in zip(res[0][3], res[1][3]):
+        assert np.array_equal(a, b)

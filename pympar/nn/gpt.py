@@ -40,7 +40,8 @@ class Block(Module):
     def forward(self, x):                        # x (B, T, C) -> y (B, T, C)
         h1, c_ln1 = self.ln_1.forward(x)
         a, c_attn = self.attn.forward(h1)
-        x1 = x + a
+        a += x                                   # x1 = x + attn(...): a is fresh, kept by no ctx
+        x1 = a
         h2, c_ln2 = self.ln_2.forward(x1)
         f, c_ffn = self.ffn.forward(h2)
         y = x1 + f
@@ -52,9 +53,12 @@ class Block(Module):
             dh2 = self.moe.backward(dy, ctx["ffn"], daux)
         else:
             dh2 = self.mlp.backward(dy, ctx["ffn"])
-        dx1 = dy + self.ln_2.backward(dh2, ctx["ln2"])
+        dx1 = self.ln_2.backward(dh2, ctx["ln2"])  # fresh: the residual's dy is added in place
+        dx1 += dy
         dh1 = self.attn.backward(dx1, ctx["attn"])
-        return dx1 + self.ln_1.backward(dh1, ctx["ln1"])
+        dx = self.ln_1.backward(dh1, ctx["ln1"])
+        dx += dx1
+        return dx
 
 
 class Head(Module):

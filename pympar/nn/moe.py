@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import kernels
 from ..backend import to_device, xp_of
+from ..kernels.blas import over_chunks
 from .layers import MLP
 from .parameter import Module, Parameter, accumulate, init_param
 
@@ -76,21 +77,40 @@ class MoE(Module):
     # --- experts: the seam expert parallelism replaces ---------------------------------------
     def run_experts(self, xs, counts):
         """xs (M, C) rows grouped by expert (counts (E,) rows each) -> (ys (M, C), ctx)."""
-        ys = xp_of(xs).empty_like(xs)
-        ctxs, lo = [], 0
-        for e, n in enumerate(counts.tolist()):          # slice bounds: one host sync on a GPU
-            if n:
-                ys[lo:lo + n], c = self.experts[e].forward(xs[lo:lo + n])
-                ctxs.append((e, lo, n, c))
-            lo += n
-        return ys, ctxs
+        xp = xp_of(xs)
+        ys = xp.empty_like(xs)
+        n = counts.tolist()                              # slice bounds: one host sync on a GPU
+        lo = np.concatenate([[0], np.cumsum(n)]).tolist()
+        ctxs = [None] * len(n)
+
+        def experts(e0, e1):                             # experts [e0, e1): their rows of ys only
+            for e in range(e0, e1):
+                if n[e]:
+                    ys[lo[e]:lo[e + 1]], c = self.experts[e].forward(xs[lo[e]:lo[e + 1]])
+                    ctxs[e] = (e, lo[e], n[e], c)
+
+        self._over_experts(len(n), experts, xp)
+        return ys, [c for c in ctxs if c is not None]
 
     def run_experts_backward(self, dys, ctxs):
         """dys (M, C) -> dxs (M, C); expert parameter grads accumulate."""
         dxs = xp_of(dys).zeros_like(dys)
-        for e, lo, n, c in ctxs:
-            dxs[lo:lo + n] = self.experts[e].backward(dys[lo:lo + n], c)
+
+        def experts(i0, i1):                             # ctxs [i0, i1): distinct experts and rows
+            for e, lo, n, c in ctxs[i0:i1]:
+                dxs[lo:lo + n] = self.experts[e].backward(dys[lo:lo + n], c)
+
+        self._over_experts(len(ctxs), experts, xp_of(dys))
         return dxs
+
+    @staticmethod
+    def _over_experts(n, fn, xp):
+        """fn(i0, i1) over n experts: on NumPy split over the kernels' threads (each expert's
+        GEMMs are small; whole experts side by side beat the BLAS splitting each one)."""
+        if xp is np:
+            over_chunks(n, fn, kernels.get_num_threads())
+        else:
+            fn(0, n)
 
     # --- forward / backward ------------------------------------------------------------------
     def forward(self, x):                        # x (B, T, C) -> y (B, T, C)
