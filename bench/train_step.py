@@ -2,7 +2,11 @@
 same weights, same threads, side by side in one run; then a cProfile of pympar's step.
 
     python bench/train_step.py --preset small --batch 8 --threads 1
-    python bench/train_step.py --preset moe-small --batch 8 --threads 2 --json out.json
+    python bench/train_step.py --preset moe-small --batch 8 --threads 2 --repeat 3 --json out.json
+
+--repeat R measures the pair R times (each: pympar, PyTorch, pympar again) and reports the
+medians; --json merges this run into the file's "table" (one row per preset and thread count)
+and puts this run's figures at the top level.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ def parse():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=1, help="paired measurements; medians reported")
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--profile", type=int, default=15, help="rows of the cProfile summary (0: none)")
@@ -40,6 +45,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pympar import kernels  # noqa: E402
+from pympar.kernels import alloc, blas  # noqa: E402
 from pympar.nn import GPT, GPTConfig  # noqa: E402
 from pympar.optim import AdamW, decays  # noqa: E402
 
@@ -53,6 +59,24 @@ def timed(step, steps, warmup):
         step()
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
+
+
+def write_json(path, res):
+    """This run at the top level; the file's earlier runs kept in "table" (key preset/threads,
+    same batch and seq only), this run's row added or replaced."""
+    table = {}
+    try:
+        with open(path) as f:
+            old = json.load(f)
+        if (old.get("batch"), old.get("seq")) == (res["batch"], res["seq"]):
+            table = old.get("table", {})
+    except (OSError, ValueError):
+        pass
+    keep = ("params", "blas_threads", "kernel_threads", "pympar_step_s", "pympar_tokens_per_s",
+            "torch_step_s", "torch_tokens_per_s", "speed_ratio_pympar_over_torch", "repeats")
+    table[f"{res['preset']}/{res['threads']}"] = {k: res[k] for k in keep if k in res}
+    with open(path, "w") as f:
+        json.dump(dict(res, table=dict(sorted(table.items()))), f, indent=1)
 
 
 def main(a):
@@ -71,7 +95,8 @@ def main(a):
         opt.step()
 
     res = dict(preset=a.preset, config=vars(cfg), batch=a.batch, seq=T, threads=a.threads,
-               native_kernels=kernels.native_available(),
+               native_kernels=kernels.native_available(), blas_threads=blas.blas_threads(),
+               kernel_threads=kernels.get_num_threads(), malloc_retained=alloc.retained(),
                params=int(sum(p.data.size for p in model.parameters())))
     torch_step = None
     if not a.no_torch:
@@ -99,25 +124,37 @@ def main(a):
             res["torch_version"] = torch.__version__
         except ImportError:
             print("torch not installed: pympar only")
-    # interleave the two so machine noise hits both alike
-    t_p = timed(pympar_step, a.steps, a.warmup)
+    # interleave the two so machine noise hits both alike: pympar, torch, pympar (best of the two)
     tokens = a.batch * T
+    reps = []
+    for r in range(max(1, a.repeat)):
+        t_p = timed(pympar_step, a.steps, a.warmup if r == 0 else 0)
+        rep = dict(pympar_step_s=t_p)
+        if torch_step is not None:
+            rep["torch_step_s"] = timed(torch_step, a.steps, a.warmup if r == 0 else 0)
+            rep["pympar_step_s"] = t_p = min(t_p, timed(pympar_step, a.steps, 0))
+            rep["ratio"] = rep["torch_step_s"] / t_p
+        reps.append(rep)
+    res["repeats"] = reps
+    t_p = float(np.median([r["pympar_step_s"] for r in reps]))
     res["pympar_step_s"], res["pympar_tokens_per_s"] = t_p, tokens / t_p
     if torch_step is not None:
-        t_t = timed(torch_step, a.steps, a.warmup)
-        t_p2 = timed(pympar_step, a.steps, 0)
-        t_p = min(t_p, t_p2)
-        res["pympar_step_s"], res["pympar_tokens_per_s"] = t_p, tokens / t_p
+        t_t = float(np.median([r["torch_step_s"] for r in reps]))
         res["torch_step_s"], res["torch_tokens_per_s"] = t_t, tokens / t_t
-        res["speed_ratio_pympar_over_torch"] = t_t / t_p
+        res["speed_ratio_pympar_over_torch"] = float(np.median([r["ratio"] for r in reps]))
 
     print(f"\n{a.preset}: {res['params']:,} params, batch {a.batch} x seq {T}, {a.threads} thread(s), "
           f"native kernels: {res['native_kernels']}")
     print(f"{'engine':<10}{'step ms':>10}{'tokens/s':>12}")
-    print(f"{'pympar':<10}{1e3 * t_p:>10.1f}{tokens / t_p:>12.0f}")
+    print(f"{'pympar':<10}{1e3 * t_p:>10.1f}{tokens / t_p:>12.0f}"
+          + (f"   (medians of {len(reps)} paired repeats)" if len(reps) > 1 else ""))
     if "torch_step_s" in res:
         print(f"{'pytorch':<10}{1e3 * res['torch_step_s']:>10.1f}{res['torch_tokens_per_s']:>12.0f}")
-        print(f"ratio pympar/pytorch tokens/s: {res['speed_ratio_pympar_over_torch']:.2f}x")
+        each = ", ".join(f"{r['ratio']:.2f}" for r in reps)
+        print(f"ratio pympar/pytorch tokens/s: {res['speed_ratio_pympar_over_torch']:.2f}x"
+              + (f"  (each repeat: {each})" if len(reps) > 1 else ""))
+    print(f"threads: BLAS {res['blas_threads']}, C++ kernels {res['kernel_threads']}; "
+          f"freed memory retained: {res['malloc_retained']}")
 
     if a.profile:
         prof = cProfile.Profile()
@@ -134,8 +171,7 @@ def main(a):
             dict(func=f"{k[0].split('/')[-1]}:{k[1]}({k[2]})", calls=v[1], tottime_s=v[2])
             for k, v in sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:a.profile]]
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(a.json, res)
     return res
 
 
