@@ -123,16 +123,24 @@ def run(a) -> dict:
     from pympar.plan import params_per_rank, predict
 
     cfg = GPTConfig.from_preset(a.preset)
-    rows, machines = [], {}
+    rows, machines, cals = [], {}, {}
     for world in [int(x) for x in a.world.split(",")]:
-        m = machines[str(world)] = machine_for(world, a.bench_json, a.calibration)
+        cal = None
+        if a.calibrate:
+            import plan_calibrate
+            cal = plan_calibrate.Calibration(a.preset, [world], plan_calibrate.parse_shapes(a.calibrate_shapes), 5, a.timeout)
         meas = {lay.key(): [] for lay in LAYOUTS[world]}
         for k in range(a.rounds):                          # rounds interleaved: the load drifts
+            if cal:                                        # the constants of the same minutes, not of these layouts
+                cal.round()
             for lay in LAYOUTS[world]:
                 try:
                     meas[lay.key()].append(measure(world, lay, a.preset, a.steps, a.timeout))
                 except RuntimeError as e:
                     print(f"  w{world} {lay.key()}: {str(e)[:300]}", file=sys.stderr, flush=True)
+        if cal:
+            cals[str(world)] = cal.result()
+        m = machines[str(world)] = machine_for(world, a.bench_json, cals.get(str(world), a.calibration))
         for lay in LAYOUTS[world]:
             runs = meas[lay.key()]
             if not runs:
@@ -165,7 +173,7 @@ def run(a) -> dict:
                   f"params {'exact' if row['params_exact'] else 'DIFFER'}  act meas/pred {row['activation_ratio']:.2f}  "
                   f"persistent meas/pred {row['persistent_ratio']:.2f}", file=sys.stderr, flush=True)
     res = dict(kind="plan_accuracy", machine=common.machine(), preset=a.preset, rounds=a.rounds, rows=rows,
-               spearman={}, calibration=a.calibration, bench_json=a.bench_json,
+               spearman={}, calibration=cals or a.calibration, bench_json=a.bench_json,
                constants={w: vars(m) for w, m in machines.items()})
     for world in sorted({r["world"] for r in rows}):
         ok = [r for r in rows if r["world"] == world and r["status"] == "ok"]
@@ -218,6 +226,10 @@ def main(argv=None):
     ap.add_argument("--bench-json", nargs="*", default=None, help="pympar.bench --json files for the planner's alpha/beta")
     ap.add_argument("--calibration", default=None,
                     help="bench/plan_calibrate.py JSON for the planner's CPU constants (measured apart from these layouts)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="measure bench/plan_calibrate.py's microbenchmarks (single process, allreduce at the rank "
+                         "count) before each round of layouts and predict with those constants")
+    ap.add_argument("--calibrate-shapes", default="1x1,4x1,16x1,1x4,4x4", help="BxM shapes of the single-process steps")
     ap.add_argument("--timeout", type=float, default=600)
     common.run_and_write(ap, argv, "plan_accuracy", run, plot)
 

@@ -58,33 +58,50 @@ def plane_fit(shapes, ys) -> tuple:
     return tuple(float(c) for c in coef)
 
 
-def run(a) -> dict:
-    from pympar.metrics import measure_matmul_peak
+class Calibration:
+    """Rounds of the microbenchmarks, measured one round at a time so that a caller can
+    interleave them with other runs (bench/plan_accuracy.py puts one before each round of its
+    layouts: the machine's load drifts, and the constants must be those of the same minutes)."""
 
-    worlds = [int(x) for x in a.world.split(",")]
-    shapes = [tuple(int(v) for v in x.split("x")) for x in a.shapes.split(",")]
-    step = {s: [] for s in shapes}
-    peaks = []
-    coll = {w: [] for w in worlds}
-    with tempfile.TemporaryDirectory() as tmp:
-        for k in range(a.rounds):                         # interleaved: the load drifts
-            peaks.append(max(measure_matmul_peak(seconds=0.05) for _ in range(6)))
-            for B, m in shapes:
-                step[(B, m)].append(single_step(a.preset, B, m, a.steps, a.timeout))
-            for w in worlds:
-                alpha, bw = fit_alpha_beta([allreduce_json(w, Path(tmp) / f"ar{w}_{k}.json", a.timeout)])
-                coll[w].append((alpha, bw))
-    med = {s: statistics.median(v) for s, v in step.items()}
-    step_fixed, micro_fixed, per_seq = plane_fit(shapes, [med[s] for s in shapes])
-    name = {s: f"{s[0]}x{s[1]}" for s in shapes}
-    res = dict(kind="plan_calibration", machine=common.machine(), preset=a.preset, rounds=a.rounds,
-               matmul_peak=statistics.median(peaks), matmul_peak_rounds=peaks,
-               single_process=dict(shapes=[name[s] for s in shapes], step_s={name[s]: med[s] for s in shapes},
-                                   rounds={name[s]: step[s] for s in shapes},
-                                   step_fixed_s=step_fixed, micro_fixed_s=micro_fixed, per_seq_s=per_seq),
-               allreduce={str(w): dict(alpha_s=statistics.median(x[0] for x in coll[w]),
-                                       busbw=statistics.median(x[1] for x in coll[w]),
-                                       rounds=coll[w]) for w in worlds})
+    def __init__(self, preset: str, worlds, shapes, steps: int, timeout: float):
+        self.preset, self.worlds, self.shapes, self.steps, self.timeout = preset, list(worlds), list(shapes), steps, timeout
+        self.step = {s: [] for s in self.shapes}
+        self.peaks, self.coll = [], {w: [] for w in self.worlds}
+        self._tmp = tempfile.TemporaryDirectory()
+
+    def round(self, worlds=None) -> None:
+        from pympar.metrics import measure_matmul_peak
+
+        k = len(self.peaks)
+        self.peaks.append(max(measure_matmul_peak(seconds=0.05) for _ in range(6)))
+        for B, m in self.shapes:
+            self.step[(B, m)].append(single_step(self.preset, B, m, self.steps, self.timeout))
+        for w in worlds or self.worlds:
+            self.coll[w].append(fit_alpha_beta([allreduce_json(w, Path(self._tmp.name) / f"ar{w}_{k}.json", self.timeout)]))
+
+    def result(self) -> dict:
+        """Medians over the rounds and the fitted plane (the JSON pympar.plan --calibration reads)."""
+        med = {s: statistics.median(v) for s, v in self.step.items()}
+        step_fixed, micro_fixed, per_seq = plane_fit(self.shapes, [med[s] for s in self.shapes])
+        name = {s: f"{s[0]}x{s[1]}" for s in self.shapes}
+        return dict(kind="plan_calibration", machine=common.machine(), preset=self.preset, rounds=len(self.peaks),
+                    matmul_peak=statistics.median(self.peaks), matmul_peak_rounds=self.peaks,
+                    single_process=dict(shapes=[name[s] for s in self.shapes], step_s={name[s]: med[s] for s in self.shapes},
+                                        rounds={name[s]: self.step[s] for s in self.shapes},
+                                        step_fixed_s=step_fixed, micro_fixed_s=micro_fixed, per_seq_s=per_seq),
+                    allreduce={str(w): dict(alpha_s=statistics.median(x[0] for x in c), busbw=statistics.median(x[1] for x in c),
+                                            rounds=c) for w, c in self.coll.items() if c})
+
+
+def parse_shapes(text: str) -> list:
+    return [tuple(int(v) for v in x.split("x")) for x in text.split(",")]
+
+
+def run(a) -> dict:
+    cal = Calibration(a.preset, [int(x) for x in a.world.split(",")], parse_shapes(a.shapes), a.steps, a.timeout)
+    for _ in range(a.rounds):                             # interleaved: the load drifts
+        cal.round()
+    res = cal.result()
     print(json.dumps({k: res[k] for k in ("matmul_peak", "single_process", "allreduce")}, indent=1), flush=True)
     return res
 

@@ -200,19 +200,25 @@ def sec_plan(res, status) -> str:
         return "\n".join(out) + _missing("plan_accuracy", status)
     ok = [r for r in d["rows"] if r["status"] == "ok"]
     rho = d["spearman"]
+    runs = d.get("rounds", 1)
     out += ["`python bench/plan_accuracy.py` (and `pytest -m slow tests/test_plan_measured.py`): for each layout the "
             "trainer's ParallelRunner is built under mpiexec; every rank reports its parameter count, the bytes "
             "that stay allocated after two steps (tracemalloc: parameters, gradients, buckets, optimiser state) and "
-            "the peak of a step above that (activations and temporaries), then the median of timed steps. "
-            "`pympar.plan.predict` gives the prediction with the alpha-beta constants fitted to the allreduce rows "
-            "of bench/results/collectives.json for the same rank count.", "",
-            "Spearman rank correlation of predicted against measured step time: " +
+            "the peak of a step above that (activations and temporaries), then the median of timed steps; "
+            f"{runs} run(s) per layout, rounds interleaved, median kept. `pympar.plan.predict` gives the prediction "
+            "(the model and each of its terms: pympar/plan.py's docstring)" +
+            (", with the CPU constants of bench/plan_calibrate.py (below), measured by microbenchmarks that are "
+             "not the layouts ranked here." if isinstance(d.get("calibration"), dict) else
+             " with the alpha-beta constants fitted to the allreduce rows of bench/results/collectives.json for "
+             "the same rank count."), ""]
+    out += _calibration(res, d)
+    out += ["Spearman rank correlation of predicted against measured step time: " +
             ", ".join(f"{k} ranks {v:.2f}" if k != "pooled" else f"pooled {v:.2f}" for k, v in rho.items()) +
-            f" over {len(ok)} layouts (one run each). Against a planner that ranks at random (95th percentile "
+            f" over {len(ok)} layouts. Against a planner that ranks at random (95th percentile "
             "of rho over 2000 permutations of the same predictions): " + ", ".join(
                 f"{w} ranks {'beats' if rho_w > p95 else 'does not beat'} it ({rho_w:.2f} vs {p95:.2f})"
-                for w, rho_w, p95 in _null(ok)) + "; tests/test_plan_measured.py asserts this per rank count "
-            "(xfail at 4 ranks).", "", _img("plan_accuracy", "planner"), ""]
+                for w, rho_w, p95 in _null(ok)) + "; tests/test_plan_measured.py asserts this per rank count.",
+            "", _img("plan_accuracy", "planner"), ""]
     for w in sorted({r["world"] for r in ok}):
         q = [r["measured_s"] / r["predicted_s"] for r in ok if r["world"] == w]
         out.append(f"- {w} ranks: measured / predicted step time, median {statistics.median(q):.2f}x "
@@ -224,12 +230,41 @@ def sec_plan(res, status) -> str:
             f"{', '.join(r['layout'] for r in ok if r['persistent_ratio'] > 1.5) or 'none'}; the model counts "
             f"params + grads + AdamW state only, not gradient buckets or communication buffers); activation "
             f"peak {min(ar):.2f}x to {max(ar):.2f}x.", "",
-            "| ranks | layout | predicted ms | measured ms | params exact | persistent meas/pred | activations meas/pred |",
-            "| ---: | --- | ---: | ---: | --- | ---: | ---: |"]
+            "| ranks | layout | predicted ms | measured ms | runs ms | params exact | persistent meas/pred | activations meas/pred |",
+            "| ---: | --- | ---: | ---: | --- | --- | ---: | ---: |"]
     for r in ok:
+        rounds = ", ".join(f"{x * 1e3:.0f}" for x in r.get("measured_rounds", []))
         out.append(f"| {r['world']} | {r['layout']} | {r['predicted_s'] * 1e3:.0f} | {r['measured_s'] * 1e3:.0f} | "
-                   f"{'yes' if r['params_exact'] else 'NO'} | {r['persistent_ratio']:.2f} | {r['activation_ratio']:.2f} |")
+                   f"{rounds} | {'yes' if r['params_exact'] else 'NO'} | {r['persistent_ratio']:.2f} | "
+                   f"{r['activation_ratio']:.2f} |")
     return "\n".join(out) + "\n"
+
+
+def _calibration(res, acc) -> list:
+    """The planner's CPU constants: bench/plan_calibrate.py's measurements (interleaved with the
+    layouts' rounds, one set per rank count) and what pympar.plan made of them."""
+    cals = acc.get("calibration")
+    if not isinstance(cals, dict):
+        return []
+    out = ["Calibration (bench/plan_calibrate.py's microbenchmarks, one round before each round of layouts, "
+           "medians): one process steps the model with m micro-batches of B sequences and the plane t = "
+           "step_fixed + m micro_fixed + m B per_seq is fitted; the allreduce (`pympar.bench allreduce --algo "
+           "auto`) runs at the layouts' rank count, oversubscribed as they are.", "",
+           "| ranks | step_fixed ms | micro_fixed ms | per_seq ms | matmul burst GFLOP/s | allreduce 8 B us | busbw GB/s |",
+           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for w, c in cals.items():
+        sp, ar = c["single_process"], c["allreduce"][w]
+        out.append(f"| {w} | {sp['step_fixed_s'] * 1e3:.1f} | {sp['micro_fixed_s'] * 1e3:.1f} | {sp['per_seq_s'] * 1e3:.2f} | "
+                   f"{c['matmul_peak'] / 1e9:.1f} | {ar['alpha_s'] * 1e6:.0f} (rounds: "
+                   f"{', '.join(f'{x[0] * 1e6:.0f}' for x in ar['rounds'])}) | {ar['busbw'] / 1e9:.2f} |")
+    out += ["", "What pympar.plan made of them (pympar/plan.py load_calibration):", "",
+            "| ranks | matmul GFLOP/s | overhead us/block | elem ns | optimiser ns/param | alpha us/round | bus GB/s | ranks/core |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for w, m in acc.get("constants", {}).items():
+        out.append(f"| {w} | {m['peak'] / 1e9:.1f} | {m['overhead'] * 1e6:.0f} | {m['elem_time'] * 1e9:.2f} | "
+                   f"{m['opt_per_param'] * 1e9:.2f} | {m['alpha'] * 1e6:.0f} | {m['intra_bw'] / 1e9:.2f} | "
+                   f"{m['ranks_per_node'] / m['cores'] if m['cores'] else 1:.1f} |")
+    return out + [""]
 
 
 def sec_soak(res, status) -> str:

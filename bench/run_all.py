@@ -29,7 +29,7 @@ B = common.ROOT / "bench"
 
 
 def steps(quick: bool) -> list:
-    """(name, argv, figure argv or None) in run order; collectives first: the planner reads them."""
+    """(name, argv, figure argv or None) in run order."""
     q = quick
     return [
         ("kernels", [PY, B / "kernels.py", "--sizes", *(["65536"] if q else ["1048576", "16384"]),
@@ -54,8 +54,8 @@ def steps(quick: bool) -> list:
                         "--png", IMG / "strategies.png"], None),
         ("moe_balance", [PY, B / "moe_balance.py", "--steps", "20" if q else "300", "--json", R / "moe_balance.json",
                          "--png", IMG / "moe_balance.png"], None),
-        ("plan_accuracy", [PY, B / "plan_accuracy.py", "--world", "4" if q else "4,8", "--rounds", "1",
-                           "--steps", "2" if q else "4", "--bench-json", R / "collectives.json",
+        ("plan_accuracy", [PY, B / "plan_accuracy.py", "--world", "4" if q else "4,8", "--rounds", "1" if q else "3",
+                           "--steps", "2" if q else "4", "--calibrate", "--timeout", "120",
                            "--json", R / "plan_accuracy.json", "--png", IMG / "plan_accuracy.png"], None),
         ("soak", [PY, B / "soak.py", "--world", "8", "--preset", "tiny" if q else "small", "--steps", "30" if q else "300",
                   "--save-every", "10" if q else "25", "--json", R / "soak.json", "--png", IMG / "soak.png"], None),

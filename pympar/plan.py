@@ -37,10 +37,13 @@ Oversubscribed CPU (more ranks on a node than cores): every rank runs at cores /
             is NOT given to the busy ranks. Compute and optimiser costs are multiplied by
             ranks / cores; the collectives' alpha and beta are measured at the rank count
             (they already hold the context switches of an oversubscribed collective).
-            Measured (bench/results/plan_accuracy.json, quiet machine, 4 ranks on 2 cores,
-            medians of 3 interleaved runs): dp2 pp2 GPipe m=2 1.50x dp4's step and dp1 pp4
+            Measured (bench/plan_accuracy.py on the 2-core VM, 4 ranks, medians of 3
+            interleaved runs, 2026-11-29): dp2 pp2 GPipe m=2 1.50x dp4's step and dp1 pp4
             GPipe m=4 1.65x, against bubble factors (m+p-1)/m of 1.50 and 1.75; the earlier
-            "waiting ranks free their core" term had predicted both equal to dp4.
+            "waiting ranks free their core" term had predicted both equal to dp4 (pympar's
+            polling sleeps only once a wait is long, comm/progress.py). 1F1B's short
+            interleaved waits cost somewhat less than the full factor (1.13x measured for
+            dp2 pp2 m=4 against 1.25), which the model does not capture.
 Where the constants come from on a CPU (bench/plan_calibrate.py, --calibration FILE), from
 microbenchmarks that are not the layouts being ranked:
   peak        the best of short 256^3 float32 matmul bursts of one process
@@ -432,11 +435,14 @@ def build_machine(args) -> Machine:
 
 
 def load_calibration(path, nranks: int) -> dict:
-    """Machine constants from a bench/plan_calibrate.py JSON (see the module docstring):
+    """Machine constants from a bench/plan_calibrate.py JSON file or its dict (see the module docstring):
     peak, overhead, elem_time, opt_per_param, and alpha/intra_bw of the rank count nearest
     ``nranks``."""
-    with open(path) as f:
-        c = json.load(f)
+    if isinstance(path, dict):
+        c = path
+    else:
+        with open(path) as f:
+            c = json.load(f)
     try:
         cfg = GPTConfig.from_preset(c["preset"])
         sp = c["single_process"]
@@ -455,7 +461,7 @@ def load_calibration(path, nranks: int) -> dict:
         ar = c["allreduce"][near]
         n_par = params_per_rank(cfg, one, range(cfg.n_layer), True, True)
     except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"{path} is not a bench/plan_calibrate.py result ({e!r}): expected preset, matmul_peak, "
+        raise ValueError(f"{path if not isinstance(path, dict) else 'the calibration'} is not a bench/plan_calibrate.py result ({e!r}): expected preset, matmul_peak, "
                          f"single_process.{{step_fixed_s, micro_fixed_s, per_seq_s}} and allreduce.<ranks>") from None
     return dict(peak=peak, overhead=max(0.0, sp["micro_fixed_s"]) / (cfg.n_layer + 2),
                 elem_time=max(0.0, nonmm) / elem, opt_per_param=max(0.0, sp["step_fixed_s"]) / n_par,

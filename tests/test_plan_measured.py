@@ -1,5 +1,5 @@
 """The planner against real runs (slow: about 5 minutes on 2 cores): bench/plan_accuracy.py
-on 10 layouts of 4 ranks and 10 of 8 (preset small), one run each.
+on 10 layouts of 4 ranks and 10 of 8 (preset small), one run each, --calibrate.
 
   * parameters per rank: the planner's count equals every rank's own parameters exactly;
   * memory: what stays allocated after two steps (tracemalloc) is at least the predicted
@@ -8,8 +8,13 @@ on 10 layouts of 4 ranks and 10 of 8 (preset small), one run each.
     predicted activations;
   * step time: Spearman's rho of predicted against measured beats the 95th percentile of rho
     for random permutations of the same predictions (a planner that ranks at random).
-    Expected to fail at 4 ranks: bench/results/plan_accuracy.json measured rho 0.08 against a
-    null p95 of 0.54 (8 ranks: 0.64 against 0.54); see docs/benchmarks.md.
+    bench/results/plan_accuracy.json (3 interleaved runs per layout, constants from the
+    microbenchmarks interleaved with them): 4 ranks rho 0.70 against a null p95 of 0.56,
+    8 ranks 0.99 against 0.54. The 4-rank margin is thin: the oversubscribed allreduce
+    latency there is bimodal (24, 74 and 1491 us in the three calibration rounds) and the
+    median took the fast mode while the tensor-parallel layouts ran in the slow one; see
+    docs/benchmarks.md. (Before the oversubscription and TP-latency terms of pympar/plan.py:
+    0.08 at 4 ranks on a loaded machine, 0.36 on the quiet one.)
 """
 import json
 import re
@@ -29,13 +34,11 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def accuracy(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plan")
-    cal = tmp / "cal.json"           # the planner's constants, from microbenchmarks apart from the layouts
-    subprocess.run([sys.executable, str(ROOT / "bench" / "plan_calibrate.py"), "--world", "4,8", "--rounds", "2",
-                    "--json", str(cal), "--png", str(tmp / "cal.png")],
-                   check=True, timeout=900, cwd=ROOT, capture_output=True)
     out = tmp / "acc.json"
+    # --calibrate: the planner's constants from microbenchmarks (single process, allreduce at the
+    # rank count) measured just before the layouts, never fitted to them
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_accuracy.py"), "--world", "4,8", "--rounds", "1",
-                        "--steps", "3", "--calibration", str(cal), "--json", str(out), "--png", str(tmp / "a.png")],
+                        "--steps", "3", "--calibrate", "--timeout", "120", "--json", str(out), "--png", str(tmp / "a.png")],
                        timeout=1800, cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     return json.loads(out.read_text())
@@ -86,11 +89,7 @@ def test_memory_model_against_measured(accuracy):
         assert 0.5 <= r["activation_ratio"] <= 2.0, (r["layout"], mm, pm)
 
 
-@pytest.mark.parametrize("world", [
-    pytest.param(4, marks=pytest.mark.xfail(strict=False, reason=(
-        "planner does not rank 4-rank layouts better than chance: bench/results/plan_accuracy.json "
-        "measured Spearman 0.08 against a permutation-null p95 of 0.54 (10 layouts, one run each)"))),
-    8])
+@pytest.mark.parametrize("world", [4, 8])
 def test_ranking_beats_random_permutations(accuracy, world):
     ok = [r for r in accuracy["rows"] if r["world"] == world and r["status"] == "ok"]
     pred, meas = [r["predicted_s"] for r in ok], [r["measured_s"] for r in ok]
