@@ -257,6 +257,12 @@ def _calibration(res, acc) -> list:
         out.append(f"| {w} | {sp['step_fixed_s'] * 1e3:.1f} | {sp['micro_fixed_s'] * 1e3:.1f} | {sp['per_seq_s'] * 1e3:.2f} | "
                    f"{c['matmul_peak'] / 1e9:.1f} | {ar['alpha_s'] * 1e6:.0f} (rounds: "
                    f"{', '.join(f'{x[0] * 1e6:.0f}' for x in ar['rounds'])}) | {ar['busbw'] / 1e9:.2f} |")
+    for w, c in cals.items():
+        lat = [x[0] for x in c["allreduce"][w]["rounds"]]
+        if len(lat) > 1 and max(lat) > 10 * min(lat):
+            out += ["", f"At {w} ranks the small allreduce's latency changed by {max(lat) / min(lat):.0f}x between "
+                        "rounds (on this shared VM; the cause was not isolated): the median picks "
+                        "one state, and layouts measured in the other are mispredicted by their allreduce count."]
     out += ["", "What pympar.plan made of them (pympar/plan.py load_calibration):", "",
             "| ranks | matmul GFLOP/s | overhead us/block | elem ns | optimiser ns/param | alpha us/round | bus GB/s | ranks/core |",
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
