@@ -76,8 +76,10 @@ def sec_train_step(res, status) -> str:
             "threads, pympar and PyTorch eager interleaved in one process.", "",
             "| preset | batch x seq | threads | pympar tokens/s | PyTorch tokens/s | pympar / PyTorch |",
             "| --- | --- | ---: | ---: | ---: | ---: |",
-            f"| {d['preset']} | {d['batch']} x {d['seq']} | {d['threads']} | {d['pympar_tokens_per_s']:.0f} | "
-            f"{d.get('torch_tokens_per_s', float('nan')):.0f} | {d.get('speed_ratio_pympar_over_torch', float('nan')):.2f}x |",
+            *[f"| {key.split('/')[0]} | {d['batch']} x {d['seq']} | {key.split('/')[1]} | {r['pympar_tokens_per_s']:.0f} | "
+              f"{r.get('torch_tokens_per_s', float('nan')):.0f} | {r.get('speed_ratio_pympar_over_torch', float('nan')):.2f}x |"
+              for key, r in sorted(d.get("table", {f"{d['preset']}/{d['threads']}": d}).items())],
+            "", "Each row: the median of paired repeats (`--repeat`); docs/engine.md has the profile.",
             "", "The DP 2 form of this comparison (pympar DP against torch DDP) is not in the suite yet.", ""]
     return "\n".join(out)
 
