@@ -95,3 +95,18 @@ def test_gather_object_gathers_and_times_out_instead_of_hanging():
     assert sorted(int(re.match(r"rank (\d+)", ln).group(1)) for ln in lines) == [0, 2], p.stdout
     for ln in lines:
         assert "op=allgather comm=watched seq=2 peers=[1] " in ln, ln
+
+
+def test_exit_while_a_peer_waits_in_a_collective_ends_the_job_with_a_report():
+    """The atexit teardown frees the boards' windows (collective, no deadline in MPI): a rank that
+    exits while a peer waits in a collective it never called must not block there forever."""
+    p = run_mpi(3, [SCRIPT, "exitahead"], timeout=45, check=False)
+    assert p.returncode != 0, p.stdout
+    assert "comm slow: rank 1 waits in #2 (allreduce), this rank's last is #1" in p.stdout, p.stdout
+    assert "collective watchdog: exiting" in p.stdout, p.stdout
+
+
+def test_exit_waits_for_a_late_peer():
+    p = run_mpi(3, [SCRIPT, "exitlate"], timeout=45)
+    assert len(_lines(p.stdout, "NO-ERROR")) == 3, p.stdout
+    assert "watchdog" not in p.stdout, p.stdout

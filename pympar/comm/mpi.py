@@ -82,7 +82,7 @@ class MPIComm(Communicator):
         self._topo = self._arena = None
         self._table = _table if _table is not None else self._p2p.bcast(load_table() if self.rank == 0 else None, 0)
         # watchdog side channels (shadow communicators): who entered which call; debug fingerprints
-        self._board = ArrivalBoard(self._coll)
+        self._board = ArrivalBoard(self._coll, self.name, self.timeout)
         self._fp = _debug.FingerprintChecker(self._coll, self.name) if _debug.enabled() else None
         self._plans = {}      # (dtype, size, op, algo) -> _ARPlan: allreduce's per-call fast path
 

@@ -37,14 +37,23 @@ _TAINTED = False          # a wait expired here: the peers may be gone, freeing 
 
 @atexit.register
 def _free_live_boards():
-    """Free the windows before mpi4py's MPI_Finalize (left registered, the transport warns).
+    """Free the windows before mpi4py's MPI_Finalize (left allocated, UCX warns per window).
 
-    Win_free is collective: every rank frees the same boards in the same order. After a
-    timeout the other ranks may be gone, so nothing is freed then (MPI_Finalize cleans up)."""
+    Win_free is collective and waits without a deadline, so a rank that reaches it while a peer
+    still runs a collective this rank will never call would block for good. Each board therefore
+    first meets its peers in a nonblocking barrier on its own shadow communicator (every rank
+    frees the same boards in the same order, creation order); see ArrivalBoard.meet_at_exit.
+    After a timeout on this rank the peers may be gone, so nothing is freed then (MPI_Finalize
+    cleans up)."""
     if _TAINTED:
         return
     for board in list(_LIVE):
+        board.meet_at_exit()
         board.free()
+
+
+class ExitMismatchError(RuntimeError):
+    """A rank is exiting while a peer waits in a collective this rank never entered."""
 
 
 def op_code(op: str) -> int:
@@ -58,10 +67,15 @@ class ArrivalBoard:
     Collective to build and to free (over ``mpi_comm``'s ranks); ``enter`` is local.
     """
 
-    def __init__(self, mpi_comm):
+    def __init__(self, mpi_comm, name: str = "comm", timeout: float | None = None):
         from mpi4py import MPI
 
+        from .progress import default_timeout
+
         self._MPI = MPI
+        self.name = name
+        self.timeout = default_timeout() if timeout is None else float(timeout)   # for meet_at_exit
+        self._dangling = []   # (request, peer) of reads given up with their epoch still open
         self.comm = mpi_comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.names = {op_code(n): n for n in KNOWN_OPS}     # op code -> name (for reports)
@@ -109,7 +123,8 @@ class ArrivalBoard:
             req = self.win.Rget(buf, p)
             while not req.Test():
                 if time.monotonic() > deadline:
-                    return         # the epoch stays open: the job is about to end
+                    self._dangling.append((req, p))   # the epoch stays open (closed in free())
+                    return
                 time.sleep(1e-4)
             self.win.Unlock(p)
         except MPI.Exception:
@@ -140,16 +155,61 @@ class ArrivalBoard:
                 notes.append(f"rank {p} called {name} as #{s}")
         return missing, notes
 
+    def meet_at_exit(self):
+        """Block until every rank of this board is tearing it down (then Win_free cannot hang).
+
+        A nonblocking barrier on the board's own communicator, polled. Each time ``timeout``
+        passes, this rank reads every board it holds: a peer that already entered a collective
+        this (exiting) rank never entered would wait for it forever, so the job is ended with
+        a report naming the communicator, the peer and the call (watchdog.abort_job). Peers that
+        are only late (rank 0 still sampling text, writing a trace) are waited for."""
+        if self.win is None:
+            return
+        from .progress import Backoff
+
+        req = self.comm.Ibarrier()
+        pace, start = Backoff(), time.monotonic()
+        check = start + self.timeout if np.isfinite(self.timeout) else np.inf
+        while not req.Test():
+            now = pace.pause()
+            if now is not None and now > check:
+                stuck = _peers_ahead()
+                if stuck:
+                    abort_job(ExitMismatchError(
+                        f"exiting, but after {now - start:.1f}s at teardown peers still wait in collectives "
+                        f"this rank never entered: {'; '.join(stuck)} (every rank must run the same "
+                        f"collectives, in the same order, on each communicator)"))
+                check = now + self.timeout
+
     def free(self):
         if self in _LIVE:
             _LIVE.remove(self)
         if self.win is not None:
+            for req, p in self._dangling:   # reads given up on: finish them, close their epochs
+                req.Wait()
+                self.win.Unlock(p)
+            self._dangling = []
             self.slots = np.zeros(2, np.int64)     # the window's memory goes with it
             self.win.Free()
             self.win = None
         if self.comm is not None:
             self.comm.Free()
             self.comm = None
+
+
+def _peers_ahead() -> list:
+    """'comm NAME: rank p waits in #s (op); this rank is at #m' for every live board's peer whose
+    last collective is past this rank's (read from the peers, bounded in time)."""
+    out = []
+    for board in list(_LIVE):
+        if board.win is None:
+            continue
+        mine = int(board.slots[0])
+        for p, (s, c) in sorted(board.read().items()):
+            if s > mine:
+                out.append(f"comm {board.name}: rank {p} waits in #{s} ({board.names.get(c, f'op#{c}')}), "
+                           f"this rank's last is #{mine}")
+    return out
 
 
 def report(err: BaseException, rank: int | None = None) -> str:

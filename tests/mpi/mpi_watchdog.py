@@ -9,6 +9,10 @@
     mpi_watchdog.py sendrecv       rank 1 never sends; rank 0's recv times out naming rank 1
     mpi_watchdog.py gather         rank 1 skips comm.objects.gather_object: the others time out
     mpi_watchdog.py gatherok       every rank gathers a dict holding an array: rank 0 checks the list
+    mpi_watchdog.py exitahead      rank 1 calls one more collective (on comm "slow", timeout 60 s); the
+                                   others exit normally: their teardown must end the job naming it
+    mpi_watchdog.py exitlate       rank 1 computes outside MPI for 4 s, then every rank exits normally:
+                                   the teardown waits for it (status 0)
 
 Each rank prints one line ``rank R: <KIND> ...`` that tests/test_watchdog.py parses.
 """
@@ -76,6 +80,15 @@ try:
         want = [{"rank": r, "a": list(range(r + 1))} for r in range(c.size)] if c.rank == 0 else None
         ok = got is None if c.rank else [dict(g, a=g["a"].tolist()) for g in got] == want
         line("GATHERED" if ok else f"WRONG {got}")
+    elif scenario in ("exitahead", "exitlate"):   # leave through the atexit teardown (no os._exit)
+        slow = MPIComm(world, name="slow", timeout=60)
+        slow.allreduce(np.ones(4))
+        if c.rank == 1 and scenario == "exitahead":
+            slow.allreduce(np.ones(4))   # the others never call it: before the fix they hung in Win_free
+        elif c.rank == 1:
+            time.sleep(4)                # longer than the 1.5 s timeout of comm "watched"
+        line("NO-ERROR")
+        sys.exit(0)
     elif scenario == "sendrecv":
         if c.rank == 0:
             c.recv(np.empty(2), 1)
