@@ -133,9 +133,17 @@ def save_run(runner, run, next_step, guard, comm, layout):
     from .checkpoint import save_training
 
     model, opt = runner.model, runner.opt
-    for name, p in model.named_parameters():      # never write a non-finite number
-        if not np.isfinite(p.data).all():
-            raise NonFiniteStop(f"parameter {name} holds non-finite values at step {next_step}; not saving")
+    # never write a non-finite number. The ranks hold different parameters (pipeline stages,
+    # tensor shards): they agree first, or the clean ranks would wait in the save's collectives
+    # while the others stop (and sit in the exit's teardown)
+    bad = next((name for name, p in model.named_parameters() if not np.isfinite(p.data).all()), None)
+    n_bad = np.array([0.0 if bad is None else 1.0])
+    if comm is not None and comm.size > 1:
+        out = comm.allreduce(n_bad)
+        n_bad = n_bad if out is None else np.asarray(out).reshape(-1)
+    if n_bad[0]:
+        where = f"parameter {bad}" if bad else f"a parameter of {int(n_bad[0])} other rank(s)"
+        raise NonFiniteStop(f"{where} holds non-finite values at step {next_step}; not saving")
     if (z := _zero_sync(runner)) is not None:
         z.export_optimizer_state(opt)
     scaler = getattr(runner, "scaler", None)
