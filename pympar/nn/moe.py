@@ -17,6 +17,7 @@ d(total loss)/d(aux + z) (the caller's grad_scale).
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -80,7 +81,7 @@ class MoE(Module):
         xp = xp_of(xs)
         ys = xp.empty_like(xs)
         n = counts.tolist()                              # slice bounds: one host sync on a GPU
-        lo = np.concatenate([[0], np.cumsum(n)]).tolist()
+        lo = [0, *itertools.accumulate(n)]                # row offsets of each expert (host ints)
         ctxs = [None] * len(n)
 
         def experts(e0, e1):                             # experts [e0, e1): their rows of ys only
