@@ -18,6 +18,7 @@ built=("$BUILD"/_C*.so)
 grep -q "^PYMPAR_CUDA:BOOL=OFF" "$BUILD/CMakeCache.txt" || built+=("$BUILD"/_cuda*.so)
 for so in "${built[@]}"; do
   [ -e "$so" ] || continue
-  cp -f "$so" pympar/
+  # copy then rename: overwriting the file in place crashes processes that have it loaded
+  cp -f "$so" "pympar/.$(basename "$so").tmp" && mv -f "pympar/.$(basename "$so").tmp" "pympar/$(basename "$so")"
   echo "installed $(basename "$so") -> pympar/"
 done
