@@ -135,7 +135,9 @@ class MPIComm(Communicator):
         # a nonblocking algorithm tags its messages with its call's number (1..30000): several
         # in flight on this communicator never match each other's messages
         tag = 1 + self.seq % 30000 if nonblocking else 0
-        return Ctx(comm or self._coll, waiter, reduce_op(op), sync, tag)
+        if comm is None:   # this communicator: its rank and size are known, no MPI query
+            return Ctx(self._coll, waiter, reduce_op(op), sync, tag, self.rank, self.size)
+        return Ctx(comm, waiter, reduce_op(op), sync, tag)
 
     def _rs_operands(self, x, out, what):
         """reduce_scatter's checked operand, element bounds E of the ranks' blocks, and output."""
@@ -197,7 +199,14 @@ class MPIComm(Communicator):
             self._lib(w, lambda: self._coll.Iallreduce(send, wire(dst_f), mpi_op(op, x.dtype)))
             if op == "avg":
                 finish_avg(dst_f, self.size)
-        elif algo == "shm":
+        else:
+            self._allreduce_own(w, algo, op, x, dst)
+        return dst
+
+    def _allreduce_own(self, w, algo, op, x, dst):
+        """pympar's own allreduce algorithms (shm, hierarchical, point-to-point) of x into dst."""
+        src_f, dst_f = flat(x), flat(dst)
+        if algo == "shm":
             shm_allreduce(self._shm_arena(), w, src_f, dst_f, op)
         elif algo == "hierarchical":
             t = self.topology()
@@ -209,7 +218,6 @@ class MPIComm(Communicator):
             _P2P_ALLREDUCE[algo](self._ctx(w, op, x), dst_f)
             if op == "avg":
                 finish_avg(dst_f, self.size)
-        return dst
 
     def _allreduce_planned(self, plan, x, dst, op):
         """allreduce(x) into dst by a cached plan (operands already checked: see allreduce)."""
@@ -235,20 +243,7 @@ class MPIComm(Communicator):
             if plan.avg:
                 finish_avg(dst.reshape(-1), self.size)
             return dst
-        w = Waiter("allreduce", self.name, seq, self.timeout, self._board)
-        src_f, dst_f = x.reshape(-1), dst.reshape(-1)
-        if algo == "shm":
-            shm_allreduce(self._shm_arena(), w, src_f, dst_f, op)
-        elif algo == "hierarchical":
-            t = self.topology()
-            lctx = self._ctx(w, op, x, t.leaders) if t.leaders is not None else None
-            hierarchical_allreduce(self._shm_arena(), lctx, w, src_f, dst_f, op, self.size)
-        else:
-            if dst is not x:
-                dst_f[...] = src_f
-            _P2P_ALLREDUCE[algo](Ctx(self._coll, w, reduce_op(op), None, 0, self.rank, self.size), dst_f)
-            if plan.avg:
-                finish_avg(dst_f, self.size)
+        self._allreduce_own(Waiter("allreduce", self.name, seq, self.timeout, self._board), algo, op, x, dst)
         return dst
 
     def reduce_scatter(self, x, op="sum", algo="auto", out=None):
