@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from mpirun import run_mpi
+from mpirun import ROOT, run_mpi
 
-SCRIPT = "tests/mpi/mpi_watchdog.py"
+SCRIPT = str(ROOT / "tests" / "mpi" / "mpi_watchdog.py")
 
 
 def _lines(out, kind):
