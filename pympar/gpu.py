@@ -60,13 +60,37 @@ def local_rank(mpi_comm) -> int:
     for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK", "PMI_LOCAL_RANK"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
+    return node_rank_size(mpi_comm)[0]
+
+
+def node_rank_size(mpi_comm):
+    """(rank, size) of this rank among the ranks of its node (a collective over mpi_comm)."""
     from mpi4py import MPI
 
     node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
     try:
-        return node.Get_rank()
+        return node.Get_rank(), node.Get_size()
     finally:
         node.Free()
+
+
+def nccl_choice(env: str, ranks_on_node_max: int, gpus: int):
+    """(use NCCL?, a note for the user or None) from PYMPAR_NCCL ('' = auto, '0', '1') and how
+    many ranks share the node's GPUs. NCCL refuses two ranks of one communicator on one GPU
+    ("duplicate GPU"), so auto falls back to MPI (host staging, or CUDA-aware MPI) when ranks
+    outnumber GPUs; PYMPAR_NCCL=1 with shared GPUs is an error that says so."""
+    env = env.strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"PYMPAR_NCCL={env!r}: expected 0 (MPI for device arrays), 1 (NCCL) or unset (auto)")
+    if env == "0":
+        return False, None
+    if ranks_on_node_max > gpus:
+        msg = (f"{ranks_on_node_max} ranks share {gpus} GPU(s) on a node, and NCCL needs one GPU per rank")
+        if env == "1":
+            raise ValueError(f"PYMPAR_NCCL=1: {msg}: launch at most {gpus} rank(s) per node, or unset PYMPAR_NCCL "
+                             f"to move device arrays over MPI instead")
+        return False, f"{msg}: device arrays move over MPI (set PYMPAR_NCCL=0 to silence this note)"
+    return True, None
 
 
 def select_device(mpi_comm):
@@ -90,16 +114,28 @@ def bfloat16_supported() -> bool:
         return False
 
 
+def _mpi_max():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
 def device_world(mpi_comm, timeout=None, name="world", use_nccl=None):
     """The job's communicator on GPUs: DeviceComm over NCCL (CuPy operands) and MPI (host
     operands). PYMPAR_NCCL=0 (or use_nccl=False) keeps everything on MPI: CUDA-aware MPI
-    where the library says it is, host staging otherwise."""
+    where the library says it is, host staging otherwise; unset, NCCL is used unless ranks
+    outnumber a node's GPUs (see nccl_choice)."""
     from .comm.hybrid import DeviceComm
     from .comm.mpi import MPIComm
 
     mpi = MPIComm(mpi_comm, name=name, timeout=timeout)
-    if use_nccl is None:
-        use_nccl = os.environ.get("PYMPAR_NCCL", "1") != "0"
+    if use_nccl is None and mpi.size > 1:
+        per_node = node_rank_size(mpi_comm)[1]
+        most = mpi_comm.allreduce(per_node, op=_mpi_max())
+        gpus = backend.get_xp("cuda").cuda.runtime.getDeviceCount()
+        use_nccl, note = nccl_choice(os.environ.get("PYMPAR_NCCL", ""), most, gpus)
+        if note and mpi.rank == 0:
+            print(f"pympar: note: {note}", flush=True)
     if use_nccl and mpi.size > 1:
         from .comm.nccl import NCCLComm
 
