@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from mpirun import run_pytest_mpi
+from pympar.backend import gpu_available
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
 from layout_cases import WORLDS, all_layouts, ci_layouts  # noqa: E402
@@ -20,17 +21,30 @@ from layout_cases import WORLDS, all_layouts, ci_layouts  # noqa: E402
 pytestmark = pytest.mark.mpi
 
 
-def _run(n, mode, timeout):
-    res = run_pytest_mpi(n, "mpi_layouts.py", timeout=timeout, env={"PYMPAR_LAYOUTS": mode}, extra_args=("-s",))
-    m = re.search(r"LAYOUTS world=(\d+) mode=(\w+) ran=(\d+) failed=(\d+) seconds=([\d.]+)(.*)", res.stdout)
+def _run(n, mode, timeout, device="cpu"):
+    res = run_pytest_mpi(n, "mpi_layouts.py", timeout=timeout, extra_args=("-s",),
+                         env={"PYMPAR_LAYOUTS": mode, "PYMPAR_LAYOUTS_DEVICE": device})
+    m = re.search(r"LAYOUTS world=(\d+) mode=(\w+) device=(\w+) ran=(\d+) failed=(\d+) seconds=([\d.]+)(.*)",
+                  res.stdout)
     assert m, f"no LAYOUTS summary line in the output:\n{res.stdout[-3000:]}"
     print(m.group(0))
-    return int(m.group(3)), int(m.group(4))
+    assert m.group(3) == device
+    return int(m.group(4)), int(m.group(5))
 
 
 @pytest.mark.parametrize("n", WORLDS)
 def test_ci_slice_of_layouts_matches_single_process(n):
     ran, failed = _run(n, "ci", timeout=150 if n == 8 else 90)
+    assert (ran, failed) == (len(ci_layouts(n)), 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a visible GPU")
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_ci_slice_of_layouts_on_gpus_matches_single_process(n):
+    """The same slice with every rank's parameters, activations and gradients on a GPU (CuPy),
+    against the host single-process reference: pp, tp (+sp), ep, ZeRO-1 on the device path."""
+    ran, failed = _run(n, "ci", timeout=600, device="cuda")
     assert (ran, failed) == (len(ci_layouts(n)), 0)
 
 
@@ -59,10 +73,10 @@ CLI = ["-m", "pympar.train", "--block-size", "16", "--micro-batch-size", "2", "-
        "--eval-iters", "3", "--eval-every", "2", "--steps", "3", "--progress", "log"]
 
 
-def _losses(n, out, *args):
+def _losses(n, out, *args, timeout=120):
     from mpirun import run_mpi
 
-    res = run_mpi(n, [*CLI, "--out", out, *map(str, args)], timeout=120)
+    res = run_mpi(n, [*CLI, "--out", out, *map(str, args)], timeout=timeout)
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return res, rows
 
@@ -114,3 +128,27 @@ def test_cli_tensor_parallel_mixed_precision_matches_one_process(tmp_path, dtype
             if a[k] is not None:
                 assert b[k] == pytest.approx(a[k], rel=2e-2), (k, a["step"], a[k], b[k])
     assert two[-1]["time_split"]["tp_comm"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a visible GPU")
+@pytest.mark.parametrize("args, n_micro", [
+    (["--preset", "tiny", "--pp", 2, "--tp", 2], 4),
+    (["--preset", "moe-tiny", "--dp", 2, "--pp", 2, "--ep", 2, "--schedule", "gpipe"], 2),
+    (["--preset", "tiny", "--dp", 2, "--tp", 2, "--seq-parallel", "--zero", 1], 2),
+], ids=["pp2-tp2", "dp2-pp2-ep2-gpipe", "dp2-tp2-sp-zero1"])
+def test_cli_layout_on_gpus_matches_one_cpu_process(tmp_path, args, n_micro):
+    """python -m pympar.train --device cuda on 4 ranks == one CPU process with the same global
+    batch: losses, grad norms and validation losses per step (float32; cuBLAS and the host BLAS
+    sum in different orders, hence rel 1e-3)."""
+    preset = args[args.index("--preset") + 1]
+    _, one = _losses(1, tmp_path / "one", "--preset", preset, "--n-micro", 4)
+    res, four = _losses(4, tmp_path / "four", *args, "--device", "cuda", "--n-micro", n_micro, timeout=300)
+    assert "layout dp=" in res.stdout and len(one) == len(four) > 0
+    for a, b in zip(one, four):
+        for k in ("loss", "grad_norm", "val_loss"):
+            if a[k] is not None:
+                assert b[k] == pytest.approx(a[k], rel=1e-3), (k, a["step"], a[k], b[k])
+        if preset.startswith("moe"):
+            assert [m["tokens_per_expert"] for m in a["moe"]] == [m["tokens_per_expert"] for m in b["moe"]]
+    assert 0 < four[-1]["mfu"] < 1                           # against the datasheet bf16 peak

@@ -8,6 +8,8 @@ with the single-process reference that every rank computes locally (nn.GPT accum
 micro-batches, global-norm clipping, AdamW): the loss and the grad norm at every step, every
 parameter this rank holds (its shard of the full tensor) after the last step, the evaluation
 loss, and a sampled continuation. Relative tolerance 1e-6 in float64, 1e-4 in float32.
+PYMPAR_LAYOUTS_DEVICE=cuda runs the layouts on GPUs (one per rank, or shared: see
+pympar.gpu.nccl_choice) against the same host reference.
 Verdicts are gathered after each layout; the test fails listing each failing layout and the
 first quantity that differs.
 """
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 
 from layout_cases import DENSE, G, MOE, all_layouts, ci_layouts
+from pympar.backend import to_numpy
 from pympar.nn import GPT
 from pympar.nn.config import GPTConfig
 from pympar.optim import AdamW, clip_grad_norm
@@ -36,6 +39,7 @@ LR = {"float64": 1e-2, "float32": 1e-3}
 # holds rounding noise, which eps = 1e-8 would turn into a step of up to ~lr
 EPS = {"float64": 1e-8, "float32": 1e-6}
 MODE = os.environ.get("PYMPAR_LAYOUTS", "ci")
+DEVICE = os.environ.get("PYMPAR_LAYOUTS_DEVICE", "cpu")
 
 
 def cfg_of(model):
@@ -84,7 +88,7 @@ def opts_of(lay):
     return SimpleNamespace(seed=SEED, dtype="float32", master_dtype=lay.dtype, n_micro=lay.n_micro,
                            schedule=lay.schedule if lay.pp > 1 else "1f1b", virtual_stages=lay.v,
                            zero=lay.zero, seq_parallel=lay.sp, compress="none", topk_ratio=0.01,
-                           bucket_mb=0.01, device="cpu", lr=LR[lay.dtype], weight_decay=WD, grad_clip=CLIP)
+                           bucket_mb=0.01, device=DEVICE, lr=LR[lay.dtype], weight_decay=WD, grad_clip=CLIP)
 
 
 WORST = {}                     # dtype -> the largest relative difference seen (reported)
@@ -116,7 +120,7 @@ def first_difference(runner, lay, got):
     for name, p in runner.named:
         full = ref["params"][name]
         want = shard_of(p).take(full) if shard_of(p) is not None else full
-        got_p = p.data
+        got_p = to_numpy(p.data)
         floor = LR[lay.dtype] * np.sqrt(want.size)        # one AdamW step of every element
         if got_p.shape != want.shape or not rel(got_p, want, lay.dtype, floor) <= tol:
             where = f" shard {shard_of(p).index}" if shard_of(p) is not None else ""
@@ -158,6 +162,11 @@ def free_mesh(mesh):
 def world(mpi_world):
     from pympar.comm import MPIComm
 
+    if DEVICE == "cuda":
+        from pympar import gpu
+
+        gpu.select_device(mpi_world)
+        return gpu.device_world(mpi_world, timeout=60)
     return MPIComm(mpi_world, name="world", timeout=60)
 
 
@@ -177,7 +186,7 @@ def test_every_layout_matches_single_process(world, mpi_world):
             failures.append(f"layout [{lay}] rank {bad[0][0]}: {bad[0][1]}")
     secs = time.perf_counter() - t0
     if world.rank == 0:
-        print(f"\nLAYOUTS world={world.size} mode={MODE} ran={len(layouts)} "
+        print(f"\nLAYOUTS world={world.size} mode={MODE} device={DEVICE} ran={len(layouts)} "
               f"failed={len(failures)} seconds={secs:.1f} worst_rel={WORST}", flush=True)
     assert not failures, f"{len(failures)} of {len(layouts)} layouts differ from the single process:\n" + \
         "\n".join(failures[:20])
