@@ -38,6 +38,9 @@ import time
 
 import numpy as np
 
+from ..backend import to_numpy, xp_of
+from ..optim.clip import host_scalars, sum_sq
+
 _EXPERT = re.compile(r"\.moe\.experts\.(\d+)\.")
 
 
@@ -86,13 +89,14 @@ def expert_range(n_expert: int, ep: int, ep_rank: int):
 
 # --- the dispatch ------------------------------------------------------------------------------
 def _expert_major(recv_by):
-    """recv_by (ep, n_local) -> perm (R,): rows of the source-major buffer in expert-major order."""
+    """recv_by (ep, n_local) host counts -> perm (R,) host int64: rows of the source-major buffer in
+    expert-major order (the caller moves it to the rows' device once)."""
     sizes = recv_by.reshape(-1)
-    starts = np.cumsum(sizes) - sizes                       # block (s, j) starts here (s-major)
+    starts = np.cumsum(sizes) - sizes                       # host: block (s, j) starts here (s-major)
     starts, sizes = starts.reshape(recv_by.shape).T.reshape(-1), recv_by.T.reshape(-1)
     if not sizes.sum():
-        return np.zeros(0, np.int64)
-    return np.concatenate([np.arange(a, a + n) for a, n in zip(starts.tolist(), sizes.tolist()) if n])
+        return np.zeros(0, np.int64)  # host
+    return np.concatenate([np.arange(a, a + n) for a, n in zip(starts.tolist(), sizes.tolist()) if n])  # host
 
 
 class ExpertParallelMixin:
@@ -106,7 +110,8 @@ class ExpertParallelMixin:
         self._ep_reset()
 
     def _ep_reset(self):
-        self._ep_acc = dict(processed=np.zeros(self._n_local, np.int64), routed=np.zeros(self.n_expert, np.int64),
+        # host counters: the counts behind them are on the host already (they travel over MPI)
+        self._ep_acc = dict(processed=np.zeros(self._n_local, np.int64), routed=np.zeros(self.n_expert, np.int64),  # host
                             kept=0, assignments=0, a2a_s=0.0, a2a_bytes=0, a2a_calls=0)
 
     @property
@@ -124,7 +129,7 @@ class ExpertParallelMixin:
 
     def _a2a(self, x, send, recv):
         t0 = time.perf_counter()
-        out, _ = self._ep.alltoallv(np.ascontiguousarray(x), send, recv)
+        out, _ = self._ep.alltoallv(xp_of(x).ascontiguousarray(x), send, recv)   # rows on x's device
         a = self._ep_acc
         a["a2a_s"] += time.perf_counter() - t0
         a["a2a_bytes"] += int(x.nbytes)
@@ -132,17 +137,20 @@ class ExpertParallelMixin:
         return out
 
     def run_experts(self, xs, counts):           # xs (M, C) grouped by global expert, counts (E,)
+        # The counts decide the message sizes: they come to the host once (one device sync on a GPU)
+        # and every count below is a host int64 vector (alltoall of a host vector goes over MPI).
+        xp = xp_of(xs)
         ep, nl = self._ep.size, self._n_local
-        per_dest = np.ascontiguousarray(np.asarray(counts, np.int64).reshape(ep, nl))   # (ep, n_local)
+        per_dest = np.ascontiguousarray(np.asarray(to_numpy(counts), np.int64).reshape(ep, nl))  # host (ep, n_local)
         t0 = time.perf_counter()
-        recv_by = np.asarray(self._ep.alltoall(per_dest)).reshape(ep, nl)             # (ep, n_local)
+        recv_by = np.asarray(self._ep.alltoall(per_dest)).reshape(ep, nl)             # host (ep, n_local)
         self._ep_acc["a2a_s"] += time.perf_counter() - t0
-        send, recv = per_dest.sum(axis=1), recv_by.sum(axis=1)                        # (ep,) rows
+        send, recv = per_dest.sum(axis=1), recv_by.sum(axis=1)                        # (ep,) rows, host
         xr = self._a2a(xs, send, recv)                       # (R, C) source-major
-        perm = _expert_major(recv_by)                        # (R,)
-        local_counts = recv_by.sum(axis=0)                   # (n_local,)
+        perm = xp.asarray(_expert_major(recv_by))            # (R,) built on the host, moved once
+        local_counts = recv_by.sum(axis=0)                   # (n_local,) host
         yg, inner = super().run_experts(xr[perm], local_counts)   # (R, C) expert-major
-        yr = np.empty_like(yg)
+        yr = xp.empty_like(yg)
         yr[perm] = yg
         ys = self._a2a(yr, recv, send)                       # (M, C) in xs's order
         if self.recording:
@@ -153,7 +161,7 @@ class ExpertParallelMixin:
         send, recv, perm, inner = ctx
         dr = self._a2a(dys, send, recv)                      # (R, C) source-major
         dxg = super().run_experts_backward(dr[perm], inner)
-        dxr = np.empty_like(dxg)
+        dxr = xp_of(dxg).empty_like(dxg)
         dxr[perm] = dxg
         return self._a2a(dxr, recv, send)
 
@@ -162,7 +170,7 @@ class ExpertParallelMixin:
         if self.recording:
             B, T, _ = ctx["shape"]
             a, n_assign = self._ep_acc, B * T * self.top_k
-            a["routed"] += np.rint(ctx["f"] * n_assign).astype(np.int64)
+            a["routed"] += np.rint(to_numpy(ctx["f"]) * n_assign).astype(np.int64)   # host: E counts
             a["kept"] += len(ctx["order"])
             a["assignments"] += n_assign
         return y, ctx
@@ -210,11 +218,12 @@ def install_expert_parallel(model, ep_comm):
 
 # --- gradients, clipping, statistics -------------------------------------------------------------
 def _sum_over(comm, values):
-    v = np.asarray(values, np.float64)
+    """Sum a short host vector (python floats) over comm (MPI)."""
+    v = np.asarray(values, np.float64)  # host
     if comm is None or comm.size == 1:
         return v
     out = comm.allreduce(v.copy())
-    return np.asarray(v if out is None else out, np.float64)
+    return np.asarray(v if out is None else out, np.float64)  # host
 
 
 def ep_allreduce_sq(params, ep_comm, tp=None, then=None):
@@ -232,10 +241,10 @@ def ep_allreduce_sq(params, ep_comm, tp=None, then=None):
     groups = [(is_expert_param(p.name), shard_of(p) is not None, p) for p in params]
 
     def allreduce_sq(sq):
-        parts = np.zeros((2, 2))                      # [dense, expert] x [replicated, sharded]
-        for is_exp, sharded, p in groups:
-            g = p.grad.reshape(-1)
-            parts[int(is_exp), int(sharded)] += float(np.dot(g, g))
+        parts = np.zeros((2, 2))  # host: [dense, expert] x [replicated, sharded]
+        # the squares as clip_grad_norm computes them, brought to the host in one copy
+        for (is_exp, sharded, _), t in zip(groups, host_scalars([sum_sq(p.grad) for _, _, p in groups])):
+            parts[int(is_exp), int(sharded)] += float(t)
         other = sq - parts.sum()                      # anything the caller summed that is not in params
         d_sh, e_sh = _sum_over(tp, [parts[0, 1], parts[1, 1]])
         e_all = _sum_over(ep_comm, [e_sh + parts[1, 0]])[0]
@@ -293,7 +302,7 @@ class EPGradSync:
     def grads_finite(self) -> bool:
         """After finish(): all synced gradients finite? (the same answer on every dp rank: expert
         grads differ over ep, so the verdict is agreed over ep)."""
-        bad = np.array([0.0 if all(s.grads_finite() for s in self._syncs()) else 1.0])
+        bad = np.array([0.0 if all(s.grads_finite() for s in self._syncs()) else 1.0])  # host
         return bool(_sum_over(self.ep_comm, bad)[0] == 0)
 
     def scale_grads(self, alpha):
@@ -322,9 +331,10 @@ def lockstep_forward_losses(model, batches, ep_comm):
     n = len(batches)
     n_max = n
     if ep_comm is not None and ep_comm.size > 1:
-        got = ep_comm.allreduce(np.array([n], np.int64), op="max")
-        n_max = int(np.asarray(got).reshape(-1)[0])
-    pad = batches[0] if batches else (np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64))
+        got = ep_comm.allreduce(np.array([n], np.int64), op="max")  # host
+        n_max = int(np.asarray(got).reshape(-1)[0])  # host
+    # batches are host int64 (idx, targets); the model moves them to its device
+    pad = batches[0] if batches else (np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64))  # host
     losses = [model.forward_loss(x, y) for x, y in batches]
     for _ in range(n_max - n):
         model.forward_loss(*pad)
@@ -342,14 +352,14 @@ def ep_step_stats(model, dp_comm=None):
     rows = []
     for _, m in layers:
         a = m.take_ep_stats()
-        proc = np.zeros(m.n_expert, np.float64)
+        proc = np.zeros(m.n_expert, np.float64)  # host: the counters are host vectors
         proc[m._ep_lo:m._ep_lo + m._n_local] = a["processed"]
-        rows.append(np.concatenate([proc, a["routed"], [a["kept"], a["assignments"], a["a2a_bytes"], a["a2a_s"]]]))
-    vec = np.concatenate(rows).astype(np.float64)
+        rows.append(np.concatenate([proc, a["routed"], [a["kept"], a["assignments"], a["a2a_bytes"], a["a2a_s"]]]))  # host
+    vec = np.concatenate(rows).astype(np.float64)  # host
     n = 1
     if dp_comm is not None and dp_comm.size > 1:
         red = dp_comm.allreduce(vec)
-        vec, n = (vec if red is None else np.asarray(red)), dp_comm.size
+        vec, n = (vec if red is None else np.asarray(red)), dp_comm.size  # host
     out, lo = [], 0
     for (i, m), r in zip(layers, rows):
         v = vec[lo:lo + len(r)]
