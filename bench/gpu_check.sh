@@ -10,13 +10,13 @@
 # mpi4py is missing (wheels carried in .whl/, then a venv with `pip install -e .[cuda12]`, which
 # fails cleanly offline) -> build pympar._C and pympar._cuda for this GPU's architecture ->
 # the gpu-marked tests -> bench/gpu_bench.py (kernels vs CuPy expressions, a training step vs
-# PyTorch, MFU). Output: gpu_check.json (the summary: environment, stage exit codes and times,
-# test counts and failures, the benchmark), run.log, env.json, build.log, tests.log, bench.log,
-# nvidia-smi.txt.
+# PyTorch, MFU) -> pp/tp/ep layouts on the GPU under mpiexec. Output: gpu_check.json (the summary:
+# environment, stage exit codes and times, test counts and failures, the benchmark), run.log,
+# env.json, build.log, tests.log, bench.log, layouts.log, nvidia-smi.txt.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-DEST=${OUT:-$ROOT/gpu_results}      # gets at most 7 files: gpu_check.json + logs (see the end)
+DEST=${OUT:-$ROOT/gpu_results}      # gets at most 8 files: gpu_check.json + logs (see the end)
 mkdir -p "$DEST"
 RES=$(mktemp -d /tmp/pympar_gpu_check.XXXXXX)   # every intermediate file
 T0=$(date +%s)
@@ -118,7 +118,16 @@ stage tests 110 "$RES/tests.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -o
 # --- 5. the benchmark -------------------------------------------------------------------------
 stage bench 90 "$RES/bench.log" "$PY" bench/gpu_bench.py --json "$RES/gpu_bench.json"
 
-# --- 6. summary -------------------------------------------------------------------------------
+# --- 6. model parallelism on the GPU (last: it gets whatever time is left) ---------------------
+# 2 ranks on this node's GPU(s) run the CI slice of the layout matrix (pp, tp+sp, ep, ZeRO-1 on
+# CuPy, against the host single-process reference), and the trainer with --pp 2 --tp 2 on 4 ranks
+L_TIMEOUT=()
+"$PY" -c "import pytest_timeout" >/dev/null 2>&1 && L_TIMEOUT=(--timeout 200)
+stage layouts 120 "$RES/layouts.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider -o addopts= -m gpu \
+  "${L_TIMEOUT[@]}" "tests/test_layouts.py::test_ci_slice_of_layouts_on_gpus_matches_single_process[2]" \
+  "tests/test_layouts.py::test_cli_layout_on_gpus_matches_one_cpu_process[pp2-tp2]"
+
+# --- 7. summary -------------------------------------------------------------------------------
 {
   echo "{"
   first=1
@@ -145,17 +154,21 @@ def tail(name, n=40):
     except Exception:
         return []
 summary = {"seconds": secs, "stages": load("stages.json"), "env": load("env.json"), "bench": load("gpu_bench.json")}
-counts = {}
-for line in tail("tests.log", 200):
-    for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed)", line):
-        counts[what] = int(n)
-summary["tests"] = {"counts": counts, "failures": [l for l in tail("tests.log", 400) if l.startswith(("FAILED", "ERROR"))]}
+def counted(log):
+    counts = {}
+    for line in tail(log, 200):
+        for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed)", line):
+            counts[what] = int(n)
+    return {"counts": counts, "failures": [l for l in tail(log, 400) if l.startswith(("FAILED", "ERROR"))]}
+summary["tests"] = counted("tests.log")
+summary["layout_tests"] = counted("layouts.log")
 summary["build_tail"] = tail("build.log", 12)
 with open(os.path.join(res, "gpu_check.json"), "w") as f:
     json.dump(summary, f, indent=1, default=str)
-print(json.dumps({"seconds": secs, "stages": summary["stages"], "tests": summary["tests"]["counts"]}, default=str))
+print(json.dumps({"seconds": secs, "stages": summary["stages"], "tests": summary["tests"]["counts"],
+                  "layout_tests": summary["layout_tests"]["counts"]}, default=str))
 EOF
-for f in gpu_check.json run.log env.json build.log tests.log bench.log nvidia-smi.txt; do
+for f in gpu_check.json run.log env.json build.log tests.log bench.log layouts.log nvidia-smi.txt; do
   [ -f "$RES/$f" ] && cp "$RES/$f" "$DEST/"
 done
 echo "gpu_check: results in $DEST ($(( $(date +%s) - T0 )) s)"
