@@ -94,6 +94,14 @@ class NCCLComm(Communicator):
         except KeyError:
             raise TypeError(f"dtype {a.dtype} has no NCCL type here: expected one of {sorted(map(str, self._types))}") from None
 
+    def _raw(self, a):
+        """(count, NCCL type) that moves a's bytes unchanged (gather, broadcast, send/recv): its own
+        type, or bytes for a type NCCL cannot name here (bfloat16 before NCCL_BFLOAT16, bool)."""
+        t = self._types.get(np.dtype(a.dtype))
+        if t is not None:
+            return a.size, t
+        return a.nbytes, self._nccl.NCCL_UINT8
+
     def _dev(self, a, what):
         if not backend.is_cupy(a):
             raise TypeError(f"{what}: NCCLComm takes CuPy arrays (got {type(a).__name__}); use MPIComm for host arrays")
@@ -186,13 +194,13 @@ class NCCLComm(Communicator):
         shape = (self.size * x.shape[0],) + tuple(x.shape[1:])
         out = check_out(out, shape, x.dtype, "allgather") if out is not None else self._cp.empty(shape, x.dtype)
         self._begin("allgather")
-        self.nc.allGather(x.data.ptr, out.data.ptr, x.size, self._t(x), self.stream.ptr)
+        self.nc.allGather(x.data.ptr, out.data.ptr, *self._raw(x), self.stream.ptr)
         return self._end("allgather", out)
 
     def broadcast(self, x, root=0, algo="auto"):
         x = self._dev(x, "broadcast operand")
         self._begin("broadcast")
-        self.nc.bcast(x.data.ptr, x.size, self._t(x), root, self.stream.ptr)
+        self.nc.bcast(x.data.ptr, *self._raw(x), root, self.stream.ptr)
         return self._end("broadcast", x)
 
     def _exchange(self, op, sends, recvs):
@@ -202,10 +210,10 @@ class NCCLComm(Communicator):
         nccl.groupStart()
         for peer, a in sends:
             if a.size:
-                self.nc.send(a.data.ptr, a.size, self._t(a), peer, self.stream.ptr)
+                self.nc.send(a.data.ptr, *self._raw(a), peer, self.stream.ptr)
         for peer, a in recvs:
             if a.size:
-                self.nc.recv(a.data.ptr, a.size, self._t(a), peer, self.stream.ptr)
+                self.nc.recv(a.data.ptr, *self._raw(a), peer, self.stream.ptr)
         nccl.groupEnd()
 
     def alltoall(self, x, out=None, algo="auto"):
