@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .backend import xp_of
+
 STOP_STATUS = 4            # exit status when the run stops on non-finite steps
 
 
@@ -136,7 +138,7 @@ def save_run(runner, run, next_step, guard, comm, layout):
     # never write a non-finite number. The ranks hold different parameters (pipeline stages,
     # tensor shards): they agree first, or the clean ranks would wait in the save's collectives
     # while the others stop (and sit in the exit's teardown)
-    bad = next((name for name, p in model.named_parameters() if not np.isfinite(p.data).all()), None)
+    bad = next((name for name, p in model.named_parameters() if not bool(xp_of(p.data).isfinite(p.data).all())), None)
     n_bad = np.array([0.0 if bad is None else 1.0])
     if comm is not None and comm.size > 1:
         out = comm.allreduce(n_bad)

@@ -173,3 +173,33 @@ def test_trainer_device_cuda_matches_device_cpu(tmp_path):
     assert len(lc) == len(lg) == 3
     np.testing.assert_allclose(lg, lc, rtol=1e-3)
     assert all(0 < r["mfu"] < 1 for r in out["cuda"] if "mfu" in r)
+
+
+def test_checkpoint_from_the_gpu_resumes_on_either_device(tmp_path):
+    """--device cuda saves a checkpoint after 2 of 4 steps; resuming it on the GPU continues the
+    uninterrupted GPU run, and resuming it on the host continues it within float32 tolerance."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    common = [sys.executable, "-m", "pympar.train", "--preset", "tiny", "--block-size", "16", "--micro-batch-size", "2",
+              "--n-micro", "2", "--steps", "4", "--eval-iters", "1", "--sample-tokens", "0", "--save-every", "2"]
+
+    def losses(out, *extra):
+        res = subprocess.run(common + ["--out", str(out), *extra], cwd=root, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, timeout=240)
+        assert res.returncode == 0, res.stdout[-3000:]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    ref = losses(tmp_path / "ref", "--device", "cuda")
+    ckpt = tmp_path / "ref" / "checkpoints" / "step_00000002"
+    assert ckpt.is_dir() and len(ref) == 4
+    gpu = losses(tmp_path / "gpu", "--device", "cuda", "--resume", str(ckpt))
+    cpu = losses(tmp_path / "cpu", "--device", "cpu", "--resume", str(ckpt))
+    later = [2, 3]                                    # steps 0, 1 are in the checkpoint
+    assert sorted(gpu) == sorted(cpu) == later and sorted(ref) == [0, 1, 2, 3]
+    np.testing.assert_allclose([gpu[s] for s in later], [ref[s] for s in later], rtol=1e-6)
+    np.testing.assert_allclose([cpu[s] for s in later], [ref[s] for s in later], rtol=1e-3)
