@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import kernels
+from ...backend import xp_of
 from ...nn.parameter import Module, matmul
 from ..shard import even_slice, stacked_slices
 from .collectives import as_collectives
@@ -47,7 +48,7 @@ class TPCausalSelfAttention(Module):
         B, T, _ = qkv.shape
         nh, hs = self.n_head_local, self.head_size
         q, k, v = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)   # each (B, nh, T, hs)
-        scale = np.asarray(1.0 / np.sqrt(hs), dtype=qkv.dtype)
+        scale = xp_of(qkv).asarray(1.0 / np.sqrt(hs), dtype=qkv.dtype)
         att = matmul(q, k.transpose(0, 1, 3, 2))  # (B, nh, T, T)
         att *= scale
         p = kernels.softmax_causal_forward(att)  # statistics in float32 (the kernel's), p like att
@@ -64,10 +65,11 @@ class TPCausalSelfAttention(Module):
         dp = matmul(dyh, v.transpose(0, 1, 3, 2))
         dv = matmul(p.transpose(0, 1, 3, 2), dyh)
         datt = kernels.softmax_causal_backward(p, dp)
-        datt *= np.asarray(1.0 / np.sqrt(hs), dtype=datt.dtype)
+        xp = xp_of(datt)
+        datt *= xp.asarray(1.0 / np.sqrt(hs), dtype=datt.dtype)
         dq = matmul(datt, k)
         dk = matmul(datt.transpose(0, 1, 3, 2), q)
-        dqkv = np.empty((B, T, 3, nh, hs), dtype=dq.dtype)
+        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dq.dtype)
         dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
         dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
         dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
+from ...backend import xp_of
 
 
 class TPCollectives:
@@ -46,7 +46,7 @@ class TPCollectives:
         """The elementwise reduction over the tp group (a new array; x untouched)."""
         if self.size == 1:
             return x
-        x = np.ascontiguousarray(x)
+        x = xp_of(x).ascontiguousarray(x)
         return self._timed(lambda a: self.comm.allreduce(a, op=op, algo=self.algo, inplace=False), x)
 
     def allreduce_start(self, x):
@@ -55,7 +55,7 @@ class TPCollectives:
         time spent starting and waiting counts (communication hidden behind compute is free)."""
         if self.size == 1:
             return _Done(x)
-        x = np.ascontiguousarray(x)
+        x = xp_of(x).ascontiguousarray(x)
         if not hasattr(self.comm, "iallreduce"):
             return _Done(self.allreduce(x))
         req = self._timed(self.comm.iallreduce, x)
@@ -65,18 +65,20 @@ class TPCollectives:
         """(n, ...) per rank -> (size*n, ...), rank order along axis 0."""
         if self.size == 1:
             return x
-        x = np.ascontiguousarray(x)
+        xp = xp_of(x)
+        x = xp.ascontiguousarray(x)
         out = self._timed(self.comm.allgather, x, algo=self.algo)
-        return np.asarray(out).reshape((self.size * x.shape[0],) + x.shape[1:])
+        return xp.asarray(out).reshape((self.size * x.shape[0],) + x.shape[1:])
 
     def reduce_scatter0(self, x):
         """(size*n, ...) per rank -> (n, ...): the sum over ranks of this rank's block of axis 0."""
         if self.size == 1:
             return x
-        x = np.ascontiguousarray(x)
+        xp = xp_of(x)
+        x = xp.ascontiguousarray(x)
         n = x.shape[0] // self.size
         out = self._timed(self.comm.reduce_scatter, x, algo=self.algo)
-        return np.asarray(out).reshape((n,) + x.shape[1:])
+        return xp.asarray(out).reshape((n,) + x.shape[1:])
 
     # --- along the sequence axis (sequence parallelism) --------------------------------------------
     def seq_slice(self, T: int) -> slice:
@@ -87,8 +89,9 @@ class TPCollectives:
         if self.size == 1:
             return x
         B, t, C = x.shape
-        g = self.allgather0(np.ascontiguousarray(x.transpose(1, 0, 2)))   # (tp*t, B, C)
-        return np.ascontiguousarray(g.transpose(1, 0, 2))
+        xp = xp_of(x)
+        g = self.allgather0(xp.ascontiguousarray(x.transpose(1, 0, 2)))   # (tp*t, B, C)
+        return xp.ascontiguousarray(g.transpose(1, 0, 2))
 
     def reduce_scatter_seq(self, x):             # x (B, T, C) partial sums -> (B, T/tp, C) summed
         if self.size == 1:
@@ -96,13 +99,14 @@ class TPCollectives:
         B, T, C = x.shape
         if T % self.size:
             raise ValueError(f"sequence length T={T} is not divisible by tp={self.size} (sequence parallelism)")
-        r = self.reduce_scatter0(np.ascontiguousarray(x.transpose(1, 0, 2)))  # (T/tp, B, C)
-        return np.ascontiguousarray(r.transpose(1, 0, 2))
+        xp = xp_of(x)
+        r = self.reduce_scatter0(xp.ascontiguousarray(x.transpose(1, 0, 2)))  # (T/tp, B, C)
+        return xp.ascontiguousarray(r.transpose(1, 0, 2))
 
     def split_seq(self, x):                      # x (B, T, C) replicated -> (B, T/tp, C), no comm
         if self.size == 1:
             return x
-        return np.ascontiguousarray(x[:, self.seq_slice(x.shape[1])])
+        return xp_of(x).ascontiguousarray(x[:, self.seq_slice(x.shape[1])])
 
 
 class _Done:

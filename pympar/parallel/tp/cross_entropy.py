@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...backend import xp_of
 from ...nn.layers import LayerNorm
 from ...nn.parameter import Module, accumulate, compute_cast, matmul
 from .collectives import as_collectives
@@ -29,22 +30,25 @@ def local_row_max(logits):                       # logits (N, P) -> (N,)
 
 
 def local_row_sums(logits, targets, vocab_lo, m):
-    """-> (2, N): sum(exp(l - m)) over the local columns, and the target's logit where owned."""
+    """-> (2, N): sum(exp(l - m)) over the local columns, and the target's logit where owned.
+    targets may be a host array while logits live on a GPU: they are moved to logits' device."""
+    xp = xp_of(logits)
     lf = logits.astype(_acc(logits.dtype), copy=False)
     N, P = lf.shape
-    s = np.exp(lf - m[:, None]).sum(axis=-1)
-    loc = np.asarray(targets).astype(np.int64) - vocab_lo
+    s = xp.exp(lf - m[:, None]).sum(axis=-1)
+    loc = xp.asarray(targets).astype(np.int64) - vocab_lo
     own = (loc >= 0) & (loc < P)
-    z = np.zeros(N, dtype=lf.dtype)
-    z[own] = lf[np.flatnonzero(own), loc[own]]
-    return np.stack([s, z])
+    z = xp.zeros(N, dtype=lf.dtype)
+    z[own] = lf[xp.flatnonzero(own), loc[own]]
+    return xp.stack([s, z])
 
 
 def finish_loss(m, sums, targets):
     """Global (m (N,), sums (2, N)) -> (loss (N,), lse (N,)); ignored rows get loss 0."""
-    lse = m + np.log(sums[0])
-    valid = np.asarray(targets) >= 0
-    return np.where(valid, lse - sums[1], 0.0).astype(lse.dtype), lse
+    xp = xp_of(sums)
+    lse = m + xp.log(sums[0])
+    valid = xp.asarray(targets) >= 0
+    return xp.where(valid, lse - sums[1], 0.0).astype(lse.dtype), lse
 
 
 def vocab_parallel_cross_entropy_forward(logits, targets, vocab_lo, tp):
@@ -58,14 +62,15 @@ def vocab_parallel_cross_entropy_forward(logits, targets, vocab_lo, tp):
 
 def vocab_parallel_cross_entropy_backward(logits, lse, targets, vocab_lo, dloss):
     """-> dlogits (N, P) of this rank's part: (softmax - onehot) * dloss; ignored rows 0."""
+    xp = xp_of(logits)
     lf = logits.astype(_acc(logits.dtype), copy=False)
     N, P = lf.shape
-    p = np.exp(lf - lse[:, None])
-    t = np.asarray(targets).astype(np.int64)
+    p = xp.exp(lf - lse[:, None])
+    t = xp.asarray(targets).astype(np.int64)
     loc = t - vocab_lo
     own = (loc >= 0) & (loc < P) & (t >= 0)
-    p[np.flatnonzero(own), loc[own]] -= 1.0
-    d = np.asarray(dloss, dtype=p.dtype)
+    p[xp.flatnonzero(own), loc[own]] -= 1.0
+    d = xp.asarray(dloss, dtype=p.dtype)
     p *= (d[:, None] if d.ndim == 1 else d) * (t >= 0)[:, None]
     return p.astype(logits.dtype, copy=False)
 
@@ -98,7 +103,7 @@ class VocabParallelHead(Module):
 
     def _local_logits(self, h2):                 # h2 (N, C) -> (N, P) padded with -inf
         w = compute_cast(self.wte.data, self._cdt)
-        out = np.full((h2.shape[0], self._emb.vocab_part), -np.inf, dtype=h2.dtype)
+        out = xp_of(h2).full((h2.shape[0], self._emb.vocab_part), -np.inf, dtype=h2.dtype)
         out[:, :w.shape[0]] = matmul(h2, w.T)
         return out
 
@@ -110,7 +115,7 @@ class VocabParallelHead(Module):
         h, _ = self._normed_full(x)
         B, T, C = h.shape
         loc = self._local_logits(h.reshape(B * T, C))                   # (N, P)
-        allp = self._tp.allgather0(np.ascontiguousarray(loc.T))         # (tp*P, N)
+        allp = self._tp.allgather0(xp_of(loc).ascontiguousarray(loc.T))  # (tp*P, N)
         return allp[:self.vocab_size].T.reshape(B, T, self.vocab_size)
 
     def forward(self, inputs):                   # (x, targets (B, T)) -> mean CE (float)
@@ -119,7 +124,7 @@ class VocabParallelHead(Module):
         B, T, C = h.shape
         h2 = h.reshape(B * T, C)
         logits = self._local_logits(h2)
-        t = np.asarray(targets).reshape(-1)
+        t = xp_of(logits).asarray(targets).reshape(-1)           # on the logits' device
         loss_rows, lse = vocab_parallel_cross_entropy_forward(logits, t, self._emb.vocab_lo, self._tp)
         n_valid = int((t >= 0).sum())
         loss = float(loss_rows.sum()) / max(n_valid, 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...backend import scatter_add, xp_of
 from ...nn.parameter import Module, compute_cast
 from ..shard import make_replicated, make_sharded, padded_partition, padded_slice
 from .collectives import as_collectives
@@ -41,7 +42,7 @@ class VocabParallelEmbedding(Module):
     def _local(self, idx):                       # token ids -> (rows in wte shard, owned mask)
         loc = idx - self.vocab_lo
         own = (loc >= 0) & (loc < self.wte.data.shape[0])
-        return np.where(own, loc, 0), own
+        return xp_of(loc).where(own, loc, 0), own
 
     def _positions(self, T):
         return self._tp.seq_slice(T) if self._sp else slice(0, T)
@@ -50,8 +51,10 @@ class VocabParallelEmbedding(Module):
         B, T = idx.shape
         if T > self.wpe.data.shape[0]:
             raise ValueError(f"sequence length T={T} exceeds block_size={self.wpe.data.shape[0]}")
+        xp = xp_of(self.wte.data)
+        idx = xp.asarray(idx)                    # token ids on wte's device (a no-op when already there)
         loc, own = self._local(idx)
-        part = np.zeros((B, T, self.wte.data.shape[1]), dtype=self.wte.data.dtype)
+        part = xp.zeros((B, T, self.wte.data.shape[1]), dtype=self.wte.data.dtype)
         part[own] = self.wte.data[loc[own]]                 # (B, T, C), zeros for foreign tokens
         x = self._tp.reduce_scatter_seq(part) if self._sp else self._tp.allreduce(part)
         return compute_cast(x + self.wpe.data[self._positions(T)], self._cdt), idx
@@ -62,5 +65,5 @@ class VocabParallelEmbedding(Module):
         self.wpe.grad[self._positions(T)] += dx.sum(axis=0, dtype=self.wpe.grad.dtype)
         dfull = (self._tp.allgather_seq(dx) if self._sp else dx).astype(self.wte.grad.dtype, copy=False)  # (B, T, C)
         loc, own = self._local(idx)
-        np.add.at(self.wte.grad, loc[own], dfull[own].reshape(-1, C))
+        scatter_add(self.wte.grad, loc[own], dfull[own].reshape(-1, C))
         return None

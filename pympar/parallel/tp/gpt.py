@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...backend import is_cupy, to_numpy, xp_of
 from ...nn.config import GPTConfig
 from ...nn.gpt import GPT
 from ...nn.parameter import Module, resolve_precision
+from ...optim.clip import host_scalars, sum_sq
 from ..shard import shard_of
 from .block import TPBlock
 from .collectives import as_collectives
@@ -40,7 +42,8 @@ class SPGradSync:
     def finish(self):
         if not self.params:
             return
-        delta = np.concatenate([(p.grad - s).ravel() for p, s in zip(self.params, self._snap)])
+        xp = xp_of(self.params[0].grad)
+        delta = xp.concatenate([(p.grad - s).ravel() for p, s in zip(self.params, self._snap)])
         delta = self._tp.allreduce(delta)
         lo = 0
         for p, s in zip(self.params, self._snap):
@@ -94,21 +97,22 @@ class TPGPT(GPT):
                                   "to load a full nn.GPT state dict)")
 
     def load_full_state_dict(self, d):
-        """Load a FULL state dict (nn.GPT.state_dict()): each rank keeps its slices."""
+        """Load a FULL state dict (nn.GPT.state_dict()): each rank keeps its slices. The state
+        dict is host arrays; the slices are taken on the host and copied to the parameters' device."""
         for n, p in self.named_parameters():
-            a = np.asarray(d[n])
+            a = to_numpy(d[n])
             sh = shard_of(p)
-            p.data[...] = sh.take(a) if sh is not None else a
+            p.data[...] = xp_of(p.data).asarray(sh.take(a) if sh is not None else a)
         for i, m in self.moe_layers():
             key = f"transformer.h.{i}.moe.expert_bias"
             if key in d:
-                m.expert_bias[...] = np.asarray(d[key])
+                m.expert_bias[...] = xp_of(m.expert_bias).asarray(to_numpy(d[key]))
 
     load_state_dict = load_full_state_dict
 
     # --- forward / backward ----------------------------------------------------------------------
     def _check_batch(self, idx):
-        T = np.asarray(idx).shape[1]
+        T = idx.shape[1]                         # idx: an array already on the model's device
         if self.sequence_parallel and T % self.tp.size:
             raise ValueError(f"sequence length T={T} is not divisible by tp={self.tp.size}: sequence "
                              f"parallelism splits every sequence into tp equal parts")
@@ -139,19 +143,20 @@ class TPGPT(GPT):
                 hook(params)
 
     def logits(self, idx):                       # idx (B, T) -> (B, T, V), gathered on every rank
-        idx = np.asarray(idx)
+        idx, = self._inputs(idx)                 # on the parameters' device
         T, tp = idx.shape[1], self.tp.size
         if not self.sequence_parallel or T % tp == 0:
             return super().logits(idx)
         # sequence parallelism needs T % tp == 0: pad on the right (causal attention: the
         # padding cannot change the logits of the real positions) and crop
-        pad = np.zeros((idx.shape[0], -(-T // tp) * tp - T), dtype=idx.dtype)
-        return super().logits(np.concatenate([idx, pad], axis=1))[:, :T]
+        xp = xp_of(idx)
+        pad = xp.zeros((idx.shape[0], -(-T // tp) * tp - T), dtype=idx.dtype)
+        return super().logits(xp.concatenate([idx, pad], axis=1))[:, :T]
 
 
 def ctx_nbytes(ctx) -> int:
     """Bytes of the arrays held in a ctx (nested tuples/lists/dicts): activation memory."""
-    if isinstance(ctx, np.ndarray):
+    if isinstance(ctx, np.ndarray) or is_cupy(ctx):
         return ctx.nbytes
     if isinstance(ctx, dict):
         return sum(ctx_nbytes(v) for v in ctx.values())
@@ -162,7 +167,7 @@ def ctx_nbytes(ctx) -> int:
 
 def activation_bytes(model, idx, targets) -> int:
     """Activation memory of one micro-batch on this rank: the bytes of every ctx its forward keeps."""
-    _, _, ctxs = model._forward(np.asarray(idx), np.asarray(targets))
+    _, _, ctxs = model._forward(*model._inputs(idx, targets))     # the batch on the model's device
     return ctx_nbytes(ctxs)
 
 
@@ -174,8 +179,8 @@ def tp_allreduce_sq(params, tp, then=None):
     repl = [p for p in params if shard_of(p) is None]
 
     def allreduce_sq(sq):
-        rsq = sum(float(np.dot(p.grad.reshape(-1), p.grad.reshape(-1))) for p in repl)
-        total = float(tpc.allreduce(np.array([sq - rsq]))[0]) + rsq
+        rsq = sum(float(t) for t in host_scalars([sum_sq(p.grad) for p in repl]))   # one device->host copy
+        total = float(tpc.allreduce(np.array([sq - rsq]))[0]) + rsq   # host: a (1,) vector over MPI
         return then(total) if then is not None else total
 
     return allreduce_sq

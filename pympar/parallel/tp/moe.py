@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...backend import xp_of
 from ...nn.moe import MoE
 from ...nn.parameter import accumulate, compute_cast
 from .linear import partial_dtype
@@ -43,7 +44,7 @@ class TPMoE(MoE):
         return []                                # the whole layer runs on the full sequence
 
     def run_experts(self, xs, counts):           # xs (M, C) grouped by expert -> ys (M, C)
-        ys = np.zeros(xs.shape, dtype=self._pdt or xs.dtype)
+        ys = xp_of(xs).zeros(xs.shape, dtype=self._pdt or xs.dtype)
         ctxs, lo = [], 0
         for e, n in enumerate(counts.tolist()):
             if n:
@@ -58,7 +59,7 @@ class TPMoE(MoE):
         return ys, ctxs
 
     def run_experts_backward(self, dys, ctxs):   # dys (M, C) replicated -> dxs (M, C)
-        dxs = np.zeros(dys.shape, dtype=self._pdt or dys.dtype)
+        dxs = xp_of(dys).zeros(dys.shape, dtype=self._pdt or dys.dtype)
         for e, lo, n, c in ctxs:
             ex = self.experts[e]
             if ex.c_proj.bias is not None:
