@@ -29,11 +29,13 @@ Composition, per rank with mesh coordinates (pp stage, dp rank, tp rank, ep rank
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
 from .. import profile as _profile
+from ..backend import to_numpy, xp_of
 from ..comm.objects import gather_object
 from ..nn import GPT
 from ..optim import AdamW, DynamicLossScaler
@@ -148,13 +150,14 @@ class ParallelRunner:
             first = m.edp_rank == 0 if is_expert_param(name) else m.dp_rank == 0
             if first and self.sync.counts_in_norm(p):   # not the tied copy, tp-replicated on tp rank 0
                 own += p.data.size
-        return int(round(self._allreduce(np.array([own], np.float64))[0]))
+        return int(round(self._allreduce(np.array([own], np.float64))[0]))  # host
 
     def _allreduce(self, v):
+        """Sum of a host float64 vector over the world (MPI side of a DeviceComm)."""
         if self.comm.size == 1:
             return v
         out = self.comm.allreduce(v)
-        return v if out is None else np.asarray(out)
+        return v if out is None else np.asarray(out)  # host
 
     # --- one optimizer step ------------------------------------------------------------------
     def train_step(self, micro_batches, lr) -> dict:
@@ -202,7 +205,7 @@ class ParallelRunner:
         with rec.span("optimizer", "optimizer"):
             # a non-finite loss or gradient never reaches the weights (agreed: red is reduced over
             # the world); float16 also lowers the loss scale
-            nonfinite = bool(nonfinite) or not np.isfinite(loss)
+            nonfinite = bool(nonfinite) or not math.isfinite(loss)
             skipped = nonfinite
             if self.scaler:
                 skipped = self.scaler.update(nonfinite)
@@ -212,9 +215,11 @@ class ParallelRunner:
                 norm = float("nan")
             else:
                 norm = sync.step(self.opt, lr, self.grad_clip, total_sq)
-                # aux-loss-free balancing must see the global loads, or replicas drift apart
+                # aux-loss-free balancing must see the global loads, or replicas drift apart; the
+                # counts live where MoE keeps them (the device of its expert_bias)
                 for i, layer in model.moe_layers():
-                    layer._load_since_update = np.asarray(moe[self.moe_ids.index(i)]["tokens_per_expert"], np.int64)
+                    loads = moe[self.moe_ids.index(i)]["tokens_per_expert"]          # host list of ints
+                    layer._load_since_update = xp_of(layer.expert_bias).asarray(loads, dtype=np.int64)
                 model.update_expert_bias()
         split = rec.take_totals() if hasattr(rec, "take_totals") else {}
         return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, nonfinite=nonfinite, moe=moe, time_split=split,
@@ -238,7 +243,7 @@ class ParallelRunner:
         """This rank's share of [loss*dp, non-finite, norm^2, per MoE layer: load (E), dropped, a2a s, a2a bytes]."""
         E, m = self.model_cfg.n_expert, self.mesh
         head = m.tp_rank == 0 and m.pp_rank == 0           # the loss is the same over tp and pp
-        vec = np.zeros(3 + len(self.moe_ids) * (E + 3), np.float64)
+        vec = np.zeros(3 + len(self.moe_ids) * (E + 3), np.float64)  # host: for the world MPI allreduce
         vec[0] = loss if head else 0.0
         vec[1] = self.sync.nonfinite()
         vec[2] = self.sync.local_sq()
@@ -272,9 +277,9 @@ class ParallelRunner:
         with self.rec.span("eval", "eval", n=len(batches)):
             n_max = len(batches)
             if self.dp > 1:
-                n_max = int(np.asarray(self.mesh.dp_comm.allreduce(np.array([n_max], np.int64), op="max")).reshape(-1)[0])
+                n_max = int(np.asarray(self.mesh.dp_comm.allreduce(np.array([n_max], np.int64), op="max")).reshape(-1)[0])  # host
             T = self.model_cfg.block_size
-            pad = batches[0] if batches else (np.zeros((1, T), np.int64), np.zeros((1, T), np.int64))
+            pad = batches[0] if batches else (np.zeros((1, T), np.int64), np.zeros((1, T), np.int64))  # host tokens
             total = 0.0
             for j in range(n_max):
                 x, y = batches[j] if j < len(batches) else pad
@@ -283,11 +288,11 @@ class ParallelRunner:
                 else:
                     loss = self.model.forward_loss(x, y)
                 total += loss if j < len(batches) else 0.0
-            local = np.array([total, len(batches)], np.float64)
+            local = np.array([total, len(batches)], np.float64)  # host
             tot = local
             if self.dp > 1:
                 out = self.mesh.dp_comm.allreduce(local)
-                tot = local if out is None else np.asarray(out)
+                tot = local if out is None else np.asarray(out)  # host
         return float(tot[0] / max(tot[1], 1))
 
     def generate(self, prompt, n, top_k, rng):
@@ -304,12 +309,13 @@ class ParallelRunner:
 
     def full_state_dict(self):
         """Collective over the world: the full nn.GPT state dict on world rank 0, None elsewhere.
-        Only the dp ranks 0..ep-1 (together all experts) send their pieces."""
+        Only the dp ranks 0..ep-1 (together all experts) send their pieces, as host copies."""
         m = self.mesh
         mine = None
         if m.edp_rank == 0:
-            mine = [(n, p.data, shard_of(p)) for n, p in self.model.named_parameters()]
-            mine += [(f"transformer.h.{i}.moe.expert_bias", layer.expert_bias, None) for i, layer in self.model.moe_layers()]
+            mine = [(n, to_numpy(p.data), shard_of(p)) for n, p in self.model.named_parameters()]
+            mine += [(f"transformer.h.{i}.moe.expert_bias", to_numpy(layer.expert_bias), None)
+                     for i, layer in self.model.moe_layers()]
         pieces = gather_object(self.comm, mine, root=0)   # timed: a missing rank raises, not hangs
         if self.comm.rank != 0:
             return None
@@ -317,9 +323,9 @@ class ParallelRunner:
         for part in pieces:
             for name, a, sh in part or ():
                 if sh is None:
-                    state[name] = np.array(a)
+                    state[name] = np.array(a)  # host
                 else:
-                    full = state.setdefault(name, np.zeros(sh.full_shape, a.dtype))
+                    full = state.setdefault(name, np.zeros(sh.full_shape, a.dtype))  # host
                     sh.put(full, a)
         return state
 

@@ -14,6 +14,14 @@ Per step (m micro-batches, loss = mean over micro-batches, as single-process acc
 
 Message tags: each message is named by the receiver's (kind, micro, local chunk), so any order
 of arrival matches the right buffer.
+
+Devices: activations, gradients and receive buffers live on the parameters' device (the array
+module is taken from the model at each step: ParallelRunner moves the model after building the
+executor); micro-batch token arrays arrive on the host and are moved there. The per-micro-batch
+losses are host floats. Point-to-point messages always go over MPI (tag-matched; a GPU buffer
+is staged through the host or handed to a CUDA-aware MPI): NCCL send/recv ignore tags and run
+in issue order on one stream, so the receives posted ahead here would block the sends behind
+them. A DeviceComm's NCCL side is therefore bypassed for p2p (see _P2P).
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ import time
 
 import numpy as np
 
+from ...backend import xp_of
 from .schedules import Action, build_schedule, validate_schedule
 
 TIED_TAG = 32767                     # the MPI standard's smallest guaranteed tag upper bound
@@ -35,22 +44,25 @@ class _P2P:
         self.raw = hasattr(comm, "Isend")
         self.rank = comm.Get_rank() if self.raw else comm.rank
         self.size = comm.Get_size() if self.raw else comm.size
+        # p2p over MPI even on a DeviceComm with NCCL (tags, out-of-order receives: module docstring)
+        self.p2p = comm.mpi if not self.raw and getattr(comm, "uses_nccl", False) else comm
 
     def isend(self, buf, dest, tag):
         if self.raw:
             r = self.comm.Isend(buf, dest=dest, tag=tag)
             return _RawReq(r)
-        return self.comm.isend(buf, dest, tag=tag)
+        return self.p2p.isend(buf, dest, tag=tag)
 
     def irecv(self, buf, source, tag):
         if self.raw:
             return _RawReq(self.comm.Irecv(buf, source=source, tag=tag))
-        return self.comm.irecv(buf, source, tag=tag)
+        return self.p2p.irecv(buf, source, tag=tag)
 
     def allreduce_sum(self, x):
+        """Sum of a host float64 vector (the per-micro-batch losses) over the group."""
         if self.raw:
             from mpi4py import MPI
-            out = np.empty_like(x)
+            out = np.empty_like(x)  # host
             self.comm.Allreduce(x, out, op=MPI.SUM)
             return out
         return self.comm.allreduce(x, op="sum")
@@ -111,9 +123,10 @@ class PipelineExecutor:
         loss (mean over micro-batches, same on every rank), losses (per micro-batch), bubble,
         recv_wait_s, compute_s, step_s, peak_in_flight."""
         model, p, v = self.model, self.model.pp, self.model.v
+        xp = model.xp                                     # where activations live (after model.to)
         m = len(micro_batches)
         actions = build_schedule(self.schedule, p, m, v, model.rank)
-        B, T = np.asarray(micro_batches[0][0]).shape
+        B, T = np.shape(micro_batches[0][0])
         for j, (idx, targets) in enumerate(micro_batches):
             if np.shape(idx) != (B, T) or np.shape(targets) != (B, T):
                 raise ValueError(f"micro-batch {j} has idx {np.shape(idx)}, targets {np.shape(targets)}: every "
@@ -137,14 +150,14 @@ class PipelineExecutor:
             nonlocal posted
             while posted < min(k, len(to_post)):
                 a = to_post[posted]
-                buf = np.empty(shape, dtype=act_dtype)
+                buf = xp.empty(shape, dtype=act_dtype)
                 src = self._peer(self._needs_recv(a)[1])
                 pending[(a.kind, a.micro, a.chunk)] = (self.p2p.irecv(buf, src, self._tag(a.kind, a.micro, a.chunk, m)), buf)
                 posted += 1
 
         post_upto(self.recv_window)
         ctxs = {}
-        local_terms = np.zeros(m, dtype=np.float64)
+        local_terms = np.zeros(m, dtype=np.float64)  # host: per-micro-batch loss terms (floats)
         live = peak = 0
         n_recv_used = 0
         for a in actions:
@@ -163,8 +176,8 @@ class PipelineExecutor:
             tc = time.perf_counter()
             if a.kind == "F":
                 idx, targets = micro_batches[a.micro]
-                x = np.asarray(idx) if inp is None else inp
-                y, ctx, terms = chunk.forward(x, np.asarray(targets) if chunk.head is not None else None)
+                x = xp.asarray(idx) if inp is None else inp               # host tokens -> the device
+                y, ctx, terms = chunk.forward(x, xp.asarray(targets) if chunk.head is not None else None)
                 ctxs[(a.micro, a.chunk)] = ctx
                 local_terms[a.micro] += terms
                 live += 1
@@ -182,7 +195,7 @@ class PipelineExecutor:
                         out.dtype.itemsize > act_dtype.itemsize:
                     raise ValueError(f"stage {s} produced {a.kind} output {out.shape} {out.dtype}, but stages "
                                      f"exchange {shape} {act_dtype}: the model's dtype/activation_shape is wrong")
-                send = np.ascontiguousarray(out, dtype=act_dtype)
+                send = xp.ascontiguousarray(out, dtype=act_dtype)
                 dest_chunk = dest_stage // p
                 sends.append((self.p2p.isend(send, self._peer(dest_stage), self._tag(a.kind, a.micro, dest_chunk, m)), send))
             # let MPI progress outstanding transfers without blocking
@@ -196,7 +209,7 @@ class PipelineExecutor:
         self._sum_tied_grad()
         losses = self.p2p.allreduce_sum(local_terms) if p > 1 else local_terms
         step = time.perf_counter() - t0
-        self.stats = dict(loss=float(np.mean(losses)), losses=[float(x) for x in losses],
+        self.stats = dict(loss=float(np.mean(losses)), losses=[float(x) for x in losses],  # host
                           bubble=1.0 - compute / step if step > 0 else 0.0,
                           recv_wait_s=recv_wait, compute_s=compute, pipeline_s=t_pipe, step_s=step,
                           peak_in_flight=peak)
@@ -208,11 +221,12 @@ class PipelineExecutor:
         if model.pp == 1 or not (model.is_first or model.is_last):
             return
         g = model.tied_weight.grad
+        xp = xp_of(g)
         other = 0 if model.is_last else model.pp - 1
-        peer = np.empty_like(g)
+        peer = xp.empty_like(g)
         tag = TIED_TAG
         rr = self.p2p.irecv(peer, other, tag)
-        sr = self.p2p.isend(np.ascontiguousarray(g), other, tag)
+        sr = self.p2p.isend(xp.ascontiguousarray(g), other, tag)
         rr.wait()
         sr.wait()
         g += peer                      # g0 + g_last on both ranks: addition commutes, so bitwise equal
@@ -222,10 +236,11 @@ class PipelineExecutor:
     def forward_loss(self, micro_batches) -> float:
         """Mean loss over micro-batches without gradients (forwards only, GPipe order)."""
         model, p, v = self.model, self.model.pp, self.model.v
+        xp = model.xp
         m = len(micro_batches)
-        B, T = np.asarray(micro_batches[0][0]).shape
+        B, T = np.shape(micro_batches[0][0])
         shape, dt = model.activation_shape(B, T), model.act_dtype
-        local = np.zeros(m, dtype=np.float64)
+        local = np.zeros(m, dtype=np.float64)  # host: per-micro-batch losses (floats)
         sends = []
         layers = [moe for _, moe in model.moe_layers()]
         for moe in layers:
@@ -236,21 +251,21 @@ class PipelineExecutor:
             for j, (idx, targets) in enumerate(micro_batches):
                 s = chunk.stage
                 if s == 0:
-                    x = np.asarray(idx)
+                    x = xp.asarray(idx)                                   # host tokens -> the device
                 else:
-                    x = np.empty(shape, dtype=dt)
+                    x = xp.empty(shape, dtype=dt)
                     self.p2p.irecv(x, self._peer(s - 1), self._tag("F", j, c, m)).wait()
-                y, _, terms = chunk.forward(x, np.asarray(targets) if chunk.head is not None else None)
+                y, _, terms = chunk.forward(x, xp.asarray(targets) if chunk.head is not None else None)
                 local[j] += terms
                 if y is not None:
-                    buf = np.ascontiguousarray(y, dtype=dt)
+                    buf = xp.ascontiguousarray(y, dtype=dt)
                     sends.append((self.p2p.isend(buf, self._peer(s + 1), self._tag("F", j, (s + 1) // p, m)), buf))
         for r, _ in sends:
             r.wait()
         for moe in layers:
             moe.recording = True
         losses = self.p2p.allreduce_sum(local) if p > 1 else local
-        return float(np.mean(losses))
+        return float(np.mean(losses))  # host
 
 
 def build_pipeline(config, seed, pp_comm, *, schedule="1f1b", v=1, n_micro=None, dtype=np.float32,

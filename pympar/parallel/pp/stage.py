@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...backend import to_device, to_numpy, xp_of
 from ...nn.gpt import Block, Head
 from ...nn.layers import Embedding
 from .partition import Partition, partition as make_partition
@@ -218,6 +219,33 @@ class PipelineGPT:
     def parameters(self, include_tied_copy=True):
         return [p for _, p in self.named_parameters(include_tied_copy)]
 
+    @property
+    def xp(self):
+        """The array module of this rank's parameters (numpy, or cupy after ``to("cuda")``)."""
+        for p in self.parameters():
+            return xp_of(p.data)
+        return np
+
+    def modules(self):
+        """The pieces this rank holds (embedding, blocks, head of each chunk), each once."""
+        seen = set()
+        for ch in self.chunks:
+            for mod in [ch.embedding, *ch.blocks, ch.head]:
+                if mod is not None and id(mod) not in seen:
+                    seen.add(id(mod))
+                    yield mod
+
+    def to(self, device: str):
+        """Move every parameter (data and grad) and module buffer (MoE selection bias) to 'cpu'
+        or 'cuda' in place; returns self. Each piece moves itself (nn.Module.to); the last
+        stage's tied wte copy belongs to no piece (the head only refers to it), so it moves here."""
+        for mod in self.modules():
+            mod.to(device)
+        w = self.tied_weight
+        if w is not None:             # a no-op where the embedding already moved it
+            w.data, w.grad = to_device(w.data, device), to_device(w.grad, device)
+        return self
+
     def activation_shape(self, B, T):
         """Shape of the activations (and gradients) that travel between stages."""
         if hasattr(self._factory, "activation_shape"):
@@ -262,10 +290,10 @@ class PipelineGPT:
             p.grad[...] = 0
 
     def state_dict(self):
-        """This rank's parameters (global names, numpy copies; wte once, on the first rank)."""
-        d = {n: p.data.copy() for n, p in self.named_parameters(include_tied_copy=False)}
+        """This rank's parameters (global names, host numpy copies; wte once, on the first rank)."""
+        d = {n: np.array(to_numpy(p.data)) for n, p in self.named_parameters(include_tied_copy=False)}  # host
         for i, m in self.moe_layers():
-            d[f"transformer.h.{i}.moe.expert_bias"] = m.expert_bias.copy()
+            d[f"transformer.h.{i}.moe.expert_bias"] = np.array(to_numpy(m.expert_bias))  # host
         return d
 
     def sharded_state(self):
@@ -293,12 +321,12 @@ def pp_allreduce_sq(model: PipelineGPT, pp_comm, then=None):
     def allreduce_sq(sq):
         if model.holds_tied_copy:
             g = model.tied_weight.grad.reshape(-1)
-            sq -= float(np.dot(g, g))
+            sq -= float(xp_of(g).dot(g, g))
         if model.pp > 1:
             if hasattr(pp_comm, "Allreduce"):                  # a raw mpi4py communicator
                 sq = float(pp_comm.allreduce(sq))
             else:
-                sq = float(pp_comm.allreduce(np.array([sq], dtype=np.float64))[0])
+                sq = float(pp_comm.allreduce(np.array([sq], dtype=np.float64))[0])  # host
         return then(sq) if then is not None else sq
 
     return allreduce_sq
