@@ -55,10 +55,6 @@ def check_supported(model_cfg, layout, opts) -> None:
     dp, pp, tp, ep = layout.dp, layout.pp, layout.tp, layout.ep
     if opts.device not in ("cpu", "cuda"):
         raise ValueError(f"--device {opts.device!r}: expected cpu or cuda")
-    if opts.device == "cuda" and (pp > 1 or tp > 1 or ep > 1):
-        raise NotSupportedError(f"--device cuda runs data parallelism (any --dp, ZeRO-1, dense or MoE models); "
-                                f"pp={pp} tp={tp} ep={ep} on GPUs is not wired yet: use --pp 1 --tp 1 --ep 1 "
-                                f"or --device cpu")
     if opts.zero not in (0, 1):
         raise NotSupportedError(f"zero={opts.zero} is not supported (ZeRO-1 only): use --zero 0 or 1")
     if opts.seq_parallel and tp == 1:
@@ -99,10 +95,10 @@ class ParallelRunner:
         self.compute = None if opts.dtype == "float32" else opts.dtype
         self.model, self.executor, self._tp_model = self._build_model(opts)
         self.device = getattr(opts, "device", "cpu")
-        if self.device != "cpu":      # built on the host (same numbers), then moved, before any state
-            self.model.to(self.device)
         if self.ep > 1:               # keep n_expert/ep experts; tokens move by alltoallv
             install_expert_parallel(self.model, mesh.ep_comm)
+        if self.device != "cpu":      # built on the host (same numbers), then moved (only this rank's
+            self.model.to(self.device)    # experts), before any optimiser or sync state
         self.named = named = list(self.model.named_parameters())
         self.params = [p for _, p in named]
         tied_copy = self.model.tied_weight if self.pp > 1 and self.model.holds_tied_copy else None
