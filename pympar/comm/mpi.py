@@ -573,7 +573,7 @@ class MPIComm(Communicator):
     def irecv(self, buf, source, tag=0):
         """Receive into buf (arrays never travel pickled: the receiver supplies the buffer)."""
         if needs_staging(buf):
-            h = backend.to_numpy(buf).copy()
+            h = np.empty(buf.shape, dtype=buf.dtype)         # host landing buffer; copied back on completion
             req = self._p2p.Irecv(wire(flat(h)), source, tag)
             return Request([req], [source], self._p2p_waiter("recv"), lambda: copy_back(buf, h), buf)
         buf = contiguous(buf, "recv buffer")
