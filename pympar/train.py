@@ -205,6 +205,9 @@ def _check_gpu(run):
         raise ValueError(str(e)) from None
     from . import gpu
     gpu.nccl_choice(os.environ.get("PYMPAR_NCCL", ""), 1, 1)   # a malformed PYMPAR_NCCL fails here, on every rank
+    if run.compress == "bf16" and not gpu.bfloat16_supported():
+        raise ValueError("--compress bf16 on --device cuda needs a CuPy with bfloat16 arrays (CuPy >= 14 with "
+                         "ml_dtypes); use --compress fp16 or none")
     if run.dtype == "bfloat16" and not gpu.bfloat16_supported():
         raise ValueError("--dtype bfloat16 on --device cuda needs a CuPy with bfloat16 arrays (CuPy >= 14 with "
                          "ml_dtypes); use --dtype float16 (loss-scaled) or float32")

@@ -34,8 +34,19 @@ def sync_stream(a) -> None:
         backend.cupy_or_none().cuda.get_current_stream().synchronize()
 
 
-def needs_staging(*arrays) -> bool:
-    return any(backend.is_cupy(a) for a in arrays if a is not None) and not cuda_aware_mpi()
+def needs_staging(*arrays, reduction=False) -> bool:
+    """Whether device operands must go through host copies for MPI: always without a CUDA-aware
+    MPI; with one, still for a reduction of a dtype MPI has no type for (float16, bfloat16), whose
+    user-defined op is a host callback that would be handed device pointers."""
+    dev = [a for a in arrays if a is not None and backend.is_cupy(a)]
+    if not dev:
+        return False
+    if not cuda_aware_mpi():
+        return True
+    if reduction:
+        from .dtypes import has_mpi_type
+        return not all(has_mpi_type(a.dtype) for a in dev)
+    return False
 
 
 def to_host(a):

@@ -71,6 +71,11 @@ def raw_bytes(a):
     return [a.reshape(-1).view(np.uint8), MPI.BYTE]
 
 
+def has_mpi_type(dt) -> bool:
+    """Whether MPI reduces dt with its own (predefined) ops."""
+    return np.dtype(dt) in _NATIVE
+
+
 def mpi_op(op: str, dt):
     """The MPI op reducing ``dt`` elements with ``op`` (avg reduces as sum; the caller divides)."""
     dt = np.dtype(dt)

@@ -173,7 +173,7 @@ class MPIComm(Communicator):
                 if dst is not None:
                     return self._allreduce_planned(plan, x, dst, op)
         check_op(op)
-        if needs_staging(x, out):
+        if needs_staging(x, out, reduction=True):
             h = to_host(x)
             self.allreduce(h, op, algo)
             dst = out if out is not None else (x if inplace else None)
@@ -249,7 +249,7 @@ class MPIComm(Communicator):
     def reduce_scatter(self, x, op="sum", algo="auto", out=None):
         """x (N, ...) -> this rank's rows [E[r], E[r+1]) of the reduction (see base.py)."""
         check_op(op)
-        if needs_staging(x, out):
+        if needs_staging(x, out, reduction=True):
             res = self.reduce_scatter(to_host(x), op, algo)
             return copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res)
         x, E, out = self._rs_operands(x, out, "reduce_scatter")
@@ -428,7 +428,7 @@ class MPIComm(Communicator):
         """Start allreduce(x, op, out=out, inplace=inplace); Request.wait() returns its result."""
         check_op(op)
         algo = self._i_algo("iallreduce", algo)
-        if needs_staging(x, out):
+        if needs_staging(x, out, reduction=True):
             h = to_host(x)
             dst = out if out is not None else (x if inplace else None)
             r = self.iallreduce(h, op, algo)
@@ -452,7 +452,7 @@ class MPIComm(Communicator):
         """Start reduce_scatter(x, op, out=out): wait() returns this rank's rows of the reduction."""
         check_op(op)
         algo = self._i_algo("ireduce_scatter", algo)
-        if needs_staging(x, out):
+        if needs_staging(x, out, reduction=True):
             r = self.ireduce_scatter(to_host(x), op, algo)
             return _Then(r, lambda res: copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res))
         x, E, out = self._rs_operands(x, out, "ireduce_scatter")
@@ -578,6 +578,11 @@ class MPIComm(Communicator):
             return Request([req], [source], self._p2p_waiter("recv"), lambda: copy_back(buf, h), buf)
         buf = contiguous(buf, "recv buffer")
         return Request([self._p2p.Irecv(wire(flat(buf)), source, tag)], [source], self._p2p_waiter("recv"), None, buf)
+
+    def progress(self) -> None:
+        """Drive the library's progress engine once (a probe that takes nothing): transfers this
+        process started, e.g. large nonblocking sends, move while it waits on something else."""
+        self._p2p.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
 
     def split(self, color, key=None, name=None):
         """Ranks with equal color form a new MPIComm (None for color=None)."""

@@ -52,6 +52,7 @@ class _StreamRequest(DoneRequest):
         deadline = time.monotonic() + self._comm.timeout if math.isfinite(self._comm.timeout) else math.inf
         sleep = 1e-5
         while not self.test():
+            self._comm.mpi.progress()    # MPI transfers this rank owes (pipeline sends) keep moving
             if time.monotonic() > deadline:
                 self._comm.abort()
                 raise CommTimeoutError(self._op, self._comm.name, self._comm.seq, [], self._comm.timeout,
@@ -186,6 +187,8 @@ class NCCLComm(Communicator):
             self.nc.allReduce(x.data.ptr, tmp.data.ptr, x.size, self._t(x), self._ops[op], self.stream.ptr)
             with self.stream:
                 flat(out)[...] = flat(tmp)[E[self.rank]:E[self.rank + 1]]
+            avg = self._avg_fix(op, out)      # tmp stays alive until the stream is past the copy
+            return self._end("reduce_scatter", out, lambda: (tmp, avg and avg()))
         return self._end("reduce_scatter", out, self._avg_fix(op, out))
 
     def allgather(self, x, algo="auto", out=None):

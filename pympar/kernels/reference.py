@@ -212,5 +212,5 @@ def reduce_inplace(dst, src, op="sum"):
 
 
 def scale_inplace(x, alpha):
-    x *= np.asarray(alpha).astype(x.dtype)
+    x *= x.dtype.type(alpha)            # a scalar of x's dtype (CuPy takes no 0-d NumPy array here)
     return x

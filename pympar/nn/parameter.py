@@ -145,7 +145,13 @@ def matmul(a, b, out_dtype=None, out=None):
     """a @ b; float16/bfloat16 operands are multiplied with float32 accumulation (like tensor
     cores; on CuPy by cuBLAS on the tensor cores themselves) and the product rounded to
     ``out_dtype`` (default: the operands' dtype). ``out``: an array (a view is fine, e.g. one
-    slot of a packed tensor) of the product's shape and dtype to write into; it is returned."""
+    slot of a packed tensor) of the product's shape and dtype to write into; it is returned.
+
+    One difference between the devices: on NumPy the float32 product is rounded once, to
+    out_dtype (a float32 out_dtype keeps it whole); cuBLAS through CuPy returns the product in
+    the operands' dtype, so on a GPU a wider out_dtype (weight gradients, tensor-parallel
+    partial sums) widens an already-rounded product -- what PyTorch autocast does too. The GPU
+    tests compare low-precision runs within bf16/fp16 tolerance for this reason."""
     if is_low_precision(a.dtype) and not lowp_gemm(a):   # NumPy: no float16/bf16 GEMM of its own
         y = a.astype(np.float32) @ b.astype(np.float32)
         if out is not None:

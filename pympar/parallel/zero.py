@@ -150,4 +150,5 @@ class ZeroAdamW:
             for k in ("master", "m", "v"):
                 if got[k].shape != getattr(s, k).shape:
                     raise ValueError(f"ZeRO shard {s.bucket.index} {k}: shape {got[k].shape}, expected {getattr(s, k).shape} (same dp and bucket_mb?)")
-                getattr(s, k)[...] = got[k]
+                dst = getattr(s, k)
+                dst[...] = xp_of(dst).asarray(got[k])    # host arrays into device chunks

@@ -137,6 +137,19 @@ def test_point_to_point_ring(comm):
     assert rq.test() and got.tolist() == [float((r - 1) % n)] * 4
 
 
+def test_progress_moves_sends_and_takes_no_message(comm):
+    """progress() (what a NCCL wait calls while pipeline sends are out) probes only: a large
+    message sent before it is still received whole afterwards."""
+    n, r = comm.size, comm.rank
+    x = np.arange(1 << 19, dtype=np.float64) + r          # 4 MiB: past any eager limit
+    sq = comm.isend(x, (r + 1) % n, tag=11)
+    for _ in range(50):
+        comm.progress()
+    got = comm.irecv(np.zeros_like(x), (r - 1) % n, tag=11).wait()
+    sq.wait()
+    np.testing.assert_array_equal(got, np.arange(1 << 19, dtype=np.float64) + (r - 1) % n)
+
+
 def _progress(req):
     """Drive a request with test() only (as DataParallel's polling does), then wait()."""
     for _ in range(1_000_000):
