@@ -4,6 +4,7 @@ The MPI part (tests/mpi/mpi_pp.py) runs the world as one pipeline and compares e
 with the single-process nn.GPT doing gradient accumulation over the same micro-batches.
 """
 import itertools
+import sys
 
 import pytest
 
@@ -122,6 +123,60 @@ def test_validate_pipeline_rejects_micro_batches_beyond_the_tag_space():
 @pytest.mark.parametrize("n", [2, 4])
 def test_pipeline_mpi(n):
     run_pytest_mpi(n, "mpi_pp.py", timeout=60 + 15 * n)
+
+
+def _channel_traffic(s, p, m, v):
+    """Per (sender, receiver, kind) channel: the (micro, chunk) of each message in the order the
+    sender issues it, and in the order the receiver consumes it (the executor's loops)."""
+    from pympar.parallel.pp.channels import channel_edges
+
+    sends, recvs, n_stage = {}, {}, p * v
+    for r in range(p):
+        for a in build_schedule(s, p, m, v, r):
+            st = a.chunk * p + r
+            if a.kind == "F" and st < n_stage - 1:
+                sends.setdefault((r, (st + 1) % p, "F"), []).append((a.micro, (st + 1) // p))
+            if a.kind == "F" and st > 0:
+                recvs.setdefault(((st - 1) % p, r, "F"), []).append((a.micro, a.chunk))
+            if a.kind == "B" and st > 0:
+                sends.setdefault((r, (st - 1) % p, "B"), []).append((a.micro, (st - 1) // p))
+            if a.kind == "B" and st < n_stage - 1:
+                recvs.setdefault(((st + 1) % p, r, "B"), []).append((a.micro, a.chunk))
+    assert set(sends) <= set(channel_edges(p, v)), (s, p, v)     # every message has a channel
+    return sends, recvs
+
+
+@pytest.mark.parametrize("s,p,m,v", [g for g in VALID if g[1] > 1])
+def test_channels_carry_messages_in_consumption_order(s, p, m, v):
+    """What makes tagless (NCCL) pipeline channels correct: on each one-direction, one-kind
+    channel the sender's order is the receiver's order, for every schedule."""
+    sends, recvs = _channel_traffic(s, p, m, v)
+    assert sends == recvs
+
+
+def test_channel_check_catches_a_reordered_schedule(monkeypatch):
+    import pympar.parallel.pp.schedules as sch
+
+    real = sch.build_schedule
+
+    def swapped(s, p, m, v, r):               # rank 1 runs its first two backwards swapped
+        acts = list(real(s, p, m, v, r))
+        if r == 1:
+            i, j = [k for k, a in enumerate(acts) if a.kind == "B"][:2]
+            acts[i], acts[j] = acts[j], acts[i]
+        return acts
+
+    monkeypatch.setattr(sys.modules[__name__], "build_schedule", swapped)
+    sends, recvs = _channel_traffic("gpipe", 2, 3, 1)
+    assert sends != recvs
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_pipeline_mpi_over_ordered_channels(n):
+    """The executor with ordered two-rank channels and no tags (what it uses on NCCL), over MPI:
+    a message in the wrong order lands in the wrong buffer and the comparisons fail."""
+    run_pytest_mpi(n, "mpi_pp.py", timeout=60 + 15 * n, env={"PYMPAR_PP_CHANNELS": "1"})
 
 
 @pytest.mark.mpi

@@ -18,10 +18,11 @@ of arrival matches the right buffer.
 Devices: activations, gradients and receive buffers live on the parameters' device (the array
 module is taken from the model at each step: ParallelRunner moves the model after building the
 executor); micro-batch token arrays arrive on the host and are moved there. The per-micro-batch
-losses are host floats. Point-to-point messages always go over MPI (tag-matched; a GPU buffer
-is staged through the host or handed to a CUDA-aware MPI): NCCL send/recv ignore tags and run
-in issue order on one stream, so the receives posted ahead here would block the sends behind
-them. A DeviceComm's NCCL side is therefore bypassed for p2p (see _P2P).
+losses are host floats. Point-to-point messages go over MPI, tag-matched (a GPU buffer is staged
+through the host or handed to a CUDA-aware MPI), or -- when the pipeline communicator has NCCL
+-- over ordered two-rank channels without tags (pp/channels.py: NCCL send/recv have no tags
+and run in issue order on one stream, so the receives posted ahead here would block the sends
+behind them on one shared communicator).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import time
 import numpy as np
 
 from ...backend import xp_of
+from . import channels
 from .schedules import Action, build_schedule, validate_schedule
 
 TIED_TAG = 32767                     # the MPI standard's smallest guaranteed tag upper bound
@@ -39,23 +41,31 @@ class _P2P:
     """The point-to-point and reduction calls the executor needs, over a pympar Communicator
     (isend/irecv -> Request.wait()/test(), allreduce) or a raw mpi4py communicator."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, v=None):
         self.comm = comm
         self.raw = hasattr(comm, "Isend")
         self.rank = comm.Get_rank() if self.raw else comm.rank
         self.size = comm.Get_size() if self.raw else comm.size
-        # p2p over MPI even on a DeviceComm with NCCL (tags, out-of-order receives: module docstring)
+        # NCCL (or PYMPAR_PP_CHANNELS=1): ordered two-rank channels, no tags (pp/channels.py);
+        # otherwise tagged messages, over the MPI side of a DeviceComm that has NCCL
+        self.channels = None
+        if v is not None and not self.raw and channels.wanted(comm):
+            self.channels = channels.Channels(comm, v)
         self.p2p = comm.mpi if not self.raw and getattr(comm, "uses_nccl", False) else comm
 
     def isend(self, buf, dest, tag):
         if self.raw:
             r = self.comm.Isend(buf, dest=dest, tag=tag)
             return _RawReq(r)
+        if self.channels is not None:
+            return self.channels.isend(buf, dest, tag)
         return self.p2p.isend(buf, dest, tag=tag)
 
     def irecv(self, buf, source, tag):
         if self.raw:
             return _RawReq(self.comm.Irecv(buf, source=source, tag=tag))
+        if self.channels is not None:
+            return self.channels.irecv(buf, source, tag)
         return self.p2p.irecv(buf, source, tag=tag)
 
     def allreduce_sum(self, x):
@@ -91,7 +101,7 @@ class PipelineExecutor:
 
     def __init__(self, model, comm, schedule: str = "1f1b", recv_window: int | None = None):
         self.model, self.schedule = model, schedule
-        self.p2p = _P2P(comm)
+        self.p2p = _P2P(comm, model.v)
         if self.p2p.size != model.pp or self.p2p.rank != model.rank:
             raise ValueError(f"pipeline communicator has rank {self.p2p.rank} of {self.p2p.size}, "
                              f"but the model was built for rank {model.rank} of pp={model.pp}")
@@ -224,11 +234,13 @@ class PipelineExecutor:
         xp = xp_of(g)
         other = 0 if model.is_last else model.pp - 1
         peer = xp.empty_like(g)
-        tag = TIED_TAG
-        rr = self.p2p.irecv(peer, other, tag)
-        sr = self.p2p.isend(xp.ascontiguousarray(g), other, tag)
-        rr.wait()
-        sr.wait()
+        if self.p2p.channels is not None:
+            self.p2p.channels.exchange_tied(xp.ascontiguousarray(g), peer)
+        else:
+            rr = self.p2p.irecv(peer, other, TIED_TAG)
+            sr = self.p2p.isend(xp.ascontiguousarray(g), other, TIED_TAG)
+            rr.wait()
+            sr.wait()
         g += peer                      # g0 + g_last on both ranks: addition commutes, so bitwise equal
         model._grad_ready_params([model.tied_weight])
 

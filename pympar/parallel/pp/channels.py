@@ -1,0 +1,93 @@
+"""Ordered channels: the pipeline's messages without tags, as NCCL needs them.
+
+The executor names each message by a tag and posts receives ahead, so over MPI any order of
+arrival lands in the right buffer. NCCL has no tags: a send and a receive between two ranks of
+one communicator match in issue order, and every operation of a communicator runs in issue
+order on its stream, so a receive posted ahead would hold up the sends queued behind it.
+
+A channel is a two-rank communicator that carries one kind of message in one direction:
+
+    (r -> r+1, "F")   activations to the next stage      (r+1 -> r, "B")   gradients back
+    (p-1 -> 0, "F")   and (0 -> p-1, "B"): the wrap-around of interleaved schedules (v > 1)
+
+plus one pair (0, p-1) for the tied embedding gradient (a grouped send/receive). On a channel
+one rank only sends and the other only receives, so its single stream can never block the
+other direction; and for every schedule the sender issues its sends in the order the receiver
+consumes them (checked for all schedules in tests/test_pp.py::test_channels_carry_messages_in_
+consumption_order), so the n-th send meets the n-th receive. Over MPI the same channels work
+with one tag (MPI never lets two messages of one sender, tag and communicator overtake each
+other), which is how the CPU tests prove the ordering: PYMPAR_PP_CHANNELS=1.
+
+Used by default when the pipeline communicator is a DeviceComm with NCCL (pympar.comm.hybrid);
+PYMPAR_PP_CHANNELS=0 sends over the MPI side with tags instead, =1 forces channels on MPI too.
+"""
+from __future__ import annotations
+
+import os
+
+
+def wanted(comm) -> bool:
+    """Whether the executor should use ordered channels on ``comm`` (see the module docstring)."""
+    env = os.environ.get("PYMPAR_PP_CHANNELS", "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"PYMPAR_PP_CHANNELS={env!r}: expected 0 (MPI with tags), 1 (ordered channels) "
+                         f"or unset (channels when the pipeline runs on NCCL)")
+    if env:
+        return env == "1"
+    return bool(getattr(comm, "uses_nccl", False))
+
+
+def channel_edges(p: int, v: int):
+    """The (sender, receiver, kind) channels of a p-stage ring with v chunks per rank, in the
+    order every rank creates them."""
+    if p < 2:
+        return []
+    out = []
+    for kind in ("F", "B"):
+        for a in range(p):
+            dst = (a + 1) % p if kind == "F" else (a - 1) % p
+            wraps = (kind == "F" and dst == 0) or (kind == "B" and a == 0)
+            if wraps and v == 1:
+                continue
+            out.append((a, dst, kind))
+    return out
+
+
+class Channels:
+    """This rank's channels over ``comm`` (a pympar Communicator of the pipeline's p ranks).
+    Collective: every rank of comm constructs it at the same point."""
+
+    def __init__(self, comm, v: int):
+        self.rank, p = comm.rank, comm.size
+        self._ch = {}
+        for src, dst, kind in channel_edges(p, v):
+            member = self.rank in (src, dst)
+            sub = comm.split(0 if member else None, key=self.rank, name=f"{comm.name}:{kind}{src}>{dst}")
+            if member:
+                self._ch[(src, dst, kind)] = sub
+        self.tied = None
+        if p >= 2:
+            member = self.rank in (0, p - 1)
+            sub = comm.split(0 if member else None, key=self.rank, name=f"{comm.name}:tied")
+            self.tied = sub if member else None
+
+    @staticmethod
+    def _kind(tag: int) -> str:
+        return "B" if tag & 1 else "F"         # the executor's tags: ((chunk*m + micro) << 1) | is_backward
+
+    def isend(self, buf, dest, tag):
+        ch = self._ch[(self.rank, dest, self._kind(tag))]
+        return ch.isend(buf, 1 - ch.rank, tag=0)
+
+    def irecv(self, buf, source, tag):
+        ch = self._ch[(source, self.rank, self._kind(tag))]
+        return ch.irecv(buf, 1 - ch.rank, tag=0)
+
+    def exchange_tied(self, g, peer):
+        """Send g to the other end of the (first, last) stage pair and receive its g into peer."""
+        return self.tied.sendrecv(g, 1 - self.tied.rank, peer, 1 - self.tied.rank)
+
+    def free(self):
+        for c in list(self._ch.values()) + [self.tied]:
+            if c is not None and hasattr(c, "free"):
+                c.free()
