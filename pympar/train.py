@@ -46,6 +46,7 @@ from .faults import STOP_STATUS, BadStepGuard, FaultInjector, NonFiniteStop, res
 from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, moe_layer_stats, rss_bytes
 from .optim import cosine_lr
 from .parallel.mesh import Mesh
+from .parallel.pp import channels as pp_channels
 from .parallel.runner import build_runner, check_supported
 from .profile import SPLIT, Recorder, write_chrome_trace
 
@@ -66,6 +67,7 @@ def main(argv=None) -> int:
         model_cfg = _fit_vocab(model_cfg, run, corpus)
         corpus.check_block_size(model_cfg.block_size)
         check_supported(model_cfg, run.layout_resolved, run)
+        pp_channels.wanted(None)              # a malformed PYMPAR_PP_CHANNELS fails here, on every rank
         if run.device == "cuda":
             _check_gpu(run)
         resume_path = resolve_resume(run)

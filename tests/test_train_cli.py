@@ -175,6 +175,16 @@ def test_bad_config_exits_2_on_every_rank(tmp_path, args, needle):
     assert needle in lines[0]
 
 
+@pytest.mark.parametrize("var, needle", [
+    ("PYMPAR_PP_CHANNELS", "expected 0 (MPI with tags), 1 (ordered channels) or unset"),
+])
+def test_bad_environment_setting_exits_2_on_every_rank(tmp_path, var, needle):
+    res = run_mpi(2, ["-m", "pympar.train", *TINY, "--steps", "1"], timeout=60, check=False, env={var: "yes"})
+    assert res.returncode == 2
+    lines = error_lines(res)
+    assert len(lines) == 2 and lines[0] == lines[1] and needle in lines[0], res.stdout[-2000:]
+
+
 # ----------------------------------------------------------------------------- parsing in-process
 
 def test_precedence_default_preset_file_flag(tmp_path):
