@@ -4,12 +4,16 @@ Parameters are packed, in REVERSE order of their place in the model (the head's 
 which backward finishes first), into flat buckets of about ``bucket_mb`` MiB, each padded
 to a multiple of dp. After the first bucket fill each ``p.grad`` is a view into its
 bucket's buffer, so the engine's ``p.grad += ...`` writes straight into it and nothing is
-copied for the sync. The model tells us when a parameter's gradient is final
-(``model.grad_ready_hooks``, see ``attach``); when every parameter of a bucket is final and
-this is the last micro-batch of the step, the bucket's nonblocking collective starts.
-Buckets start strictly in index order, so every rank issues the same collectives in the
-same order whatever order its grads arrive in. MPI progress in pympar's own algorithms
-happens only inside test/wait, so every notification also polls the requests in flight.
+copied for the sync. The model tells us when a parameter's gradient is done for a
+micro-batch (``model.grad_ready_hooks``, see ``attach``); a notification counts once the
+parameter's last micro-batch of the step has begun: ``begin_micro(last=True)`` for the whole
+model, or ``begin_final(params)`` for some of them (a pipeline stage's chunk: its last
+micro-batch's backward starts while other chunks still have work). When every parameter of a
+bucket is final, the bucket's nonblocking collective starts. Buckets start in one fixed order
+(index order, with the buckets holding a ``launch_last`` parameter moved to the end), so every
+rank issues the same collectives in the same order whatever order its grads arrive in. MPI
+progress in pympar's own algorithms happens only inside test/wait, so every notification
+also polls the requests in flight.
 
 ``finish()`` starts what is left, waits for everything and turns sums into means over dp
 (with the engine's ``grad_scale = 1/n_micro`` the result is the mean over the global
@@ -93,11 +97,14 @@ class DataParallel:
 
     bucket_mb: bucket size in MiB; overlap: start each bucket during backward (False: all in
     finish()); compress: None | 'fp16' | 'bf16' | 'topk:<ratio>' (see compress.py);
-    zero: ZeRO-1 distributed optimiser (the step updates only this rank's chunk).
+    zero: ZeRO-1 distributed optimiser (the step updates only this rank's chunk);
+    launch_last: parameters whose gradient is only final after a sum outside backward (a
+    pipeline's tied embedding copy): their buckets start after every other bucket, so they
+    do not hold the others back.
     """
 
     def __init__(self, named_params, dp_comm, bucket_mb=25.0, overlap=True, compress=None,
-                 zero=False):
+                 zero=False, launch_last=()):
         self.named = list(named_params)
         if not self.named:
             raise ValueError("DataParallel got no parameters")
@@ -111,12 +118,15 @@ class DataParallel:
         self.zero = bool(zero)
         self.buckets = build_buckets(self.named, self.dp, self.bucket_mb)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        late = {id(p) for p in launch_last}
+        # the launch order: index order, buckets holding a late parameter last (same on every rank)
+        self.order = [b for b in self.buckets if not b.ids & late] + [b for b in self.buckets if b.ids & late]
         self.grad_bytes = int(sum(b.buf.nbytes for b in self.buckets))   # the buffers synced per step
         self._zero_opt = None
         self._sync = True
-        self._next = 0                                      # next bucket index to launch
+        self._next = 0                                      # next position in self.order to launch
         self.totals = dict(steps=0, bytes_sent=0, payload_bytes=0, collectives=0, comm_s=0.0,
-                           exposed_s=0.0, span_s=0.0)
+                           exposed_s=0.0, span_s=0.0, launched_early=0)
         self.last = {}
         self.begin_step()
 
@@ -138,9 +148,12 @@ class DataParallel:
             b.reset()
         self._next = 0
         self._sync = True
-        self._finished = False
+        self._final = set()                         # ids whose next notification is final (begin_final)
+        self._finished = self._in_finish = False
         self._t_first = None
-        self.last = dict(bytes_sent=0, payload_bytes=0, collectives=0, comm_s=0.0, exposed_s=0.0)
+        # launched_early: buckets started before finish() (during backward)
+        self.last = dict(bytes_sent=0, payload_bytes=0, collectives=0, comm_s=0.0, exposed_s=0.0,
+                         launched_early=0)
 
     def begin_micro(self, last: bool):
         """Say whether the coming micro-batch is the step's last: only then do buckets sync."""
@@ -148,14 +161,22 @@ class DataParallel:
             self.begin_step()
         self._sync = bool(last)
 
+    def begin_final(self, params):
+        """The backward now starting is the step's last for these parameters (a pipeline chunk's
+        last micro-batch, see PipelineExecutor.final_backward_hooks): their next grad_ready
+        notifications are final, whatever begin_micro said for the model as a whole."""
+        if self._finished:
+            self.begin_step()
+        self._final.update(id(p) for p in params)
+
     def grad_ready(self, params):
         """Backward finished these parameters' grads for this micro-batch (model hook)."""
         if self._finished:
             self.begin_step()
-        if self._sync and self.overlap:
+        if self.overlap and (self._sync or self._final):
             for p in params:
                 b = self.bucket_of.get(id(p))
-                if b is not None:
+                if b is not None and (self._sync or id(p) in self._final):
                     b.ready.add(id(p))
             self._launch(only_ready=True)
         self._poll()
@@ -165,7 +186,9 @@ class DataParallel:
         if self._finished:
             self.begin_step()
         t0 = time.perf_counter()
+        self._in_finish = True
         self._launch(only_ready=False)
+        self._in_finish = False
         for b in self.buckets:
             if not b.done:
                 self._complete(b, b.request.wait() if b.request is not None else None)
@@ -174,7 +197,7 @@ class DataParallel:
         self.last["comm_s"] += now - t0
         self.last["span_s"] = (now - self._t_first) if self._t_first is not None else 0.0
         self._finished = True
-        for k in ("bytes_sent", "payload_bytes", "collectives", "comm_s", "exposed_s", "span_s"):
+        for k in ("bytes_sent", "payload_bytes", "collectives", "comm_s", "exposed_s", "span_s", "launched_early"):
             self.totals[k] += self.last[k]
         self.totals["steps"] += 1
 
@@ -226,8 +249,8 @@ class DataParallel:
 
     # --- collectives ------------------------------------------------------------------------
     def _launch(self, only_ready):
-        while self._next < len(self.buckets):
-            b = self.buckets[self._next]
+        while self._next < len(self.order):
+            b = self.order[self._next]
             if only_ready and len(b.ready) < len(b.ids):
                 return
             self._start(b)
@@ -239,6 +262,8 @@ class DataParallel:
             self._t_first = t0
         b.gather_grads()
         b.launched = True
+        if not self._in_finish:
+            self.last["launched_early"] += 1
         n = self.dp
         if n == 1:
             self._complete(b, None)
@@ -270,7 +295,7 @@ class DataParallel:
         """Let the nonblocking collectives in flight progress (cheap when none are)."""
         t0 = time.perf_counter()
         busy = False
-        for b in self.buckets[:self._next]:
+        for b in self.order[:self._next]:
             if b.request is not None and not b.done:
                 busy = True
                 if b.request.test():
@@ -300,7 +325,8 @@ class DataParallel:
     # --- reporting --------------------------------------------------------------------------
     def stats(self):
         """Last step's and cumulative figures: bytes sent (wire estimate and payload), number of
-        collectives, comm_s (time inside comm calls), exposed_s (time blocked in finish),
+        collectives, launched_early (buckets started during backward, before finish), comm_s
+        (time inside comm calls), exposed_s (time blocked in finish),
         hidden_fraction = 1 - exposed / span (span: first bucket start to the end of finish; an
         upper bound: a transfer that only progresses inside finish's wait still counts its
         span; bench/dp_scaling.py compares against overlap=False for the real figure)."""

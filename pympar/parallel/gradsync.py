@@ -11,6 +11,12 @@ with backward, optional ZeRO-1 and compression) over its group: dense over ``mes
 expert over ``mesh.edp_comm``. With ZeRO-1 the optimiser state of expert parameters is
 therefore sharded over edp and that of dense parameters over dp.
 
+Overlap under a pipeline: the executor calls ``begin_final(params)`` as the last micro-batch's
+backward of each chunk begins, so a bucket starts as soon as its parameters' grads are final,
+during the backward of the other chunks and the pipeline's drain, as DP alone does in its last
+micro-batch. The tied wte copy's gradient is final only after the first/last-stage sum at the
+end of the step (its grad_ready comes then), so its bucket starts after all the others.
+
 Global norm. After the sync every gradient element is held identically by several ranks;
 the single-process norm counts it once. ``local_sq()`` counts, on this rank, the elements it
 "owns" and one sum over the world gives the norm:
@@ -38,8 +44,9 @@ class ComposedGradSync:
     named: the rank's (global name, Parameter); mesh: pympar.parallel.mesh.Mesh; tied_copy:
     the Parameter that duplicates stage 0's wte on the last stage (None otherwise); dp_kw:
     DataParallel's bucket_mb, overlap, compress, zero. Per step: begin_step(), begin_micro(last)
-    before each micro-batch (or once with last=False under a pipeline: all buckets then start in
-    finish()), finish(), then local_sq()/nonfinite() and step(opt, lr, clip, total_sq).
+    before each micro-batch (or once with last=False under a pipeline, whose executor then calls
+    begin_final(params) per chunk), finish(), then local_sq()/nonfinite() and step(opt, lr,
+    clip, total_sq).
     """
 
     def __init__(self, named, mesh, tied_copy=None, **dp_kw):
@@ -50,7 +57,8 @@ class ComposedGradSync:
         expert = [(n, p) for n, p in named if split and is_expert_param(n)]
         self.params = [p for _, p in named]
         # (DataParallel, post-scale, owner-when-plain): the dp (edp) rank 0 counts replicated grads
-        self.groups = [(DataParallel(dense, mesh.dp_comm, **dp_kw), 1.0, mesh.dp_rank == 0)]
+        late = [tied_copy] if tied_copy is not None else []     # final after the tied sum only
+        self.groups = [(DataParallel(dense, mesh.dp_comm, launch_last=late, **dp_kw), 1.0, mesh.dp_rank == 0)]
         if expert:
             self.groups.append((DataParallel(expert, mesh.edp_comm, **dp_kw), 1.0 / mesh.ep, mesh.edp_rank == 0))
         self.grad_bytes = sum(d.grad_bytes for d, _, _ in self.groups)
@@ -80,6 +88,11 @@ class ComposedGradSync:
     def begin_micro(self, last: bool):
         for d in self.syncs:
             d.begin_micro(last)
+
+    def begin_final(self, params):
+        """The step's last backward of params begins (PipelineExecutor.final_backward_hooks)."""
+        for d in self.syncs:
+            d.begin_final(params)
 
     def finish(self):
         """Wait for every bucket; dense grads are then the dp mean, expert grads the edp sum / dp."""

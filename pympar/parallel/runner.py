@@ -21,7 +21,8 @@ Composition, per rank with mesh coordinates (pp stage, dp rank, tp rank, ep rank
             pp > 1: the executor's schedule, which also sums the tied wte between the first
             and last stage and the sequence-parallel partial grads over tp
   sync      ComposedGradSync: dense grads mean over dp, expert grads over edp x 1/ep
-            (buckets, overlap, ZeRO-1, compression from parallel.dp)
+            (buckets, overlap, ZeRO-1, compression from parallel.dp); under a pipeline the
+            buckets of a chunk start once its last micro-batch's backward is done
   norm      every rank counts the gradient elements it owns; ONE world allreduce of
             [loss, non-finite count, norm^2, MoE loads] per step gives the single-process
             loss and norm, and every MoE layer's global load (for expert-bias balancing and
@@ -107,6 +108,8 @@ class ParallelRunner:
                                      overlap=getattr(opts, "dp_overlap", True),
                                      compress=None if compress in (None, "none") else compress,
                                      zero=opts.zero == 1).attach(self.model)
+        if self.executor is not None:     # buckets start as each chunk's last backward ends
+            self.executor.final_backward_hooks.append(self.sync.begin_final)
         self.opt = AdamW(named, lr=opts.lr, weight_decay=opts.weight_decay)
         self.grad_clip = opts.grad_clip
         self.scaler = DynamicLossScaler() if opts.dtype == "float16" else None
@@ -166,7 +169,7 @@ class ParallelRunner:
         t0 = time.perf_counter()
         pipe = {}
         if self.executor is not None:
-            sync.begin_micro(last=False)                  # buckets start in finish()
+            sync.begin_micro(last=False)                  # the executor calls sync.begin_final per chunk
             pipe = self.executor.train_step(micro_batches, loss_scale=scale)
             loss, compute = pipe["loss"], pipe["compute_s"]
             bubble, pp_other = pipe["recv_wait_s"], max(pipe["step_s"] - pipe["compute_s"] - pipe["recv_wait_s"], 0.0)

@@ -109,6 +109,11 @@ class PipelineExecutor:
         self.recv_window = recv_window or 2 * model.pp * model.v + 2
         # tensor + sequence parallelism: replicated params with per-tp-rank partial grads
         self.partial_sync = model.make_partial_grad_sync()
+        # callbacks h(params) told when the step's last backward of params begins: before the
+        # last micro-batch's B of each chunk (its parameters), and after the last action (all of
+        # the rank's: the tied wte and partial grads are summed then). A data-parallel sync
+        # (DataParallel.begin_final) then starts buckets on the next grad_ready: overlap.
+        self.final_backward_hooks = []
         self.stats = {}
 
     # --- neighbours and tags --------------------------------------------------------------
@@ -166,11 +171,12 @@ class PipelineExecutor:
                 posted += 1
 
         post_upto(self.recv_window)
+        last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}   # chunk -> its last B
         ctxs = {}
         local_terms = np.zeros(m, dtype=np.float64)  # host: per-micro-batch loss terms (floats)
         live = peak = 0
         n_recv_used = 0
-        for a in actions:
+        for i_act, a in enumerate(actions):
             has_recv, src_stage = self._needs_recv(a)
             inp = None
             if has_recv:
@@ -194,6 +200,8 @@ class PipelineExecutor:
                 peak = max(peak, live)
                 out, dest_stage = y, s + 1
             else:
+                if last_b[a.chunk] == i_act:
+                    self._final_backward([p_ for _, p_ in chunk.named_parameters()])
                 ctx = ctxs.pop((a.micro, a.chunk))
                 out = chunk.backward(inp, ctx, grad_scale)
                 model._grad_ready_chunk(chunk)
@@ -213,6 +221,7 @@ class PipelineExecutor:
         for r, _ in sends:
             r.wait()
         t_pipe = time.perf_counter() - t0
+        self._final_backward(model.parameters())
         if self.partial_sync is not None:
             self.partial_sync.finish()
             model._grad_ready_params(self.partial_sync.params)
@@ -224,6 +233,10 @@ class PipelineExecutor:
                           recv_wait_s=recv_wait, compute_s=compute, pipeline_s=t_pipe, step_s=step,
                           peak_in_flight=peak)
         return self.stats
+
+    def _final_backward(self, params):
+        for hook in self.final_backward_hooks:
+            hook(params)
 
     def _sum_tied_grad(self):
         """wte.grad (first stage: embedding part; last: lm_head part) := their sum, on both."""

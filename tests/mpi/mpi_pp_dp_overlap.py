@@ -1,0 +1,167 @@
+"""Data-parallel buckets overlapped with pipeline backward, inside every rank (dp x pp, pp = 2).
+
+The runner's ComposedGradSync starts a bucket once the last micro-batch's backward of the chunks
+holding its parameters is done (PipelineExecutor.final_backward_hooks -> begin_final), the tied
+wte copy's bucket after the first/last-stage sum. A probe records, at every bucket launch, how
+many backward passes each chunk of this rank has run, whether the tied sum and the
+sequence-parallel partial sum are done and whether finish() has begun, and checks:
+  * no bucket starts before its gradients are final (all n_micro backwards of its chunks, the
+    tied sum for the tied copy, the tp sum for partial grads);
+  * every bucket starts before finish() (before: all of them started in finish());
+  * the launches overlap work: with interleaved stages some bucket starts while backward
+    passes of this rank remain; with v = 1 the last stage starts buckets before the tied sum,
+    i.e. while the first stage still runs its last backward;
+  * losses, grad norms and parameters are bitwise those of the same layout with the overlap
+    off (every bucket started in finish()).
+Runs at world sizes 4 and 8 (other sizes skip: dp >= 2 and pp = 2 need an even world >= 4).
+"""
+import numpy as np
+import pytest
+
+from layout_cases import Layout
+from mpi_layouts import LR, free_mesh, global_batch, opts_of, cfg_of
+from pympar.backend import to_numpy
+from pympar.comm import MPIComm
+from pympar.parallel.runner import ParallelRunner
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def world(mpi_world):
+    return MPIComm(mpi_world, name="world", timeout=60)
+
+
+def layouts(n):
+    if n < 4 or n % 2:
+        return []
+    dp = n // 2
+    out = [  # (layout, compress)
+        (Layout(dp, 2, 1, 1, "dense", "1f1b", 1, False, 0), "none"),
+        (Layout(dp, 2, 1, 1, "dense", "interleaved", 2, False, 1), "none"),
+        (Layout(dp, 2, 1, 2, "moe", "gpipe", 1, False, 0), "none"),
+        (Layout(dp, 2, 1, 1, "dense", "interleaved", 2, False, 0), "fp16"),
+    ]
+    if n == 8:
+        out.append((Layout(2, 2, 2, 1, "dense", "1f1b", 1, True, 1), "none"))
+    return out
+
+
+class Probe:
+    """Records each bucket launch of the runner's syncs with the pipeline's progress at that moment."""
+
+    def __init__(self, runner):
+        ex, model = runner.executor, runner.model
+        self.model = model
+        self.chunk_of = {id(p): c for c, ch in enumerate(model.chunks) for _, p in ch.named_parameters()}
+        self.partial = {id(p) for p in (ex.partial_sync.params if ex.partial_sync is not None else [])}
+        self.launches = []
+        self.reset()
+        for c, ch in enumerate(model.chunks):
+            ch.backward = self._counting(ch.backward, c)
+        ready = model._grad_ready_params
+
+        def grad_ready_params(params):
+            if any(p is model.tied_weight for p in params):
+                self.tied_done = True       # called right after the tied sum
+            if any(id(p) in self.partial for p in params):
+                self.partial_done = True    # called right after the tp sum of partial grads
+            ready(params)
+        model._grad_ready_params = grad_ready_params
+        for d in runner.sync.syncs:
+            d._start = self._recording(d._start)
+        finish = runner.sync.finish
+
+        def sync_finish():
+            self.in_finish = True
+            finish()
+        runner.sync.finish = sync_finish
+
+    def reset(self):
+        self.n_b = [0] * len(self.model.chunks)
+        self.tied_done = self.partial_done = self.in_finish = False
+        self.launches = []
+
+    def _counting(self, backward, c):
+        def counted(*a, **k):
+            out = backward(*a, **k)
+            self.n_b[c] += 1
+            return out
+        return counted
+
+    def _recording(self, start):
+        def recorded(b):
+            self.launches.append(dict(params=list(b.params), n_b=list(self.n_b), tied_done=self.tied_done,
+                                      partial_done=self.partial_done, in_finish=self.in_finish))
+            return start(b)
+        return recorded
+
+
+def train(world, lay, compress, overlap, probe=False):
+    opts = opts_of(lay)
+    opts.compress, opts.dp_overlap = compress, overlap
+    cfg = cfg_of(lay.model)
+    runner = ParallelRunner(cfg, lay, world, opts)
+    pr = Probe(runner) if probe else None
+    got = dict(losses=[], norms=[], launches=[])
+    for s in range(STEPS):
+        mbs = global_batch(s, cfg.vocab_size)
+        mine = mbs[runner.mesh.dp_rank * lay.n_micro:(runner.mesh.dp_rank + 1) * lay.n_micro]
+        if pr is not None:
+            pr.reset()
+        res = runner.train_step(mine, LR[lay.dtype])
+        got["losses"].append(res["loss"])
+        got["norms"].append(res["grad_norm"])
+        if pr is not None:
+            got["launches"].append(pr.launches)
+    got["params"] = {n: to_numpy(p.data).copy() for n, p in runner.named}
+    got["n_buckets"] = sum(len(d.buckets) for d in runner.sync.syncs)
+    got["early"] = [d.stats()["last"].get("launched_early", 0) for d in runner.sync.syncs]
+    return runner, pr, got
+
+
+def check_launches(runner, probe, lay, launches, n_buckets):
+    model, m = runner.model, lay.n_micro
+    where = f"rank {runner.comm.rank} (stage {model.rank}) [{lay}]"
+    assert len(launches) == n_buckets, f"{where}: {len(launches)} launches, {n_buckets} buckets"
+    for rec in launches:
+        for p in rec["params"]:
+            if p is model.tied_weight and model.pp > 1:
+                assert rec["tied_done"], f"{where}: the tied wte's bucket started before the tied sum"
+            elif id(p) in probe.partial:
+                assert rec["partial_done"], f"{where}: a partial grad's bucket started before the tp sum"
+            else:
+                c = probe.chunk_of[id(p)]
+                assert rec["n_b"][c] == m, f"{where}: a bucket of chunk {c} started after {rec['n_b'][c]} of {m} backwards"
+    late = [rec for rec in launches if rec["in_finish"]]
+    assert late == [], f"{where}: {len(late)} of {n_buckets} buckets started only in finish()"
+    if lay.tp == 1:                        # (sequence parallelism: every block holds partial grads)
+        total_b = m * model.v
+        if model.v > 1:
+            assert any(sum(r["n_b"]) < total_b for r in launches), \
+                f"{where}: no bucket started while backward passes remained"
+        elif model.is_last and not model.is_first:
+            assert any(not r["tied_done"] for r in launches), f"{where}: every bucket waited for the tied sum"
+    if model.holds_tied_copy:
+        assert any(p is model.tied_weight for p in launches[-1]["params"]), \
+            f"{where}: the tied copy's bucket was not the last to start"
+
+
+def test_dp_buckets_start_during_pipeline_backward(world, mpi_world):
+    cases = layouts(world.size)
+    if not cases:
+        pytest.skip(f"world size {world.size}: dp >= 2 with pp = 2 needs an even world >= 4")
+    for lay, compress in cases:
+        runner, probe, got = train(world, lay, compress, overlap=True, probe=True)
+        for launches in got["launches"]:
+            check_launches(runner, probe, lay, launches, got["n_buckets"])
+        assert sum(got["early"]) == got["n_buckets"], (str(lay), got["early"], got["n_buckets"])
+        free_mesh(runner.mesh)
+        off_runner, _, off = train(world, lay, compress, overlap=False)
+        free_mesh(off_runner.mesh)
+        assert off["early"] == [0] * len(off["early"]), (str(lay), off["early"])
+        where = f"rank {world.rank} [{lay}] compress={compress}"
+        assert got["losses"] == off["losses"] and got["norms"] == off["norms"], \
+            f"{where}: {got['losses']} {got['norms']} vs overlap off {off['losses']} {off['norms']}"
+        for n, a in got["params"].items():
+            assert np.array_equal(a, off["params"][n]), f"{where}: {n} differs from the run with the overlap off"
