@@ -203,7 +203,8 @@ class PipelineExecutor:
                 if last_b[a.chunk] == i_act:
                     self._final_backward([p_ for _, p_ in chunk.named_parameters()])
                 ctx = ctxs.pop((a.micro, a.chunk))
-                out = chunk.backward(inp, ctx, grad_scale)
+                out = chunk.backward(inp, ctx, grad_scale,
+                                     ready=model._grad_ready_module if model.grad_ready_hooks else None)
                 model._grad_ready_chunk(chunk)
                 live -= 1
                 dest_stage = s - 1

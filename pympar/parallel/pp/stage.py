@@ -129,14 +129,22 @@ class StageChunk:
             return None, ctx, terms + float(ce)
         return x, ctx, terms
 
-    def backward(self, dy, ctx, grad_scale):
-        """dy (B, T, C) from the next stage (None on the last); returns dx (None on the first)."""
+    def backward(self, dy, ctx, grad_scale, ready=None):
+        """dy (B, T, C) from the next stage (None on the last); returns dx (None on the first).
+        ready(module), if given, is called as each piece's parameter grads are done (the head's
+        ln_f, each block, the embedding), as nn.GPT notifies during its backward."""
         if self.head is not None:
             dy = self.head.backward(grad_scale, ctx["head"])
+            if ready is not None:
+                ready(self.head.ln_f)
         for b, c in zip(reversed(self.blocks), reversed(ctx["blocks"])):
             dy = b.backward(dy, c, grad_scale)
+            if ready is not None:
+                ready(b)
         if self.embedding is not None:
             self.embedding.backward(dy, ctx["emb"])
+            if ready is not None:
+                ready(self.embedding)
             return None
         return dy
 
@@ -280,10 +288,25 @@ class PipelineGPT:
         the tied wte when pp > 1 (final only after the first/last-stage sum) and sequence-parallel
         partial grads (final after the tp sum at the end of the step)."""
         if self.grad_ready_hooks:
+            self._grad_ready_params([p for _, p in chunk.named_parameters() if id(p) not in self._later()])
+
+    def _grad_ready_module(self, module):
+        """During a chunk's backward (StageChunk.backward's ready): module's grads are done for
+        this micro-batch, with the same exceptions as _grad_ready_chunk."""
+        if self.grad_ready_hooks:
+            later = self._later()
+            params = [p for p in module.parameters() if id(p) not in later]
+            if params:
+                self._grad_ready_params(params)
+
+    def _later(self):
+        """ids of the parameters whose grads are completed after the actions (tied wte, sp partials)."""
+        if getattr(self, "_later_ids", None) is None:      # the Parameter objects never change
             later = {id(p) for p in self.sp_partial_params()}
-            if self.pp > 1:
+            if self.pp > 1 and self.tied_weight is not None:
                 later.add(id(self.tied_weight))
-            self._grad_ready_params([p for _, p in chunk.named_parameters() if id(p) not in later])
+            self._later_ids = later
+        return self._later_ids
 
     def zero_grad(self):
         for p in self.parameters():
