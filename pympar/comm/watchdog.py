@@ -76,6 +76,7 @@ class ArrivalBoard:
         self.name = name
         self.timeout = default_timeout() if timeout is None else float(timeout)   # for meet_at_exit
         self._dangling = []   # (request, peer) of reads given up with their epoch still open
+        self._readers = {}    # peer -> the thread of the last read of its slot (may outlive read())
         self.comm = mpi_comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.names = {op_code(n): n for n in KNOWN_OPS}     # op code -> name (for reports)
@@ -107,10 +108,15 @@ class ArrivalBoard:
         if self.win is None:
             return {}
         out, deadline = {}, time.monotonic() + timeout
-        threads = [threading.Thread(target=self._read_one, args=(p, out, deadline), daemon=True)
-                   for p in range(self.size) if p != self.rank]
-        for t in threads:
-            t.start()
+        # a peer whose earlier read is still running or left its epoch open is not read again
+        # (a second lock on the same target from this process is erroneous): it did not answer
+        busy = {q for _, q in self._dangling} | {q for q, t in self._readers.items() if t.is_alive()}
+        threads = []
+        for p in range(self.size):
+            if p != self.rank and p not in busy:
+                t = self._readers[p] = threading.Thread(target=self._read_one, args=(p, out, deadline), daemon=True)
+                threads.append(t)
+                t.start()
         for t in threads:
             t.join(max(0.0, deadline + 0.2 - time.monotonic()))
         return dict(out)
@@ -185,6 +191,12 @@ class ArrivalBoard:
         if self in _LIVE:
             _LIVE.remove(self)
         if self.win is not None:
+            # a read thread may still be inside its lock or get (a peer that was late to answer):
+            # let it finish first, or Win_free would meet an open access epoch. Every peer is in
+            # this teardown now (meet_at_exit), so their slots answer.
+            for t in self._readers.values():
+                t.join()
+            self._readers = {}
             for req, p in self._dangling:   # reads given up on: finish them, close their epochs
                 req.Wait()
                 self.win.Unlock(p)
