@@ -7,8 +7,6 @@ messages nor the messages of the program that owns the original communicator.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from mpi4py import MPI
 
@@ -23,11 +21,12 @@ from .algorithms.ring import (ring_allgather, ring_allgather_steps, ring_allredu
 from .algorithms.shm import ShmArena, shm_allgather, shm_allreduce, shm_broadcast, shm_reduce_scatter
 from .base import Communicator, check_op, check_out, contiguous, flat, new_like, row_bounds
 from .device import copy_back, needs_staging, sync_stream, to_host
-from .dtypes import check_dtype, finish_avg, mpi_op, mpi_type, reduce_op, wire
+from .dtypes import finish_avg, mpi_op, reduce_op, wire
+from .plans import MAX_PLANS, Plan
 from .progress import Request, StagedRequest, Waiter, default_timeout, poll1
 from .topology import Topology
 from .tuning import choose, load_table
-from .watchdog import ArrivalBoard, op_code
+from .watchdog import ArrivalBoard
 from . import debug as _debug
 
 ALGOS = {
@@ -47,19 +46,6 @@ _P2P_ALLGATHER = {"ring": ring_allgather, "recursive_doubling": doubling_allgath
 _P2P_BROADCAST = {"binomial": binomial_broadcast, "scatter_allgather": scatter_allgather_broadcast}
 _SHM = ("shm", "hierarchical")
 _ndarray = np.ndarray
-_U16 = np.dtype(np.uint16)
-_ALLREDUCE_CODE = op_code("allreduce")
-
-
-class _ARPlan:
-    """What one (dtype, size, op, algo) allreduce needs, decided once (MPIComm._plans)."""
-
-    __slots__ = ("algo", "mtype", "mop", "raw16", "avg")
-
-    def __init__(self, algo, dtype, op):
-        self.algo, self.avg = algo, op == "avg"
-        self.mtype, self.mop = mpi_type(dtype), mpi_op(op, dtype)
-        self.raw16 = dtype.itemsize == 2   # float16/bfloat16 travel as raw 2-byte words
 
 
 class MPIComm(Communicator):
@@ -84,7 +70,7 @@ class MPIComm(Communicator):
         # watchdog side channels (shadow communicators): who entered which call; debug fingerprints
         self._board = ArrivalBoard(self._coll, self.name, self.timeout)
         self._fp = _debug.FingerprintChecker(self._coll, self.name) if _debug.enabled() else None
-        self._plans = {}      # (dtype, size, op, algo) -> _ARPlan: allreduce's per-call fast path
+        self._plans = {}      # (verb, dtype, shape, op|root, algo) -> plans.Plan: the per-call fast path
 
     @property
     def mpi_comm(self):
@@ -155,23 +141,17 @@ class MPIComm(Communicator):
         return req.wait()
 
     # --- collectives ---------------------------------------------------------------
+    # Every blocking verb below starts with its fast path: a NumPy operand whose call key was
+    # planned before runs by that plan (_planned). Otherwise the general path checks the
+    # operands, enters the call on the arrival board (_waiter), picks the algorithm and makes
+    # the plan (_plan, kept for the next call). Both paths then run the collective through the
+    # plan (_run): the library's nonblocking call, or the verb's runner of pympar's algorithms.
     def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True):
         """op over ranks of x. out=None: in place into x (inplace=True) or a new array."""
-        # fast path: NumPy operands whose (dtype, size, op, algo) was seen before skip the checks
-        # and decisions (kept in a _ARPlan); debug fingerprints and everything else take the
-        # general path below
         if type(x) is _ndarray and self._fp is None:
-            plan = self._plans.get((x.dtype, x.size, op, algo))
-            if plan is not None and x.flags.c_contiguous:
-                if out is None:
-                    dst = x if inplace else np.empty_like(x)
-                elif (type(out) is _ndarray and out.dtype == x.dtype and out.shape == x.shape
-                      and out.flags.c_contiguous):
-                    dst = out
-                else:
-                    dst = None
-                if dst is not None:
-                    return self._allreduce_planned(plan, x, dst, op)
+            got = self._planned(("allreduce", x.dtype, x.shape, op, algo), x, out, inplace)
+            if got is not None:
+                return got
         check_op(op)
         if needs_staging(x, out, reduction=True):
             h = to_host(x)
@@ -186,68 +166,15 @@ class MPIComm(Communicator):
             if dst is not x:
                 dst[...] = x
             return dst
-        key_algo = algo
-        algo = self._pick("allreduce", algo, x.nbytes)
-        if backend.is_cupy(x) and algo in _SHM:
-            algo = "ring"  # the shared window is host memory; CUDA-aware MPI moves device buffers
-        elif type(x) is _ndarray and self._fp is None and len(self._plans) < 4096:
-            self._plans[(x.dtype, x.size, op, key_algo)] = _ARPlan(algo, x.dtype, op)
-        src_f, dst_f = flat(x), flat(dst)
-        if algo == "mpi":
-            sync_stream(x)
-            send = MPI.IN_PLACE if dst is x else wire(src_f)
-            self._lib(w, lambda: self._coll.Iallreduce(send, wire(dst_f), mpi_op(op, x.dtype)))
-            if op == "avg":
-                finish_avg(dst_f, self.size)
-        else:
-            self._allreduce_own(w, algo, op, x, dst)
-        return dst
-
-    def _allreduce_own(self, w, algo, op, x, dst):
-        """pympar's own allreduce algorithms (shm, hierarchical, point-to-point) of x into dst."""
-        src_f, dst_f = flat(x), flat(dst)
-        if algo == "shm":
-            shm_allreduce(self._shm_arena(), w, src_f, dst_f, op)
-        elif algo == "hierarchical":
-            t = self.topology()
-            lctx = self._ctx(w, op, x, t.leaders) if t.leaders is not None else None
-            hierarchical_allreduce(self._shm_arena(), lctx, w, src_f, dst_f, op, self.size)
-        else:
-            if dst is not x:
-                dst_f[...] = src_f
-            _P2P_ALLREDUCE[algo](self._ctx(w, op, x), dst_f)
-            if op == "avg":
-                finish_avg(dst_f, self.size)
-
-    def _allreduce_planned(self, plan, x, dst, op):
-        """allreduce(x) into dst by a cached plan (operands already checked: see allreduce)."""
-        self.seq += 1
-        seq = self.seq
-        slots = self._board.slots     # ArrivalBoard.enter(seq, "allreduce"), inlined
-        slots[1] = _ALLREDUCE_CODE
-        slots[0] = seq
-        algo = plan.algo
-        if algo == "mpi":
-            if plan.raw16:
-                xs = x.view(_U16)
-                ds = xs if dst is x else dst.view(_U16)
-            else:
-                xs, ds = x, dst
-            t = plan.mtype
-            if dst is x:
-                req = self._coll.Iallreduce(MPI.IN_PLACE, [xs, t], plan.mop)
-            else:
-                req = self._coll.Iallreduce([xs, t], [ds, t], plan.mop)
-            if not req.Test():
-                poll1(req, lambda: Waiter("allreduce", self.name, seq, self.timeout, self._board))
-            if plan.avg:
-                finish_avg(dst.reshape(-1), self.size)
-            return dst
-        self._allreduce_own(Waiter("allreduce", self.name, seq, self.timeout, self._board), algo, op, x, dst)
-        return dst
+        plan = self._plan(("allreduce", x.dtype, x.shape, op, algo), x, x.nbytes, x.shape, op=op)
+        return self._run(plan, x, dst, w)
 
     def reduce_scatter(self, x, op="sum", algo="auto", out=None):
         """x (N, ...) -> this rank's rows [E[r], E[r+1]) of the reduction (see base.py)."""
+        if type(x) is _ndarray and self._fp is None:
+            got = self._planned(("reduce_scatter", x.dtype, x.shape, op, algo), x, out)
+            if got is not None:
+                return got
         check_op(op)
         if needs_staging(x, out, reduction=True):
             res = self.reduce_scatter(to_host(x), op, algo)
@@ -255,35 +182,18 @@ class MPIComm(Communicator):
         x, E, out = self._rs_operands(x, out, "reduce_scatter")
         self._check_algo("reduce_scatter", algo)
         w = self._waiter("reduce_scatter", x)
-        src_f, out_f = flat(x), flat(out)
         if self.size == 1:
-            out_f[...] = src_f
+            flat(out)[...] = flat(x)
             return out
-        algo = self._pick("reduce_scatter", algo, x.nbytes)
-        if backend.is_cupy(x) and algo in _SHM:
-            algo = "ring"
-        if algo == "mpi":
-            sync_stream(x)
-            counts = [E[i + 1] - E[i] for i in range(self.size)]
-            self._lib(w, lambda: self._coll.Ireduce_scatter(wire(src_f), wire(out_f), counts, mpi_op(op, x.dtype)))
-        elif algo == "shm":
-            shm_reduce_scatter(self._shm_arena(), w, src_f, out_f, E, op)
-            return out
-        elif algo == "hierarchical":
-            t = self.topology()
-            lctx = self._ctx(w, op, x, t.leaders) if t.leaders is not None else None
-            hierarchical_reduce_scatter(self._shm_arena(), t, lctx, w, src_f, out_f, E, op, self.size)
-            return out
-        else:
-            work = src_f.copy()
-            _P2P_REDUCE_SCATTER[algo](self._ctx(w, op, x), work, E)
-            out_f[...] = work[E[self.rank]:E[self.rank + 1]]
-        if op == "avg":
-            finish_avg(out_f, self.size)
-        return out
+        plan = self._plan(("reduce_scatter", x.dtype, x.shape, op, algo), x, x.nbytes, out.shape, op=op, E=E)
+        return self._run(plan, x, out, w)
 
     def allgather(self, x, algo="auto", out=None):
         """x (m, ...) on every rank -> (size*m, ...), rank k's rows at [k*m, (k+1)*m)."""
+        if type(x) is _ndarray and self._fp is None:
+            got = self._planned(("allgather", x.dtype, x.shape, None, algo), x, out)
+            if got is not None:
+                return got
         if needs_staging(x, out):
             res = self.allgather(to_host(x), algo)
             return copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res)
@@ -294,30 +204,18 @@ class MPIComm(Communicator):
         out = check_out(out, shape, x.dtype, "allgather") if out is not None else new_like(x, shape)
         self._check_algo("allgather", algo)
         w = self._waiter("allgather", x)
-        src_f, out_f = flat(x), flat(out)
-        m = src_f.size
         if self.size == 1:
-            out_f[...] = src_f
+            flat(out)[...] = flat(x)
             return out
-        algo = self._pick("allgather", algo, out.nbytes)
-        if backend.is_cupy(x) and algo in _SHM:
-            algo = "ring"
-        if algo == "mpi":
-            sync_stream(x)
-            self._lib(w, lambda: self._coll.Iallgather(wire(src_f), wire(out_f)))
-        elif algo == "shm":
-            shm_allgather(self._shm_arena(), w, src_f, out_f)
-        elif algo == "hierarchical":
-            t = self.topology()
-            lctx = self._ctx(w, "sum", x, t.leaders) if t.leaders is not None else None
-            hierarchical_allgather(self._shm_arena(), t, lctx, w, src_f, out_f, self.size)
-        else:
-            out_f[self.rank * m:(self.rank + 1) * m] = src_f
-            _P2P_ALLGATHER[algo](self._ctx(w, "sum", x), out_f, [k * m for k in range(self.size + 1)])
-        return out
+        plan = self._plan(("allgather", x.dtype, x.shape, None, algo), x, out.nbytes, shape)
+        return self._run(plan, x, out, w)
 
     def broadcast(self, x, root=0, algo="auto"):
         """x of rank root copied into x on every rank (in place); returns x."""
+        if type(x) is _ndarray and self._fp is None:
+            got = self._planned(("broadcast", x.dtype, x.shape, root, algo), x, None, True)
+            if got is not None:
+                return got
         if needs_staging(x):
             h = to_host(x)
             self.broadcast(h, root, algo)
@@ -327,18 +225,15 @@ class MPIComm(Communicator):
         w = self._waiter("broadcast", x, root=root)
         if self.size == 1:
             return x
-        algo = self._pick("broadcast", algo, x.nbytes)
-        if algo == "shm" and not backend.is_cupy(x):
-            shm_broadcast(self._shm_arena(), w, flat(x), root)
-        elif algo in _P2P_BROADCAST:
-            _P2P_BROADCAST[algo](self._ctx(w, "sum", x), flat(x), root)
-        else:
-            sync_stream(x)
-            self._lib(w, lambda: self._coll.Ibcast(wire(flat(x)), root))
-        return x
+        plan = self._plan(("broadcast", x.dtype, x.shape, root, algo), x, x.nbytes, x.shape, root=root)
+        return self._run(plan, x, x, w)
 
     def alltoall(self, x, out=None, algo="auto"):
         """x (size*m, ...): rows [i*m, (i+1)*m) go to rank i; out[j*m:(j+1)*m] came from j."""
+        if type(x) is _ndarray and self._fp is None:
+            got = self._planned(("alltoall", x.dtype, x.shape, None, algo), x, out)
+            if got is not None:
+                return got
         if needs_staging(x, out):
             res = self.alltoall(to_host(x), None, algo)
             return copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res)
@@ -346,15 +241,129 @@ class MPIComm(Communicator):
         if x.ndim == 0 or x.shape[0] % self.size:
             raise ValueError(f"alltoall: x has {x.shape[0] if x.ndim else 0} rows, not a multiple of size={self.size}")
         out = check_out(out, x.shape, x.dtype, "alltoall") if out is not None else new_like(x, x.shape)
+        self._check_algo("alltoall", algo)
         w = self._waiter("alltoall", x)
-        src_f, out_f = flat(x), flat(out)
-        algo = "mpi" if algo == "auto" else algo
-        if algo not in ALGOS["alltoall"]:
-            raise ValueError(f"unknown alltoall algorithm {algo!r}: expected auto, pairwise or mpi")
-        if algo == "mpi" or self.size == 1:
-            sync_stream(x)
-            self._lib(w, lambda: self._coll.Ialltoall(wire(src_f), wire(out_f)))
+        if self.size == 1:
+            flat(out)[...] = flat(x)
             return out
+        plan = self._plan(("alltoall", x.dtype, x.shape, None, algo), x, x.nbytes, x.shape)
+        return self._run(plan, x, out, w)
+
+    # --- plans: the one mechanism behind the five verbs above (see plans.py) ----------------
+    def _plan(self, key, x, nbytes, out_shape, op=None, root=0, E=None):
+        """The Plan of a checked call whose key is (verb, dtype, shape, op|root, algo): the
+        algorithm picked for nbytes; kept for NumPy operands outside debug mode."""
+        verb, algo = key[0], key[-1]
+        if verb == "alltoall":   # no tuning table: auto is the library's
+            chosen = "mpi" if algo == "auto" else algo
+        else:
+            chosen = self._pick(verb, algo, nbytes)
+        if backend.is_cupy(x) and chosen in _SHM:
+            # the shared window is host memory; CUDA-aware MPI moves device buffers
+            chosen = "mpi" if verb == "broadcast" else "ring"
+        plan = Plan(verb, chosen, x.dtype, out_shape, _OWN[verb], op, root, E)
+        if type(x) is _ndarray and self._fp is None and len(self._plans) < MAX_PLANS:
+            self._plans[key] = plan
+        return plan
+
+    def _planned(self, key, x, out=None, inplace=False):
+        """The fast path: run a NumPy call by the plan kept under key, or None (no plan, or an
+        operand the plan does not fit: the general path then checks it and raises).
+
+        What the general path checks is in the key (dtype, shape, op, algo were accepted) or
+        checked here (contiguity, out's type, dtype, shape); no debug fingerprint (the caller
+        tests self._fp). The call is counted and entered on the arrival board as _waiter does;
+        the deadline object is built only when a wait is not short (progress.poll1)."""
+        plan = self._plans.get(key)
+        if plan is None or not x.flags.c_contiguous:
+            return None
+        if out is None:
+            dst = x if inplace and plan.in_place else np.empty(plan.out_shape, x.dtype)
+        elif (type(out) is _ndarray and out.dtype == x.dtype and out.shape == plan.out_shape
+              and out.flags.c_contiguous):
+            dst = out
+        else:
+            return None
+        self.seq += 1
+        slots = self._board.slots     # ArrivalBoard.enter(seq, verb), inlined
+        slots[1] = plan.code
+        slots[0] = self.seq
+        return self._run(plan, x, dst)
+
+    def _run(self, plan, x, dst, w=None):
+        """Run call #self.seq (entered on the board) of x into dst by plan; returns dst.
+
+        w: the call's Waiter when the general path made one; the fast path's is built on demand."""
+        seq = self.seq
+        if plan.algo == "mpi":
+            sync_stream(x)
+            req = plan.start_library(self._coll, x, dst)
+            if not req.Test():
+                poll1(req, (lambda: w) if w is not None else
+                      (lambda: Waiter(plan.verb, self.name, seq, self.timeout, self._board)))
+            if plan.avg:
+                finish_avg(dst.reshape(-1), self.size)
+            return dst
+        if w is None:
+            w = Waiter(plan.verb, self.name, seq, self.timeout, self._board)
+        plan.own(self, w, plan, x, dst)
+        return dst
+
+    # --- pympar's own algorithms of each verb (plan.own), x into dst ---------------------------
+    def _leaders(self, w, op, x):
+        """(topology, context of the node leaders' communicator or None): hierarchical's inputs."""
+        t = self.topology()
+        return t, (self._ctx(w, op, x, t.leaders) if t.leaders is not None else None)
+
+    def _allreduce_own(self, w, plan, x, dst):
+        src_f, dst_f, algo, op = flat(x), flat(dst), plan.algo, plan.op
+        if algo == "shm":
+            shm_allreduce(self._shm_arena(), w, src_f, dst_f, op)
+        elif algo == "hierarchical":
+            _, lctx = self._leaders(w, op, x)
+            hierarchical_allreduce(self._shm_arena(), lctx, w, src_f, dst_f, op, self.size)
+        else:
+            if dst is not x:
+                dst_f[...] = src_f
+            _P2P_ALLREDUCE[algo](self._ctx(w, op, x), dst_f)
+            if op == "avg":
+                finish_avg(dst_f, self.size)
+
+    def _reduce_scatter_own(self, w, plan, x, out):
+        src_f, out_f, algo, op, E = flat(x), flat(out), plan.algo, plan.op, plan.E
+        if algo == "shm":
+            shm_reduce_scatter(self._shm_arena(), w, src_f, out_f, E, op)
+        elif algo == "hierarchical":
+            t, lctx = self._leaders(w, op, x)
+            hierarchical_reduce_scatter(self._shm_arena(), t, lctx, w, src_f, out_f, E, op, self.size)
+        else:
+            work = src_f.copy()
+            _P2P_REDUCE_SCATTER[algo](self._ctx(w, op, x), work, E)
+            out_f[...] = work[E[self.rank]:E[self.rank + 1]]
+            if op == "avg":
+                finish_avg(out_f, self.size)
+
+    def _allgather_own(self, w, plan, x, out):
+        src_f, out_f, algo = flat(x), flat(out), plan.algo
+        if algo == "shm":
+            shm_allgather(self._shm_arena(), w, src_f, out_f)
+        elif algo == "hierarchical":
+            t, lctx = self._leaders(w, "sum", x)
+            hierarchical_allgather(self._shm_arena(), t, lctx, w, src_f, out_f, self.size)
+        else:
+            m = src_f.size
+            out_f[self.rank * m:(self.rank + 1) * m] = src_f
+            _P2P_ALLGATHER[algo](self._ctx(w, "sum", x), out_f, [k * m for k in range(self.size + 1)])
+
+    def _broadcast_own(self, w, plan, x, _dst):
+        if plan.algo == "shm":
+            shm_broadcast(self._shm_arena(), w, flat(x), plan.root)
+        else:
+            _P2P_BROADCAST[plan.algo](self._ctx(w, "sum", x), flat(x), plan.root)
+
+    def _alltoall_own(self, w, plan, x, out):
+        """pairwise: n-1 simultaneous exchanges, rank r sending to r+k and receiving from r-k."""
+        src_f, out_f = flat(x), flat(out)
         m, n, r = src_f.size // self.size, self.size, self.rank
         ctx = self._ctx(w, "sum", x)
         out_f[r * m:(r + 1) * m] = src_f[r * m:(r + 1) * m]
@@ -364,7 +373,6 @@ class MPIComm(Communicator):
             reqs += [ctx.irecv(out_f[src * m:(src + 1) * m], src), ctx.isend(src_f[dst * m:(dst + 1) * m], dst)]
             peers += [src, dst]
         w.wait(reqs, peers)
-        return out
 
     def alltoallv(self, x, send_counts, recv_counts=None, out=None):
         """Send send_counts[i] rows of x (in order) to rank i -> (out, recv_counts).
@@ -624,6 +632,12 @@ class _Then:
         if not self._done:
             self._result, self._done = self._then(self._req.wait()), True
         return self._result
+
+
+# each verb's runner of pympar's own algorithms (plans.Plan.own)
+_OWN = {"allreduce": MPIComm._allreduce_own, "reduce_scatter": MPIComm._reduce_scatter_own,
+        "allgather": MPIComm._allgather_own, "broadcast": MPIComm._broadcast_own,
+        "alltoall": MPIComm._alltoall_own}
 
 
 _world = None
