@@ -261,7 +261,7 @@ class MPIComm(Communicator):
         if backend.is_cupy(x) and chosen in _SHM:
             # the shared window is host memory; CUDA-aware MPI moves device buffers
             chosen = "mpi" if verb == "broadcast" else "ring"
-        plan = Plan(verb, chosen, x.dtype, out_shape, _OWN[verb], op, root, E)
+        plan = Plan(verb, chosen, x.dtype, out_shape, _OWN[verb], self._coll, op, root, E)
         if type(x) is _ndarray and self._fp is None and len(self._plans) < MAX_PLANS:
             self._plans[key] = plan
         return plan
@@ -287,26 +287,26 @@ class MPIComm(Communicator):
         self.seq += 1
         slots = self._board.slots     # ArrivalBoard.enter(seq, verb), inlined
         slots[1] = plan.code
-        slots[0] = self.seq
-        return self._run(plan, x, dst)
+        seq = slots[0] = self.seq
+        if plan.algo != "mpi":
+            return self._run(plan, x, dst, Waiter(plan.verb, self.name, seq, self.timeout, self._board))
+        # _run's library branch, inlined (a Python call less: ~0.3 us of a ~3 us collective)
+        req = plan.start(x, dst)
+        if not req.Test():
+            poll1(req, lambda: Waiter(plan.verb, self.name, seq, self.timeout, self._board))
+        if plan.avg:
+            finish_avg(dst.reshape(-1), self.size)
+        return dst
 
-    def _run(self, plan, x, dst, w=None):
-        """Run call #self.seq (entered on the board) of x into dst by plan; returns dst.
-
-        w: the call's Waiter when the general path made one; the fast path's is built on demand."""
-        seq = self.seq
+    def _run(self, plan, x, dst, w):
+        """Run the call that w waits for (entered on the board) of x into dst by plan; returns dst."""
         if plan.algo == "mpi":
             sync_stream(x)
-            req = plan.start_library(self._coll, x, dst)
-            if not req.Test():
-                poll1(req, (lambda: w) if w is not None else
-                      (lambda: Waiter(plan.verb, self.name, seq, self.timeout, self._board)))
+            w.wait([plan.start(x, dst)], [None])
             if plan.avg:
-                finish_avg(dst.reshape(-1), self.size)
-            return dst
-        if w is None:
-            w = Waiter(plan.verb, self.name, seq, self.timeout, self._board)
-        plan.own(self, w, plan, x, dst)
+                finish_avg(flat(dst), self.size)
+        else:
+            plan.own(self, w, plan, x, dst)
         return dst
 
     # --- pympar's own algorithms of each verb (plan.own), x into dst ---------------------------

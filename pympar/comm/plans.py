@@ -30,54 +30,56 @@ class Plan:
     algo: the algorithm that runs ("mpi": the library's own); out_shape: the result's shape;
     in_place: the verb can write into its operand (allreduce, broadcast); E: element bounds
     of the ranks' blocks (reduce_scatter); own: MPIComm's runner of pympar's algorithms for
-    this verb, called as own(comm, waiter, plan, x, dst).
+    this verb, called as own(comm, waiter, plan, x, dst); start(x, dst): the library's
+    nonblocking collective on ``coll`` started, its MPI request (dst is x: in place).
     """
 
-    __slots__ = ("verb", "code", "algo", "op", "root", "mtype", "mop", "raw16", "avg",
-                 "out_shape", "in_place", "E", "counts", "start", "own")
+    __slots__ = ("verb", "code", "algo", "op", "root", "avg", "out_shape", "in_place", "E",
+                 "start", "own")
 
-    def __init__(self, verb, algo, dtype, out_shape, own, op=None, root=0, E=None):
+    def __init__(self, verb, algo, dtype, out_shape, own, coll, op=None, root=0, E=None):
         self.verb, self.code, self.algo, self.own = verb, op_code(verb), algo, own
         self.op, self.root, self.avg = op, root, op == "avg"
-        self.mtype = mpi_type(dtype)
-        self.mop = mpi_op(op, dtype) if op is not None else None
-        self.raw16 = dtype.itemsize == 2   # float16/bfloat16 travel as raw 2-byte words
         self.out_shape, self.in_place = tuple(out_shape), verb in ("allreduce", "broadcast")
         self.E = E
-        self.counts = [E[i + 1] - E[i] for i in range(len(E) - 1)] if E is not None else None
-        self.start = _STARTS[verb]
-
-    def start_library(self, coll, x, dst):
-        """Start the library's nonblocking collective of x into dst on ``coll``; the MPI request."""
-        t = self.mtype
-        if dst is x:
-            return self.start(self, coll, [x.view(_U16) if self.raw16 else x, t], None)
-        if self.raw16:   # memoryview refuses bfloat16: the same bytes as uint16
-            x, dst = x.view(_U16), dst.view(_U16)
-        return self.start(self, coll, [x, t], [dst, t])
+        counts = [E[i + 1] - E[i] for i in range(len(E) - 1)] if E is not None else None
+        mop = mpi_op(op, dtype) if op is not None else None
+        self.start = library_start(verb, coll, mpi_type(dtype), mop, counts, root, dtype.itemsize == 2)
 
 
-# the library's collectives: s = [send buffer, type]; d = [receive buffer, type], None in place.
-# Receive specs carry no count: mpi4py divides the buffer by the size for allgather/alltoall.
-def _start_allreduce(p, coll, s, d):
-    return coll.Iallreduce(MPI.IN_PLACE, s, p.mop) if d is None else coll.Iallreduce(s, d, p.mop)
+def library_start(verb, coll, t, mop=None, counts=None, root=0, raw16=False):
+    """start(x, dst) -> the MPI request of the library's nonblocking ``verb`` of x into dst.
 
+    Bound once per plan (the per-call work is building two buffer specs). t: the MPI type of
+    an element; mop: the MPI op (reductions); counts: the ranks' block sizes (reduce_scatter);
+    raw16: float16/bfloat16, which travel as raw 2-byte words (memoryview refuses bfloat16).
+    Receive specs carry no count: mpi4py divides the buffer by the size for allgather/alltoall.
+    """
+    if verb == "allreduce":
+        call, in_place = coll.Iallreduce, MPI.IN_PLACE
 
-def _start_reduce_scatter(p, coll, s, d):
-    return coll.Ireduce_scatter(s, d, p.counts, p.mop)
+        def start(x, d):
+            return call(in_place, [x, t], mop) if d is x else call([x, t], [d, t], mop)
+    elif verb == "reduce_scatter":
+        call = coll.Ireduce_scatter
 
+        def start(x, d):
+            return call([x, t], [d, t], counts, mop)
+    elif verb == "broadcast":
+        call = coll.Ibcast
 
-def _start_allgather(p, coll, s, d):
-    return coll.Iallgather(s, d)
+        def start(x, d):
+            return call([x, t], root)
+    else:   # allgather, alltoall
+        call = {"allgather": coll.Iallgather, "alltoall": coll.Ialltoall}[verb]
 
+        def start(x, d):
+            return call([x, t], [d, t])
+    if not raw16:
+        return start
+    words = start
 
-def _start_broadcast(p, coll, s, d):
-    return coll.Ibcast(s, p.root)
-
-
-def _start_alltoall(p, coll, s, d):
-    return coll.Ialltoall(s, d)
-
-
-_STARTS = {"allreduce": _start_allreduce, "reduce_scatter": _start_reduce_scatter,
-           "allgather": _start_allgather, "broadcast": _start_broadcast, "alltoall": _start_alltoall}
+    def start16(x, d):
+        xw = x.view(_U16)
+        return words(xw, xw if d is x else d.view(_U16))
+    return start16
