@@ -30,5 +30,6 @@ def test_hierarchical_8_ranks_4_nodes():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_comm_fast_paths(n):
-    # chunked shm allreduce at chunk boundaries, every dtype/op; allreduce's cached plans
+    # chunked shm allreduce at chunk boundaries, every dtype/op; the cached plans of the five
+    # blocking verbs against the general path, and a hung peer timing a planned call out
     run_pytest_mpi(n, "mpi_comm_fastpath.py", timeout=150)

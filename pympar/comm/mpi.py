@@ -144,8 +144,9 @@ class MPIComm(Communicator):
     # Every blocking verb below starts with its fast path: a NumPy operand whose call key was
     # planned before runs by that plan (_planned). Otherwise the general path checks the
     # operands, enters the call on the arrival board (_waiter), picks the algorithm and makes
-    # the plan (_plan, kept for the next call). Both paths then run the collective through the
-    # plan (_run): the library's nonblocking call, or the verb's runner of pympar's algorithms.
+    # the plan (_plan, kept for the next call). Both paths then run the collective by the plan:
+    # the library's nonblocking call it bound, or the verb's runner of pympar's algorithms (_run;
+    # the fast path inlines the library branch).
     def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True):
         """op over ranks of x. out=None: in place into x (inplace=True) or a new array."""
         if type(x) is _ndarray and self._fp is None:

@@ -9,8 +9,9 @@ outside debug mode it keeps that plan under the call's key
 A later call with the same key skips the checks and decisions (MPIComm._planned): its
 operand is C-contiguous NumPy, its dtype and algorithm were accepted when the plan was
 made, and the plan knows the output's shape, the MPI datatype and op, and how to start
-the library's nonblocking collective. Both paths run the collective through the same
-plan (MPIComm._run), so they cannot drift apart.
+the library's nonblocking collective (bound to the communicator once, library_start).
+Both paths run the collective by the same plan -- its library start or the verb's runner
+of pympar's algorithms (MPIComm._run) -- so they cannot drift apart.
 """
 from __future__ import annotations
 
