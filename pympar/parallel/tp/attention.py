@@ -3,7 +3,8 @@
 A tp rank owns heads [r*H/tp, (r+1)*H/tp). c_attn's weight (3C, C) stacks [q; k; v], so the
 rank's rows are that head range inside each of q, k and v: a non-contiguous Shard (three
 blocks along dim 0, see shard.py). The local projection then packs (B, T, 3, H/tp, hs) exactly
-like the full one packs (B, T, 3, H, hs). Attention itself needs no communication; c_proj's
+like the full one packs (B, T, 3, H, hs), and the attention math between the projections is
+nn.attention_core's, the single process's own. Attention itself needs no communication; c_proj's
 allreduce (or reduce-scatter with sequence parallelism) is the one collective of the forward.
 Gradient convention: see pympar/nn/parameter.py (param grads +=, activation grads =).
 """
@@ -11,9 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import kernels
-from ...backend import xp_of
-from ...nn.parameter import Module, matmul
+from ...nn.attention_core import CausalAttentionCore
+from ...nn.parameter import Module
 from ..shard import even_slice, stacked_slices
 from .collectives import as_collectives
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -39,6 +39,7 @@ class TPCausalSelfAttention(Module):
                                         bias=bias, std=0.02 / (2 * n_layer) ** 0.5,
                                         output_mode="reduce_scatter_seq" if sequence_parallel else "allreduce",
                                         compute_dtype=compute_dtype)
+        self.core = CausalAttentionCore()        # the attention math, shared with nn
 
     def sp_partial_params(self):
         return self.c_proj.sp_partial_params()
@@ -46,31 +47,13 @@ class TPCausalSelfAttention(Module):
     def forward(self, x):                        # x (B, T, C) [SP: (B, T/tp, C)] -> same shape
         qkv, c_in = self.c_attn.forward(x)       # (B, T, 3 * nhl * hs), T full
         B, T, _ = qkv.shape
-        nh, hs = self.n_head_local, self.head_size
-        q, k, v = qkv.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)   # each (B, nh, T, hs)
-        scale = xp_of(qkv).asarray(1.0 / np.sqrt(hs), dtype=qkv.dtype)
-        att = matmul(q, k.transpose(0, 1, 3, 2))  # (B, nh, T, T)
-        att *= scale
-        p = kernels.softmax_causal_forward(att)  # statistics in float32 (the kernel's), p like att
-        yh = matmul(p, v)                        # (B, nh, T, hs)
-        ya = yh.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
-        y, _ = self.c_proj.forward(ya)
-        return y, (c_in, q, k, v, p, ya)
+        ya, core = self.core.forward(qkv.reshape(B, T, 3, self.n_head_local, self.head_size))
+        y, _ = self.c_proj.forward(ya)           # ya (B, T, nhl * hs)
+        return y, (c_in, core, ya)
 
     def backward(self, dy, ctx):                 # dy like y -> dx like x
-        c_in, q, k, v, p, ya = ctx
-        B, nh, T, hs = q.shape
-        dya = self.c_proj.backward(dy, ya)       # (B, T, nh * hs)
-        dyh = dya.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)
-        dp = matmul(dyh, v.transpose(0, 1, 3, 2))
-        dv = matmul(p.transpose(0, 1, 3, 2), dyh)
-        datt = kernels.softmax_causal_backward(p, dp)
-        xp = xp_of(datt)
-        datt *= xp.asarray(1.0 / np.sqrt(hs), dtype=datt.dtype)
-        dq = matmul(datt, k)
-        dk = matmul(datt.transpose(0, 1, 3, 2), q)
-        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dq.dtype)
-        dqkv[:, :, 0] = dq.transpose(0, 2, 1, 3)
-        dqkv[:, :, 1] = dk.transpose(0, 2, 1, 3)
-        dqkv[:, :, 2] = dv.transpose(0, 2, 1, 3)
-        return self.c_attn.backward(dqkv.reshape(B, T, 3 * nh * hs), c_in)
+        c_in, core, ya = ctx
+        B, T, _ = ya.shape
+        dya = self.c_proj.backward(dy, ya)       # (B, T, nhl * hs)
+        dqkv = self.core.backward(dya, core)     # (B, T, 3, nhl, hs)
+        return self.c_attn.backward(dqkv.reshape(B, T, 3 * ya.shape[-1]), c_in)

@@ -1,0 +1,76 @@
+"""The causal attention core: the math between the qkv projection and the output projection.
+
+One implementation for nn.CausalSelfAttention (nh = n_head) and parallel.tp.TPCausalSelfAttention
+(nh = the tp rank's local heads): heads are independent, so a rank running its heads through
+this core computes exactly the numbers the single process computes for them.
+
+  forward:  qkv (B, T, 3, nh, hs), packed as c_attn writes it -> ya (B, T, nh*hs), as c_proj reads it
+  backward: dya (B, T, nh*hs) -> dqkv (B, T, 3, nh, hs), packed as c_attn's backward reads it
+
+Operands are NumPy or CuPy arrays of one float dtype; float16/bfloat16 run their GEMMs with
+float32 accumulation (nn.parameter.matmul) and the softmax with float32 statistics (the kernel's).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+from ..backend import xp_of
+from ..kernels.blas import over_chunks
+from .parameter import Module, matmul
+
+
+class CausalAttentionCore(Module):
+    """softmax(q k^T / sqrt(hs), causal) v per head; no parameters."""
+
+    def forward(self, qkv):                      # qkv (B, T, 3, nh, hs) -> ya (B, T, nh*hs), ctx
+        B, T, three, nh, hs = qkv.shape
+        if three != 3:
+            raise ValueError(f"qkv has shape {qkv.shape}: expected (B, T, 3, n_head, head_size)")
+        xp = xp_of(qkv)
+        # (B, T, 3, nh, hs) -> (3, B, nh, T, hs): views into qkv, no copies
+        q, k, v = qkv.transpose(2, 0, 3, 1, 4)
+        # the 1/sqrt(hs) scale goes on q (N C numbers) rather than on att (B nh T T)
+        qs = q * xp.asarray(1.0 / np.sqrt(hs), dtype=q.dtype)   # (B, nh, T, hs)
+        ya = xp.empty((B, T, nh * hs), dtype=qkv.dtype)
+        yh = ya.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)       # (B, nh, T, hs) view of ya
+        p = xp.empty((B, nh, T, T), dtype=qkv.dtype)
+
+        def rows(b0, b1):                        # batch rows [b0, b1): writes p and ya only
+            att = matmul(qs[b0:b1], k[b0:b1].transpose(0, 1, 3, 2))   # (b, nh, T, T)
+            kernels.softmax_causal_forward(att, out=p[b0:b1])       # zeros above the diagonal
+            matmul(p[b0:b1], v[b0:b1], out=yh[b0:b1])                # straight into ya
+
+        _split(B, rows, xp)
+        return ya, (qs, k, v, p)
+
+    def backward(self, dya, ctx):                # dya (B, T, nh*hs) -> dqkv (B, T, 3, nh, hs)
+        qs, k, v, p = ctx
+        B, nh, T, hs = qs.shape
+        dyh = dya.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
+        xp = xp_of(dya)
+        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dya.dtype)
+        dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)           # (B, nh, T, hs) views of dqkv
+        scale = xp.asarray(1.0 / np.sqrt(hs), dtype=dqkv.dtype)
+
+        def rows(b0, b1):                        # batch rows [b0, b1): writes dqkv only
+            pb, dyb = p[b0:b1], dyh[b0:b1]
+            dp = matmul(dyb, v[b0:b1].transpose(0, 1, 3, 2))        # (b, nh, T, T)
+            matmul(pb.transpose(0, 1, 3, 2), dyb, out=dv[b0:b1])
+            datt = kernels.softmax_causal_backward(pb, dp)          # d(att), att = qs k^T
+            matmul(datt.transpose(0, 1, 3, 2), qs[b0:b1], out=dk[b0:b1])
+            dqb = dq[b0:b1]
+            matmul(datt, k[b0:b1], out=dqb)                         # d(qs); dq = d(qs) * scale
+            dqb *= scale
+
+        _split(B, rows, xp)
+        return dqkv
+
+
+def _split(B, rows, xp):
+    """rows(b0, b1) over the batch: on NumPy side by side on the kernels' threads (the per-head
+    GEMMs are too small for the BLAS's own threads to pay), else in one call."""
+    if xp is np:
+        over_chunks(B, rows, kernels.get_num_threads())
+    else:
+        rows(0, B)
