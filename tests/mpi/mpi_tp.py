@@ -6,10 +6,11 @@ import os
 import numpy as np
 import pytest
 
-from pympar.nn import GPT, GPTConfig
+from pympar.backend import dtype as backend_dtype
+from pympar.nn import GPT, CausalSelfAttention, GPTConfig
 from pympar.optim import AdamW, clip_grad_norm
 from pympar.parallel.shard import shard_of
-from pympar.parallel.tp import TPGPT, activation_bytes, tp_allreduce_sq, validate_tp
+from pympar.parallel.tp import TPGPT, TPCausalSelfAttention, activation_bytes, tp_allreduce_sq, validate_tp
 
 SLOW = os.environ.get("PYMPAR_TP_SLOW") == "1"
 # vocab 37 is prime: never divisible by tp > 1 (padding path); n_head 4: tp in 1, 2, 4
@@ -231,6 +232,30 @@ def test_sequence_parallel_saves_activation_memory(comm):
         assert sp == plain
     else:
         assert sp < plain
+
+
+@pytest.mark.parametrize("dtype,cdt", [(np.float64, None), (np.float32, None), (np.float32, "bfloat16")])
+def test_attention_computes_the_single_process_numbers(comm, dtype, cdt):
+    """TPCausalSelfAttention runs nn's attention core on its local heads: the attention output
+    before c_proj (ctx[-1], (B, T, nhl*hs)) is bit for bit nn.CausalSelfAttention's for this rank's
+    heads; at tp=1 so are y, dx and every gradient."""
+    C, nh = 24, 4                                           # head size 6: 1/sqrt(6) rounds (a power of 2 would not)
+    rng = np.random.default_rng(11)
+    act = dtype if cdt is None else backend_dtype(cdt)      # activations arrive in the compute dtype
+    x = rng.standard_normal((B, T, C)).astype(act)
+    dy = rng.standard_normal((B, T, C)).astype(act)
+    ref = CausalSelfAttention(C, nh, name="a", seed=3, dtype=dtype, compute_dtype=cdt)
+    tpm = TPCausalSelfAttention(C, nh, comm, name="a", seed=3, dtype=dtype, compute_dtype=cdt)
+    y_ref, ctx_ref = ref.forward(x)
+    y, ctx = tpm.forward(x)
+    local = C // comm.size                                  # this rank's heads' columns of ya
+    np.testing.assert_array_equal(ctx[-1], ctx_ref[-1][..., comm.rank * local:(comm.rank + 1) * local])
+    dx_ref, dx = ref.backward(dy, ctx_ref), tpm.backward(dy, ctx)
+    if comm.size == 1:
+        np.testing.assert_array_equal(y, y_ref)
+        np.testing.assert_array_equal(dx, dx_ref)
+        for (n, p), (_, q) in zip(tpm.named_parameters(), ref.named_parameters()):
+            np.testing.assert_array_equal(p.grad, q.grad, err_msg=n)
 
 
 def test_generate_matches(comm):
