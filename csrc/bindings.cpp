@@ -5,6 +5,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -92,6 +94,24 @@ PYBIND11_MODULE(_C, m) {
     pympar::set_num_threads(n);
   });
   m.def("get_num_threads", [] { return pympar::get_num_threads(); });
+  m.def("set_spin_us", [](int us) { pympar::set_spin_us(us); },
+        "microseconds an idle kernel thread spins before it sleeps (PYMPAR_SPIN_US, default 200)");
+  m.def("get_spin_us", [] { return pympar::get_spin_us(); });
+  m.def("blas_threads_callback", [] { return reinterpret_cast<uintptr_t>(&pympar_blas_threads_callback); },
+        "address of the OpenBLAS caller-managed threading hook that runs the BLAS's jobs on the kernel threads");
+  m.def("blas_callback_calls", [] { return pympar::blas_callback_calls(); });
+  // fn(b0, b1) for the ranges [n*i//parts, n*(i+1)//parts) side by side on the kernel threads
+  // (each takes the GIL; NumPy's matmul and these kernels drop it again inside). Calls nested in
+  // a range run inline (the pool is held). The first exception raised is re-raised here.
+  m.def("parallel_chunks", [](int64_t n, int parts, py::function fn) {
+    if (n < 0 || parts < 1) throw py::value_error("parallel_chunks: need n >= 0 and parts >= 1");
+    parts = static_cast<int>(std::min<int64_t>(parts, std::max<int64_t>(n, 1)));
+    py::gil_scoped_release g;
+    pympar::parallel_for(parts, 1, 1, [&](int64_t i0, int64_t i1) {
+      py::gil_scoped_acquire a;
+      for (int64_t i = i0; i < i1; ++i) fn(n * i / parts, n * (i + 1) / parts);
+    });
+  });
 
   m.def("softmax_causal_forward", [](const py::array& x, py::array& y) {
     int64_t T = last_dim(x), n = x.size();

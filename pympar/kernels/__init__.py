@@ -9,7 +9,10 @@ or the pure-xp reference in :mod:`pympar.kernels.reference`.
   forces the reference everywhere; ``backend(array)`` says which implementation an array
   would get.
 - ``set_num_threads(n)`` sets the C++ kernels' threads in this process (default 1, or
-  ``PYMPAR_NUM_THREADS``): exactly n threads run each kernel call.
+  ``PYMPAR_NUM_THREADS``): exactly n threads run each kernel call. Called explicitly (or with
+  ``PYMPAR_NUM_THREADS`` set), it also gives the BLAS the same n threads and, where OpenBLAS
+  allows it, runs the BLAS's parallel work on those same threads (``blas.share_kernel_threads``;
+  ``PYMPAR_BLAS_THREADS=own`` opts out). Without either, the BLAS is left as NumPy set it up.
 """
 from __future__ import annotations
 
@@ -57,8 +60,9 @@ def native_isa() -> str | None:
     return _native.isa() if _native is not None else None
 
 
-def set_num_threads(n: int) -> None:
-    """Threads used by each C++ kernel call in this process (default 1)."""
+def set_num_threads(n: int, *, blas: bool = True) -> None:
+    """Threads used by each C++ kernel call in this process (default 1); ``blas``: the BLAS's
+    parallel jobs run on the same n threads (see the module docstring)."""
     global _threads
     n = int(n)
     if n < 1:
@@ -66,6 +70,9 @@ def set_num_threads(n: int) -> None:
     _threads = n
     if _native is not None:
         _native.set_num_threads(n)
+        if blas:
+            from .blas import share_kernel_threads
+            share_kernel_threads(n)
 
 
 def get_num_threads() -> int:
@@ -132,4 +139,4 @@ cast = _dispatch("cast")
 reduce_inplace = _dispatch("reduce_inplace")
 scale_inplace = _dispatch("scale_inplace")
 
-set_num_threads(int(os.environ.get("PYMPAR_NUM_THREADS", "1")))
+set_num_threads(int(os.environ.get("PYMPAR_NUM_THREADS", "1")), blas="PYMPAR_NUM_THREADS" in os.environ)
