@@ -35,8 +35,11 @@ def steps(quick: bool) -> list:
         ("kernels", [PY, B / "kernels.py", "--sizes", *(["65536"] if q else ["1048576", "16384"]),
                      "--threads", "1", "2", "--min-time", "0.05" if q else "0.2", "--json", R / "kernels.json"],
          ["kernels", R / "kernels.json", IMG / "kernels.png"]),
-        ("train_step", [PY, B / "train_step.py", "--preset", "small", "--batch", "8", "--threads", "1",
-                        "--steps", "2" if q else "5", "--profile", "0", "--json", R / "train_step.json"], None),
+        # one command per (preset, threads) row; each merges its row into train_step.json
+        ("train_step", [[PY, B / "train_step.py", "--preset", preset, "--batch", "8", "--threads", str(t),
+                         "--steps", "2" if q else "5", "--repeat", "1" if q else "3", "--profile", "0",
+                         "--json", R / "train_step.json"]
+                        for preset in (["small"] if q else ["small", "moe-small"]) for t in (1, 2)], None),
         ("collectives", [PY, B / "collectives.py", *(["--ranks", "2,4", "--max", "4M", "--large-iters", "1", "--max-other", "64K",
                                                       "--collectives", "allreduce,allgather", "--factor", "64",
                                                       "--iters", "3"] if q else ["--ranks", "2,4,8", "--max-other", "1M"]),
@@ -83,10 +86,14 @@ def main(argv=None):
         if only and name not in only:
             continue
         t0 = time.time()
-        print(f"[run_all] {name}: {' '.join(map(str, cmd[1:]))}", flush=True)
+        cmds = cmd if isinstance(cmd[0], list) else [cmd]          # a step: one command or several in turn
         try:
-            p = subprocess.run([str(c) for c in cmd], env=common.env(), cwd=common.ROOT, timeout=a.timeout,
-                               capture_output=True, text=True)
+            for c in cmds:
+                print(f"[run_all] {name}: {' '.join(map(str, c[1:]))}", flush=True)
+                p = subprocess.run([str(x) for x in c], env=common.env(), cwd=common.ROOT, timeout=a.timeout,
+                                   capture_output=True, text=True)
+                if p.returncode != 0:
+                    break
             ok = p.returncode == 0 or (name == "soak" and p.returncode == 1)     # soak: 1 = growth over the limit
             if ok and fig:
                 f = subprocess.run([PY, str(B / "figures.py"), *map(str, fig)], env=common.env(), cwd=common.ROOT,
