@@ -15,14 +15,6 @@ needs_hook = pytest.mark.skipif(not (blas._openblas() and blas._hooks),
                                 reason="no OpenBLAS with the caller-managed threading hook")
 
 
-@pytest.fixture
-def threads():
-    def use(n):
-        kernels.set_num_threads(n)
-    yield use
-    kernels.set_num_threads(1)
-
-
 def _operands(dtype, m=300, k=200, n=260):
     rng = np.random.default_rng(7)
     return rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)

@@ -8,14 +8,6 @@ from pympar.kernels import blas
 from pympar.nn import GPT, GPTConfig, CausalSelfAttention
 
 
-@pytest.fixture
-def threads():
-    def use(n):
-        kernels.set_num_threads(n)
-    yield use
-    kernels.set_num_threads(1)
-
-
 def test_over_chunks_covers_range_once_and_restores_blas_threads(threads):
     seen = []
     before = blas.blas_threads()
