@@ -84,3 +84,38 @@ def test_moe_experts_threads_bit_identical(threads):
         assert np.array_equal(a, b)
     for a, b in zip(res[0][3], res[1][3]):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("weights, parts, want", [
+    ([300, 100, 50, 50], 2, [0, 1, 4]),          # one heavy expert alone, the rest together
+    ([1, 1, 1, 1], 2, [0, 2, 4]),
+    ([0, 0, 5, 0], 2, [0, 3, 4]),
+    ([0, 0, 0], 2, [0, 1, 3]),                   # no weight: equal counts
+    ([7], 3, [0, 1, 1, 1]),
+])
+def test_balanced_bounds(weights, parts, want):
+    assert blas.balanced_bounds(weights, parts) == want
+
+
+def test_weighted_over_chunks_covers_every_item_once(threads):
+    threads(2)
+    seen = []
+    blas.over_chunks(6, lambda i0, i1: seen.extend(range(i0, i1)), 2, weights=[50, 1, 1, 1, 1, 60])
+    assert sorted(seen) == list(range(6))
+
+
+def test_moe_threads_split_by_rows_same_numbers(threads):
+    """An MoE layer whose routing is uneven gives the one-thread numbers bit for bit at 2 threads."""
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, n_expert=4, top_k=1)
+    rng = np.random.default_rng(4)
+    idx, tgt = rng.integers(0, 64, (4, 16)), rng.integers(0, 64, (4, 16))
+    out = []
+    for n in (1, 2):
+        threads(n)
+        m = GPT(cfg, seed=2)
+        m.zero_grad()
+        loss = m.loss_and_grad(idx, tgt)
+        out.append((loss, {k: p.grad.copy() for k, p in m.named_parameters()}))
+    assert out[0][0] == out[1][0]
+    for k in out[0][1]:
+        np.testing.assert_array_equal(out[0][1][k], out[1][1][k], err_msg=k)

@@ -124,10 +124,30 @@ def _executor(n):
     return _pool
 
 
-def over_chunks(n_items: int, fn, n_threads: int) -> None:
+def balanced_bounds(weights, parts: int) -> list:
+    """Bounds b[0]=0 <= ... <= b[parts]=len(weights) cutting the items, in order, into ``parts``
+    contiguous ranges of about equal total weight (range j ends at the first item whose running
+    total reaches j/parts of the whole)."""
+    n = len(weights)
+    total = float(sum(weights))
+    if total <= 0:
+        return [n * j // parts for j in range(parts + 1)]
+    bounds, run, j = [0], 0.0, 1
+    for i, w in enumerate(weights):
+        run += w
+        while j < parts and run >= total * j / parts:
+            bounds.append(i + 1)
+            j += 1
+    bounds += [n] * (parts + 1 - len(bounds))
+    return bounds
+
+
+def over_chunks(n_items: int, fn, n_threads: int, weights=None) -> None:
     """Call ``fn(i0, i1)`` on ``min(n_threads, n_items)`` disjoint ranges covering [0, n_items):
     side by side with the BLAS at one thread when n_threads > 1 and the BLAS can be set, else
-    once serially (fn(0, n_items)). ``fn`` must write disjoint outputs per range.
+    once serially (fn(0, n_items)). ``fn`` must write disjoint outputs per range. ``weights``
+    (one per item, e.g. an MoE expert's rows): ranges of about equal weight instead of equal
+    item counts (balanced_bounds).
 
     The ranges run on the C++ kernels' own threads when they are built (at most the pool's size
     at once; kernels called inside a range then run on that range's thread alone, so no third
@@ -137,6 +157,14 @@ def over_chunks(n_items: int, fn, n_threads: int) -> None:
             or not _lock.acquire(blocking=False):   # nested or concurrent use: serial
         fn(0, n_items)
         return
+    if weights is not None:                   # one item per range, cut by weight
+        b = balanced_bounds(weights, parts)
+        run, n_items = fn, parts
+
+        def fn(i0, i1):
+            for j in range(i0, i1):
+                if b[j] < b[j + 1]:
+                    run(b[j], b[j + 1])
     try:
         before = blas_threads()
         set_blas_threads(1)

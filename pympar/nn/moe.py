@@ -90,7 +90,7 @@ class MoE(Module):
                     ys[lo[e]:lo[e + 1]], c = self.experts[e].forward(xs[lo[e]:lo[e + 1]])
                     ctxs[e] = (e, lo[e], n[e], c)
 
-        self._over_experts(len(n), experts, xp)
+        self._over_experts(len(n), experts, xp, n)
         return ys, [c for c in ctxs if c is not None]
 
     def run_experts_backward(self, dys, ctxs):
@@ -101,15 +101,16 @@ class MoE(Module):
             for e, lo, n, c in ctxs[i0:i1]:
                 dxs[lo:lo + n] = self.experts[e].backward(dys[lo:lo + n], c)
 
-        self._over_experts(len(ctxs), experts, xp_of(dys))
+        self._over_experts(len(ctxs), experts, xp_of(dys), [c[2] for c in ctxs])
         return dxs
 
     @staticmethod
-    def _over_experts(n, fn, xp):
+    def _over_experts(n, fn, xp, rows):
         """fn(i0, i1) over n experts: on NumPy split over the kernels' threads (each expert's
-        GEMMs are small; whole experts side by side beat the BLAS splitting each one)."""
+        GEMMs are small; whole experts side by side beat the BLAS splitting each one), in
+        ranges of about equal rows (routing is rarely even)."""
         if xp is np:
-            over_chunks(n, fn, kernels.get_num_threads())
+            over_chunks(n, fn, kernels.get_num_threads(), weights=rows)
         else:
             fn(0, n)
 
