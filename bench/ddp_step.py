@@ -20,6 +20,10 @@ sides alternate launch by launch (--rounds R: pympar, torch, pympar, torch, ...)
 drift hits both, and the ratio reported is the median of the per-round ratios
 (tokens/s pympar / tokens/s torch: > 1 means pympar is faster).
 
+MoE presets: an expert that gets no token on a rank has no gradient in torch's graph, which DDP
+accepts only with find_unused_parameters=True (an extra graph walk per step, on the torch side
+only; recorded per row). pympar allreduces that expert's zero gradients as usual.
+
 Same work: both sides' global mean loss at step 0 (same weights, same batch) must agree to
 --loss-rtol, else the script exits 1; step 1's loss (after one synchronised update) is
 reported too.
@@ -81,14 +85,14 @@ def batches(run, corpus, model_cfg, step, rank):
     return local_micro_batches(corpus.train, run.seed, step, rank, 1, run.micro_batch_size, model_cfg.block_size)
 
 
-def result(a, side, world, model_cfg, run, n_params, times, losses):
+def result(a, side, world, model_cfg, run, n_params, times, losses, **extra):
     """The RESULT line rank 0 prints: per-step times are already the slowest rank's."""
     timed = times[a.warmup:] or times
     step_s = statistics.median(timed)
     tokens = run.micro_batch_size * world * model_cfg.block_size
     out = dict(side=side, preset=a.preset, world=world, per_rank_batch=run.micro_batch_size, seq=model_cfg.block_size,
                params=n_params, tokens_per_step=tokens, step_s=step_s, tokens_per_s=tokens / step_s,
-               steps=len(timed), step_times=timed, losses=losses)
+               steps=len(timed), step_times=timed, losses=losses, **extra)
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -141,9 +145,11 @@ def worker_torch(a):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank, world_size=world)
     tm = TorchGPT(model_cfg).float()
     load_numpy_state(tm, GPT(model_cfg, seed=run.seed, dtype=np.float32).state_dict())   # the runner's weights
-    warnings.filterwarnings("ignore", message=".*broadcast_buffers.*")   # the MoE expert_bias stays rank-local,
-    ddp = torch.nn.parallel.DistributedDataParallel(                      # as in pympar (equal, never updated here)
-        tm, bucket_cap_mb=run.bucket_mb, broadcast_buffers=False)
+    # the MoE expert_bias stays rank-local as in pympar (equal, never updated here); an expert that gets no
+    # token on a rank leaves its parameters out of the graph, which DDP only accepts with find_unused_parameters
+    warnings.filterwarnings("ignore", message=".*broadcast_buffers.*")
+    ddp = torch.nn.parallel.DistributedDataParallel(tm, bucket_cap_mb=run.bucket_mb, broadcast_buffers=False,
+                                                    find_unused_parameters=model_cfg.n_expert > 0)
     named = list(tm.named_parameters())
     opt = torch.optim.AdamW(
         [dict(params=[p for n, p in named if decays(n, p.detach().numpy())], weight_decay=run.weight_decay),
@@ -169,7 +175,8 @@ def worker_torch(a):
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     n_params = sum(p.numel() for p in tm.parameters())  # the tied lm_head counted once
     if rank == 0:
-        result(a, "torch", world, model_cfg, run, n_params, t.tolist(), losses)
+        result(a, "torch", world, model_cfg, run, n_params, t.tolist(), losses,
+               find_unused_parameters=ddp.find_unused_parameters)
     dist.barrier()                                       # no rank tears gloo down under another
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -213,6 +220,7 @@ def measure(a, preset: str, world: int) -> dict:
     t_t = statistics.median(x["torch_step_s"] for x in rounds)
     row = dict(preset=preset, world=world, per_rank_batch=pm["per_rank_batch"], seq=pm["seq"],
                global_batch=a.global_batch, params=pm["params"], torch_params=th["params"],
+               torch_find_unused_parameters=th["find_unused_parameters"],
                tokens_per_step=pm["tokens_per_step"], pympar_step_s=t_p, torch_step_s=t_t,
                pympar_tokens_per_s=pm["tokens_per_step"] / t_p, torch_tokens_per_s=pm["tokens_per_step"] / t_t,
                ratio=statistics.median(x["ratio"] for x in rounds),

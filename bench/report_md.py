@@ -80,7 +80,37 @@ def sec_train_step(res, status) -> str:
               f"{r.get('torch_tokens_per_s', float('nan')):.0f} | {r.get('speed_ratio_pympar_over_torch', float('nan')):.2f}x |"
               for key, r in sorted(d.get("table", {f"{d['preset']}/{d['threads']}": d}).items())],
             "", "Each row: the median of paired repeats (`--repeat`); docs/engine.md has the profile.",
-            "", "The DP 2 form of this comparison (pympar DP against torch DDP) is not in the suite yet.", ""]
+            "", "The data-parallel form of this comparison (pympar DP against torch DDP) is the next section.", ""]
+    return "\n".join(out)
+
+
+def sec_ddp_step(res, status) -> str:
+    d = _load(res, "ddp_step")
+    out = ["## A data-parallel step: pympar DP vs torch DDP (gloo)" + _when("ddp_step", status), ""]
+    if not d:
+        return "\n".join(out) + _missing("ddp_step", status)
+    out += ["`python bench/ddp_step.py`: pympar's data-parallel step (the trainer's ParallelRunner: bucketed "
+            "gradient allreduce overlapped with backward) against PyTorch DistributedDataParallel on gloo "
+            f"(torch {d['torch_version']}), both launched by mpiexec with the same process count, one thread per "
+            f"process, the same model and weights, the same micro-batch per rank (global batch {d['global_batch']} "
+            "sequences), clip 1.0 and AdamW. Per launch: median of the slowest rank's step time over "
+            f"{d['steps']} steps after {d['warmup']}; the sides alternate launch by launch for {d['rounds']} "
+            "round(s), and the ratio is the median of the rounds' ratios (> 1: pympar faster). Both sides' "
+            "global mean loss at step 0 (same weights, same batch) and at step 1 (after one synchronised "
+            "update) show the two runs do the same work.", "", _img("ddp_step", "ddp step"), "",
+            "| preset | ranks | batch per rank x seq | pympar tokens/s | torch DDP tokens/s | pympar / torch | each round | "
+            "loss step 0 pympar / torch | loss step 1 pympar / torch |",
+            "| --- | ---: | --- | ---: | ---: | ---: | --- | --- | --- |"]
+    for r in d["rows"]:
+        l1 = f"{r['loss1_pympar']:.6f} / {r['loss1_torch']:.6f}" if r.get("loss1_pympar") is not None else "-"
+        each = ", ".join(f"{x['ratio']:.2f}" for x in r["rounds"])
+        out.append(f"| {r['preset']} | {r['world']} | {r['per_rank_batch']} x {r['seq']} | {r['pympar_tokens_per_s']:.0f} | "
+                   f"{r['torch_tokens_per_s']:.0f} | {r['ratio']:.2f}x | {each} | "
+                   f"{r['loss0_pympar']:.6f} / {r['loss0_torch']:.6f} | {l1} |")
+    bad = [r for r in d["rows"] if not r["same_loss"]]
+    out += ["", "Step-0 losses agree within a relative " + f"{d['loss_rtol']:g} in " +
+            ("every row." if not bad else f"{len(d['rows']) - len(bad)} of {len(d['rows'])} rows: the rows "
+             + ", ".join(f"{r['preset']} {r['world']} ranks" for r in bad) + " do NOT compare the same work."), ""]
     return "\n".join(out)
 
 
@@ -305,6 +335,6 @@ def render(res: Path, status: dict) -> str:
     quick = [n for n, s in status.items() if s.get("quick")]
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
-    secs = [sec_collectives, sec_train_step, sec_kernels, sec_strategies, sec_pipeline, sec_dp, sec_moe,
+    secs = [sec_collectives, sec_train_step, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_dp, sec_moe,
             sec_compression, sec_plan, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

@@ -40,6 +40,9 @@ def steps(quick: bool) -> list:
                          "--steps", "2" if q else "5", "--repeat", "1" if q else "3", "--profile", "0",
                          "--json", R / "train_step.json"]
                         for preset in (["small"] if q else ["small", "moe-small"]) for t in (1, 2)], None),
+        ("ddp_step", [PY, B / "ddp_step.py", "--presets", "small" if q else "small,moe-small", "--world", "2" if q else "2,4",
+                      "--rounds", "1" if q else "3", "--steps", "2" if q else "8", "--warmup", "1" if q else "2",
+                      "--json", R / "ddp_step.json", "--png", IMG / "ddp_step.png"], None),
         ("collectives", [PY, B / "collectives.py", *(["--ranks", "2,4", "--max", "4M", "--large-iters", "1", "--max-other", "64K",
                                                       "--collectives", "allreduce,allgather", "--factor", "64",
                                                       "--iters", "3"] if q else ["--ranks", "2,4,8", "--max-other", "1M"]),

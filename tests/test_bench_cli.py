@@ -40,3 +40,27 @@ def test_tune_table_drives_auto(tmp_path):
     p = run_mpi(2, ["-m", "pympar.bench", "allreduce", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0"],
                 timeout=60, env={"PYMPAR_TUNING": t})
     assert "auto" in p.stdout and "0 OK" in p.stdout
+
+
+def test_ddp_step_compares_the_same_work(tmp_path):
+    """bench/ddp_step.py: both sides run, agree on the loss at steps 0 and 1, and the doc renders the row."""
+    pytest.importorskip("torch")
+    res = tmp_path / "results"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "ddp_step.py"), "--presets", "tiny", "--world", "2",
+                        "--global-batch", "4", "--rounds", "1", "--steps", "2", "--warmup", "1", "--timeout", "90",
+                        "--json", res / "ddp_step.json", "--png", tmp_path / "ddp_step.png"],
+                       capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads((res / "ddp_step.json").read_text())
+    (r,) = d["rows"]
+    assert (r["preset"], r["world"], r["per_rank_batch"], r["global_batch"]) == ("tiny", 2, 2, 4)
+    assert r["params"] == r["torch_params"] and r["same_loss"]
+    # the same weights and batch give the same loss; one synchronised AdamW step later still the same
+    assert r["loss0_pympar"] == pytest.approx(r["loss0_torch"], rel=1e-5)
+    assert r["loss1_pympar"] == pytest.approx(r["loss1_torch"], rel=1e-4) and r["loss1_torch"] != r["loss0_torch"]
+    assert r["pympar_tokens_per_s"] > 0 and r["torch_tokens_per_s"] > 0
+    assert r["ratio"] == pytest.approx(r["torch_step_s"] / r["pympar_step_s"])
+    sys.path.insert(0, str(ROOT / "bench"))
+    import report_md
+    doc = report_md.render(res, {})
+    assert "pympar DP vs torch DDP" in doc and f"| tiny | 2 | 2 x 64 | {r['pympar_tokens_per_s']:.0f} |" in doc
