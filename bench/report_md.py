@@ -107,6 +107,11 @@ def sec_ddp_step(res, status) -> str:
         out.append(f"| {r['preset']} | {r['world']} | {r['per_rank_batch']} x {r['seq']} | {r['pympar_tokens_per_s']:.0f} | "
                    f"{r['torch_tokens_per_s']:.0f} | {r['ratio']:.2f}x | {each} | "
                    f"{r['loss0_pympar']:.6f} / {r['loss0_torch']:.6f} | {l1} |")
+    fu = [f"{r['preset']} {r['world']} ranks" for r in d["rows"] if r.get("torch_find_unused_parameters")]
+    if fu:
+        out += ["", f"Torch DDP runs {', '.join(fu)} with find_unused_parameters=True (an expert that gets no token on "
+                    "a rank has no gradient in the autograd graph, which DDP otherwise refuses): an extra walk of the "
+                    "graph per step on the torch side only; pympar allreduces that expert's zero gradients."]
     bad = [r for r in d["rows"] if not r["same_loss"]]
     out += ["", "Step-0 losses agree within a relative " + f"{d['loss_rtol']:g} in " +
             ("every row." if not bad else f"{len(d['rows']) - len(bad)} of {len(d['rows'])} rows: the rows "
