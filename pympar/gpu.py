@@ -114,12 +114,6 @@ def bfloat16_supported() -> bool:
         return False
 
 
-def _mpi_max():
-    from mpi4py import MPI
-
-    return MPI.MAX
-
-
 def device_world(mpi_comm, timeout=None, name="world", use_nccl=None):
     """The job's communicator on GPUs: DeviceComm over NCCL (CuPy operands) and MPI (host
     operands). PYMPAR_NCCL=0 (or use_nccl=False) keeps everything on MPI: CUDA-aware MPI
@@ -130,8 +124,9 @@ def device_world(mpi_comm, timeout=None, name="world", use_nccl=None):
 
     mpi = MPIComm(mpi_comm, name=name, timeout=timeout)
     if use_nccl is None and mpi.size > 1:
-        per_node = node_rank_size(mpi_comm)[1]
-        most = mpi_comm.allreduce(per_node, op=_mpi_max())
+        from mpi4py import MPI
+
+        most = mpi_comm.allreduce(node_rank_size(mpi_comm)[1], op=MPI.MAX)   # ranks on the fullest node
         gpus = backend.get_xp("cuda").cuda.runtime.getDeviceCount()
         use_nccl, note = nccl_choice(os.environ.get("PYMPAR_NCCL", ""), most, gpus)
         if note and mpi.rank == 0:
