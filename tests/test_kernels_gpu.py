@@ -61,6 +61,12 @@ def test_softmax_causal(dt):
     gh, gd = data(rng, h.shape, dt)
     yh = host(y)
     close(G.softmax_causal_backward(y, gd), R.softmax_causal_backward(yh.astype(np.float32), gh.astype(np.float32)), dt)
+    # out=: written in place (a contiguous slice, as attention passes) and through a strided view
+    full = cp.zeros((5,) + h.shape[1:], dtype=d.dtype)
+    r = G.softmax_causal_forward(d, out=full[1:4])
+    assert r.data.ptr == full[1:4].data.ptr and (full[1:4] == y).all() and not full[0].any() and not full[4].any()
+    t = cp.zeros(h.shape[::-1], dtype=d.dtype).transpose(2, 1, 0)          # same shape, not contiguous
+    assert (G.softmax_causal_forward(d, out=t) == y).all()
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.name)
