@@ -179,7 +179,7 @@ class MPIComm(Communicator):
         check_op(op)
         if needs_staging(x, out, reduction=True):
             res = self.reduce_scatter(to_host(x), op, algo)
-            return copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res)
+            return _unstage(out, x, res)
         x, E, out = self._rs_operands(x, out, "reduce_scatter")
         self._check_algo("reduce_scatter", algo)
         w = self._waiter("reduce_scatter", x)
@@ -197,7 +197,7 @@ class MPIComm(Communicator):
                 return got
         if needs_staging(x, out):
             res = self.allgather(to_host(x), algo)
-            return copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res)
+            return _unstage(out, x, res)
         x = contiguous(x, "allgather operand")
         if x.ndim == 0:
             x = x.reshape(1)
@@ -237,7 +237,7 @@ class MPIComm(Communicator):
                 return got
         if needs_staging(x, out):
             res = self.alltoall(to_host(x), None, algo)
-            return copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res)
+            return _unstage(out, x, res)
         x = contiguous(x, "alltoall operand")
         if x.ndim == 0 or x.shape[0] % self.size:
             raise ValueError(f"alltoall: x has {x.shape[0] if x.ndim else 0} rows, not a multiple of size={self.size}")
@@ -382,7 +382,7 @@ class MPIComm(Communicator):
         """
         if needs_staging(x, out):
             res, rc = self.alltoallv(to_host(x), send_counts, recv_counts)
-            return (copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res)), rc
+            return (_unstage(out, x, res)), rc
         x = contiguous(x, "alltoallv operand")
         sc = np.asarray(backend.to_numpy(send_counts), dtype=np.int64).reshape(-1)
         if sc.size != self.size or (sc < 0).any() or sc.sum() != (x.shape[0] if x.ndim else 0):
@@ -441,7 +441,7 @@ class MPIComm(Communicator):
             h = to_host(x)
             dst = out if out is not None else (x if inplace else None)
             r = self.iallreduce(h, op, algo)
-            return _Then(r, lambda hh: copy_back(dst, hh) if dst is not None else backend.xp_of(x).asarray(hh))
+            return _Then(r, lambda hh: _unstage(dst, x, hh))
         x = contiguous(x, "iallreduce operand")
         dst = check_out(out, x.shape, x.dtype, "iallreduce") if out is not None else (x if inplace else new_like(x, x.shape))
         w = self._waiter("iallreduce", x)
@@ -463,7 +463,7 @@ class MPIComm(Communicator):
         algo = self._i_algo("ireduce_scatter", algo)
         if needs_staging(x, out, reduction=True):
             r = self.ireduce_scatter(to_host(x), op, algo)
-            return _Then(r, lambda res: copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res))
+            return _Then(r, lambda res: _unstage(out, x, res))
         x, E, out = self._rs_operands(x, out, "ireduce_scatter")
         w = self._waiter("ireduce_scatter", x)
         src_f, out_f = flat(x), flat(out)
@@ -489,7 +489,7 @@ class MPIComm(Communicator):
         algo = self._i_algo("iallgather", algo)
         if needs_staging(x, out):
             r = self.iallgather(to_host(x), None, algo)
-            return _Then(r, lambda res: copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res))
+            return _Then(r, lambda res: _unstage(out, x, res))
         x = contiguous(x, "iallgather operand")
         x = x.reshape(1) if x.ndim == 0 else x
         shape = (self.size * x.shape[0],) + tuple(x.shape[1:])
@@ -522,7 +522,7 @@ class MPIComm(Communicator):
         algo = self._i_algo("ialltoall", algo, ring_ok=False)
         if needs_staging(x, out):
             r = self.ialltoall(to_host(x), None, algo)
-            return _Then(r, lambda res: copy_back(out, res) if out is not None else backend.xp_of(x).asarray(res))
+            return _Then(r, lambda res: _unstage(out, x, res))
         x = contiguous(x, "ialltoall operand")
         if x.ndim == 0 or x.shape[0] % self.size:
             raise ValueError(f"ialltoall: x has {x.shape[0] if x.ndim else 0} rows, not a multiple of size={self.size}")
@@ -616,6 +616,11 @@ def _then_return(steps, result):
     """A staged operation's steps, then ``result``."""
     yield from steps
     return result
+
+
+def _unstage(out, x, host):
+    """A staged (host) result back on the device: into out when given, else a new array like x's."""
+    return copy_back(out, host) if out is not None else backend.xp_of(x).asarray(host)
 
 
 class _Then:

@@ -149,7 +149,7 @@ class DataParallel:
         self._next = 0
         self._sync = True
         self._final = set()                         # ids whose next notification is final (begin_final)
-        self._finished = self._in_finish = False
+        self._finished = False
         self._t_first = None
         # launched_early: buckets started before finish() (during backward)
         self.last = dict(bytes_sent=0, payload_bytes=0, collectives=0, comm_s=0.0, exposed_s=0.0,
@@ -186,9 +186,7 @@ class DataParallel:
         if self._finished:
             self.begin_step()
         t0 = time.perf_counter()
-        self._in_finish = True
         self._launch(only_ready=False)
-        self._in_finish = False
         for b in self.buckets:
             if not b.done:
                 self._complete(b, b.request.wait() if b.request is not None else None)
@@ -253,6 +251,8 @@ class DataParallel:
             b = self.order[self._next]
             if only_ready and len(b.ready) < len(b.ids):
                 return
+            if only_ready:                            # started before finish(): overlapped
+                self.last["launched_early"] += 1
             self._start(b)
             self._next += 1
 
@@ -262,8 +262,6 @@ class DataParallel:
             self._t_first = t0
         b.gather_grads()
         b.launched = True
-        if not self._in_finish:
-            self.last["launched_early"] += 1
         n = self.dp
         if n == 1:
             self._complete(b, None)
