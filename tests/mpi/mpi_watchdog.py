@@ -100,6 +100,9 @@ except (CommTimeoutError, CollectiveMismatchError) as e:
         abort_job(e)
     line("TIMEOUT" if isinstance(e, CommTimeoutError) else "MISMATCH", e)
 if not (scenario in ("skip", "abort", "gather") and c.rank == 1):   # rank 1 of skip waits there already
-    world.Barrier()              # nobody leaves before the others have reported
+    world.Barrier()              # the others' reports are written before rank 1 of skip moves on
 sys.stdout.flush()
+# Nobody leaves before every rank has written its line: a rank leaving without MPI_Finalize
+# makes hydra end the job, and a slower rank would be killed before its report.
+world.Barrier()
 os._exit(0)   # leave without MPI_Finalize: the abandoned collective may still be pending
