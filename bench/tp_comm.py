@@ -33,14 +33,15 @@ def worker(a) -> None:
 
     from pympar.comm import MPIComm
     from pympar.nn import GPTConfig
-    from pympar.optim import AdamW, clip_grad_norm
-    from pympar.parallel.tp import TPGPT, activation_bytes, tp_allreduce_sq
+    from pympar.parallel.gradsync import GradSync
+    from pympar.parallel.mesh import Mesh
+    from pympar.parallel.tp import TPGPT, activation_bytes
 
     comm = MPIComm(MPI.COMM_WORLD, name="tp")
     cfg = GPTConfig.from_preset(a.preset)
     model = TPGPT(cfg, comm, seed=0, sequence_parallel=a.sp, compute_dtype=a.compute_dtype)
-    opt = AdamW(model.named_parameters(), lr=1e-3)
-    sq = tp_allreduce_sq(model.parameters(), model.tp)
+    sync = GradSync(model.named_parameters(), Mesh(comm, tp=comm.size))     # the trainer's path
+    opt = sync.make_optimizer(lr=1e-3)
     rng = np.random.default_rng(0)
     T = cfg.block_size
 
@@ -55,9 +56,11 @@ def worker(a) -> None:
         model.take_tp_comm_seconds()
         t0 = time.perf_counter()
         model.zero_grad()
+        sync.begin_step()
+        sync.begin_micro(last=True)
         model.loss_and_grad(x, y)
-        clip_grad_norm(model.parameters(), 1.0, allreduce_sq=sq)
-        opt.step()
+        sync.finish()
+        sync.step(opt, 1e-3, 1.0, float(np.asarray(comm.allreduce(np.array([sync.local_sq()]))).reshape(-1)[0]))
         dt = time.perf_counter() - t0
         c = model.take_tp_comm_seconds()
         if s >= a.warmup:

@@ -160,3 +160,24 @@ def set_num_threads(n: int) -> None:
 def default_threads() -> int:
     v = os.environ.get("PYMPAR_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
     return max(1, int(v)) if v else (os.cpu_count() or 1)
+
+
+def held_bytes(*objs) -> int:
+    """Bytes of the arrays reachable in nested dicts/lists/tuples, each underlying buffer once
+    (views share their base: q, k and v of one qkv tensor count as the qkv tensor)."""
+    seen, total = set(), 0
+    stack = list(objs)
+    while stack:
+        o = stack.pop()
+        if isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, np.ndarray) or is_cupy(o):
+            base = o
+            while getattr(base, "base", None) is not None and hasattr(base.base, "nbytes"):
+                base = base.base
+            if id(base) not in seen:
+                seen.add(id(base))
+                total += int(base.nbytes)
+    return total

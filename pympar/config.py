@@ -50,6 +50,7 @@ class RunConfig:
     micro_batch_size: int = 8
     n_micro: int = 1
     zero: int = 0
+    recompute: str = "none"
     seq_parallel: bool = False
     compress: str = "none"
     topk_ratio: float = 0.01
@@ -101,7 +102,11 @@ _HELP = {
     "schedule": "pipeline schedule", "virtual_stages": "model chunks per rank (interleaved schedule)",
     "micro_batch_size": "sequences per micro-batch",
     "n_micro": "micro-batches per DP rank per step (global batch = micro_batch_size*n_micro*dp)",
-    "zero": "ZeRO stage (0 = off)", "seq_parallel": "sequence parallelism with TP",
+    "zero": "ZeRO stage over the data-parallel group: 1 shards the optimizer state, 2 also the gradients, "
+            "3 also the parameters (gathered around each layer's use); 0 = off",
+    "recompute": "activation recomputation: 'full' keeps each block's input and recomputes the block in "
+                 "backward, 'selective' recomputes the attention probabilities (the T^2 part), 'none' keeps all",
+    "seq_parallel": "sequence parallelism with TP",
     "compress": "gradient compression for the DP allreduce", "topk_ratio": "kept fraction with --compress topk",
     "bucket_mb": "DP gradient bucket size (MiB)",
     "comm_timeout": "seconds before a stalled collective or send/recv aborts the job, naming the ranks that did not "
@@ -126,7 +131,7 @@ _CHOICES = {
     "preset": sorted(PRESETS), "schedule": ["gpipe", "1f1b", "interleaved"],
     "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"],
     "dtype": ["float32", "bfloat16", "float16"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
-    "progress": ["auto", "bar", "log"],
+    "progress": ["auto", "bar", "log"], "recompute": ["none", "selective", "full"],
 }
 _RUN_FIELDS = [f for f in fields(RunConfig) if f.name not in ("layout_resolved", "layout_auto", "model_overrides")]
 _MODEL_FIELDS = list(fields(GPTConfig))
@@ -209,7 +214,7 @@ def parse_args(argv, world_size: int) -> tuple[GPTConfig, RunConfig]:
             raise ConfigError(f"PYMPAR_COMM_TIMEOUT={os.environ['PYMPAR_COMM_TIMEOUT']!r} is not a number of seconds") from None
     run_names = {f.name for f in _RUN_FIELDS}
     run = RunConfig(**{k: v for k, v in given.items() if k in run_names})
-    for k in ("schedule", "compress", "device", "dtype", "preset", "zero", "layout"):
+    for k in ("schedule", "compress", "device", "dtype", "preset", "zero", "layout", "recompute"):
         if getattr(run, k) not in _CHOICES[k]:
             raise ConfigError(f"{k}={getattr(run, k)!r} is not one of {_CHOICES[k]}")
     overrides = {k: v for k, v in given.items() if k not in run_names}

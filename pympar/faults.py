@@ -40,18 +40,17 @@ class NonFiniteStop(RuntimeError):
 
 
 # --- naming the first non-finite gradient -------------------------------------------------
-def first_nonfinite_grad(named_params):
-    """The name of the first parameter whose local .grad holds inf or nan, else None."""
-    for name, p in named_params:
-        g = getattr(p, "grad", None)
-        if g is not None and not np.isfinite(g).all():
+def first_nonfinite_grad(named_grads):
+    """The name of the first (name, gradient array) pair holding inf or nan, else None."""
+    for name, g in named_grads:
+        if g is not None and not bool(xp_of(g).isfinite(g).all()):
             return name
     return None
 
 
-def agree_first_bad(comm, named_params, width=240):
+def agree_first_bad(comm, named_grads, width=240):
     """Collective: (rank, name) of the lowest rank's first non-finite gradient, or None everywhere."""
-    name = first_nonfinite_grad(named_params)
+    name = first_nonfinite_grad(named_grads)
     rec = np.zeros(width, np.uint8)
     if name is not None:
         b = name.encode()[:width - 1]
@@ -72,12 +71,13 @@ class BadStepGuard:
         self.consecutive = 0
         self.first = None          # (step, rank, name) of the first bad step of the current run
 
-    def after_step(self, step, res, comm, named_params) -> dict:
-        """Call on every rank after train_step; returns fields for the metrics record."""
+    def after_step(self, step, res, comm, named_grads) -> dict:
+        """Call on every rank after train_step; returns fields for the metrics record.
+        named_grads: (name, synced gradient this rank holds), e.g. GradSync.named_grads()."""
         if not res.get("nonfinite"):
             self.consecutive, self.first = 0, None
             return {}
-        found = agree_first_bad(comm, named_params)
+        found = agree_first_bad(comm, named_grads)
         where = f"parameter {found[1]}" if found else "the loss (every gradient was finite)"
         at_floor = self.scaler is None or res["loss_scale"] <= self.scaler.min_scale
         if at_floor:
@@ -125,11 +125,6 @@ def resolve_resume(run):
         raise ValueError(f"--resume {run.resume}: {e.problem}") from None
 
 
-def _zero_sync(runner):
-    sync = getattr(runner, "sync", None)
-    return sync if sync is not None and hasattr(sync, "export_optimizer_state") else None
-
-
 def save_run(runner, run, next_step, guard, comm, layout):
     """Collective: checkpoint OUT/checkpoints/step_<next_step> (the weights after next_step steps)."""
     from .checkpoint import save_training
@@ -146,8 +141,6 @@ def save_run(runner, run, next_step, guard, comm, layout):
     if n_bad[0]:
         where = f"parameter {bad}" if bad else f"a parameter of {int(n_bad[0])} other rank(s)"
         raise NonFiniteStop(f"{where} holds non-finite values at step {next_step}; not saving")
-    if (z := _zero_sync(runner)) is not None:
-        z.export_optimizer_state(opt)
     scaler = getattr(runner, "scaler", None)
     meta = {"next_step": int(next_step), "seed": run.seed, "layout": vars(layout) if hasattr(layout, "__dict__") else str(layout),
             "loss_scaler": scaler.state_dict() if scaler else None, "guard": guard.state_dict(),
@@ -160,8 +153,6 @@ def restore_run(runner, path, guard, comm) -> int:
     from .checkpoint import restore_into
 
     manifest = restore_into(runner.model, runner.opt, path, comm)
-    if (z := _zero_sync(runner)) is not None:
-        z.import_optimizer_state(runner.opt)
     meta = manifest.get("meta", {})
     scaler = getattr(runner, "scaler", None)
     if scaler is not None and meta.get("loss_scaler"):

@@ -43,7 +43,8 @@ from .comm.objects import gather_object
 from .config import ConfigError, describe, parse_args
 from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
 from .faults import STOP_STATUS, BadStepGuard, FaultInjector, NonFiniteStop, resolve_resume, restore_run, save_run
-from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, moe_layer_stats, rss_bytes
+from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, moe_layer_stats
+from .parallel import ledger
 from .optim import cosine_lr
 from .parallel.mesh import Mesh
 from .parallel.pp import channels as pp_channels
@@ -114,6 +115,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
     dp_rank = Mesh.coords(rank, lay.dp, lay.pp, lay.tp)[1]   # this rank's data shard
     rec = Recorder(enabled=run.profile)
     runner = build_runner(model_cfg, lay, comm, run, rec)
+    predicted = runner.predicted_ledger(run.micro_batch_size, run.n_micro)
     peak = float(comm.allreduce(np.array([_peak(run, comm)]))[0])  # all ranks at once, summed
     guard = BadStepGuard(run.max_bad_steps, getattr(runner, "scaler", None))
     faults = FaultInjector(rank, runner.model)
@@ -126,7 +128,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
         if out:
             out.mkdir(parents=True, exist_ok=True)
         how = ("chosen by the planner: " + f"micro-batch {run.micro_batch_size} x {run.n_micro}, {run.schedule}"
-               + (f" v={run.virtual_stages}" if run.virtual_stages > 1 else "") + (", ZeRO-1" if run.zero else "")
+               + (f" v={run.virtual_stages}" if run.virtual_stages > 1 else "") + (f", ZeRO-{run.zero}" if run.zero else "")
                + (", sequence parallel" if run.seq_parallel else "")) if run.layout == "auto" else \
               ("chosen for the world size" if run.layout_auto else "as given")
         print(f"pympar.train: {world} rank(s), layout {lay} ({how}); data {corpus.name}: "
@@ -134,6 +136,8 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
         print(f"pympar.train: model {run.preset} {runner.n_params:,} params, {fpt / 1e6:.2f} MFLOP/token; "
               f"global batch {B}x{run.n_micro}x{lay.dp} sequences x {T} = {tokens_per_step:,} tokens; "
               f"matmul peak {peak / 1e9:.1f} GFLOP/s (all ranks)", flush=True)
+        print(f"pympar.train: memory per rank (ledger, predicted; worst rank): {ledger.describe(predicted)}; "
+              f"this process holds {ledger.describe(runner.held())}", flush=True)
         if resume_path:
             print(f"pympar.train: resumed from {resume_path} at step {start}", flush=True)
     kept = _metrics_before(out / "metrics.jsonl", start) if (out and rank == 0 and start) else []
@@ -160,19 +164,21 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
         if do_eval:
             val_loss = runner.eval_loss(eval_batches)
         tok_s = tokens_per_step / dt
-        rss = np.array([rss_bytes(), rss_bytes("RssAnon")], np.int64)   # rank 0's, and the largest of any rank
-        rss_max = np.asarray(comm.allreduce(rss.copy(), op="max")).reshape(-1) if world > 1 else rss
+        mem = res["memory"]                    # every rank's figures, from the step's one allreduce
         record = {
             "step": step, "loss": res["loss"], "val_loss": val_loss if do_eval else None,
             "lr": lr, "grad_norm": res["grad_norm"], "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak,
             "step_time": dt, "time_split": res["time_split"], "loss_scale": res["loss_scale"],
-            "skipped": res["skipped"], "rss_bytes": int(rss[0]), "rss_max_bytes": int(rss_max[0]),
-            "rss_anon_bytes": int(rss[1]), "rss_anon_max_bytes": int(rss_max[1]),
+            "skipped": res["skipped"], "rss_bytes": mem["rss"]["rank0"], "rss_max_bytes": mem["rss"]["max"],
+            "rss_anon_bytes": mem["rss_anon"]["rank0"], "rss_anon_max_bytes": mem["rss_anon"]["max"],
+            "peak_rss_bytes": mem["peak_rss"]["rank0"], "peak_rss_max_bytes": mem["peak_rss"]["max"],
+            "peak_rss_max_rank": mem["peak_rss"]["max_rank"], "ledger_peak_bytes": mem["ledger_peak"]["rank0"],
+            "ledger_peak_max_bytes": mem["ledger_peak"]["max"], "ledger_peak_max_rank": mem["ledger_peak"]["max_rank"],
             "moe": [dict(layer=s["layer"], dropped_fraction=s["dropped_fraction"], **moe_layer_stats(s["tokens_per_expert"]))
                     for s in res["moe"]],
         }
         try:
-            record.update(guard.after_step(step, res, comm, runner.model.named_parameters()))
+            record.update(guard.after_step(step, res, comm, runner.sync.named_grads()))
         except NonFiniteStop:
             metrics.write(dict(record, nonfinite=True))   # the last step is logged, then all ranks stop
             raise
@@ -192,6 +198,11 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
             write_chrome_trace(out / "trace.json", events, [f"rank {r} (pp, dp, tp) {Mesh.coords(r, lay.dp, lay.pp, lay.tp)}" for r in range(world)])
     if rank == 0 and history:                  # (empty when resumed at the last step)
         summary = _summary(history, val_loss, wall, world, runner.n_params, describe(model_cfg, run))
+        summary["memory"] = dict(ledger_predicted=predicted, ledger_rank0=runner.ledger,
+                                 peak_rss_max_bytes=history[-1]["peak_rss_max_bytes"],
+                                 peak_rss_max_rank=history[-1]["peak_rss_max_rank"],
+                                 ledger_peak_max_bytes=history[-1]["ledger_peak_max_bytes"],
+                                 ledger_peak_max_rank=history[-1]["ledger_peak_max_rank"])
         _print_summary(summary, sample, out)
         if out:
             (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -93,12 +93,14 @@ def _losses(n, out, *args, timeout=120):
         "dp2-pp2-interleaved-bf16sync-bfloat16"])
 def test_cli_layout_matches_one_process(tmp_path, args, n_micro):
     """python -m pympar.train on 4 ranks == on 1 rank with the same global batch (4 micro-batches)
-    and compute dtype: losses, grad norms and validation losses per step (rel 1e-5)."""
+    and compute dtype: losses, grad norms and validation losses per step (rel 1e-5; 1e-4 where
+    the compute dtype is float16/bfloat16: its products are rounded to 11 or 8 bits, so another
+    summation order over ranks shows at ~1e-5 after one update -- zero 0 and 1 alike)."""
     same = [x for k in ("--preset", "--dtype", "--n-layer") if k in args for x in (k, args[args.index(k) + 1])]
     preset = args[args.index("--preset") + 1]
     _, one = _losses(1, tmp_path / "one", *same, "--n-micro", 4)
     # a lossy (bf16) gradient sync changes the math on purpose: close, not equal
-    tol = 1e-2 if "--compress" in args else 1e-5
+    tol = 1e-2 if "--compress" in args else (1e-4 if "--dtype" in args else 1e-5)
     res, four = _losses(4, tmp_path / "four", *args, "--n-micro", n_micro)
     assert "layout dp=" in res.stdout and res.stdout.count("--- sample (top-k) ---") == 1
     for a, b in zip(one, four):

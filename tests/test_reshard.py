@@ -40,6 +40,9 @@ PAIRS = [
     ("moe-dp4ep2-to-dp2pp2ep2zero1", MOE, "--dp 4 --ep 2", "--dp 2 --pp 2 --ep 2 --zero 1"),
     ("dense-tp2sp-to-1", DENSE, "--dp 1 --tp 2 --seq-parallel", "--dp 1"),
     ("moe-1-to-dp2ep2zero1", MOE, "--dp 1", "--dp 2 --ep 2 --zero 1"),
+    ("dense-dp2zero3-to-tp2", DENSE, "--dp 2 --zero 3", "--dp 1 --tp 2"),
+    ("moe-dp2ep2-to-dp4ep2zero3", MOE, "--dp 2 --ep 2", "--dp 4 --ep 2 --zero 3 --recompute full"),
+    ("dense-pp2zero2-to-dp2tp2zero3", DENSE, "--dp 2 --pp 2 --zero 2", "--dp 2 --tp 2 --zero 3 --seq-parallel"),
 ]
 SLOW_PAIRS = [
     ("dense-dp2tp2zero1-to-pp2tp2", DENSE, "--dp 2 --tp 2 --zero 1", "--dp 1 --pp 2 --tp 2"),
@@ -50,6 +53,8 @@ SLOW_PAIRS = [
     ("dense-interleaved-to-dp2tp2sp", DENSE + ["--n-layer", "4"],
      "--dp 1 --pp 2 --schedule interleaved --virtual-stages 2", "--dp 2 --tp 2 --seq-parallel"),
     ("moe-dp2ep2-to-pp2tp2", MOE, "--dp 2 --ep 2", "--dp 1 --pp 2 --tp 2"),
+    ("moe-dp4ep2zero3-to-dp2pp2ep2zero3", MOE, "--dp 4 --ep 2 --zero 3", "--dp 2 --pp 2 --ep 2 --zero 3"),
+    ("dense-dp4zero3-to-dp4zero1", DENSE, "--dp 4 --zero 3 --recompute selective", "--dp 4 --zero 1"),
 ]
 
 

@@ -21,7 +21,12 @@ from .parameter import Module, matmul
 
 
 class CausalAttentionCore(Module):
-    """softmax(q k^T / sqrt(hs), causal) v per head; no parameters."""
+    """softmax(q k^T / sqrt(hs), causal) v per head; no parameters.
+
+    keep_probs=False (selective recomputation): the ctx holds q, k, v only and backward
+    computes the probabilities again, batch row by batch row (bitwise the same numbers)."""
+
+    keep_probs = True
 
     def forward(self, qkv):                      # qkv (B, T, 3, nh, hs) -> ya (B, T, nh*hs), ctx
         B, T, three, nh, hs = qkv.shape
@@ -42,7 +47,7 @@ class CausalAttentionCore(Module):
             matmul(p[b0:b1], v[b0:b1], out=yh[b0:b1])                # straight into ya
 
         _split(B, rows, xp)
-        return ya, (qs, k, v, p)
+        return ya, (qs, k, v, p if self.keep_probs else None)
 
     def backward(self, dya, ctx):                # dya (B, T, nh*hs) -> dqkv (B, T, 3, nh, hs)
         qs, k, v, p = ctx
@@ -54,7 +59,12 @@ class CausalAttentionCore(Module):
         scale = xp.asarray(1.0 / np.sqrt(hs), dtype=dqkv.dtype)
 
         def rows(b0, b1):                        # batch rows [b0, b1): writes dqkv only
-            pb, dyb = p[b0:b1], dyh[b0:b1]
+            dyb = dyh[b0:b1]
+            if p is None:                        # recompute this row range's probabilities
+                att = matmul(qs[b0:b1], k[b0:b1].transpose(0, 1, 3, 2))   # (b, nh, T, T)
+                pb = kernels.softmax_causal_forward(att)
+            else:
+                pb = p[b0:b1]
             dp = matmul(dyb, v[b0:b1].transpose(0, 1, 3, 2))        # (b, nh, T, T)
             matmul(pb.transpose(0, 1, 3, 2), dyb, out=dv[b0:b1])
             datt = kernels.softmax_causal_backward(pb, dp)          # d(att), att = qs k^T

@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
-from ..backend import to_numpy, xp_of
+from ..backend import held_bytes, to_numpy, xp_of
 from .attention import CausalSelfAttention
 from .config import GPTConfig
 from .layers import MLP, Embedding, LayerNorm
 from .moe import MoE
-from .parameter import Module, accumulate, compute_cast, matmul, resolve_precision
+from .parameter import Module, NoGather, accumulate, compute_cast, matmul, resolve_precision
 
 
 class Block(Module):
@@ -37,7 +37,18 @@ class Block(Module):
     def ffn(self):
         return self.moe if hasattr(self, "moe") else self.mlp
 
+    # activation recomputation: "none" keeps every activation backward needs; "full" keeps only
+    # the block's input and runs the forward again in backward; "selective" drops the attention
+    # probabilities (B, nh, T, T) only (set_recompute sets it on the attention core)
+    recompute = "none"
+
     def forward(self, x):                        # x (B, T, C) -> y (B, T, C)
+        y, ctx = self._forward(x)
+        if self.recompute == "full":             # keep x only: backward runs the forward again
+            return y, dict(recompute=x, aux_loss=ctx["aux_loss"])
+        return y, ctx
+
+    def _forward(self, x):
         h1, c_ln1 = self.ln_1.forward(x)
         a, c_attn = self.attn.forward(h1)
         a += x                                   # x1 = x + attn(...): a is fresh, kept by no ctx
@@ -48,7 +59,22 @@ class Block(Module):
         aux = c_ffn["aux_loss"] if isinstance(c_ffn, dict) else 0.0
         return y, dict(ln1=c_ln1, attn=c_attn, ln2=c_ln2, ffn=c_ffn, aux_loss=aux)
 
+    def _recomputed(self, ctx):
+        """The full ctx of a "full"-recomputation ctx: the same forward again (MoE loads are not
+        counted twice), so backward sees bitwise the numbers the first forward made."""
+        moe = getattr(self, "moe", None)
+        rec = moe.recording if moe is not None else None
+        if moe is not None:
+            moe.recording = False
+        try:
+            return self._forward(ctx["recompute"])[1]
+        finally:
+            if moe is not None:
+                moe.recording = rec
+
     def backward(self, dy, ctx, daux=1.0):      # dy (B, T, C) -> dx (B, T, C)
+        if "recompute" in ctx:
+            ctx = self._recomputed(ctx)
         if hasattr(self, "moe"):
             dh2 = self.moe.backward(dy, ctx["ffn"], daux)
         else:
@@ -59,6 +85,29 @@ class Block(Module):
         dx = self.ln_1.backward(dh1, ctx["ln1"])
         dx += dx1
         return dx
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def count_params(config: GPTConfig) -> int:
+    """Parameters of the whole model (the tied wte once), from the shapes alone (nothing is made)."""
+    return int(sum(int(np.prod(p.shape)) for _, p in GPT(config).named_parameters()))
+
+
+def set_recompute(model, mode: str):
+    """Activation recomputation of every block of ``model`` (any model whose modules() reach its
+    blocks: GPT, TPGPT, PipelineGPT): none | selective (attention probabilities) | full (blocks)."""
+    from .attention_core import CausalAttentionCore
+
+    if mode not in RECOMPUTE:
+        raise ValueError(f"recompute={mode!r}: expected one of {RECOMPUTE}")
+    for m in model.modules():
+        if isinstance(m, Block):
+            m.recompute = "full" if mode == "full" else "none"
+        if isinstance(m, CausalAttentionCore):
+            m.keep_probs = mode != "selective"
+    return model
 
 
 class Head(Module):
@@ -111,6 +160,11 @@ class GPT(Module):
         # callbacks h(params) told, during loss_and_grad's backward, which parameters' grads are
         # final for this micro-batch (data parallelism starts their bucket's allreduce early)
         self.grad_ready_hooks = []
+        self.param_gather = NoGather()           # ZeRO-3 replaces it (parallel.zero.ParamGather)
+
+    def pieces(self):
+        """The modules of one forward in order (ZeRO-3 gathers each one's parameters)."""
+        return [self.embedding, *self.h, self.head]
 
     # --- parameters and state ------------------------------------------------------------
     def named_parameters(self, prefix=""):
@@ -156,27 +210,46 @@ class GPT(Module):
         xp = xp_of(self.embedding.wte.data)
         return [xp.asarray(a) for a in arrays]
 
-    def _forward(self, idx, targets):
-        x, c_emb = self.embedding.forward(idx)
+    def _body(self, idx):                        # embedding and blocks: idx (B, T) -> x (B, T, C)
+        g = self.param_gather
+        with g.use(self.embedding):
+            x, c_emb = self.embedding.forward(idx)
         ctxs, aux = [], 0.0
         for b in self.h:
-            x, c = b.forward(x)
+            with g.use(b):
+                x, c = b.forward(x)
             ctxs.append(c)
             aux += c["aux_loss"]
-        ce, c_head = self.head.forward((x, targets))
+        return x, aux, c_emb, ctxs
+
+    def _forward(self, idx, targets):
+        x, aux, c_emb, ctxs = self._body(idx)
+        with self.param_gather.use(self.head):
+            ce, c_head = self.head.forward((x, targets))
         return ce, aux, (c_emb, ctxs, c_head)
 
-    def loss_and_grad(self, idx, targets, grad_scale=1.0) -> float:
-        """One micro-batch: loss = mean CE + MoE aux + z; grads of grad_scale * loss accumulate."""
+    def loss_and_grad(self, idx, targets, grad_scale=1.0, stats=None) -> float:
+        """One micro-batch: loss = mean CE + MoE aux + z; grads of grad_scale * loss accumulate.
+        stats (a dict, optional) gets "activation_bytes": what forward kept for backward (each
+        buffer once), the largest over the calls that filled it."""
         idx, targets = self._inputs(idx, targets)
-        ce, aux, (c_emb, ctxs, c_head) = self._forward(idx, targets)
-        dx = self.head.backward(grad_scale, c_head)
+        g = self.param_gather
+        x, aux, c_emb, ctxs = self._body(idx)
+        with g.use(self.head, backward=True):    # the head's forward and backward in one use
+            ce, c_head = self.head.forward((x, targets))
+            if stats is not None:
+                kept = held_bytes(idx, c_emb, ctxs, c_head)
+                stats["activation_bytes"] = max(stats.get("activation_bytes", 0), kept)
+            dx = self.head.backward(grad_scale, c_head)
         self._grad_ready(self.head.ln_f)         # not the tied wte: the embedding adds to it last
         for b, c in zip(reversed(self.h), reversed(ctxs)):
-            dx = b.backward(dx, c, grad_scale)
+            with g.use(b, backward=True):
+                dx = b.backward(dx, c, grad_scale)
             self._grad_ready(b)
-        self.embedding.backward(dx, c_emb)
+        with g.use(self.embedding, backward=True):
+            self.embedding.backward(dx, c_emb)
         self._grad_ready(self.embedding)
+        g.settle()
         return ce + aux
 
     def _grad_ready(self, module):
@@ -195,6 +268,7 @@ class GPT(Module):
         finally:
             for m in layers:
                 m.recording = True
+            self.param_gather.settle()
         return ce + aux
 
     def logits(self, idx):                       # idx (B, T) -> (B, T, V) in the compute dtype
@@ -202,13 +276,13 @@ class GPT(Module):
         for m in layers:
             m.recording = False
         try:
-            x, _ = self.embedding.forward(*self._inputs(idx))
-            for b in self.h:
-                x, _ = b.forward(x)
-            return self.head.logits(x)
+            x, _, _, _ = self._body(*self._inputs(idx))
+            with self.param_gather.use(self.head):
+                return self.head.logits(x)
         finally:
             for m in layers:
                 m.recording = True
+            self.param_gather.settle()
 
     def generate(self, idx, n, top_k=None, rng=None, temperature=1.0):
         """Append n sampled tokens to idx (B, T)."""

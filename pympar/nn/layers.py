@@ -8,11 +8,9 @@ import numpy as np
 
 from .. import kernels
 from ..backend import scatter_add, xp_of
-from .parameter import Module, Parameter, accumulate, compute_cast, init_param, matmul
+from .parameter import Module, accumulate, compute_cast, make_param, matmul
 
-
-def _param(seed, name, shape, dtype, std=0.02):
-    return Parameter(init_param(seed, name, shape, dtype, std=std), name=name)
+_param = make_param
 
 
 class Linear(Module):

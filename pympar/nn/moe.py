@@ -26,7 +26,7 @@ from .. import kernels
 from ..backend import to_device, xp_of
 from ..kernels.blas import over_chunks
 from .layers import MLP
-from .parameter import Module, Parameter, accumulate, init_param
+from .parameter import Module, accumulate, make_param
 
 
 def _stable_argsort(a):
@@ -50,8 +50,7 @@ class MoE(Module):
         self.bias_update_rate = bias_update_rate
         self._acc = np.float64 if np.dtype(dtype) == np.float64 else np.float32
         self.router = Module()
-        self.router.weight = Parameter(init_param(seed, f"{name}.router.weight", (n_expert, n_embd),
-                                                  dtype), name=f"{name}.router.weight")
+        self.router.weight = make_param(seed, f"{name}.router.weight", (n_expert, n_embd), dtype)
         mk = dict(seed=seed, dtype=dtype, bias=bias, n_layer=n_layer, compute_dtype=compute_dtype)
         self.experts = [MLP(n_embd, name=f"{name}.experts.{e}", **mk) for e in range(n_expert)]
         self.shared = MLP(n_embd, name=f"{name}.shared", **mk) if shared_expert else None

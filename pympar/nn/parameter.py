@@ -10,31 +10,90 @@ Gradient convention (the whole of pympar.nn follows it):
 """
 from __future__ import annotations
 
-import zlib
+import contextlib
 
 import numpy as np
 
 from .. import kernels
 from ..backend import dtype as backend_dtype
 from ..backend import is_low_precision, lowp_gemm, to_device, xp_of
+from .init import normal_slice
 
 
 class Parameter:
-    """A master weight ``data`` and its gradient ``grad`` (same shape and dtype, zeros)."""
+    """A master weight ``data`` and its gradient ``grad`` (same shape and dtype, zeros).
 
-    __slots__ = ("data", "grad", "name")
+    ``shard``: which part of the full tensor named ``name`` this Parameter holds (a
+    pympar.parallel.shard.Shard), None when it holds all of it. ``placement``: where the
+    tensor lives on the process mesh (pympar.parallel.placement), set by the parallel layer.
+    ``init``: the recipe of the initial values (an InitSpec): the data is produced from it on
+    first use, for exactly the part ``shard`` names, so a layout can decide what a rank holds
+    before anything is allocated. ``grad`` is allocated (zeros) on first use and may be
+    released (``release_grad``) by a gradient sync that keeps only a shard of it (ZeRO-2/3)."""
 
-    def __init__(self, data, grad=None, name=""):
-        self.data = data
-        self.grad = xp_of(data).zeros_like(data) if grad is None else grad
-        self.name = name
+    __slots__ = ("_data", "_grad", "name", "shard", "placement", "init")
+
+    def __init__(self, data=None, grad=None, name="", shard=None, init=None):
+        if data is None and init is None:
+            raise ValueError(f"Parameter {name!r}: give its data or an init recipe")
+        self._data, self._grad, self.name = data, grad, name
+        self.shard, self.init, self.placement = shard, init, None
+
+    @property
+    def data(self):
+        if self._data is None:
+            self._data = self.init.materialize(self.shard)
+        return self._data
+
+    @data.setter
+    def data(self, value):
+        self._data = value
+
+    @property
+    def materialized(self) -> bool:
+        return self._data is not None
+
+    @property
+    def grad(self):
+        if self._grad is None:
+            d = self.data
+            self._grad = xp_of(d).zeros(d.shape, dtype=d.dtype)
+        return self._grad
+
+    @grad.setter
+    def grad(self, value):
+        self._grad = value
+
+    @property
+    def has_grad(self) -> bool:
+        """False while the gradient is released (it reads as zeros when next used)."""
+        return self._grad is not None
+
+    def release_grad(self):
+        self._grad = None
+
+    def zero_grad(self):
+        if self._grad is not None:
+            self._grad[...] = 0
 
     @property
     def shape(self):
-        return self.data.shape
+        if self._data is not None:
+            return self._data.shape
+        return self.shard.local_shape if self.shard is not None else self.init.full_shape
+
+    @property
+    def dtype(self):
+        return self._data.dtype if self._data is not None else self.init.dtype
+
+    @property
+    def full_shape(self):
+        """Shape of the whole tensor ``name`` (this Parameter may hold a part of it)."""
+        return self.shard.full_shape if self.shard is not None else tuple(self.shape)
 
     def __repr__(self):
-        return f"Parameter({self.name!r}, shape={self.data.shape}, dtype={self.data.dtype})"
+        part = f", full={self.shard.full_shape}" if self.shard is not None else ""
+        return f"Parameter({self.name!r}, shape={tuple(self.shape)}{part})"
 
 
 def default_std(name: str, n_layer: int) -> float:
@@ -44,22 +103,50 @@ def default_std(name: str, n_layer: int) -> float:
     return 0.02
 
 
-def init_param(seed: int, name: str, full_shape, dtype=np.float32, std: float = 0.02):
-    """The full initial tensor of parameter ``name``: a function of (seed, name, full_shape) only.
-
-    Biases and LayerNorm biases are zeros, LayerNorm weights ones, everything else
-    normal(0, std) drawn in float64 and rounded to ``dtype``. A tensor-parallel shard calls
-    this with the FULL shape and slices its part, so every layout holds the same numbers.
-    """
-    full_shape = tuple(int(s) for s in full_shape)
+def _init_kind(name: str) -> str:
     leaf = name.rsplit(".", 1)[-1]
     owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
     if leaf == "bias" or name.endswith("expert_bias"):
-        return np.zeros(full_shape, dtype=dtype)
+        return "zeros"
     if leaf == "weight" and owner.startswith("ln"):
-        return np.ones(full_shape, dtype=dtype)
-    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, zlib.crc32(name.encode()), *full_shape])
-    return (np.random.default_rng(ss).standard_normal(full_shape) * std).astype(dtype)
+        return "ones"
+    return "normal"
+
+
+def init_param(seed: int, name: str, full_shape, dtype=np.float32, std: float = 0.02, shard=None):
+    """The initial values of parameter ``name``: a function of (seed, name, full_shape) only.
+
+    Biases and LayerNorm biases are zeros, LayerNorm weights ones, everything else
+    normal(0, std) drawn in float64 (pympar.nn.init: addressed by element) and rounded to
+    ``dtype``. ``shard`` (a Shard of full_shape, or None for the whole tensor): only that part
+    is produced -- equal to the full tensor's part, and the full tensor never exists."""
+    full_shape = tuple(int(s) for s in full_shape)
+    local = shard.local_shape if shard is not None else full_shape
+    kind = _init_kind(name)
+    if kind == "zeros":
+        return np.zeros(local, dtype=dtype)
+    if kind == "ones":
+        return np.ones(local, dtype=dtype)
+    pieces = shard.pieces() if shard is not None else [(tuple((0, n) for n in full_shape),) * 2]
+    return normal_slice(seed, name, full_shape, pieces, local, dtype, std)
+
+
+class InitSpec:
+    """How to make a parameter's initial values: init_param(seed, name, full_shape, dtype, std)."""
+
+    __slots__ = ("seed", "name", "full_shape", "dtype", "std")
+
+    def __init__(self, seed, name, full_shape, dtype=np.float32, std=0.02):
+        self.seed, self.name, self.dtype, self.std = int(seed), name, np.dtype(dtype), float(std)
+        self.full_shape = tuple(int(s) for s in full_shape)
+
+    def materialize(self, shard=None):
+        return init_param(self.seed, self.name, self.full_shape, self.dtype, self.std, shard=shard)
+
+
+def make_param(seed: int, name: str, full_shape, dtype=np.float32, std: float = 0.02, shard=None):
+    """A Parameter of ``shard`` (None: all) of tensor ``name``, its values made on first use."""
+    return Parameter(name=name, shard=shard, init=InitSpec(seed, name, full_shape, dtype, std))
 
 
 class Module:
@@ -98,7 +185,7 @@ class Module:
 
     def zero_grad(self):
         for p in self.parameters():
-            p.grad[...] = 0
+            p.zero_grad()
 
     def modules(self):
         """This module and every sub-module below it (depth first, each once)."""
@@ -116,13 +203,30 @@ class Module:
         in place; returns self. Build on the host, then move: initial values are device-free."""
         for _, p in self.named_parameters():
             p.data = to_device(p.data, device)
-            p.grad = to_device(p.grad, device)
+            if p.has_grad:
+                p.grad = to_device(p.grad, device)
         for m in self.modules():
             m._move_buffers(device)
         return self
 
     def _move_buffers(self, device: str):
         """Arrays a module keeps besides its Parameters (MoE: the expert selection bias)."""
+
+
+class NoGather:
+    """The parameter scope of a model whose parameters are whole on this rank: nothing to do.
+
+    A ZeRO-3 layout replaces it (pympar.parallel.zero.ParamGather): ``use(module)`` then holds
+    the module's full parameters for the body of the ``with``."""
+
+    enabled = False
+
+    @contextlib.contextmanager
+    def use(self, *modules, backward=False):
+        yield
+
+    def settle(self):
+        """End of a pass: nothing in flight."""
 
 
 def resolve_precision(dtype, compute_dtype, model: str = "GPT"):

@@ -1,24 +1,28 @@
-"""Data parallelism: bucketed gradient sync overlapped with backward, ZeRO-1, compression.
+"""Data parallelism: bucketed gradient sync overlapped with backward, ZeRO-1/2/3, compression.
 
 Parameters are packed, in REVERSE order of their place in the model (the head's last,
-which backward finishes first), into flat buckets of about ``bucket_mb`` MiB, each padded
-to a multiple of dp. After the first bucket fill each ``p.grad`` is a view into its
-bucket's buffer, so the engine's ``p.grad += ...`` writes straight into it and nothing is
-copied for the sync. The model tells us when a parameter's gradient is done for a
-micro-batch (``model.grad_ready_hooks``, see ``attach``); a notification counts once the
-parameter's last micro-batch of the step has begun: ``begin_micro(last=True)`` for the whole
-model, or ``begin_final(params)`` for some of them (a pipeline stage's chunk: its last
-micro-batch's backward starts while other chunks still have work). When every parameter of a
-bucket is final, the bucket's nonblocking collective starts. Buckets start in one fixed order
-(index order, with the buckets holding a ``launch_last`` parameter moved to the end), so every
-rank issues the same collectives in the same order whatever order its grads arrive in. MPI
-progress in pympar's own algorithms happens only inside test/wait, so every notification
-also polls the requests in flight.
+which backward finishes first), into buckets of about ``bucket_mb`` MiB (ZeRO-3: one bucket
+per model piece, ``units``). The model tells us when a parameter's gradient is done for a
+micro-batch (``model.grad_ready_hooks``, see ``attach``); when every parameter of a bucket is
+done, the bucket's nonblocking collective starts. MPI progress in pympar's own algorithms
+happens only inside test/wait, so every notification also polls the requests in flight.
 
-``finish()`` starts what is left, waits for everything and turns sums into means over dp
-(with the engine's ``grad_scale = 1/n_micro`` the result is the mean over the global
-batch). Plain DP allreduces each bucket; ZeRO-1 reduce-scatters it, keeps only its own
-chunk and updates that chunk (see pympar.parallel.zero).
+zero=0: each ``p.grad`` is a view into its bucket's flat buffer (the engine's ``p.grad += ...``
+writes straight into it); a notification counts once the parameter's last micro-batch of the
+step has begun -- ``begin_micro(last=True)`` for the whole model, or ``begin_final(params)``
+for some (a pipeline chunk's last micro-batch) -- and buckets start in one fixed order (index
+order, buckets holding a ``launch_last`` parameter last), so every rank issues the same
+collectives in the same order whatever order its grads arrive in. ``finish()`` allreduces
+what is left and turns sums into means over dp.
+
+zero>=1 (pympar.parallel.zero): a bucket is laid out rank-major by rows and reduce-scattered,
+so each rank keeps the mean gradient of its rows only (``b.acc``); ZeroAdamW updates those
+rows and, for stages 1 and 2, one allgather per bucket returns the parameters. zero=1 syncs
+once per step like zero=0 (the engine's full gradients persist over the step's micro-batches).
+zero>=2 syncs a bucket every time all its parameters are done (every micro-batch) and
+releases the full gradients right after packing them, accumulating the reduced rows: the
+full-size gradient of a bucket exists only while its backward runs. zero=3 also keeps only
+its rows of the parameters (``ParamGather`` assembles them around each use).
 
 Usage, per optimiser step::
 
@@ -33,39 +37,42 @@ Usage, per optimiser step::
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
-from ..backend import xp_of
+from ..backend import get_xp, xp_of
 from ..optim import clip_grad_norm
+from ..optim.adamw import decays
 from .compress import dense_allreduce_bytes, make_compressor
-from .zero import ZeroAdamW, optimizer_memory
+from .ledger import MAX_INFLIGHT_BUCKETS
+from .zero import RowLayout, ZeroAdamW, install_gather, rows_shard
 
 
 class Bucket:
-    """A flat (padded,) buffer of grads of ``params``; pieces [offset, offset+size) each."""
+    """zero=0: a flat (padded,) buffer of grads of ``params``; pieces [offset, offset+size) each."""
+
+    sharded = False
 
     def __init__(self, index, params, names, dp):
         self.index = index
         self.params, self.names = params, names
-        self.dtype = params[0].grad.dtype
-        self.sizes = [int(p.grad.size) for p in params]
+        self.dtype = np.dtype(params[0].dtype)
+        self.sizes = [int(np.prod(p.shape)) for p in params]
         self.offsets = list(np.cumsum([0] + self.sizes[:-1]))
         self.numel = int(sum(self.sizes))
-        self.padded = -(-self.numel // dp) * dp               # a multiple of dp (reduce-scatter)
-        self.buf = xp_of(params[0].grad).zeros(self.padded, dtype=self.dtype)   # (padded,) on the grads' device
-        self.views = [self.buf[o:o + s].reshape(p.grad.shape)
+        self.padded = -(-self.numel // dp) * dp               # a multiple of dp (compressors split it)
+        self.buf = xp_of(params[0].data).zeros(self.padded, dtype=self.dtype)   # (padded,) on the params' device
+        self.views = [self.buf[o:o + s].reshape(p.shape)
                       for o, s, p in zip(self.offsets, self.sizes, params)]
         self.ids = {id(p) for p in params}
-        self.chunk = self.padded // dp                        # ZeRO-1: rank r owns [r*chunk, (r+1)*chunk)
         self.reset()
 
     def reset(self):
         self.ready = set()
         self.request = None
         self.launched = self.done = False
-        self.result = None                                    # ZeRO: the reduced chunk (chunk,)
 
     def gather_grads(self):
         """Make every p.grad the bucket's view (copying what the engine wrote elsewhere)."""
@@ -74,37 +81,115 @@ class Bucket:
                 v[...] = p.grad
                 p.grad = v
 
+    @property
+    def persistent_bytes(self):
+        return int(self.buf.nbytes)
 
-def build_buckets(named_params, dp: int, bucket_mb: float):
-    """Reverse order of the model's parameters, cut every ~bucket_mb MiB (and where dtype changes)."""
+
+class RowBucket:
+    """zero>=1: ``params`` laid out rank-major by rows over the group (zero.RowLayout).
+
+    acc (S,): the mean gradient of this rank's rows of every parameter (after finish).
+    ZeRO-3: own (S,) holds this rank's rows of the parameters themselves (p.data is a view of
+    it between uses); gathered/uses/gather_req are ParamGather's bookkeeping."""
+
+    sharded = True
+
+    def __init__(self, index, params, names, comm, zero, device="cpu"):
+        self.index, self.params, self.names, self.dp = index, params, names, None
+        self.dtype = np.dtype(params[0].dtype)
+        self.ids = {id(p) for p in params}
+        self.layout = lay = RowLayout([p.shape for p in params], comm.size, comm.rank)
+        self.numel = int(sum(np.prod(p.shape) for p in params))
+        # ZeRO-3 makes its rows on the host and keeps them on the device; 1/2 live where the params do
+        xp = get_xp(device) if zero == 3 else xp_of(params[0].data)
+        self.xp = xp
+        # the Shard of the full tensor each parameter's kept rows are (checkpoints, placement)
+        self.row_shards = [rows_shard(p.shard, p.full_shape, *lay.rows(i)) for i, p in enumerate(params)]
+        self.full_bytes = int(self.numel * self.dtype.itemsize)
+        self.own = None
+        self.gathered, self.uses, self.gather_req = False, 0, None
+        if zero == 3:                            # keep only the rows: the full tensor is never made
+            self.own = xp.zeros(lay.seg, dtype=self.dtype)
+            self.rest = []
+            for i, p in enumerate(params):
+                lo, hi = lay.rows(i)
+                v = lay.own(self.own, i)
+                if p.materialized:
+                    v[...] = xp.asarray(p.data[lo:hi])
+                else:
+                    p.shard = self.row_shards[i]
+                    v[...] = xp.asarray(p.data)      # made for these rows alone
+                p.data = v
+                p.shard = self.row_shards[i]
+                self.rest.append(v)
+        self.acc = None
+        self.reset()
+
+    def reset(self):
+        self.ready = set()
+        self.fired = 0
+        self.launched = self.done = False
+
+    def grad_rows(self, i):
+        """Parameter i's reduced gradient rows (a view of acc)."""
+        return self.layout.own(self.acc, i)
+
+    def weight_rows(self, i):
+        """Parameter i's rows this rank updates (a view: of own under ZeRO-3, else of p.data)."""
+        if self.own is not None:
+            return self.rest[i]
+        lo, hi = self.layout.rows(i)
+        return self.params[i].data[lo:hi]
+
+    @property
+    def persistent_bytes(self):
+        return int(self.acc.nbytes) if self.acc is not None else int(self.layout.seg * self.dtype.itemsize)
+
+
+def build_buckets(named_params, dp: int, bucket_mb: float, comm=None, zero=0, units=None, device="cpu"):
+    """Reverse order of the model's parameters, cut every ~bucket_mb MiB (and where dtype changes);
+    ``units`` (lists of names): one bucket per unit instead (ZeRO-3: a bucket is what one use
+    of a model piece gathers)."""
     items = list(named_params)[::-1]
     limit = max(1, int(bucket_mb * 2**20))
-    buckets, cur, names, nbytes = [], [], [], 0
-    for name, p in items:
-        if cur and (nbytes + p.grad.nbytes > limit or p.grad.dtype != cur[0].grad.dtype):
-            buckets.append(Bucket(len(buckets), cur, names, dp))
-            cur, names, nbytes = [], [], 0
-        cur.append(p)
-        names.append(name)
-        nbytes += p.grad.nbytes
-    if cur:
-        buckets.append(Bucket(len(buckets), cur, names, dp))
-    return buckets
+    make = (lambda i, ps, ns: RowBucket(i, ps, ns, comm, zero, device)) if zero else (lambda i, ps, ns: Bucket(i, ps, ns, dp))
+    groups = []
+    if units is not None:
+        where = {n: k for k, names in enumerate(units) for n in names}
+        for name, p in items:
+            k = where.get(name, -1)
+            if groups and groups[-1][0] == k and p.dtype == groups[-1][1][0][1].dtype:
+                groups[-1][1].append((name, p))
+            else:
+                groups.append((k, [(name, p)]))
+    else:
+        nbytes = 0
+        for name, p in items:
+            size = int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize
+            if groups and not (nbytes + size > limit or p.dtype != groups[-1][1][0][1].dtype):
+                groups[-1][1].append((name, p))
+                nbytes += size
+            else:
+                groups.append((None, [(name, p)]))
+                nbytes = size
+    return [make(i, [p for _, p in g], [n for n, _ in g]) for i, (_, g) in enumerate(groups)]
 
 
 class DataParallel:
     """Gradient sync over the data-parallel communicator ``dp_comm`` (any pympar Communicator).
 
     bucket_mb: bucket size in MiB; overlap: start each bucket during backward (False: all in
-    finish()); compress: None | 'fp16' | 'bf16' | 'topk:<ratio>' (see compress.py);
-    zero: ZeRO-1 distributed optimiser (the step updates only this rank's chunk);
-    launch_last: parameters whose gradient is only final after a sum outside backward (a
-    pipeline's tied embedding copy): their buckets start after every other bucket, so they
-    do not hold the others back.
+    finish(); zero>=2 always syncs a bucket when it is done, that is its point);
+    compress: None | 'fp16' | 'bf16' | 'topk:<ratio>' (see compress.py); zero: 0..3 (ZeRO stage,
+    see the module docstring); launch_last: parameters whose gradient is only final after a sum
+    outside backward (a pipeline's tied embedding copy): their buckets start after every other
+    bucket, so they do not hold the others back; units: ZeRO-3's buckets (lists of names);
+    device: where ZeRO-3 keeps its rows (the other stages use the parameters' device).
     """
 
     def __init__(self, named_params, dp_comm, bucket_mb=25.0, overlap=True, compress=None,
-                 zero=False, launch_last=()):
+                 zero=0, launch_last=(), units=None, device="cpu"):
         self.named = list(named_params)
         if not self.named:
             raise ValueError("DataParallel got no parameters")
@@ -113,32 +198,46 @@ class DataParallel:
         self.bucket_mb = float(bucket_mb)
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be > 0")
+        self.zero = int(zero)
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={zero}: expected a ZeRO stage 0, 1, 2 or 3")
         self.overlap = bool(overlap)
         self.compressor = make_compressor(compress)
-        self.zero = bool(zero)
-        self.buckets = build_buckets(self.named, self.dp, self.bucket_mb)
+        self.buckets = build_buckets(self.named, self.dp, self.bucket_mb, dp_comm, self.zero,
+                                     units if self.zero == 3 else None, device)
+        for b in self.buckets:
+            b.dp = self
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         late = {id(p) for p in launch_last}
         # the launch order: index order, buckets holding a late parameter last (same on every rank)
         self.order = [b for b in self.buckets if not b.ids & late] + [b for b in self.buckets if b.ids & late]
-        self.grad_bytes = int(sum(b.buf.nbytes for b in self.buckets))   # the buffers synced per step
         self._zero_opt = None
         self._sync = True
         self._next = 0                                      # next position in self.order to launch
         self.totals = dict(steps=0, bytes_sent=0, payload_bytes=0, collectives=0, comm_s=0.0,
                            exposed_s=0.0, span_s=0.0, launched_early=0)
         self.last = {}
+        self.peak_inflight_bytes = 0                        # ZeRO's packed sends in flight, at most
+        self._inflight = []                                 # [(bucket, request, send)], oldest first
         self.begin_step()
+
+    @property
+    def grad_bytes(self):
+        """Bytes of the gradients this rank synchronises per step (the full local gradients)."""
+        return int(sum(b.numel for b in self.buckets) * self.buckets[0].dtype.itemsize)
 
     # --- wiring -----------------------------------------------------------------------------
     def attach(self, model):
-        """Register grad_ready on the model's backward notifications (GPT.grad_ready_hooks)."""
+        """Register grad_ready on the model's backward notifications (GPT.grad_ready_hooks); under
+        ZeRO-3 also make this sync's ParamGather the model's parameter scope."""
         hooks = getattr(model, "grad_ready_hooks", None)
         if hooks is None:
             raise TypeError(f"{type(model).__name__} has no grad_ready_hooks: use DataParallel without "
                             "attach() (every bucket then starts in finish())")
         if self.grad_ready not in hooks:
             hooks.append(self.grad_ready)
+        if self.zero == 3:
+            self.gather = install_gather(model, [self])
         return self
 
     # --- per step ---------------------------------------------------------------------------
@@ -146,6 +245,8 @@ class DataParallel:
         """Start a new optimiser step (before the first micro-batch)."""
         for b in self.buckets:
             b.reset()
+            if b.sharded:
+                b.acc = None
         self._next = 0
         self._sync = True
         self._final = set()                         # ids whose next notification is final (begin_final)
@@ -156,7 +257,8 @@ class DataParallel:
                          launched_early=0)
 
     def begin_micro(self, last: bool):
-        """Say whether the coming micro-batch is the step's last: only then do buckets sync."""
+        """Say whether the coming micro-batch is the step's last: only then do buckets sync
+        (zero<=1; zero>=2 syncs every micro-batch)."""
         if self._finished:                          # a new step without begin_step()
             self.begin_step()
         self._sync = bool(last)
@@ -173,7 +275,18 @@ class DataParallel:
         """Backward finished these parameters' grads for this micro-batch (model hook)."""
         if self._finished:
             self.begin_step()
-        if self.overlap and (self._sync or self._final):
+        if self.zero >= 2:                          # every completed bucket syncs now
+            done = []
+            for p in params:
+                b = self.bucket_of.get(id(p))
+                if b is not None:
+                    b.ready.add(id(p))
+                    if len(b.ready) == len(b.ids) and all(b is not x for x in done):
+                        done.append(b)
+            for b in sorted(done, key=lambda x: x.index):
+                self.last["launched_early"] += 1
+                self._start(b)
+        elif self.overlap and (self._sync or self._final):
             for p in params:
                 b = self.bucket_of.get(id(p))
                 if b is not None and (self._sync or id(p) in self._final):
@@ -186,10 +299,20 @@ class DataParallel:
         if self._finished:
             self.begin_step()
         t0 = time.perf_counter()
-        self._launch(only_ready=False)
-        for b in self.buckets:
-            if not b.done:
-                self._complete(b, b.request.wait() if b.request is not None else None)
+        if self.zero >= 2:                          # what backward left unsynced (or never notified)
+            for b in self.buckets:
+                if b.ready or not b.fired:
+                    self._start(b)
+            self._drain()
+        else:
+            self._launch(only_ready=False)
+            self._drain()
+            for b in self.buckets:
+                if not b.sharded and not b.done:
+                    self._complete(b, b.request.wait() if b.request is not None else None)
+        if self.zero and self.compressor is None and self.dp > 1:
+            for b in self.buckets:
+                b.acc *= b.dtype.type(1.0 / self.dp)        # sums -> means, once
         now = time.perf_counter()
         self.last["exposed_s"] = now - t0
         self.last["comm_s"] += now - t0
@@ -199,51 +322,107 @@ class DataParallel:
             self.totals[k] += self.last[k]
         self.totals["steps"] += 1
 
+    # --- the optimizer step ---------------------------------------------------------------------
+    def make_optimizer(self, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decay_fn=decays):
+        """ZeRO (zero>=1): the AdamW over this rank's rows (pympar.parallel.zero.ZeroAdamW)."""
+        if not self.zero:
+            raise ValueError("make_optimizer is ZeRO's: without ZeRO use pympar.optim.AdamW")
+        return ZeroAdamW(self.optimizer_pieces(decay_fn), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def optimizer_pieces(self, decay_fn=decays):
+        """(name, weight rows, grad rows getter, Shard of the rows, decays) of every parameter."""
+        out = []
+        for b in self.buckets:
+            for i, (p, name) in enumerate(zip(b.params, b.names)):
+                out.append((name, b.weight_rows(i), (lambda b=b, i=i: b.grad_rows(i)), b.row_shards[i],
+                            bool(decay_fn(name, p.data))))
+        return out
+
     def step(self, optimizer, lr=None, clip=0.0, allreduce_sq=None):
         """Clip to the global norm and update; returns the norm before clipping.
 
-        Plain DP: optimizer (pympar.optim.AdamW) steps on the averaged full grads.
-        ZeRO-1: a ZeroAdamW with the optimizer's hyper-parameters updates this rank's chunk
-        and allgathers the parameters (the optimizer's own m, v are never touched).
-        allreduce_sq sums a sum of squares over the OTHER groups (tp, pp); dp is handled here.
-        """
+        zero=0: optimizer (pympar.optim.AdamW) steps on the averaged full grads. ZeRO: the
+        ZeroAdamW of make_optimizer() (an AdamW passed instead only lends its hyper-parameters)
+        updates this rank's rows; stages 1 and 2 then allgather the parameters.
+        allreduce_sq sums a sum of squares over the OTHER groups (tp, pp); dp is handled here."""
         if not self.zero:
             norm = clip_grad_norm([p for _, p in self.named], clip, allreduce_sq)
             optimizer.step(lr)
             return norm
-        if self._zero_opt is None:
-            self._zero_opt = ZeroAdamW.from_optimizer(optimizer, self.buckets, self.comm)
-        return self._zero_opt.step(lr, clip, allreduce_sq)
-
-    def export_optimizer_state(self, optimizer):
-        """ZeRO-1, collective: fill optimizer (pympar AdamW) with the full m, v and step, e.g.
-        before a checkpoint save. Plain DP: nothing to do (the optimizer holds its state)."""
-        if self.zero and self._zero_opt is not None:
-            self._zero_opt.export_to(optimizer)
-
-    def import_optimizer_state(self, optimizer):
-        """ZeRO-1: load this rank's chunks from optimizer's m, v, step and the model's
-        parameters, e.g. after a checkpoint restore into them."""
-        if self.zero:
+        if not isinstance(optimizer, ZeroAdamW):
             if self._zero_opt is None:
-                self._zero_opt = ZeroAdamW.from_optimizer(optimizer, self.buckets, self.comm)
-            self._zero_opt.import_from(optimizer)
+                self._zero_opt = self.make_optimizer(optimizer.lr, (optimizer.beta1, optimizer.beta2),
+                                                     optimizer.eps, optimizer.weight_decay)
+            optimizer = self._zero_opt
+        sq = 0.0
+        for _, g in self.held_grads():
+            sq += float((g.astype(np.float64) ** 2).sum()) if g.size else 0.0
+        if self.dp > 1:
+            sq = float(np.asarray(self.comm.allreduce(np.array([sq]))).reshape(-1)[0])   # host
+        if allreduce_sq is not None:
+            sq = float(allreduce_sq(sq))
+        norm = float(np.sqrt(sq)) if sq >= 0 else float("nan")
+        if clip and clip > 0 and math.isfinite(norm) and norm > clip:
+            self.scale_grads(clip / (norm + 1e-6))
+        optimizer.step(lr)
+        self.after_step()
+        return norm
+
+    def after_step(self):
+        """ZeRO-1/2: allgather every bucket's updated rows into the full parameters."""
+        if self.zero not in (1, 2):
+            return
+        for b in self.buckets:
+            lay = b.layout
+            send = b.xp.empty(lay.seg, dtype=b.dtype)
+            for i in range(len(b.params)):
+                lay.own(send, i)[...] = b.weight_rows(i)
+            full = send if self.dp == 1 else self.comm.allgather(send)
+            lay.unpack(xp_of(send).asarray(full).reshape(-1), [p.data for p in b.params])
+
+    def held_grads(self):
+        """(Parameter, array) of the synced gradient this rank holds, after finish(): the full
+        mean gradient (zero=0) or the mean of its rows (ZeRO)."""
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                yield p, (b.grad_rows(i) if b.sharded else p.grad)
 
     def grads_finite(self) -> bool:
         """After finish(): are all synced gradients finite (the same answer on every rank)?"""
         if not self.zero:
             return all(bool(xp_of(b.buf).isfinite(b.buf).all()) for b in self.buckets)
-        bad = np.array([sum(0 if xp_of(b.result).isfinite(b.result).all() else 1  # host count
+        bad = np.array([sum(0 if xp_of(b.acc).isfinite(b.acc).all() else 1  # host count
                             for b in self.buckets)], np.float64)
-        if self.dp > 1:                                  # chunks differ per rank: agree
+        if self.dp > 1:                                  # rows differ per rank: agree
             bad = np.asarray(self.comm.allreduce(bad)).reshape(-1)   # host vector over MPI
         return bool(bad[0] == 0)
 
     def scale_grads(self, alpha):
         """After finish(): multiply the synced gradients by alpha (loss-scale unscaling)."""
         for b in self.buckets:
-            g = b.result if self.zero else b.buf
+            g = b.acc if b.sharded else b.buf
             g *= b.dtype.type(alpha)
+
+    # --- ZeRO-3: parameters around their use (ParamGather calls these) ---------------------------
+    def start_gather(self, b):
+        """Begin assembling bucket b's full parameters from every rank's rows."""
+        if self.dp == 1:
+            return None
+        return self.comm.iallgather(b.own)
+
+    def finish_gather(self, b, req):
+        flat = b.own if req is None else req.wait().reshape(-1)
+        fulls = [b.xp.empty(_local_shape(b, i), dtype=b.dtype) for i in range(len(b.params))]
+        b.layout.unpack(flat, fulls)
+        for p, f in zip(b.params, fulls):
+            p.data = f
+        b.gathered = True
+
+    def release_params(self, b):
+        """Back to this rank's rows (the full tensors are freed)."""
+        for p, v in zip(b.params, b.rest):
+            p.data = v
+        b.gathered = False
 
     # --- collectives ------------------------------------------------------------------------
     def _launch(self, only_ready):
@@ -260,21 +439,22 @@ class DataParallel:
         t0 = time.perf_counter()
         if self._t_first is None:
             self._t_first = t0
+        if b.sharded:
+            self._start_rows(b)
+        else:
+            self._start_flat(b)
+        self.last["comm_s"] += time.perf_counter() - t0
+
+    def _start_flat(self, b):
         b.gather_grads()
         b.launched = True
         n = self.dp
         if n == 1:
             self._complete(b, None)
         elif self.compressor is not None:             # blocking: compressors use alltoall/allgather
-            out, nb = self.compressor.reduce_mean(self.comm, b.index, b.buf, self.zero)
+            out, nb = self.compressor.reduce_mean(self.comm, b.index, b.buf, False)
             self._count(nb["payload"], nb["wire"], nb["collectives"])
             self._complete(b, out, mean=True)
-        elif self.zero:
-            self._count(b.buf.nbytes, (n - 1) * b.buf.nbytes // n, 1)
-            if hasattr(self.comm, "ireduce_scatter"):
-                b.request = self.comm.ireduce_scatter(b.buf)
-            else:                                     # no nonblocking form: reduce now
-                self._complete(b, self.comm.reduce_scatter(b.buf))
         else:
             nb = dense_allreduce_bytes(b.buf.nbytes, n)
             self._count(nb["payload"], nb["wire"], 1)
@@ -282,7 +462,54 @@ class DataParallel:
                 b.request = self.comm.iallreduce(b.buf)
             else:
                 self._complete(b, self.comm.allreduce(b.buf))
-        self.last["comm_s"] += time.perf_counter() - t0
+
+    def _start_rows(self, b):
+        """Pack the full grads rank-major, release them (zero>=2), reduce-scatter the pack."""
+        lay, n = b.layout, self.dp
+        send = b.xp.empty(n * lay.seg, dtype=b.dtype)
+        lay.pack([p.grad if p.has_grad else None for p in b.params], send)
+        if self.zero >= 2:
+            for p in b.params:
+                p.release_grad()
+        b.ready = set()
+        b.fired += 1
+        b.launched = True
+        if n == 1:
+            self._add_rows(b, send)
+        elif self.compressor is not None:
+            out, nb = self.compressor.reduce_mean(self.comm, b.index, send, True)
+            self._count(nb["payload"], nb["wire"], nb["collectives"])
+            self._add_rows(b, out)
+        else:
+            self._count(send.nbytes, (n - 1) * send.nbytes // n, 1)
+            if hasattr(self.comm, "ireduce_scatter"):
+                while len(self._inflight) >= MAX_INFLIGHT_BUCKETS:   # bound the packed copies alive
+                    self._complete_oldest()
+                self._inflight.append((b, self.comm.ireduce_scatter(send), send))
+                self.peak_inflight_bytes = max(self.peak_inflight_bytes,
+                                               sum(x[2].nbytes for x in self._inflight))
+            else:
+                self._add_rows(b, self.comm.reduce_scatter(send))
+
+    def _add_rows(self, b, rows):
+        rows = rows.reshape(-1)
+        if b.acc is None:
+            b.acc = xp_of(rows).array(rows, dtype=b.dtype)
+        else:
+            b.acc += rows
+
+    def _complete_oldest(self):
+        b, req, _ = self._inflight.pop(0)
+        self._add_rows(b, req.wait())
+
+    def _drain(self):
+        """Wait for every reduce-scatter in flight, in the order they started (the same order on
+        every rank, so each bucket's rows are summed in one order)."""
+        while self._inflight:
+            self._complete_oldest()
+        for b in self.buckets:
+            if b.sharded:
+                b.done = True
 
     def _count(self, payload, wire, n_coll):
         self.last["payload_bytes"] += int(payload)
@@ -293,8 +520,11 @@ class DataParallel:
         """Let the nonblocking collectives in flight progress (cheap when none are)."""
         t0 = time.perf_counter()
         busy = False
-        for b in self.order[:self._next]:
-            if b.request is not None and not b.done:
+        while self._inflight and self._inflight[0][1].test():
+            self._complete_oldest()
+            busy = True
+        for b in self.buckets:
+            if not b.sharded and b.request is not None and not b.done:
                 busy = True
                 if b.request.test():
                     self._complete(b, b.request.wait())
@@ -302,18 +532,10 @@ class DataParallel:
             self.last["comm_s"] += time.perf_counter() - t0
 
     def _complete(self, b, result, mean=False):
-        """Store the reduced values: means in b.buf (plain DP) or in b.result (ZeRO chunk).
-
-        result: None (reduced in place in b.buf), the reduced array, or (mean=True) a mean."""
+        """zero=0: the mean in b.buf. result: None (reduced in place), the reduced array, or
+        (mean=True) a mean."""
         n = self.dp
-        if self.zero:
-            if n == 1:
-                b.result = b.buf.copy()                       # (chunk,) = everything
-            else:
-                b.result = xp_of(b.buf).array(b.buf if result is None else result, dtype=b.dtype).reshape(-1)
-                if not mean:
-                    b.result *= b.dtype.type(1.0 / n)
-        elif n > 1:
+        if n > 1:
             if result is not None and result is not b.buf:
                 b.buf[...] = result.reshape(-1)
             if not mean:
@@ -323,7 +545,7 @@ class DataParallel:
     # --- reporting --------------------------------------------------------------------------
     def stats(self):
         """Last step's and cumulative figures: bytes sent (wire estimate and payload), number of
-        collectives, launched_early (buckets started during backward, before finish), comm_s
+        collectives, launched_early (buckets started before finish, during backward), comm_s
         (time inside comm calls), exposed_s (time blocked in finish),
         hidden_fraction = 1 - exposed / span (span: first bucket start to the end of finish; an
         upper bound: a transfer that only progresses inside finish's wait still counts its
@@ -337,6 +559,7 @@ class DataParallel:
                     bucket_mb=self.bucket_mb, overlap=self.overlap, zero=self.zero,
                     compress=None if self.compressor is None else self.compressor.name)
 
-    def memory_report(self):
-        """Optimiser bytes per rank, this layout against plain DP (see zero.optimizer_memory)."""
-        return optimizer_memory(self.buckets, self.dp, self.zero)
+
+def _local_shape(b, i):
+    """The full local (tp) shape of bucket b's parameter i (its rows are what p.data holds)."""
+    return b.layout.items[i][0]

@@ -26,10 +26,10 @@ that hold the same expert, one per ep group) covers every micro-batch once, so
 
     expert grad = sum over edp / dp  =  (mean over edp) / ep
 
-which is what ``EPGradSync`` does (and ``expert_grad_scale`` states). Global-norm clipping:
-after the sync dense grads are identical on every dp rank and count once; expert grads are
-identical over edp and distinct over ep, so their squares are summed over ep
-(``ep_allreduce_sq``).
+which is what the trainer's gradient path does (pympar.parallel.gradsync: an expert's
+placement puts it in the edp group with the factor 1/ep; ``expert_grad_scale`` states it).
+Global-norm clipping: after the sync dense grads are identical on every dp rank and count
+once; expert grads are identical over edp and distinct over ep, so every ep rank counts its own.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def split_expert_params(named_params):
 def expert_grad_scale(dp: int, ep: int, edp_size: int) -> float:
     """Factor applied to the edp-SUM of an expert gradient so it equals the single-process one: 1/dp.
 
-    edp_size = dp // ep; ``EPGradSync`` means over edp (divides by edp_size) and then scales by
+    edp_size = dp // ep; the gradient sync means over edp (divides by edp_size) and then scales by
     edp_size / dp = 1/ep."""
     if dp != ep * edp_size:
         raise ValueError(f"dp={dp} must equal ep*edp = {ep}*{edp_size}")
@@ -224,104 +224,6 @@ def _sum_over(comm, values):
         return v
     out = comm.allreduce(v.copy())
     return np.asarray(v if out is None else out, np.float64)  # host
-
-
-def ep_allreduce_sq(params, ep_comm, tp=None, then=None):
-    """An ``allreduce_sq`` for optim.clip_grad_norm giving the single-process norm (call after the
-    dp/edp sync): dense squares count once, expert squares are summed over ep; with tensor
-    parallelism (``tp``: the tp communicator) tp-sharded squares (``param.shard`` set) are summed
-    over tp and tp-replicated ones (e.g. an expert's c_proj.bias) count once -- in this order:
-
-        total = tp_sum(dense_sharded) + dense_replicated + ep_sum(tp_sum(expert_sharded) + expert_replicated)
-
-    params: the Parameters handed to clip_grad_norm (expert ones recognised by their global
-    ``.name``). ``then``: a further reduction of the total (e.g. the sum over pipeline stages)."""
-    from .shard import shard_of
-
-    groups = [(is_expert_param(p.name), shard_of(p) is not None, p) for p in params]
-
-    def allreduce_sq(sq):
-        parts = np.zeros((2, 2))  # host: [dense, expert] x [replicated, sharded]
-        # the squares as clip_grad_norm computes them, brought to the host in one copy
-        for (is_exp, sharded, _), t in zip(groups, host_scalars([sum_sq(p.grad) for _, _, p in groups])):
-            parts[int(is_exp), int(sharded)] += float(t)
-        other = sq - parts.sum()                      # anything the caller summed that is not in params
-        d_sh, e_sh = _sum_over(tp, [parts[0, 1], parts[1, 1]])
-        e_all = _sum_over(ep_comm, [e_sh + parts[1, 0]])[0]
-        total = other + d_sh + parts[0, 0] + e_all
-        return then(total) if then is not None else total
-
-    return allreduce_sq
-
-
-class EPGradSync:
-    """Gradient sync of an expert-parallel model: dense params mean over dp_comm, expert params
-    sum over edp_comm / dp (see the module docstring), both bucketed and overlapped by DataParallel.
-
-    mesh: a pympar.parallel.mesh.Mesh (its dp_comm, edp_comm, ep_comm); dp_kw: DataParallel's
-    bucket_mb, overlap, compress. Usage per step: attach(model) once; begin_step(); begin_micro(last)
-    before each micro-batch; finish(); step(opt, lr, clip, tp=mesh.tp_comm when tp > 1).
-    """
-
-    def __init__(self, named_params, mesh, **dp_kw):
-        from .dp import DataParallel
-
-        if dp_kw.get("zero"):
-            raise ValueError("ZeRO-1 is not supported together with expert parallelism yet (use zero=0)")
-        dp_comm, edp_comm, self.ep_comm = mesh.dp_comm, mesh.edp_comm, mesh.ep_comm
-        self.dp, self.ep, self.edp = int(dp_comm.size), int(mesh.ep), int(edp_comm.size)
-        self._scale = expert_grad_scale(self.dp, self.ep, self.edp) * self.edp   # after the edp mean
-        dense, expert = split_expert_params(named_params)
-        self.params = [p for _, p in dense] + [p for _, p in expert]
-        self.dense = DataParallel(dense, dp_comm, **dp_kw)
-        self.expert = DataParallel(expert, edp_comm, **dp_kw) if expert else None
-        self._expert_params = [p for _, p in expert]
-        self.grad_bytes = self.dense.grad_bytes + (self.expert.grad_bytes if self.expert else 0)
-
-    def attach(self, model):
-        self.dense.attach(model)
-        if self.expert:
-            self.expert.attach(model)
-        return self
-
-    def begin_step(self):
-        for s in self._syncs():
-            s.begin_step()
-
-    def begin_micro(self, last: bool):
-        for s in self._syncs():
-            s.begin_micro(last)
-
-    def finish(self):
-        for s in self._syncs():
-            s.finish()
-        if self._scale != 1.0:
-            for p in self._expert_params:
-                p.grad *= p.grad.dtype.type(self._scale)
-
-    def grads_finite(self) -> bool:
-        """After finish(): all synced gradients finite? (the same answer on every dp rank: expert
-        grads differ over ep, so the verdict is agreed over ep)."""
-        bad = np.array([0.0 if all(s.grads_finite() for s in self._syncs()) else 1.0])  # host
-        return bool(_sum_over(self.ep_comm, bad)[0] == 0)
-
-    def scale_grads(self, alpha):
-        """After finish(): multiply every synced gradient by alpha (loss-scale unscaling)."""
-        for s in self._syncs():
-            s.scale_grads(alpha)
-
-    def step(self, optimizer, lr=None, clip=0.0, tp=None, then=None):
-        """Clip to the global (single-process) norm and update; returns the norm before clipping.
-        tp: the tp communicator under tensor parallelism; then: e.g. the sum over pipeline stages."""
-        from ..optim import clip_grad_norm
-
-        sq = ep_allreduce_sq(self.params, self.ep_comm, tp, then)
-        norm = clip_grad_norm(self.params, clip, sq)
-        optimizer.step(lr)
-        return norm
-
-    def _syncs(self):
-        return [self.dense] + ([self.expert] if self.expert else [])
 
 
 def lockstep_forward_losses(model, batches, ep_comm):

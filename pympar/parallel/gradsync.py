@@ -7,8 +7,8 @@ wte between the first and last stage, and the sequence-parallel partial grads ov
     expert params  (1/n_micro) * sum over its ep group's micro-batches  -> mean over edp, x 1/ep
 
 (see pympar.parallel.ep for the 1/ep). Each kind is one ``DataParallel`` (buckets overlapped
-with backward, optional ZeRO-1 and compression) over its group: dense over ``mesh.dp_comm``,
-expert over ``mesh.edp_comm``. With ZeRO-1 the optimiser state of expert parameters is
+with backward, optional ZeRO-1/2/3 and compression) over its group: dense over ``mesh.dp_comm``,
+expert over ``mesh.edp_comm``. With ZeRO the state (rows) of expert parameters is
 therefore sharded over edp and that of dense parameters over dp.
 
 Overlap under a pipeline: the executor calls ``begin_final(params)`` as the last micro-batch's
@@ -17,59 +17,70 @@ during the backward of the other chunks and the pipeline's drain, as DP alone do
 micro-batch. The tied wte copy's gradient is final only after the first/last-stage sum at the
 end of the step (its grad_ready comes then), so its bucket starts after all the others.
 
-Global norm. After the sync every gradient element is held identically by several ranks;
-the single-process norm counts it once. ``local_sq()`` counts, on this rank, the elements it
-"owns" and one sum over the world gives the norm:
-
-    dp / edp   plain: the dp (edp) rank 0 of each group; ZeRO-1: every rank its own chunk
-    tp         sharded params (``param.shard``) on every tp rank; replicated ones on tp rank 0
-    pp         the last stage's copy of the tied wte never (stage 0 counts it)
-    ep         expert params on every ep rank (they hold different experts)
+Placement. Each parameter gets its ``placement`` (pympar.parallel.placement) here: tp shard or
+replica, dp or edp group, the tied copy, the ZeRO rows it keeps. Everything below derives from
+it -- the group that reduces its gradient, and who counts it in the global norm: one sum over
+the world of every rank's ``local_sq()`` is the single-process norm^2.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 from ..backend import xp_of
-from ..optim import clip_grad_norm
+from ..optim import AdamW
 from ..optim.clip import host_scalars, sum_sq
 from .dp import DataParallel
 from .ep import is_expert_param
+from .placement import Placement
 from .shard import shard_of
+from .zero import NoGather, ZeroAdamW, install_gather
 
 
-class ComposedGradSync:
+class GradSync:
     """Dense grads mean over dp, expert grads over edp (x 1/ep); the norm over the whole mesh.
 
     named: the rank's (global name, Parameter); mesh: pympar.parallel.mesh.Mesh; tied_copy:
     the Parameter that duplicates stage 0's wte on the last stage (None otherwise); dp_kw:
-    DataParallel's bucket_mb, overlap, compress, zero. Per step: begin_step(), begin_micro(last)
-    before each micro-batch (or once with last=False under a pipeline, whose executor then calls
-    begin_final(params) per chunk), finish(), then local_sq()/nonfinite() and step(opt, lr,
-    clip, total_sq).
+    DataParallel's bucket_mb, overlap, compress, zero, units. Per step: begin_step(),
+    begin_micro(last) before each micro-batch (or once with last=False under a pipeline, whose
+    executor then calls begin_final(params) per chunk), finish(), then local_sq()/nonfinite()
+    and step(optimizer, lr, clip, total_sq) with the optimizer of make_optimizer().
     """
 
     def __init__(self, named, mesh, tied_copy=None, **dp_kw):
+        self.zero = int(dp_kw.get("zero", 0))
         self.mesh = mesh
-        self.zero = bool(dp_kw.get("zero", False))
         split = mesh.ep > 1
-        dense = [(n, p) for n, p in named if not (split and is_expert_param(n))]
-        expert = [(n, p) for n, p in named if split and is_expert_param(n)]
-        self.params = [p for _, p in named]
-        # (DataParallel, post-scale, owner-when-plain): the dp (edp) rank 0 counts replicated grads
-        late = [tied_copy] if tied_copy is not None else []     # final after the tied sum only
-        self.groups = [(DataParallel(dense, mesh.dp_comm, launch_last=late, **dp_kw), 1.0, mesh.dp_rank == 0)]
-        if expert:
-            self.groups.append((DataParallel(expert, mesh.edp_comm, **dp_kw), 1.0 / mesh.ep, mesh.edp_rank == 0))
-        self.grad_bytes = sum(d.grad_bytes for d, _, _ in self.groups)
+        named = list(named)
         tied = id(tied_copy) if tied_copy is not None else None
-        # per parameter: does this rank count its gradient in the norm (apart from dp/edp)?
-        self._counts = {id(p): id(p) != tied and (shard_of(p) is not None or mesh.tp_rank == 0)
-                        for p in self.params}
+        for n, p in named:
+            p.placement = Placement(tp="shard" if shard_of(p) is not None else "replicate",
+                                    group="edp" if split and is_expert_param(n) else "dp",
+                                    tied_copy=id(p) == tied, zero=self.zero)
+        dense = [(n, p) for n, p in named if p.placement.group == "dp"]
+        expert = [(n, p) for n, p in named if p.placement.group == "edp"]
+        self.named, self.params = named, [p for _, p in named]
+        # (DataParallel, post-scale, group rank): the dp (edp) rank 0 counts replicated grads
+        late = [tied_copy] if tied_copy is not None else []     # final after the tied sum only
+        self.groups = [(DataParallel(dense, mesh.dp_comm, launch_last=late, **dp_kw), 1.0, mesh.dp_rank)]
+        if expert:
+            self.groups.append((DataParallel(expert, mesh.edp_comm, **dp_kw), 1.0 / mesh.ep, mesh.edp_rank))
+        if self.zero:
+            for d, _, _ in self.groups:
+                for b in d.buckets:
+                    for i, p in enumerate(b.params):
+                        pl = p.placement
+                        p.placement = Placement(pl.tp, pl.group, pl.tied_copy, self.zero, b.layout.rows(i))
+        self.grad_bytes = sum(d.grad_bytes for d, _, _ in self.groups)
+        self._counts = {id(p): p.placement.counts_in_norm(mesh.tp_rank, grank)
+                        for d, _, grank in self.groups for p in (q for _, q in d.named)}
+        self.gather = NoGather()
+
 
     def counts_in_norm(self, p) -> bool:
-        """Apart from dp/edp: does this rank count p's gradient (not the tied copy; tp-replicated
-        params only on tp rank 0)?"""
+        """Does this rank count p's synced gradient in the global norm (placement.counts_in_norm)?"""
         return self._counts[id(p)]
 
     @property
@@ -77,8 +88,12 @@ class ComposedGradSync:
         return [d for d, _, _ in self.groups]
 
     def attach(self, model):
+        """Backward notifications to every group's sync; ZeRO-3: one ParamGather over all groups
+        (a MoE block's experts are in the edp group's buckets) as the model's parameter scope."""
         for d in self.syncs:
             d.attach(model)
+        if self.zero == 3:
+            self.gather = install_gather(model, self.syncs)
         return self
 
     def begin_step(self):
@@ -105,58 +120,42 @@ class ComposedGradSync:
         for d in self.syncs:
             d.scale_grads(alpha)
 
-    def _synced(self):
-        """(DataParallel, owner, bucket, g, lo): g the synced gradient elements [lo, lo+len(g)) of
-        the bucket held here (ZeRO-1: this rank's reduced chunk; plain: the whole bucket)."""
-        for d, _, owner in self.groups:
-            for b in d.buckets:
-                if d.zero:
-                    yield True, b, b.result, d.comm.rank * b.chunk
-                else:
-                    yield owner, b, b.buf, 0
+    def named_grads(self):
+        """(name, synced gradient this rank holds): the full mean, or its ZeRO rows."""
+        names = {id(p): n for n, p in self.named}
+        for d in self.syncs:
+            for p, g in d.held_grads():
+                yield names[id(p)], g
 
     def local_sq(self) -> float:
         """This rank's share of the squared global norm (sum over the world = single-process norm^2)."""
-        terms = []
-        for owner, b, g, lo in self._synced():
-            if not owner:
-                continue
-            hi = lo + g.size
-            for p, off, size in zip(b.params, b.offsets, b.sizes):
-                a, e = max(off, lo), min(off + size, hi)
-                if a < e and self._counts[id(p)]:
-                    terms.append(sum_sq(g[a - lo:e - lo]))
+        terms = [sum_sq(g) for d in self.syncs for p, g in d.held_grads() if self._counts[id(p)] and g.size]
         sq = 0.0
         for t in host_scalars(terms):                 # one device->host copy on a GPU
             sq += float(t)
         return sq
 
     def nonfinite(self) -> int:
-        """Number of synced buckets (or chunks) here holding an inf or nan."""
-        return sum(0 if xp_of(g).isfinite(g).all() else 1 for _, _, g, _ in self._synced())
+        """Number of synced gradients (or ZeRO rows) held here with an inf or nan."""
+        return sum(0 if xp_of(g).isfinite(g).all() else 1 for _, g in self.named_grads() if g.size)
+
+    def make_optimizer(self, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+        """AdamW over the full parameters (zero=0), or ZeroAdamW over this rank's rows (ZeRO):
+        optimizer state exists only for what this rank updates."""
+        if not self.zero:
+            return AdamW(self.named, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        pieces = [x for d in self.syncs for x in d.optimizer_pieces()]
+        return ZeroAdamW(pieces, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
     def step(self, optimizer, lr, clip, total_sq: float) -> float:
         """Clip every gradient by the global norm sqrt(total_sq) and update; returns the norm."""
-        fixed = (lambda _sq: total_sq)            # the sum over the mesh is already done
-        if not self.zero:
-            norm = clip_grad_norm(self.params, clip, fixed)
-            optimizer.step(lr)
-            return norm
-        norm = float("nan")
-        for d in self.syncs:                      # each updates its chunks, allgathers its params
-            norm = d.step(optimizer, lr=lr, clip=clip, allreduce_sq=fixed)
+        norm = float(np.sqrt(total_sq)) if total_sq >= 0 else float("nan")
+        if clip and clip > 0 and math.isfinite(norm) and norm > clip:
+            self.scale_grads(clip / (norm + 1e-6))
+        optimizer.step(lr)
+        for d in self.syncs:                      # ZeRO-1/2: every rank gets the updated rows
+            d.after_step()
         return norm
-
-    def export_optimizer_state(self, optimizer):
-        for d in self.syncs:
-            d.export_optimizer_state(optimizer)
-
-    def import_optimizer_state(self, optimizer):
-        for d in self.syncs:
-            d.import_optimizer_state(optimizer)
 
     def stats(self):
         return [d.stats() for d in self.syncs]
-
-    def memory_report(self):
-        return [d.memory_report() for d in self.syncs]

@@ -20,8 +20,9 @@ Composition, per rank with mesh coordinates (pp stage, dp rank, tp rank, ep rank
   backward  pp = 1: loss_and_grad per micro-batch (grad_scale = loss_scale / n_micro);
             pp > 1: the executor's schedule, which also sums the tied wte between the first
             and last stage and the sequence-parallel partial grads over tp
-  sync      ComposedGradSync: dense grads mean over dp, expert grads over edp x 1/ep
-            (buckets, overlap, ZeRO-1, compression from parallel.dp); under a pipeline the
+  sync      GradSync (one gradient path, from each parameter's placement): dense grads mean over dp,
+            expert grads over edp x 1/ep
+            (buckets, overlap, ZeRO-1/2/3, compression from parallel.dp); under a pipeline the
             buckets of a chunk start once its last micro-batch's backward is done
   norm      every rank counts the gradient elements it owns; ONE world allreduce of
             [loss, non-finite count, norm^2, MoE loads] per step gives the single-process
@@ -39,9 +40,12 @@ from .. import profile as _profile
 from ..backend import to_numpy, xp_of
 from ..comm.objects import gather_object
 from ..nn import GPT
-from ..optim import AdamW, DynamicLossScaler
+from ..nn.gpt import RECOMPUTE, count_params, set_recompute
+from ..optim import DynamicLossScaler
 from .ep import ep_step_stats, install_expert_parallel, is_expert_param, validate_ep
-from .gradsync import ComposedGradSync
+from . import ledger
+from .gradsync import GradSync
+from .ledger import memory_summary
 from .mesh import Mesh
 from .shard import shard_of
 
@@ -56,8 +60,11 @@ def check_supported(model_cfg, layout, opts) -> None:
     dp, pp, tp, ep = layout.dp, layout.pp, layout.tp, layout.ep
     if opts.device not in ("cpu", "cuda"):
         raise ValueError(f"--device {opts.device!r}: expected cpu or cuda")
-    if opts.zero not in (0, 1):
-        raise NotSupportedError(f"zero={opts.zero} is not supported (ZeRO-1 only): use --zero 0 or 1")
+    if opts.zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={opts.zero}: expected a ZeRO stage 0, 1, 2 or 3")
+    recompute = getattr(opts, "recompute", "none")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     if opts.seq_parallel and tp == 1:
         raise NotSupportedError("--seq-parallel splits activations over the tensor-parallel group: it needs --tp > 1")
     Mesh.validate(dp * pp * tp, dp, pp, tp, ep)
@@ -96,28 +103,50 @@ class ParallelRunner:
         self.compute = None if opts.dtype == "float32" else opts.dtype
         self.model, self.executor, self._tp_model = self._build_model(opts)
         self.device = getattr(opts, "device", "cpu")
+        self.zero = int(opts.zero)
         if self.ep > 1:               # keep n_expert/ep experts; tokens move by alltoallv
             install_expert_parallel(self.model, mesh.ep_comm)
-        if self.device != "cpu":      # built on the host (same numbers), then moved (only this rank's
-            self.model.to(self.device)    # experts), before any optimiser or sync state
+        set_recompute(self.model, getattr(opts, "recompute", "none"))
+        # nothing is allocated yet (parameters are made on first use): ZeRO-3 makes only its rows,
+        # on the device; otherwise the model is made on the host (same numbers) and moved
+        if self.device != "cpu" and self.zero != 3:
+            self.model.to(self.device)
         self.named = named = list(self.model.named_parameters())
         self.params = [p for _, p in named]
         tied_copy = self.model.tied_weight if self.pp > 1 and self.model.holds_tied_copy else None
         compress = f"topk:{opts.topk_ratio}" if opts.compress == "topk" else opts.compress
-        self.sync = ComposedGradSync(named, mesh, tied_copy, bucket_mb=opts.bucket_mb,
-                                     overlap=getattr(opts, "dp_overlap", True),
-                                     compress=None if compress in (None, "none") else compress,
-                                     zero=opts.zero == 1).attach(self.model)
+        pieces = self._pieces()
+        names = {id(p): n for n, p in named}
+        units = [[names[id(p)] for p in m.parameters() if id(p) in names] for m in pieces]
+        if tied_copy is not None:                           # the last stage's wte copy: its own unit
+            units.append([names[id(tied_copy)]])
+        self.sync = GradSync(named, mesh, tied_copy, bucket_mb=opts.bucket_mb,
+                             overlap=getattr(opts, "dp_overlap", True),
+                             compress=None if compress in (None, "none") else compress,
+                             zero=self.zero, units=units, device=self.device).attach(self.model)
+        if self.zero == 3 and self.device != "cpu":    # the rows are on the device already
+            for top in self.model.modules():
+                for m in top.modules():
+                    m._move_buffers(self.device)
         if self.executor is not None:     # buckets start as each chunk's last backward ends
             self.executor.final_backward_hooks.append(self.sync.begin_final)
-        self.opt = AdamW(named, lr=opts.lr, weight_decay=opts.weight_decay)
+        self.opt = self.sync.make_optimizer(lr=opts.lr, weight_decay=opts.weight_decay)
         self.grad_clip = opts.grad_clip
         self.scaler = DynamicLossScaler() if opts.dtype == "float16" else None
         self.moe_ids = [i for i in range(model_cfg.n_layer) if model_cfg.is_moe_block(i)]
-        self.n_params = self._count_params()
+        self.n_params = count_params(model_cfg)
+        self.recompute, self.sp = getattr(opts, "recompute", "none"), bool(opts.seq_parallel)
+        self.schedule, self.v, self.bucket_mb = opts.schedule, getattr(opts, "virtual_stages", 1), opts.bucket_mb
+        self.ledger, self._workspace = None, None
         self._mb = 0
         if rec.enabled:
             self._instrument_layers()
+
+    def _pieces(self):
+        """This rank's model pieces (embedding, blocks, head) in forward order."""
+        if self.executor is not None:
+            return [m for ch in self.model.chunks for m in ch.pieces()]
+        return self.model.pieces()
 
     def _build_model(self, opts):
         """(model, pipeline executor or None, the TPGPT whose collectives are timed or None)."""
@@ -142,15 +171,6 @@ class ParallelRunner:
                                          dtype=self.master, compute_dtype=self.compute, factory=factory)
         return model, executor, tp_model
 
-    def _count_params(self) -> int:
-        """Parameters of the whole model (each element once over the mesh): one allreduce."""
-        m, own = self.mesh, 0
-        for name, p in self.named:
-            first = m.edp_rank == 0 if is_expert_param(name) else m.dp_rank == 0
-            if first and self.sync.counts_in_norm(p):   # not the tied copy, tp-replicated on tp rank 0
-                own += p.data.size
-        return int(round(self._allreduce(np.array([own], np.float64))[0]))  # host
-
     def _allreduce(self, v):
         """Sum of a host float64 vector over the world (MPI side of a DeviceComm)."""
         if self.comm.size == 1:
@@ -173,15 +193,17 @@ class ParallelRunner:
             pipe = self.executor.train_step(micro_batches, loss_scale=scale)
             loss, compute = pipe["loss"], pipe["compute_s"]
             bubble, pp_other = pipe["recv_wait_s"], max(pipe["step_s"] - pipe["compute_s"] - pipe["recv_wait_s"], 0.0)
+            act, recv_bytes = pipe["activation_peak_bytes"], pipe["recv_buffer_bytes"]
         else:
-            loss = 0.0
+            loss, stats = 0.0, {}
             for j, (idx, targets) in enumerate(micro_batches):
                 self._mb = j
                 sync.begin_micro(last=(j == n - 1))
                 tm = time.perf_counter()
-                loss += model.loss_and_grad(idx, targets, grad_scale=scale / n) / n
+                loss += model.loss_and_grad(idx, targets, grad_scale=scale / n, stats=stats) / n
                 rec.add(f"micro-batch {j}", "micro", tm, time.perf_counter() - tm, mb=j)
             compute, bubble, pp_other = time.perf_counter() - t0, 0.0, 0.0
+            act, recv_bytes = stats.get("activation_bytes", 0), 0
         tp_s = self._tp_model.take_tp_comm_seconds() if self._tp_model is not None else 0.0
         local_moe = {st["layer"]: st for st in model.moe_stats()}
         ep_s = sum(layer._ep_acc["a2a_s"] for _, layer in model.moe_layers()) if self.ep > 1 else 0.0
@@ -194,12 +216,15 @@ class ParallelRunner:
 
         with rec.span("grad sync", "dp_comm" if self.dp > 1 else "optimizer", bytes=sync.grad_bytes):
             sync.finish()
+        self._update_ledger(micro_batches, act, recv_bytes)
         vec = self._step_vector(loss, local_moe, a2a)
         with rec.span("step allreduce", self._world_comm_category(), bytes=int(vec.nbytes)):
             red = self._allreduce(vec)
         loss = float(red[0] / self.dp)
         nonfinite, total_sq = red[1], float(red[2])
-        moe = self._moe_from(red[3:])
+        n_moe = len(self.moe_ids) * (self.model_cfg.n_expert + 3)
+        moe = self._moe_from(red[3:3 + n_moe])
+        memory = memory_summary(red[3 + n_moe:], self.comm.size)
 
         with rec.span("optimizer", "optimizer"):
             # a non-finite loss or gradient never reaches the weights (agreed: red is reduced over
@@ -222,7 +247,46 @@ class ParallelRunner:
                 model.update_expert_bias()
         split = rec.take_totals() if hasattr(rec, "take_totals") else {}
         return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, nonfinite=nonfinite, moe=moe, time_split=split,
-                    pipeline={k: pipe[k] for k in ("bubble", "peak_in_flight") if k in pipe})
+                    pipeline={k: pipe[k] for k in ("bubble", "peak_in_flight") if k in pipe}, memory=memory)
+
+    # --- the memory ledger --------------------------------------------------------------------
+    def _update_ledger(self, micro_batches, act, recv_bytes):
+        """This rank's ledger after a step: what it holds, and the step's activation and
+        communication peaks (the largest seen so far)."""
+        comm = sum(d.peak_inflight_bytes for d in self.sync.syncs) + recv_bytes
+        if self.zero == 3:
+            comm += self.sync.gather.peak_gathered_bytes
+        if self._workspace is None:
+            B, T = np.shape(micro_batches[0][0])
+            blocks, first, last = self._held_blocks()
+            item = np.dtype(self.compute or self.master).itemsize
+            self._workspace = ledger.workspace_bytes(self.model_cfg, B, T, self.tp, self.recompute, blocks, last,
+                                                     item, self.master.itemsize)
+        old = self.ledger or {}
+        self.ledger = ledger.measure(self.sync, self.opt, self.params, max(act, old.get("activations", 0)),
+                                     max(comm, old.get("communication", 0)), self._workspace)
+
+    def held(self) -> dict:
+        """What this rank holds between steps: parameters, gradient storage, optimizer state."""
+        led = ledger.measure(self.sync, self.opt, self.params, 0, 0, 0)
+        return {k: led[k] for k in ("parameters", "gradients", "optimizer")}
+
+    def _held_blocks(self):
+        """(block indices, first stage?, last stage?) of this rank."""
+        if self.executor is None:
+            return list(range(self.model_cfg.n_layer)), True, True
+        ch = self.model.chunks
+        return [i for c in ch for i in c.block_ids], any(c.embedding is not None for c in ch), \
+            any(c.head is not None for c in ch)
+
+    def predicted_ledger(self, micro_batch_size, n_micro):
+        """The planner's ledger of this layout (the worst pipeline rank), for the same options."""
+        item = np.dtype(self.compute or self.master).itemsize
+        led, _ = ledger.predict(self.model_cfg, dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, zero=self.zero,
+                                recompute=self.recompute, sp=self.sp, micro_batch_size=micro_batch_size,
+                                n_micro=n_micro, schedule=self.schedule, virtual_stages=self.v,
+                                master_bytes=self.master.itemsize, act_bytes=item, bucket_mb=self.bucket_mb)
+        return led
 
     def _reset_comm_counters(self):
         if self._tp_model is not None:
@@ -239,10 +303,13 @@ class ParallelRunner:
         return "optimizer"
 
     def _step_vector(self, loss, local_moe, a2a):
-        """This rank's share of [loss*dp, non-finite, norm^2, per MoE layer: load (E), dropped, a2a s, a2a bytes]."""
+        """This rank's share of [loss*dp, non-finite, norm^2, per MoE layer: load (E), dropped, a2a s,
+        a2a bytes, then every rank's memory figures (ledger.memory_vector)]."""
         E, m = self.model_cfg.n_expert, self.mesh
         head = m.tp_rank == 0 and m.pp_rank == 0           # the loss is the same over tp and pp
-        vec = np.zeros(3 + len(self.moe_ids) * (E + 3), np.float64)  # host: for the world MPI allreduce
+        mem = ledger.memory_vector(self.comm.size, self.comm.rank, self.ledger["peak"])
+        vec = np.zeros(3 + len(self.moe_ids) * (E + 3) + mem.size, np.float64)  # host: for the world MPI allreduce
+        vec[vec.size - mem.size:] = mem
         vec[0] = loss if head else 0.0
         vec[1] = self.sync.nonfinite()
         vec[2] = self.sync.local_sq()
@@ -297,7 +364,7 @@ class ParallelRunner:
     def generate(self, prompt, n, top_k, rng):
         """Sample on world rank 0. A layout that splits the model first gathers the full
         parameters there (one gather); the other ranks return None without further collectives."""
-        if self.pp == self.tp == self.ep == 1:
+        if self.pp == self.tp == self.ep == 1 and self.zero != 3:
             return self.model.generate(prompt, n, top_k=top_k, rng=rng) if self.comm.rank == 0 else None
         state = self.full_state_dict()
         if state is None:
@@ -308,10 +375,11 @@ class ParallelRunner:
 
     def full_state_dict(self):
         """Collective over the world: the full nn.GPT state dict on world rank 0, None elsewhere.
-        Only the dp ranks 0..ep-1 (together all experts) send their pieces, as host copies."""
+        Only the dp ranks 0..ep-1 (together all experts) send their pieces, as host copies (under
+        ZeRO-3 every rank: each holds its rows)."""
         m = self.mesh
         mine = None
-        if m.edp_rank == 0:
+        if m.edp_rank == 0 or self.zero == 3:
             mine = [(n, to_numpy(p.data), shard_of(p)) for n, p in self.model.named_parameters()]
             mine += [(f"transformer.h.{i}.moe.expert_bias", to_numpy(layer.expert_bias), None)
                      for i, layer in self.model.moe_layers()]

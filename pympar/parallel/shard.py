@@ -9,9 +9,9 @@ and a tp rank holds the rows of its heads in each of q, k and v:
 with w = C / tp. ``pieces()`` splits any shard into rectangular (full region, local region)
 pairs, so code that only understands contiguous regions (checkpoints, resharding) can use it.
 
-A sharded Parameter is a ``ShardedParameter`` (a Parameter with a ``.shard``) whose name is the
-GLOBAL nanoGPT name and whose data is exactly ``init_param(seed, name, full_shape)[index]``.
-``shard_of(p)`` is None for a replicated (full) Parameter.
+A sharded Parameter is a Parameter with a ``.shard``, whose name is the GLOBAL nanoGPT name and
+whose data is exactly ``init_param(seed, name, full_shape)[index]`` (made for the slice alone).
+``shard_of(p)`` is None for a Parameter holding the full tensor.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..nn.parameter import Parameter, init_param
+from ..nn.parameter import make_param
 
 
 def _norm_entry(entry, n, dim):
@@ -112,22 +112,8 @@ class Shard:
         return cls(tuple(obj["full_shape"]), ix)
 
 
-class ShardedParameter(Parameter):
-    """A Parameter holding ``shard`` of the full tensor named ``name``."""
-
-    __slots__ = ("shard",)
-
-    def __init__(self, data, grad=None, name="", shard=None):
-        super().__init__(data, grad, name)
-        self.shard = shard
-
-    def __repr__(self):
-        return (f"ShardedParameter({self.name!r}, local={self.data.shape}, "
-                f"full={self.shard.full_shape if self.shard else None}, dtype={self.data.dtype})")
-
-
 def shard_of(p):
-    """The Shard of a parameter, or None when it is replicated (holds the full tensor)."""
+    """The Shard of a parameter, or None when it holds the full tensor."""
     return getattr(p, "shard", None)
 
 
@@ -162,12 +148,10 @@ def stacked_slices(n_stack: int, width: int, sl: slice) -> tuple:
 
 
 def make_sharded(seed: int, name: str, full_shape, index, dtype=np.float32, std: float = 0.02):
-    """A ShardedParameter holding ``index`` of init_param(seed, name, full_shape): identical
-    numbers in every layout. (The full tensor is drawn and sliced: init-time cost only.)"""
-    sh = Shard(tuple(full_shape), index)
-    data = sh.take(init_param(seed, name, full_shape, dtype, std=std))
-    return ShardedParameter(data, name=name, shard=sh)
+    """A Parameter holding ``index`` of init_param(seed, name, full_shape): identical numbers in
+    every layout, produced for the slice alone (pympar.nn.init) when first used."""
+    return make_param(seed, name, full_shape, dtype, std, shard=Shard(tuple(full_shape), index))
 
 
 def make_replicated(seed: int, name: str, shape, dtype=np.float32, std: float = 0.02):
-    return Parameter(init_param(seed, name, shape, dtype, std=std), name=name)
+    return make_param(seed, name, shape, dtype, std)

@@ -1,154 +1,267 @@
-"""ZeRO-1: the optimiser state sharded over the data-parallel group.
+"""ZeRO: optimizer state (stage 1), gradients (2) and parameters (3) sharded over the dp group.
 
-Each bucket of DataParallel (flat, padded to a multiple of dp) is reduce-scattered, so rank r
-holds the mean gradient of the bucket's chunk [r*chunk, (r+1)*chunk). For that chunk only,
-the rank keeps master weights (the parameters' dtype: float32, or float64 in float64 runs)
-and the AdamW moments m, v; it updates them with the same elementwise kernel as AdamW, and
-one allgather per bucket returns the updated parameters to every rank. Weight decay follows
-pympar.optim.decays per parameter, so a chunk is updated piecewise, one piece per parameter
-it overlaps. The padding at a bucket's end belongs to no parameter and is never updated.
+Sharding is per parameter along its first dimension (as FSDP2 and torchtitan do): of a local
+tensor with n0 rows, rank r of a group of n keeps rows [r*part, min((r+1)*part, n0)) with
+part = ceil(n0/n) (the last ranks may keep fewer rows, or none). The rows a rank keeps are a
+Shard of the full tensor (``rows_shard``), so checkpoints store and reshard them like any
+tensor-parallel shard, and the parameter's placement says which they are.
 
-Memory: plain DP keeps m, v for every parameter (2 N words per rank); ZeRO-1 keeps master,
-m and v for N/dp of them (3 N/dp words), less than plain DP from dp = 2 on.
+A bucket of parameters is laid out rank-major (``RowLayout``): segment r of a flat buffer of
+n*S elements holds rank r's rows of every parameter of the bucket (each padded to ``part``
+rows), so one reduce-scatter leaves every rank exactly its rows' gradient sum and one
+allgather returns every rank's rows.
+
+``ZeroAdamW`` keeps m and v only for the rows a rank keeps and updates the weights there in
+place: the weights are the master copy (float32, or float64 in float64 runs), so nothing is
+duplicated. Stages 1 and 2 then allgather the updated rows into every rank's full parameters;
+stage 3 keeps only its rows (``ParamGather`` assembles a module's full parameters around its
+forward and backward and frees them afterwards).
+
+Memory per rank of float32 AdamW for P parameters (words): zero 0: 4P (params, grads, m, v);
+zero 1: 2P + 2P/dp; zero 2: P + 3P/dp; zero 3: 4P/dp; plus transients of one bucket (the
+send/receive buffers of a collective) and the modules gathered in flight.
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
+import contextlib
+import math
 
 import numpy as np
 
 from .. import kernels
 from ..backend import xp_of
-from ..optim import clip_grad_norm
+from ..nn.parameter import NoGather  # noqa: F401  (the scope ParamGather replaces)
 
 
-def optimizer_memory(buckets, dp: int, zero: bool) -> dict:
-    """Optimiser bytes per rank: this layout's and plain DP's (master copies + m + v).
+# --- the rank-major layout of a bucket ------------------------------------------------------------
+class RowLayout:
+    """Rank-major flat layout of the dim-0 row chunks of tensors of ``shapes`` over ``n`` ranks."""
 
-    Plain DP updates the parameters in place (no master copy) and keeps m, v for all N
-    elements; ZeRO-1 keeps master, m, v for its padded chunk of every bucket."""
-    plain = sum(2 * b.numel * b.dtype.itemsize for b in buckets)
-    sharded = sum(3 * b.chunk * b.dtype.itemsize for b in buckets)
-    this = sharded if zero else plain
-    return dict(dp=int(dp), zero=bool(zero), params=int(sum(b.numel for b in buckets)),
-                optimizer_bytes=int(this), plain_dp_bytes=int(plain), zero1_bytes=int(sharded),
-                ratio_to_plain=this / plain if plain else 1.0)
+    def __init__(self, shapes, n: int, rank: int):
+        self.n, self.rank = int(n), int(rank)
+        self.items = []                          # (shape, n0, row, part, off, lo, hi)
+        off = 0
+        for shape in shapes:
+            shape = tuple(int(s) for s in shape) or (1,)
+            n0, row = shape[0], int(math.prod(shape[1:]))
+            part = -(-n0 // self.n)
+            lo = min(self.rank * part, n0)
+            hi = min(lo + part, n0)
+            self.items.append((shape, n0, row, part, off, lo, hi))
+            off += part * row
+        self.seg = off                           # S: one rank's segment
+
+    def rows(self, i):
+        """(lo, hi): rows of tensor i this rank keeps."""
+        return self.items[i][5], self.items[i][6]
+
+    def own(self, seg, i):
+        """Tensor i's rows of this rank inside a segment (S,) (a view, shaped like the rows)."""
+        shape, _, row, _, off, lo, hi = self.items[i]
+        return seg[off:off + (hi - lo) * row].reshape((hi - lo,) + shape[1:])
+
+    def _views(self, flat, i):
+        shape, n0, row, part, off, _, _ = self.items[i]
+        v = flat.reshape(self.n, self.seg)[:, off:off + part * row].reshape(self.n, part, row)
+        return v, n0, row, part
+
+    def pack(self, arrays, out):
+        """Full tensors (None: zeros) -> ``out`` (n*S,), rank-major; padding rows are zero."""
+        for i, a in enumerate(arrays):
+            v, n0, row, part = self._views(out, i)
+            if a is None:
+                v[...] = 0
+                continue
+            a2 = a.reshape(n0, row)
+            k = n0 // part                       # ranks with a whole chunk
+            if k:
+                v[:k] = a2[:k * part].reshape(k, part, row)
+            rem = n0 - k * part
+            if rem:
+                v[k, :rem] = a2[k * part:]
+                v[k, rem:] = 0
+            start = k + (1 if rem else 0)               # ranks past the last row keep padding only
+            if start < self.n:
+                v[start:] = 0
+        return out
+
+    def unpack(self, flat, arrays):
+        """``flat`` (n*S,), rank-major -> into the full tensors (every rank's rows)."""
+        for i, a in enumerate(arrays):
+            v, n0, row, part = self._views(flat, i)
+            a2 = a.reshape(n0, row)
+            k = n0 // part
+            if k:
+                a2[:k * part] = v[:k].reshape(k * part, row)
+            rem = n0 - k * part
+            if rem:
+                a2[k * part:] = v[k, :rem]
+        return arrays
 
 
-class _Shard:
-    """One bucket's chunk: master weights, moments and the (start, stop, decays) pieces."""
+def rows_shard(shard, full_shape, lo: int, hi: int):
+    """The Shard of the full tensor that rows [lo, hi) of a local tensor hold; the local tensor is
+    ``shard`` of the full one (None: the full tensor itself)."""
+    from .shard import Shard
 
-    def __init__(self, bucket, rank, decay_of):
-        lo, hi = rank * bucket.chunk, (rank + 1) * bucket.chunk
-        xp = xp_of(bucket.params[0].data)
-        flat = xp.zeros(bucket.padded, dtype=bucket.params[0].data.dtype)   # (padded,)
-        self.pieces = []
-        for p, name, off, size in zip(bucket.params, bucket.names, bucket.offsets, bucket.sizes):
-            flat[off:off + size] = p.data.reshape(-1)
-            a, e = max(off, lo), min(off + size, hi)
-            if a < e:
-                self.pieces.append((a - lo, e - lo, decay_of(name, p.data)))
-        self.master = flat[lo:hi].copy()                                     # (chunk,)
-        self.m = xp.zeros_like(self.master)
-        self.v = xp.zeros_like(self.master)
-        self.bucket = bucket
+    full_shape = tuple(full_shape)
+    if shard is None:
+        return Shard(full_shape, (slice(lo, hi),))
+    blocks = shard.blocks()
+    out, pos = [], 0
+    for a, b in blocks[0]:                       # the local rows walk the blocks of dim 0 in order
+        s, e = max(lo, pos), min(hi, pos + b - a)
+        if s < e:
+            out.append(slice(a + s - pos, a + e - pos))
+        pos += b - a
+    if not out:
+        out = [slice(0, 0)]
+    first = out[0] if len(out) == 1 else tuple(out)
+    return Shard(full_shape, (first,) + tuple(shard.index[1:]))
 
 
+# --- the optimizer over kept rows -----------------------------------------------------------------
 class ZeroAdamW:
-    """AdamW over this rank's chunks of DataParallel's buckets (after a reduce-scatter)."""
+    """AdamW over the rows this rank keeps of every parameter of DataParallel buckets.
 
-    def __init__(self, buckets, comm, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 decay_fn=None):
-        from ..optim import decays
+    ``pieces``: per parameter (name, weight rows view, grad-rows getter, Shard of the rows,
+    decays); the buckets own the storage. m and v have the shape of the kept rows."""
 
-        self.comm = comm
+    def __init__(self, pieces, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
         self.lr, self.beta1, self.beta2, self.eps, self.weight_decay = lr, betas[0], betas[1], eps, weight_decay
-        self.shards = [_Shard(b, comm.rank, decay_fn or decays) for b in buckets]
+        self.pieces = list(pieces)
+        self.m, self.v = {}, {}
+        for name, w, _, _, _ in self.pieces:
+            xp = xp_of(w)
+            self.m[name] = xp.zeros(w.shape, dtype=w.dtype)
+            self.v[name] = xp.zeros(w.shape, dtype=w.dtype)
         self.step_count = 0
 
-    @classmethod
-    def from_optimizer(cls, opt, buckets, comm):
-        """Take lr, betas, eps, weight decay and per-name decay from a pympar.optim.AdamW."""
-        decay = getattr(opt, "decay", None)
-        fn = (lambda name, data: decay[name]) if decay else None
-        return cls(buckets, comm, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                   weight_decay=opt.weight_decay, decay_fn=fn)
-
-    def step(self, lr=None, clip=0.0, allreduce_sq=None) -> float:
-        """Clip by the global norm, update the chunks, allgather parameters; return the norm.
-
-        Needs every bucket's ``result`` (its mean gradient chunk) from DataParallel.finish()."""
-        grads = []
-        for s in self.shards:
-            if s.bucket.result is None:
-                raise RuntimeError(f"bucket {s.bucket.index} has no reduced gradient: call DataParallel.finish() before step()")
-            grads.append(s.bucket.result)                                   # (chunk,)
-        norm = clip_grad_norm([SimpleNamespace(grad=g) for g in grads], clip, self._sum_sq(allreduce_sq))
+    def step(self, lr=None):
+        """One update of the kept rows from their reduced gradient (grads are left as they are)."""
         lr = self.lr if lr is None else lr
         self.step_count += 1
-        for s, g in zip(self.shards, grads):
-            for a, e, dec in s.pieces:
-                kernels.adamw_step(s.master[a:e], g[a:e], s.m[a:e], s.v[a:e], lr=lr,
-                                   beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                                   weight_decay=self.weight_decay if dec else 0.0,
+        for name, w, grad_of, _, dec in self.pieces:
+            if w.size:
+                kernels.adamw_step(w, grad_of(), self.m[name], self.v[name], lr=lr, beta1=self.beta1,
+                                   beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay if dec else 0.0,
                                    step=self.step_count)
-        self._allgather_params()
-        return norm
 
-    def _sum_sq(self, allreduce_sq):
-        """A sum of squares over dp (the chunks partition the gradient), then over the other groups."""
-        def total(sq):
-            if self.comm.size > 1:
-                sq = float(np.asarray(self.comm.allreduce(np.array([sq], dtype=np.float64))).reshape(-1)[0])
-            return sq if allreduce_sq is None else float(allreduce_sq(sq))
-        return total
+    def state_bytes(self) -> int:
+        return int(sum(a.nbytes for a in self.m.values()) + sum(a.nbytes for a in self.v.values()))
 
-    def _allgather_params(self):
-        for s in self.shards:
-            b = s.bucket
-            full = s.master if self.comm.size == 1 else xp_of(s.master).asarray(self.comm.allgather(s.master)).reshape(-1)
-            for p, off, size in zip(b.params, b.offsets, b.sizes):           # full (padded,)
-                p.data[...] = full[off:off + size].reshape(p.data.shape)
+    # checkpoints: the kept rows of m and v are pieces of the full moments (any layout reads them)
+    def checkpoint_shards(self):
+        shards = {}
+        for name, w, _, sh, _ in self.pieces:
+            if w.size:
+                shards[f"m.{name}"] = (self.m[name], sh)
+                shards[f"v.{name}"] = (self.v[name], sh)
+        return shards, {"step": self.step_count}
 
-    def export_to(self, opt):
-        """Collective over dp: write the full m, v (allgathered) and the step into a pympar
-        AdamW ``opt``, so checkpoints see the ordinary, layout-free optimiser state."""
-        for s in self.shards:
-            b = s.bucket
-            for mine, full_of in ((s.m, opt.m), (s.v, opt.v)):
-                full = mine if self.comm.size == 1 else xp_of(mine).asarray(self.comm.allgather(mine)).reshape(-1)
-                for name, off, size in zip(b.names, b.offsets, b.sizes):   # full (padded,)
-                    full_of[name][...] = full[off:off + size].reshape(full_of[name].shape)
-        opt.step_count = self.step_count
+    def load_checkpoint_shards(self, loaded, scalars):
+        for key, arr in loaded.items():
+            kind, name = key.split(".", 1)
+            dst = (self.m if kind == "m" else self.v)[name]
+            dst[...] = xp_of(dst).asarray(np.asarray(arr).astype(dst.dtype, copy=False))
+        self.step_count = int(scalars.get("step", self.step_count))
 
-    def import_from(self, opt):
-        """Take this rank's chunks of m, v, the step from ``opt`` and master weights from the
-        parameters (after a checkpoint restore into the model and the full AdamW)."""
-        r = self.comm.rank
-        for s in self.shards:
-            b = s.bucket
-            lo = r * b.chunk
-            flat = {k: xp_of(s.master).zeros(b.padded, dtype=s.master.dtype) for k in ("master", "m", "v")}
-            for p, name, off, size in zip(b.params, b.names, b.offsets, b.sizes):
-                flat["master"][off:off + size] = p.data.reshape(-1)
-                flat["m"][off:off + size] = opt.m[name].reshape(-1)
-                flat["v"][off:off + size] = opt.v[name].reshape(-1)
-            for k, a in flat.items():
-                getattr(s, k)[...] = a[lo:lo + b.chunk]
-        self.step_count = int(opt.step_count)
 
-    def state_dict(self):
-        """This rank's chunks: step, and per bucket index the (master, m, v) arrays."""
-        return dict(step=self.step_count,
-                    shards={s.bucket.index: dict(master=s.master.copy(), m=s.m.copy(), v=s.v.copy())
-                            for s in self.shards})
+# --- ZeRO-3: a module's full parameters around its use ------------------------------------------
+class ParamGather:
+    """Assembles the full (tp-local) parameters of a module from the dp group's rows for its
+    forward or backward and frees them after; prefetches the next module's in the same order.
 
-    def load_state_dict(self, d):
-        self.step_count = int(d["step"])
-        for s in self.shards:
-            got = d["shards"][s.bucket.index]
-            for k in ("master", "m", "v"):
-                if got[k].shape != getattr(s, k).shape:
-                    raise ValueError(f"ZeRO shard {s.bucket.index} {k}: shape {got[k].shape}, expected {getattr(s, k).shape} (same dp and bucket_mb?)")
-                dst = getattr(s, k)
-                dst[...] = xp_of(dst).asarray(got[k])    # host arrays into device chunks
+    units: the buckets (one per model piece and group) of every DataParallel with zero=3; a
+    module's parameters may sit in several (the head uses the embedding's wte; a MoE block's
+    experts are in the expert group's)."""
+
+    enabled = True
+
+    def __init__(self, syncs, order):
+        self.unit_of = {}
+        self.units = []
+        for d in syncs:
+            for b in d.buckets:
+                self.units.append(b)
+                for p in b.params:
+                    self.unit_of[id(p)] = b
+        self.order = order                         # modules in forward order
+        self.pos = {id(m): i for i, m in enumerate(order)}
+        self.gathered_bytes = self.peak_gathered_bytes = 0
+        self.gathers = 0
+
+    def _units_of(self, module):
+        params = list(module.parameters())
+        w = getattr(module, "wte", None)
+        if w is not None and all(w is not q for q in params):
+            params.append(w)
+        out = []
+        for p in params:
+            u = self.unit_of.get(id(p))
+            if u is not None and all(u is not x for x in out):
+                out.append(u)
+        return out
+
+    def _start(self, u):
+        if u.gather_req is None and not u.gathered:
+            u.gather_req = u.dp.start_gather(u)
+            self.gathers += 1
+
+    def _ready(self, u):
+        if not u.gathered:
+            self._start(u)
+            u.dp.finish_gather(u, u.gather_req)
+            u.gather_req = None
+            self.gathered_bytes += u.full_bytes
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+    def _release(self, u):
+        if u.gathered and u.uses == 0 and u.gather_req is None:
+            u.dp.release_params(u)
+            self.gathered_bytes -= u.full_bytes
+
+    def _neighbour(self, module, step):
+        i = self.pos.get(id(module))
+        j = None if i is None else i + step
+        return self.order[j] if j is not None and 0 <= j < len(self.order) else None
+
+    @contextlib.contextmanager
+    def use(self, *modules, backward=False):
+        """with gather.use(block): block's parameters are whole inside; the next module's (in
+        forward order, or in backward order when ``backward``) are fetched meanwhile."""
+        units = [u for m in modules for u in self._units_of(m)]
+        for u in units:
+            self._ready(u)
+            u.uses += 1
+        nxt = self._neighbour(modules[0], -1 if backward else 1)
+        if nxt is not None:
+            for u in self._units_of(nxt):
+                self._start(u)
+        try:
+            yield
+        finally:
+            for u in units:
+                u.uses -= 1
+            for u in units:
+                self._release(u)
+
+    def settle(self):
+        """Complete prefetches nobody used (the end of a pass) so no gather stays in flight."""
+        for u in self.units:
+            if u.gather_req is not None:
+                u.dp.finish_gather(u, u.gather_req)
+                u.gather_req = None
+                self.gathered_bytes += u.full_bytes
+            if u.uses == 0:
+                self._release(u)
+
+
+def install_gather(model, syncs):
+    """ZeRO-3: a ParamGather over ``syncs``' buckets as the parameter scope of ``model`` (a GPT or
+    TPGPT, or each chunk of a PipelineGPT), in the model's forward order; returns it."""
+    holders = list(model.chunks) if hasattr(model, "chunks") else [model]
+    gather = ParamGather(syncs, [m for h in holders for m in h.pieces()])
+    for h in holders:
+        h.param_gather = gather
+    return gather

@@ -93,7 +93,8 @@ def run_dp(comm, cfg, dtype, n_micro, steps, **dp_kw):
         tot = comm.allreduce(np.array([local / n_micro]))
         losses.append(float(np.asarray(tot).reshape(-1)[0]) / comm.size)
     return dict(losses=losses, norms=norms, dp=dp,
-                params={n: p.data.copy() for n, p in model.named_parameters()})
+                params={n: p.data.copy() for n, p in model.named_parameters()},
+                shards={n: p.shard for n, p in model.named_parameters()})   # ZeRO-3: rows of the full tensors
 
 
 def synced_grads(comm, cfg, dtype, n_micro, **dp_kw):

@@ -1,9 +1,10 @@
 """The layouts of the equivalence test (tests/mpi/mpi_layouts.py): pure enumeration, no MPI.
 
-A layout is (dp, pp, tp, ep, model, schedule, v, sp, zero, dtype) with dp*pp*tp = world.
-``all_layouts(world)`` is every layout the test models admit (pp <= n_layer, tp | n_head,
+A layout is (dp, pp, tp, ep, model, schedule, v, sp, zero, dtype, recompute) with dp*pp*tp =
+world. ``all_layouts(world)`` is every layout the test models admit (pp <= n_layer, tp | n_head,
 ep | dp and ep | n_expert, interleaved only where n_layer divides into pp*2 chunks, sequence
-parallelism only with tp > 1, ZeRO-1 only with dp > 1), in float64. ``ci_layouts(world)`` is a
+parallelism only with tp > 1, ZeRO stages 1-3 only with dp > 1), each with activation
+recomputation none, selective and full, in float64. ``ci_layouts(world)`` is a
 representative slice: a greedy all-pairs cover (every pair of dimension values that occurs in
 the full matrix occurs in some chosen layout), with float32 as one more dimension value.
 """
@@ -18,6 +19,7 @@ DENSE = dict(vocab_size=61, block_size=8, n_layer=N_LAYER, n_head=N_HEAD, n_embd
 MOE = dict(DENSE, n_expert=N_EXPERT, top_k=2, moe_every=2, capacity_factor=0.0)   # dropless
 G = 8                  # global micro-batches per step (= dp * n_micro in every layout)
 WORLDS = (1, 2, 4, 8)
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class Layout:
     sp: bool
     zero: int
     dtype: str = "float64"
+    recompute: str = "none"
 
     @property
     def world(self):
@@ -45,12 +48,14 @@ class Layout:
         s = f"dp{self.dp}.pp{self.pp}.tp{self.tp}.ep{self.ep} {self.model}"
         if self.pp > 1:
             s += f" {self.schedule}" + (f"(v={self.v})" if self.v > 1 else "")
-        return s + (" sp" if self.sp else "") + (" zero1" if self.zero else "") + f" {self.dtype}"
+        return s + (" sp" if self.sp else "") + (f" zero{self.zero}" if self.zero else "") + \
+            (f" recompute={self.recompute}" if self.recompute != "none" else "") + f" {self.dtype}"
 
     def features(self):
         """(dimension, value) items whose pairs the CI slice must cover."""
         return [("shape", (self.dp, self.pp, self.tp)), ("ep", self.ep), ("model", self.model),
-                ("schedule", self.schedule), ("sp", self.sp), ("zero", self.zero), ("dtype", self.dtype)]
+                ("schedule", self.schedule), ("sp", self.sp), ("zero", self.zero), ("dtype", self.dtype),
+                ("recompute", self.recompute)]
 
 
 def _divisors(n):
@@ -70,9 +75,10 @@ def all_layouts(world: int, dtypes=("float64",)):
                 ([("interleaved", 2)] if N_LAYER % (2 * pp) == 0 else [])
             for model in ("dense", "moe"):
                 eps = [1] if model == "dense" else [e for e in _divisors(dp) if N_EXPERT % e == 0]
-                for ep, (sched, v), sp, zero, dt in itertools.product(
-                        eps, scheds, [False, True] if tp > 1 else [False], [0, 1] if dp > 1 else [0], dtypes):
-                    out.append(Layout(dp, pp, tp, ep, model, sched, v, sp, zero, dt))
+                for ep, (sched, v), sp, zero, dt, rc in itertools.product(
+                        eps, scheds, [False, True] if tp > 1 else [False], [0, 1, 2, 3] if dp > 1 else [0], dtypes,
+                        RECOMPUTE):
+                    out.append(Layout(dp, pp, tp, ep, model, sched, v, sp, zero, dt, rc))
     return out
 
 

@@ -34,7 +34,9 @@ def _check_same(ref, got, dtype):
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-6 if dtype == np.float64 else 1e-5)
     np.testing.assert_allclose(got["norms"], ref["norms"], rtol=1e-6 if dtype == np.float64 else 1e-4)
     assert got["params"].keys() == ref["params"].keys()
-    pairs = {n: _key_bias_noise(n, got["params"][n], w, dtype) for n, w in ref["params"].items()}
+    want = {n: (w if got["shards"][n] is None else got["shards"][n].take(w)) for n, w in ref["params"].items()}
+    pairs = {n: _key_bias_noise(n, got["params"][n], w, dtype) if got["shards"][n] is None else (got["params"][n], w)
+             for n, w in want.items()}
     if dtype == np.float64:
         bad = [n for n, (g, w) in pairs.items() if not np.allclose(g, w, rtol=1e-6, atol=1e-10)]
         for n in bad:
@@ -52,6 +54,9 @@ CASES = [  # (cfg, dtype, bucket_mb, overlap, zero)
     ("dense", np.float32, 0.01, True, True),
     ("moe", np.float64, 0.004, True, True),
     ("moe", np.float32, 0.002, False, False),
+    ("dense", np.float64, 0.002, True, 2),
+    ("moe", np.float64, 0.004, True, 3),
+    ("dense", np.float32, 0.01, False, 3),
 ]
 
 
@@ -81,6 +86,21 @@ def test_accumulation_syncs_only_on_last_micro_batch(comm):
     assert dp.stats()["last"]["collectives"] == len(dp.buckets)
 
 
+def test_zero2_syncs_every_micro_batch_and_frees_the_full_gradients(comm):
+    """ZeRO-2 reduce-scatters each bucket as soon as a micro-batch's backward completes it (the
+    full-size gradient must not persist across micro-batches): one per bucket per micro-batch."""
+    if comm.size == 1:
+        pytest.skip("no collectives at dp=1")
+    counting = Counting(comm)
+    n_micro = 3
+    got = run_dp(counting, TINY, np.float64, n_micro, 1, bucket_mb=0.002, overlap=True, zero=2)
+    dp = got["dp"]
+    for j in range(n_micro):
+        started = [k for k, ph in counting.calls if k == "ireduce_scatter" and ph == f"micro {j}"]
+        assert len(started) >= len(dp.buckets) - 1, (j, counting.calls)
+    assert len([k for k, _ in counting.calls if k == "ireduce_scatter"]) == n_micro * len(dp.buckets)
+
+
 @pytest.mark.parametrize("overlap,zero", [(True, False), (False, False), (True, True)])
 def test_overlap_starts_buckets_during_backward(comm, overlap, zero):
     """Plain DP's allreduce and ZeRO-1's reduce-scatter: each bucket's NONBLOCKING collective
@@ -103,20 +123,42 @@ def test_overlap_starts_buckets_during_backward(comm, overlap, zero):
         assert early == [] and len(late) == n_buckets
 
 
-def test_zero1_optimizer_memory_is_sharded(comm):
-    got = run_dp(comm, TINY, np.float32, 1, 1, bucket_mb=0.01, overlap=True, zero=True)
-    rep = got["dp"].memory_report()
-    n = rep["params"]
-    assert rep["plain_dp_bytes"] == 2 * 4 * n
-    assert rep["optimizer_bytes"] == rep["zero1_bytes"]
-    # 3 words (master, m, v) per owned element; padding adds < dp elements per bucket
-    assert 3 * 4 * n / comm.size <= rep["zero1_bytes"] < 3 * 4 * (n / comm.size + len(got["dp"].buckets))
-
-
-def test_zero1_state_exports_to_adamw_and_resumes(comm):
-    """ZeRO-1's sharded m, v gathered into an AdamW equal plain DP's; loaded back into a fresh
-    ZeRO-1 run, the next step equals the uninterrupted run."""
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_keeps_only_its_rows(comm, zero):
+    """Every array the optimizer and the gradient sync hold after a step, counted per rank: m and
+    v of this rank's rows only (every element on exactly one rank); from ZeRO-2 no full gradient
+    survives the sync, only the reduced rows; ZeRO-3 parameters are rows too. Fails if a stage
+    keeps a full-size buffer it should not."""
     from dp_cases import _model, global_batch
+
+    model, _ = _model(TINY, np.float32)
+    named = list(model.named_parameters())
+    n = sum(int(np.prod(p.shape)) for _, p in named)
+    dp = DataParallel(named, comm, bucket_mb=0.002, zero=zero).attach(model)
+    opt = dp.make_optimizer(lr=1e-3)
+    (x, y), = global_batch(0, comm.size)[comm.rank:comm.rank + 1]
+    model.zero_grad()
+    dp.begin_micro(last=True)
+    model.loss_and_grad(x, y)
+    dp.finish()
+    dp.step(opt, clip=0.5)
+    kept = sum(int(np.prod(w.shape)) for _, w, _, _, _ in opt.pieces)
+    assert opt.state_bytes() == 2 * 4 * kept
+    assert int(np.asarray(comm.allreduce(np.array([kept]))).reshape(-1)[0]) == n
+    assert kept <= -(-n // comm.size) + sum(len(b.params) for b in dp.buckets)   # rows, rounding aside
+    rows = sum(b.acc.size for b in dp.buckets)                   # the reduced gradient: rows + padding
+    assert rows < n / comm.size + sum(len(b.params) for b in dp.buckets) * 64
+    full_grads = sum(p.grad.size for _, p in named if p.has_grad)
+    assert full_grads == (n if zero == 1 else 0), (zero, full_grads)
+    held = sum(p.data.size for _, p in named)
+    assert held == (kept if zero == 3 else n)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_state_is_pieces_of_adamws_and_resumes(comm, zero):
+    """ZeRO's m, v rows, put where their Shards say, are plain DP's AdamW state; a fresh ZeRO run
+    loaded from (parameters, those pieces) takes the same next step as the uninterrupted one."""
+    from dp_cases import LR, _model, global_batch
 
     def steps(model, opt, dp, first, last):
         for s in range(first, last):
@@ -127,22 +169,47 @@ def test_zero1_state_exports_to_adamw_and_resumes(comm):
             dp.finish()
             dp.step(opt, clip=0.5)
 
+    def full_state(model, opt):
+        """(full params, full m, full v) on every rank, from every rank's pieces."""
+        mine = {n: (p.data.copy(), p.shard) for n, p in model.named_parameters()}
+        shards, _ = opt.checkpoint_shards()
+        out = [{}, {}, {}]
+        for part in comm_allgather(mine, {k: (a.copy(), sh) for k, (a, sh) in shards.items()}):
+            for which, d in enumerate(part):
+                for k, (a, sh) in d.items():
+                    i = which if which == 0 else (1 if k.startswith("m.") else 2)
+                    key = k if which == 0 else k.split(".", 1)[1]
+                    full_shape = sh.full_shape if sh is not None else a.shape
+                    dst = out[i].setdefault(key, np.zeros(full_shape))
+                    if sh is None:
+                        dst[...] = a
+                    else:
+                        sh.put(dst, a)
+        return out
+
+    def comm_allgather(*objs):
+        from mpi4py import MPI
+        return MPI.COMM_WORLD.allgather(objs)
+
     ref_model, ref_opt = _model(TINY, np.float64)
     steps(ref_model, ref_opt, DataParallel(ref_model.named_parameters(), comm, bucket_mb=0.004).attach(ref_model), 0, 2)
-    model, opt = _model(TINY, np.float64)
-    dp = DataParallel(model.named_parameters(), comm, bucket_mb=0.004, zero=True).attach(model)
+    model, _ = _model(TINY, np.float64)
+    dp = DataParallel(model.named_parameters(), comm, bucket_mb=0.004, zero=zero).attach(model)
+    opt = dp.make_optimizer(lr=LR)
     steps(model, opt, dp, 0, 2)
-    dp.export_optimizer_state(opt)
+    params, m, v = full_state(model, opt)
     assert opt.step_count == ref_opt.step_count == 2
     for n in ref_opt.m:
-        np.testing.assert_allclose(opt.m[n], ref_opt.m[n], rtol=1e-6, atol=1e-12, err_msg=n)
-        np.testing.assert_allclose(opt.v[n], ref_opt.v[n], rtol=1e-6, atol=1e-14, err_msg=n)
-    # resume: a fresh model and ZeRO-1 from (params, AdamW state), one more step each
-    model2, opt2 = _model(TINY, np.float64)
-    model2.load_state_dict(model.state_dict())
-    opt2.load_state_dict(opt.state_dict())
-    dp2 = DataParallel(model2.named_parameters(), comm, bucket_mb=0.004, zero=True).attach(model2)
-    dp2.import_optimizer_state(opt2)
+        np.testing.assert_allclose(m[n], ref_opt.m[n], rtol=1e-6, atol=1e-12, err_msg=n)
+        np.testing.assert_allclose(v[n], ref_opt.v[n], rtol=1e-6, atol=1e-14, err_msg=n)
+    # resume: a fresh model and ZeRO optimizer from the full state (each rank takes its pieces)
+    model2, _ = _model(TINY, np.float64)
+    model2.load_state_dict(params)
+    dp2 = DataParallel(model2.named_parameters(), comm, bucket_mb=0.004, zero=zero).attach(model2)
+    opt2 = dp2.make_optimizer(lr=LR)
+    shards, _ = opt2.checkpoint_shards()
+    opt2.load_checkpoint_shards({k: sh.take((m if k.startswith("m.") else v)[k.split(".", 1)[1]])
+                                 for k, (_, sh) in shards.items()}, {"step": 2})
     steps(model, opt, dp, 2, 3)
     steps(model2, opt2, dp2, 2, 3)
     for (n, p), (_, q) in zip(model.named_parameters(), model2.named_parameters()):

@@ -1,6 +1,7 @@
 """Expert parallelism inside every rank: dp = world size, ep over every divisor of dp that divides
 n_expert, against the single-process model accumulating the same global micro-batches
-(DESIGN.md, Determinism). Holds for any size 1..8. float64: grads rel 1e-10, params rel 1e-6."""
+(DESIGN.md, Determinism), through the trainer's gradient path (GradSync). Holds for any size
+1..8. float64: grads rel 1e-10, params rel 1e-6."""
 import os
 
 import numpy as np
@@ -9,9 +10,10 @@ import pytest
 from pympar.nn import GPT
 from pympar.nn.config import GPTConfig
 from pympar.optim import AdamW, clip_grad_norm
-from pympar.parallel.ep import (EPGradSync, ep_step_stats, install_expert_parallel, is_expert_param,
+from pympar.parallel.ep import (ep_step_stats, install_expert_parallel, is_expert_param,
                                 lockstep_forward_losses,
                                 split_expert_params)
+from pympar.parallel.gradsync import GradSync
 from pympar.parallel.mesh import Mesh
 from pympar.parallel.shard import shard_of
 from pympar.parallel.tp import TPGPT
@@ -72,8 +74,8 @@ def run_ep(world, cfg, ep, n_micro, steps, tp=1, sp=False, **dp_kw):
         model = TPGPT(cfg, mesh.tp_comm, seed=SEED, dtype=np.float64, sequence_parallel=sp)
     model = install_expert_parallel(model, mesh.ep_comm)
     named = list(model.named_parameters())
-    opt = AdamW(named, lr=LR)
-    sync = EPGradSync(named, mesh, **dp_kw).attach(model)
+    sync = GradSync(named, mesh, **dp_kw).attach(model)        # the trainer's gradient path
+    opt = sync.make_optimizer(lr=LR)
     n_global = n_micro * dp
     out = dict(losses=[], norms=[], mesh=mesh, model=model)
     for s in range(steps):
@@ -89,7 +91,8 @@ def run_ep(world, cfg, ep, n_micro, steps, tp=1, sp=False, **dp_kw):
         out["losses"].append(float(tot) / dp)
         if s == 0:
             out["grads"] = {n: p.grad.copy() for n, p in model.named_parameters()}
-        out["norms"].append(sync.step(opt, clip=CLIP, tp=mesh.tp_comm if tp > 1 else None))
+        total_sq = float(np.asarray(world.allreduce(np.array([sync.local_sq()]))).reshape(-1)[0])
+        out["norms"].append(sync.step(opt, LR, CLIP, total_sq))
     out["params"] = {n: p.data.copy() for n, p in model.named_parameters()}
     out["shards"] = {n: shard_of(p) for n, p in model.named_parameters()}
     return out

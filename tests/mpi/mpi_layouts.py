@@ -7,7 +7,9 @@ steps on the global batch (G micro-batches, rank gets g = dp_rank*n_micro + j) a
 with the single-process reference that every rank computes locally (nn.GPT accumulating the G
 micro-batches, global-norm clipping, AdamW): the loss and the grad norm at every step, every
 parameter this rank holds (its shard of the full tensor) after the last step, the evaluation
-loss, and a sampled continuation. Relative tolerance 1e-6 in float64, 1e-4 in float32.
+loss, and a sampled continuation. Relative tolerance 1e-6 in float64, 3e-4 in float32 (the
+worst float32 layouts, tensor-parallel MoE, differ by up to 2.1e-4 from rounding order alone;
+float64 runs agree to ~1e-13, and a wrong gradient moves parameters by O(1) on this scale).
 PYMPAR_LAYOUTS_DEVICE=cuda runs the layouts on GPUs (one per rank, or shared: see
 pympar.gpu.nccl_choice) against the same host reference.
 Verdicts are gathered after each layout; the test fails listing each failing layout and the
@@ -29,7 +31,7 @@ from pympar.parallel.runner import ParallelRunner, check_supported
 from pympar.parallel.shard import shard_of
 
 B, T, STEPS, WD, CLIP, SEED = 2, 8, 3, 0.1, 0.5, 5
-TOL = {"float64": 1e-6, "float32": 1e-4}
+TOL = {"float64": 1e-6, "float32": 3e-4}
 # AdamW's first steps move each element by about lr * sign(grad): an element whose gradient is
 # rounding noise in float32 moves by lr either way, so float32 runs take a smaller lr (a wrong
 # gradient still moves parameters by ~lr = 5% of their scale per step)
@@ -88,6 +90,7 @@ def opts_of(lay):
     return SimpleNamespace(seed=SEED, dtype="float32", master_dtype=lay.dtype, n_micro=lay.n_micro,
                            schedule=lay.schedule if lay.pp > 1 else "1f1b", virtual_stages=lay.v,
                            zero=lay.zero, seq_parallel=lay.sp, compress="none", topk_ratio=0.01,
+                           recompute=lay.recompute,
                            bucket_mb=0.01, device=DEVICE, lr=LR[lay.dtype], weight_decay=WD, grad_clip=CLIP)
 
 
@@ -138,7 +141,7 @@ def run_layout(world, lay):
     cfg = cfg_of(lay.model)
     check_supported(cfg, lay, opts_of(lay))                      # the trainer's validation
     runner = ParallelRunner(cfg, lay, world, opts_of(lay))
-    runner.opt.eps = EPS[lay.dtype]                              # ZeRO-1 takes it from there too
+    runner.opt.eps = EPS[lay.dtype]                              # AdamW, or ZeRO's over the kept rows
     got = dict(losses=[], norms=[])
     for s in range(STEPS):
         mbs = global_batch(s, cfg.vocab_size)

@@ -199,18 +199,26 @@ def test_pipeline_of_tensor_parallel_stages(mpi_world, sp):
 
 
 def test_clip_grad_norm_is_the_single_process_norm(mpi_world):
+    """The trainer's gradient path (GradSync over a pp mesh: the last stage's wte copy is not
+    counted) gives the single-process norm and clips both wte copies alike."""
+    from pympar.comm import MPIComm
     from pympar.optim import clip_grad_norm
-    from pympar.parallel.pp import pp_allreduce_sq
+    from pympar.parallel.gradsync import GradSync
+    from pympar.parallel.mesh import Mesh
     p = mpi_world.size
     cfg = config(p)
-    comm = pp_comm(mpi_world)
+    mesh = Mesh(MPIComm(mpi_world), pp=p)
     model = PipelineGPT(cfg, seed=4, pp=p, rank=mpi_world.rank, dtype=np.float64)
-    ex = PipelineExecutor(model, comm, "gpipe")
+    ex = PipelineExecutor(model, mesh.pp_comm, "gpipe")
+    sync = GradSync(model.named_parameters(), mesh, model.tied_weight if model.holds_tied_copy else None)
     ref = GPT(cfg, seed=4, dtype=np.float64)
     mbs = micro_batches(2)
+    sync.begin_step()
     ex.train_step(mbs)
+    sync.finish()
     reference_step(ref, mbs)
-    norm = clip_grad_norm(model.parameters(), 1e-3, allreduce_sq=pp_allreduce_sq(model, comm))
+    total_sq = float(np.asarray(mesh.comm.allreduce(np.array([sync.local_sq()]))).reshape(-1)[0])
+    norm = sync.step(sync.make_optimizer(lr=0.0, weight_decay=0.0), 0.0, 1e-3, total_sq)
     want = clip_grad_norm(ref.parameters(), 1e-3)
     assert abs(norm - want) <= TOL * want, (norm, want)
     compare(mpi_world, model, ref, ("grad",))       # both copies of wte clipped alike

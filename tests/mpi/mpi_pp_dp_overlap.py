@@ -1,6 +1,6 @@
 """Data-parallel buckets overlapped with pipeline backward, inside every rank (dp x pp, pp = 2).
 
-The runner's ComposedGradSync starts a bucket once its parameters' grads are final: the executor
+The runner's GradSync starts a bucket once its parameters' grads are final: the executor
 says when the last micro-batch's backward of each chunk begins (final_backward_hooks ->
 begin_final) and notifies each piece (block, ln_f, embedding) as its backward ends; the tied
 wte copy's bucket starts after the first/last-stage sum. A probe records, at every bucket

@@ -10,7 +10,9 @@ from pympar.backend import dtype as backend_dtype
 from pympar.nn import GPT, CausalSelfAttention, GPTConfig
 from pympar.optim import AdamW, clip_grad_norm
 from pympar.parallel.shard import shard_of
-from pympar.parallel.tp import TPGPT, TPCausalSelfAttention, activation_bytes, tp_allreduce_sq, validate_tp
+from pympar.parallel.gradsync import GradSync
+from pympar.parallel.mesh import Mesh
+from pympar.parallel.tp import TPGPT, TPCausalSelfAttention, activation_bytes, validate_tp
 
 SLOW = os.environ.get("PYMPAR_TP_SLOW") == "1"
 # vocab 37 is prime: never divisible by tp > 1 (padding path); n_head 4: tp in 1, 2, 4
@@ -158,15 +160,31 @@ def test_mixed_precision_matches_single_process(comm, cfg, sp, cdt):
 
 
 def _train(model, comm, steps, dtype, n_micro=2):
-    opt = AdamW(model.named_parameters(), lr=1e-2)
-    sq = tp_allreduce_sq(model.parameters(), comm) if comm is not None else None
+    """Single process (comm None): AdamW and clip_grad_norm; TP: the trainer's gradient path
+    (GradSync over a dp=1, tp=comm.size mesh: the norm counts tp-replicated grads once)."""
+    if comm is None:
+        opt, sync = AdamW(model.named_parameters(), lr=1e-2), None
+    else:
+        sync = GradSync(model.named_parameters(), Mesh(comm.comm, tp=comm.size)).attach(model)   # comm: TPCollectives
+        opt = sync.make_optimizer(lr=1e-2)
     losses, norms = [], []
     for s in range(steps):
         model.zero_grad()
-        loss = sum(model.loss_and_grad(*batch(s, model.config.vocab_size, g), grad_scale=1.0 / n_micro)
-                   for g in range(n_micro)) / n_micro
-        norms.append(clip_grad_norm(model.parameters(), 0.5, allreduce_sq=sq))
-        opt.step()
+        if sync:
+            sync.begin_step()
+        loss = 0.0
+        for g in range(n_micro):
+            if sync:
+                sync.begin_micro(last=g == n_micro - 1)
+            loss += model.loss_and_grad(*batch(s, model.config.vocab_size, g), grad_scale=1.0 / n_micro)
+        loss /= n_micro
+        if sync:
+            sync.finish()
+            total_sq = float(np.asarray(comm.allreduce(np.array([sync.local_sq()]))).reshape(-1)[0])
+            norms.append(sync.step(opt, 1e-2, 0.5, total_sq))
+        else:
+            norms.append(clip_grad_norm(model.parameters(), 0.5))
+            opt.step()
         model.update_expert_bias()
         losses.append(loss)
     return losses, norms

@@ -102,7 +102,13 @@ except (CommTimeoutError, CollectiveMismatchError) as e:
 if not (scenario in ("skip", "abort", "gather") and c.rank == 1):   # rank 1 of skip waits there already
     world.Barrier()              # the others' reports are written before rank 1 of skip moves on
 sys.stdout.flush()
-# Nobody leaves before every rank has written its line: a rank leaving without MPI_Finalize
-# makes hydra end the job, and a slower rank would be killed before its report.
+# The job cannot end with MPI_Finalize: the abandoned collective is still pending on some ranks
+# and Finalize could wait for it. Every rank leaving with os._exit races hydra, which kills the
+# ranks still running once one leaves without Finalize (seen: exit 9 under load). So once all
+# have written their line (the barrier), rank 0 ends the whole job with MPI_Abort(0): mpiexec
+# then exits 0 whatever the timing; the others wait to be ended.
 world.Barrier()
-os._exit(0)   # leave without MPI_Finalize: the abandoned collective may still be pending
+if world.rank == 0:
+    world.Abort(0)
+while True:
+    time.sleep(60)

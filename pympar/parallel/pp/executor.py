@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from ...backend import xp_of
+from ...backend import held_bytes, xp_of
 from . import channels
 from .schedules import Action, build_schedule, validate_schedule
 
@@ -136,7 +136,8 @@ class PipelineExecutor:
         Every rank gets the same list (the first stage reads idx, the last targets). Gradients of
         loss_scale * mean loss accumulate into .grad (call zero_grad before). Returns a dict:
         loss (mean over micro-batches, same on every rank), losses (per micro-batch), bubble,
-        recv_wait_s, compute_s, step_s, peak_in_flight."""
+        recv_wait_s, compute_s, step_s, peak_in_flight, activation_peak_bytes (the most the ctxs in
+        flight held at once), recv_buffer_bytes (receive buffers posted at once, at most)."""
         model, p, v = self.model, self.model.pp, self.model.v
         xp = model.xp                                     # where activations live (after model.to)
         m = len(micro_batches)
@@ -172,9 +173,11 @@ class PipelineExecutor:
 
         post_upto(self.recv_window)
         last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}   # chunk -> its last B
-        ctxs = {}
+        ctxs, kept = {}, {}
         local_terms = np.zeros(m, dtype=np.float64)  # host: per-micro-batch loss terms (floats)
         live = peak = 0
+        live_bytes = peak_bytes = 0                  # what the ctxs in flight hold (each buffer once)
+        peak_posted = len(pending)
         n_recv_used = 0
         for i_act, a in enumerate(actions):
             has_recv, src_stage = self._needs_recv(a)
@@ -187,6 +190,7 @@ class PipelineExecutor:
                 inp = buf
                 n_recv_used += 1
                 post_upto(n_recv_used + self.recv_window)
+                peak_posted = max(peak_posted, len(pending))
             chunk = model.chunks[a.chunk]
             s = chunk.stage
             tc = time.perf_counter()
@@ -195,6 +199,9 @@ class PipelineExecutor:
                 x = xp.asarray(idx) if inp is None else inp               # host tokens -> the device
                 y, ctx, terms = chunk.forward(x, xp.asarray(targets) if chunk.head is not None else None)
                 ctxs[(a.micro, a.chunk)] = ctx
+                kept[(a.micro, a.chunk)] = nb = held_bytes(ctx)
+                live_bytes += nb
+                peak_bytes = max(peak_bytes, live_bytes)
                 local_terms[a.micro] += terms
                 live += 1
                 peak = max(peak, live)
@@ -203,6 +210,7 @@ class PipelineExecutor:
                 if last_b[a.chunk] == i_act:
                     self._final_backward([p_ for _, p_ in chunk.named_parameters()])
                 ctx = ctxs.pop((a.micro, a.chunk))
+                live_bytes -= kept.pop((a.micro, a.chunk))
                 out = chunk.backward(inp, ctx, grad_scale,
                                      ready=model._grad_ready_module if model.grad_ready_hooks else None)
                 model._grad_ready_chunk(chunk)
@@ -232,7 +240,8 @@ class PipelineExecutor:
         self.stats = dict(loss=float(np.mean(losses)), losses=[float(x) for x in losses],  # host
                           bubble=1.0 - compute / step if step > 0 else 0.0,
                           recv_wait_s=recv_wait, compute_s=compute, pipeline_s=t_pipe, step_s=step,
-                          peak_in_flight=peak)
+                          peak_in_flight=peak, activation_peak_bytes=int(peak_bytes),
+                          recv_buffer_bytes=int(peak_posted * int(np.prod(shape)) * act_dtype.itemsize))
         return self.stats
 
     def _final_backward(self, params):

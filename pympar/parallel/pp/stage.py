@@ -21,6 +21,7 @@ import numpy as np
 from ...backend import to_device, to_numpy, xp_of
 from ...nn.gpt import Block, Head
 from ...nn.layers import Embedding
+from ...nn.parameter import NoGather
 from .partition import Partition, partition as make_partition
 
 TIED_NAME = "transformer.wte.weight"
@@ -110,42 +111,59 @@ class StageChunk:
     def __init__(self, stage, block_ids, blocks, embedding=None, head=None):
         self.stage, self.block_ids, self.blocks = stage, list(block_ids), list(blocks)
         self.embedding, self.head = embedding, head
+        self.param_gather = NoGather()           # ZeRO-3 replaces it (parallel.zero.ParamGather)
+
+    def pieces(self):
+        """The modules of one forward of this chunk, in order."""
+        return [m for m in (self.embedding, *self.blocks, self.head) if m is not None]
 
     def forward(self, x, targets=None):
         """x: token ids (B, T) on the first stage, else activations (B, T, C).
 
         Returns (y, ctx, loss_terms): y (B, T, C), or None on the last stage; loss_terms the
         stage's share of this micro-batch's loss (MoE aux + z of its blocks, and CE if last)."""
+        g = self.param_gather
         ctx = {"blocks": []}
         if self.embedding is not None:
-            x, ctx["emb"] = self.embedding.forward(x)
+            with g.use(self.embedding):
+                x, ctx["emb"] = self.embedding.forward(x)
         terms = 0.0
         for b in self.blocks:
-            x, c = b.forward(x)
+            with g.use(b):
+                x, c = b.forward(x)
             ctx["blocks"].append(c)
             terms += _aux(c)
         if self.head is not None:
-            ce, ctx["head"] = self.head.forward((x, targets))
+            with g.use(self.head):
+                ce, ctx["head"] = self.head.forward((x, targets))
+            g.settle()
             return None, ctx, terms + float(ce)
+        g.settle()
         return x, ctx, terms
 
     def backward(self, dy, ctx, grad_scale, ready=None):
         """dy (B, T, C) from the next stage (None on the last); returns dx (None on the first).
         ready(module), if given, is called as each piece's parameter grads are done (the head's
         ln_f, each block, the embedding), as nn.GPT notifies during its backward."""
+        g = self.param_gather
         if self.head is not None:
-            dy = self.head.backward(grad_scale, ctx["head"])
+            with g.use(self.head, backward=True):
+                dy = self.head.backward(grad_scale, ctx["head"])
             if ready is not None:
                 ready(self.head.ln_f)
         for b, c in zip(reversed(self.blocks), reversed(ctx["blocks"])):
-            dy = b.backward(dy, c, grad_scale)
+            with g.use(b, backward=True):
+                dy = b.backward(dy, c, grad_scale)
             if ready is not None:
                 ready(b)
         if self.embedding is not None:
-            self.embedding.backward(dy, ctx["emb"])
+            with g.use(self.embedding, backward=True):
+                self.embedding.backward(dy, ctx["emb"])
             if ready is not None:
                 ready(self.embedding)
+            g.settle()
             return None
+        g.settle()
         return dy
 
     def named_parameters(self):
@@ -251,7 +269,9 @@ class PipelineGPT:
             mod.to(device)
         w = self.tied_weight
         if w is not None:             # a no-op where the embedding already moved it
-            w.data, w.grad = to_device(w.data, device), to_device(w.grad, device)
+            w.data = to_device(w.data, device)
+            if w.has_grad:
+                w.grad = to_device(w.grad, device)
         return self
 
     def activation_shape(self, B, T):
@@ -310,7 +330,7 @@ class PipelineGPT:
 
     def zero_grad(self):
         for p in self.parameters():
-            p.grad[...] = 0
+            p.zero_grad()
 
     def state_dict(self):
         """This rank's parameters (global names, host numpy copies; wte once, on the first rank)."""
@@ -334,22 +354,3 @@ class PipelineGPT:
     def update_expert_bias(self):
         for _, m in self.moe_layers():
             m.update_expert_bias()
-
-
-def pp_allreduce_sq(model: PipelineGPT, pp_comm, then=None):
-    """An ``allreduce_sq`` for optim.clip_grad_norm(model.parameters(), ...): the local sum of
-    squares is summed over the pipeline group with the last stage's copy of the tied wte left
-    out (it equals the first stage's), so the norm is the single-process norm while clipping
-    still scales both copies alike. ``then``: a further reduction (tp, dp), or None."""
-    def allreduce_sq(sq):
-        if model.holds_tied_copy:
-            g = model.tied_weight.grad.reshape(-1)
-            sq -= float(xp_of(g).dot(g, g))
-        if model.pp > 1:
-            if hasattr(pp_comm, "Allreduce"):                  # a raw mpi4py communicator
-                sq = float(pp_comm.allreduce(sq))
-            else:
-                sq = float(pp_comm.allreduce(np.array([sq], dtype=np.float64))[0])  # host
-        return then(sq) if then is not None else sq
-
-    return allreduce_sq

@@ -16,7 +16,7 @@ from .collectives import TPCollectives, as_collectives
 from .cross_entropy import (VocabParallelHead, vocab_parallel_cross_entropy_backward,
                             vocab_parallel_cross_entropy_forward)
 from .embedding import VocabParallelEmbedding
-from .gpt import SPGradSync, TPGPT, activation_bytes, ctx_nbytes, tp_allreduce_sq
+from .gpt import SPGradSync, TPGPT, activation_bytes
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .mlp import TPMLP
 from .moe import TPMoE
@@ -25,4 +25,4 @@ from .validate import validate_tp
 __all__ = ["TPGPT", "TPBlock", "TPCausalSelfAttention", "TPMLP", "TPMoE", "ColumnParallelLinear",
            "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead",
            "vocab_parallel_cross_entropy_forward", "vocab_parallel_cross_entropy_backward",
-           "TPCollectives", "as_collectives", "SPGradSync", "validate_tp", "activation_bytes", "ctx_nbytes", "tp_allreduce_sq"]
+           "TPCollectives", "as_collectives", "SPGradSync", "validate_tp", "activation_bytes"]

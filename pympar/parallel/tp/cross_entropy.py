@@ -91,7 +91,7 @@ class VocabParallelHead(Module):
         self._pdt = None if compute_dtype is None else _acc(dtype)
         self.ln_f = LayerNorm(config.n_embd, name="transformer.ln_f", dtype=dtype, bias=config.bias,
                               eps=config.ln_eps)
-        self._emb = embedding                    # wte is the SAME ShardedParameter
+        self._emb = embedding                    # wte is the SAME (sharded) Parameter
         self.vocab_size = config.vocab_size
 
     @property

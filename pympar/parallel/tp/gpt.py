@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...backend import is_cupy, to_numpy, xp_of
+from ...backend import held_bytes, to_numpy, xp_of
 from ...nn.config import GPTConfig
 from ...nn.gpt import GPT
-from ...nn.parameter import Module, resolve_precision
-from ...optim.clip import host_scalars, sum_sq
+from ...nn.parameter import Module, NoGather, resolve_precision
 from ..shard import shard_of
 from .block import TPBlock
 from .collectives import as_collectives
@@ -37,18 +36,21 @@ class SPGradSync:
         self._snap = None
 
     def begin(self):
-        self._snap = [p.grad.copy() for p in self.params]
+        # a released gradient (ZeRO-2/3) is zero: nothing to keep
+        self._snap = [p.grad.copy() if p.has_grad else None for p in self.params]
 
     def finish(self):
         if not self.params:
             return
         xp = xp_of(self.params[0].grad)
-        delta = xp.concatenate([(p.grad - s).ravel() for p, s in zip(self.params, self._snap)])
+        delta = xp.concatenate([(p.grad - s if s is not None else p.grad).ravel()
+                                for p, s in zip(self.params, self._snap)])
         delta = self._tp.allreduce(delta)
         lo = 0
         for p, s in zip(self.params, self._snap):
             n = p.grad.size
-            p.grad[...] = s + delta[lo:lo + n].reshape(p.grad.shape)
+            d = delta[lo:lo + n].reshape(p.grad.shape)
+            p.grad[...] = d if s is None else s + d
             lo += n
         self._snap = None
 
@@ -73,6 +75,7 @@ class TPGPT(GPT):
         self.head = VocabParallelHead(c, self.embedding, tpc, dtype=dtype, sequence_parallel=sequence_parallel,
                                       compute_dtype=cdt)
         self.grad_ready_hooks = []
+        self.param_gather = NoGather()
         self._sp_sync = SPGradSync(self.sp_partial_params(), tpc)
         self._sp_ids = {id(p) for p in self._sp_sync.params}
 
@@ -121,12 +124,12 @@ class TPGPT(GPT):
         self._check_batch(idx)
         return super()._forward(idx, targets)
 
-    def loss_and_grad(self, idx, targets, grad_scale=1.0) -> float:
+    def loss_and_grad(self, idx, targets, grad_scale=1.0, stats=None) -> float:
         """One micro-batch: loss = mean CE + MoE aux + z (identical on every tp rank); grads of
         grad_scale * loss accumulate, complete (sequence-parallel partials summed over tp)."""
         if self._sp_sync.params:
             self._sp_sync.begin()
-        loss = super().loss_and_grad(idx, targets, grad_scale)
+        loss = super().loss_and_grad(idx, targets, grad_scale, stats)
         if self._sp_sync.params:
             self._sp_sync.finish()
             self._grad_ready_params(self._sp_sync.params)
@@ -154,33 +157,8 @@ class TPGPT(GPT):
         return super().logits(xp.concatenate([idx, pad], axis=1))[:, :T]
 
 
-def ctx_nbytes(ctx) -> int:
-    """Bytes of the arrays held in a ctx (nested tuples/lists/dicts): activation memory."""
-    if isinstance(ctx, np.ndarray) or is_cupy(ctx):
-        return ctx.nbytes
-    if isinstance(ctx, dict):
-        return sum(ctx_nbytes(v) for v in ctx.values())
-    if isinstance(ctx, (tuple, list)):
-        return sum(ctx_nbytes(v) for v in ctx)
-    return 0
-
-
 def activation_bytes(model, idx, targets) -> int:
-    """Activation memory of one micro-batch on this rank: the bytes of every ctx its forward keeps."""
+    """Activation memory of one micro-batch on this rank: the bytes its forward keeps for backward
+    (each buffer once, views included in their base)."""
     _, _, ctxs = model._forward(*model._inputs(idx, targets))     # the batch on the model's device
-    return ctx_nbytes(ctxs)
-
-
-def tp_allreduce_sq(params, tp, then=None):
-    """An ``allreduce_sq`` for optim.clip_grad_norm over a TP model's parameters: the squares of
-    sharded gradients are summed over tp, replicated ones (identical on every tp rank) count once.
-    ``then``: a further reduction of the total (e.g. the sum over pipeline stages), or None."""
-    tpc = as_collectives(tp)
-    repl = [p for p in params if shard_of(p) is None]
-
-    def allreduce_sq(sq):
-        rsq = sum(float(t) for t in host_scalars([sum_sq(p.grad) for p in repl]))   # one device->host copy
-        total = float(tpc.allreduce(np.array([sq - rsq]))[0]) + rsq   # host: a (1,) vector over MPI
-        return then(total) if then is not None else total
-
-    return allreduce_sq
+    return held_bytes(ctxs)

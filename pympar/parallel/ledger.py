@@ -1,0 +1,240 @@
+"""The memory ledger: a rank's bytes by category, measured from what it holds and predicted
+from the configuration alone (the planner's model) -- the same categories both ways.
+
+    parameters     the weights this rank keeps (its stages, tp shard, experts, ZeRO-3 rows)
+    gradients      what persists of the gradients: zero 0 the bucket buffers, zero 1 the full
+                   gradients plus the reduced rows, zero 2/3 the reduced rows only
+    optimizer      AdamW's m and v (ZeRO: of this rank's rows only)
+    activations    what forward keeps for backward: one micro-batch's ctx (each buffer counted
+                   once) times the micro-batches in flight (the pipeline schedule's peak)
+    communication  buffers of collectives in flight: ZeRO's packed reduce-scatter sends, the
+                   parameters ZeRO-3 has gathered, pipeline receive buffers
+    workspace      the largest transient of one operation: the head's backward over the
+                   (tokens, vocab) logits, attention's (B, heads, T, T) scores, a recomputed block
+
+``peak`` = parameters + gradients + optimizer + activations + max(communication, workspace):
+the moment backward starts, with everything forward kept and the head's backward running.
+The process adds its ``baseline`` (interpreter, libraries, MPI) to that: VmHWM, measured from
+outside, is what these account for (bench/memory.py sets the three side by side).
+"""
+from __future__ import annotations
+
+import math
+
+from ..backend import held_bytes
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "workspace")
+MAX_INFLIGHT_BUCKETS = 2          # ZeRO reduce-scatters in flight at once (parallel.dp bounds it)
+
+
+def proc_status_bytes(field: str) -> int:
+    """A /proc/self/status field in bytes (VmHWM: the peak resident memory; VmRSS; RssAnon), 0
+    where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+MEMORY_FIELDS = ("rss", "rss_anon", "peak_rss", "ledger_peak")
+
+
+def memory_vector(world: int, rank: int, ledger_peak: int):
+    """This rank's slots of the step's memory figures, (len(MEMORY_FIELDS) * world,): its VmRSS,
+    RssAnon, VmHWM and ledger peak at its own place, zeros elsewhere -- a SUM over the world gives
+    every rank's figures in one vector (it rides on the step's allreduce)."""
+    import numpy as np
+
+    v = np.zeros((len(MEMORY_FIELDS), world), np.float64)        # host
+    v[:, rank] = (proc_status_bytes("VmRSS"), proc_status_bytes("RssAnon"), proc_status_bytes("VmHWM"), ledger_peak)
+    return v.reshape(-1)
+
+
+def memory_summary(v, world: int) -> dict:
+    """The summed memory vector -> per field: rank 0's value, the largest and its rank."""
+    import numpy as np
+
+    m = np.asarray(v, np.float64).reshape(len(MEMORY_FIELDS), world)   # host
+    out = {}
+    for k, row in zip(MEMORY_FIELDS, m):
+        r = int(np.argmax(row))
+        out[k] = dict(rank0=int(row[0]), max=int(row[r]), max_rank=r)
+    return out
+
+
+def peak(ledger: dict) -> int:
+    return int(ledger["parameters"] + ledger["gradients"] + ledger["optimizer"] + ledger["activations"]
+               + max(ledger["communication"], ledger["workspace"]))
+
+
+def with_peak(ledger: dict) -> dict:
+    out = {k: int(ledger.get(k, 0)) for k in CATEGORIES}
+    out["peak"] = peak(out)
+    return out
+
+
+# --- prediction from the configuration -----------------------------------------------------------
+def is_moe_layer(cfg, i: int) -> bool:
+    return bool(cfg.n_expert) and cfg.is_moe_block(i)
+
+
+def params_per_rank(cfg, tp: int, ep: int, stage_blocks, first: bool, last: bool) -> int:
+    """Parameter elements a rank holds: its stages' blocks (tp shard, its experts), the embeddings
+    on the first stage, ln_f and the tied head copy on the last (before ZeRO-3)."""
+    C = cfg.n_embd
+    b = C if cfg.bias else 0
+    n = 0
+    for i in stage_blocks:
+        n += 2 * (C + b)                                       # ln_1, ln_2
+        n += (3 * C * C + 3 * b) // tp + C * C // tp + b       # c_attn (column), c_proj (row) + bias
+        mlp = (4 * C * C + 4 * b) // tp + 4 * C * C // tp + b
+        if is_moe_layer(cfg, i):
+            n += cfg.n_expert * C                              # the router, replicated
+            n += (cfg.n_expert // ep) * mlp
+            if cfg.shared_expert:
+                n += mlp
+        else:
+            n += mlp
+    vshard = -(-cfg.vocab_size // tp)
+    rows = min(vshard, cfg.vocab_size)                         # the worst tp rank's wte rows
+    if first:
+        n += rows * C + cfg.block_size * C
+    if last:
+        n += C + b + (0 if first else rows * C)
+    return n
+
+
+def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str, blocks, last: bool,
+                          first: bool, act_bytes: int, stat_bytes: int, ep: int = 1) -> int:
+    """Bytes one micro-batch's forward keeps for backward on a rank holding ``blocks`` (the ctx the
+    modules of pympar.nn and parallel.tp return, each buffer once)."""
+    C, H = cfg.n_embd, cfg.n_head
+    N = B * T
+    s = tp if sp else 1                                        # rows of the sequence this rank keeps
+    a, st = act_bytes, stat_bytes
+    total = N * 8 if first else 0                              # the token ids (int64)
+    for i in blocks:
+        if recompute == "full":
+            total += N * C * a // s                            # the block's input only
+            continue
+        blk = (4 * N * C // s) * a + 4 * (N // s) * st         # x, h1, x1, h2 (+ LN statistics)
+        blk += (3 + 1 + 1) * N * (C // tp) * a                 # qkv, scaled q, attention output
+        if recompute != "selective":
+            blk += B * (H // tp) * T * T * a                   # the probabilities
+        if is_moe_layer(cfg, i):
+            blk += _moe_ctx(cfg, N, tp, a, st)
+        else:
+            blk += 8 * N * (C // tp) * a                       # c_fc output and GELU output
+        total += blk
+    if last:
+        vloc = -(-cfg.vocab_size // tp)
+        total += (N * C // s) * a + 2 * (N // s) * st          # ln_f's input and statistics
+        total += N * C * a + N * vloc * a + N * st + N * 8      # its output, the logits, lse, targets
+    return int(total)
+
+
+def _moe_ctx(cfg, N, tp, a, st):
+    """A MoE layer's ctx (dropless, routing assumed even): routing tensors, the permuted rows in
+    and out, each expert's MLP ctx (x rows, hidden and GELU output, hidden width / tp)."""
+    C, E, k = cfg.n_embd, cfg.n_expert, cfg.top_k
+    M = N * k if not cfg.capacity_factor else min(N * k, E * math.ceil(k * N * cfg.capacity_factor / E))
+    out = N * E * st + N * st * 2 + N * k * (8 + st) + M * (8 + 8 + st)   # probs, lse, ssum, idx, gates, order, rows, gates
+    out += 2 * M * C * a + 8 * M * (C // tp) * a                          # xs, ys, experts' h and g
+    if cfg.shared_expert:
+        out += 8 * N * (C // tp) * a
+    return out
+
+
+def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_bytes) -> int:
+    """The largest transient of one operation (see the module docstring)."""
+    C, H = cfg.n_embd, cfg.n_head
+    N = B * T
+    att = 2 * B * (H // tp) * T * T * act_bytes                 # scores/probabilities and their gradient
+    if recompute == "selective":
+        att *= 2                                               # the recomputed scores too
+    cands = [att if blocks else 0]
+    if last:
+        vloc = -(-cfg.vocab_size // tp)
+        cands.append(2 * N * vloc * max(act_bytes, stat_bytes))    # exp(logits - lse) and dlogits
+    if recompute == "full" and blocks:                         # one block's whole ctx, again
+        cands.append(activations_per_micro(cfg, B, T, tp, False, "none", blocks[:1], False, False,
+                                           act_bytes, stat_bytes) + att)
+    return int(max(cands))
+
+
+def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, micro_batch_size=1,
+            n_micro=1, schedule="1f1b", virtual_stages=1, master_bytes=4, act_bytes=None,
+            bucket_mb=25.0):
+    """The ledger of the worst pipeline rank of a layout, and its rank: (ledger with peak, pp rank)."""
+    from .pp import schedules as S
+    from .pp.partition import partition
+
+    act_bytes = act_bytes or master_bytes
+    stat = master_bytes
+    B, T = micro_batch_size, cfg.block_size
+    part = partition(cfg, pp, virtual_stages)
+    worst = None
+    for r in range(pp):
+        stages = part.stages_of(r)
+        blocks = [i for s_ in stages for i in part.blocks(s_)]
+        first, last = 0 in stages, (part.n_stage - 1) in stages
+        n = params_per_rank(cfg, tp, ep, blocks, first, last)
+        sh = -(-n // dp)                                       # this rank's rows (padding aside)
+        grads = {0: n, 1: n + sh, 2: sh, 3: sh}[zero]
+        sched = S.build_schedule(schedule, pp, n_micro, virtual_stages, r) if pp > 1 else None
+        inflight = S.peak_in_flight(sched) if sched is not None else 1
+        per_micro = activations_per_micro(cfg, B, T, tp, sp, recompute, blocks, last, first, act_bytes, stat, ep)
+        chunks = max(1, len(stages))
+        bucket = min(n, int(bucket_mb * 2**20) // master_bytes)
+        comm = 0
+        if zero in (1, 2) and dp > 1:
+            comm = MAX_INFLIGHT_BUCKETS * bucket * master_bytes
+        elif zero == 3 and dp > 1:
+            unit = n // max(1, len(blocks) + first + last)       # a piece's parameters, about
+            comm = (3 * unit + MAX_INFLIGHT_BUCKETS * unit) * master_bytes
+        if pp > 1:
+            comm += (2 * pp * virtual_stages + 2) * B * T * cfg.n_embd * act_bytes   # posted receives
+        led = dict(parameters=(sh if zero == 3 else n) * master_bytes, gradients=grads * master_bytes,
+                   optimizer=2 * (sh if zero else n) * master_bytes,
+                   activations=per_micro * inflight // chunks, communication=comm,
+                   workspace=workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat))
+        led = with_peak(led)
+        if worst is None or led["peak"] > worst[0]["peak"]:
+            worst = (led, r)
+    return worst
+
+
+# --- measurement on a runner -----------------------------------------------------------------------
+def measure(sync, optimizer, model_params, activations: int, communication: int, workspace: int) -> dict:
+    """The ledger of what a rank holds now: its parameters' arrays, the gradient storage the sync
+    keeps, the optimizer's state, and the activation/communication/workspace peaks measured."""
+    params = held_bytes([p.data for p in model_params])
+    grads = 0
+    for d in sync.syncs:
+        for b in d.buckets:
+            grads += b.persistent_bytes
+        if d.zero == 1:                                        # the engine's full gradients persist
+            grads += held_bytes([p.grad for p in (q for _, q in d.named) if p.has_grad])
+    opt = optimizer.state_bytes() if hasattr(optimizer, "state_bytes") else \
+        held_bytes(list(getattr(optimizer, "m", {}).values()), list(getattr(optimizer, "v", {}).values()))
+    return with_peak(dict(parameters=params, gradients=grads, optimizer=opt, activations=activations,
+                          communication=communication, workspace=workspace))
+
+
+def describe(ledger: dict) -> str:
+    """One line: 'params 0.50 GiB, grads ..., peak ...'."""
+    short = dict(parameters="params", gradients="grads", optimizer="optimizer", activations="activations",
+                 communication="comm", workspace="workspace", peak="peak")
+    return ", ".join(f"{short[k]} {_h(ledger[k])}" for k in (*CATEGORIES, "peak") if k in ledger)
+
+
+def _h(n) -> str:
+    n = float(n)
+    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= f:
+            return f"{n / f:.2f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,155 @@
+"""Memory by placement, without MPI: what a rank makes is what it holds, recomputation changes
+no number, and the ledger's prediction equals what the modules keep.
+
+Allocations are traced with tracemalloc (NumPy reports its data buffers to it), so "made" is
+every byte NumPy allocated while building and first touching a rank's parameters."""
+import tracemalloc
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from pympar.nn import GPT, GPTConfig
+from pympar.nn.gpt import set_recompute
+from pympar.nn.init import BLOCK
+from pympar.parallel import ledger
+from pympar.parallel.dp import DataParallel
+from pympar.parallel.ep import install_expert_parallel
+from pympar.parallel.pp import PipelineGPT, SlicedModelFactory
+from pympar.parallel.shard import make_sharded
+from pympar.parallel.tp import TPGPT
+
+# sizes chosen so that a rank's share plus the scratch stays well below the whole model: a rank
+# that made the full tensors (or other stages' or experts') would exceed the bounds below
+CFG = GPTConfig(vocab_size=1024, block_size=32, n_layer=8, n_head=4, n_embd=128)
+MOE = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=128, n_expert=8, top_k=2)
+SCRATCH = 16 * BLOCK * 8                # nn.init's float64 temporaries for one block of elements
+
+
+class FakeComm:
+    """A rank of a group of ``size``: construction only asks for rank and size."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+
+def made_while(fn):
+    """(result, peak bytes NumPy allocated while fn ran)."""
+    tracemalloc.start()
+    try:
+        out = fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return out, peak
+
+
+def touch(params):
+    """Make every parameter (first use) and return the bytes they hold."""
+    return sum(p.data.nbytes for p in params)
+
+
+def test_a_shard_is_made_without_the_full_tensor():
+    full_shape = (4096, 1024)                                  # 16 MiB in float32
+    def make():
+        p = make_sharded(0, "transformer.h.0.mlp.c_fc.weight", full_shape, (slice(1024, 1536), slice(None)))
+        return p, p.data
+    (p, data), peak = made_while(make)
+    assert data.shape == (512, 1024)
+    assert peak < data.nbytes + SCRATCH < 4096 * 1024 * 4 / 2, peak
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_a_pipeline_rank_makes_only_its_stages(rank):
+    """pp=4 over the 8 blocks: each rank makes its blocks (+ embeddings first, ln_f and the tied
+    head copy last), also through SlicedModelFactory (a whole model constructed, its other
+    stages' parameters never made)."""
+    for factory in (None, SlicedModelFactory(lambda c, s: TPGPT(c, FakeComm(0, 1), seed=s))):
+        model, peak = made_while(lambda: (m := PipelineGPT(CFG, 0, pp=4, rank=rank, factory=factory), touch(m.parameters()))[0])
+        held = sum(p.data.nbytes for p in model.parameters())
+        n = ledger.params_per_rank(CFG, 1, 1, [2 * rank, 2 * rank + 1], rank == 0, rank == 3)
+        assert held == 4 * n
+        assert peak < held + SCRATCH, (rank, peak, held)
+
+
+def test_a_tensor_parallel_rank_makes_only_its_shards():
+    model, peak = made_while(lambda: (m := TPGPT(CFG, FakeComm(1, 4), seed=0), touch(m.parameters()))[0])
+    held = sum(p.data.nbytes for p in model.parameters())
+    assert held == 4 * ledger.params_per_rank(CFG, 4, 1, range(CFG.n_layer), True, True)
+    assert held < 0.4 * 4 * sum(int(np.prod(p.shape)) for p in GPT(CFG).parameters())
+    assert peak < held + SCRATCH
+
+
+def test_an_expert_parallel_rank_makes_only_its_experts():
+    def build():
+        m = install_expert_parallel(GPT(MOE, seed=0), FakeComm(1, 4))
+        touch(m.parameters())
+        return m
+    model, peak = made_while(build)
+    names = [n for n, _ in model.named_parameters()]
+    assert any(".experts.2." in n for n in names) and not any(".experts.0." in n for n in names)
+    held = sum(p.data.nbytes for p in model.parameters())
+    assert held == 4 * ledger.params_per_rank(MOE, 1, 4, range(MOE.n_layer), True, True)
+    assert peak < held + SCRATCH
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_persistent_bytes_are_the_ledgers(zero):
+    """Parameters, gradient storage and optimizer state a rank of dp=4 holds, against the ledger's
+    prediction (padding rows aside); ZeRO-3 makes only its rows of the parameters."""
+    dp = 4
+    for r in range(dp):
+        named = list(GPT(CFG, seed=1).named_parameters())
+        d, peak = made_while(lambda: DataParallel(named, FakeComm(r, dp), zero=zero))   # builds, no collective
+        opt = d.make_optimizer()
+        sync = SimpleNamespace(syncs=[d])
+        got = ledger.measure(sync, opt, [p for _, p in named], 0, 0, 0)
+        want, _ = ledger.predict(CFG, dp=dp, zero=zero)
+        pad = sum(len(b.params) for b in d.buckets) * 4 * CFG.n_embd * 4    # < one row of each parameter
+        for k in ("parameters", "optimizer"):
+            assert abs(got[k] - want[k]) <= 2 * pad, (k, got[k], want[k])
+        if zero == 3:
+            assert peak < got["parameters"] + SCRATCH + pad   # the full tensors were never made
+
+
+def _grads_after(cfg, mode, dtype=np.float64):
+    model = set_recompute(GPT(cfg, seed=2, dtype=dtype), mode)
+    rng = np.random.default_rng(0)
+    stats = {}
+    loss = 0.0
+    for _ in range(2):
+        x = rng.integers(0, cfg.vocab_size, size=(2, cfg.block_size + 1))
+        loss += model.loss_and_grad(x[:, :-1], x[:, 1:], grad_scale=0.5, stats=stats)
+    return loss, {n: p.grad.copy() for n, p in model.named_parameters()}, stats["activation_bytes"], model
+
+
+@pytest.mark.parametrize("cfg", [CFG, MOE], ids=["dense", "moe"])
+def test_recomputation_is_bitwise_the_same(cfg):
+    loss, grads, keep, model = _grads_after(cfg, "none")
+    loads = [s["tokens_per_expert"] for s in model.moe_stats()]
+    for mode in ("selective", "full"):
+        l2, g2, keep2, m2 = _grads_after(cfg, mode)
+        assert l2 == loss
+        for n in grads:
+            np.testing.assert_array_equal(g2[n], grads[n], err_msg=f"{mode} {n}")
+        assert keep2 < keep
+        if cfg.n_expert:                                       # loads counted once, not per recompute
+            assert [s["tokens_per_expert"] for s in m2.moe_stats()] == loads
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_ledger_activations_are_what_forward_keeps(mode):
+    """The planner's activation bytes equal what the modules' ctxs hold (dense: to 0.1%, the token
+    ids being a view of the caller's batch; MoE: its routing-dependent rows within 10%)."""
+    for cfg, tol in ((CFG, 1e-3), (MOE, 0.10)):
+        _, _, kept, _ = _grads_after(cfg, mode, np.float32)
+        want = ledger.activations_per_micro(cfg, 2, cfg.block_size, 1, False, mode, range(cfg.n_layer), True,
+                                            True, 4, 4)
+        assert abs(kept - want) <= tol * want, (cfg.n_expert, mode, kept, want)
+
+
+def test_full_recomputation_cuts_a_12_layer_models_activations_4x():
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=12, n_head=4, n_embd=32)
+    _, _, none, _ = _grads_after(cfg, "none", np.float32)
+    _, _, full, _ = _grads_after(cfg, "full", np.float32)
+    assert none >= 4 * full, (none, full)
