@@ -162,6 +162,15 @@ def default_threads() -> int:
     return max(1, int(v)) if v else (os.cpu_count() or 1)
 
 
+def resident_zeros(shape, dtype, xp=np):
+    """Zeros whose pages are written now: state that lives for the whole run (optimizer moments,
+    reduced-gradient rows) is then resident from the start, below the activations that come and go,
+    instead of being faulted in after them where freed activation memory cannot serve it."""
+    a = xp.empty(shape, dtype=dtype)
+    a.fill(0)
+    return a
+
+
 def held_bytes(*objs) -> int:
     """Bytes of the arrays reachable in nested dicts/lists/tuples, each underlying buffer once
     (views share their base: q, k and v of one qkv tensor count as the qkv tensor)."""

@@ -196,8 +196,8 @@ class FaultInjector:
             while True:
                 time.sleep(3600)
 
-    def _poison(self, params):
-        if self.step not in self.nan_steps:
+    def _poison(self, params, partial=False):
+        if partial or self.step not in self.nan_steps:
             return
         for p in params:
             if self.nan_param is None or self._names.get(id(p)) == self.nan_param:

@@ -153,3 +153,20 @@ def test_full_recomputation_cuts_a_12_layer_models_activations_4x():
     _, _, none, _ = _grads_after(cfg, "none", np.float32)
     _, _, full, _ = _grads_after(cfg, "full", np.float32)
     assert none >= 4 * full, (none, full)
+
+
+def test_chunked_cross_entropy_equals_the_whole_one(monkeypatch):
+    """Logits in row chunks (a vocabulary too large to hold them whole): the same loss and
+    gradients as the one-chunk head to float64 rounding, and the logits never kept."""
+    import pympar.nn.gpt as G
+
+    cfg = GPTConfig(vocab_size=96, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    whole, gw, kept_whole, _ = _grads_after(cfg, "none")
+    monkeypatch.setattr(G, "CE_CHUNK", 7 * cfg.vocab_size)          # 7 rows per chunk, uneven
+    assert G.Head.chunk_rows(2 * cfg.block_size, cfg.vocab_size) == 7
+    chunked, gc, kept_chunked, _ = _grads_after(cfg, "none")
+    assert chunked == pytest.approx(whole, rel=1e-13)
+    for n in gw:
+        np.testing.assert_allclose(gc[n], gw[n], rtol=1e-10, atol=1e-14, err_msg=n)
+    logits = 2 * cfg.block_size * cfg.vocab_size * 8
+    assert kept_whole - kept_chunked == logits

@@ -128,23 +128,66 @@ class Head(Module):
         return matmul(h, compute_cast(self._wte.data, self._cdt).T)
 
     def forward(self, inputs):                   # (x (B, T, C), targets (B, T)) -> mean CE
+        """Logits and cross-entropy in row chunks of at most CE_CHUNK logits: when the (tokens,
+        vocab) logits would be larger, they never exist whole -- the ctx keeps ln_f's output and
+        the row log-sum-exp, and backward computes each chunk's logits again."""
         x, targets = inputs
         B, T, C = x.shape
         h, c_ln = self.ln_f.forward(x)
         h2 = h.reshape(B * T, C)
-        logits = matmul(h2, compute_cast(self._wte.data, self._cdt).T)   # (N, V)
-        t = xp_of(logits).asarray(targets).reshape(-1)
-        loss_rows, lse = kernels.cross_entropy_forward(logits, t)
+        w = compute_cast(self._wte.data, self._cdt)
+        t = xp_of(h2).asarray(targets).reshape(-1)
+        N, V = h2.shape[0], w.shape[0]
         n_valid = int((t >= 0).sum())                 # (on a GPU: the step's host syncs)
-        loss = float(loss_rows.sum()) / max(n_valid, 1)
-        return loss, (c_ln, h2, logits, lse, t, n_valid, x.shape)
+        rows = self.chunk_rows(N, V)
+        if rows >= N:                                 # one chunk: keep the logits for backward
+            logits = matmul(h2, w.T)                  # (N, V)
+            loss_rows, lse = kernels.cross_entropy_forward(logits, t)
+            return float(loss_rows.sum()) / max(n_valid, 1), (c_ln, h2, logits, lse, t, n_valid, x.shape)
+        loss_rows = lse = None
+        for r0 in range(0, N, rows):
+            r1 = min(r0 + rows, N)
+            lr, lc = kernels.cross_entropy_forward(matmul(h2[r0:r1], w.T), t[r0:r1])   # (r, V) at a time
+            if lse is None:
+                loss_rows, lse = xp_of(lr).empty(N, dtype=lr.dtype), xp_of(lc).empty(N, dtype=lc.dtype)
+            loss_rows[r0:r1], lse[r0:r1] = lr, lc
+        return float(loss_rows.sum()) / max(n_valid, 1), (c_ln, h2, None, lse, t, n_valid, x.shape)
+
+    @staticmethod
+    def chunk_rows(N: int, V: int) -> int:
+        """Rows per cross-entropy chunk: all N when N x V logits fit in CE_CHUNK elements."""
+        return N if N * V <= CE_CHUNK else max(1, CE_CHUNK // V)
 
     def backward(self, dloss, ctx):              # dloss: d(total)/d(mean CE) -> dx (B, T, C)
         c_ln, h2, logits, lse, t, n_valid, shape = ctx
-        dlogits = kernels.cross_entropy_backward(logits, lse, t, dloss / max(n_valid, 1))  # (N, V)
-        accumulate(self._wte, matmul(dlogits.T, h2, self._wte.grad.dtype))   # (V, C)
-        dh = matmul(dlogits, compute_cast(self._wte.data, self._cdt))        # (N, C)
+        w = compute_cast(self._wte.data, self._cdt)
+        scale = dloss / max(n_valid, 1)
+        if logits is not None:
+            dlogits = kernels.cross_entropy_backward(logits, lse, t, scale)          # (N, V)
+            accumulate(self._wte, matmul(dlogits.T, h2, self._wte.grad.dtype))   # (V, C)
+            dh = matmul(dlogits, w)                                               # (N, C)
+            return self.ln_f.backward(dh.reshape(shape), c_ln)
+        N, V = h2.shape[0], w.shape[0]
+        rows = self.chunk_rows(N, V)
+        vrows = max(1, CE_CHUNK // h2.shape[1])      # the weight gradient in vocabulary blocks too:
+        g = self._wte.grad                          # no (V, C) product beside the gradient itself
+        dh = None
+        for r0 in range(0, N, rows):
+            r1 = min(r0 + rows, N)
+            hc = h2[r0:r1]
+            dl = kernels.cross_entropy_backward(matmul(hc, w.T), lse[r0:r1], t[r0:r1], scale)   # (r, V)
+            for v0 in range(0, V, vrows):
+                g[v0:v0 + vrows] += matmul(dl[:, v0:v0 + vrows].T, hc, g.dtype)          # (v, C)
+            dc = matmul(dl, w)                                                    # (r, C)
+            if dh is None:
+                dh = xp_of(dc).empty((N, dc.shape[1]), dtype=dc.dtype)
+            dh[r0:r1] = dc
         return self.ln_f.backward(dh.reshape(shape), c_ln)
+
+
+# logits elements per cross-entropy chunk (32 MiB in float32): a 50k vocabulary at 1024 tokens
+# would be 200 MiB of logits and as much again of their gradient
+CE_CHUNK = 1 << 23
 
 
 class GPT(Module):
@@ -241,7 +284,8 @@ class GPT(Module):
                 kept = held_bytes(idx, c_emb, ctxs, c_head)
                 stats["activation_bytes"] = max(stats.get("activation_bytes", 0), kept)
             dx = self.head.backward(grad_scale, c_head)
-        self._grad_ready(self.head.ln_f)         # not the tied wte: the embedding adds to it last
+        self._grad_ready(self.head.ln_f)         # not the tied wte: the embedding adds to it last,
+        self._grad_partial([self.head.wte])      # but a sync that sums per use may take this part now
         for b, c in zip(reversed(self.h), reversed(ctxs)):
             with g.use(b, backward=True):
                 dx = b.backward(dx, c, grad_scale)
@@ -257,6 +301,13 @@ class GPT(Module):
             params = module.parameters()
             for hook in self.grad_ready_hooks:
                 hook(params)
+
+    def _grad_partial(self, params):
+        """These grads hold a complete PART of this micro-batch's gradient (the head's share of the
+        tied wte): hooks(params, partial=True). A sync that adds up what it reduces (ZeRO-2/3) may
+        reduce and free it now; one that needs the whole gradient ignores it."""
+        for hook in self.grad_ready_hooks:
+            hook(params, partial=True)
 
     def forward_loss(self, idx, targets) -> float:
         """The same loss without gradients (and without counting expert loads)."""

@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from ..backend import get_xp, xp_of
+from ..backend import get_xp, resident_zeros, xp_of
 from ..optim import clip_grad_norm
 from ..optim.adamw import decays
 from .compress import dense_allreduce_bytes, make_compressor
@@ -66,6 +66,9 @@ class Bucket:
         self.buf = xp_of(params[0].data).zeros(self.padded, dtype=self.dtype)   # (padded,) on the params' device
         self.views = [self.buf[o:o + s].reshape(p.shape)
                       for o, s, p in zip(self.offsets, self.sizes, params)]
+        for p, v in zip(params, self.views):     # the engine accumulates straight into the bucket
+            if not p.has_grad:
+                p.grad = v
         self.ids = {id(p) for p in params}
         self.reset()
 
@@ -123,12 +126,19 @@ class RowBucket:
                 p.data = v
                 p.shard = self.row_shards[i]
                 self.rest.append(v)
-        self.acc = None
+        # the reduced rows (persistent: written in place every step); ZeRO-1's full gradients are the
+        # engine's accumulators for the whole step: both resident from the start
+        self.acc = resident_zeros(lay.seg, self.dtype, xp)
+        if zero == 1:
+            for p in params:
+                if not p.has_grad:
+                    p.grad = resident_zeros(p.shape, self.dtype, xp)
         self.reset()
 
     def reset(self):
         self.ready = set()
         self.fired = 0
+        self.filled = False                      # acc holds this step's rows (else last step's)
         self.launched = self.done = False
 
     def grad_rows(self, i):
@@ -144,7 +154,7 @@ class RowBucket:
 
     @property
     def persistent_bytes(self):
-        return int(self.acc.nbytes) if self.acc is not None else int(self.layout.seg * self.dtype.itemsize)
+        return int(self.acc.nbytes)
 
 
 def build_buckets(named_params, dp: int, bucket_mb: float, comm=None, zero=0, units=None, device="cpu"):
@@ -218,6 +228,7 @@ class DataParallel:
                            exposed_s=0.0, span_s=0.0, launched_early=0)
         self.last = {}
         self.peak_inflight_bytes = 0                        # ZeRO's packed sends in flight, at most
+        self.peak_full_grad_bytes = 0                       # zero>=2: full gradients alive at once, at most
         self._inflight = []                                 # [(bucket, request, send)], oldest first
         self.begin_step()
 
@@ -245,8 +256,6 @@ class DataParallel:
         """Start a new optimiser step (before the first micro-batch)."""
         for b in self.buckets:
             b.reset()
-            if b.sharded:
-                b.acc = None
         self._next = 0
         self._sync = True
         self._final = set()                         # ids whose next notification is final (begin_final)
@@ -271,10 +280,14 @@ class DataParallel:
             self.begin_step()
         self._final.update(id(p) for p in params)
 
-    def grad_ready(self, params):
-        """Backward finished these parameters' grads for this micro-batch (model hook)."""
+    def grad_ready(self, params, partial=False):
+        """Backward finished these parameters' grads for this micro-batch (model hook). partial:
+        they hold a complete part of it (the head's share of a tied weight): zero>=2 reduces what
+        is there and adds the rest later; the others wait for the final notification."""
         if self._finished:
             self.begin_step()
+        if partial and self.zero < 2:
+            return
         if self.zero >= 2:                          # every completed bucket syncs now
             done = []
             for p in params:
@@ -466,9 +479,14 @@ class DataParallel:
     def _start_rows(self, b):
         """Pack the full grads rank-major, release them (zero>=2), reduce-scatter the pack."""
         lay, n = b.layout, self.dp
-        send = b.xp.empty(n * lay.seg, dtype=b.dtype)
-        lay.pack([p.grad if p.has_grad else None for p in b.params], send)
+        if lay.identity and b.params[0].has_grad:    # the gradient itself is the packed buffer
+            send = b.params[0].grad.reshape(-1)
+        else:
+            send = lay.pack([p.grad if p.has_grad else None for p in b.params],
+                            b.xp.empty(n * lay.seg, dtype=b.dtype))
         if self.zero >= 2:
+            held = sum(p.grad.nbytes for _, p in self.named if p.has_grad)
+            self.peak_full_grad_bytes = max(self.peak_full_grad_bytes, held)
             for p in b.params:
                 p.release_grad()
         b.ready = set()
@@ -493,10 +511,11 @@ class DataParallel:
 
     def _add_rows(self, b, rows):
         rows = rows.reshape(-1)
-        if b.acc is None:
-            b.acc = xp_of(rows).array(rows, dtype=b.dtype)
-        else:
+        if b.filled:
             b.acc += rows
+        else:
+            b.acc[...] = rows
+            b.filled = True
 
     def _complete_oldest(self):
         b, req, _ = self._inflight.pop(0)

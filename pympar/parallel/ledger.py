@@ -2,8 +2,9 @@
 from the configuration alone (the planner's model) -- the same categories both ways.
 
     parameters     the weights this rank keeps (its stages, tp shard, experts, ZeRO-3 rows)
-    gradients      what persists of the gradients: zero 0 the bucket buffers, zero 1 the full
-                   gradients plus the reduced rows, zero 2/3 the reduced rows only
+    gradients      what persists of the gradients -- zero 0 the bucket buffers, zero 1 the full
+                   gradients plus the reduced rows, zero 2/3 the reduced rows -- and, zero 2/3, the
+                   most full gradients alive at once (the buckets being filled)
     optimizer      AdamW's m and v (ZeRO: of this rank's rows only)
     activations    what forward keeps for backward: one micro-batch's ctx (each buffer counted
                    once) times the micro-batches in flight (the pipeline schedule's peak)
@@ -12,16 +13,21 @@ from the configuration alone (the planner's model) -- the same categories both w
     workspace      the largest transient of one operation: the head's backward over the
                    (tokens, vocab) logits, attention's (B, heads, T, T) scores, a recomputed block
 
-``peak`` = parameters + gradients + optimizer + activations + max(communication, workspace):
-the moment backward starts, with everything forward kept and the head's backward running.
-The process adds its ``baseline`` (interpreter, libraries, MPI) to that: VmHWM, measured from
-outside, is what these account for (bench/memory.py sets the three side by side).
+``peak`` = the sum of the six: the moment backward starts, with everything forward kept, the
+head's backward running, the pieces ZeRO-3 has gathered and the collectives in flight. (A
+transient freed early is not always reused by what is allocated later -- pympar keeps freed
+memory in the process, kernels/alloc.py -- so the sum is closer to the peak RSS than the largest
+live set would be.) The process adds its ``baseline`` (interpreter, libraries, MPI) to that:
+VmHWM, measured from outside, is what these account for (bench/memory.py sets the three side by
+side).
 """
 from __future__ import annotations
 
 import math
 
 from ..backend import held_bytes
+from ..nn import gpt
+from ..nn.gpt import Head
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "workspace")
 MAX_INFLIGHT_BUCKETS = 2          # ZeRO reduce-scatters in flight at once (parallel.dp bounds it)
@@ -67,8 +73,7 @@ def memory_summary(v, world: int) -> dict:
 
 
 def peak(ledger: dict) -> int:
-    return int(ledger["parameters"] + ledger["gradients"] + ledger["optimizer"] + ledger["activations"]
-               + max(ledger["communication"], ledger["workspace"]))
+    return int(sum(ledger[k] for k in CATEGORIES))
 
 
 def with_peak(ledger: dict) -> dict:
@@ -133,7 +138,9 @@ def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str
     if last:
         vloc = -(-cfg.vocab_size // tp)
         total += (N * C // s) * a + 2 * (N // s) * st          # ln_f's input and statistics
-        total += N * C * a + N * vloc * a + N * st + N * 8      # its output, the logits, lse, targets
+        total += N * C * a + N * st + N * 8                     # its output, lse, targets
+        if tp > 1 or Head.chunk_rows(N, vloc) >= N:
+            total += N * vloc * a                              # the logits (kept unless chunked)
     return int(total)
 
 
@@ -149,6 +156,18 @@ def _moe_ctx(cfg, N, tp, a, st):
     return out
 
 
+def unit_sizes(cfg, tp: int, ep: int, blocks, first: bool, last: bool):
+    """Parameter elements of each piece ZeRO-3 gathers alone: wte and wpe apart, each block, ln_f."""
+    C = cfg.n_embd
+    out = [params_per_rank(cfg, tp, ep, [i], False, False) for i in blocks]
+    rows = min(-(-cfg.vocab_size // tp), cfg.vocab_size)
+    if first:
+        out += [rows * C, cfg.block_size * C]
+    if last:
+        out += [C + (C if cfg.bias else 0)] + ([] if first else [rows * C])
+    return out
+
+
 def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_bytes) -> int:
     """The largest transient of one operation (see the module docstring)."""
     C, H = cfg.n_embd, cfg.n_head
@@ -159,7 +178,11 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
     cands = [att if blocks else 0]
     if last:
         vloc = -(-cfg.vocab_size // tp)
-        cands.append(2 * N * vloc * max(act_bytes, stat_bytes))    # exp(logits - lse) and dlogits
+        rows = N if tp > 1 else Head.chunk_rows(N, vloc)
+        # a chunk's logits (when recomputed), exp(logits - lse) and dlogits, and the tied weight's
+        # gradient product before it is added (chunked: in vocabulary blocks of a chunk's size)
+        prod = vloc * C if rows >= N else min(vloc, max(1, gpt.CE_CHUNK // C)) * C
+        cands.append((2 + (rows < N)) * rows * vloc * max(act_bytes, stat_bytes) + prod * stat_bytes)
     if recompute == "full" and blocks:                         # one block's whole ctx, again
         cands.append(activations_per_micro(cfg, B, T, tp, False, "none", blocks[:1], False, False,
                                            act_bytes, stat_bytes) + att)
@@ -190,15 +213,19 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
         per_micro = activations_per_micro(cfg, B, T, tp, sp, recompute, blocks, last, first, act_bytes, stat, ep)
         chunks = max(1, len(stages))
         bucket = min(n, int(bucket_mb * 2**20) // master_bytes)
-        comm = 0
+        units = sorted(unit_sizes(cfg, tp, ep, blocks, first, last), reverse=True) + [0, 0]
+        comm = transient = 0
         if zero in (1, 2) and dp > 1:
-            comm = MAX_INFLIGHT_BUCKETS * bucket * master_bytes
-        elif zero == 3 and dp > 1:
-            unit = n // max(1, len(blocks) + first + last)       # a piece's parameters, about
-            comm = (3 * unit + MAX_INFLIGHT_BUCKETS * unit) * master_bytes
+            comm = MAX_INFLIGHT_BUCKETS * bucket * master_bytes         # packed reduce-scatter sends
+        if zero == 2:
+            transient = 2 * bucket * master_bytes                      # the buckets being filled
+        elif zero == 3:
+            transient = 2 * units[0] * master_bytes                    # the pieces being filled
+            if dp > 1:                                                 # in use + prefetched, and sends
+                comm = (units[0] + units[1] + MAX_INFLIGHT_BUCKETS * units[0]) * master_bytes
         if pp > 1:
             comm += (2 * pp * virtual_stages + 2) * B * T * cfg.n_embd * act_bytes   # posted receives
-        led = dict(parameters=(sh if zero == 3 else n) * master_bytes, gradients=grads * master_bytes,
+        led = dict(parameters=(sh if zero == 3 else n) * master_bytes, gradients=grads * master_bytes + transient,
                    optimizer=2 * (sh if zero else n) * master_bytes,
                    activations=per_micro * inflight // chunks, communication=comm,
                    workspace=workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat))
@@ -209,11 +236,13 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
 
 
 # --- measurement on a runner -----------------------------------------------------------------------
-def measure(sync, optimizer, model_params, activations: int, communication: int, workspace: int) -> dict:
+def measure(sync, optimizer, model_params, activations: int, communication: int, workspace: int,
+            transient_grads: int = 0) -> dict:
     """The ledger of what a rank holds now: its parameters' arrays, the gradient storage the sync
-    keeps, the optimizer's state, and the activation/communication/workspace peaks measured."""
+    keeps (+ the most full gradients zero 2/3 held at once), the optimizer's state, and the
+    activation/communication/workspace peaks measured."""
     params = held_bytes([p.data for p in model_params])
-    grads = 0
+    grads = transient_grads
     for d in sync.syncs:
         for b in d.buckets:
             grads += b.persistent_bytes

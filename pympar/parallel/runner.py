@@ -117,7 +117,10 @@ class ParallelRunner:
         compress = f"topk:{opts.topk_ratio}" if opts.compress == "topk" else opts.compress
         pieces = self._pieces()
         names = {id(p): n for n, p in named}
-        units = [[names[id(p)] for p in m.parameters() if id(p) in names] for m in pieces]
+        units = []                       # ZeRO-3's buckets: a piece each; the embedding's wte and wpe
+        for m in pieces:                 # apart (the head's use and gradient of wte come alone)
+            own = [names[id(p)] for p in m.parameters() if id(p) in names]
+            units += [[n] for n in own] if hasattr(m, "wpe") else [own]
         if tied_copy is not None:                           # the last stage's wte copy: its own unit
             units.append([names[id(tied_copy)]])
         self.sync = GradSync(named, mesh, tied_copy, bucket_mb=opts.bucket_mb,
@@ -254,6 +257,7 @@ class ParallelRunner:
         """This rank's ledger after a step: what it holds, and the step's activation and
         communication peaks (the largest seen so far)."""
         comm = sum(d.peak_inflight_bytes for d in self.sync.syncs) + recv_bytes
+        transient = sum(d.peak_full_grad_bytes for d in self.sync.syncs)
         if self.zero == 3:
             comm += self.sync.gather.peak_gathered_bytes
         if self._workspace is None:
@@ -264,7 +268,7 @@ class ParallelRunner:
                                                      item, self.master.itemsize)
         old = self.ledger or {}
         self.ledger = ledger.measure(self.sync, self.opt, self.params, max(act, old.get("activations", 0)),
-                                     max(comm, old.get("communication", 0)), self._workspace)
+                                     max(comm, old.get("communication", 0)), self._workspace, transient)
 
     def held(self) -> dict:
         """What this rank holds between steps: parameters, gradient storage, optimizer state."""

@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from .. import kernels
-from ..backend import xp_of
+from ..backend import resident_zeros, xp_of
 from ..nn.parameter import NoGather  # noqa: F401  (the scope ParamGather replaces)
 
 
@@ -50,6 +50,8 @@ class RowLayout:
             self.items.append((shape, n0, row, part, off, lo, hi))
             off += part * row
         self.seg = off                           # S: one rank's segment
+        # one tensor whose rows divide evenly: the rank-major layout IS the tensor's own
+        self.identity = len(self.items) == 1 and self.items[0][1] % self.n == 0
 
     def rows(self, i):
         """(lo, hi): rows of tensor i this rank keeps."""
@@ -132,9 +134,8 @@ class ZeroAdamW:
         self.pieces = list(pieces)
         self.m, self.v = {}, {}
         for name, w, _, _, _ in self.pieces:
-            xp = xp_of(w)
-            self.m[name] = xp.zeros(w.shape, dtype=w.dtype)
-            self.v[name] = xp.zeros(w.shape, dtype=w.dtype)
+            self.m[name] = resident_zeros(w.shape, w.dtype, xp_of(w))
+            self.v[name] = resident_zeros(w.shape, w.dtype, xp_of(w))
         self.step_count = 0
 
     def step(self, lr=None):

@@ -98,7 +98,10 @@ def test_zero2_syncs_every_micro_batch_and_frees_the_full_gradients(comm):
     for j in range(n_micro):
         started = [k for k, ph in counting.calls if k == "ireduce_scatter" and ph == f"micro {j}"]
         assert len(started) >= len(dp.buckets) - 1, (j, counting.calls)
-    assert len([k for k, _ in counting.calls if k == "ireduce_scatter"]) == n_micro * len(dp.buckets)
+    # the tied wte's bucket, when wte is alone in it, syncs twice: the head's share as soon as the
+    # head's backward is done (its full gradient then need not wait for the embedding), then the rest
+    wte_alone = any(b.names == ["transformer.wte.weight"] for b in dp.buckets)
+    assert len([k for k, _ in counting.calls if k == "ireduce_scatter"]) == n_micro * (len(dp.buckets) + wte_alone)
 
 
 @pytest.mark.parametrize("overlap,zero", [(True, False), (False, False), (True, True)])

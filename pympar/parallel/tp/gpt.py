@@ -140,10 +140,13 @@ class TPGPT(GPT):
         params = [p for p in module.parameters() if id(p) not in self._sp_ids]
         self._grad_ready_params(params)
 
-    def _grad_ready_params(self, params):
+    def _grad_ready_params(self, params, partial=False):
         if params:
             for hook in self.grad_ready_hooks:
-                hook(params)
+                hook(params, partial=partial) if partial else hook(params)
+
+    def _grad_partial(self, params):
+        self._grad_ready_params([p for p in params if id(p) not in self._sp_ids], partial=True)
 
     def logits(self, idx):                       # idx (B, T) -> (B, T, V), gathered on every rank
         idx, = self._inputs(idx)                 # on the parameters' device
