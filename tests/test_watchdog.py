@@ -10,16 +10,29 @@ from mpirun import ROOT, run_mpi
 SCRIPT = str(ROOT / "tests" / "mpi" / "mpi_watchdog.py")
 
 
+def run_scenario(n, args, env=None, **kw):
+    """run_mpi with each rank's report lines also in a file: (completed process, the reports).
+    The job of some scenarios ends by MPI_Abort, which may cut the launcher's forwarding of
+    stdout; the files are written before it."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        p = run_mpi(n, args, env=dict(env or {}, WATCHDOG_OUT=d), **kw)
+        reports = "".join(f.read_text() for f in sorted(Path(d).glob("rank_*.txt")))
+    return p, reports
+
+
 def _lines(out, kind):
     return [ln for ln in out.splitlines() if re.match(rf"rank \d+: {kind}", ln)]
 
 
 @pytest.mark.parametrize("algo,n", [("mpi", 3), ("ring", 3), ("shm", 3), ("recursive_doubling", 4)])
 def test_skipped_collective_names_the_missing_rank(algo, n):
-    p = run_mpi(n, [SCRIPT, "skip", algo], timeout=60)
-    lines = _lines(p.stdout, "TIMEOUT")
+    p, out = run_scenario(n, [SCRIPT, "skip", algo], timeout=60)
+    lines = _lines(out, "TIMEOUT")
     assert sorted(int(re.match(r"rank (\d+)", ln).group(1)) for ln in lines) == [k for k in range(n) if k != 1], p.stdout
-    assert [ln.split(":")[0] for ln in _lines(p.stdout, "NO-ERROR")] == ["rank 1"], p.stdout   # only the skipper
+    assert [ln.split(":")[0] for ln in _lines(out, "NO-ERROR")] == ["rank 1"], p.stdout   # only the skipper
     for ln in lines:
         assert "op=allreduce comm=watched seq=2 peers=[1] " in ln, ln   # only rank 1, even for the library's
         if algo != "shm":   # the shm barrier raises its own timeout without reading the board (algorithms/shm.py)
@@ -28,8 +41,8 @@ def test_skipped_collective_names_the_missing_rank(algo, n):
 
 
 def test_wrong_operation_is_named():
-    p = run_mpi(3, [SCRIPT, "wrongop", "ring"], timeout=60)
-    lines = _lines(p.stdout, "TIMEOUT")
+    p, out = run_scenario(3, [SCRIPT, "wrongop", "ring"], timeout=60)
+    lines = _lines(out, "TIMEOUT")
     assert len(lines) == 3, p.stdout
     for ln in lines:
         if ln.startswith("rank 1:"):
@@ -39,8 +52,8 @@ def test_wrong_operation_is_named():
 
 
 def test_rank_outside_mpi_is_reported_within_a_bounded_time():
-    p = run_mpi(3, [SCRIPT, "busy", "mpi"], timeout=60)
-    lines = _lines(p.stdout, "TIMEOUT")
+    p, out = run_scenario(3, [SCRIPT, "busy", "mpi"], timeout=60)
+    lines = _lines(out, "TIMEOUT")
     assert len(lines) == 2, p.stdout
     for ln in lines:
         assert "peers=[1]" in ln and "rank 1 did not answer" in ln, ln
@@ -48,8 +61,8 @@ def test_rank_outside_mpi_is_reported_within_a_bounded_time():
 
 
 def test_unanswered_recv_names_the_sender():
-    p = run_mpi(2, [SCRIPT, "sendrecv"], timeout=60)
-    (ln,) = _lines(p.stdout, "TIMEOUT")
+    p, out = run_scenario(2, [SCRIPT, "sendrecv"], timeout=60)
+    (ln,) = _lines(out, "TIMEOUT")
     assert ln.startswith("rank 0:") and "op=recv comm=watched seq=1 peers=[1]" in ln, p.stdout
 
 
@@ -59,8 +72,8 @@ def test_unanswered_recv_names_the_sender():
 ])
 def test_debug_mode_reports_the_first_mismatch_on_every_rank(scenario, want):
     n = 3
-    p = run_mpi(n, [SCRIPT, scenario], timeout=60, env={"PYMPAR_DEBUG_COLLECTIVES": "1"})
-    lines = _lines(p.stdout, "MISMATCH")
+    p, out = run_scenario(n, [SCRIPT, scenario], timeout=60, env={"PYMPAR_DEBUG_COLLECTIVES": "1"})
+    lines = _lines(out, "MISMATCH")
     assert len(lines) == n, p.stdout
     src = open(SCRIPT).read().splitlines()
     call = "c.allreduce(np.ones(4 if" if scenario == "mismatch" else "c.broadcast(np.ones(3), root="
@@ -73,25 +86,25 @@ def test_debug_mode_reports_the_first_mismatch_on_every_rank(scenario, want):
 
 def test_debug_mode_off_lets_a_mismatch_through_unchecked():
     # without the debug mode the same mismatched counts are not fingerprinted (no MISMATCH line)
-    p = run_mpi(2, [SCRIPT, "rootmismatch"], timeout=60, env={"PYMPAR_DEBUG_COLLECTIVES": "0", "WATCHDOG_TIMEOUT": "1"},
-                check=False)
-    assert not _lines(p.stdout, "MISMATCH"), p.stdout
+    p, out = run_scenario(2, [SCRIPT, "rootmismatch"], timeout=60,
+                          env={"PYMPAR_DEBUG_COLLECTIVES": "0", "WATCHDOG_TIMEOUT": "1"}, check=False)
+    assert not _lines(out, "MISMATCH"), p.stdout
     # ... and the script really reached its report on every rank (a crash would also print no MISMATCH)
-    assert len(_lines(p.stdout, "(NO-ERROR|TIMEOUT)")) == 2, p.stdout
+    assert len(_lines(out, "(NO-ERROR|TIMEOUT)")) == 2, p.stdout
 
 
 def test_abort_ends_every_rank_with_the_report():
-    p = run_mpi(3, [SCRIPT, "abort", "mpi"], timeout=60, check=False)
+    p, out = run_scenario(3, [SCRIPT, "abort", "mpi"], timeout=60, check=False)
     assert p.returncode != 0, p.stdout
     assert re.search(r"pympar: rank [02]: collective watchdog: allreduce #2 on communicator 'watched' "
                      r"timed out after 1.5s: no answer from rank\(s\) 1 .*aborting the job", p.stdout), p.stdout
 
 
 def test_gather_object_gathers_and_times_out_instead_of_hanging():
-    p = run_mpi(3, [SCRIPT, "gatherok"], timeout=60)
-    assert len(_lines(p.stdout, "GATHERED")) == 3, p.stdout
-    p = run_mpi(3, [SCRIPT, "gather"], timeout=60)
-    lines = _lines(p.stdout, "TIMEOUT")
+    p, out = run_scenario(3, [SCRIPT, "gatherok"], timeout=60)
+    assert len(_lines(out, "GATHERED")) == 3, p.stdout
+    p, out = run_scenario(3, [SCRIPT, "gather"], timeout=60)
+    lines = _lines(out, "TIMEOUT")
     assert sorted(int(re.match(r"rank (\d+)", ln).group(1)) for ln in lines) == [0, 2], p.stdout
     for ln in lines:
         assert "op=allgather comm=watched seq=2 peers=[1] " in ln, ln
@@ -100,13 +113,13 @@ def test_gather_object_gathers_and_times_out_instead_of_hanging():
 def test_exit_while_a_peer_waits_in_a_collective_ends_the_job_with_a_report():
     """The atexit teardown frees the boards' windows (collective, no deadline in MPI): a rank that
     exits while a peer waits in a collective it never called must not block there forever."""
-    p = run_mpi(3, [SCRIPT, "exitahead"], timeout=45, check=False)
+    p, out = run_scenario(3, [SCRIPT, "exitahead"], timeout=45, check=False)
     assert p.returncode != 0, p.stdout
     assert "comm slow: rank 1 waits in #2 (allreduce), this rank's last is #1" in p.stdout, p.stdout
     assert "collective watchdog: exiting" in p.stdout, p.stdout
 
 
 def test_exit_waits_for_a_late_peer():
-    p = run_mpi(3, [SCRIPT, "exitlate"], timeout=45)
-    assert len(_lines(p.stdout, "NO-ERROR")) == 3, p.stdout
+    p, out = run_scenario(3, [SCRIPT, "exitlate"], timeout=45)
+    assert len(_lines(out, "NO-ERROR")) == 3, p.stdout
     assert "watchdog" not in p.stdout, p.stdout

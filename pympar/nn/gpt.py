@@ -280,15 +280,19 @@ class GPT(Module):
         x, aux, c_emb, ctxs = self._body(idx)
         with g.use(self.head, backward=True):    # the head's forward and backward in one use
             ce, c_head = self.head.forward((x, targets))
+            del x
             if stats is not None:
                 kept = held_bytes(idx, c_emb, ctxs, c_head)
                 stats["activation_bytes"] = max(stats.get("activation_bytes", 0), kept)
             dx = self.head.backward(grad_scale, c_head)
+            del c_head
         self._grad_ready(self.head.ln_f)         # not the tied wte: the embedding adds to it last,
         self._grad_partial([self.head.wte])      # but a sync that sums per use may take this part now
-        for b, c in zip(reversed(self.h), reversed(ctxs)):
+        for b in reversed(self.h):
+            c = ctxs.pop()                       # each block's activations go as its backward ends
             with g.use(b, backward=True):
                 dx = b.backward(dx, c, grad_scale)
+            del c
             self._grad_ready(b)
         with g.use(self.embedding, backward=True):
             self.embedding.backward(dx, c_emb)

@@ -390,7 +390,12 @@ class DataParallel:
             send = b.xp.empty(lay.seg, dtype=b.dtype)
             for i in range(len(b.params)):
                 lay.own(send, i)[...] = b.weight_rows(i)
-            full = send if self.dp == 1 else self.comm.allgather(send)
+            if self.dp == 1:
+                continue                             # the rows were the whole parameter
+            if lay.identity:                         # every rank's rows land in the parameter itself
+                self.comm.allgather(send, out=b.params[0].data.reshape(-1))
+                continue
+            full = self.comm.allgather(send)
             lay.unpack(xp_of(send).asarray(full).reshape(-1), [p.data for p in b.params])
 
     def held_grads(self):
@@ -485,7 +490,10 @@ class DataParallel:
             send = lay.pack([p.grad if p.has_grad else None for p in b.params],
                             b.xp.empty(n * lay.seg, dtype=b.dtype))
         if self.zero >= 2:
-            held = sum(p.grad.nbytes for _, p in self.named if p.has_grad)
+            # full gradients alive now: those being filled, and the ones released whose buffer an
+            # unfinished reduce-scatter still reads (a bucket of one evenly divided tensor)
+            held = sum(p.grad.nbytes for _, p in self.named if p.has_grad) + \
+                sum(x[2].nbytes for x in self._inflight if x[0].layout.identity)
             self.peak_full_grad_bytes = max(self.peak_full_grad_bytes, held)
             for p in b.params:
                 p.release_grad()
@@ -504,8 +512,8 @@ class DataParallel:
                 while len(self._inflight) >= MAX_INFLIGHT_BUCKETS:   # bound the packed copies alive
                     self._complete_oldest()
                 self._inflight.append((b, self.comm.ireduce_scatter(send), send))
-                self.peak_inflight_bytes = max(self.peak_inflight_bytes,
-                                               sum(x[2].nbytes for x in self._inflight))
+                extra = [x[2].nbytes for x in self._inflight if not x[0].layout.identity]   # copies only
+                self.peak_inflight_bytes = max(self.peak_inflight_bytes, sum(extra))
             else:
                 self._add_rows(b, self.comm.reduce_scatter(send))
 

@@ -214,15 +214,16 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
         chunks = max(1, len(stages))
         bucket = min(n, int(bucket_mb * 2**20) // master_bytes)
         units = sorted(unit_sizes(cfg, tp, ep, blocks, first, last), reverse=True) + [0, 0]
+        blocks_only = sorted(unit_sizes(cfg, tp, ep, blocks, False, False), reverse=True) + [0]
         comm = transient = 0
         if zero in (1, 2) and dp > 1:
             comm = MAX_INFLIGHT_BUCKETS * bucket * master_bytes         # packed reduce-scatter sends
-        if zero == 2:
-            transient = 2 * bucket * master_bytes                      # the buckets being filled
+        if zero == 2:                  # the largest bucket (a tensor above bucket_mb is one) + the next
+            transient = (max(bucket, units[0]) + bucket) * master_bytes
         elif zero == 3:
-            transient = 2 * units[0] * master_bytes                    # the pieces being filled
-            if dp > 1:                                                 # in use + prefetched, and sends
-                comm = (units[0] + units[1] + MAX_INFLIGHT_BUCKETS * units[0]) * master_bytes
+            transient = (units[0] + units[1]) * master_bytes          # the largest pieces being filled
+            if dp > 1:               # in use + prefetched, and the packed sends of block pieces
+                comm = (units[0] + units[1] + MAX_INFLIGHT_BUCKETS * blocks_only[0]) * master_bytes
         if pp > 1:
             comm += (2 * pp * virtual_stages + 2) * B * T * cfg.n_embd * act_bytes   # posted receives
         led = dict(parameters=(sh if zero == 3 else n) * master_bytes, gradients=grads * master_bytes + transient,

@@ -42,6 +42,9 @@ def line(kind, e=None):
         extra = f" op={e.op} comm={e.comm_name} seq={e.seq} peers={e.pending_peers} "
     msg = f"rank {c.rank}: {kind}{extra} after={time.monotonic() - t0:.1f}s msg={e}\n"
     os.write(1, msg.encode())     # one write per line: the ranks' lines must not interleave
+    if os.environ.get("WATCHDOG_OUT"):   # the test reads the reports here: a file is written when
+        with open(os.path.join(os.environ["WATCHDOG_OUT"], f"rank_{c.rank}.txt"), "a") as f:
+            f.write(msg)                 # this returns, whatever ends the job afterwards
 
 
 try:
@@ -106,7 +109,8 @@ sys.stdout.flush()
 # and Finalize could wait for it. Every rank leaving with os._exit races hydra, which kills the
 # ranks still running once one leaves without Finalize (seen: exit 9 under load). So once all
 # have written their line (the barrier), rank 0 ends the whole job with MPI_Abort(0): mpiexec
-# then exits 0 whatever the timing; the others wait to be ended.
+# then exits 0 whatever the timing; the others wait to be ended. (An abort may cut the launcher's
+# forwarding of what the ranks wrote to stdout: the test reads each rank's report file.)
 world.Barrier()
 if world.rank == 0:
     world.Abort(0)

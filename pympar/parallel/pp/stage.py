@@ -148,12 +148,15 @@ class StageChunk:
         g = self.param_gather
         if self.head is not None:
             with g.use(self.head, backward=True):
-                dy = self.head.backward(grad_scale, ctx["head"])
+                dy = self.head.backward(grad_scale, ctx.pop("head"))
             if ready is not None:
                 ready(self.head.ln_f)
-        for b, c in zip(reversed(self.blocks), reversed(ctx["blocks"])):
+        kept = ctx["blocks"]
+        for b in reversed(self.blocks):
+            c = kept.pop()                       # each block's activations go as its backward ends
             with g.use(b, backward=True):
                 dy = b.backward(dy, c, grad_scale)
+            del c
             if ready is not None:
                 ready(b)
         if self.embedding is not None:
