@@ -157,9 +157,11 @@ def set_num_threads(n: int) -> None:
         pass
 
 
-def default_threads() -> int:
-    v = os.environ.get("PYMPAR_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
-    return max(1, int(v)) if v else (os.cpu_count() or 1)
+def set_spin_us(us: int) -> None:
+    """How long an idle kernel thread spins before it sleeps (0: never spin; oversubscribed nodes)."""
+    from . import kernels
+
+    kernels.set_spin_us(us)
 
 
 def resident_zeros(shape, dtype, xp=np):

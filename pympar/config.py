@@ -86,6 +86,7 @@ class RunConfig:
     layout_resolved: Layout = field(default_factory=Layout)
     layout_auto: bool = True
     model_overrides: list = field(default_factory=list)   # model fields set by the file or flags
+    threads_from: str = ""                # where threads came from ("--threads", an env var, or "" = the node)
 
 
 _HELP = {
@@ -112,7 +113,8 @@ _HELP = {
     "comm_timeout": "seconds before a stalled collective or send/recv aborts the job, naming the ranks that did not "
                     "arrive (default: $PYMPAR_COMM_TIMEOUT, else 300)",
     "device": "cpu or cuda", "dtype": "compute dtype (master weights stay float32)",
-    "threads": "kernel/BLAS threads per rank (0 = from OMP_NUM_THREADS / cores)",
+    "threads": "kernel/BLAS threads per rank (0 = $PYMPAR_NUM_THREADS or $OMP_NUM_THREADS if set, else the "
+               "cores this node's ranks may run on divided by the ranks on the node)",
     "steps": "optimizer steps", "lr": "peak learning rate", "min_lr": "final learning rate of the cosine",
     "warmup": "linear warm-up steps", "weight_decay": "AdamW weight decay", "grad_clip": "global grad-norm clip (0 = off)",
     "seed": "seed of the parameters and of the batch stream",
@@ -133,7 +135,8 @@ _CHOICES = {
     "dtype": ["float32", "bfloat16", "float16"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
     "progress": ["auto", "bar", "log"], "recompute": ["none", "selective", "full"],
 }
-_RUN_FIELDS = [f for f in fields(RunConfig) if f.name not in ("layout_resolved", "layout_auto", "model_overrides")]
+_RUN_FIELDS = [f for f in fields(RunConfig) if f.name not in ("layout_resolved", "layout_auto", "model_overrides",
+                                                              "threads_from")]
 _MODEL_FIELDS = list(fields(GPTConfig))
 
 
@@ -214,6 +217,19 @@ def parse_args(argv, world_size: int) -> tuple[GPTConfig, RunConfig]:
             raise ConfigError(f"PYMPAR_COMM_TIMEOUT={os.environ['PYMPAR_COMM_TIMEOUT']!r} is not a number of seconds") from None
     run_names = {f.name for f in _RUN_FIELDS}
     run = RunConfig(**{k: v for k, v in given.items() if k in run_names})
+    run.threads_from = "--threads" if run.threads else ""
+    if not run.threads:                   # the environment, read here at the edge
+        for var in ("PYMPAR_NUM_THREADS", "OMP_NUM_THREADS"):
+            v = os.environ.get(var, "").strip()
+            if v:
+                try:
+                    run.threads = int(v)
+                except ValueError:
+                    raise ConfigError(f"{var}={v!r} is not a number of threads; unset it or give a positive integer") from None
+                if run.threads < 1:
+                    raise ConfigError(f"{var}={v!r} must be a positive number of threads")
+                run.threads_from = var
+                break
     for k in ("schedule", "compress", "device", "dtype", "preset", "zero", "layout", "recompute"):
         if getattr(run, k) not in _CHOICES[k]:
             raise ConfigError(f"{k}={getattr(run, k)!r} is not one of {_CHOICES[k]}")
@@ -243,7 +259,8 @@ def _apply_planner(world: int, model: GPTConfig, run: RunConfig) -> None:
 
     def accept(lay):          # only layouts this run's options can execute
         opts = replace(run, micro_batch_size=lay.micro_batch_size, n_micro=lay.n_micro, schedule=lay.schedule,
-                       virtual_stages=lay.virtual_stages, zero=int(lay.zero), seq_parallel=lay.seq_parallel)
+                       virtual_stages=lay.virtual_stages, zero=int(lay.zero), seq_parallel=lay.seq_parallel,
+                       recompute=lay.recompute)
         check_supported(model, Layout(lay.dp, lay.pp, lay.tp, lay.ep), opts)
 
     gb = run.micro_batch_size * run.n_micro * world
@@ -254,7 +271,7 @@ def _apply_planner(world: int, model: GPTConfig, run: RunConfig) -> None:
     run.dp, run.pp, run.tp, run.ep = lay.dp, lay.pp, lay.tp, lay.ep
     run.micro_batch_size, run.n_micro = lay.micro_batch_size, lay.n_micro
     run.schedule, run.virtual_stages = lay.schedule, lay.virtual_stages
-    run.zero, run.seq_parallel = int(lay.zero), lay.seq_parallel
+    run.zero, run.seq_parallel, run.recompute = int(lay.zero), lay.seq_parallel, lay.recompute
 
 
 def _check_run(run: RunConfig) -> None:

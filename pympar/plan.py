@@ -5,16 +5,19 @@
         --mem-per-rank 80GiB --global-batch 512
     python -m pympar.plan --preset small --world 4 --bench-json allreduce.json --measure
 
-For every valid layout (dp, pp, tp, ep, micro-batch size and count, schedule, ZeRO-1,
-sequence parallelism) it predicts the memory per rank and the step time, prints the best
+For every valid layout (dp, pp, tp, ep, micro-batch size and count, schedule, ZeRO stage 0-3,
+sequence parallelism, activation recomputation) it predicts the memory per rank and the step time, prints the best
 candidates and why the others were rejected. ``--measure`` runs the top candidates for a few
 steps with the real trainer and prints predicted against measured step time.
 
 The model (all costs per rank, per optimiser step):
 
-  memory  = params * 4 B (float32 master weights) + grads * 4 B + AdamW m, v * 8 B
-            (ZeRO-1: m, v / dp) + activations * act_bytes * micro-batches in flight
-            (from the schedule's own action list: GPipe m, 1F1B min(p, m), interleaved more)
+  memory  = the ledger of the worst pipeline rank (pympar.parallel.ledger.predict: the same
+            categories a run measures -- parameters, gradients, optimizer state, activations
+            times the micro-batches in flight of the schedule's own action list, communication
+            buffers, workspace -- for its ZeRO stage and recomputation) + the process baseline
+            (this planner's own resident memory at start; 0 for --layout auto, whose ranks
+            must agree without communicating)
   compute = per micro-batch and stage: flops_per_token * tokens / (pp * tp) at the matmul
             rate, + elem_time * the activation elements the stage produces (the non-matmul
             work: layernorm, residual adds, GELU, softmax; with tensor parallelism the
@@ -27,9 +30,15 @@ The model (all costs per rank, per optimiser step):
   pp comm = one send forward and one backward of B*T*C per micro-batch and stage boundary
   pipeline: the schedule simulator of pympar.parallel.pp runs the per-rank action lists with
             these forward/backward costs, which gives the bubble
-  dp comm = one allreduce (ZeRO-1: reduce-scatter + allgather) of the rank's gradients,
-            of which ``overlap`` is hidden behind backward
-  optimiser = opt_per_param * the rank's parameters (ZeRO-1: / dp)
+  dp comm = one allreduce of the rank's gradients; ZeRO-1 a reduce-scatter + an allgather;
+            ZeRO-2 a reduce-scatter per micro-batch + an allgather; ZeRO-3 per micro-batch a
+            reduce-scatter and two allgathers (forward and backward); ``overlap`` of it is hidden
+            behind backward
+  optimiser = opt_per_param * the rank's parameters (ZeRO: / dp)
+  recompute = full: the forward again in backward (compute x 4/3); selective: the attention
+            scores' share of it
+A layout that does not fit in memory is rejected, so the fastest that fits wins: ZeRO and
+recomputation are chosen exactly when memory demands them.
 Oversubscribed CPU (more ranks on a node than cores): every rank runs at cores / ranks of a
             core for the whole step, waiting or not: a rank waiting in a pipeline bubble or
             for a collective polls (pympar's oversubscribed polling yields, but the yielding
@@ -77,6 +86,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from .metrics import flops_per_token
+from .parallel import ledger
 from .nn.config import PRESETS, GPTConfig
 
 GiB = 1024 ** 3
@@ -124,14 +134,16 @@ class Layout:
     n_micro: int
     schedule: str
     virtual_stages: int = 1
-    zero: bool = False
+    zero: int = 0
     seq_parallel: bool = False
+    recompute: str = "none"
 
     def key(self) -> str:
         s = f"dp{self.dp} pp{self.pp} tp{self.tp} ep{self.ep} mbs{self.micro_batch_size} m{self.n_micro} {self.schedule}"
         if self.virtual_stages > 1:
             s += f"(v{self.virtual_stages})"
-        return s + (" zero1" if self.zero else "") + (" sp" if self.seq_parallel else "")
+        return s + (f" zero{self.zero}" if self.zero else "") + (" sp" if self.seq_parallel else "") + \
+            (f" rc-{self.recompute}" if self.recompute != "none" else "")
 
     def train_args(self) -> list:
         a = ["--dp", self.dp, "--pp", self.pp, "--tp", self.tp, "--ep", self.ep,
@@ -140,9 +152,11 @@ class Layout:
         if self.virtual_stages > 1:
             a += ["--virtual-stages", self.virtual_stages]
         if self.zero:
-            a += ["--zero", 1]
+            a += ["--zero", self.zero]
         if self.seq_parallel:
             a += ["--seq-parallel"]
+        if self.recompute != "none":
+            a += ["--recompute", self.recompute]
         return [str(x) for x in a]
 
 
@@ -177,6 +191,7 @@ class Machine:
     cores: int = 0               # cores per node when ranks share them (CPU); 0 = a device per rank
     elem_time: float = 0.0       # seconds per activation element produced (non-matmul work)
     opt_per_param: float = 4e-9  # optimiser step seconds per parameter (~40 B touched at ~10 GB/s)
+    baseline: int = 0            # bytes of a rank's process before its model (interpreter, libraries)
 
     def oversubscription(self, ranks_on_node: int) -> float:
         """How much slower a rank computes than alone: ranks / cores when they share cores."""
@@ -234,29 +249,13 @@ def fit_alpha_beta(paths, nranks: int | None = None) -> tuple:
 
 # --- the model's parameter and activation counts per rank ------------------------------
 def params_per_rank(cfg: GPTConfig, lay: Layout, stage_blocks, first: bool, last: bool) -> int:
-    C, tp = cfg.n_embd, lay.tp
-    n = 0
-    for i in stage_blocks:
-        n += 4 * C                                    # ln_1, ln_2
-        n += (3 * C * C + 3 * C) // tp + C * C // tp + C   # c_attn (column), c_proj (row) + its bias
-        mlp = (4 * C * C + 4 * C) // tp + 4 * C * C // tp + C
-        if is_moe_layer(cfg, i):
-            n += cfg.n_expert * C                       # router, replicated
-            n += (cfg.n_expert // lay.ep) * mlp
-            if cfg.shared_expert:
-                n += mlp
-        else:
-            n += mlp
-    vpad = -(-cfg.vocab_size // tp) * tp
-    if first:
-        n += vpad * C // tp + cfg.block_size * C        # wte shard, wpe
-    if last:
-        n += 2 * C + (0 if first else vpad * C // tp)   # ln_f, tied head copy on the last stage
-    return n
+    """Parameter elements of a rank (the ledger's count, pympar.parallel.ledger)."""
+    return ledger.params_per_rank(cfg, lay.tp, lay.ep, stage_blocks, first, last)
 
 
 def activations_per_micro(cfg: GPTConfig, lay: Layout, stage_blocks, last: bool) -> float:
-    """Elements a stage keeps per micro-batch in flight (the ctx of forward for backward)."""
+    """Activation elements a stage produces per micro-batch: the non-matmul work of the time
+    model (memory is the ledger's, pympar.parallel.ledger)."""
     B, T, C, H, tp = lay.micro_batch_size, cfg.block_size, cfg.n_embd, cfg.n_head, lay.tp
     rep = 4.0 / tp if lay.seq_parallel else 4.0        # block input, ln_1 out, residual, ln_2 out
     n = 0.0
@@ -289,22 +288,16 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     tp_cross = lay.tp > m.ranks_per_node
     pp_cross = lay.tp * lay.pp > m.ranks_per_node
     dp_cross = lay.tp * lay.pp * lay.dp > m.ranks_per_node
-    worst = None
-    for r in range(lay.pp):
-        stages = part.stages_of(r)
-        blocks = [i for s in stages for i in part.blocks(s)]
-        first, last = 0 in stages, (part.n_stage - 1) in stages
-        n_par = params_per_rank(cfg, lay, blocks, first, last)
-        opt = 8 * n_par / (lay.dp if lay.zero else 1)
-        inflight = S.peak_in_flight(scheds[r])
-        # per-chunk activations: use the rank's blocks spread over its chunks
-        act = activations_per_micro(cfg, lay, blocks, last) / max(1, len(stages))
-        mem = {"params": 4 * n_par, "grads": 4 * n_par, "optimizer": opt,
-               "activations": act * m.act_bytes * inflight}
-        mem["total"] = sum(mem.values())
-        if worst is None or mem["total"] > worst[0]["total"]:
-            worst = (mem, n_par, inflight)
-    mem, n_par_worst, inflight = worst
+    mem, worst_rank = ledger.predict(cfg, dp=lay.dp, pp=lay.pp, tp=lay.tp, ep=lay.ep, zero=lay.zero,
+                                     recompute=lay.recompute, sp=lay.seq_parallel, micro_batch_size=B,
+                                     n_micro=lay.n_micro, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
+                                     act_bytes=m.act_bytes)
+    mem = dict(mem, baseline=m.baseline)
+    mem["total"] = mem["peak"] + m.baseline
+    stages = part.stages_of(worst_rank)
+    blocks_w = [i for s_ in stages for i in part.blocks(s_)]
+    n_par_worst = params_per_rank(cfg, lay, blocks_w, 0 in stages, (part.n_stage - 1) in stages)
+    inflight = S.peak_in_flight(scheds[worst_rank])
 
     # per micro-batch forward+backward time of one rank (all its v chunks), at the rate of a
     # rank alone; ``slow`` stretches it when the node's ranks share fewer cores
@@ -313,6 +306,13 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     flops_micro = flops_per_token(cfg) * tokens / (lay.tp * lay.pp)
     elems = activations_per_micro(cfg, lay, range(cfg.n_layer), True) / lay.pp   # non-matmul work, mean stage
     comp = slow * (flops_micro / (m.peak * m.mfu) + m.elem_time * elems + m.overhead * (cfg.n_layer + 2) / lay.pp)
+    # recomputation runs forward work again in backward: full, the whole forward (a third of the
+    # step's matmul work); selective, the attention scores and probabilities only
+    if lay.recompute == "full":
+        comp *= 4.0 / 3.0
+    elif lay.recompute == "selective":
+        att = 12.0 * cfg.n_layer * T * C / flops_per_token(cfg)         # share of the scores' FLOPs
+        comp *= 1.0 + att / 3.0
     blocks_per_rank = cfg.n_layer / lay.pp
     moe_per_rank = sum(1 for i in range(cfg.n_layer) if is_moe_layer(cfg, i)) / lay.pp
     act_b = tokens * C * m.act_bytes
@@ -327,8 +327,14 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     pipe = sim["makespan"]
     busy = max(sim["busy"])
     grad_bytes = 4 * n_par_worst
-    if lay.zero:
-        dp_t = m.coll("reduce_scatter", grad_bytes, lay.dp, dp_cross) + m.coll("allgather", grad_bytes, lay.dp, dp_cross)
+    rs = m.coll("reduce_scatter", grad_bytes, lay.dp, dp_cross)
+    ag = m.coll("allgather", grad_bytes, lay.dp, dp_cross)
+    if lay.zero == 1:                          # one reduce-scatter per step, one allgather after it
+        dp_t = rs + ag
+    elif lay.zero == 2:                        # a reduce-scatter per micro-batch
+        dp_t = lay.n_micro * rs + ag
+    elif lay.zero == 3:                        # per micro-batch: gathers for forward and backward
+        dp_t = lay.n_micro * (rs + 2 * ag)
     else:
         dp_t = m.coll("allreduce", grad_bytes, lay.dp, dp_cross)
     dp_exposed = dp_t * (1 - m.overlap)
@@ -377,9 +383,10 @@ def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_n
                         except ValueError as e:
                             yield lay0, f"invalid: {e}"
                             continue
-                        for zero in ([False, True] if dp > 1 else [False]):
+                        for zero in ([0, 1, 2, 3] if dp > 1 else [0]):
                             for sp in ([False, True] if tp > 1 else [False]):
-                                yield Layout(dp, pp, tp, ep, mbs, nm, sched, v, zero, sp), None
+                                for rc in ("none", "selective", "full"):
+                                    yield Layout(dp, pp, tp, ep, mbs, nm, sched, v, zero, sp, rc), None
 
 
 def plan(cfg: GPTConfig, world: int, global_batch: int, machine: Machine):
@@ -412,6 +419,7 @@ def build_machine(args) -> Machine:
         d = dict(CPU_DEFAULT)
         mem = parse_bytes(args.mem_per_rank) if args.mem_per_rank else 24 * GiB // max(1, args.ranks_per_node)
         mfu, overlap = MFU_ASSUMED["cpu"], 0.0
+        d["baseline"] = 0 if getattr(args, "deterministic", False) else ledger.proc_status_bytes("VmRSS")
     else:
         d = dict(DEVICES[args.device])
         peak = args.peak_flops or d["peak"]
@@ -431,7 +439,7 @@ def build_machine(args) -> Machine:
     return Machine(peak=peak, alpha=d["alpha"], intra_bw=d["intra_bw"], inter_bw=d["inter_bw"], mem=mem,
                    act_bytes=d["act_bytes"], mfu=mfu, ranks_per_node=args.ranks_per_node or args.world,
                    overlap=overlap, overhead=d["overhead"], cores=cores, elem_time=d.get("elem_time", 0.0),
-                   opt_per_param=d.get("opt_per_param", 4e-9))
+                   opt_per_param=d.get("opt_per_param", 4e-9), baseline=int(d.get("baseline", 0)))
 
 
 def load_calibration(path, nranks: int) -> dict:
@@ -623,7 +631,7 @@ def choose_layout(cfg: GPTConfig, world: int, global_batch: int, ranks_per_node:
 
     Fixed machine constants (no measurement), so every rank computes the same answer without
     communicating. ``accept(layout)`` may raise ValueError to skip layouts the run cannot use."""
-    ns = argparse.Namespace(device="cpu", peak_flops=1e10, mem_per_rank=mem_per_rank,
+    ns = argparse.Namespace(device="cpu", peak_flops=1e10, mem_per_rank=mem_per_rank, deterministic=True,
                             ranks_per_node=ranks_per_node or world, bench_json=None, overlap=None, world=world)
     preds, rejected = plan(cfg, world, global_batch, build_machine(ns))
     for p in preds:

@@ -104,7 +104,8 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
     rank, world = mpi.Get_rank(), mpi.Get_size()
     # 2. set up: communicator, model replica(s), recorder, the measured peak
     from .comm import MPIComm
-    backend.set_num_threads(run.threads or backend.default_threads())
+    threads, threads_why = _threads(mpi, run)
+    backend.set_num_threads(threads)
     if run.device == "cuda":                  # one GPU per rank; NCCL for device arrays, MPI for host ones
         from . import gpu
         gpu.select_device(mpi)
@@ -131,7 +132,8 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
                + (f" v={run.virtual_stages}" if run.virtual_stages > 1 else "") + (f", ZeRO-{run.zero}" if run.zero else "")
                + (", sequence parallel" if run.seq_parallel else "")) if run.layout == "auto" else \
               ("chosen for the world size" if run.layout_auto else "as given")
-        print(f"pympar.train: {world} rank(s), layout {lay} ({how}); data {corpus.name}: "
+        print(f"pympar.train: {world} rank(s), layout {lay} ({how}); {threads} thread(s) per rank ({threads_why}); "
+              f"data {corpus.name}: "
               f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens, vocab {model_cfg.vocab_size}")
         print(f"pympar.train: model {run.preset} {runner.n_params:,} params, {fpt / 1e6:.2f} MFLOP/token; "
               f"global batch {B}x{run.n_micro}x{lay.dp} sequences x {T} = {tokens_per_step:,} tokens; "
@@ -208,6 +210,32 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
     metrics.close()
     return 0
+
+
+def _threads(mpi, run):
+    """(kernel/BLAS threads per rank, why): --threads or the environment (config), else the cores
+    this node's ranks may run on -- the union of their CPU affinity masks, so a Slurm or cgroup
+    limit counts -- divided by the ranks on the node, at least 1. Collective over the node (every
+    rank asks at the same point). Kernel threads never spin waiting when the node's ranks times
+    their threads exceed its cores."""
+    from mpi4py import MPI
+
+    node = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=mpi.Get_rank())
+    try:
+        mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cores = len(set().union(*node.allgather(mine)))
+        ranks = node.Get_size()
+    finally:
+        node.Free()
+    if run.threads:
+        n, why = run.threads, f"{run.threads_from}; {cores} cores / {ranks} ranks on this node"
+    else:
+        n = max(1, cores // ranks)
+        why = f"{cores} cores / {ranks} ranks on this node"
+    if n * ranks > cores:
+        backend.set_spin_us(0)
+        why += ", oversubscribed: no spinning"
+    return n, why
 
 
 def _check_gpu(run):

@@ -34,8 +34,11 @@ def mpi_env(extra=None):
     env.setdefault("PYTHONHASHSEED", "0")
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "") if _source_tree_mode() else env.get("PYTHONPATH", "")
-    if extra:
-        env.update({k: str(v) for k, v in extra.items()})
+    for k, v in (extra or {}).items():          # None: the variable is removed
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = str(v)
     return env
 
 

@@ -103,13 +103,35 @@ def test_params_over_stages_sum_to_the_model_plus_the_tied_copy(pp):
     assert total == n_params(GPT(cfg)) + cfg.vocab_size * cfg.n_embd      # the last stage's wte copy
 
 
-def test_memory_zero1_divides_the_optimizer_state():
-    cfg = GPTConfig.from_preset("small")
-    plain = predict(cfg, Layout(4, 1, 1, 1, 2, 2, "1f1b"), machine())
-    zero = predict(cfg, Layout(4, 1, 1, 1, 2, 2, "1f1b", zero=True), machine())
-    assert plain.memory["params"] == zero.memory["params"]
-    assert zero.memory["optimizer"] == pytest.approx(plain.memory["optimizer"] / 4)
-    assert plain.memory["optimizer"] == 2 * plain.memory["params"]          # AdamW m, v in float32
+def test_memory_zero_stages_divide_what_they_shard():
+    """The planner's memory is the ledger's (pympar.parallel.ledger.predict): ZeRO-1 divides the
+    optimizer state by dp, ZeRO-2 also the persistent gradients, ZeRO-3 also the parameters."""
+    cfg = GPTConfig.from_preset("gpt2-124m")         # larger than one gradient bucket
+    P = 4 * params_per_rank(cfg, Layout(4, 1, 1, 1, 2, 2, "1f1b"), range(cfg.n_layer), True, True)
+    mem = {z: predict(cfg, Layout(4, 1, 1, 1, 2, 2, "1f1b", zero=z), machine()).memory for z in range(4)}
+    assert mem[0]["parameters"] == mem[1]["parameters"] == mem[2]["parameters"] == P
+    assert mem[3]["parameters"] == pytest.approx(P / 4, rel=1e-3)
+    assert mem[0]["optimizer"] == 2 * P                                 # AdamW m, v in float32
+    for z in (1, 2, 3):
+        assert mem[z]["optimizer"] == pytest.approx(2 * P / 4, rel=1e-3)
+    assert mem[0]["gradients"] == P and mem[1]["gradients"] == pytest.approx(P + P / 4, rel=1e-3)
+    assert mem[2]["gradients"] < mem[1]["gradients"] and mem[3]["peak"] < mem[2]["peak"] < mem[1]["peak"] < mem[0]["peak"]
+
+
+def test_the_planner_takes_zero_and_recomputation_when_memory_demands_them():
+    """Ample memory: no recomputation and no ZeRO-3 (both cost time); a budget that plain data
+    parallelism exceeds: the fastest data-parallel layout that fits shards and/or recomputes."""
+    cfg = GPTConfig.from_preset("gpt2-124m")
+
+    def best_dp(mem):
+        preds, _ = plan(cfg, 4, 4, machine(mem=mem))
+        return next(p for p in preds if p.layout.tp == p.layout.pp == 1)
+
+    roomy = best_dp(64 * 2**30).layout
+    assert roomy.recompute == "none" and roomy.zero < 3, roomy
+    tight = best_dp(int(1.3 * 2**30))
+    assert tight.layout.zero == 3 or tight.layout.recompute != "none", tight.layout
+    assert tight.memory["total"] <= 1.3 * 2**30
 
 
 def test_memory_activations_follow_micro_batches_in_flight():

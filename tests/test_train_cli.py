@@ -177,12 +177,42 @@ def test_bad_config_exits_2_on_every_rank(tmp_path, args, needle):
 
 @pytest.mark.parametrize("var, needle", [
     ("PYMPAR_PP_CHANNELS", "expected 0 (MPI with tags), 1 (ordered channels) or unset"),
+    ("PYMPAR_NUM_THREADS", "PYMPAR_NUM_THREADS='yes' is not a number of threads"),
 ])
 def test_bad_environment_setting_exits_2_on_every_rank(tmp_path, var, needle):
     res = run_mpi(2, ["-m", "pympar.train", *TINY, "--steps", "1"], timeout=60, check=False, env={var: "yes"})
     assert res.returncode == 2
     lines = error_lines(res)
     assert len(lines) == 2 and lines[0] == lines[1] and needle in lines[0], res.stdout[-2000:]
+
+
+NO_THREAD_VARS = {k: None for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "PYMPAR_NUM_THREADS")}
+
+
+def _threads_line(res):
+    import re
+
+    m = re.search(r"(\d+) thread\(s\) per rank \(([^)]*)\)", res.stdout)
+    assert m, res.stdout[-2000:]
+    return int(m.group(1)), m.group(2)
+
+
+def test_default_threads_are_the_nodes_cores_over_its_ranks(tmp_path):
+    """No thread variable set: each of 4 ranks takes (cores its node's ranks may use) / 4, at
+    least 1 -- on a 2-core machine 1 -- and says why; an explicit --threads wins, and a node then
+    running more threads than cores is named oversubscribed."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    res = run_mpi(4, ["-m", "pympar.train", *TINY, "--steps", "1"], timeout=120, env=NO_THREAD_VARS)
+    n, why = _threads_line(res)
+    assert n == max(1, cores // 4) and f"{cores} cores / 4 ranks on this node" in why, why
+    res = run_mpi(4, ["-m", "pympar.train", *TINY, "--steps", "1", "--threads", 2], timeout=120, env=NO_THREAD_VARS)
+    n, why = _threads_line(res)
+    assert n == 2 and why.startswith("--threads")
+    assert ("oversubscribed" in why) == (8 > cores), why
+    res = run_mpi(2, ["-m", "pympar.train", *TINY, "--steps", "1"], timeout=120, env=dict(NO_THREAD_VARS, OMP_NUM_THREADS=3))
+    assert _threads_line(res)[0] == 3 and "OMP_NUM_THREADS" in _threads_line(res)[1]
 
 
 # ----------------------------------------------------------------------------- parsing in-process

@@ -8,11 +8,12 @@ or the pure-xp reference in :mod:`pympar.kernels.reference`.
 - ``PYMPAR_KERNELS=reference`` in the environment (read at import) or ``use_reference(True)``
   forces the reference everywhere; ``backend(array)`` says which implementation an array
   would get.
-- ``set_num_threads(n)`` sets the C++ kernels' threads in this process (default 1, or
-  ``PYMPAR_NUM_THREADS``): exactly n threads run each kernel call. Called explicitly (or with
-  ``PYMPAR_NUM_THREADS`` set), it also gives the BLAS the same n threads and, where OpenBLAS
+- ``set_num_threads(n)`` sets the C++ kernels' threads in this process (default 1): exactly n
+  threads run each kernel call. It also gives the BLAS the same n threads and, where OpenBLAS
   allows it, runs the BLAS's parallel work on those same threads (``blas.share_kernel_threads``;
-  ``PYMPAR_BLAS_THREADS=own`` opts out). Without either, the BLAS is left as NumPy set it up.
+  ``PYMPAR_BLAS_THREADS=own`` opts out). Until it is called the BLAS is left as NumPy set it up.
+  The trainer calls it at start-up with --threads, $PYMPAR_NUM_THREADS/$OMP_NUM_THREADS, or the
+  node's cores divided by its ranks (pympar.train).
 """
 from __future__ import annotations
 
@@ -73,6 +74,13 @@ def set_num_threads(n: int, *, blas: bool = True) -> None:
         if blas:
             from .blas import share_kernel_threads
             share_kernel_threads(n)
+
+
+def set_spin_us(us: int) -> None:
+    """Microseconds an idle C++ kernel thread spins before it sleeps (0: sleep at once, for a node
+    running more threads than cores). A no-op without the native module."""
+    if _native is not None:
+        _native.set_spin_us(max(0, int(us)))
 
 
 def get_num_threads() -> int:
@@ -139,4 +147,4 @@ cast = _dispatch("cast")
 reduce_inplace = _dispatch("reduce_inplace")
 scale_inplace = _dispatch("scale_inplace")
 
-set_num_threads(int(os.environ.get("PYMPAR_NUM_THREADS", "1")), blas="PYMPAR_NUM_THREADS" in os.environ)
+set_num_threads(1, blas=False)     # the application sets the count (pympar.train: --threads / the node)

@@ -219,9 +219,9 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
         if zero in (1, 2) and dp > 1:
             comm = MAX_INFLIGHT_BUCKETS * bucket * master_bytes         # packed reduce-scatter sends
         if zero == 2:                  # the largest bucket (a tensor above bucket_mb is one) + the next
-            transient = (max(bucket, units[0]) + bucket) * master_bytes
+            transient = min(n, max(bucket, units[0]) + bucket) * master_bytes
         elif zero == 3:
-            transient = (units[0] + units[1]) * master_bytes          # the largest pieces being filled
+            transient = min(n, units[0] + units[1]) * master_bytes    # the largest pieces being filled
             if dp > 1:               # in use + prefetched, and the packed sends of block pieces
                 comm = (units[0] + units[1] + MAX_INFLIGHT_BUCKETS * blocks_only[0]) * master_bytes
         if pp > 1:
