@@ -74,7 +74,6 @@ class Bucket:
 
     def reset(self):
         self.ready = set()
-        self.request = None
         self.launched = self.done = False
 
     def gather_grads(self):
@@ -227,9 +226,9 @@ class DataParallel:
         self.totals = dict(steps=0, bytes_sent=0, payload_bytes=0, collectives=0, comm_s=0.0,
                            exposed_s=0.0, span_s=0.0, launched_early=0)
         self.last = {}
-        self.peak_inflight_bytes = 0                        # ZeRO's packed sends in flight, at most
+        self.peak_inflight_bytes = 0                        # buffers of the collectives in flight, at most
         self.peak_full_grad_bytes = 0                       # zero>=2: full gradients alive at once, at most
-        self._inflight = []                                 # [(bucket, request, send)], oldest first
+        self._inflight = []                                 # [(bucket, request, send or None)], oldest first
         self.begin_step()
 
     @property
@@ -320,9 +319,6 @@ class DataParallel:
         else:
             self._launch(only_ready=False)
             self._drain()
-            for b in self.buckets:
-                if not b.sharded and not b.done:
-                    self._complete(b, b.request.wait() if b.request is not None else None)
         if self.zero and self.compressor is None and self.dp > 1:
             for b in self.buckets:
                 b.acc *= b.dtype.type(1.0 / self.dp)        # sums -> means, once
@@ -392,10 +388,12 @@ class DataParallel:
                 lay.own(send, i)[...] = b.weight_rows(i)
             if self.dp == 1:
                 continue                             # the rows were the whole parameter
+            # the library's allgather writes straight into its output (a shared-memory one would keep
+            # a window of the whole message mapped in every rank)
             if lay.identity:                         # every rank's rows land in the parameter itself
-                self.comm.allgather(send, out=b.params[0].data.reshape(-1))
+                self.comm.allgather(send, out=b.params[0].data.reshape(-1), algo="mpi")
                 continue
-            full = self.comm.allgather(send)
+            full = self.comm.allgather(send, algo="mpi")
             lay.unpack(xp_of(send).asarray(full).reshape(-1), [p.data for p in b.params])
 
     def held_grads(self):
@@ -477,7 +475,7 @@ class DataParallel:
             nb = dense_allreduce_bytes(b.buf.nbytes, n)
             self._count(nb["payload"], nb["wire"], 1)
             if hasattr(self.comm, "iallreduce"):
-                b.request = self.comm.iallreduce(b.buf)
+                self._track(b, self.comm.iallreduce(b.buf), None)
             else:
                 self._complete(b, self.comm.allreduce(b.buf))
 
@@ -509,11 +507,7 @@ class DataParallel:
         else:
             self._count(send.nbytes, (n - 1) * send.nbytes // n, 1)
             if hasattr(self.comm, "ireduce_scatter"):
-                while len(self._inflight) >= MAX_INFLIGHT_BUCKETS:   # bound the packed copies alive
-                    self._complete_oldest()
-                self._inflight.append((b, self.comm.ireduce_scatter(send), send))
-                extra = [x[2].nbytes for x in self._inflight if not x[0].layout.identity]   # copies only
-                self.peak_inflight_bytes = max(self.peak_inflight_bytes, sum(extra))
+                self._track(b, self.comm.ireduce_scatter(send), send)
             else:
                 self._add_rows(b, self.comm.reduce_scatter(send))
 
@@ -525,9 +519,20 @@ class DataParallel:
             b.acc[...] = rows
             b.filled = True
 
+    def _track(self, b, req, send):
+        """Keep a started collective; at most MAX_INFLIGHT_BUCKETS at once (the oldest is waited
+        for first): the packed copies and the MPI library's working buffers stay bounded."""
+        while len(self._inflight) >= MAX_INFLIGHT_BUCKETS:
+            self._complete_oldest()
+        self._inflight.append((b, req, send))
+        self.peak_inflight_bytes = max(self.peak_inflight_bytes, sum(inflight_bytes(*x) for x in self._inflight))
+
     def _complete_oldest(self):
         b, req, _ = self._inflight.pop(0)
-        self._add_rows(b, req.wait())
+        if b.sharded:
+            self._add_rows(b, req.wait())
+        else:
+            self._complete(b, req.wait())
 
     def _drain(self):
         """Wait for every reduce-scatter in flight, in the order they started (the same order on
@@ -547,14 +552,9 @@ class DataParallel:
         """Let the nonblocking collectives in flight progress (cheap when none are)."""
         t0 = time.perf_counter()
         busy = False
+        busy = bool(self._inflight)
         while self._inflight and self._inflight[0][1].test():
             self._complete_oldest()
-            busy = True
-        for b in self.buckets:
-            if not b.sharded and b.request is not None and not b.done:
-                busy = True
-                if b.request.test():
-                    self._complete(b, b.request.wait())
         if busy:
             self.last["comm_s"] += time.perf_counter() - t0
 
@@ -585,6 +585,15 @@ class DataParallel:
         return dict(last=last, total=tot, n_buckets=len(self.buckets), dp=self.dp,
                     bucket_mb=self.bucket_mb, overlap=self.overlap, zero=self.zero,
                     compress=None if self.compressor is None else self.compressor.name)
+
+
+def inflight_bytes(b, req, send) -> int:
+    """Memory a collective in flight holds beyond the gradients: ZeRO's packed copy (none when the
+    gradient itself is the buffer), and the MPI library's working buffers, counted as half the
+    message (what MPICH's Iallreduce / Ireduce_scatter of a large message was seen to add)."""
+    msg = b.buf.nbytes if send is None else send.nbytes
+    copy = 0 if send is None or b.layout.identity else send.nbytes
+    return copy + msg // 2
 
 
 def _local_shape(b, i):

@@ -216,14 +216,23 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
         units = sorted(unit_sizes(cfg, tp, ep, blocks, first, last), reverse=True) + [0, 0]
         blocks_only = sorted(unit_sizes(cfg, tp, ep, blocks, False, False), reverse=True) + [0]
         comm = transient = 0
-        if zero in (1, 2) and dp > 1:
-            comm = MAX_INFLIGHT_BUCKETS * bucket * master_bytes         # packed reduce-scatter sends
+        # collectives in flight (parallel.dp bounds them to MAX_INFLIGHT_BUCKETS): a tensor larger
+        # than a bucket is a bucket of its own and its own buffer (no packed copy); the MPI
+        # library's working buffers are counted as half of each message (dp.inflight_bytes)
+        big = max(units[0], bucket)
+        pack = 0 if zero == 0 else bucket                             # ZeRO's packed copy of a bucket
+        if dp > 1 and zero in (0, 1, 2):
+            if units[0] > bucket:
+                comm = (big // 2 + (MAX_INFLIGHT_BUCKETS - 1) * (pack + bucket // 2)) * master_bytes
+            else:
+                comm = MAX_INFLIGHT_BUCKETS * (pack + bucket // 2) * master_bytes
         if zero == 2:                  # the largest bucket (a tensor above bucket_mb is one) + the next
-            transient = min(n, max(bucket, units[0]) + bucket) * master_bytes
+            transient = min(n, big + bucket) * master_bytes
         elif zero == 3:
             transient = min(n, units[0] + units[1]) * master_bytes    # the largest pieces being filled
-            if dp > 1:               # in use + prefetched, and the packed sends of block pieces
-                comm = (units[0] + units[1] + MAX_INFLIGHT_BUCKETS * blocks_only[0]) * master_bytes
+            if dp > 1:       # in use + prefetched; reduce-scatters in flight: the largest + a block's
+                comm = (units[0] + units[1] + units[0] // 2 + (MAX_INFLIGHT_BUCKETS - 1) * (3 * blocks_only[0]) // 2) \
+                    * master_bytes
         if pp > 1:
             comm += (2 * pp * virtual_stages + 2) * B * T * cfg.n_embd * act_bytes   # posted receives
         led = dict(parameters=(sh if zero == 3 else n) * master_bytes, gradients=grads * master_bytes + transient,
