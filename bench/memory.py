@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shlex
 import subprocess
 import sys
@@ -70,26 +69,26 @@ def _flags(layout: str) -> dict:
     return {k.lstrip("-"): int(v) for k, v in zip(t[::2], t[1::2])}
 
 
-def _peaks(text: str) -> dict:
-    """{rank: peak bytes} from the wrapped ranks' lines."""
-    return {int(r): int(k) * 1024 for k, r in re.findall(r"PYMPAR_PEAK (\d+) KiB rank (\d+)", text)}
-
-
 def _wrapped(n: int, args: list, timeout: float):
-    inner = " ".join(["exec", "/usr/bin/time", "-f", "'PYMPAR_PEAK %M KiB rank '$PMI_RANK",
-                      *[shlex.quote(str(a)) for a in (sys.executable, *args)]])
-    return subprocess.run([mpiexec(), "-n", str(n), "sh", "-c", inner], capture_output=True, text=True, env=env(),
-                          timeout=timeout, cwd=ROOT)
+    """mpiexec -n n python args, each rank under /usr/bin/time writing its peak RSS to a file:
+    (completed process, {rank: peak bytes})."""
+    with tempfile.TemporaryDirectory() as d:
+        inner = " ".join(["exec", "/usr/bin/time", "-o", shlex.quote(d) + "/peak_$PMI_RANK", "-f", "%M",
+                          *[shlex.quote(str(a)) for a in (sys.executable, *args)]])
+        p = subprocess.run([mpiexec(), "-n", str(n), "sh", "-c", inner], capture_output=True, text=True,
+                           env=env(), timeout=timeout, cwd=ROOT)
+        peaks = {int(f.name.split("_")[1]): int(f.read_text().split()[-1]) * 1024 for f in Path(d).glob("peak_*")}
+    return p, peaks
 
 
 def baseline() -> int:
     """Peak RSS of one rank of the trainer itself with a model of a few KB (1 layer, 8 wide, 2
     steps): the interpreter, the libraries, MPI and the trainer's own overhead."""
     with tempfile.TemporaryDirectory() as out:
-        p = _wrapped(1, ["-m", "pympar.train", "--preset", "tiny", "--n-layer", 1, "--n-embd", 8, "--n-head", 1,
-                         "--block-size", 8, "--micro-batch-size", 1, "--steps", 2, "--eval-every", 0,
-                         "--sample-tokens", 0, "--progress", "log", "--out", out], 120)
-    return max(_peaks(p.stdout + p.stderr).values())
+        _, peaks = _wrapped(1, ["-m", "pympar.train", "--preset", "tiny", "--n-layer", 1, "--n-embd", 8,
+                                "--n-head", 1, "--block-size", 8, "--micro-batch-size", 1, "--steps", 2,
+                                "--eval-every", 0, "--sample-tokens", 0, "--progress", "log", "--out", out], 120)
+    return max(peaks.values())
 
 
 def run(a):
@@ -118,10 +117,10 @@ def run(a):
                     "--dp", dp, "--pp", pp, "--tp", tp, "--zero", zero, "--recompute", rc, "--micro-batch-size", 1,
                     "--n-micro", n_micro, "--steps", 2, "--warmup", 1, "--eval-every", 0, "--sample-tokens", 0,
                     "--progress", "log", "--out", out]
-            p = _wrapped(n, args, a.timeout)
-            if p.returncode != 0:
-                raise RuntimeError(f"{label} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
-            peaks = _peaks(p.stdout + p.stderr)
+            p, peaks = _wrapped(n, args, a.timeout)
+            if p.returncode != 0 or len(peaks) != n:
+                raise RuntimeError(f"{label} failed ({p.returncode}, {len(peaks)} of {n} peaks):\n"
+                                   f"{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
             summ = json.loads((Path(out) / "summary.json").read_text())
             steps = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
         row.update(measured_peak=max(peaks.values()), measured_rank=max(peaks, key=peaks.get),

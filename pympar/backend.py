@@ -4,7 +4,6 @@ Code takes ``xp = xp_of(array)`` and never branches on the device otherwise.
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 

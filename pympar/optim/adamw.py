@@ -1,7 +1,6 @@
 """AdamW with decoupled weight decay over named parameters, via kernels.adamw_step."""
 from __future__ import annotations
 
-import numpy as np
 
 from .. import kernels
 from ..backend import to_numpy, xp_of

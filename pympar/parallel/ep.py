@@ -39,7 +39,6 @@ import time
 import numpy as np
 
 from ..backend import to_numpy, xp_of
-from ..optim.clip import host_scalars, sum_sq
 
 _EXPERT = re.compile(r"\.moe\.experts\.(\d+)\.")
 

@@ -42,7 +42,7 @@ from ..comm.objects import gather_object
 from ..nn import GPT
 from ..nn.gpt import RECOMPUTE, count_params, set_recompute
 from ..optim import DynamicLossScaler
-from .ep import ep_step_stats, install_expert_parallel, is_expert_param, validate_ep
+from .ep import ep_step_stats, install_expert_parallel, validate_ep
 from . import ledger
 from .gradsync import GradSync
 from .ledger import memory_summary

@@ -19,7 +19,7 @@ import numpy as np
 from ...backend import held_bytes, to_numpy, xp_of
 from ...nn.config import GPTConfig
 from ...nn.gpt import GPT
-from ...nn.parameter import Module, NoGather, resolve_precision
+from ...nn.parameter import NoGather, resolve_precision
 from ..shard import shard_of
 from .block import TPBlock
 from .collectives import as_collectives
