@@ -329,6 +329,39 @@ def sec_soak(res, status) -> str:
     return "\n".join(out)
 
 
+def sec_memory(res, status) -> str:
+    d = _load(res, "memory")
+    out = ["## Memory per rank: ZeRO, recomputation, dp/tp/pp, against the ledger and the planner" + _when("memory", status), ""]
+    if not d:
+        return "\n".join(out) + _missing("memory", status)
+    G = 2 ** 30
+    out += ["`python bench/memory.py`: one real run per row (2 steps, micro-batch 1, float32, AdamW), every rank "
+            "under `/usr/bin/time -f %M`: **measured** is the largest peak resident memory (VmHWM) over the ranks, "
+            "read from outside. **ledger** is rank 0's own account (summary.json: parameters + gradients + optimizer "
+            "state + activations + communication buffers + workspace) and **predicted** the planner's figure for the "
+            "worst rank (`pympar.parallel.ledger.predict`, what `python -m pympar.plan` uses) plus the process "
+            f"baseline, {d['baseline_bytes'] / 2**20:.0f} MiB (one rank of the trainer with a model of a few KB, measured "
+            "the same way). Step time: the second step, for comparing rows of one world size only (ranks "
+            "oversubscribe the 2 cores). Rows the planner predicted not to fit in 21 GiB for all ranks were not run.", "",
+            _img("memory", "memory per rank"), "",
+            "| model | ranks | layout | ZeRO | recompute | measured GiB | ledger GiB (rank 0) | predicted GiB | predicted / measured | model state GiB (rank 0) | step s |",
+            "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in d["rows"]:
+        head = f"| {r['model']} | {r['world']} | {r['layout']} | {r['zero']} | {r['recompute']} |"
+        if "measured_peak" not in r:
+            out.append(head + f" not run: {r['skipped']} | | {r['predicted_peak'] / G:.2f} | | | |")
+            continue
+        led = r["ledger_rank0"]
+        out.append(head + f" {r['measured_peak'] / G:.2f} | {(led['peak'] + d['baseline_bytes']) / G:.2f} | "
+                   f"{r['predicted_peak'] / G:.2f} | {r['ratio_predicted_to_measured']:.2f} | "
+                   f"{r['model_state_rank0'] / G:.2f} | {r['step_time_s']:.1f} |")
+    out += ["", "Figures the issue sets (from the rows above):", ""]
+    for k, v in d["targets"].items():
+        out.append(f"- {k}: " + (f"{v['within_10pct']} of {v['of']} rows within 10%, range {v['min']:.2f}-{v['max']:.2f}"
+                                 if isinstance(v, dict) else f"{v:.3f}"))
+    return "\n".join(out) + "\n"
+
+
 def render(res: Path, status: dict) -> str:
     from common import machine
 
@@ -341,5 +374,5 @@ def render(res: Path, status: dict) -> str:
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
     secs = [sec_collectives, sec_train_step, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_dp, sec_moe,
-            sec_compression, sec_plan, sec_soak]
+            sec_compression, sec_plan, sec_memory, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

@@ -1,7 +1,7 @@
 """Regenerate every benchmark figure in one command: JSON under bench/results/, PNG under
 docs/img/, and docs/benchmarks.md presenting them (bench/report_md.py).
 
-    python bench/run_all.py               # the full suite: 20-40 minutes on the 2-core VM
+    python bench/run_all.py               # the full suite: about an hour on the 2-core VM
     python bench/run_all.py --quick       # a smoke run of every step, a few minutes
     python bench/run_all.py --only strategies,moe_balance     # some steps; the doc is rewritten
                                                                # from whatever JSON is there
@@ -63,6 +63,8 @@ def steps(quick: bool) -> list:
         ("plan_accuracy", [PY, B / "plan_accuracy.py", "--world", "4" if q else "4,8", "--rounds", "1" if q else "3",
                            "--steps", "2" if q else "4", "--calibrate", "--timeout", "120",
                            "--json", R / "plan_accuracy.json", "--png", IMG / "plan_accuracy.png"], None),
+        ("memory", [PY, B / "memory.py", *(["--quick"] if q else []), "--json", R / "memory.json",
+                    "--png", IMG / "memory.png"], None),
         ("soak", [PY, B / "soak.py", "--world", "8", "--preset", "tiny" if q else "small", "--steps", "30" if q else "300",
                   "--save-every", "10" if q else "25", "--json", R / "soak.json", "--png", IMG / "soak.png"], None),
     ]

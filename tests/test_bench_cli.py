@@ -64,3 +64,23 @@ def test_ddp_step_compares_the_same_work(tmp_path):
     import report_md
     doc = report_md.render(res, {})
     assert "pympar DP vs torch DDP" in doc and f"| tiny | 2 | 2 x 64 | {r['pympar_tokens_per_s']:.0f} |" in doc
+
+
+def test_memory_bench_measures_from_outside_and_renders(tmp_path):
+    """bench/memory.py --quick: every row's ranks measured by /usr/bin/time (one peak per rank),
+    beside rank 0's ledger and the planner's prediction; the doc renders the table."""
+    res = tmp_path / "results"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "memory.py"), "--quick", "--json", res / "memory.json",
+                        "--png", tmp_path / "memory.png"], capture_output=True, text=True, env=mpi_env(), cwd=ROOT,
+                       timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads((res / "memory.json").read_text())
+    assert len(d["rows"]) == 3 and d["baseline_bytes"] > 10 * 2**20
+    for r in d["rows"]:
+        assert len(r["measured_per_rank"]) == r["world"] and r["measured_peak"] == max(r["measured_per_rank"])
+        assert r["measured_peak"] > r["baseline"] and r["ledger_rank0"]["peak"] > 0
+        assert 0.7 < r["ratio_predicted_to_measured"] < 1.3         # the tiny model: the baseline dominates
+    sys.path.insert(0, str(ROOT / "bench"))
+    import report_md
+    doc = report_md.render(res, {})
+    assert "## Memory per rank" in doc and "| quick | 2 | dp2 pp1 tp1 | 3 | full |" in doc
