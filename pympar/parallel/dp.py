@@ -16,7 +16,8 @@ collectives in the same order whatever order its grads arrive in. ``finish()`` a
 what is left and turns sums into means over dp.
 
 zero>=1 (pympar.parallel.zero): a bucket is laid out rank-major by rows and reduce-scattered,
-so each rank keeps the mean gradient of its rows only (``b.acc``); ZeroAdamW updates those
+so each rank keeps the mean gradient of its rows only (``b.grad_rows``: ZeRO-1 in the full
+gradient's own rows, which are dead once packed; ZeRO-2/3 in ``b.acc``); ZeroAdamW updates those
 rows and, for stages 1 and 2, one allgather per bucket returns the parameters. zero=1 syncs
 once per step like zero=0 (the engine's full gradients persist over the step's micro-batches).
 zero>=2 syncs a bucket every time all its parameters are done (every micro-batch) and
@@ -91,7 +92,8 @@ class Bucket:
 class RowBucket:
     """zero>=1: ``params`` laid out rank-major by rows over the group (zero.RowLayout).
 
-    acc (S,): the mean gradient of this rank's rows of every parameter (after finish).
+    grad_rows(i): the mean gradient of this rank's rows of parameter i (after finish): a view of
+    the full gradient under ZeRO-1, of acc (S,) under ZeRO-2/3.
     ZeRO-3: own (S,) holds this rank's rows of the parameters themselves (p.data is a view of
     it between uses); gathered/uses/gather_req are ParamGather's bookkeeping."""
 
@@ -125,13 +127,17 @@ class RowBucket:
                 p.data = v
                 p.shard = self.row_shards[i]
                 self.rest.append(v)
-        # the reduced rows (persistent: written in place every step); ZeRO-1's full gradients are the
-        # engine's accumulators for the whole step: both resident from the start
-        self.acc = resident_zeros(lay.seg, self.dtype, xp)
+        # the reduced rows: ZeRO-1's full gradients are the engine's accumulators for the whole step
+        # (resident from the start) and, once reduced, hold the mean of this rank's rows in their own
+        # rows; ZeRO-2/3 keep the reduced rows in acc (persistent, written in place every step)
+        self.zero = zero
         if zero == 1:
+            self.acc = None
             for p in params:
                 if not p.has_grad:
                     p.grad = resident_zeros(p.shape, self.dtype, xp)
+        else:
+            self.acc = resident_zeros(lay.seg, self.dtype, xp)
         self.reset()
 
     def reset(self):
@@ -141,8 +147,15 @@ class RowBucket:
         self.launched = self.done = False
 
     def grad_rows(self, i):
-        """Parameter i's reduced gradient rows (a view of acc)."""
+        """Parameter i's reduced gradient rows (a view: of the full gradient under ZeRO-1, else of acc)."""
+        if self.acc is None:
+            lo, hi = self.layout.rows(i)
+            return self.params[i].grad[lo:hi]
         return self.layout.own(self.acc, i)
+
+    def reduced(self):
+        """The arrays holding this rank's reduced rows (to scale or check them)."""
+        return [self.acc] if self.acc is not None else [self.grad_rows(i) for i in range(len(self.params))]
 
     def weight_rows(self, i):
         """Parameter i's rows this rank updates (a view: of own under ZeRO-3, else of p.data)."""
@@ -153,7 +166,8 @@ class RowBucket:
 
     @property
     def persistent_bytes(self):
-        return int(self.acc.nbytes)
+        """Gradient storage of its own (ZeRO-1's lives in the full gradients, counted with them)."""
+        return int(self.acc.nbytes) if self.acc is not None else 0
 
 
 def build_buckets(named_params, dp: int, bucket_mb: float, comm=None, zero=0, units=None, device="cpu"):
@@ -321,7 +335,8 @@ class DataParallel:
             self._drain()
         if self.zero and self.compressor is None and self.dp > 1:
             for b in self.buckets:
-                b.acc *= b.dtype.type(1.0 / self.dp)        # sums -> means, once
+                for g in b.reduced():                       # sums -> means, once
+                    g *= b.dtype.type(1.0 / self.dp)
         now = time.perf_counter()
         self.last["exposed_s"] = now - t0
         self.last["comm_s"] += now - t0
@@ -407,7 +422,7 @@ class DataParallel:
         """After finish(): are all synced gradients finite (the same answer on every rank)?"""
         if not self.zero:
             return all(bool(xp_of(b.buf).isfinite(b.buf).all()) for b in self.buckets)
-        bad = np.array([sum(0 if xp_of(b.acc).isfinite(b.acc).all() else 1  # host count
+        bad = np.array([sum(0 if all(bool(xp_of(g).isfinite(g).all()) for g in b.reduced()) else 1  # host count
                             for b in self.buckets)], np.float64)
         if self.dp > 1:                                  # rows differ per rank: agree
             bad = np.asarray(self.comm.allreduce(bad)).reshape(-1)   # host vector over MPI
@@ -416,8 +431,8 @@ class DataParallel:
     def scale_grads(self, alpha):
         """After finish(): multiply the synced gradients by alpha (loss-scale unscaling)."""
         for b in self.buckets:
-            g = b.acc if b.sharded else b.buf
-            g *= b.dtype.type(alpha)
+            for g in (b.reduced() if b.sharded else [b.buf]):
+                g *= b.dtype.type(alpha)
 
     # --- ZeRO-3: parameters around their use (ParamGather calls these) ---------------------------
     def start_gather(self, b):
@@ -513,11 +528,17 @@ class DataParallel:
 
     def _add_rows(self, b, rows):
         rows = rows.reshape(-1)
-        if b.filled:
+        if b.acc is None:                            # ZeRO-1: into the full gradients' own rows
+            for i in range(len(b.params)):
+                if b.filled:
+                    b.grad_rows(i)[...] += b.layout.own(rows, i)
+                else:
+                    b.grad_rows(i)[...] = b.layout.own(rows, i)
+        elif b.filled:
             b.acc += rows
         else:
             b.acc[...] = rows
-            b.filled = True
+        b.filled = True
 
     def _track(self, b, req, send):
         """Keep a started collective; at most MAX_INFLIGHT_BUCKETS at once (the oldest is waited

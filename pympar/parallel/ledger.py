@@ -3,8 +3,9 @@ from the configuration alone (the planner's model) -- the same categories both w
 
     parameters     the weights this rank keeps (its stages, tp shard, experts, ZeRO-3 rows)
     gradients      what persists of the gradients -- zero 0 the bucket buffers, zero 1 the full
-                   gradients plus the reduced rows, zero 2/3 the reduced rows -- and, zero 2/3, the
-                   most full gradients alive at once (the buckets being filled)
+                   gradients (the reduced rows land in their own rows), zero 2/3 the reduced
+                   rows -- and, zero 2/3, the most full gradients alive at once (the buckets
+                   being filled)
     optimizer      AdamW's m and v (ZeRO: of this rank's rows only)
     activations    what forward keeps for backward: one micro-batch's ctx (each buffer counted
                    once) times the micro-batches in flight (the pipeline schedule's peak)
@@ -207,7 +208,7 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
         first, last = 0 in stages, (part.n_stage - 1) in stages
         n = params_per_rank(cfg, tp, ep, blocks, first, last)
         sh = -(-n // dp)                                       # this rank's rows (padding aside)
-        grads = {0: n, 1: n + sh, 2: sh, 3: sh}[zero]
+        grads = {0: n, 1: n, 2: sh, 3: sh}[zero]                 # ZeRO-1 reduces into the full gradient
         sched = S.build_schedule(schedule, pp, n_micro, virtual_stages, r) if pp > 1 else None
         inflight = S.peak_in_flight(sched) if sched is not None else 1
         per_micro = activations_per_micro(cfg, B, T, tp, sp, recompute, blocks, last, first, act_bytes, stat, ep)

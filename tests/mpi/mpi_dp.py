@@ -149,8 +149,11 @@ def test_zero_keeps_only_its_rows(comm, zero):
     assert opt.state_bytes() == 2 * 4 * kept
     assert int(np.asarray(comm.allreduce(np.array([kept]))).reshape(-1)[0]) == n
     assert kept <= -(-n // comm.size) + sum(len(b.params) for b in dp.buckets)   # rows, rounding aside
-    rows = sum(b.acc.size for b in dp.buckets)                   # the reduced gradient: rows + padding
-    assert rows < n / comm.size + sum(len(b.params) for b in dp.buckets) * 64
+    own = sum(b.persistent_bytes for b in dp.buckets) // 4      # reduced-gradient storage of its own
+    if zero == 1:
+        assert own == 0                                          # the reduced rows live in the full gradient
+    else:
+        assert own < n / comm.size + sum(len(b.params) for b in dp.buckets) * 64   # rows + padding
     full_grads = sum(p.grad.size for _, p in named if p.has_grad)
     assert full_grads == (n if zero == 1 else 0), (zero, full_grads)
     held = sum(p.data.size for _, p in named)
