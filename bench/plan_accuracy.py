@@ -167,7 +167,7 @@ def run(a) -> dict:
                                             activations=max(r["activation_bytes"] for r in ranks)))
             pm = p.memory
             row["activation_ratio"] = row["measured_memory"]["activations"] / pm["activations"] if pm["activations"] else None
-            row["persistent_ratio"] = row["measured_memory"]["persistent"] / (pm["params"] + pm["grads"] + pm["optimizer"])
+            row["persistent_ratio"] = row["measured_memory"]["persistent"] / (pm["parameters"] + pm["gradients"] + pm["optimizer"])
             rows.append(row)
             print(f"  w{world} {lay.key():<44} pred {p.step_time * 1e3:7.1f} ms  meas {step * 1e3:7.1f} ms  "
                   f"params {'exact' if row['params_exact'] else 'DIFFER'}  act meas/pred {row['activation_ratio']:.2f}  "
