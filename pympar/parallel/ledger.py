@@ -231,9 +231,16 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
             transient = min(n, big + bucket) * master_bytes
         elif zero == 3:
             transient = min(n, units[0] + units[1]) * master_bytes    # the largest pieces being filled
-            if dp > 1:       # in use + prefetched; reduce-scatters in flight: the largest + a block's
-                comm = (units[0] + units[1] + units[0] // 2 + (MAX_INFLIGHT_BUCKETS - 1) * (3 * blocks_only[0]) // 2) \
-                    * master_bytes
+            if dp > 1:       # in use + prefetched (a piece's gather is freed before its gradient
+                #              is reduced, so the two do not add up), and a block's reduce-scatter
+                comm = (units[0] + units[1] + (MAX_INFLIGHT_BUCKETS - 1) * (3 * blocks_only[0]) // 2) * master_bytes
+        if pp > 1 and (first or last):
+            # the tied wte's gradient is complete only after the first/last-stage sum at the end of
+            # the pipeline step: held whole until then, and the peer's part received beside it
+            wte = min(-(-cfg.vocab_size // tp), cfg.vocab_size) * cfg.n_embd
+            if zero >= 2:
+                transient += wte * master_bytes
+            comm += wte * master_bytes
         if pp > 1:
             comm += (2 * pp * virtual_stages + 2) * B * T * cfg.n_embd * act_bytes   # posted receives
         led = dict(parameters=(sh if zero == 3 else n) * master_bytes, gradients=grads * master_bytes + transient,
