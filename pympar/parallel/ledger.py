@@ -78,8 +78,11 @@ def peak(ledger: dict) -> int:
 
 
 def with_peak(ledger: dict) -> dict:
+    """The six categories, ``peak``, and ``gradients_transient`` (the part of ``gradients`` that
+    ZeRO-2/3 hold only while buckets fill: model state = parameters + gradients - it + optimizer)."""
     out = {k: int(ledger.get(k, 0)) for k in CATEGORIES}
     out["peak"] = peak(out)
+    out["gradients_transient"] = int(ledger.get("gradients_transient", 0))
     return out
 
 
@@ -244,6 +247,7 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
         if pp > 1:
             comm += (2 * pp * virtual_stages + 2) * B * T * cfg.n_embd * act_bytes   # posted receives
         led = dict(parameters=(sh if zero == 3 else n) * master_bytes, gradients=grads * master_bytes + transient,
+                   gradients_transient=transient,
                    optimizer=2 * (sh if zero else n) * master_bytes,
                    activations=per_micro * inflight // chunks, communication=comm,
                    workspace=workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat))
@@ -269,7 +273,7 @@ def measure(sync, optimizer, model_params, activations: int, communication: int,
     opt = optimizer.state_bytes() if hasattr(optimizer, "state_bytes") else \
         held_bytes(list(getattr(optimizer, "m", {}).values()), list(getattr(optimizer, "v", {}).values()))
     return with_peak(dict(parameters=params, gradients=grads, optimizer=opt, activations=activations,
-                          communication=communication, workspace=workspace))
+                          communication=communication, workspace=workspace, gradients_transient=transient_grads))
 
 
 def describe(ledger: dict) -> str:
