@@ -78,6 +78,10 @@ def run_mpi(n: int, args, timeout: float = 120, env=None, cwd=None, check=True):
         os.killpg(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
         raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n--- output tail ---\n{out[-4000:]}")
+    except BaseException:                       # pytest-timeout, Ctrl-C: the job must not outlive the test
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
     res = subprocess.CompletedProcess(cmd, p.returncode, out, "")
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}: {' '.join(cmd)}\n--- output tail ---\n{out[-6000:]}")

@@ -49,9 +49,10 @@ def test_ci_slice_of_layouts_on_gpus_matches_single_process(n):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3700)                 # the 8-rank matrix: 732 layouts, over 20 minutes on 2 cores
 @pytest.mark.parametrize("n", WORLDS)
 def test_every_layout_matches_single_process(n):
-    ran, failed = _run(n, "full", timeout=1200)
+    ran, failed = _run(n, "full", timeout=3600)
     assert (ran, failed) == (len(all_layouts(n)), 0)
 
 
