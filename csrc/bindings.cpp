@@ -133,6 +133,34 @@ PYBIND11_MODULE(_C, m) {
     else K->softmax_causal_bwd_f64(ct<double>(y), ct<double>(dy), mt<double>(dx), B, T);
   });
 
+  // qkv (B, T, 3, H, D) -> o (B, T, H*D), lse (B, H, T)
+  m.def("attention_forward", [](const py::array& qkv, py::array& o, py::array& lse, double scale) {
+    if (qkv.ndim() != 5 || qkv.shape(2) != 3) throw py::value_error("attention_forward: qkv must be (B, T, 3, H, D)");
+    int64_t B = qkv.shape(0), T = qkv.shape(1), H = qkv.shape(3), D = qkv.shape(4);
+    int dt = check(qkv, "qkv", FLOATS);
+    check(o, "o", 1u << dt, B * T * H * D);
+    check(lse, "lse", 1u << dt, B * H * T);
+    py::gil_scoped_release g;
+    if (dt == F32) K->attention_fwd_f32(ct<float>(qkv), mt<float>(o), mt<float>(lse), B, T, H, D, scale);
+    else K->attention_fwd_f64(ct<double>(qkv), mt<double>(o), mt<double>(lse), B, T, H, D, scale);
+  });
+  m.def("attention_backward", [](const py::array& qkv, const py::array& o, const py::array& lse,
+                                 const py::array& dout, py::array& dqkv, double scale) {
+    if (qkv.ndim() != 5 || qkv.shape(2) != 3) throw py::value_error("attention_backward: qkv must be (B, T, 3, H, D)");
+    int64_t B = qkv.shape(0), T = qkv.shape(1), H = qkv.shape(3), D = qkv.shape(4);
+    int dt = check(qkv, "qkv", FLOATS);
+    check(o, "o", 1u << dt, B * T * H * D);
+    check(lse, "lse", 1u << dt, B * H * T);
+    check(dout, "dout", 1u << dt, B * T * H * D);
+    check(dqkv, "dqkv", 1u << dt, qkv.size());
+    py::gil_scoped_release g;
+    if (dt == F32)
+      K->attention_bwd_f32(ct<float>(qkv), ct<float>(o), ct<float>(lse), ct<float>(dout), mt<float>(dqkv), B, T, H, D,
+                           scale);
+    else
+      K->attention_bwd_f64(ct<double>(qkv), ct<double>(o), ct<double>(lse), ct<double>(dout), mt<double>(dqkv), B, T,
+                           H, D, scale);
+  });
   m.def("layernorm_forward", [](const py::array& x, const py::array& w, const py::array& b, py::array& y,
                                 py::array& mean, py::array& rstd, double eps) {
     int64_t C = last_dim(x), N = C ? x.size() / C : 0;

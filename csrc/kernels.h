@@ -38,6 +38,16 @@ struct KernelTable {
                      int64_t dloss_stride, float* dlogits, int64_t N, int64_t V);
   void (*ce_bwd_f64)(const double* logits, const double* lse, const int64_t* targets, const double* dloss,
                      int64_t dloss_stride, double* dlogits, int64_t N, int64_t V);
+  // causal attention, tile by tile (attention.cpp): qkv (B, T, 3, H, D) -> o (B, T, H*D), lse (B, H, T);
+  // backward: dout (B, T, H*D) -> dqkv (B, T, 3, H, D) (=, every element written); q is scaled by `scale`
+  void (*attention_fwd_f32)(const float* qkv, float* o, float* lse, int64_t B, int64_t T, int64_t H, int64_t D,
+                            double scale);
+  void (*attention_fwd_f64)(const double* qkv, double* o, double* lse, int64_t B, int64_t T, int64_t H, int64_t D,
+                            double scale);
+  void (*attention_bwd_f32)(const float* qkv, const float* o, const float* lse, const float* dout, float* dqkv,
+                            int64_t B, int64_t T, int64_t H, int64_t D, double scale);
+  void (*attention_bwd_f64)(const double* qkv, const double* o, const double* lse, const double* dout, double* dqkv,
+                            int64_t B, int64_t T, int64_t H, int64_t D, double scale);
   // in place on p, m, v (n,) of dtype pdt (F32 or F64); g of dtype gdt (any float)
   void (*adamw)(void* p, const void* g, void* m, void* v, int pdt, int gdt, int64_t n, double lr,
                 double beta1, double beta2, double eps, double weight_decay, double bc1, double bc2);

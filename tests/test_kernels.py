@@ -352,6 +352,11 @@ ISA_CHECK = textwrap.dedent("""
     np.testing.assert_allclose(N.cross_entropy_forward(x, np.arange(33))[1], R.cross_entropy_forward(x, np.arange(33))[1], rtol=2e-5)
     d = x.copy(); N.reduce_inplace(d, x, "max"); np.testing.assert_array_equal(d, x)
     np.testing.assert_array_equal(N.cast(x, np.float16), x.astype(np.float16))
+    qkv = rng.standard_normal((2, 70, 3, 2, 24)).astype(np.float32)
+    got, want = N.attention_forward(qkv, 0.2), R.attention_forward(qkv, 0.2)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(N.attention_backward(qkv, *got, got[0], 0.2),
+                               R.attention_backward(qkv, *want, want[0], 0.2), rtol=1e-5, atol=1e-5)
     print("ok")
 """)
 

@@ -39,7 +39,8 @@ except ImportError:
 _threads = 1
 
 __all__ = [
-    "softmax_causal_forward", "softmax_causal_backward", "layernorm_forward", "layernorm_backward",
+    "softmax_causal_forward", "softmax_causal_backward", "attention_forward", "attention_backward",
+    "layernorm_forward", "layernorm_backward",
     "gelu_forward", "gelu_backward", "cross_entropy_forward", "cross_entropy_backward", "adamw_step",
     "topk", "capacity_positions", "permute", "unpermute_add", "cast", "reduce_inplace", "scale_inplace",
     "set_num_threads", "get_num_threads", "native_available", "cuda_available", "backend", "use_reference",
@@ -132,6 +133,8 @@ def _dispatch(name):
 
 softmax_causal_forward = _dispatch("softmax_causal_forward")
 softmax_causal_backward = _dispatch("softmax_causal_backward")
+attention_forward = _dispatch("attention_forward")
+attention_backward = _dispatch("attention_backward")
 layernorm_forward = _dispatch("layernorm_forward")
 layernorm_backward = _dispatch("layernorm_backward")
 gelu_forward = _dispatch("gelu_forward")

@@ -3,7 +3,7 @@
 Each function has the signature of its twin in :mod:`pympar.kernels.reference` and checks
 dtype, contiguity and shape before a pointer crosses. What the C++ side does not cover is
 handed to the reference, so every call is answered:
-- the math kernels (softmax, layernorm, GELU, cross-entropy, top-k, unpermute_add) run
+- the math kernels (softmax, attention, layernorm, GELU, cross-entropy, top-k, unpermute_add) run
   natively on float32 and float64; float16/bfloat16 inputs go to the reference;
 - AdamW runs natively on float32/float64 parameters with a float32/float64/float16/bfloat16
   gradient;
@@ -64,6 +64,32 @@ def softmax_causal_backward(y, dy):
     dx = np.empty_like(y)
     _C.softmax_causal_backward(y, dy, dx)
     return dx
+
+
+# --- causal attention, tile by tile ---------------------------------------------------------
+def attention_forward(qkv, scale):
+    if qkv.dtype not in _FLOATS or qkv.ndim != 5 or qkv.shape[2] != 3:
+        return reference.attention_forward(qkv, scale)
+    B, T, _, H, D = qkv.shape
+    qkv = _c(qkv)
+    o = np.empty((B, T, H * D), dtype=qkv.dtype)
+    lse = np.empty((B, H, T), dtype=qkv.dtype)
+    _C.attention_forward(qkv, o, lse, float(scale))
+    return o, lse
+
+
+def attention_backward(qkv, o, lse, dout, scale):
+    dt = qkv.dtype
+    if dt not in _FLOATS or qkv.ndim != 5 or qkv.shape[2] != 3 or any(a.dtype != dt for a in (o, lse, dout)):
+        return reference.attention_backward(qkv, o, lse, dout, scale)
+    B, T, _, H, D = qkv.shape
+    if o.size != B * T * H * D or dout.size != o.size or lse.size != B * H * T:
+        raise ValueError(f"attention_backward: o {o.shape}, dout {dout.shape}, lse {lse.shape} do not match "
+                         f"qkv {qkv.shape}: expected (B, T, H*D) twice and (B, H, T)")
+    qkv, o, lse, dout = _c(qkv), _c(o), _c(lse), _c(dout)
+    dqkv = np.empty_like(qkv)
+    _C.attention_backward(qkv, o, lse, dout, dqkv, float(scale))
+    return dqkv
 
 
 # --- layernorm -----------------------------------------------------------------------------

@@ -54,6 +54,50 @@ def softmax_causal_backward(y, dy):
     return dx.astype(y.dtype, copy=False)
 
 
+# --- causal attention (the memory-efficient kernel's definition) ----------------------
+def _heads(qkv, scale):
+    q, k, v = (_up(a) for a in qkv.transpose(2, 0, 3, 1, 4))   # (B, H, T, D) each
+    return q * q.dtype.type(scale), k, v
+
+
+def attention_forward(qkv, scale):
+    """qkv (B, T, 3, H, D), packed as nn.attention_core reads it -> (o (B, T, H*D), lse (B, H, T)).
+
+    o = softmax(q*scale k^T, causal) v per head; lse the row log-sum-exp of the scaled scores
+    (what the backward needs besides qkv and o). This twin materialises (B, H, T, T); the
+    native kernel computes the same numbers tile by tile without it."""
+    B, T, _, H, D = qkv.shape
+    xp = xp_of(qkv)
+    qs, k, v = _heads(qkv, scale)
+    att = qs @ k.transpose(0, 1, 3, 2)
+    att = xp.where(xp.triu(xp.ones((T, T), dtype=bool), k=1), -xp.inf, att)
+    m = att.max(axis=-1, keepdims=True)
+    e = xp.exp(att - m)
+    s = e.sum(axis=-1, keepdims=True)
+    o = (e / s) @ v                                            # (B, H, T, D)
+    lse = (m + xp.log(s))[..., 0]
+    return (o.transpose(0, 2, 1, 3).reshape(B, T, H * D).astype(qkv.dtype, copy=False),
+            lse.astype(qkv.dtype, copy=False))
+
+
+def attention_backward(qkv, o, lse, dout, scale):
+    """d(attention_forward) -> dqkv (B, T, 3, H, D), given o, lse from the forward and dout (B, T, H*D)."""
+    B, T, _, H, D = qkv.shape
+    xp = xp_of(qkv)
+    qs, k, v = _heads(qkv, scale)
+    att = qs @ k.transpose(0, 1, 3, 2)
+    causal = xp.tril(xp.ones((T, T), dtype=bool))
+    p = xp.where(causal, xp.exp(att - _up(lse)[..., None]), 0)
+    do = _up(dout).reshape(B, T, H, D).transpose(0, 2, 1, 3)
+    dp = do @ v.transpose(0, 1, 3, 2)
+    datt = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    dq = (datt @ k) * qs.dtype.type(scale)
+    dk = datt.transpose(0, 1, 3, 2) @ qs
+    dv = p.transpose(0, 1, 3, 2) @ do
+    dqkv = xp.stack([dq, dk, dv], axis=2)                      # (B, H, 3, T, D)
+    return dqkv.transpose(0, 3, 2, 1, 4).astype(qkv.dtype, copy=False)
+
+
 # --- layernorm ------------------------------------------------------------------------
 def layernorm_forward(x, w, b, eps=1e-5):
     """x (..., C), w (C,), b (C,) -> (y (..., C), mean (...), rstd (...))."""

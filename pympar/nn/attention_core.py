@@ -7,8 +7,16 @@ this core computes exactly the numbers the single process computes for them.
   forward:  qkv (B, T, 3, nh, hs), packed as c_attn writes it -> ya (B, T, nh*hs), as c_proj reads it
   backward: dya (B, T, nh*hs) -> dqkv (B, T, 3, nh, hs), packed as c_attn's backward reads it
 
-Operands are NumPy or CuPy arrays of one float dtype; float16/bfloat16 run their GEMMs with
-float32 accumulation (nn.parameter.matmul) and the softmax with float32 statistics (the kernel's).
+Two implementations of the same math:
+- tiled (the default for float32/float64 NumPy arrays when the C++ kernels are built):
+  kernels.attention_forward/backward, flash-attention style. The forward keeps the row
+  log-sum-exp beside qkv and the output; the backward recomputes the probabilities tile by tile.
+  No (T, T) array exists, so attention's memory is linear in T; recomputation "selective" has
+  nothing left to drop.
+- materialized (CuPy arrays, float16/bfloat16, no native build, or ``impl = "materialized"``):
+  the (B, nh, T, T) probabilities per batch row, GEMMs through nn.parameter.matmul (float32
+  accumulation for the half types) and the softmax kernels. It is the reference the tiled
+  kernel is tested against (tests/test_attention_kernel.py).
 """
 from __future__ import annotations
 
@@ -20,18 +28,43 @@ from ..kernels.blas import over_chunks
 from .parameter import Module, matmul
 
 
+IMPLS = ("auto", "tiled", "materialized")
+
+
+def tiled_available(dtype, xp=np) -> bool:
+    """True when attention on arrays of this dtype and array module runs the tiled kernel."""
+    return xp is np and kernels.native_available() and np.dtype(dtype) in (np.float32, np.float64)
+
+
 class CausalAttentionCore(Module):
     """softmax(q k^T / sqrt(hs), causal) v per head; no parameters.
 
-    keep_probs=False (selective recomputation): the ctx holds q, k, v only and backward
-    computes the probabilities again, batch row by batch row (bitwise the same numbers)."""
+    impl: "auto" (tiled where tiled_available, else materialized), "tiled" (an error where it is
+    not available) or "materialized". keep_probs=False (selective recomputation, materialized
+    path): the ctx holds q, k, v only and backward computes the probabilities again, batch row
+    by batch row (bitwise the same numbers)."""
 
     keep_probs = True
+    impl = "auto"
+
+    def _tiled(self, qkv) -> bool:
+        if self.impl == "materialized":
+            return False
+        ok = tiled_available(qkv.dtype, xp_of(qkv)) and not kernels._forced_reference()
+        if self.impl == "tiled" and not ok:
+            raise ValueError(f"attention impl='tiled' needs float32/float64 NumPy arrays and the C++ kernels; "
+                             f"got {qkv.dtype} on {kernels.backend(qkv)}: use impl='auto' or 'materialized'")
+        if self.impl not in IMPLS:
+            raise ValueError(f"attention impl={self.impl!r}: expected one of {IMPLS}")
+        return ok
 
     def forward(self, qkv):                      # qkv (B, T, 3, nh, hs) -> ya (B, T, nh*hs), ctx
         B, T, three, nh, hs = qkv.shape
         if three != 3:
             raise ValueError(f"qkv has shape {qkv.shape}: expected (B, T, 3, n_head, head_size)")
+        if self._tiled(qkv):
+            ya, lse = kernels.attention_forward(qkv, 1.0 / np.sqrt(hs))
+            return ya, ("tiled", qkv, ya, lse)
         xp = xp_of(qkv)
         # (B, T, 3, nh, hs) -> (3, B, nh, T, hs): views into qkv, no copies
         q, k, v = qkv.transpose(2, 0, 3, 1, 4)
@@ -50,6 +83,9 @@ class CausalAttentionCore(Module):
         return ya, (qs, k, v, p if self.keep_probs else None)
 
     def backward(self, dya, ctx):                # dya (B, T, nh*hs) -> dqkv (B, T, 3, nh, hs)
+        if isinstance(ctx[0], str):              # ("tiled", qkv, ya, lse)
+            _, qkv, ya, lse = ctx
+            return kernels.attention_backward(qkv, ya, lse, dya, 1.0 / np.sqrt(qkv.shape[-1]))
         qs, k, v, p = ctx
         B, nh, T, hs = qs.shape
         dyh = dya.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs)

@@ -12,7 +12,8 @@ from the configuration alone (the planner's model) -- the same categories both w
     communication  buffers of collectives in flight: ZeRO's packed reduce-scatter sends, the
                    parameters ZeRO-3 has gathered, pipeline receive buffers
     workspace      the largest transient of one operation: the head's backward over the
-                   (tokens, vocab) logits, attention's (B, heads, T, T) scores, a recomputed block
+                   (tokens, vocab) logits, attention's scratch (tiled: O(T * head size) per
+                   kernel thread; materialized: the (B, heads, T, T) scores), a recomputed block
 
 ``peak`` = the sum of the six: the moment backward starts, with everything forward kept, the
 head's backward running, the pieces ZeRO-3 has gathered and the collectives in flight. (A
@@ -29,6 +30,18 @@ import math
 from ..backend import held_bytes
 from ..nn import gpt
 from ..nn.gpt import Head
+
+def tiled_attention(act_bytes: int) -> bool:
+    """Whether attention on activations of this many bytes runs the tiled kernel on this host
+    (nn.attention_core: float32/float64 NumPy with the C++ kernels; CuPy is not modelled)."""
+    from ..nn.attention_core import tiled_available
+    return act_bytes in (4, 8) and tiled_available({4: "float32", 8: "float64"}[act_bytes])
+
+
+def _threads(threads):
+    from .. import kernels
+    return kernels.get_num_threads() if threads is None else int(threads)
+
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "workspace")
 MAX_INFLIGHT_BUCKETS = 2          # ZeRO reduce-scatters in flight at once (parallel.dp bounds it)
@@ -118,10 +131,12 @@ def params_per_rank(cfg, tp: int, ep: int, stage_blocks, first: bool, last: bool
 
 
 def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str, blocks, last: bool,
-                          first: bool, act_bytes: int, stat_bytes: int, ep: int = 1) -> int:
+                          first: bool, act_bytes: int, stat_bytes: int, ep: int = 1, tiled=None) -> int:
     """Bytes one micro-batch's forward keeps for backward on a rank holding ``blocks`` (the ctx the
-    modules of pympar.nn and parallel.tp return, each buffer once)."""
+    modules of pympar.nn and parallel.tp return, each buffer once). ``tiled``: attention runs the
+    tiled kernel (None: as it would on this host, tiled_attention)."""
     C, H = cfg.n_embd, cfg.n_head
+    tiled = tiled_attention(act_bytes) if tiled is None else tiled
     N = B * T
     s = tp if sp else 1                                        # rows of the sequence this rank keeps
     a, st = act_bytes, stat_bytes
@@ -131,9 +146,12 @@ def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str
             total += N * C * a // s                            # the block's input only
             continue
         blk = (4 * N * C // s) * a + 4 * (N // s) * st         # x, h1, x1, h2 (+ LN statistics)
-        blk += (3 + 1 + 1) * N * (C // tp) * a                 # qkv, scaled q, attention output
-        if recompute != "selective":
-            blk += B * (H // tp) * T * T * a                   # the probabilities
+        if tiled:
+            blk += (3 + 1) * N * (C // tp) * a + B * (H // tp) * T * a   # qkv, attention output, lse
+        else:
+            blk += (3 + 1 + 1) * N * (C // tp) * a             # qkv, scaled q, attention output
+            if recompute != "selective":
+                blk += B * (H // tp) * T * T * a               # the probabilities
         if is_moe_layer(cfg, i):
             blk += _moe_ctx(cfg, N, tp, a, st)
         else:
@@ -172,13 +190,20 @@ def unit_sizes(cfg, tp: int, ep: int, blocks, first: bool, last: bool):
     return out
 
 
-def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_bytes) -> int:
-    """The largest transient of one operation (see the module docstring)."""
+def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_bytes, tiled=None,
+                    threads=None) -> int:
+    """The largest transient of one operation (see the module docstring). ``threads``: the kernel
+    threads (None: this process's kernels.get_num_threads())."""
     C, H = cfg.n_embd, cfg.n_head
     N = B * T
-    att = 2 * B * (H // tp) * T * T * act_bytes                 # scores/probabilities and their gradient
-    if recompute == "selective":
-        att *= 2                                               # the recomputed scores too
+    tiled = tiled_attention(act_bytes) if tiled is None else tiled
+    if tiled:       # each thread's backward scratch (csrc/attention.cpp): q scaled, q^T, dout^T, dq
+        hs, tile = C // H, 64
+        att = _threads(threads) * (4 * T * hs + T + 2 * tile * hs + 2 * tile * tile) * act_bytes
+    else:
+        att = 2 * B * (H // tp) * T * T * act_bytes             # scores/probabilities and their gradient
+        if recompute == "selective":
+            att *= 2                                           # the recomputed scores too
     cands = [att if blocks else 0]
     if last:
         vloc = -(-cfg.vocab_size // tp)
@@ -189,13 +214,13 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
         cands.append((2 + (rows < N)) * rows * vloc * max(act_bytes, stat_bytes) + prod * stat_bytes)
     if recompute == "full" and blocks:                         # one block's whole ctx, again
         cands.append(activations_per_micro(cfg, B, T, tp, False, "none", blocks[:1], False, False,
-                                           act_bytes, stat_bytes) + att)
+                                           act_bytes, stat_bytes, tiled=tiled) + att)
     return int(max(cands))
 
 
 def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, micro_batch_size=1,
             n_micro=1, schedule="1f1b", virtual_stages=1, master_bytes=4, act_bytes=None,
-            bucket_mb=25.0):
+            bucket_mb=25.0, tiled=None, threads=None):
     """The ledger of the worst pipeline rank of a layout, and its rank: (ledger with peak, pp rank)."""
     from .pp import schedules as S
     from .pp.partition import partition
@@ -214,7 +239,8 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
         grads = {0: n, 1: n, 2: sh, 3: sh}[zero]                 # ZeRO-1 reduces into the full gradient
         sched = S.build_schedule(schedule, pp, n_micro, virtual_stages, r) if pp > 1 else None
         inflight = S.peak_in_flight(sched) if sched is not None else 1
-        per_micro = activations_per_micro(cfg, B, T, tp, sp, recompute, blocks, last, first, act_bytes, stat, ep)
+        per_micro = activations_per_micro(cfg, B, T, tp, sp, recompute, blocks, last, first, act_bytes, stat, ep,
+                                          tiled=tiled)
         chunks = max(1, len(stages))
         bucket = min(n, int(bucket_mb * 2**20) // master_bytes)
         units = sorted(unit_sizes(cfg, tp, ep, blocks, first, last), reverse=True) + [0, 0]
@@ -250,7 +276,8 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
                    gradients_transient=transient,
                    optimizer=2 * (sh if zero else n) * master_bytes,
                    activations=per_micro * inflight // chunks, communication=comm,
-                   workspace=workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat))
+                   workspace=workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat, tiled,
+                                             threads))
         led = with_peak(led)
         if worst is None or led["peak"] > worst[0]["peak"]:
             worst = (led, r)
