@@ -32,21 +32,26 @@ def kernels(d: dict, png) -> None:
     common.save(fig, png)
 
 
-def train_step(results: list, png) -> None:
+def train_step(d, png) -> None:
+    """pympar's step speed over each PyTorch peer's, one group of bars per shape and thread count."""
     plt = common.pyplot()
-    fig, ax = plt.subplots(figsize=(6, 2.8))
-    labels, vals = [], []
-    for r in results:
-        if "speed_ratio_pympar_over_torch" in r:
-            labels.append(f"{r.get('preset', '?')} {r.get('threads', '?')}T")
-            vals.append(r["speed_ratio_pympar_over_torch"])
-    ax.barh(range(len(vals)), vals, color="tab:blue")
-    ax.set_yticks(range(len(vals)), labels)
-    for i, v in enumerate(vals):
-        ax.text(v, i, f" {v:.2f}x", va="center")
+    table = d.get("table", {}) if isinstance(d, dict) else {}
+    rows = sorted(table.items())
+    peers = [("sdpa", "torch eager + SDPA", "tab:blue"), ("compile", "torch.compile + SDPA", "tab:orange"),
+             ("naive", "torch eager, naive attention", "tab:gray")]
+    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.55 * max(1, len(rows))))
+    h = 0.8 / len(peers)
+    for j, (p, label, c) in enumerate(peers):
+        ys = [i + (j - 1) * h for i, (_, r) in enumerate(rows) if f"{p}_speed_ratio" in r]
+        vs = [r[f"{p}_speed_ratio"] for _, r in rows if f"{p}_speed_ratio" in r]
+        ax.barh(ys, vs, height=h, color=c, label=label)
+        for y, v in zip(ys, vs):
+            ax.text(v, y, f" {v:.2f}x", va="center", fontsize=6)
+    ax.set_yticks(range(len(rows)), [f"{k.rsplit('/', 1)[0]}, {k.rsplit('/', 1)[1]} thr" for k, _ in rows], fontsize=6)
     ax.axvline(1.0, color="k", lw=0.6)
-    ax.set(xlabel="tokens/s pympar / PyTorch eager (same model, weights, threads)",
-           title="training step: pympar vs PyTorch eager, single process")
+    ax.set(xlabel="step speed pympar / PyTorch (same model, weights, threads; > 1: pympar faster)",
+           title="training step (fwd + bwd + AdamW), single process")
+    ax.legend(fontsize=6, loc="lower right")
     fig.suptitle(common.machine(), fontsize=7)
     common.save(fig, png)
 

@@ -69,18 +69,52 @@ def sec_collectives(res, status) -> str:
 
 def sec_train_step(res, status) -> str:
     d = _load(res, "train_step")
-    out = ["## A training step: pympar vs PyTorch eager" + _when("train_step", status), ""]
+    out = ["## A training step: pympar vs PyTorch eager + SDPA and torch.compile" + _when("train_step", status), ""]
     if not d:
         return "\n".join(out) + _missing("train_step", status)
+    table = d.get("table", {})
+    f = lambda r, k, fmt: format(r[k], fmt) if k in r else "-"  # noqa: E731
     out += ["`python bench/train_step.py`: forward, backward and AdamW of the same model with the same weights and "
-            "threads, pympar and PyTorch eager interleaved in one process.", "",
-            "| preset | batch x seq | threads | pympar tokens/s | PyTorch tokens/s | pympar / PyTorch |",
-            "| --- | --- | ---: | ---: | ---: | ---: |",
-            *[f"| {key.split('/')[0]} | {d['batch']} x {d['seq']} | {key.split('/')[1]} | {r['pympar_tokens_per_s']:.0f} | "
-              f"{r.get('torch_tokens_per_s', float('nan')):.0f} | {r.get('speed_ratio_pympar_over_torch', float('nan')):.2f}x |"
-              for key, r in sorted(d.get("table", {f"{d['preset']}/{d['threads']}": d}).items())],
-            "", "Each row: the median of paired repeats (`--repeat`); docs/engine.md has the profile.",
+            "threads in one process, pympar interleaved with each PyTorch peer a user would pick: eager with "
+            "`F.scaled_dot_product_attention`, `torch.compile` of that model, and eager with hand-written "
+            f"attention (torch {d.get('torch_version', '?')}). Speed ratios are pympar's tokens/s over the peer's "
+            "(> 1: pympar faster), the median of the rounds (`--repeat`). MFU/sgemm: model FLOP/s (PaLM's "
+            "6N + 12LCT per token, attention included) over this process's measured float32 GEMM rate on the "
+            "step's largest GEMM at the same threads.", "", _img("train_step", "training step"), "",
+            "| shape | threads | sgemm GFLOP/s | pympar tokens/s | pympar MFU/sgemm | x SDPA | x compile | x naive | "
+            "SDPA MFU/sgemm |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            *[f"| {key.rsplit('/', 1)[0]} | {key.rsplit('/', 1)[1]} | {f(r, 'sgemm_gflops', '.0f')} | "
+              f"{r['pympar_tokens_per_s']:.0f} | {f(r, 'pympar_mfu_vs_sgemm', '.2f')} | {f(r, 'sdpa_speed_ratio', '.2f')} | "
+              f"{f(r, 'compile_speed_ratio', '.2f')} | {f(r, 'naive_speed_ratio', '.2f')} | {f(r, 'sdpa_mfu_vs_sgemm', '.2f')} |"
+              for key, r in sorted(table.items())],
+            "", "docs/engine.md has the profile of pympar's step.",
             "", "The data-parallel form of this comparison (pympar DP against torch DDP) is the next section.", ""]
+    return "\n".join(out)
+
+
+def sec_attention(res, status) -> str:
+    d = _load(res, "attention")
+    out = ["## Causal attention: the tiled kernel vs the materialized path vs PyTorch SDPA" + _when("attention", status), ""]
+    if not d:
+        return "\n".join(out) + _missing("attention", status)
+    out += ["`python bench/attention.py`: forward + backward of the attention core alone (qkv to output to dqkv), batch 1, "
+            "float32, each the best of several calls, interleaved in one process at the same thread count: pympar's tiled "
+            "kernel (the default on NumPy; csrc/attention.cpp), pympar's materialized path (the (T, T) probabilities) and "
+            f"`F.scaled_dot_product_attention(is_causal=True)` (torch {d.get('torch_version', '?')}). GFLOP/s count "
+            "7 T^2 D per head.", "", _img("attention", "attention speed and memory"), "",
+            "| T | heads x size | threads | tiled ms | materialized ms | SDPA ms | tiled GFLOP/s | tiled / SDPA speed |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            *[f"| {r['T']} | {r['heads']} x {r['head_size']} | {r['threads']} | {1e3 * r['tiled_s']:.1f} | "
+              f"{1e3 * r['materialized_s']:.1f} | {1e3 * r['sdpa_s']:.1f} | {r['tiled_gflops']:.0f} | {r['tiled_over_sdpa']:.2f}x |"
+              for r in d["speed"]],
+            "", "Peak resident memory (VmHWM, from outside) of one process training the 2-layer, 128-wide model "
+            "(4 heads, vocabulary 256) for 2 steps at micro-batch 1:", "",
+            "| T | tiled MiB | materialized MiB |", "| ---: | ---: | ---: |",
+            *[f"| {r['T']} | {r['tiled_peak_bytes'] / 2**20:.0f} | {r['materialized_peak_bytes'] / 2**20:.0f} |" for r in d["memory"]]]
+    g = d["tiled_peak_growth"]
+    out += ["", f"Tiled peak at T {g['to_T']} over its peak at T {g['from_T']}: **{g['ratio']:.2f}x** (target at most "
+                f"{g['target']}x: {'met' if g['ratio'] <= g['target'] else 'missed'}).", ""]
     return "\n".join(out)
 
 
@@ -373,6 +407,6 @@ def render(res: Path, status: dict) -> str:
     quick = [n for n, s in status.items() if s.get("quick")]
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
-    secs = [sec_collectives, sec_train_step, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_dp, sec_moe,
+    secs = [sec_collectives, sec_train_step, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_dp, sec_moe,
             sec_compression, sec_plan, sec_memory, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

@@ -28,6 +28,14 @@ PY = sys.executable
 B = common.ROOT / "bench"
 
 
+TRAIN_SHAPES = [
+    ["--preset", "small", "--set", "n_embd=256", "--batch", "8"],
+    ["--preset", "small", "--set", "n_layer=6", "--set", "n_embd=512", "--set", "n_head=8", "--set", "block_size=256",
+     "--batch", "4"],
+    ["--preset", "gpt2-124m", "--batch", "1"],
+]
+
+
 def steps(quick: bool) -> list:
     """(name, argv, figure argv or None) in run order."""
     q = quick
@@ -35,11 +43,13 @@ def steps(quick: bool) -> list:
         ("kernels", [PY, B / "kernels.py", "--sizes", *(["65536"] if q else ["1048576", "16384"]),
                      "--threads", "1", "2", "--min-time", "0.05" if q else "0.2", "--json", R / "kernels.json"],
          ["kernels", R / "kernels.json", IMG / "kernels.png"]),
-        # one command per (preset, threads) row; each merges its row into train_step.json
-        ("train_step", [[PY, B / "train_step.py", "--preset", preset, "--batch", "8", "--threads", str(t),
-                         "--steps", "2" if q else "5", "--repeat", "1" if q else "3", "--profile", "0",
-                         "--json", R / "train_step.json"]
-                        for preset in (["small"] if q else ["small", "moe-small"]) for t in (1, 2)], None),
+        # one command per (shape, threads) row; each merges its row into train_step.json. The
+        # shapes of issue 14: L4 D256 T128 B8, L6 D512 T256 B4, gpt2-124m at T1024 B1
+        ("train_step", [[PY, B / "train_step.py", *shape, "--threads", str(t),
+                         "--steps", "2" if q else "4", "--repeat", "1" if q else "3", "--profile", "0",
+                         *(["--peers", "sdpa,naive"] if q else []), "--json", R / "train_step.json"]
+                        for shape in TRAIN_SHAPES[:1 if q else None] for t in (1, 2)],
+         ["train_step", R / "train_step.json", IMG / "train_step.png"]),
         ("ddp_step", [PY, B / "ddp_step.py", "--presets", "small" if q else "small,moe-small", "--world", "2" if q else "2,4",
                       "--rounds", "1" if q else "3", "--steps", "2" if q else "8", "--warmup", "1" if q else "2",
                       "--json", R / "ddp_step.json", "--png", IMG / "ddp_step.png"], None),
@@ -63,6 +73,8 @@ def steps(quick: bool) -> list:
         ("plan_accuracy", [PY, B / "plan_accuracy.py", "--world", "4" if q else "4,8", "--rounds", "1" if q else "3",
                            "--steps", "2" if q else "4", "--calibrate", "--timeout", "120",
                            "--json", R / "plan_accuracy.json", "--png", IMG / "plan_accuracy.png"], None),
+        ("attention", [PY, B / "attention.py", *(["--quick"] if q else []), "--json", R / "attention.json",
+                       "--png", IMG / "attention.png"], None),
         ("memory", [PY, B / "memory.py", *(["--quick"] if q else []), "--json", R / "memory.json",
                     "--png", IMG / "memory.png"], None),
         ("soak", [PY, B / "soak.py", "--world", "8", "--preset", "tiny" if q else "small", "--steps", "30" if q else "300",

@@ -1,12 +1,17 @@
-"""Tokens/s of one training step (forward, backward, AdamW): pympar vs PyTorch eager, same model,
-same weights, same threads, side by side in one run; then a cProfile of pympar's step.
+"""Tokens/s of one training step (forward, backward, AdamW): pympar vs the PyTorch a user would
+run -- eager with F.scaled_dot_product_attention ("sdpa"), torch.compile of that model
+("compile"), and eager with the hand-written attention ("naive") -- same model, same weights,
+same threads, side by side in one run; beside them model FLOP/s (PaLM's count: 6 N + 12 L C T
+per token, attention included) as a fraction of this process's measured sgemm rate at the same
+threads; then a cProfile of pympar's step.
 
     python bench/train_step.py --preset small --batch 8 --threads 1
-    python bench/train_step.py --preset moe-small --batch 8 --threads 2 --repeat 3 --json out.json
+    python bench/train_step.py --preset small --set n_embd=256 --batch 8 --threads 2 --repeat 3
+    python bench/train_step.py --preset gpt2-124m --batch 1 --threads 2 --peers sdpa
 
---repeat R measures the pair R times (each: pympar, PyTorch, pympar again) and reports the
-medians; --json merges this run into the file's "table" (one row per preset and thread count)
-and puts this run's figures at the top level.
+--repeat R measures the round R times (each: pympar, every peer, pympar again; pympar's best of
+its two) and reports the medians; --json merges this run into the file's "table" (one row per
+shape and thread count) and puts this run's figures at the top level.
 """
 from __future__ import annotations
 
@@ -14,10 +19,16 @@ import argparse
 import os
 import sys
 
+PEERS = ("sdpa", "compile", "naive")
+
 
 def parse():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
+                    help="override a GPTConfig field of the preset (repeatable), e.g. n_embd=256")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help=f"comma-separated PyTorch peers among {','.join(PEERS)} (default: all)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=0, help="sequence length (default: block_size)")
     ap.add_argument("--threads", type=int, default=1)
@@ -68,20 +79,79 @@ def write_json(path, res):
     try:
         with open(path) as f:
             old = json.load(f)
-        if (old.get("batch"), old.get("seq")) == (res["batch"], res["seq"]):
-            table = old.get("table", {})
+        table = old.get("table", {}) if "shape" in old else {}
     except (OSError, ValueError):
         pass
-    keep = ("params", "blas_threads", "kernel_threads", "pympar_step_s", "pympar_tokens_per_s",
-            "torch_step_s", "torch_tokens_per_s", "speed_ratio_pympar_over_torch", "repeats")
-    table[f"{res['preset']}/{res['threads']}"] = {k: res[k] for k in keep if k in res}
+    keep = ("shape", "params", "blas_threads", "kernel_threads", "pympar_step_s", "pympar_tokens_per_s",
+            "sgemm_gflops", "pympar_mfu_vs_sgemm", "repeats") + tuple(
+        f"{p}_{k}" for p in PEERS for k in ("step_s", "tokens_per_s", "mfu_vs_sgemm", "speed_ratio"))
+    table[f"{res['shape']}/{res['threads']}"] = {k: res[k] for k in keep if k in res}
     with open(path, "w") as f:
         json.dump(dict(res, table=dict(sorted(table.items()))), f, indent=1)
 
 
+def shape_name(cfg, B, T):
+    return f"L{cfg.n_layer} D{cfg.n_embd} H{cfg.n_head} V{cfg.vocab_size} T{T} B{B}"
+
+
+def model_flops_per_token(cfg, n_params, T):
+    """PaLM's count (appendix B): 6 N + 12 L C T per token, N all parameters (the tied head once)."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * T
+
+
+def sgemm_gflops(M, K, N, reps=5):
+    """This process's float32 GEMM rate on the step's largest GEMM (tokens x C times C x 4C)."""
+    import time as _t
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    out = np.empty((M, N), np.float32)
+    np.matmul(x, w, out=out)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = _t.perf_counter()
+        np.matmul(x, w, out=out)
+        best = min(best, _t.perf_counter() - t0)
+    return 2 * M * K * N / best / 1e9
+
+
+def torch_peers(a, cfg, model, idx, tg, names):
+    """name -> step function, one PyTorch model per peer with pympar's weights."""
+    import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from torch_ref import TorchGPT, load_numpy_state, use_sdpa
+
+    torch.set_num_threads(a.threads)
+    ti, tt = torch.tensor(idx), torch.tensor(tg)
+    steps = {}
+    for name in names:
+        tm = TorchGPT(cfg).float()
+        load_numpy_state(tm, model.state_dict())
+        use_sdpa(tm, name != "naive")
+        named = list(tm.named_parameters())
+        topt = torch.optim.AdamW(
+            [dict(params=[p for n, p in named if decays(n, p.detach().numpy())], weight_decay=0.1),
+             dict(params=[p for n, p in named if not decays(n, p.detach().numpy())], weight_decay=0.0)],
+            lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+        fwd = torch.compile(tm) if name == "compile" else tm
+
+        def step(fwd=fwd, topt=topt):
+            topt.zero_grad(set_to_none=False)
+            _, loss = fwd(ti, tt)
+            loss.backward()
+            topt.step()
+        steps[name] = step
+    return steps, torch.__version__
+
+
 def main(a):
     kernels.set_num_threads(a.threads)
-    cfg = GPTConfig.from_preset(a.preset)
+    over = {}
+    for kv in a.set:
+        k, _, v = kv.partition("=")
+        over[k.strip()] = int(v)
+    cfg = GPTConfig.from_preset(a.preset, **over)
     T = a.seq or cfg.block_size
     rng = np.random.default_rng(0)
     idx = rng.integers(0, cfg.vocab_size, (a.batch, T))
@@ -94,65 +164,59 @@ def main(a):
         model.loss_and_grad(idx, tg)
         opt.step()
 
-    res = dict(preset=a.preset, config=vars(cfg), batch=a.batch, seq=T, threads=a.threads,
-               native_kernels=kernels.native_available(), blas_threads=blas.blas_threads(),
-               kernel_threads=kernels.get_num_threads(), malloc_retained=alloc.retained(),
-               params=int(sum(p.data.size for p in model.parameters())))
-    torch_step = None
-    if not a.no_torch:
+    n_params = int(sum(p.data.size for p in model.parameters()))
+    tokens = a.batch * T
+    res = dict(preset=a.preset, shape=shape_name(cfg, a.batch, T), config=vars(cfg), batch=a.batch, seq=T,
+               threads=a.threads, native_kernels=kernels.native_available(), blas_threads=blas.blas_threads(),
+               kernel_threads=kernels.get_num_threads(), malloc_retained=alloc.retained(), params=n_params,
+               model_flops_per_step=model_flops_per_token(cfg, n_params, T) * tokens)
+    res["sgemm_gflops"] = sgemm_gflops(tokens, cfg.n_embd, 4 * cfg.n_embd)
+    names = [] if a.no_torch else [p for p in a.peers.split(",") if p]
+    bad = [p for p in names if p not in PEERS]
+    if bad:
+        raise SystemExit(f"--peers: unknown {bad}: expected some of {PEERS}")
+    peers = {}
+    if names:
         try:
-            import torch
-
-            sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-            from torch_ref import TorchGPT, load_numpy_state
-
-            torch.set_num_threads(a.threads)
-            tm = TorchGPT(cfg).float()
-            load_numpy_state(tm, model.state_dict())
-            named = list(tm.named_parameters())
-            topt = torch.optim.AdamW(
-                [dict(params=[p for n, p in named if decays(n, p.detach().numpy())], weight_decay=0.1),
-                 dict(params=[p for n, p in named if not decays(n, p.detach().numpy())], weight_decay=0.0)],
-                lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
-            ti, tt = torch.tensor(idx), torch.tensor(tg)
-
-            def torch_step():
-                topt.zero_grad(set_to_none=False)
-                _, loss = tm(ti, tt)
-                loss.backward()
-                topt.step()
-            res["torch_version"] = torch.__version__
+            peers, res["torch_version"] = torch_peers(a, cfg, model, idx, tg, names)
         except ImportError:
             print("torch not installed: pympar only")
-    # interleave the two so machine noise hits both alike: pympar, torch, pympar (best of the two)
-    tokens = a.batch * T
+    # one round: pympar, each peer, pympar again (its best of two), so machine noise hits all alike
     reps = []
     for r in range(max(1, a.repeat)):
-        t_p = timed(pympar_step, a.steps, a.warmup if r == 0 else 0)
-        rep = dict(pympar_step_s=t_p)
-        if torch_step is not None:
-            rep["torch_step_s"] = timed(torch_step, a.steps, a.warmup if r == 0 else 0)
-            rep["pympar_step_s"] = t_p = min(t_p, timed(pympar_step, a.steps, 0))
-            rep["ratio"] = rep["torch_step_s"] / t_p
+        warm = a.warmup if r == 0 else 0
+        t_p = timed(pympar_step, a.steps, warm)
+        rep = {}
+        for name, step in peers.items():
+            rep[f"{name}_step_s"] = timed(step, a.steps, warm + (2 if name == "compile" and r == 0 else 0))
+        if peers:
+            t_p = min(t_p, timed(pympar_step, a.steps, 0))
+        rep["pympar_step_s"] = t_p
+        for name in peers:
+            rep[f"{name}_ratio"] = rep[f"{name}_step_s"] / t_p
         reps.append(rep)
     res["repeats"] = reps
-    t_p = float(np.median([r["pympar_step_s"] for r in reps]))
+    med = lambda k: float(np.median([r[k] for r in reps]))  # noqa: E731
+    flops = res["model_flops_per_step"]
+    t_p = med("pympar_step_s")
     res["pympar_step_s"], res["pympar_tokens_per_s"] = t_p, tokens / t_p
-    if torch_step is not None:
-        t_t = float(np.median([r["torch_step_s"] for r in reps]))
-        res["torch_step_s"], res["torch_tokens_per_s"] = t_t, tokens / t_t
-        res["speed_ratio_pympar_over_torch"] = float(np.median([r["ratio"] for r in reps]))
+    res["pympar_mfu_vs_sgemm"] = flops / t_p / 1e9 / res["sgemm_gflops"]
+    for name in peers:
+        t = med(f"{name}_step_s")
+        res[f"{name}_step_s"], res[f"{name}_tokens_per_s"] = t, tokens / t
+        res[f"{name}_mfu_vs_sgemm"] = flops / t / 1e9 / res["sgemm_gflops"]
+        res[f"{name}_speed_ratio"] = med(f"{name}_ratio")          # pympar's speed / the peer's
 
-    print(f"\n{a.preset}: {res['params']:,} params, batch {a.batch} x seq {T}, {a.threads} thread(s), "
-          f"native kernels: {res['native_kernels']}")
-    print(f"{'engine':<10}{'step ms':>10}{'tokens/s':>12}")
-    print(f"{'pympar':<10}{1e3 * t_p:>10.1f}{tokens / t_p:>12.0f}"
-          + (f"   (medians of {len(reps)} paired repeats)" if len(reps) > 1 else ""))
-    if "torch_step_s" in res:
-        print(f"{'pytorch':<10}{1e3 * res['torch_step_s']:>10.1f}{res['torch_tokens_per_s']:>12.0f}")
-        each = ", ".join(f"{r['ratio']:.2f}" for r in reps)
-        print(f"ratio pympar/pytorch tokens/s: {res['speed_ratio_pympar_over_torch']:.2f}x"
-              + (f"  (each repeat: {each})" if len(reps) > 1 else ""))
+    print(f"\n{res['shape']} ({a.preset}): {n_params:,} params, {a.threads} thread(s), "
+          f"native kernels: {res['native_kernels']}; sgemm {res['sgemm_gflops']:.0f} GFLOP/s")
+    print(f"{'engine':<22}{'step ms':>10}{'tokens/s':>12}{'MFU/sgemm':>11}{'pympar x':>10}")
+    print(f"{'pympar':<22}{1e3 * t_p:>10.1f}{tokens / t_p:>12.0f}{res['pympar_mfu_vs_sgemm']:>11.2f}")
+    label = dict(sdpa="torch eager + SDPA", compile="torch.compile + SDPA", naive="torch eager, naive attn")
+    for name in peers:
+        print(f"{label[name]:<22}{1e3 * res[name + '_step_s']:>10.1f}{res[name + '_tokens_per_s']:>12.0f}"
+              f"{res[name + '_mfu_vs_sgemm']:>11.2f}{res[name + '_speed_ratio']:>10.2f}")
+    if len(reps) > 1:
+        print(f"(medians of {len(reps)} rounds)")
     print(f"threads: BLAS {res['blas_threads']}, C++ kernels {res['kernel_threads']}; "
           f"freed memory retained: {res['malloc_retained']}")
 

@@ -84,3 +84,44 @@ def test_memory_bench_measures_from_outside_and_renders(tmp_path):
     import report_md
     doc = report_md.render(res, {})
     assert "## Memory per rank" in doc and "| quick | 2 | dp2 pp1 tp1 | 3 | full |" in doc
+
+
+def test_train_step_bench_runs_the_pytorch_peers(tmp_path):
+    """bench/train_step.py: pympar beside PyTorch eager + SDPA and the naive-attention peer (the
+    torch.compile peer is the same code path and too slow to compile here), the MFU column and
+    the table row; the doc renders it."""
+    pytest.importorskip("torch")
+    res = tmp_path / "results"
+    res.mkdir()
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "train_step.py"), "--preset", "tiny", "--set", "n_embd=64",
+                        "--batch", "2", "--steps", "1", "--warmup", "0", "--peers", "sdpa,naive", "--profile", "0",
+                        "--json", res / "train_step.json"], capture_output=True, text=True, env=mpi_env(), cwd=ROOT,
+                       timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads((res / "train_step.json").read_text())
+    assert d["shape"] == "L2 D64 H2 V256 T64 B2" and d["config"]["n_embd"] == 64
+    for peer in ("sdpa", "naive"):
+        assert d[f"{peer}_speed_ratio"] == pytest.approx(d["repeats"][0][f"{peer}_step_s"] / d["repeats"][0]["pympar_step_s"])
+        assert 0 < d[f"{peer}_mfu_vs_sgemm"] and d["pympar_mfu_vs_sgemm"] > 0 and d["sgemm_gflops"] > 0
+    assert "compile_step_s" not in d and list(d["table"]) == ["L2 D64 H2 V256 T64 B2/1"]
+    sys.path.insert(0, str(ROOT / "bench"))
+    import report_md
+    doc = report_md.render(res, {})
+    assert "| L2 D64 H2 V256 T64 B2 | 1 |" in doc and "torch.compile" in doc
+
+
+def test_attention_bench_quick(tmp_path):
+    """bench/attention.py --quick: the three implementations timed, the two memory columns measured."""
+    pytest.importorskip("torch")
+    res = tmp_path / "results"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "attention.py"), "--quick", "--json", res / "attention.json",
+                        "--png", tmp_path / "attention.png"], capture_output=True, text=True, env=mpi_env(), cwd=ROOT,
+                       timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads((res / "attention.json").read_text())
+    assert [r["T"] for r in d["speed"]] == [256] and all(d["speed"][0][f"{k}_s"] > 0 for k in ("tiled", "materialized", "sdpa"))
+    assert [r["T"] for r in d["memory"]] == [128, 256] and d["memory"][0]["tiled_peak_bytes"] > 10 * 2**20
+    assert (tmp_path / "attention.png").stat().st_size > 1000
+    sys.path.insert(0, str(ROOT / "bench"))
+    import report_md
+    assert "## Causal attention" in report_md.render(res, {})

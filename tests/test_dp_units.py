@@ -122,8 +122,13 @@ def test_size_one_equals_plain_adamw(zero):
                 clip_grad_norm(model.parameters(), 0.5)
                 opt.step()
         runs.append({n: p.data.copy() for n, p in model.named_parameters()})
-    # zero>=2 sums each micro-batch's synced rows instead of syncing the accumulated gradient:
-    # another rounding order, seen in the attention key bias (zero true gradient, values ~1e-15)
-    atol = 1e-15 if zero <= 1 else 1e-13
+    # the attention key bias has an exactly zero true gradient (softmax ignores a shift shared by a
+    # query's scores): its values are rounding noise (~1e-15) that any other summation order
+    # (zero>=2 sums each micro-batch's synced rows) changes; that slice is held to the noise level
     for n in runs[0]:
-        np.testing.assert_allclose(runs[1][n], runs[0][n], rtol=1e-12, atol=atol, err_msg=n)
+        got, want = runs[1][n], runs[0][n]
+        if n.endswith("attn.c_attn.bias"):
+            C = want.shape[0] // 3
+            np.testing.assert_allclose(got[C:2 * C], want[C:2 * C], rtol=0, atol=1e-13, err_msg=n)
+            got, want = np.r_[got[:C], got[2 * C:]], np.r_[want[:C], want[2 * C:]]
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15, err_msg=n)

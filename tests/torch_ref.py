@@ -19,17 +19,30 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(c.n_embd, 3 * c.n_embd, bias=c.bias)
         self.c_proj = nn.Linear(c.n_embd, c.n_embd, bias=c.bias)
         self.n_head = c.n_head
+        self.sdpa = False                         # use_sdpa(model): F.scaled_dot_product_attention
 
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         hs = C // self.n_head
         q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2) for t in (q, k, v))
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))
         mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
         return self.c_proj(y)
+
+
+def use_sdpa(model, flag=True):
+    """Attention of every block through F.scaled_dot_product_attention (what a PyTorch user runs)
+    instead of the hand-written softmax(q k^T) v."""
+    for m in model.modules():
+        if isinstance(m, CausalSelfAttention):
+            m.sdpa = flag
+    return model
 
 
 class MLP(nn.Module):

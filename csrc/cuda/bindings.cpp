@@ -14,6 +14,8 @@ PYBIND11_MODULE(_cuda, m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("softmax_causal_forward", &K::softmax_causal_fwd, nogil);
   m.def("softmax_causal_backward", &K::softmax_causal_bwd, nogil);
+  m.def("attention_forward", &K::attention_fwd, nogil);
+  m.def("attention_backward", &K::attention_bwd, nogil);
   m.def("layernorm_forward", &K::layernorm_fwd, nogil);
   m.def("layernorm_backward_scratch", &K::layernorm_bwd_scratch);
   m.def("layernorm_backward", &K::layernorm_bwd, nogil);

@@ -10,6 +10,13 @@ using ptr = uintptr_t;
 
 void softmax_causal_fwd(ptr x, ptr y, int dt, int64_t B, int64_t T, ptr stream);
 void softmax_causal_bwd(ptr y, ptr dy, ptr dx, int dt, int64_t B, int64_t T, ptr stream);
+// causal attention without the (T, T) matrix (attention.cu): qkv (B, T, 3, H, D) -> o (B, T, H*D),
+// lse (B, H, T) float32; backward: dout -> dqkv (every element written), dvec a float32 (B, H, T)
+// scratch; head size D <= 128
+void attention_fwd(ptr qkv, ptr o, ptr lse, int dt, int64_t B, int64_t T, int64_t H, int64_t D, double scale,
+                   ptr stream);
+void attention_bwd(ptr qkv, ptr o, ptr lse, ptr dout, ptr dqkv, ptr dvec, int dt, int64_t B, int64_t T, int64_t H,
+                   int64_t D, double scale, ptr stream);
 // w, b of dtype dt; mean, rstd (N,) float32
 void layernorm_fwd(ptr x, ptr w, ptr b, ptr y, ptr mean, ptr rstd, int dt, int64_t N, int64_t C, double eps,
                    ptr stream);

@@ -129,6 +129,31 @@ def gelu_backward(x, dy):
     return dx
 
 
+# --- causal attention without the (T, T) matrix ----------------------------------------------
+def attention_forward(qkv, scale):
+    if not _float(qkv) or qkv.ndim != 5 or qkv.shape[2] != 3 or qkv.shape[-1] > 128:
+        return reference.attention_forward(qkv, scale)
+    B, T, _, H, D = qkv.shape
+    qkv = _c(qkv)
+    o = cp.empty((B, T, H * D), dtype=qkv.dtype)
+    lse = cp.empty((B, H, T), dtype=cp.float32)
+    _cuda.attention_forward(_p(qkv), _p(o), _p(lse), _code(qkv.dtype), B, T, H, D, float(scale), _stream())
+    return o, lse
+
+
+def attention_backward(qkv, o, lse, dout, scale):
+    if not _float(qkv, o, dout) or qkv.ndim != 5 or qkv.shape[2] != 3 or qkv.shape[-1] > 128 \
+            or lse.dtype != cp.float32 or not _on_device(lse):
+        return reference.attention_backward(qkv, o, lse, dout, scale)
+    B, T, _, H, D = qkv.shape
+    qkv, o, lse, dout = _c(qkv), _c(o), _c(lse), _c(dout)
+    dqkv = cp.empty_like(qkv)
+    dvec = cp.empty((B, H, T), dtype=cp.float32)
+    _cuda.attention_backward(_p(qkv), _p(o), _p(lse), _p(dout), _p(dqkv), _p(dvec), _code(qkv.dtype), B, T, H, D,
+                             float(scale), _stream())
+    return dqkv
+
+
 # --- fused softmax + cross-entropy ---------------------------------------------------------
 def cross_entropy_forward(logits, targets):
     if not _float(logits) or logits.ndim != 2:

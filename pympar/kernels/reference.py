@@ -61,7 +61,8 @@ def _heads(qkv, scale):
 
 
 def attention_forward(qkv, scale):
-    """qkv (B, T, 3, H, D), packed as nn.attention_core reads it -> (o (B, T, H*D), lse (B, H, T)).
+    """qkv (B, T, 3, H, D), packed as nn.attention_core reads it -> (o (B, T, H*D), lse (B, H, T),
+    float32, float64 for float64 input).
 
     o = softmax(q*scale k^T, causal) v per head; lse the row log-sum-exp of the scaled scores
     (what the backward needs besides qkv and o). This twin materialises (B, H, T, T); the
@@ -76,8 +77,7 @@ def attention_forward(qkv, scale):
     s = e.sum(axis=-1, keepdims=True)
     o = (e / s) @ v                                            # (B, H, T, D)
     lse = (m + xp.log(s))[..., 0]
-    return (o.transpose(0, 2, 1, 3).reshape(B, T, H * D).astype(qkv.dtype, copy=False),
-            lse.astype(qkv.dtype, copy=False))
+    return o.transpose(0, 2, 1, 3).reshape(B, T, H * D).astype(qkv.dtype, copy=False), lse   # lse: statistics dtype
 
 
 def attention_backward(qkv, o, lse, dout, scale):

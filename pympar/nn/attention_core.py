@@ -13,6 +13,8 @@ Two implementations of the same math:
   log-sum-exp beside qkv and the output; the backward recomputes the probabilities tile by tile.
   No (T, T) array exists, so attention's memory is linear in T; recomputation "selective" has
   nothing left to drop.
+- on CuPy, ``impl = "tiled"`` runs the CUDA twin (csrc/cuda/attention.cu, head size <= 128);
+  "auto" keeps the materialized path there until the twin has been run on a GPU.
 - materialized (CuPy arrays, float16/bfloat16, no native build, or ``impl = "materialized"``):
   the (B, nh, T, T) probabilities per batch row, GEMMs through nn.parameter.matmul (float32
   accumulation for the half types) and the softmax kernels. It is the reference the tiled
@@ -50,12 +52,18 @@ class CausalAttentionCore(Module):
     def _tiled(self, qkv) -> bool:
         if self.impl == "materialized":
             return False
-        ok = tiled_available(qkv.dtype, xp_of(qkv)) and not kernels._forced_reference()
-        if self.impl == "tiled" and not ok:
-            raise ValueError(f"attention impl='tiled' needs float32/float64 NumPy arrays and the C++ kernels; "
-                             f"got {qkv.dtype} on {kernels.backend(qkv)}: use impl='auto' or 'materialized'")
         if self.impl not in IMPLS:
             raise ValueError(f"attention impl={self.impl!r}: expected one of {IMPLS}")
+        xp = xp_of(qkv)
+        if xp is not np:                         # CuPy: the CUDA twin on request only
+            ok = (self.impl == "tiled" and kernels.cuda_available() and qkv.shape[-1] <= 128
+                  and np.dtype(qkv.dtype) != np.float64)
+        else:
+            ok = tiled_available(qkv.dtype, xp) and not kernels._forced_reference()
+        if self.impl == "tiled" and not ok:
+            raise ValueError(f"attention impl='tiled' needs float32/float64 NumPy arrays and the C++ kernels (or, on "
+                             f"CuPy, the CUDA kernels and a head size <= 128); got {qkv.dtype} {qkv.shape} on "
+                             f"{kernels.backend(qkv)}: use impl='auto' or 'materialized'")
         return ok
 
     def forward(self, qkv):                      # qkv (B, T, 3, nh, hs) -> ya (B, T, nh*hs), ctx
