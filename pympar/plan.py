@@ -307,10 +307,11 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     elems = activations_per_micro(cfg, lay, range(cfg.n_layer), True) / lay.pp   # non-matmul work, mean stage
     comp = slow * (flops_micro / (m.peak * m.mfu) + m.elem_time * elems + m.overhead * (cfg.n_layer + 2) / lay.pp)
     # recomputation runs forward work again in backward: full, the whole forward (a third of the
-    # step's matmul work); selective, the attention scores and probabilities only
+    # step's matmul work); selective, the attention scores and probabilities only (the
+    # materialized attention path; the tiled kernel recomputes them in any mode)
     if lay.recompute == "full":
         comp *= 4.0 / 3.0
-    elif lay.recompute == "selective":
+    elif lay.recompute == "selective" and not ledger.tiled_attention(m.act_bytes):   # tiled: nothing is kept to drop
         att = 12.0 * cfg.n_layer * T * C / flops_per_token(cfg)         # share of the scores' FLOPs
         comp *= 1.0 + att / 3.0
     blocks_per_rank = cfg.n_layer / lay.pp

@@ -39,7 +39,8 @@ class Block(Module):
 
     # activation recomputation: "none" keeps every activation backward needs; "full" keeps only
     # the block's input and runs the forward again in backward; "selective" drops the attention
-    # probabilities (B, nh, T, T) only (set_recompute sets it on the attention core)
+    # probabilities (B, nh, T, T) only (set_recompute sets it on the attention core; the tiled
+    # attention kernel keeps none in any mode)
     recompute = "none"
 
     def forward(self, x):                        # x (B, T, C) -> y (B, T, C)
