@@ -11,8 +11,9 @@
 // v and the softmax's per-query statistics are vectors along r; query t0 + r sees key s0 + c when
 // s0 + c <= t0 + r (only the diagonal tile, s0 == t0, is cut).
 //
-// Threads: the forward splits over (batch, head, query tile), the backward over (batch, head)
-// (each head's key tiles accumulate dq in a fixed order). Scratch per thread is O(T * D).
+// Threads: the forward splits over (batch, head, query tile); the backward over (batch, head), or,
+// with fewer heads than threads, over (batch, head, key tile) then (batch, head, query tile).
+// Scratch is O(T * D) per head being worked on.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -190,74 +191,138 @@ void attention_fwd(const T* qkv, T* o, T* lse, int64_t B, int64_t T_, int64_t H,
   });
 }
 
+// One head's backward inputs, rearranged once: Qs (T, D) the scaled queries, QsT and dOT (D, T)
+// transposed copies (the B operands of the St and dPt GEMMs), Dv (T) = rowsum(dO * O), the
+// softmax backward's row term (= sum_c P dP).
+template <typename T>
+struct BwdHead {
+  Head<T> hd;
+  const T *doh, *lh;
+  T *dq, *dk, *dv;
+  int64_t so;
+  std::vector<T> Qs, QsT, dOT, Dv;
+  BwdHead(const T* qkv, const T* o, const T* lse, const T* dout, T* dqkv, int64_t bh, int64_t T_, int64_t H,
+          int64_t D, T sc)
+      : hd(qkv, bh / H, bh % H, T_, H, D), so(H * D), Qs(T_ * D), QsT(D * T_), dOT(D * T_), Dv(T_) {
+    const int64_t b = bh / H, h = bh % H;
+    doh = dout + b * T_ * so + h * D;  // row stride so
+    lh = lse + bh * T_;
+    dq = dqkv + b * T_ * 3 * H * D + h * D;  // row stride 3 H D, like qkv
+    dk = dq + H * D;
+    dv = dq + 2 * H * D;
+    const T* oh = o + b * T_ * so + h * D;
+    for (int64_t t = 0; t < T_; ++t) {
+      const T *qr = hd.q + t * hd.sq, *dr = doh + t * so, *orow = oh + t * so;
+      T s = 0;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < D; ++d) s += dr[d] * orow[d];
+      Dv[t] = s;
+      for (int64_t d = 0; d < D; ++d) {
+        const T x = qr[d] * sc;
+        Qs[t * D + d] = x;
+        QsT[d * T_ + t] = x;
+        dOT[d * T_ + t] = dr[d];
+      }
+    }
+  }
+
+  // query tile i x key tile j: Pt = P^T (bc, br) and dSt = dS^T, dS = P * (dP - Dv)
+  void tile(int64_t i, int64_t j, int64_t T_, int64_t D, T* Pt, T* dSt) const {
+    const int64_t t0 = i * kTile, br = std::min(kTile, T_ - t0), s0 = j * kTile, bc = std::min(kTile, T_ - s0);
+    gemm(hd.k + s0 * hd.sq, hd.sq, int64_t(1), QsT.data() + t0, T_, Pt, kTile, bc, br, D, false);  // St = K Qs^T
+    gemm(hd.v + s0 * hd.sq, hd.sq, int64_t(1), dOT.data() + t0, T_, dSt, kTile, bc, br, D, false);  // dPt = V dO^T
+    const T* lr = lh + t0;
+    const T* dvr = Dv.data() + t0;
+    for (int64_t c = 0; c < bc; ++c) {
+      T *pr = Pt + c * kTile, *dr = dSt + c * kTile;
+      const int64_t r0 = i > j ? 0 : c;  // the diagonal tile: query r sees key c when c <= r
+#pragma omp simd
+      for (int64_t r = r0; r < br; ++r) {
+        const T p = exp_approx(pr[r] - lr[r]);
+        pr[r] = p;
+        dr[r] = p * (dr[r] - dvr[r]);
+      }
+      for (int64_t r = 0; r < r0; ++r) pr[r] = dr[r] = 0;
+    }
+  }
+
+  // dk, dv of key tile j: sums over query tiles i = j, j+1, ... in that order
+  void key_tile(int64_t j, int64_t nt, int64_t T_, int64_t D, T* Pt, T* dSt, T* dK, T* dV, T* dQs) const {
+    const int64_t s0 = j * kTile, bc = std::min(kTile, T_ - s0);
+    std::fill(dK, dK + kTile * D, T(0));
+    std::fill(dV, dV + kTile * D, T(0));
+    for (int64_t i = j; i < nt; ++i) {
+      const int64_t t0 = i * kTile, br = std::min(kTile, T_ - t0);
+      tile(i, j, T_, D, Pt, dSt);
+      gemm(Pt, kTile, int64_t(1), doh + t0 * so, so, dV, D, bc, D, br, true);          // dV += P^T dO
+      gemm(dSt, kTile, int64_t(1), Qs.data() + t0 * D, D, dK, D, bc, D, br, true);     // dK += dS^T Qs
+      if (dQs != nullptr)                                                              // dQs += dS K
+        gemm(dSt, int64_t(1), kTile, hd.k + s0 * hd.sq, hd.sq, dQs + t0 * D, D, br, D, bc, true);
+    }
+    for (int64_t c = 0; c < bc; ++c) {
+      std::copy(dK + c * D, dK + (c + 1) * D, dk + (s0 + c) * hd.sq);
+      std::copy(dV + c * D, dV + (c + 1) * D, dv + (s0 + c) * hd.sq);
+    }
+  }
+
+  // dq of query tile i: sums over key tiles j = 0, 1, ..., i in that order (the order key_tile's
+  // dQs accumulation has), then scaled
+  void query_tile(int64_t i, int64_t T_, int64_t D, T sc, T* Pt, T* dSt, T* dQ) const {
+    const int64_t t0 = i * kTile, br = std::min(kTile, T_ - t0);
+    std::fill(dQ, dQ + kTile * D, T(0));
+    for (int64_t j = 0; j <= i; ++j) {
+      const int64_t s0 = j * kTile, bc = std::min(kTile, T_ - s0);
+      tile(i, j, T_, D, Pt, dSt);
+      gemm(dSt, int64_t(1), kTile, hd.k + s0 * hd.sq, hd.sq, dQ, D, br, D, bc, true);
+    }
+    write_dq(dQ, t0, br, D, sc);
+  }
+
+  void write_dq(const T* dQs, int64_t t0, int64_t rows, int64_t D, T sc) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      T* dr = dq + (t0 + r) * hd.sq;
+      const T* src = dQs + r * D;
+      for (int64_t d = 0; d < D; ++d) dr[d] = src[d] * sc;
+    }
+  }
+};
+
+// Two ways to split the work, the same numbers either way (every sum keeps its order):
+// - at least as many heads as threads: a thread per head, key tiles outer, dq accumulated as it
+//   goes (5 tile GEMMs per tile pair);
+// - fewer heads than threads: key tiles (dk, dv) and then query tiles (dq) as separate tasks,
+//   which recomputes P and dS once more (8 tile GEMMs per pair) but keeps every thread busy.
 template <typename T>
 void attention_bwd(const T* qkv, const T* o, const T* lse, const T* dout, T* dqkv, int64_t B, int64_t T_, int64_t H,
                    int64_t D, double scale) {
-  const int64_t nt = (T_ + kTile - 1) / kTile, so = H * D;
+  const int64_t nt = (T_ + kTile - 1) / kTile, BH = B * H;
   const T sc = static_cast<T>(scale);
-  parallel_for(B * H, 1, 1, [&](int64_t h0, int64_t h1) {
-    std::vector<T> Qs(T_ * D), QsT(D * T_), dOT(D * T_), dQs(T_ * D), Dv(T_), dK(kTile * D), dV(kTile * D),
-        Pt(kTile * kTile), dSt(kTile * kTile);
-    for (int64_t bh = h0; bh < h1; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      Head<T> hd(qkv, b, h, T_, H, D);
-      const T* doh = dout + b * T_ * so + h * D;  // row stride so
-      const T* oh = o + b * T_ * so + h * D;
-      const T* lh = lse + (b * H + h) * T_;
-      T* dq = dqkv + b * T_ * 3 * H * D + h * D;  // row stride 3 H D, like qkv
-      T* dk = dq + H * D;
-      T* dv = dq + 2 * H * D;
-      for (int64_t t = 0; t < T_; ++t) {
-        const T *qr = hd.q + t * hd.sq, *dr = doh + t * so, *orow = oh + t * so;
-        T s = 0;
-#pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < D; ++d) s += dr[d] * orow[d];
-        Dv[t] = s;  // rowsum(dO * O) = sum_c P dP: the softmax backward's row term
-        for (int64_t d = 0; d < D; ++d) {
-          const T x = qr[d] * sc;
-          Qs[t * D + d] = x;
-          QsT[d * T_ + t] = x;
-          dOT[d * T_ + t] = dr[d];
-        }
+  if (BH >= get_num_threads() || nt == 1) {
+    parallel_for(BH, 1, 1, [&](int64_t h0, int64_t h1) {
+      std::vector<T> dQs(T_ * D), dK(kTile * D), dV(kTile * D), Pt(kTile * kTile), dSt(kTile * kTile);
+      for (int64_t bh = h0; bh < h1; ++bh) {
+        BwdHead<T> w(qkv, o, lse, dout, dqkv, bh, T_, H, D, sc);
+        std::fill(dQs.begin(), dQs.end(), T(0));
+        for (int64_t j = 0; j < nt; ++j) w.key_tile(j, nt, T_, D, Pt.data(), dSt.data(), dK.data(), dV.data(), dQs.data());
+        w.write_dq(dQs.data(), 0, T_, D, sc);
       }
-      std::fill(dQs.begin(), dQs.end(), T(0));
-      for (int64_t j = 0; j < nt; ++j) {
-        const int64_t s0 = j * kTile, bc = std::min(kTile, T_ - s0);
-        const T *kj = hd.k + s0 * hd.sq, *vj = hd.v + s0 * hd.sq;
-        std::fill(dK.begin(), dK.end(), T(0));
-        std::fill(dV.begin(), dV.end(), T(0));
-        for (int64_t i = j; i < nt; ++i) {
-          const int64_t t0 = i * kTile, br = std::min(kTile, T_ - t0);
-          gemm(kj, hd.sq, int64_t(1), QsT.data() + t0, T_, Pt.data(), kTile, bc, br, D, false);  // St = K Qs^T
-          gemm(vj, hd.sq, int64_t(1), dOT.data() + t0, T_, dSt.data(), kTile, bc, br, D, false);  // dPt = V dO^T
-          for (int64_t c = 0; c < bc; ++c) {
-            T *pr = Pt.data() + c * kTile, *dr = dSt.data() + c * kTile;
-            const int64_t r0 = i > j ? 0 : c;
-            const T* lr = lh + t0;
-            const T* dvr = Dv.data() + t0;
-#pragma omp simd
-            for (int64_t r = r0; r < br; ++r) {
-              const T p = exp_approx(pr[r] - lr[r]);
-              pr[r] = p;
-              dr[r] = p * (dr[r] - dvr[r]);
-            }
-            for (int64_t r = 0; r < r0; ++r) pr[r] = dr[r] = 0;
-          }
-          gemm(Pt.data(), kTile, int64_t(1), doh + t0 * so, so, dV.data(), D, bc, D, br, true);      // dV += P^T dO
-          gemm(dSt.data(), kTile, int64_t(1), Qs.data() + t0 * D, D, dK.data(), D, bc, D, br, true);  // dK += dS^T Qs
-          gemm(dSt.data(), int64_t(1), kTile, kj, hd.sq, dQs.data() + t0 * D, D, br, D, bc, true);   // dQs += dS K
-        }
-        for (int64_t c = 0; c < bc; ++c) {
-          std::copy(dK.data() + c * D, dK.data() + (c + 1) * D, dk + (s0 + c) * hd.sq);
-          std::copy(dV.data() + c * D, dV.data() + (c + 1) * D, dv + (s0 + c) * hd.sq);
-        }
-      }
-      for (int64_t t = 0; t < T_; ++t) {
-        T* dr = dq + t * hd.sq;
-        const T* src = dQs.data() + t * D;
-        for (int64_t d = 0; d < D; ++d) dr[d] = src[d] * sc;
-      }
-    }
+    });
+    return;
+  }
+  std::vector<BwdHead<T>> heads;
+  heads.reserve(BH);
+  for (int64_t bh = 0; bh < BH; ++bh) heads.emplace_back(qkv, o, lse, dout, dqkv, bh, T_, H, D, sc);
+  // tasks ordered so that contiguous chunks carry about equal work (tile z and nt-1-z side by side)
+  auto pick = [nt](int64_t z) { return (z % 2 == 0) ? z / 2 : nt - 1 - z / 2; };
+  parallel_for(BH * nt, 1, 1, [&](int64_t t0_, int64_t t1_) {
+    std::vector<T> dK(kTile * D), dV(kTile * D), Pt(kTile * kTile), dSt(kTile * kTile);
+    for (int64_t task = t0_; task < t1_; ++task)
+      heads[task / nt].key_tile(pick(task % nt), nt, T_, D, Pt.data(), dSt.data(), dK.data(), dV.data(), nullptr);
+  });
+  parallel_for(BH * nt, 1, 1, [&](int64_t t0_, int64_t t1_) {
+    std::vector<T> dQ(kTile * D), Pt(kTile * kTile), dSt(kTile * kTile);
+    for (int64_t task = t0_; task < t1_; ++task)
+      heads[task / nt].query_tile(pick(task % nt), T_, D, sc, Pt.data(), dSt.data(), dQ.data());
   });
 }
 

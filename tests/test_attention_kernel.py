@@ -5,7 +5,8 @@
   many heads, batch 1 and 7;
 - the attention core's tiled path against its materialized path (the reference the model used
   before), forward and backward, inside the full model too (loss and every gradient);
-- one thread and two give bit-identical results (the determinism rule);
+- 1, 2 and 3 threads give bit-identical results (the determinism rule), the backward's
+  per-head split and its key-tile/query-tile split alike;
 - memory linear in T: a process running forward+backward at T=4096 grows its peak resident
   memory by far less than one (T, T) float32 matrix (64 MiB).
 """
@@ -122,10 +123,14 @@ def test_impl_tiled_where_unavailable_is_a_clear_error():
         core.forward(np.zeros((1, 4, 3, 1, 2)))
 
 
-def test_one_and_two_threads_bit_identical(threads):
+@pytest.mark.parametrize("shape", [(3, 150, 2, 24), (1, 200, 1, 16), (1, 150, 2, 24)], ids=str)
+def test_thread_counts_bit_identical(threads, shape):
+    """1, 2 and 3 threads: the same bits. With fewer heads than threads the backward splits over
+    key tiles and query tiles instead of heads (B*H = 1 and 2 here); the sums keep their order."""
+    B, T, H, D = shape
     rng = np.random.default_rng(2)
-    qkv = rng.standard_normal((3, 150, 3, 2, 24)).astype(np.float32)
-    dout = rng.standard_normal((3, 150, 48)).astype(np.float32)
+    qkv = rng.standard_normal((B, T, 3, H, D)).astype(np.float32)
+    dout = rng.standard_normal((B, T, H * D)).astype(np.float32)
     res = []
     for n in (1, 2, 3):
         K.set_num_threads(n)
@@ -134,6 +139,8 @@ def test_one_and_two_threads_bit_identical(threads):
     for other in res[1:]:
         for a, b in zip(res[0], other):
             np.testing.assert_array_equal(a, b)
+    ref = R.attention_backward(qkv, *R.attention_forward(qkv, 0.2), dout, 0.2)
+    assert _rel(res[2][2], ref) < 1e-5
 
 
 PEAK = textwrap.dedent("""
