@@ -60,6 +60,7 @@ class RunConfig:
     device: str = "cpu"
     dtype: str = "float32"
     threads: int = 0
+    bind: str = "none"
     # optimisation
     steps: int = 200
     lr: float = 1e-3
@@ -116,6 +117,8 @@ _HELP = {
     "device": "cpu or cuda", "dtype": "compute dtype (master weights stay float32)",
     "threads": "kernel/BLAS threads per rank (0 = $PYMPAR_NUM_THREADS or $OMP_NUM_THREADS if set, else the "
                "cores this node's ranks may run on divided by the ranks on the node)",
+    "bind": "'cores': pin each rank's threads to its own disjoint cores of the node's affinity mask (when the "
+            "node's ranks share one mask and ranks x threads fit in it); 'none': leave placement to the OS",
     "steps": "optimizer steps", "lr": "peak learning rate", "min_lr": "final learning rate of the cosine",
     "warmup": "linear warm-up steps", "weight_decay": "AdamW weight decay", "grad_clip": "global grad-norm clip (0 = off)",
     "seed": "seed of the parameters and of the batch stream",
@@ -134,7 +137,7 @@ _CHOICES = {
     "preset": sorted(PRESETS), "schedule": ["gpipe", "1f1b", "interleaved"],
     "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"],
     "dtype": ["float32", "bfloat16", "float16"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
-    "progress": ["auto", "bar", "log"], "recompute": ["none", "selective", "full"],
+    "progress": ["auto", "bar", "log"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
 }
 _RUN_FIELDS = [f for f in fields(RunConfig) if f.name not in ("layout_resolved", "layout_auto", "model_overrides",
                                                               "threads_from")]

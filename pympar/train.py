@@ -223,19 +223,36 @@ def _threads(mpi, run):
     node = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=mpi.Get_rank())
     try:
         mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        cores = len(set().union(*node.allgather(mine)))
-        ranks = node.Get_size()
+        masks = node.allgather(mine)
+        union = sorted(set().union(*masks))
+        cores, ranks = len(union), node.Get_size()
+        if run.threads:
+            n, why = run.threads, f"{run.threads_from}; {cores} cores / {ranks} ranks on this node"
+        else:
+            n = max(1, cores // ranks)
+            why = f"{cores} cores / {ranks} ranks on this node"
+        if n * ranks > cores:
+            backend.set_spin_us(0)
+            why += ", oversubscribed: no spinning"
+        if run.bind == "cores":
+            why += "; " + _bind(node, masks, union, n)
     finally:
         node.Free()
-    if run.threads:
-        n, why = run.threads, f"{run.threads_from}; {cores} cores / {ranks} ranks on this node"
-    else:
-        n = max(1, cores // ranks)
-        why = f"{cores} cores / {ranks} ranks on this node"
-    if n * ranks > cores:
-        backend.set_spin_us(0)
-        why += ", oversubscribed: no spinning"
     return n, why
+
+
+def _bind(node, masks, union, n) -> str:
+    """--bind cores: node rank r takes cores union[r*n:(r+1)*n] (before the kernel threads exist,
+    so they inherit it). Collective over the node. -> what was done, for the start-up line."""
+    ranks = node.Get_size()
+    if any(m != masks[0] for m in masks):
+        return "not bound: the node's ranks have different affinity masks (the launcher placed them)"
+    if n * ranks > len(union):
+        return f"not bound: {ranks} ranks x {n} threads exceed the {len(union)} cores of the mask"
+    r = node.Get_rank()
+    os.sched_setaffinity(0, union[r * n:(r + 1) * n])
+    got = node.allgather(sorted(os.sched_getaffinity(0)))
+    return "bound, node rank:cores " + " ".join(f"{i}:{','.join(map(str, c))}" for i, c in enumerate(got))
 
 
 def _check_gpu(run):

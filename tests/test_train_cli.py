@@ -215,6 +215,27 @@ def test_default_threads_are_the_nodes_cores_over_its_ranks(tmp_path):
     assert _threads_line(res)[0] == 3 and "OMP_NUM_THREADS" in _threads_line(res)[1]
 
 
+def test_bind_cores_pins_each_rank_to_its_own_cores():
+    """--bind cores: each rank's affinity mask becomes its own disjoint slice of the node's cores
+    (the masks are read back after binding); where ranks x threads exceed the cores, it says why
+    it did not bind."""
+    import os
+    import re
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    res = run_mpi(2, ["-m", "pympar.train", *TINY, "--steps", "1", "--bind", "cores"], timeout=120, env=NO_THREAD_VARS)
+    n, why = _threads_line(res)
+    got = re.search(r"bound, node rank:cores (.*)$", why).group(1).split()
+    per = [set(map(int, g.split(":")[1].split(","))) for g in got]
+    assert len(per) == 2 and all(len(c) == n for c in per) and not per[0] & per[1], why
+    assert per[0] | per[1] <= set(cores)
+    res = run_mpi(2, ["-m", "pympar.train", *TINY, "--steps", "1", "--bind", "cores", "--threads", str(len(cores))],
+                  timeout=120, env=NO_THREAD_VARS)
+    assert "not bound: 2 ranks x" in _threads_line(res)[1]
+
+
 # ----------------------------------------------------------------------------- parsing in-process
 
 def test_precedence_default_preset_file_flag(tmp_path):
