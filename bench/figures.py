@@ -39,7 +39,7 @@ def train_step(d, png) -> None:
     rows = sorted(table.items())
     peers = [("sdpa", "torch eager + SDPA", "tab:blue"), ("compile", "torch.compile + SDPA", "tab:orange"),
              ("naive", "torch eager, naive attention", "tab:gray")]
-    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.55 * max(1, len(rows))))
+    fig, ax = plt.subplots(figsize=(9, 0.8 + 0.55 * max(1, len(rows))))
     h = 0.8 / len(peers)
     for j, (p, label, c) in enumerate(peers):
         ys = [i + (j - 1) * h for i, (_, r) in enumerate(rows) if f"{p}_speed_ratio" in r]
@@ -51,8 +51,9 @@ def train_step(d, png) -> None:
     ax.axvline(1.0, color="k", lw=0.6)
     ax.set(xlabel="step speed pympar / PyTorch (same model, weights, threads; > 1: pympar faster)",
            title="training step (fwd + bwd + AdamW), single process")
-    ax.legend(fontsize=6, loc="lower right")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(common.machine(), fontsize=7)
+    fig.tight_layout()
     common.save(fig, png)
 
 
