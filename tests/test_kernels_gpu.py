@@ -70,6 +70,24 @@ def test_softmax_causal(dt):
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("shape", [(1, 1, 1, 4), (2, 70, 3, 32), (7, 33, 2, 64), (1, 130, 1, 128)], ids=str)
+def test_attention_tiled_twin(dt, shape):
+    """The CUDA twin of the tiled attention kernel against the reference: o, lse (float32), dqkv."""
+    B, T, H, D = shape
+    rng = np.random.default_rng(T)
+    h, d = data(rng, (B, T, 3, H, D), dt)
+    gh, gd = data(rng, (B, T, H * D), dt)
+    sc = 1 / np.sqrt(D)
+    o, lse = G.attention_forward(d, sc)
+    o_ref, lse_ref = R.attention_forward(h.astype(np.float32), sc)
+    assert lse.dtype == cp.float32
+    close(o, o_ref, dt)
+    np.testing.assert_allclose(host(lse), lse_ref, rtol=1e-4, atol=1e-4)
+    close(G.attention_backward(d, o, lse, gd, sc),
+          R.attention_backward(h.astype(np.float32), o_ref, lse_ref, gh.astype(np.float32), sc), dt)
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("shape", [(1, 1), (67, 97), (130, 768)])
 def test_layernorm(dt, shape):
     rng = np.random.default_rng(1)
