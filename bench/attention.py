@@ -118,6 +118,10 @@ def peak_rss(T, impl):
 
 
 def run(a):
+    from pympar import kernels
+    if not kernels.native_available():
+        raise SystemExit("bench/attention.py: the tiled attention kernel needs pympar._C built in this checkout "
+                         f"({ROOT}): run `bash tools/build_native.sh` (or pip install -e .) first")
     quick = a.quick
     shapes = [(256, 4, 32)] if quick else [(1024, 4, 32), (4096, 4, 32), (1024, 12, 64)]
     threads = [1] if quick else [1, 2]
