@@ -20,6 +20,17 @@ __device__ __forceinline__ const T* row(const T* qkv, int64_t b, int64_t t, int 
   return qkv + ((b * T_ + t) * 3 + p) * H * D + h * D;
 }
 
+// the block's threads load keys and values s0 .. s0 + kStage - 1 (zeros past T) into shared memory
+template <typename T, int MAXD>
+__device__ __forceinline__ void stage_kv(const T* qkv, int64_t b, int64_t h, int64_t s0, int64_t T_, int64_t H,
+                                         int64_t D, float (*ks)[MAXD], float (*vs)[MAXD]) {
+  for (int64_t i = threadIdx.x; i < kStage * D; i += blockDim.x) {
+    int64_t c = i / D, d = i % D, s = s0 + c;
+    ks[c][d] = s < T_ ? to_f(row(qkv, b, s, 1, h, T_, H, D)[d]) : 0.f;
+    vs[c][d] = s < T_ ? to_f(row(qkv, b, s, 2, h, T_, H, D)[d]) : 0.f;
+  }
+}
+
 template <typename T, int MAXD>
 __global__ void attn_fwd_k(const T* qkv, T* o, float* lse, int64_t T_, int64_t H, int64_t D, float scale) {
   __shared__ float ks[kStage][MAXD], vs[kStage][MAXD];
@@ -35,11 +46,7 @@ __global__ void attn_fwd_k(const T* qkv, T* o, float* lse, int64_t T_, int64_t H
   const int64_t last = min(T_, (int64_t)(blockIdx.y + 1) * kRows);  // keys any row of this block sees
   for (int64_t s0 = 0; s0 < last; s0 += kStage) {
     __syncthreads();
-    for (int64_t i = threadIdx.x; i < kStage * D; i += blockDim.x) {
-      int64_t c = i / D, d = i % D, s = s0 + c;
-      ks[c][d] = s < T_ ? to_f(row(qkv, b, s, 1, h, T_, H, D)[d]) : 0.f;
-      vs[c][d] = s < T_ ? to_f(row(qkv, b, s, 2, h, T_, H, D)[d]) : 0.f;
-    }
+    stage_kv(qkv, b, h, s0, T_, H, D, ks, vs);
     __syncthreads();
     if (!live) continue;
     for (int c = 0; c < kStage && s0 + c <= t; ++c) {
@@ -138,11 +145,7 @@ __global__ void attn_dq_k(const T* qkv, const T* dout, const float* lse, const f
   const int64_t last = min(T_, (int64_t)(blockIdx.y + 1) * kRows);
   for (int64_t s0 = 0; s0 < last; s0 += kStage) {
     __syncthreads();
-    for (int64_t i = threadIdx.x; i < kStage * D; i += blockDim.x) {
-      int64_t c = i / D, d = i % D, s = s0 + c;
-      ks[c][d] = s < T_ ? to_f(row(qkv, b, s, 1, h, T_, H, D)[d]) : 0.f;
-      vs[c][d] = s < T_ ? to_f(row(qkv, b, s, 2, h, T_, H, D)[d]) : 0.f;
-    }
+    stage_kv(qkv, b, h, s0, T_, H, D, ks, vs);
     __syncthreads();
     if (!live) continue;
     for (int c = 0; c < kStage && s0 + c <= t; ++c) {
