@@ -14,7 +14,7 @@ def test_help_explains_the_columns():
     p = subprocess.run([sys.executable, "-m", "pympar.bench", "--help"], capture_output=True, text=True,
                        env=mpi_env(), cwd=ROOT, timeout=60)
     assert p.returncode == 0, p.stderr
-    for word in ("busbw", "--algo", "--tune", "library", "torch-gloo", "allreduce"):
+    for word in ("busbw", "--algo", "--tune", "library", "torch-gloo", "allreduce", "latency", "osu", "--explain"):
         assert word in p.stdout
 
 
@@ -30,16 +30,50 @@ def test_every_collective_runs_and_checks(coll, tmp_path):
     assert {"library"} <= {r["algo"] for r in d["rows"]}
 
 
-def test_tune_table_drives_auto(tmp_path):
+def test_tune_file_drives_auto_and_another_shape_is_ignored(tmp_path):
     t = tmp_path / "tune.json"
-    run_mpi(2, ["-m", "pympar.bench", "allreduce", "-b", "1K", "-e", "64K", "-f", "8", "-n", "2", "-w", "1",
-                "--algo", "ring,recursive_doubling,shm", "-c", "0", "--tune", t], timeout=120)
-    table = json.loads(t.read_text())
-    rows = table["allreduce"]["single_node"]
-    assert rows[-1][0] == float("inf") and all(a in ("ring", "recursive_doubling", "shm") for _, a in rows)
-    p = run_mpi(2, ["-m", "pympar.bench", "allreduce", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0"],
+    p = run_mpi(2, ["-m", "pympar.bench", "allreduce", "-b", "1K", "-e", "64K", "-f", "8", "-n", "2", "-w", "1",
+                    "--algo", "ring", "-c", "0", "--tune", t], timeout=120)
+    data = json.loads(t.read_text())
+    assert data["format"] == "pympar-tuning/2" and set(data["machine"]) == {"cpu", "mpi"}
+    entries = data["shapes"]["2r-1n-2rpn"]["allreduce"]["float32"]
+    assert sorted(int(b) for b in entries) == [10, 13, 16]          # 1 KiB, 8 KiB, 64 KiB
+    for e in entries.values():     # --tune weighs every choice, not only the --algo given
+        assert {"mpi", "ring", "recursive_doubling", "rabenseifner", "shm"} <= set(e["times_us"])
+        assert e["algo"] in e["times_us"]
+    # the file drives auto: force a choice into it and see auto name it
+    entries["13"]["algo"] = "rabenseifner"
+    t.write_text(json.dumps(data))
+    p = run_mpi(2, ["-m", "pympar.bench", "allreduce", "-b", "8K", "-e", "8K", "-n", "1", "-w", "0", "--explain"],
                 timeout=60, env={"PYMPAR_TUNING": t})
-    assert "auto" in p.stdout and "0 OK" in p.stdout
+    assert "auto(rabenseifner)" in p.stdout and "(file)" in p.stdout and "0 OK" in p.stdout, p.stdout
+    # at 3 ranks the file has no entries: a warning, and auto measures
+    p = run_mpi(3, ["-m", "pympar.bench", "allreduce", "-b", "8K", "-e", "8K", "-n", "1", "-w", "0", "--explain"],
+                timeout=60, env={"PYMPAR_TUNING": t})
+    assert "TuningWarning" in p.stdout and "no entries for communicator 'world' of shape 3r-1n-3rpn" in p.stdout
+    assert "(measured)" in p.stdout and "0 OK" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("kind", ["latency", "bw"])
+def test_osu_point_to_point_against_mpi4py(kind, tmp_path):
+    out = tmp_path / "p.json"
+    p = run_mpi(2, ["-m", "pympar.bench", kind, "-e", "16K", "-f", "16", "-n", "20", "-w", "2", "--large-iters", "3",
+                    "--json", out], timeout=60)
+    assert "Wrong bytes received : 0 OK" in p.stdout, p.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["impl"] for r in rows} == {"pympar", "mpi4py"}
+    assert sorted({r["bytes"] for r in rows}) == [0, 1, 16, 256, 4096]
+    key = "latency_us" if kind == "latency" else "bandwidth_MBps"
+    assert all(r[key] > 0 for r in rows if r["bytes"] or kind == "latency") and all(r["wrong"] == 0 for r in rows)
+
+
+def test_osu_columns_for_a_collective(tmp_path):
+    out = tmp_path / "o.json"
+    p = run_mpi(3, ["-m", "pympar.bench", "allreduce", "-b", "64", "-e", "64", "--format", "osu", "-n", "5", "-w", "1",
+                    "--algo", "auto,library", "--json", out], timeout=60)
+    assert "Avg Latency(us)" in p.stdout and "Max Latency(us)" in p.stdout and "auto(" in p.stdout, p.stdout
+    for r in json.loads(out.read_text())["rows"]:
+        assert 0 < r["min_us"] <= r["avg_us"] <= r["time_us"]
 
 
 def test_ddp_step_compares_the_same_work(tmp_path):

@@ -33,3 +33,20 @@ def test_comm_fast_paths(n):
     # chunked shm allreduce at chunk boundaries, every dtype/op; the cached plans of the five
     # blocking verbs against the general path, and a hung peer timing a planned call out
     run_pytest_mpi(n, "mpi_comm_fastpath.py", timeout=150)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_auto_tuning_files_and_agreed_measurement(n):
+    run_pytest_mpi(n, "mpi_tuning.py", timeout=120)
+
+
+def test_collectives_on_the_network_transport():
+    # MPICH's netmod for every message (what ranks on different nodes use): each rank is its own node
+    run_pytest_mpi(4, "mpi_comm.py", timeout=180, env={"MPIR_CVAR_NOLOCAL": 1})
+
+
+def test_collectives_on_two_real_nodes():
+    # MPICH cliques: ranks {0, 2} and {1, 3} share memory, messages between them take the netmod --
+    # hierarchical's inter-node leg on the network transport, its nodes not contiguous in rank order
+    run_pytest_mpi(4, "mpi_comm.py", timeout=180, env={"MPIR_CVAR_NUM_CLIQUES": 2})
+    run_pytest_mpi(4, "mpi_tuning.py", timeout=120, env={"MPIR_CVAR_NUM_CLIQUES": 2})

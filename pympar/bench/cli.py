@@ -1,16 +1,25 @@
-"""Collective microbenchmarks in the style of nccl-tests, for pympar's algorithms side by side.
+"""Collective microbenchmarks in the style of nccl-tests and the OSU micro-benchmarks.
 
     mpiexec -n 4 python -m pympar.bench allreduce -b 8 -e 128M -f 2 -n 20 -w 5 -c 1 \\
         --algo all --dtype float32 --op sum --backend mpi --json out.json
+    mpiexec -n 2 python -m pympar.bench latency      # osu_latency: one-way, pympar and mpi4py
+    mpiexec -n 2 python -m pympar.bench bw           # osu_bw: windowed streaming bandwidth
 
-Columns: size(B) count type redop algo, then out-of-place and in-place time(us),
-algbw(GB/s) = size/time, busbw(GB/s) = algbw x factor (allreduce 2(n-1)/n; reduce_scatter,
-allgather, alltoall(v) (n-1)/n; broadcast, sendrecv 1) and #wrong (elements off the NumPy
-reference, with -c 1). Time is the mean over -n iterations after -w warm-up ones, the
-slowest rank's. ``--algo all`` runs every pympar algorithm, the MPI library's own call
-made directly through mpi4py (row "library"), and, for allreduce when torch imports,
-torch.distributed's gloo ("torch-gloo"). ``--tune FILE`` writes the fastest algorithm per
-size as an algo="auto" table (use it with PYMPAR_TUNING=FILE).
+Collectives, nccl-tests columns (default): size(B) count type redop algo, then out-of-place
+and in-place time(us), algbw(GB/s) = size/time, busbw(GB/s) = algbw x factor (allreduce
+2(n-1)/n; reduce_scatter, allgather, alltoall(v) (n-1)/n; broadcast, sendrecv 1) and #wrong
+(elements off the NumPy reference, with -c 1). Time is the mean over -n iterations after
+-w warm-up ones, the slowest rank's. ``--format osu``: OSU's columns instead, average,
+minimum and maximum over the ranks of each rank's mean latency (us). ``--algo all`` runs
+every pympar algorithm, the MPI library's own call made directly through mpi4py (row
+"library"), and, for allreduce when torch imports, torch.distributed's gloo
+("torch-gloo"); ``auto`` rows name what auto ran, e.g. auto(shm). ``--explain`` prints,
+per size, what auto chose and the measured times behind it. ``--tune FILE`` adds this
+run's fastest choice per size bucket (the library's call 'mpi' or a pympar algorithm) to a
+tuning file for this machine and communicator shape (use it with PYMPAR_TUNING=FILE).
+
+latency and bw (ranks 0 and 1; sizes default 0 B to 4 MiB): columns are pympar's
+Communicator and mpi4py's own calls, and ratio = pympar's time over mpi4py's.
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ from .. import backend
 from .runners import BUSBW, IN_PLACE, Case
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "alltoallv", "sendrecv")
+POINT_TO_POINT = ("latency", "bw")
 
 
 def parse_size(s: str) -> int:
@@ -39,19 +49,29 @@ def parse_size(s: str) -> int:
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m pympar.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("collective", choices=COLLECTIVES)
-    p.add_argument("-b", "--minbytes", default="8", help="smallest message size (suffix K, M, G allowed)")
-    p.add_argument("-e", "--maxbytes", default="32M", help="largest message size")
+    p.add_argument("collective", choices=COLLECTIVES + POINT_TO_POINT)
+    p.add_argument("-b", "--minbytes", default=None, help="smallest message size (suffix K, M, G allowed; "
+                   "default 8, latency/bw 0)")
+    p.add_argument("-e", "--maxbytes", default=None, help="largest message size (default 32M, latency/bw 4M)")
     p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="multiply the size by this each step")
-    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size")
-    p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations before them")
+    p.add_argument("-n", "--iters", type=int, default=None, help="timed iterations per size (default 20; "
+                   "latency/bw 10000 and 100)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=None, help="untimed iterations before them "
+                   "(default 5; latency/bw 100 and 10)")
+    p.add_argument("--large-iters", type=int, default=None, help="latency/bw: iterations above 8 KiB "
+                   "(default 1000 and 20)")
+    p.add_argument("--window", type=int, default=64, help="bw: sends in flight per iteration")
+    p.add_argument("--format", default="nccl", choices=("nccl", "osu"), help="collectives: nccl-tests "
+                   "columns or OSU's (avg/min/max latency over the ranks)")
+    p.add_argument("--explain", action="store_true", help="print what algo=auto runs per size and why")
     p.add_argument("-c", "--check", type=int, default=1, help="1: count elements that differ from the reference")
     p.add_argument("--algo", default="auto", help="auto | all | one algorithm name | a comma-separated list")
     p.add_argument("--dtype", default="float32", help="float32 float64 float16 bfloat16 int32 int64")
     p.add_argument("--op", default="sum", help="sum avg max min (reductions only)")
     p.add_argument("--backend", default="mpi", choices=("mpi", "nccl"), help="nccl needs a GPU and CuPy")
     p.add_argument("--json", default=None, help="write every row here")
-    p.add_argument("--tune", default=None, metavar="FILE", help="write an algo=auto table from the results")
+    p.add_argument("--tune", default=None, metavar="FILE", help="add the fastest choice per size to this "
+                   "tuning file (for algo=auto via PYMPAR_TUNING=FILE)")
     p.add_argument("--no-torch", action="store_true", help="leave torch.distributed gloo out of --algo all")
     return p
 
@@ -117,6 +137,9 @@ def algorithms(args, comm):
 
 
 def time_one(case, algo, in_place, args, lib):
+    """(min, avg, max) over the ranks of each rank's mean time per call, in seconds."""
+    from mpi4py import MPI
+
     comm = case.comm
     call = (lambda: lib(case, in_place)) if lib is not None else (lambda: case.run(algo, in_place))
     for _ in range(args.warmup_iters):
@@ -126,12 +149,43 @@ def time_one(case, algo, in_place, args, lib):
     for _ in range(args.iters):
         call()
     dt = (time.perf_counter() - t0) / max(1, args.iters)
-    return float(comm.mpi_comm.allreduce(dt, op=__import__("mpi4py.MPI", fromlist=["MAX"]).MAX))
+    mc = comm.mpi_comm
+    return (float(mc.allreduce(dt, op=MPI.MIN)), float(mc.allreduce(dt, op=MPI.SUM)) / comm.size,
+            float(mc.allreduce(dt, op=MPI.MAX)))
+
+
+def _defaults(args):
+    p2p = args.collective in POINT_TO_POINT
+    for name, coll_default, p2p_default in (("minbytes", "8", "0"), ("maxbytes", "32M", "4M"),
+                                            ("iters", 20, 10000 if args.collective == "latency" else 100),
+                                            ("warmup_iters", 5, 100 if args.collective == "latency" else 10),
+                                            ("large_iters", None, 1000 if args.collective == "latency" else 20)):
+        if getattr(args, name) is None:
+            setattr(args, name, p2p_default if p2p else coll_default)
+    return p2p
+
+
+def _sizes(args):
+    sizes, s = [], parse_size(args.minbytes)
+    while s <= parse_size(args.maxbytes):
+        sizes.append(s)
+        s = max(s + 1, int(s * args.stepfactor))
+    return sizes
+
+
+def _write_json(args, comm, **fields):
+    if comm.rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(nranks=comm.size, backend=args.backend, iters=args.iters, warmup=args.warmup_iters,
+                           **fields), f, indent=1)
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    p2p = _defaults(args)
     if args.backend == "nccl":
+        if p2p:
+            raise SystemExit(f"pympar.bench {args.collective}: --backend nccl is for the collectives")
         from ..comm.nccl import NCCLComm
 
         comm, xp = NCCLComm(), backend.get_xp("cuda")
@@ -139,9 +193,20 @@ def main(argv=None):
         from ..comm import world
 
         comm, xp = world(), np
+    if p2p:
+        from . import p2p as p2p_bench
+
+        rows = p2p_bench.run(args, comm, _sizes(args))
+        _write_json(args, comm, collective=args.collective, window=args.window, rows=rows)
+        bad = comm.mpi_comm.bcast(any(r["wrong"] > 0 for r in rows) if comm.rank == 0 else None, 0)
+        if comm.rank == 0:
+            print(f"# Wrong bytes received : {'FAILED' if bad else '0 OK'}")
+        return 1 if bad else 0
     dtype = backend.dtype(args.dtype)
     coll, n = args.collective, comm.size
     names = ["nccl"] if args.backend == "nccl" else algorithms(args, comm)
+    if args.tune and coll in _AUTO_VERBS and hasattr(comm, "candidates"):
+        names += [a for a in comm.candidates(coll) if a not in names]     # a tuning file weighs every choice
     gloo = None
     if "torch-gloo" in names:
         from .torch_peer import GlooAllreduce
@@ -153,18 +218,21 @@ def main(argv=None):
         gloo.allreduce(t, args.op)
         return case.x
 
-    sizes, s = [], parse_size(args.minbytes)
-    while s <= parse_size(args.maxbytes):
-        sizes.append(s)
-        s = max(s + 1, int(s * args.stepfactor))
+    sizes = _sizes(args)
     rows = []
+    osu = args.format == "osu"
     if comm.rank == 0:
         print(f"# pympar.bench {coll}: nranks {n}, backend {args.backend}, iters {args.iters}, warmup {args.warmup_iters}")
-        print(f"#{'size':>11} {'count':>11} {'type':>9} {'redop':>6} {'algo':>19}  |"
-              f"{'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>7} |{'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>7}")
-        print(f"#{'(B)':>11} {'(elements)':>11} {'':>9} {'':>6} {'':>19}  |"
-              f"{'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>7} |{'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>7}")
+        if osu:
+            print(f"# {'Size':>10} {'algo':>24} {'placement':>9} {'Avg Latency(us)':>16} {'Min Latency(us)':>16} "
+                  f"{'Max Latency(us)':>16} {'Iterations':>10} {'#wrong':>7}")
+        else:
+            print(f"#{'size':>11} {'count':>11} {'type':>9} {'redop':>6} {'algo':>24}  |"
+                  f"{'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>7} |{'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>7}")
+            print(f"#{'(B)':>11} {'(elements)':>11} {'':>9} {'':>6} {'':>24}  |"
+                  f"{'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>7} |{'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>7}")
     factor = BUSBW[coll](n)
+    explained = []
     for size in sizes:
         case = Case(comm, coll, size, dtype, args.op, xp)
         if case.count == 0 and coll in ("allgather", "alltoall", "alltoallv"):
@@ -179,54 +247,74 @@ def main(argv=None):
                 if algo == "torch-gloo" and not in_place:
                     cells.append(None)
                     continue
-                t = time_one(case, None if algo in ("nccl",) else algo, in_place, args, lib)
+                tmin, tavg, tmax = time_one(case, None if algo in ("nccl",) else algo, in_place, args, lib)
                 wrong = -1
                 if args.check:
                     w = case.wrong(algo, in_place, None if lib is None else (lambda c, check=False, ip=in_place: lib(c, ip)))
                     wrong = int(comm.mpi_comm.allreduce(w))
-                algbw = case.nbytes / t / 1e9 if t > 0 else 0.0
-                cells.append(dict(time_us=t * 1e6, algbw=algbw, busbw=algbw * factor, wrong=wrong))
+                algbw = case.nbytes / tmax / 1e9 if tmax > 0 else 0.0
+                cells.append(dict(time_us=tmax * 1e6, min_us=tmin * 1e6, avg_us=tavg * 1e6, algbw=algbw,
+                                  busbw=algbw * factor, wrong=wrong))
                 rows.append(dict(bytes=case.nbytes, count=case.count, type=args.dtype, redop=args.op, algo=algo,
                                  placement="in" if in_place else "out", **cells[-1]))
+            label = algo
+            if algo == "auto" and coll in _AUTO_VERBS and hasattr(comm, "explain"):
+                d = comm.explain(coll, case.nbytes, args.dtype, args.op)      # decided in the warm-up
+                label = f"auto({d.algo})"
+                for r in rows[-len([c for c in cells if c is not None]):]:
+                    r["chosen"] = d.algo
+                if args.explain:
+                    explained.append(d)
             if comm.rank == 0:
-                txt = ""
-                for c in cells:
-                    txt += (f"|{'N/A':>10} {'':>7} {'':>7} {'':>7} " if c is None else
-                            f"|{c['time_us']:10.1f} {c['algbw']:7.2f} {c['busbw']:7.2f} {c['wrong'] if c['wrong'] >= 0 else 'N/A':>7} ")
-                print(f" {case.nbytes:11d} {case.count:11d} {args.dtype:>9} {args.op:>6} {algo:>19}  {txt}")
+                if osu:
+                    for c, place in zip(cells, ("out", "in")):
+                        if c is not None:
+                            print(f"  {case.nbytes:>10} {label:>24} {place:>9} {c['avg_us']:16.2f} {c['min_us']:16.2f} "
+                                  f"{c['time_us']:16.2f} {args.iters:>10} {c['wrong'] if c['wrong'] >= 0 else 'N/A':>7}")
+                else:
+                    txt = ""
+                    for c in cells:
+                        txt += (f"|{'N/A':>10} {'':>7} {'':>7} {'':>7} " if c is None else
+                                f"|{c['time_us']:10.1f} {c['algbw']:7.2f} {c['busbw']:7.2f} {c['wrong'] if c['wrong'] >= 0 else 'N/A':>7} ")
+                    print(f" {case.nbytes:11d} {case.count:11d} {args.dtype:>9} {args.op:>6} {label:>24}  {txt}")
         sys.stdout.flush()
+    if args.explain and comm.rank == 0:
+        for d in explained:
+            print("# " + str(d).replace("\n", "\n# "))
     avg = {}
     for algo in names:
         bws = [r["busbw"] for r in rows if r["algo"] == algo]
         avg[algo] = sum(bws) / len(bws) if bws else 0.0
-    single_node = comm.topology().single_node if hasattr(comm, "topology") else True  # collective: all ranks
+    shape = comm.shape_key() if hasattr(comm, "shape_key") else None     # collective: all ranks
     if comm.rank == 0:
         for algo in names:
             print(f"# Avg bus bandwidth    : {avg[algo]:.4f}  ({algo})")
         wrong = sum(r["wrong"] for r in rows if r["wrong"] > 0)
         print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(collective=coll, nranks=n, backend=args.backend, dtype=args.dtype, op=args.op,
-                               iters=args.iters, warmup=args.warmup_iters, rows=rows, avg_busbw=avg), f, indent=1)
+        _write_json(args, comm, collective=coll, dtype=args.dtype, op=args.op, shape=shape, rows=rows, avg_busbw=avg)
         if args.tune:
-            write_tuning(args.tune, rows, coll, single_node)
+            write_tuning(args.tune, rows, coll, args.dtype, shape)
     if gloo is not None:
         gloo.close()
     bad = any(r["wrong"] > 0 for r in rows)
     return 1 if bad else 0
 
 
-def write_tuning(path, rows, coll, single_node):
-    from ..comm.tuning import table_from_results
+_AUTO_VERBS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall")
 
-    ours = [r for r in rows if r["placement"] == "out" and r["algo"] not in ("library", "torch-gloo", "auto")]
-    table = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            table = json.load(f)
-    for c, by_topo in table_from_results(ours, coll, single_node).items():
-        table.setdefault(c, {}).update(by_topo)
-    with open(path, "w") as f:
-        json.dump(table, f, indent=1)
-    print(f"# wrote algo=auto table for {coll} to {path} (use PYMPAR_TUNING={path})")
+
+def write_tuning(path, rows, coll, dtype, shape):
+    """The run's rows as tuning-file entries: per size, every choice auto has ('mpi' is the
+    library's call through pympar; the direct 'library' row, gloo and auto are not choices)."""
+    from ..comm.tuning import write_file
+
+    by_size = {}
+    for r in rows:
+        if r["placement"] == "out" and r["algo"] not in ("library", "torch-gloo", "auto", "nccl"):
+            by_size.setdefault(r["bytes"], {})[r["algo"]] = r["time_us"] * 1e-6
+    if coll not in _AUTO_VERBS or shape is None or not by_size:
+        print(f"# --tune: nothing to write ({coll} has no algo=auto choice or no algorithm ran)")
+        return
+    write_file(path, shape, coll, dtype, by_size)
+    print(f"# added {len(by_size)} sizes of {coll} {dtype} at shape {shape} to tuning file {path} "
+          f"(use PYMPAR_TUNING={path})")

@@ -30,10 +30,16 @@ def check_op(op: str) -> str:
     return op
 
 
+_ACCEPTED = set()   # dtypes check_dtype passed (numpy's dtype-name lookup costs ~1 us a call)
+
+
 def check_dtype(dt) -> np.dtype:
+    if dt in _ACCEPTED:
+        return dt
     dt = np.dtype(dt)
     if backend.dtype_name(dt) not in DTYPES and dt != np.uint8:
         raise TypeError(f"dtype {dt} is not supported by pympar.comm: expected one of {', '.join(DTYPES)}")
+    _ACCEPTED.add(dt)
     return dt
 
 

@@ -21,12 +21,12 @@ from .algorithms.ring import (ring_allgather, ring_allgather_steps, ring_allredu
 from .algorithms.shm import ShmArena, shm_allgather, shm_allreduce, shm_broadcast, shm_reduce_scatter
 from .base import Communicator, check_op, check_out, contiguous, flat, new_like, row_bounds
 from .device import copy_back, needs_staging, sync_stream, to_host
-from .dtypes import finish_avg, mpi_op, reduce_op, wire
+from .dtypes import check_dtype, finish_avg, mpi_op, reduce_op, wire
 from .plans import MAX_PLANS, Plan
 from .progress import Request, StagedRequest, Waiter, default_timeout, poll1
 from .topology import Topology
-from .tuning import choose, load_table
-from .watchdog import ArrivalBoard
+from .tuning import Decision, Runs, Tuner, measure, read_setting, shape_key
+from .watchdog import ArrivalBoard, op_code
 from . import debug as _debug
 
 ALGOS = {
@@ -45,6 +45,8 @@ _P2P_REDUCE_SCATTER = {"ring": ring_reduce_scatter, "recursive_halving": halving
 _P2P_ALLGATHER = {"ring": ring_allgather, "recursive_doubling": doubling_allgather}
 _P2P_BROADCAST = {"binomial": binomial_broadcast, "scatter_allgather": scatter_allgather_broadcast}
 _SHM = ("shm", "hierarchical")
+_REDUCING = ("allreduce", "reduce_scatter")
+_READ = object()      # MPIComm(_tuning=...) not given: read $PYMPAR_TUNING
 _ndarray = np.ndarray
 
 
@@ -55,7 +57,7 @@ class MPIComm(Communicator):
     $PYMPAR_COMM_TIMEOUT or 300; math.inf disables).
     """
 
-    def __init__(self, comm=None, name=None, timeout=None, _owned=False, _table=None):
+    def __init__(self, comm=None, name=None, timeout=None, _owned=False, _tuning=_READ):
         comm = MPI.COMM_WORLD if comm is None else comm
         self._p2p = comm if _owned else comm.Dup()
         self._coll = self._p2p.Dup()
@@ -66,7 +68,10 @@ class MPIComm(Communicator):
         self._inflight = []   # unfinished nonblocking operations run by pympar (progress.StagedRequest)
         self.p2p_seq = 0
         self._topo = self._arena = None
-        self._table = _table if _table is not None else self._p2p.bcast(load_table() if self.rank == 0 else None, 0)
+        # auto's source ($PYMPAR_TUNING, tuning.read_setting): rank 0 reads it, every rank gets it
+        self._setting = _tuning if _tuning is not _READ else self._p2p.bcast(read_setting() if self.rank == 0 else None, 0)
+        self._tuner = None    # tuning.Tuner, made with the topology on the first auto call
+        self._timer = None    # tuning.measure's timer(name, run) -> seconds (None: perf_counter)
         # watchdog side channels (shadow communicators): who entered which call; debug fingerprints
         self._board = ArrivalBoard(self._coll, self.name, self.timeout)
         self._fp = _debug.FingerprintChecker(self._coll, self.name) if _debug.enabled() else None
@@ -106,15 +111,96 @@ class MPIComm(Communicator):
         if algo != "auto" and algo not in ALGOS[coll]:
             raise ValueError(f"unknown {coll} algorithm {algo!r}: expected auto or one of {', '.join(ALGOS[coll])}")
 
-    def _pick(self, coll, algo, nbytes):
-        if algo == "auto":
-            return choose(self._table, coll, nbytes, self.topology().single_node)
+    def _pick(self, coll, algo):
+        """A named algorithm (not auto) checked against the verb and the topology."""
         if algo not in ALGOS[coll]:
             raise ValueError(f"unknown {coll} algorithm {algo!r}: expected auto or one of {', '.join(ALGOS[coll])}")
         if algo == "shm" and not self.topology().single_node:
             raise ValueError(f"algo='shm' needs every rank of {self.name!r} on one node "
                              f"(it spans {self.topology().n_nodes}); use 'hierarchical' or 'auto'")
         return algo
+
+    # --- algo="auto" (tuning.py): the tuning file, or an agreed measurement per size bucket ------
+    def candidates(self, coll):
+        """What auto chooses from for ``coll`` here: the library's call ('mpi') first, then
+        pympar's algorithms the topology allows (shm on one node only; hierarchical only across
+        nodes of which one has more than one rank -- otherwise it is shm or a ring)."""
+        t = self.topology()
+        out = ["mpi"]
+        for a in ALGOS[coll]:
+            if a == "mpi" or (a == "shm" and not t.single_node):
+                continue
+            if a == "hierarchical" and (t.single_node or t.max_node_size == 1):
+                continue
+            out.append(a)
+        return out
+
+    def shape_key(self):
+        """This communicator's shape as tuning files name it ('4r-2n-2rpn': ranks, nodes, most
+        ranks on a node); collective on first use (the topology)."""
+        t = self.topology()
+        return shape_key(self.size, t.n_nodes, t.max_node_size, t.uniform)
+
+    def _tuning(self):
+        if self._tuner is None:
+            self._tuner = Tuner(self._setting, self.shape_key(), self.name, warn=self.rank == 0)
+        return self._tuner
+
+    def _auto(self, verb, x, dst, nbytes, out_shape, op=None, root=0, E=None):
+        """auto's decision for this call (collective when the bucket is new: every rank of the
+        communicator is in the same call). Measures on the call's own operands: x is only read
+        and dst is written by the real call afterwards; an in-place allreduce gets a scratch dst."""
+        cands = self.candidates(verb)
+        tuner = self._tuning()
+        d = tuner.lookup(verb, x.dtype, nbytes, cands)
+        if d is not None:
+            return d
+        w = Waiter(verb, self.name, self.seq, self.timeout, self._board)   # the call's own deadline and board entry
+        if not self._same_call(w, verb, x, nbytes, root):
+            # the ranks are not in the same call (an erroneous program): measure nothing, run the
+            # library's call as a program without auto would, and decide nothing for the bucket
+            return Decision(verb, x.dtype, nbytes, tuner.shape, "mpi", "mismatch")
+        if dst is x and verb == "allreduce":
+            dst = np.empty_like(x)
+        had_arena = self._arena is not None
+        runs = Runs(nbytes, {a: (lambda p=Plan(verb, a, x.dtype, out_shape, _OWN[verb], self._coll, op, root, E):
+                                 self._run(p, x, dst, w)) for a in cands})
+        d = tuner.record(verb, x.dtype, nbytes, measure(cands, runs, self._coll, self._timer))
+        if not had_arena and self._arena is not None and d.algo not in _SHM:
+            self._arena.free()    # the measurement made the shared window; nothing uses it
+            self._arena = None
+        return d
+
+    def _same_call(self, w, verb, x, nbytes, root):
+        """Whether every rank is in this call (verb, dtype, size, root): one small library
+        allreduce before a measurement, which would otherwise run pympar's algorithms on
+        mismatched operands."""
+        sig = np.array([op_code(verb), op_code(x.dtype.str), nbytes, root], np.int64)
+        both = np.concatenate([sig, -sig])
+        w.wait([self._coll.Iallreduce(MPI.IN_PLACE, both, MPI.MAX)], [None])
+        return bool(np.array_equal(both[:4], -both[4:]))
+
+    def explain(self, collective, nbytes, dtype="float32", op="sum"):
+        """What ``algo="auto"`` runs for a ``collective`` of ``nbytes`` here, and why: a
+        tuning.Decision (print it for the timings). Collective when the bucket was not decided
+        yet (it is measured then, on zero-filled buffers, and kept for later calls)."""
+        if collective not in ALGOS:
+            raise ValueError(f"explain: unknown collective {collective!r}: expected one of {', '.join(ALGOS)}")
+        dt = backend.dtype(dtype)
+        n = max(int(nbytes) // dt.itemsize, 0)
+        if self.size == 1:
+            return Decision(collective, dt, n * dt.itemsize, "1r-1n-1rpn", "mpi", "only")
+        if collective in ("allgather", "alltoall"):
+            n -= n % self.size
+        x = np.zeros(n // self.size if collective == "allgather" else n, dt)
+        E = None
+        if collective == "reduce_scatter":
+            E, R = row_bounds(x, self.size)
+            out = np.empty(R[self.rank + 1] - R[self.rank], dt)
+        else:
+            out = x if collective == "broadcast" else np.empty(n, dt)
+        return self._auto(collective, x, out, n * dt.itemsize, out.shape, op if collective in _REDUCING else None,
+                          0, E)
 
     def _ctx(self, waiter, op="sum", x=None, comm=None, nonblocking=False):
         sync = (lambda: sync_stream(x)) if backend.is_cupy(x) else None
@@ -167,7 +253,7 @@ class MPIComm(Communicator):
             if dst is not x:
                 dst[...] = x
             return dst
-        plan = self._plan(("allreduce", x.dtype, x.shape, op, algo), x, x.nbytes, x.shape, op=op)
+        plan = self._plan(("allreduce", x.dtype, x.shape, op, algo), x, dst, x.nbytes, x.shape, op=op)
         return self._run(plan, x, dst, w)
 
     def reduce_scatter(self, x, op="sum", algo="auto", out=None):
@@ -186,7 +272,7 @@ class MPIComm(Communicator):
         if self.size == 1:
             flat(out)[...] = flat(x)
             return out
-        plan = self._plan(("reduce_scatter", x.dtype, x.shape, op, algo), x, x.nbytes, out.shape, op=op, E=E)
+        plan = self._plan(("reduce_scatter", x.dtype, x.shape, op, algo), x, out, x.nbytes, out.shape, op=op, E=E)
         return self._run(plan, x, out, w)
 
     def allgather(self, x, algo="auto", out=None):
@@ -208,7 +294,7 @@ class MPIComm(Communicator):
         if self.size == 1:
             flat(out)[...] = flat(x)
             return out
-        plan = self._plan(("allgather", x.dtype, x.shape, None, algo), x, out.nbytes, shape)
+        plan = self._plan(("allgather", x.dtype, x.shape, None, algo), x, out, out.nbytes, shape)
         return self._run(plan, x, out, w)
 
     def broadcast(self, x, root=0, algo="auto"):
@@ -226,7 +312,7 @@ class MPIComm(Communicator):
         w = self._waiter("broadcast", x, root=root)
         if self.size == 1:
             return x
-        plan = self._plan(("broadcast", x.dtype, x.shape, root, algo), x, x.nbytes, x.shape, root=root)
+        plan = self._plan(("broadcast", x.dtype, x.shape, root, algo), x, x, x.nbytes, x.shape, root=root)
         return self._run(plan, x, x, w)
 
     def alltoall(self, x, out=None, algo="auto"):
@@ -247,18 +333,20 @@ class MPIComm(Communicator):
         if self.size == 1:
             flat(out)[...] = flat(x)
             return out
-        plan = self._plan(("alltoall", x.dtype, x.shape, None, algo), x, x.nbytes, x.shape)
+        plan = self._plan(("alltoall", x.dtype, x.shape, None, algo), x, out, x.nbytes, x.shape)
         return self._run(plan, x, out, w)
 
     # --- plans: the one mechanism behind the five verbs above (see plans.py) ----------------
-    def _plan(self, key, x, nbytes, out_shape, op=None, root=0, E=None):
-        """The Plan of a checked call whose key is (verb, dtype, shape, op|root, algo): the
-        algorithm picked for nbytes; kept for NumPy operands outside debug mode."""
+    def _plan(self, key, x, dst, nbytes, out_shape, op=None, root=0, E=None):
+        """The Plan of a checked call (x into dst) whose key is (verb, dtype, shape, op|root,
+        algo): the algorithm named, or auto's for nbytes; kept for NumPy operands outside debug mode."""
         verb, algo = key[0], key[-1]
-        if verb == "alltoall":   # no tuning table: auto is the library's
-            chosen = "mpi" if algo == "auto" else algo
+        if algo != "auto":
+            chosen = self._pick(verb, algo)
+        elif backend.is_cupy(x):   # device buffers (CUDA-aware MPI): the library's call
+            chosen = "mpi"
         else:
-            chosen = self._pick(verb, algo, nbytes)
+            chosen = self._auto(verb, x, dst, nbytes, out_shape, op, root, E).algo
         if backend.is_cupy(x) and chosen in _SHM:
             # the shared window is host memory; CUDA-aware MPI moves device buffers
             chosen = "mpi" if verb == "broadcast" else "ring"
@@ -572,6 +660,30 @@ class MPIComm(Communicator):
         self.p2p_seq += 1
         return Waiter(op, self.name, self.p2p_seq, self.timeout)
 
+    # blocking send/recv of a C-contiguous NumPy array: the library's nonblocking call polled
+    # in place (no Request, no Waiter unless the wait is not short; same deadline and report)
+    def send(self, x, dest, tag=0):
+        if type(x) is _ndarray and x.flags.c_contiguous and x.ndim:
+            check_dtype(x.dtype)
+            self.p2p_seq += 1
+            req = self._p2p.Isend(wire(x), dest, tag)
+            if not req.Test():
+                seq = self.p2p_seq
+                poll1(req, lambda: Waiter("send", self.name, seq, self.timeout), dest)
+            return
+        self.isend(x, dest, tag).wait()
+
+    def recv(self, buf, source, tag=0):
+        if type(buf) is _ndarray and buf.flags.c_contiguous and buf.ndim:
+            check_dtype(buf.dtype)
+            self.p2p_seq += 1
+            req = self._p2p.Irecv(wire(buf), source, tag)
+            if not req.Test():
+                seq = self.p2p_seq
+                poll1(req, lambda: Waiter("recv", self.name, seq, self.timeout), source)
+            return buf
+        return self.irecv(buf, source, tag).wait()
+
     def isend(self, x, dest, tag=0):
         if needs_staging(x):
             x = to_host(x)
@@ -598,7 +710,7 @@ class MPIComm(Communicator):
         c = self._p2p.Split(MPI.UNDEFINED if color is None else int(color), self.rank if key is None else int(key))
         if c == MPI.COMM_NULL:
             return None
-        return MPIComm(c, name=name or f"{self.name}/{color}", timeout=self.timeout, _owned=True, _table=self._table)
+        return MPIComm(c, name=name or f"{self.name}/{color}", timeout=self.timeout, _owned=True, _tuning=self._setting)
 
     def free(self):
         """Release the duplicated communicators and the shared window (collective)."""

@@ -89,14 +89,15 @@ class Backoff:
         return now
 
 
-def poll1(req, waiter_factory):
+def poll1(req, waiter_factory, peer=None):
     """Wait for one MPI request: tight Tests first, then ``waiter_factory().wait`` (the deadline,
-    backoff and the watchdog report) -- the Waiter is built only when the wait is not short."""
+    backoff and the watchdog report) -- the Waiter is built only when the wait is not short.
+    peer: the rank a point-to-point request waits on (named, and the request withdrawn, at expiry)."""
     test = req.Test
     for _ in range(_spins):
         if test():
             return
-    waiter_factory().wait([req], [None])
+    waiter_factory().wait([req], [peer])
 
 
 class Waiter:

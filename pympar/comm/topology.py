@@ -46,7 +46,8 @@ class Topology:
         if self.leaders == MPI.COMM_NULL:
             self.leaders = None
         self.n_nodes = comm.allreduce(1 if is_leader else 0)
-        self.uniform = comm.allreduce(self.node_size, op=MPI.MIN) == comm.allreduce(self.node_size, op=MPI.MAX)
+        self.max_node_size = comm.allreduce(self.node_size, op=MPI.MAX)
+        self.uniform = comm.allreduce(self.node_size, op=MPI.MIN) == self.max_node_size
         grp = comm.Get_group()
         self.node_to_comm = self.node.Get_group().Translate_ranks(list(range(self.node_size)), grp)
         # node index (in the order of the leaders' communicator) of every rank of comm, and the

@@ -1,81 +1,254 @@
-"""algo="auto": pick an algorithm from message size and topology.
+"""algo="auto": the fastest choice for this job's transport and placement, measured.
 
-A table maps collective -> topology class -> ascending [max_bytes, algo] rows; the first
-row whose max_bytes >= the message size wins. ``python -m pympar.bench <coll> --tune FILE``
-measures every algorithm on the machine and writes such a table; point PYMPAR_TUNING at it
-(rank 0 reads it and broadcasts it, so every rank decides alike).
+For each (collective, dtype, size bucket) that a communicator meets with ``algo="auto"``, the
+choice comes from, in order:
+
+1. a tuning file (``$PYMPAR_TUNING=FILE``, written by ``python -m pympar.bench <collective>
+   --tune FILE``), when it was made on the same kind of machine (CPU model, MPI library) and
+   holds entries for this communicator's shape (ranks, nodes, ranks per node). A file for
+   another machine or shape is ignored with a :class:`TuningWarning`, never misapplied;
+2. otherwise a short measurement, agreed by every rank, the first time the bucket is met:
+   each candidate (the MPI library's own call and every pympar algorithm the topology allows)
+   runs on the call's own operands a few rounds, interleaved; the per-round times are reduced
+   with MAX over the ranks (one library allreduce), so every rank holds the same table of
+   "slowest rank's time" and takes the same decision from it; per candidate the minimum over
+   rounds counts, and the library's call wins unless another candidate is more than
+   ``MARGIN`` faster.
+
+``$PYMPAR_TUNING=library`` makes auto the library's call everywhere (no measurement: what to
+use when runs with 3 or more ranks must repeat bit for bit across jobs, because another
+reduction order rounds differently). Buckets are powers of two: bucket b holds the messages
+of (2^(b-1), 2^b] bytes. The nonblocking verbs do not measure: their auto is the library's
+nonblocking collective (what overlaps with computation without pympar driving it).
 """
 from __future__ import annotations
 
 import json
 import os
+import platform
+import time
+import warnings
 
-INF = float("inf")
+import numpy as np
 
-# Measured on the 2-core development machine with MPICH 5 (docs/comm.md); sizes in bytes.
-# allreduce: the library up to 8 KiB, then the chunked shm allreduce (it wins from 16 KiB at
-# 4 ranks and 32 KiB at 2 ranks, and by 1.5-3.5x at 16-64 MiB)
-DEFAULT_TABLE = {
-    "allreduce": {
-        "single_node": [[8192, "mpi"], [INF, "shm"]],
-        "multi_node": [[65536, "recursive_doubling"], [INF, "hierarchical"]],
-    },
-    "reduce_scatter": {
-        "single_node": [[2048, "mpi"], [INF, "shm"]],
-        "multi_node": [[65536, "recursive_halving"], [INF, "ring"]],
-    },
-    "allgather": {
-        "single_node": [[2048, "mpi"], [INF, "shm"]],
-        "multi_node": [[65536, "recursive_doubling"], [INF, "ring"]],
-    },
-    "broadcast": {
-        "single_node": [[2048, "mpi"], [INF, "shm"]],
-        "multi_node": [[INF, "mpi"]],
-    },
-}
+FORMAT = "pympar-tuning/2"
+MARGIN = 1.05       # another algorithm must beat the library's call by more than 5% to be chosen
+_BUDGET = 4 << 20   # measurement rounds: about this many bytes per candidate, 2 to 16 rounds
 
 
-def topology_class(single_node: bool) -> str:
-    return "single_node" if single_node else "multi_node"
+class TuningWarning(UserWarning):
+    """A tuning file that does not fit this machine or communicator (it is not used)."""
 
 
-def load_table(path=None):
-    """The table in ``path`` (or $PYMPAR_TUNING), merged over the default."""
-    path = path or os.environ.get("PYMPAR_TUNING")
-    table = json.loads(json.dumps(DEFAULT_TABLE))
-    if path and os.path.exists(path):
-        with open(path) as f:
-            user = json.load(f)
-        for coll, by_topo in user.items():
-            for topo, rows in by_topo.items():
-                table.setdefault(coll, {})[topo] = [[float(b), a] for b, a in rows]
-    return table
+def bucket(nbytes: int) -> int:
+    """Size bucket: the smallest b with 2^b >= nbytes (0 for 0 and 1 byte)."""
+    return max(0, int(nbytes) - 1).bit_length()
 
 
-def choose(table, coll: str, nbytes: int, single_node: bool) -> str:
-    rows = table.get(coll, {}).get(topology_class(single_node))
-    if not rows:
-        return "mpi"
-    for max_bytes, algo in rows:
-        if nbytes <= max_bytes:
-            return algo
-    return rows[-1][1]
+def rounds(nbytes: int) -> int:
+    return int(min(16, max(2, _BUDGET // max(int(nbytes), 1))))
 
 
-def table_from_results(results, coll: str, single_node: bool):
-    """Build table rows from benchmark rows {bytes, algo, time_us}: the fastest per size."""
-    best = {}
-    for row in results:
-        b = row["bytes"]
-        if b not in best or row["time_us"] < best[b][1]:
-            best[b] = (row["algo"], row["time_us"])
-    rows = []
-    for b in sorted(best):
-        algo = best[b][0]
-        if rows and rows[-1][1] == algo:
-            rows[-1][0] = b
-        else:
-            rows.append([b, algo])
-    if rows:
-        rows[-1][0] = INF
-    return {coll: {topology_class(single_node): rows}}
+def shape_key(size: int, n_nodes: int, max_node_size: int, uniform: bool) -> str:
+    """A communicator's shape as tuning files name it, e.g. '4r-2n-2rpn'."""
+    return f"{size}r-{n_nodes}n-{max_node_size}rpn" + ("" if uniform else "-uneven")
+
+
+def machine() -> dict:
+    """What a tuning file must have been measured on: the CPU model and the MPI library."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    from mpi4py import MPI
+
+    lib = MPI.Get_library_version().strip().splitlines()[0].strip()
+    return {"cpu": cpu, "mpi": " ".join(lib.split())}
+
+
+class Decision:
+    """What auto runs for one (collective, dtype, bucket) on one communicator, and why.
+
+    source: 'file' (tuning file), 'measured' (this job's agreed measurement), 'library'
+    ($PYMPAR_TUNING=library), 'only' (one candidate) or 'mismatch' (the ranks were not in the
+    same call: the library's call ran, nothing was decided); times_us: candidate -> the slowest
+    rank's time (minimum over rounds) behind the choice, empty when nothing was measured."""
+
+    __slots__ = ("collective", "dtype", "nbytes", "bucket", "shape", "algo", "source", "times_us")
+
+    def __init__(self, collective, dtype, nbytes, shape, algo, source, times_us=None):
+        self.collective, self.dtype, self.nbytes = collective, str(dtype), int(nbytes)
+        self.bucket, self.shape, self.algo, self.source = bucket(nbytes), shape, algo, source
+        self.times_us = dict(times_us or {})
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    def __str__(self):
+        lo, hi = (1 << (self.bucket - 1)) + 1 if self.bucket else 0, 1 << self.bucket
+        head = (f"{self.collective} {self.dtype} {self.nbytes} B (bucket {lo}..{hi} B) on {self.shape}: "
+                f"auto -> {self.algo} ({self.source})")
+        if not self.times_us:
+            return head
+        best = min(self.times_us.values())
+        rows = "".join(f"\n  {a:>20} {t:12.1f} us  {t / best if best > 0 else 1.0:6.2f}x"
+                       + ("  <- chosen" if a == self.algo else "")
+                       for a, t in sorted(self.times_us.items(), key=lambda kv: kv[1]))
+        return head + rows
+
+
+def pick(times: dict, library: str = "mpi") -> str:
+    """The candidate to run from {name: seconds}: the library unless beaten by > MARGIN."""
+    best = min(times, key=lambda a: (times[a], a != library, a))
+    if library in times and times[library] <= MARGIN * times[best]:
+        return library
+    return best
+
+
+def measure(names, runs, coll, timer=None) -> dict:
+    """{name: seconds}: min over rounds of the slowest rank's time of runs[name]().
+
+    Collective over the mpi4py communicator ``coll`` (every rank calls it with the same
+    names in the same order). runs[name]() performs one complete collective; timer(name, run)
+    -> seconds (default: perf_counter around run()). The rounds' times are MAX-reduced over
+    the ranks, so the result -- and any decision taken from it -- is the same on every rank
+    even when the ranks' own clocks disagree."""
+    from mpi4py import MPI
+
+    timer = timer or _time_it
+    nbytes = getattr(runs, "nbytes", None)
+    reps = rounds(nbytes) if nbytes is not None else 3
+    for name in names:           # warm-up: first-use allocations (shared windows, buffers)
+        runs[name]()
+    t = np.zeros((reps, len(names)))
+    for i in range(reps):
+        for j, name in enumerate(names):
+            t[i, j] = timer(name, runs[name])
+    coll.Allreduce(MPI.IN_PLACE, t, MPI.MAX)
+    return {name: float(t[:, j].min()) for j, name in enumerate(names)}
+
+
+def _time_it(_name, run):
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
+
+
+class Runs(dict):
+    """name -> callable, with the message size that sets the number of rounds."""
+
+    def __init__(self, nbytes, items=()):
+        super().__init__(items)
+        self.nbytes = nbytes
+
+
+# --- tuning files ----------------------------------------------------------------------
+def read_setting(value=None):
+    """$PYMPAR_TUNING (or value): None (measure), 'library', or the parsed file as a dict.
+
+    Called on one rank (MPIComm broadcasts the result). A file that cannot be read or is not
+    a tuning file of this format gives a TuningWarning and None."""
+    value = os.environ.get("PYMPAR_TUNING", "") if value is None else value
+    value = str(value).strip()
+    if value in ("", "measure", "auto"):
+        return None
+    if value == "library":
+        return "library"
+    try:
+        with open(value) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        warnings.warn(f"PYMPAR_TUNING={value!r}: cannot read the tuning file ({e}); measuring instead",
+                      TuningWarning, stacklevel=2)
+        return None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        warnings.warn(f"PYMPAR_TUNING={value!r} is not a {FORMAT} tuning file (write one with "
+                      f"`python -m pympar.bench allreduce --tune FILE`); measuring instead",
+                      TuningWarning, stacklevel=2)
+        return None
+    data["path"] = value
+    return data
+
+
+class Tuner:
+    """One communicator's auto decisions: a cache over the tuning file and measurements."""
+
+    def __init__(self, setting, shape: str, comm_name: str, warn: bool):
+        self.mode = "library" if setting == "library" else "measure"
+        self.shape, self.comm_name = shape, comm_name
+        self.decisions = {}
+        self.entries = None
+        if isinstance(setting, dict):
+            self.entries = self._fit(setting, warn)
+
+    def _fit(self, data, warn):
+        path, here, there = data.get("path", "?"), machine(), data.get("machine", {})
+        if there != here:
+            if warn:
+                warnings.warn(f"tuning file {path} was measured on {there.get('cpu')!r} with {there.get('mpi')!r}, "
+                              f"this is {here['cpu']!r} with {here['mpi']!r}: ignored, measuring instead "
+                              f"(write one here with `python -m pympar.bench allreduce --tune FILE`)",
+                              TuningWarning, stacklevel=4)
+            return None
+        shapes = data.get("shapes", {})
+        if self.shape not in shapes:
+            if warn:
+                warnings.warn(f"tuning file {path} has no entries for communicator {self.comm_name!r} of shape "
+                              f"{self.shape} (ranks-nodes-ranks per node; it has {sorted(shapes) or 'none'}): "
+                              f"ignored for it, measuring instead (run `mpiexec -n N python -m pympar.bench "
+                              f"<collective> --tune {path}` at this shape to add them)", TuningWarning, stacklevel=4)
+            return None
+        return shapes[self.shape]
+
+    def lookup(self, verb, dtype, nbytes, candidates):
+        """The cached or filed decision, or None when it must be measured."""
+        key = (verb, str(dtype), bucket(nbytes))
+        d = self.decisions.get(key)
+        if d is not None:
+            return d
+        if len(candidates) == 1 or self.mode == "library":
+            d = Decision(verb, dtype, nbytes, self.shape, "mpi", "only" if len(candidates) == 1 else "library")
+        elif self.entries is not None:
+            e = self.entries.get(verb, {}).get(str(dtype), {}).get(str(bucket(nbytes)))
+            if e is not None and e.get("algo") in candidates:
+                d = Decision(verb, dtype, nbytes, self.shape, e["algo"], "file", e.get("times_us"))
+        if d is not None:
+            self.decisions[key] = d
+        return d
+
+    def record(self, verb, dtype, nbytes, times):
+        d = Decision(verb, dtype, nbytes, self.shape, pick(times), "measured",
+                     {a: t * 1e6 for a, t in times.items()})
+        self.decisions[(verb, str(dtype), bucket(nbytes))] = d
+        return d
+
+
+def write_file(path, shape, verb, dtype, rows):
+    """Add {nbytes: {candidate: seconds}} measured at ``shape`` to the tuning file ``path``.
+
+    Each size's decision uses the same rule as the measurement (pick). Entries of other
+    shapes, collectives and dtypes already in the file stay; a file of another machine or
+    format is replaced (with a TuningWarning)."""
+    here, data = machine(), None
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            data = None
+        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("machine") != here:
+            warnings.warn(f"{path} is not a {FORMAT} tuning file of this machine: replaced", TuningWarning, stacklevel=2)
+            data = None
+    data = data or {"format": FORMAT, "machine": here, "shapes": {}}
+    table = data["shapes"].setdefault(shape, {}).setdefault(verb, {}).setdefault(str(dtype), {})
+    for nbytes, times in sorted(rows.items()):
+        table[str(bucket(nbytes))] = {"nbytes": int(nbytes), "algo": pick(times),
+                                      "times_us": {a: round(t * 1e6, 3) for a, t in times.items()}}
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    return data

@@ -1,0 +1,158 @@
+"""algo="auto" against every choice it has, on shared memory and on MPICH's network transport.
+
+For each transport and rank count, one ``python -m pympar.bench <collective> --algo all``
+run: auto (which measures its choice per size bucket in its warm-up, agreed over the
+ranks), every pympar algorithm, pympar's wrapper of the library's call (``mpi``) and the
+library's call made directly through mpi4py (``library``). Per size, "best" is the fastest
+of all of them (the library's direct call included: auto must never lose to it); auto/best
+is the time ratio (1.0: auto ran the fastest choice). Time: the slowest rank's mean over
+the iterations, as nccl-tests; allreduce out of place.
+
+Transports (MPICH, this machine's ranks):
+  shm      the default: ranks of a node share memory (MPICH's shm transport, pympar's shm);
+  network  MPIR_CVAR_NOLOCAL=1: every message through the network module, every rank its
+           own node -- what ranks on different nodes use;
+  2nodes   MPIR_CVAR_NUM_CLIQUES=2: two "nodes" whose ranks share memory, network between
+           them (hierarchical's inter-node leg on the network transport).
+
+    python bench/auto_select.py                                  # 2, 4, 8 ranks, both transports
+    python bench/auto_select.py --ranks 2 --transports shm --max 1M   # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+TRANSPORTS = {"shm": {}, "network": {"MPIR_CVAR_NOLOCAL": "1"}, "2nodes": {"MPIR_CVAR_NUM_CLIQUES": "2"}}
+LARGE = 4 << 20
+TARGET = 1.15
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(s[:-1]) * mult[s[-1]]) if s and s[-1] in mult else int(s)
+
+
+def one(coll, n, transport, lo, hi, factor, iters, warmup, timeout):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.json"
+        cmd = [common.mpiexec(), "-n", str(n), sys.executable, "-m", "pympar.bench", coll, "-b", str(lo), "-e", str(hi),
+               "-f", str(factor), "-n", str(iters), "-w", str(warmup), "-c", "0", "--algo", "all", "--no-torch",
+               "--json", str(out)]
+        env = dict(common.env(), **TRANSPORTS[transport])
+        env.pop("PYMPAR_TUNING", None)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=common.ROOT)
+        if p.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{' '.join(cmd)} ({transport}) failed ({p.returncode}):\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
+        d = json.loads(out.read_text())
+        return d["rows"], d.get("shape")
+
+
+def summarize(rows):
+    out = []
+    for key in sorted({(r["collective"], r["transport"], r["nranks"], r["bytes"]) for r in rows}):
+        rs = [r for r in rows if (r["collective"], r["transport"], r["nranks"], r["bytes"]) == key
+              and r["placement"] == "out"]
+        auto = next((r for r in rs if r["algo"] == "auto"), None)
+        others = [r for r in rs if r["algo"] != "auto"]
+        if auto is None or not others:
+            continue
+        best = min(others, key=lambda r: r["time_us"])
+        lib = next(r for r in rs if r["algo"] == "library")
+        out.append(dict(collective=key[0], transport=key[1], nranks=key[2], bytes=key[3], auto_us=auto["time_us"],
+                        chosen=auto.get("chosen"), best_algo=best["algo"], best_us=best["time_us"],
+                        auto_over_best=auto["time_us"] / best["time_us"], library_us=lib["time_us"],
+                        library_over_auto=lib["time_us"] / auto["time_us"]))
+    return out
+
+
+def run(a):
+    rows, shapes = [], {}
+    hi = parse_size(a.max)
+    for coll in a.collectives.split(","):
+        for transport in a.transports.split(","):
+            for n in [int(x) for x in a.ranks.split(",")]:
+                if transport == "2nodes" and n < 4:
+                    continue
+                got = []
+                small_hi = min(hi, LARGE // a.factor)
+                part, shape = one(coll, n, transport, a.min, small_hi, a.factor, a.iters, a.warmup, a.timeout)
+                got += part
+                if hi >= LARGE:
+                    part, _ = one(coll, n, transport, LARGE, hi, a.factor, a.large_iters, 1, a.timeout)
+                    got += part
+                for r in got:
+                    r.update(collective=coll, nranks=n, transport=transport)
+                rows += got
+                shapes[f"{transport}/{n}"] = shape
+                s = [x for x in summarize(got)]
+                worst = max(s, key=lambda x: x["auto_over_best"])
+                print(f"  {coll} {transport} n={n} ({shape}): auto/best max {worst['auto_over_best']:.2f} "
+                      f"at {worst['bytes']} B", file=sys.stderr, flush=True)
+    return dict(kind="auto_select", machine=common.machine(), target=TARGET, shapes=shapes, rows=rows,
+                summary=summarize(rows))
+
+
+def plot(res, png_dir):
+    plt = common.pyplot()
+    made = []
+    summ = res["summary"]
+    for coll in sorted({s["collective"] for s in summ}):
+        for transport in [t for t in TRANSPORTS if any(s["transport"] == t and s["collective"] == coll for s in summ)]:
+            ns = sorted({s["nranks"] for s in summ if s["transport"] == transport and s["collective"] == coll})
+            fig, axes = plt.subplots(2, len(ns), figsize=(3.3 * len(ns), 5.4), squeeze=False, sharex=True)
+            for j, n in enumerate(ns):
+                rs = [r for r in res["rows"] if r["collective"] == coll and r["transport"] == transport
+                      and r["nranks"] == n and r["placement"] == "out"]
+                best = {s["bytes"]: s["best_us"] for s in summ if s["collective"] == coll
+                        and s["transport"] == transport and s["nranks"] == n}
+                for algo in dict.fromkeys(r["algo"] for r in rs):
+                    pts = sorted((r["bytes"], r["time_us"]) for r in rs if r["algo"] == algo)
+                    style = (dict(lw=2.2, color="k") if algo == "library" else
+                             dict(lw=2.2, color="tab:red", marker="o", ms=3) if algo == "auto" else dict(lw=0.9))
+                    axes[0][j].plot([p[0] for p in pts], [p[1] for p in pts], label=algo, **style)
+                    axes[1][j].plot([p[0] for p in pts], [p[1] / best[p[0]] for p in pts], label=algo, **style)
+                axes[0][j].set(xscale="log", yscale="log", title=f"{n} ranks", ylabel="time (us, slowest rank)")
+                axes[1][j].set(xscale="log", yscale="log", ylim=(0.9, 8), xlabel="message size (bytes)",
+                               ylabel="time / fastest choice")
+                axes[1][j].axhline(TARGET, color="tab:red", lw=0.6, ls="--")
+            axes[0][-1].legend(fontsize=6)
+            fig.suptitle(f"{coll}, {transport} transport: auto (red) vs every choice; dashed: {TARGET}x target\n"
+                         f"({common.machine()})", fontsize=8)
+            made.append(common.save(fig, Path(png_dir) / f"auto_{coll}_{transport}.png"))
+    return made
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--collectives", default="allreduce")
+    ap.add_argument("--transports", default="shm,network,2nodes")
+    ap.add_argument("--ranks", default="2,4,8")
+    ap.add_argument("--min", default="16")
+    ap.add_argument("--max", default="64M")
+    ap.add_argument("--factor", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=40, help="timed iterations below 4 MiB")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--large-iters", type=int, default=3, help="timed iterations from 4 MiB on")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--json", default=str(common.RESULTS / "auto_select.json"))
+    ap.add_argument("--png-dir", default=str(common.ROOT / "docs" / "img"))
+    a = ap.parse_args(argv)
+    os.environ.pop("PYMPAR_TUNING", None)
+    res = run(a)
+    common.write_json(a.json, res)
+    made = plot(res, a.png_dir)
+    print(f"wrote {a.json} {' '.join(map(str, made))}")
+
+
+if __name__ == "__main__":
+    main()

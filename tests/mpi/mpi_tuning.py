@@ -1,0 +1,185 @@
+"""algo="auto": agreed measurement, tuning files (fitting, of another shape or machine), library mode."""
+import json
+import os
+import tempfile
+import warnings
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from pympar.comm import MPIComm
+from pympar.comm import tuning
+
+
+@pytest.fixture()
+def fresh(mpi_world, monkeypatch):
+    """A new MPIComm per test (no decisions yet); the tuning setting from $PYMPAR_TUNING as the test set it."""
+    made = []
+
+    def make(setting=None):
+        if setting is None:
+            monkeypatch.delenv("PYMPAR_TUNING", raising=False)
+        else:
+            monkeypatch.setenv("PYMPAR_TUNING", str(setting))
+        c = MPIComm(mpi_world, name="tuned", timeout=60)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.free()
+
+
+def agreed(comm, value):
+    return comm.mpi_comm.allgather(value)
+
+
+def test_decision_is_the_same_on_every_rank_when_their_timings_disagree(fresh):
+    c = fresh()
+    if c.size == 1:
+        pytest.skip("size 1: auto is the only call there is")
+    names = c.candidates("allreduce")
+    k, n, r = len(names), c.size, c.rank
+
+    # rank r's own clock says candidate (r % k) is fastest, by a wide margin
+    def fake(rank, j):
+        return 1e-3 * (1 + ((j - rank) % k)) + 1e-6 * j
+
+    c._timer = lambda name, run: (run(), fake(r, names.index(name)))[1]
+    d = c.explain("allreduce", 4096)
+    own_best = min(names, key=lambda a: fake(r, names.index(a)))
+    slowest = {a: max(fake(q, j) for q in range(n)) for j, a in enumerate(names)}
+    assert d.source == "measured"
+    assert agreed(c, d.algo) == [d.algo] * n, "ranks decided differently"
+    assert d.algo == tuning.pick(slowest)
+    assert d.times_us == pytest.approx({a: t * 1e6 for a, t in slowest.items()})
+    assert len(set(agreed(c, own_best))) > 1      # the ranks' own timings did disagree
+    # the decision is kept: a real call of that bucket runs it and is correct
+    x = np.full(1000, float(r + 1), np.float32)
+    c.allreduce(x)
+    assert np.all(x == n * (n + 1) / 2)
+    assert c.explain("allreduce", 3000) is d            # same bucket (2049..4096 B), no new measurement
+
+
+def test_real_calls_measure_each_bucket_once_and_stay_correct(fresh):
+    c = fresh()
+    if c.size == 1:
+        pytest.skip("size 1: auto is the only call there is")
+    calls = []
+    c._timer = lambda name, run: (calls.append(name), tuning._time_it(name, run))[1]
+    n, r = c.size, c.rank
+    for count in (1, 3, 1000, 1000, 50_000):
+        x = np.full(count, float(r + 1))
+        y = c.allreduce(x, inplace=False)
+        assert np.all(y == n * (n + 1) / 2) and np.all(x == r + 1)   # the measurement left x alone
+        g = c.allgather(np.full(count, r, np.int64))
+        assert g.tolist() == sum(([q] * count for q in range(n)), [])
+        b = np.full(count, 7.0) if r == 0 else np.zeros(count)
+        assert np.all(c.broadcast(b, root=0) == 7.0)
+    # buckets: 8 B, 24 B -> 32, 8000 -> 8192 (twice: measured once), 400000 -> 2^19; three verbs
+    per_bucket = {"allreduce": len(c.candidates("allreduce")), "allgather": len(c.candidates("allgather")),
+                  "broadcast": len(c.candidates("broadcast"))}
+    rounds = sum(per_bucket[v] * tuning.rounds(nb) for v in per_bucket
+                 for nb in ({"allgather": [8 * n, 24 * n, 8000 * n, 400_000 * n]}.get(v, [8, 24, 8000, 400_000])))
+    assert len(calls) == rounds
+    assert len({(d.collective, d.bucket) for d in c._tuner.decisions.values()}) == 12
+
+
+def _write(path, shape, algo_4k, machine=None):
+    data = {"format": tuning.FORMAT, "machine": machine or tuning.machine(),
+            "shapes": {shape: {"allreduce": {"float32": {"12": {"nbytes": 4096, "algo": algo_4k, "times_us": {}}}}}}}
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def _shared_path(comm, name):
+    """A path every rank sees (rank 0's temporary directory; the ranks share this machine)."""
+    d = comm.mpi_comm.bcast(tempfile.mkdtemp(prefix="pympar-tune-") if comm.rank == 0 else None, 0)
+    return os.path.join(d, f"{name}.json")
+
+
+def test_tuning_file_of_this_shape_is_used(fresh, mpi_world, tmp_path):
+    probe = fresh()
+    if probe.size == 1:
+        pytest.skip("size 1: auto is the only call there is")
+    path = _shared_path(probe, "tune_fit")
+    want = "ring"
+    if probe.rank == 0:
+        _write(path, probe.shape_key(), want)
+    else:
+        probe.shape_key()
+    mpi_world.Barrier()
+    c = fresh(path)
+    d = c.explain("allreduce", 4096)
+    assert (d.algo, d.source) == (want, "file")
+    x = np.full(1024, float(c.rank), np.float32)
+    c.allreduce(x)
+    assert np.all(x == c.size * (c.size - 1) / 2)
+    assert c.explain("allreduce", 64).source == "measured"     # a bucket the file lacks
+    mpi_world.Barrier()
+    if c.rank == 0:
+        os.remove(path)
+
+
+@pytest.mark.parametrize("what", ["shape", "machine"])
+def test_tuning_file_of_another_shape_or_machine_is_ignored_with_a_warning(fresh, mpi_world, what):
+    probe = fresh()
+    if probe.size == 1:
+        pytest.skip("size 1: no decisions")
+    path = _shared_path(probe, f"tune_{what}")
+    shape = probe.shape_key()
+    if probe.rank == 0:
+        if what == "shape":
+            _write(path, f"{probe.size + 3}r-1n-{probe.size + 3}rpn", "ring")
+        else:
+            _write(path, shape, "ring", machine={"cpu": "another CPU", "mpi": "another MPI 1.0"})
+    mpi_world.Barrier()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        c = fresh(path)
+        d = c.explain("allreduce", 4096)
+    msgs = [str(w.message) for w in seen if issubclass(w.category, tuning.TuningWarning)]
+    if c.rank == 0:
+        assert msgs and ("no entries" in msgs[0] if what == "shape" else "another CPU" in msgs[0]), msgs
+        assert "measuring instead" in msgs[0]
+    else:
+        assert not msgs        # one warning per communicator, from its rank 0
+    assert d.source == "measured"
+    mpi_world.Barrier()
+    if c.rank == 0:
+        os.remove(path)
+
+
+def test_library_mode_and_a_file_that_is_not_a_tuning_file(fresh, mpi_world):
+    c = fresh("library")
+    d = c.explain("allgather", 1 << 20)
+    assert d.algo == "mpi" and d.source in ("library", "only")
+    path = _shared_path(c, "not_tuning")
+    if c.rank == 0:
+        with open(path, "w") as f:
+            json.dump({"allreduce": {"single_node": [[8192, "mpi"]]}}, f)   # the old table format
+    mpi_world.Barrier()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        c2 = fresh(path)
+    if c2.rank == 0:
+        assert any("is not a pympar-tuning/2 tuning file" in str(w.message) for w in seen)
+    assert c2.explain("allreduce", 100).source in ("measured", "only")
+    mpi_world.Barrier()
+    if c2.rank == 0:
+        os.remove(path)
+
+
+def test_write_file_then_read_back(tmp_path):
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return
+    p = tmp_path / "t.json"
+    tuning.write_file(p, "2r-1n-2rpn", "allreduce", "float32", {4096: {"mpi": 5e-6, "ring": 4.9e-6},
+                                                               1 << 20: {"mpi": 2e-4, "shm": 1e-4}})
+    tuning.write_file(p, "4r-1n-4rpn", "allreduce", "float32", {4096: {"mpi": 5e-6, "ring": 1e-6}})
+    data = tuning.read_setting(str(p))
+    t = data["shapes"]["2r-1n-2rpn"]["allreduce"]["float32"]
+    assert t["12"]["algo"] == "mpi"          # within MARGIN of the library: the library
+    assert t["20"]["algo"] == "shm"
+    assert data["shapes"]["4r-1n-4rpn"]["allreduce"]["float32"]["12"]["algo"] == "ring"
