@@ -5,8 +5,10 @@ run: auto (which measures its choice per size bucket in its warm-up, agreed over
 ranks), every pympar algorithm, pympar's wrapper of the library's call (``mpi``) and the
 library's call made directly through mpi4py (``library``). Per size, "best" is the fastest
 of all of them (the library's direct call included: auto must never lose to it); auto/best
-is the time ratio (1.0: auto ran the fastest choice). Time: the slowest rank's mean over
-the iterations, as nccl-tests; allreduce out of place.
+is the time ratio (1.0: auto ran the fastest choice); chosen_row_over_best compares the row
+of the algorithm auto chose instead (the decision's quality without the noise between two
+rows of the same algorithm). Time: the slowest rank's mean over the iterations, as
+nccl-tests; allreduce out of place.
 
 Transports (MPICH, this machine's ranks):
   shm      the default: ranks of a node share memory (MPICH's shm transport, pympar's shm);
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 TRANSPORTS = {"shm": {}, "network": {"MPIR_CVAR_NOLOCAL": "1"}, "2nodes": {"MPIR_CVAR_NUM_CLIQUES": "2"}}
-LARGE = 4 << 20
+MID, LARGE = 128 << 10, 4 << 20     # size bands: -n iters below MID, --mid-iters to LARGE, --large-iters from it
 TARGET = 1.15
 
 
@@ -68,10 +70,12 @@ def summarize(rows):
             continue
         best = min(others, key=lambda r: r["time_us"])
         lib = next(r for r in rs if r["algo"] == "library")
+        chosen = next((r for r in rs if r["algo"] == auto.get("chosen")), None)
         out.append(dict(collective=key[0], transport=key[1], nranks=key[2], bytes=key[3], auto_us=auto["time_us"],
                         chosen=auto.get("chosen"), best_algo=best["algo"], best_us=best["time_us"],
-                        auto_over_best=auto["time_us"] / best["time_us"], library_us=lib["time_us"],
-                        library_over_auto=lib["time_us"] / auto["time_us"]))
+                        auto_over_best=auto["time_us"] / best["time_us"],
+                        chosen_row_over_best=chosen["time_us"] / best["time_us"] if chosen else None,
+                        library_us=lib["time_us"], library_over_auto=lib["time_us"] / auto["time_us"]))
     return out
 
 
@@ -84,12 +88,13 @@ def run(a):
                 if transport == "2nodes" and n < 4:
                     continue
                 got = []
-                small_hi = min(hi, LARGE // a.factor)
-                part, shape = one(coll, n, transport, a.min, small_hi, a.factor, a.iters, a.warmup, a.timeout)
-                got += part
-                if hi >= LARGE:
-                    part, _ = one(coll, n, transport, LARGE, hi, a.factor, a.large_iters, 1, a.timeout)
-                    got += part
+                bands = [(parse_size(a.min), min(hi, MID // a.factor), a.iters, a.warmup),
+                         (MID, min(hi, LARGE // a.factor), a.mid_iters, 3), (LARGE, hi, a.large_iters, 1)]
+                shape = None
+                for lo_b, hi_b, iters, warm in bands:
+                    if lo_b <= hi_b:
+                        part, shape = one(coll, n, transport, lo_b, hi_b, a.factor, iters, warm, a.timeout)
+                        got += part
                 for r in got:
                     r.update(collective=coll, nranks=n, transport=transport)
                 rows += got
@@ -140,8 +145,9 @@ def main(argv=None):
     ap.add_argument("--min", default="16")
     ap.add_argument("--max", default="64M")
     ap.add_argument("--factor", type=int, default=4)
-    ap.add_argument("--iters", type=int, default=40, help="timed iterations below 4 MiB")
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=400, help="timed iterations below 128 KiB")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--mid-iters", type=int, default=30, help="timed iterations from 128 KiB to 4 MiB")
     ap.add_argument("--large-iters", type=int, default=3, help="timed iterations from 4 MiB on")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", default=str(common.RESULTS / "auto_select.json"))

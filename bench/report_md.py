@@ -67,6 +67,49 @@ def sec_collectives(res, status) -> str:
     return "\n".join(out)
 
 
+def sec_auto_select(res, status) -> str:
+    d = _load(res, "auto_select")
+    out = ["## algo=\"auto\" against every choice, on shared memory and on the network transport"
+           + _when("auto_select", status), ""]
+    if not d:
+        return "\n".join(out) + _missing("auto_select", status)
+    tgt = d.get("target", 1.15)
+    out += ["`python bench/auto_select.py`: one `python -m pympar.bench allreduce --algo all` run per transport and "
+            "rank count (auto measures its choice per size bucket in its warm-up, agreed over the ranks). Per size, "
+            "best = the fastest row of the run (every pympar algorithm, `mpi` = pympar's wrapper of the library's "
+            "nonblocking call, `library` = MPI_Allreduce called directly through mpi4py). auto/best: auto's row "
+            "over the best; chosen/best: the row of the algorithm auto chose over the best (the decision without "
+            "the noise between two rows of one algorithm). Out of place, the slowest rank's mean. Transports: "
+            "`shm` MPICH's default (shared memory); `network` `MPIR_CVAR_NOLOCAL=1` (every message through the "
+            "network module, each rank its own node); `2nodes` `MPIR_CVAR_NUM_CLIQUES=2` (two nodes sharing memory "
+            "inside, network between). 4 and 8 ranks oversubscribe the 2 cores.", ""]
+    summ = d["summary"]
+    for tr in dict.fromkeys(s["transport"] for s in summ):
+        out += [f"### {tr}", "", _img(f"auto_allreduce_{tr}", f"auto on {tr}"), ""]
+        ns = sorted({s["nranks"] for s in summ if s["transport"] == tr})
+        sizes = sorted({s["bytes"] for s in summ if s["transport"] == tr})
+        out += ["| size | " + " | ".join(f"{n} ranks: auto (chosen) | auto/best | chosen/best | library/auto"
+                                         for n in ns) + " |",
+                "| ---: |" + " --- | ---: | ---: | ---: |" * len(ns)]
+        for b in sizes:
+            cells = []
+            for n in ns:
+                s = next((x for x in summ if x["transport"] == tr and x["nranks"] == n and x["bytes"] == b), None)
+                if s is None:
+                    cells.append("- | - | - | -")
+                    continue
+                c = s.get("chosen_row_over_best")
+                cells.append(f"{s['auto_us']:.1f} us ({s['chosen']}) | {s['auto_over_best']:.2f} | "
+                             f"{'-' if c is None else f'{c:.2f}'} | {s['library_over_auto']:.2f}")
+            out.append(f"| {human(b)} | " + " | ".join(cells) + " |")
+        within = [s for s in summ if s["transport"] == tr]
+        ok = sum(1 for s in within if s["auto_over_best"] <= tgt)
+        okc = sum(1 for s in within if (s.get("chosen_row_over_best") or 9) <= tgt)
+        out += ["", f"auto within {tgt}x of the best: {ok} of {len(within)} (size, ranks) points; the chosen "
+                    f"algorithm's own row within {tgt}x: {okc} of {len(within)}.", ""]
+    return "\n".join(out)
+
+
 def sec_train_step(res, status) -> str:
     d = _load(res, "train_step")
     out = ["## A training step: pympar vs PyTorch eager + SDPA and torch.compile" + _when("train_step", status), ""]
@@ -407,6 +450,6 @@ def render(res: Path, status: dict) -> str:
     quick = [n for n, s in status.items() if s.get("quick")]
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
-    secs = [sec_collectives, sec_train_step, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_dp, sec_moe,
+    secs = [sec_collectives, sec_auto_select, sec_train_step, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_dp, sec_moe,
             sec_compression, sec_plan, sec_memory, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

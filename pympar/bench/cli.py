@@ -11,7 +11,7 @@ and in-place time(us), algbw(GB/s) = size/time, busbw(GB/s) = algbw x factor (al
 (elements off the NumPy reference, with -c 1). Time is the mean over -n iterations after
 -w warm-up ones, the slowest rank's. ``--format osu``: OSU's columns instead, average,
 minimum and maximum over the ranks of each rank's mean latency (us). ``--algo all`` runs
-every pympar algorithm, the MPI library's own call made directly through mpi4py (row
+auto and every pympar algorithm, the MPI library's own call made directly through mpi4py (row
 "library"), and, for allreduce when torch imports, torch.distributed's gloo
 ("torch-gloo"); ``auto`` rows name what auto ran, e.g. auto(shm). ``--explain`` prints,
 per size, what auto chose and the measured times behind it. ``--tune FILE`` adds this
@@ -122,7 +122,7 @@ def algorithms(args, comm):
     if "shm" in avail and not comm.topology().single_node:
         avail.remove("shm")
     if args.algo == "all":
-        names = avail + ["library"]
+        names = (["auto"] if coll in _AUTO_VERBS else []) + avail + ["library"]
         if coll == "allreduce" and not args.no_torch and args.dtype != "bfloat16":
             from . import torch_peer
 
@@ -233,6 +233,14 @@ def main(argv=None):
                   f"{'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>7} |{'(us)':>10} {'(GB/s)':>7} {'(GB/s)':>7} {'':>7}")
     factor = BUSBW[coll](n)
     explained = []
+    if sizes and args.warmup_iters:   # the job's first calls (windows made, pages touched, ranks in step): untimed
+        first = Case(comm, coll, sizes[0], dtype, args.op, xp)
+        if first.count or coll not in ("allgather", "alltoall", "alltoallv"):
+            for algo in names:
+                if algo not in ("library", "torch-gloo"):
+                    for _ in range(args.warmup_iters):
+                        first.run(None if algo == "nccl" else algo, False)
+        comm.barrier()
     for size in sizes:
         case = Case(comm, coll, size, dtype, args.op, xp)
         if case.count == 0 and coll in ("allgather", "alltoall", "alltoallv"):

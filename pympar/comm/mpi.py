@@ -7,6 +7,9 @@ messages nor the messages of the program that owns the original communicator.
 """
 from __future__ import annotations
 
+import math
+import time
+
 import numpy as np
 from mpi4py import MPI
 
@@ -23,7 +26,7 @@ from .base import Communicator, check_op, check_out, contiguous, flat, new_like,
 from .device import copy_back, needs_staging, sync_stream, to_host
 from .dtypes import check_dtype, finish_avg, mpi_op, reduce_op, wire
 from .plans import MAX_PLANS, Plan
-from .progress import Request, StagedRequest, Waiter, default_timeout, poll1
+from .progress import P2PRequest, Request, StagedRequest, Waiter, default_timeout, poll1
 from .topology import Topology
 from .tuning import Decision, Runs, Tuner, measure, read_setting, shape_key
 from .watchdog import ArrivalBoard, op_code
@@ -368,8 +371,8 @@ class MPIComm(Communicator):
             return None
         if out is None:
             dst = x if inplace and plan.in_place else np.empty(plan.out_shape, x.dtype)
-        elif (type(out) is _ndarray and out.dtype == x.dtype and out.shape == plan.out_shape
-              and out.flags.c_contiguous):
+        elif (type(out) is _ndarray and out.dtype is x.dtype and out.shape == plan.out_shape
+              and out.flags.c_contiguous):     # dtype: the same object, else the general path compares
             dst = out
         else:
             return None
@@ -660,6 +663,20 @@ class MPIComm(Communicator):
         self.p2p_seq += 1
         return Waiter(op, self.name, self.p2p_seq, self.timeout)
 
+    def _lazy_waiter(self, op):
+        """make() -> the Waiter of a point-to-point operation started now, built on first use
+        (its deadline from now: the start's time is read here, the object made only if needed)."""
+        self.p2p_seq += 1
+        seq, t0, made = self.p2p_seq, time.monotonic(), []
+
+        def make():
+            if not made:
+                w = Waiter(op, self.name, seq, self.timeout)
+                w.deadline = t0 + self.timeout if math.isfinite(self.timeout) else math.inf
+                made.append(w)
+            return made[0]
+        return make
+
     # blocking send/recv of a C-contiguous NumPy array: the library's nonblocking call polled
     # in place (no Request, no Waiter unless the wait is not short; same deadline and report)
     def send(self, x, dest, tag=0):
@@ -685,6 +702,9 @@ class MPIComm(Communicator):
         return self.irecv(buf, source, tag).wait()
 
     def isend(self, x, dest, tag=0):
+        if type(x) is _ndarray and x.flags.c_contiguous and x.ndim:   # NumPy: the lean request
+            check_dtype(x.dtype)
+            return P2PRequest(self._p2p.Isend(wire(x), dest, tag), dest, self._lazy_waiter("send"), x)
         if needs_staging(x):
             x = to_host(x)
         x = contiguous(x, "send operand")
@@ -693,6 +713,9 @@ class MPIComm(Communicator):
 
     def irecv(self, buf, source, tag=0):
         """Receive into buf (arrays never travel pickled: the receiver supplies the buffer)."""
+        if type(buf) is _ndarray and buf.flags.c_contiguous and buf.ndim:
+            check_dtype(buf.dtype)
+            return P2PRequest(self._p2p.Irecv(wire(buf), source, tag), source, self._lazy_waiter("recv"), buf)
         if needs_staging(buf):
             h = np.empty(buf.shape, dtype=buf.dtype)         # host landing buffer; copied back on completion
             req = self._p2p.Irecv(wire(flat(h)), source, tag)

@@ -66,7 +66,8 @@ class Backoff:
     """Polling pace: tight spins (a few when the node is oversubscribed), then sched_yield for
     YIELD_SECONDS, then doubling sleeps.
 
-    ``pause()`` returns the current time when it checked the clock (None while spinning).
+    ``pause()`` returns the current time when it checked the clock (None while spinning, and
+    on 15 of every 16 yields: reading the clock costs as much as the yield's bookkeeping).
     """
 
     __slots__ = ("spins", "sleep", "yield_until", "limit")
@@ -77,6 +78,9 @@ class Backoff:
     def pause(self):
         self.spins += 1
         if self.spins < self.limit:
+            return None
+        if self.spins & 15 and self.yield_until is not None and self.sleep == 2e-5:
+            os.sched_yield()     # in the yield phase: the clock every 16th pause only
             return None
         now = time.monotonic()
         if self.yield_until is None:
@@ -187,6 +191,34 @@ class Request:
         w = self._waiter
         if w is not None and w.deadline != math.inf and time.monotonic() > w.deadline:
             w.expire(self._reqs, self._peers)
+
+
+class P2PRequest(Request):
+    """One point-to-point MPI request, lean: the Waiter (deadline object, backoff, report) is
+    built only when wait() is not short; test() past the deadline raises as Request's does.
+    make_waiter(): the Waiter of this operation, deadline counted from the request's start."""
+
+
+    def __init__(self, req, peer, make_waiter, result):
+        self._reqs, self._peers, self._waiter = (req,), (peer,), make_waiter
+        self._finish, self._result, self._done = None, result, False
+
+    def wait(self):
+        if not self._done:
+            poll1(self._reqs[0], self._waiter, self._peers[0])
+            self._done = True
+        return self._result
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        if self._reqs[0].Test():
+            self._done = True
+            return True
+        w = self._waiter()
+        if w.deadline != math.inf and time.monotonic() > w.deadline:
+            w.expire(list(self._reqs), list(self._peers))
+        return False
 
 
 class StagedRequest(Request):

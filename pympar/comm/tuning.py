@@ -11,9 +11,9 @@ choice comes from, in order:
    each candidate (the MPI library's own call and every pympar algorithm the topology allows)
    runs on the call's own operands a few rounds, interleaved; the per-round times are reduced
    with MAX over the ranks (one library allreduce), so every rank holds the same table of
-   "slowest rank's time" and takes the same decision from it; per candidate the minimum over
-   rounds counts, and the library's call wins unless another candidate is more than
-   ``MARGIN`` faster.
+   "slowest rank's time" and takes the same decision from it; per candidate the median over
+   rounds counts (a candidate that is only sometimes fast does not win), and the library's
+   call wins unless another candidate is more than ``MARGIN`` faster.
 
 ``$PYMPAR_TUNING=library`` makes auto the library's call everywhere (no measurement: what to
 use when runs with 3 or more ranks must repeat bit for bit across jobs, because another
@@ -77,7 +77,7 @@ class Decision:
     source: 'file' (tuning file), 'measured' (this job's agreed measurement), 'library'
     ($PYMPAR_TUNING=library), 'only' (one candidate) or 'mismatch' (the ranks were not in the
     same call: the library's call ran, nothing was decided); times_us: candidate -> the slowest
-    rank's time (minimum over rounds) behind the choice, empty when nothing was measured."""
+    rank's time (median over rounds) behind the choice, empty when nothing was measured."""
 
     __slots__ = ("collective", "dtype", "nbytes", "bucket", "shape", "algo", "source", "times_us")
 
@@ -111,7 +111,7 @@ def pick(times: dict, library: str = "mpi") -> str:
 
 
 def measure(names, runs, coll, timer=None) -> dict:
-    """{name: seconds}: min over rounds of the slowest rank's time of runs[name]().
+    """{name: seconds}: the median over rounds of the slowest rank's time of runs[name]().
 
     Collective over the mpi4py communicator ``coll`` (every rank calls it with the same
     names in the same order). runs[name]() performs one complete collective; timer(name, run)
@@ -130,7 +130,7 @@ def measure(names, runs, coll, timer=None) -> dict:
         for j, name in enumerate(names):
             t[i, j] = timer(name, runs[name])
     coll.Allreduce(MPI.IN_PLACE, t, MPI.MAX)
-    return {name: float(t[:, j].min()) for j, name in enumerate(names)}
+    return {name: float(np.median(t[:, j])) for j, name in enumerate(names)}
 
 
 def _time_it(_name, run):

@@ -84,10 +84,11 @@ class ArrivalBoard:
         self.win = None
         if self.size > 1:   # memory the library allocates (user memory left registered warns at exit)
             self.win = MPI.Win.Allocate(16, 8, comm=self.comm)
-            self.slots = np.frombuffer(self.win.tomemory(), np.int64)   # [seq, op code]
-            self.slots[:] = 0
+            # [seq, op code] as a memoryview: a store costs ~40 ns, a NumPy item store ~100
+            self.slots = memoryview(self.win.tomemory()).cast("B").cast("q")
+            self.slots[0] = self.slots[1] = 0
         else:
-            self.slots = np.zeros(2, np.int64)
+            self.slots = _local_slots()
         _LIVE.append(self)
 
     def enter(self, seq: int, op: str):
@@ -201,12 +202,16 @@ class ArrivalBoard:
                 req.Wait()
                 self.win.Unlock(p)
             self._dangling = []
-            self.slots = np.zeros(2, np.int64)     # the window's memory goes with it
+            self.slots = _local_slots()     # the window's memory goes with it
             self.win.Free()
             self.win = None
         if self.comm is not None:
             self.comm.Free()
             self.comm = None
+
+
+def _local_slots():
+    return memoryview(bytearray(16)).cast("q")
 
 
 def _peers_ahead() -> list:
