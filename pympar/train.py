@@ -111,7 +111,9 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
         gpu.select_device(mpi)
         comm = gpu.device_world(mpi, timeout=run.comm_timeout)
     else:
-        comm = MPIComm(mpi, name="world", timeout=run.comm_timeout)
+        # a timeout ends the job with the report either way (main's handler): "abort" also lets
+        # auto choose the library's blocking collectives (comm/tuning.py)
+        comm = MPIComm(mpi, name="world", timeout=run.comm_timeout, on_timeout="abort")
     lay = run.layout_resolved
     dp_rank = Mesh.coords(rank, lay.dp, lay.pp, lay.tp)[1]   # this rank's data shard
     rec = Recorder(enabled=run.profile)

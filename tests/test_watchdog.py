@@ -100,6 +100,15 @@ def test_abort_ends_every_rank_with_the_report():
                      r"timed out after 1.5s: no answer from rank\(s\) 1 .*aborting the job", p.stdout), p.stdout
 
 
+def test_blocking_library_call_is_ended_at_its_deadline_with_the_report():
+    # on_timeout="abort": auto may pick the library's blocking call; a skipped call must end the
+    # job (it cannot raise), with the same report of who did not arrive, not hang
+    p = run_mpi(3, [SCRIPT, "blocking", "blocking"], timeout=60, check=False)
+    assert p.returncode != 0 and "RETURNED" not in p.stdout, p.stdout
+    assert re.search(r"pympar: rank [02]: collective watchdog: allreduce #2 on communicator 'watched' "
+                     r"timed out after 1.5s: no answer from rank\(s\) 1 .*aborting the job", p.stdout), p.stdout
+
+
 def test_gather_object_gathers_and_times_out_instead_of_hanging():
     p, out = run_scenario(3, [SCRIPT, "gatherok"], timeout=60)
     assert len(_lines(out, "GATHERED")) == 3, p.stdout

@@ -64,6 +64,9 @@ def build_parser():
     p.add_argument("--format", default="nccl", choices=("nccl", "osu"), help="collectives: nccl-tests "
                    "columns or OSU's (avg/min/max latency over the ranks)")
     p.add_argument("--explain", action="store_true", help="print what algo=auto runs per size and why")
+    p.add_argument("--on-timeout", default="abort", choices=("abort", "raise"), help="a call past its deadline "
+                   "ends the job with the report (abort, as nccl-tests; lets auto use the library's blocking "
+                   "call, row 'blocking') or raises CommTimeoutError (raise: auto polls nonblocking calls only)")
     p.add_argument("-c", "--check", type=int, default=1, help="1: count elements that differ from the reference")
     p.add_argument("--algo", default="auto", help="auto | all | one algorithm name | a comma-separated list")
     p.add_argument("--dtype", default="float32", help="float32 float64 float16 bfloat16 int32 int64")
@@ -119,6 +122,8 @@ def algorithms(args, comm):
 
     coll = args.collective
     avail = list(ALGOS.get(coll, ()))
+    if getattr(comm, "on_timeout", None) == "abort" and coll in _AUTO_VERBS:
+        avail.insert(avail.index("mpi") + 1, "blocking")
     if "shm" in avail and not comm.topology().single_node:
         avail.remove("shm")
     if args.algo == "all":
@@ -190,9 +195,11 @@ def main(argv=None):
 
         comm, xp = NCCLComm(), backend.get_xp("cuda")
     else:
-        from ..comm import world
+        from mpi4py import MPI
 
-        comm, xp = world(), np
+        from ..comm import MPIComm
+
+        comm, xp = MPIComm(MPI.COMM_WORLD, name="world", on_timeout=args.on_timeout), np
     if p2p:
         from . import p2p as p2p_bench
 

@@ -26,7 +26,7 @@ from .base import Communicator, check_op, check_out, contiguous, flat, new_like,
 from .device import copy_back, needs_staging, sync_stream, to_host
 from .dtypes import check_dtype, finish_avg, mpi_op, reduce_op, wire
 from .plans import MAX_PLANS, Plan
-from .progress import P2PRequest, Request, StagedRequest, Waiter, default_timeout, poll1
+from .progress import P2PRequest, Request, StagedRequest, Waiter, deadline_guard, default_timeout, poll1
 from .topology import Topology
 from .tuning import Decision, Runs, Tuner, measure, read_setting, shape_key
 from .watchdog import ArrivalBoard, op_code
@@ -58,9 +58,16 @@ class MPIComm(Communicator):
 
     timeout: seconds any blocking wait may take before CommTimeoutError (default
     $PYMPAR_COMM_TIMEOUT or 300; math.inf disables).
+    on_timeout: "raise" (a CommTimeoutError in the caller) or "abort" (the report on stderr and
+    MPI_Abort, as the trainer does with an uncaught timeout). "abort" also lets auto choose the
+    library's *blocking* collective ("blocking"), whose deadline a watchdog thread keeps: a
+    blocking MPI call cannot raise in the middle, only the job can be ended.
     """
 
-    def __init__(self, comm=None, name=None, timeout=None, _owned=False, _tuning=_READ):
+    def __init__(self, comm=None, name=None, timeout=None, _owned=False, _tuning=_READ, on_timeout="raise"):
+        if on_timeout not in ("raise", "abort"):
+            raise ValueError(f"on_timeout={on_timeout!r}: expected 'raise' or 'abort'")
+        self.on_timeout = on_timeout
         comm = MPI.COMM_WORLD if comm is None else comm
         self._p2p = comm if _owned else comm.Dup()
         self._coll = self._p2p.Dup()
@@ -74,6 +81,7 @@ class MPIComm(Communicator):
         # auto's source ($PYMPAR_TUNING, tuning.read_setting): rank 0 reads it, every rank gets it
         self._setting = _tuning if _tuning is not _READ else self._p2p.bcast(read_setting() if self.rank == 0 else None, 0)
         self._tuner = None    # tuning.Tuner, made with the topology on the first auto call
+        self._guard = deadline_guard() if on_timeout == "abort" else None   # keeps "blocking" calls' deadlines
         self._timer = None    # tuning.measure's timer(name, run) -> seconds (None: perf_counter)
         # watchdog side channels (shadow communicators): who entered which call; debug fingerprints
         self._board = ArrivalBoard(self._coll, self.name, self.timeout)
@@ -111,11 +119,22 @@ class MPIComm(Communicator):
         return self._arena
 
     def _check_algo(self, coll, algo):
-        if algo != "auto" and algo not in ALGOS[coll]:
+        if algo == "blocking":
+            self._blocking_ok()
+        elif algo != "auto" and algo not in ALGOS[coll]:
             raise ValueError(f"unknown {coll} algorithm {algo!r}: expected auto or one of {', '.join(ALGOS[coll])}")
+
+    def _blocking_ok(self):
+        if self.on_timeout != "abort":
+            raise ValueError(f"algo='blocking' (the library's blocking call) cannot raise CommTimeoutError at its "
+                             f"deadline: make the communicator with on_timeout='abort' (the job ends with the report "
+                             f"instead), or use algo='mpi' (the library's nonblocking call, polled)")
 
     def _pick(self, coll, algo):
         """A named algorithm (not auto) checked against the verb and the topology."""
+        if algo == "blocking":
+            self._blocking_ok()
+            return algo
         if algo not in ALGOS[coll]:
             raise ValueError(f"unknown {coll} algorithm {algo!r}: expected auto or one of {', '.join(ALGOS[coll])}")
         if algo == "shm" and not self.topology().single_node:
@@ -127,9 +146,10 @@ class MPIComm(Communicator):
     def candidates(self, coll):
         """What auto chooses from for ``coll`` here: the library's call ('mpi') first, then
         pympar's algorithms the topology allows (shm on one node only; hierarchical only across
-        nodes of which one has more than one rank -- otherwise it is shm or a ring)."""
+        nodes of which one has more than one rank -- otherwise it is shm or a ring); with
+        on_timeout='abort' also the library's blocking call ('blocking')."""
         t = self.topology()
-        out = ["mpi"]
+        out = ["mpi", "blocking"] if self.on_timeout == "abort" else ["mpi"]
         for a in ALGOS[coll]:
             if a == "mpi" or (a == "shm" and not t.single_node):
                 continue
@@ -380,6 +400,14 @@ class MPIComm(Communicator):
         slots = self._board.slots     # ArrivalBoard.enter(seq, verb), inlined
         slots[1] = plan.code
         seq = slots[0] = self.seq
+        if plan.algo == "blocking":      # _run's blocking branch, inlined
+            g = self._guard
+            g.armed = (time.monotonic() + self.timeout, lambda: Waiter(plan.verb, self.name, seq, self.timeout, self._board))
+            plan.call(x, dst)
+            g.armed = None
+            if plan.avg:
+                finish_avg(dst.reshape(-1), self.size)
+            return dst
         if plan.algo != "mpi":
             return self._run(plan, x, dst, Waiter(plan.verb, self.name, seq, self.timeout, self._board))
         # _run's library branch, inlined (a Python call less: ~0.3 us of a ~3 us collective)
@@ -395,6 +423,14 @@ class MPIComm(Communicator):
         if plan.algo == "mpi":
             sync_stream(x)
             w.wait([plan.start(x, dst)], [None])
+            if plan.avg:
+                finish_avg(flat(dst), self.size)
+        elif plan.algo == "blocking":
+            sync_stream(x)
+            g = self._guard
+            g.armed = (w.deadline, lambda: w)
+            plan.call(x, dst)
+            g.armed = None
             if plan.avg:
                 finish_avg(flat(dst), self.size)
         else:
@@ -733,7 +769,8 @@ class MPIComm(Communicator):
         c = self._p2p.Split(MPI.UNDEFINED if color is None else int(color), self.rank if key is None else int(key))
         if c == MPI.COMM_NULL:
             return None
-        return MPIComm(c, name=name or f"{self.name}/{color}", timeout=self.timeout, _owned=True, _tuning=self._setting)
+        return MPIComm(c, name=name or f"{self.name}/{color}", timeout=self.timeout, _owned=True, _tuning=self._setting,
+                       on_timeout=self.on_timeout)
 
     def free(self):
         """Release the duplicated communicators and the shared window (collective)."""

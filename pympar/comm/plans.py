@@ -36,7 +36,7 @@ class Plan:
     """
 
     __slots__ = ("verb", "code", "algo", "op", "root", "avg", "out_shape", "in_place", "E",
-                 "start", "own")
+                 "start", "call", "own")
 
     def __init__(self, verb, algo, dtype, out_shape, own, coll, op=None, root=0, E=None):
         self.verb, self.code, self.algo, self.own = verb, op_code(verb), algo, own
@@ -46,6 +46,9 @@ class Plan:
         counts = [E[i + 1] - E[i] for i in range(len(E) - 1)] if E is not None else None
         mop = mpi_op(op, dtype) if op is not None else None
         self.start = library_start(verb, coll, mpi_type(dtype), mop, counts, root, dtype.itemsize == 2)
+        # algo "blocking": the library's blocking collective (MPIComm runs it under the deadline guard)
+        self.call = (library_call(verb, coll, mpi_type(dtype), mop, counts, root, dtype.itemsize == 2)
+                     if algo == "blocking" else None)
 
 
 def library_start(verb, coll, t, mop=None, counts=None, root=0, raw16=False):
@@ -84,3 +87,37 @@ def library_start(verb, coll, t, mop=None, counts=None, root=0, raw16=False):
         xw = x.view(_U16)
         return words(xw, xw if d is x else d.view(_U16))
     return start16
+
+
+def library_call(verb, coll, t, mop=None, counts=None, root=0, raw16=False):
+    """call(x, dst): the library's *blocking* ``verb`` of x into dst (the same operands as
+    library_start). It cannot be polled against a deadline: MPIComm arms the process's
+    DeadlineGuard around it (progress.py), which ends the job when the deadline passes."""
+    if verb == "allreduce":
+        f = coll.Allreduce
+
+        def call(x, d):
+            f(MPI.IN_PLACE, [x, t], mop) if d is x else f([x, t], [d, t], mop)
+    elif verb == "reduce_scatter":
+        f = coll.Reduce_scatter
+
+        def call(x, d):
+            f([x, t], [d, t], counts, mop)
+    elif verb == "broadcast":
+        f = coll.Bcast
+
+        def call(x, d):
+            f([x, t], root)
+    else:
+        f = {"allgather": coll.Allgather, "alltoall": coll.Alltoall}[verb]
+
+        def call(x, d):
+            f([x, t], [d, t])
+    if not raw16:
+        return call
+    words = call
+
+    def call16(x, d):
+        xw = x.view(_U16)
+        words(xw, xw if d is x else d.view(_U16))
+    return call16

@@ -285,3 +285,51 @@ class DoneRequest(Request):
     def __init__(self, result=None):
         super().__init__([], [], None, None, result)
         self._done = True
+
+
+class DeadlineGuard:
+    """The deadline of a blocking library call, which cannot be polled: one daemon thread per
+    process (started on first use) wakes every WATCH_SECONDS and, when the armed call is past
+    its deadline, builds the call's CommTimeoutError (who did not arrive, from the arrival
+    board) and hands it to ``on_expiry`` -- the watchdog's abort_job: the report on stderr and
+    MPI_Abort for every rank (mpi4py releases the GIL inside MPI calls, so the thread runs).
+
+    ``armed``: None, or (deadline, make_waiter) of the call in progress; arming and disarming
+    are one attribute store each."""
+
+    WATCH_SECONDS = 0.05
+
+    def __init__(self, on_expiry):
+        self.armed, self._on_expiry, self._thread = None, on_expiry, None
+
+    def start(self):
+        if self._thread is None:
+            import threading
+
+            self._thread = threading.Thread(target=self._watch, name="pympar-deadline", daemon=True)
+            self._thread.start()
+
+    def _watch(self):
+        while True:
+            a = self.armed
+            if a is not None and time.monotonic() > a[0]:
+                w = a[1]()
+                try:
+                    w.expire([], [])
+                except CommTimeoutError as e:
+                    if self.armed is a:       # still the same call, still stuck
+                        self._on_expiry(e)
+            time.sleep(self.WATCH_SECONDS)
+
+
+_guard = None
+
+
+def deadline_guard() -> DeadlineGuard:
+    global _guard
+    if _guard is None:
+        from .watchdog import abort_job
+
+        _guard = DeadlineGuard(abort_job)
+        _guard.start()
+    return _guard

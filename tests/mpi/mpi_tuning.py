@@ -183,3 +183,33 @@ def test_write_file_then_read_back(tmp_path):
     assert t["12"]["algo"] == "mpi"          # within MARGIN of the library: the library
     assert t["20"]["algo"] == "shm"
     assert data["shapes"]["4r-1n-4rpn"]["allreduce"]["float32"]["12"]["algo"] == "ring"
+
+
+def test_blocking_library_call_needs_abort_mode_and_is_a_choice_there(mpi_world):
+    raising = MPIComm(mpi_world, name="raising", timeout=60)
+    assert "blocking" not in raising.candidates("allreduce")
+    with pytest.raises(ValueError, match="on_timeout='abort'"):
+        raising.allreduce(np.ones(3), algo="blocking")
+    c = MPIComm(mpi_world, name="aborting", timeout=60, on_timeout="abort")
+    n, r = c.size, c.rank
+    if n > 1:
+        assert c.candidates("allgather")[:2] == ["mpi", "blocking"]
+    for dt in (np.float32, np.float64, np.int64, np.float16):
+        for _ in range(2):                                   # general path, then the plan's fast path
+            x = np.arange(2 * n + 1).astype(dt) + r
+            want = (np.arange(2 * n + 1) * n + n * (n - 1) // 2).astype(np.float64)
+            got = c.allreduce(x, algo="blocking", inplace=False)
+            np.testing.assert_allclose(got.astype(np.float64), want)
+            c.allreduce(x, op="avg", algo="blocking")        # in place, avg
+            avg = want // n if np.issubdtype(dt, np.integer) else want / n    # integers: floor division
+            np.testing.assert_allclose(x.astype(np.float64), avg, rtol=1e-3)
+            rs = c.reduce_scatter(np.ones((n + 1, 2), dt), algo="blocking")
+            assert rs.shape[0] == len(np.array_split(np.arange(n + 1), n)[r]) and np.all(rs == n)
+            g = c.allgather(np.full(2, r, dt), algo="blocking")
+            assert g.astype(int).tolist() == sum(([q, q] for q in range(n)), [])
+            b = np.full(3, 5, dt) if r == 0 else np.zeros(3, dt)
+            assert np.all(c.broadcast(b, algo="blocking") == 5)
+            a = c.alltoall(np.full(n, r, dt), algo="blocking")
+            assert a.astype(int).tolist() == list(range(n))
+    raising.free()
+    c.free()

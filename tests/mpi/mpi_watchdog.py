@@ -6,6 +6,8 @@
     mpi_watchdog.py rootmismatch   (PYMPAR_DEBUG_COLLECTIVES=1) rank 1 broadcasts from another root
     mpi_watchdog.py busy ALGO      rank 1 sleeps outside MPI instead: reported as not answering
     mpi_watchdog.py abort          rank 1 skips; the others call watchdog.abort_job (job ends non-zero)
+    mpi_watchdog.py blocking       (on_timeout="abort", algo="blocking") rank 1 skips: the library's
+                                   blocking allreduce cannot time out, the deadline thread ends the job
     mpi_watchdog.py sendrecv       rank 1 never sends; rank 0's recv times out naming rank 1
     mpi_watchdog.py gather         rank 1 skips comm.objects.gather_object: the others time out
     mpi_watchdog.py gatherok       every rank gathers a dict holding an array: rank 0 checks the list
@@ -31,7 +33,8 @@ from pympar.comm.watchdog import abort_job
 scenario = sys.argv[1]
 algo = sys.argv[2] if len(sys.argv) > 2 else "auto"
 world = MPI.COMM_WORLD
-c = MPIComm(world, name="watched", timeout=float(os.environ.get("WATCHDOG_TIMEOUT", "1.5")))
+c = MPIComm(world, name="watched", timeout=float(os.environ.get("WATCHDOG_TIMEOUT", "1.5")),
+            on_timeout="abort" if scenario == "blocking" else "raise")
 c.allreduce(np.ones(4), algo=algo)   # seq 1 completes everywhere
 t0 = time.monotonic()
 
@@ -48,7 +51,13 @@ def line(kind, e=None):
 
 
 try:
-    if scenario in ("skip", "abort"):
+    if scenario == "blocking":
+        if c.rank != 1:
+            c.allreduce(np.ones(4), algo=algo)
+            line("RETURNED")     # not reached: the deadline thread aborts the job
+        else:
+            world.Barrier()
+    elif scenario in ("skip", "abort"):
         if c.rank != 1:
             c.allreduce(np.ones(4), algo=algo)
         else:
