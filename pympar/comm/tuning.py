@@ -9,7 +9,8 @@ choice comes from, in order:
    another machine or shape is ignored with a :class:`TuningWarning`, never misapplied;
 2. otherwise a short measurement, agreed by every rank, the first time the bucket is met:
    each candidate (the MPI library's own call and every pympar algorithm the topology allows)
-   runs on the call's own operands a few rounds, interleaved; the per-round times are reduced
+   runs on the call's own operands a few rounds, interleaved (a round of a small message is a
+   burst of up to 32 back-to-back calls); the per-round times are reduced
    with MAX over the ranks (one library allreduce), so every rank holds the same table of
    "slowest rank's time" and takes the same decision from it; per candidate the median over
    rounds counts (a candidate that is only sometimes fast does not win), and the library's
@@ -45,8 +46,16 @@ def bucket(nbytes: int) -> int:
     return max(0, int(nbytes) - 1).bit_length()
 
 
+def batch(nbytes: int) -> int:
+    """Calls per timed round: small messages are timed as a burst of back-to-back calls (how
+    they run in practice; a lone call's time is mostly scheduling), up to 32 and ~64 KiB."""
+    return int(min(32, max(1, (64 << 10) // max(int(nbytes), 1))))
+
+
 def rounds(nbytes: int) -> int:
-    return int(min(16, max(2, _BUDGET // max(int(nbytes), 1))))
+    """Timed rounds per candidate: 2 to 16 (8 when batched), about _BUDGET bytes in all."""
+    b = batch(nbytes)
+    return int(min(8 if b > 1 else 16, max(2, _BUDGET // max(int(nbytes) * b, 1))))
 
 
 def shape_key(size: int, n_nodes: int, max_node_size: int, uniform: bool) -> str:
@@ -114,8 +123,9 @@ def measure(names, runs, coll, timer=None) -> dict:
     """{name: seconds}: the median over rounds of the slowest rank's time of runs[name]().
 
     Collective over the mpi4py communicator ``coll`` (every rank calls it with the same
-    names in the same order). runs[name]() performs one complete collective; timer(name, run)
-    -> seconds (default: perf_counter around run()). The rounds' times are MAX-reduced over
+    names in the same order). runs[name]() performs one complete collective; a round times
+    batch(nbytes) of them back to back, timer(name, run) -> seconds of one round (default:
+    perf_counter around run()), divided by the batch. The rounds' times are MAX-reduced over
     the ranks, so the result -- and any decision taken from it -- is the same on every rank
     even when the ranks' own clocks disagree."""
     from mpi4py import MPI
@@ -123,14 +133,26 @@ def measure(names, runs, coll, timer=None) -> dict:
     timer = timer or _time_it
     nbytes = getattr(runs, "nbytes", None)
     reps = rounds(nbytes) if nbytes is not None else 3
+    k = batch(nbytes) if nbytes is not None else 1
     for name in names:           # warm-up: first-use allocations (shared windows, buffers)
         runs[name]()
+    burst = {name: _burst(runs[name], k) for name in names}
     t = np.zeros((reps, len(names)))
     for i in range(reps):
         for j, name in enumerate(names):
-            t[i, j] = timer(name, runs[name])
+            t[i, j] = timer(name, burst[name]) / k
     coll.Allreduce(MPI.IN_PLACE, t, MPI.MAX)
     return {name: float(np.median(t[:, j])) for j, name in enumerate(names)}
+
+
+def _burst(run, k):
+    if k == 1:
+        return run
+
+    def go():
+        for _ in range(k):
+            run()
+    return go
 
 
 def _time_it(_name, run):
