@@ -34,7 +34,7 @@ import numpy as np
 
 FORMAT = "pympar-tuning/2"
 MARGIN = 1.05       # another algorithm must beat the library's call by more than 5% to be chosen
-_BUDGET = 4 << 20   # measurement rounds: about this many bytes per candidate, 2 to 16 rounds
+_BUDGET = 4 << 20   # measurement rounds: about this many bytes per candidate, 3 to 16 rounds
 
 
 class TuningWarning(UserWarning):
@@ -53,9 +53,10 @@ def batch(nbytes: int) -> int:
 
 
 def rounds(nbytes: int) -> int:
-    """Timed rounds per candidate: 2 to 16 (8 when batched), about _BUDGET bytes in all."""
+    """Timed rounds per candidate: 3 to 16 (8 when batched), about _BUDGET bytes in all (at
+    least 3: a median of 2 is their mean, and one slow round of a large message decides it)."""
     b = batch(nbytes)
-    return int(min(8 if b > 1 else 16, max(2, _BUDGET // max(int(nbytes) * b, 1))))
+    return int(min(8 if b > 1 else 16, max(3, _BUDGET // max(int(nbytes) * b, 1))))
 
 
 def shape_key(size: int, n_nodes: int, max_node_size: int, uniform: bool) -> str:
