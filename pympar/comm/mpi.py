@@ -50,6 +50,7 @@ _P2P_BROADCAST = {"binomial": binomial_broadcast, "scatter_allgather": scatter_a
 _SHM = ("shm", "hierarchical")
 _REDUCING = ("allreduce", "reduce_scatter")
 _READ = object()      # MPIComm(_tuning=...) not given: read $PYMPAR_TUNING
+_KEEP_ARENA = 1 << 20  # a window the measurement made is kept up to this size (making one is collective and slow)
 _ndarray = np.ndarray
 
 
@@ -166,7 +167,12 @@ class MPIComm(Communicator):
 
     def _tuning(self):
         if self._tuner is None:
-            self._tuner = Tuner(self._setting, self.shape_key(), self.name, warn=self.rank == 0)
+            grp, wgrp = self._coll.Get_group(), MPI.COMM_WORLD.Get_group()
+            members = grp.Translate_ranks(list(range(self.size)), wgrp)
+            grp.Free()
+            wgrp.Free()
+            self._tuner = Tuner(self._setting, self.shape_key(), self.name, warn=self.rank == 0,
+                                members=members, on_timeout=self.on_timeout)
         return self._tuner
 
     def _auto(self, verb, x, dst, nbytes, out_shape, op=None, root=0, E=None):
@@ -189,8 +195,9 @@ class MPIComm(Communicator):
         runs = Runs(nbytes, {a: (lambda p=Plan(verb, a, x.dtype, out_shape, _OWN[verb], self._coll, op, root, E):
                                  self._run(p, x, dst, w)) for a in cands})
         d = tuner.record(verb, x.dtype, nbytes, measure(cands, runs, self._coll, self._timer))
-        if not had_arena and self._arena is not None and d.algo not in _SHM:
-            self._arena.free()    # the measurement made the shared window; nothing uses it
+        if (not had_arena and self._arena is not None and d.algo not in _SHM
+                and self._arena.cap > _KEEP_ARENA):
+            self._arena.free()    # the measurement made a large shared window that nothing uses
             self._arena = None
         return d
 

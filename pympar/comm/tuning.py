@@ -10,7 +10,7 @@ choice comes from, in order:
 2. otherwise a short measurement, agreed by every rank, the first time the bucket is met:
    each candidate (the MPI library's own call and every pympar algorithm the topology allows)
    runs on the call's own operands a few rounds, interleaved (a round of a small message is a
-   burst of up to 32 back-to-back calls); the per-round times are reduced
+   burst of up to 8 back-to-back calls); the per-round times are reduced
    with MAX over the ranks (one library allreduce), so every rank holds the same table of
    "slowest rank's time" and takes the same decision from it; per candidate the median over
    rounds counts (a candidate that is only sometimes fast does not win), and the library's
@@ -48,15 +48,16 @@ def bucket(nbytes: int) -> int:
 
 def batch(nbytes: int) -> int:
     """Calls per timed round: small messages are timed as a burst of back-to-back calls (how
-    they run in practice; a lone call's time is mostly scheduling), up to 32 and ~64 KiB."""
-    return int(min(32, max(1, (64 << 10) // max(int(nbytes), 1))))
+    they run in practice; a lone call's time is mostly scheduling), up to 8 and ~32 KiB."""
+    return int(min(8, max(1, (32 << 10) // max(int(nbytes), 1))))
 
 
 def rounds(nbytes: int) -> int:
-    """Timed rounds per candidate: 3 to 16 (8 when batched), about _BUDGET bytes in all (at
-    least 3: a median of 2 is their mean, and one slow round of a large message decides it)."""
+    """Timed rounds per candidate: 3 to 16 (5 when batched), about _BUDGET bytes in all (at
+    least 3: a median of 2 is their mean, and one slow round of a large message decides it).
+    A bucket costs about candidates x (1 + rounds x batch) calls, once per communicator."""
     b = batch(nbytes)
-    return int(min(8 if b > 1 else 16, max(3, _BUDGET // max(int(nbytes) * b, 1))))
+    return int(min(5 if b > 1 else 16, max(3, _BUDGET // max(int(nbytes) * b, 1))))
 
 
 def shape_key(size: int, n_nodes: int, max_node_size: int, uniform: bool) -> str:
@@ -198,13 +199,23 @@ def read_setting(value=None):
     return data
 
 
-class Tuner:
-    """One communicator's auto decisions: a cache over the tuning file and measurements."""
+_SHARED = {}   # (members, setting, on_timeout) -> decisions: one cache per group of ranks
 
-    def __init__(self, setting, shape: str, comm_name: str, warn: bool):
+
+class Tuner:
+    """One communicator's auto decisions: a cache over the tuning file and measurements.
+
+    members: the communicator's ranks as COMM_WORLD ranks, in its order. Communicators of the
+    same members (and the same setting and timeout mode) share one cache in the process: a
+    decision was measured collectively by all of those ranks, so each of them holds it, and a
+    job that makes the same groups again (a mesh per layout, sub-communicators per step) does
+    not measure them again."""
+
+    def __init__(self, setting, shape: str, comm_name: str, warn: bool, members=None, on_timeout="raise"):
         self.mode = "library" if setting == "library" else "measure"
         self.shape, self.comm_name = shape, comm_name
-        self.decisions = {}
+        where = setting.get("path") if isinstance(setting, dict) else setting
+        self.decisions = {} if members is None else _SHARED.setdefault((tuple(members), where, on_timeout), {})
         self.entries = None
         if isinstance(setting, dict):
             self.entries = self._fit(setting, warn)

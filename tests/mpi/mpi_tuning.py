@@ -16,6 +16,7 @@ from pympar.comm import tuning
 def fresh(mpi_world, monkeypatch):
     """A new MPIComm per test (no decisions yet); the tuning setting from $PYMPAR_TUNING as the test set it."""
     made = []
+    tuning._SHARED.clear()      # no decisions from earlier tests' communicators of the same ranks
 
     def make(setting=None):
         if setting is None:
@@ -61,6 +62,15 @@ def test_decision_is_the_same_on_every_rank_when_their_timings_disagree(fresh):
     c.allreduce(x)
     assert np.all(x == n * (n + 1) / 2)
     assert c.explain("allreduce", 3000) is d            # same bucket (2049..4096 B), no new measurement
+    # another communicator of the same ranks shares the decisions: no measurement (its timer would
+    # make each rank pick its own favourite if it ran), the same Decision object
+    c2 = fresh()
+    c2._timer = lambda name, run: (run(), fake(-r, names.index(name)))[1]
+    assert c2.explain("allreduce", 4096) is d
+    # ... and a communicator of other ranks (here: reversed order) measures for itself
+    rev = MPIComm(c.mpi_comm.Split(0, n - 1 - r), name="reversed", timeout=60)
+    assert rev.explain("allreduce", 4096).source == "measured"
+    rev.free()
 
 
 def test_real_calls_measure_each_bucket_once_and_stay_correct(fresh):
