@@ -127,9 +127,9 @@ class MPIComm(Communicator):
 
     def _blocking_ok(self):
         if self.on_timeout != "abort":
-            raise ValueError(f"algo='blocking' (the library's blocking call) cannot raise CommTimeoutError at its "
-                             f"deadline: make the communicator with on_timeout='abort' (the job ends with the report "
-                             f"instead), or use algo='mpi' (the library's nonblocking call, polled)")
+            raise ValueError("algo='blocking' (the library's blocking call) cannot raise CommTimeoutError at its "
+                             "deadline: make the communicator with on_timeout='abort' (the job ends with the report "
+                             "instead), or use algo='mpi' (the library's nonblocking call, polled)")
 
     def _pick(self, coll, algo):
         """A named algorithm (not auto) checked against the verb and the topology."""
