@@ -134,6 +134,9 @@ def algorithms(args, comm):
                 names.append("torch-gloo")
         return names
     names = args.algo.split(",")
+    if "blocking" in names and "blocking" not in avail:
+        raise SystemExit("--algo blocking (the library's blocking call) needs --on-timeout abort: a blocking call "
+                         "cannot raise at its deadline, only end the job")
     for a in names:
         if a not in avail + ["auto", "library", "torch-gloo"]:
             raise SystemExit(f"--algo {a!r} is not an algorithm of {coll}: expected all, auto, library or one of {avail}")
