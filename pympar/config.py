@@ -130,7 +130,8 @@ _HELP = {
     "profile": "record every rank's events; write OUT/trace.json (Chrome trace)",
     "save_every": "checkpoint OUT/checkpoints/step_N every N steps (0 = never)",
     "keep": "keep the newest K checkpoints (0 = all)",
-    "resume": "checkpoint directory to continue from, or 'auto' = the latest under OUT/checkpoints if any",
+    "resume": "checkpoint to continue from (a run directory, its checkpoints/ folder or one step_N), "
+              "or 'auto' = the latest under OUT/checkpoints if any",
     "max_bad_steps": "stop after this many consecutive steps with non-finite loss/gradients (0 = never)",
 }
 _CHOICES = {

@@ -108,7 +108,8 @@ def resolve_resume(run):
     """Before any collective: the checkpoint to resume from (a Path), or None to start fresh.
 
     --resume auto: the latest checkpoint under OUT/checkpoints if there is one. --resume DIR:
-    DIR must be a checkpoint (or a root with a 'latest' pointer); raises ValueError otherwise."""
+    DIR must be a run directory (another run's --out), its checkpoints/ folder or one step_N
+    checkpoint (checkpoint.resolve); raises ValueError naming what was looked for otherwise."""
     from .checkpoint import CheckpointError, resolve
 
     if not run.resume:

@@ -11,7 +11,7 @@ import pytest
 
 from pympar.backend import bfloat16
 from pympar.checkpoint import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointNotFound, load,
-                               restore_into, save, save_training)
+                               resolve, restore_into, save, save_training)
 from pympar.checkpoint import safetensors_format as stf
 from pympar.checkpoint.convert import export_state_dict, import_state_dict
 from pympar.parallel.shard import Shard
@@ -175,11 +175,30 @@ def test_range_not_covered(tmp_path):
 
 
 def test_resume_dir_does_not_exist(tmp_path):
-    with pytest.raises(CheckpointNotFound, match="nope: checkpoint directory does not exist"):
+    with pytest.raises(CheckpointNotFound, match="nope: does not exist .expected a run directory, its "
+                                                 "checkpoints/ folder or one step_N checkpoint"):
         load(tmp_path / "nope", {})
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointNotFound, match="empty: no manifest.json and no 'latest' pointer"):
+    with pytest.raises(CheckpointNotFound, match=r"empty: not a checkpoint: looked for .*empty/manifest.json "
+                                                 r"\(one checkpoint\), .*empty/latest \(a checkpoints folder\) and "
+                                                 r".*empty/checkpoints/latest \(a run directory"):
         load(tmp_path / "empty", {})
+    (tmp_path / "empty" / "checkpoints" / "step_00000007").mkdir(parents=True)   # no latest, no manifest
+    with pytest.raises(CheckpointNotFound, match=r"found none \(there are step_00000007: pass one of them\)"):
+        load(tmp_path / "empty", {})
+
+
+def test_a_run_directory_its_checkpoints_folder_and_one_step_all_resolve(ckpt, tmp_path):
+    d, _ = ckpt                       # d: a checkpoints folder (step_1, step_2, latest -> step_2)
+    run = tmp_path / "out"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(d, target_is_directory=True)    # the trainer's --out layout
+    want = (d / "step_00000002").resolve()
+    for form in (run, run / "checkpoints", d / "step_00000002"):
+        assert resolve(form).resolve() == want, form
+        got, m = load(form, {"a": None})
+        assert m["step"] == 2
+    assert resolve(d / "step_00000001").resolve() == (d / "step_00000001").resolve()
 
 
 def test_latest_points_nowhere(ckpt):
@@ -310,4 +329,4 @@ def test_cli_export_inspect_import(tmp_path):
     r = cli("inspect", tmp_path / "ck", "--verify")
     assert r.returncode == 1 and "DAMAGED: truncated" in r.stdout
     r = cli("export", tmp_path / "nothing", tmp_path / "z.safetensors")
-    assert r.returncode == 2 and "checkpoint directory does not exist" in r.stderr
+    assert r.returncode == 2 and "does not exist (expected a run directory" in r.stderr

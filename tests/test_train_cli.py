@@ -266,3 +266,28 @@ def test_float16_run_uses_loss_scaling_and_log_lines(tmp_path):
     assert m[0]["loss_scale"] == 2.0 ** 16 and not m[0]["skipped"]
     assert all(np.isfinite(r["loss"]) for r in m)
     assert "step 2/2 loss" in res.stdout
+
+
+def test_every_checkpoint_command_takes_a_run_dir_its_checkpoints_folder_or_one_step(tmp_path):
+    import subprocess
+    import sys
+
+    from mpirun import ROOT, mpi_env
+
+    first = tmp_path / "first"
+    train(1, "--steps", 4, "--save-every", 2, "--out", first)
+    steps = sorted(p.name for p in (first / "checkpoints").glob("step_*"))
+    assert steps and steps[-1].endswith("4"), steps
+    forms = {"run dir": first, "checkpoints folder": first / "checkpoints",
+             "one step": first / "checkpoints" / steps[-1]}
+    for i, (what, form) in enumerate(forms.items()):
+        for cmd in (["inspect", form], ["export", form, tmp_path / f"m{i}.safetensors"]):
+            r = subprocess.run([sys.executable, "-m", "pympar.checkpoint", *map(str, cmd)], capture_output=True,
+                               text=True, env=mpi_env(), cwd=ROOT / "tests", timeout=60)
+            assert r.returncode == 0, (what, cmd[0], r.stdout + r.stderr)
+        res = train(1, "--steps", 6, "--out", tmp_path / f"again{i}", "--resume", form)
+        assert "at step 4" in res.stdout, (what, res.stdout[-2000:])
+        assert metrics(tmp_path / f"again{i}")[-1]["step"] == metrics(first)[-1]["step"] + 2   # 2 steps more
+    bad = train(1, "--steps", 6, "--resume", tmp_path, check=False)      # not a run, nor checkpoints
+    assert bad.returncode == 2 and any("looked for" in ln and "(a run directory, the trainer's --out)" in ln
+                                       for ln in error_lines(bad)), bad.stdout

@@ -38,7 +38,7 @@ CASES = [  # (id, args, expected substring of the message, env)
     ("data-empty", ["--data", "{d}/empty.txt"], "empty", None),
     ("data-llmc", ["--data", "{d}/bad.bin"], "magic", None),
     ("toml", ["--config", "{d}/run.toml"], "not valid TOML", None),
-    ("resume-missing", ["--resume", "{d}/no-such-checkpoint"], "checkpoint directory does not exist", None),
+    ("resume-missing", ["--resume", "{d}/no-such-checkpoint"], "does not exist (expected a run directory, its checkpoints/ folder or one step_N checkpoint)", None),
     ("resume-not-ckpt", ["--resume", "{d}"], "not a checkpoint", None),
     ("resume-auto-no-out", ["--resume", "auto"], "--resume auto needs --out", None),
     ("save-no-out", ["--save-every", "2"], "--save-every 2 needs --out", None),

@@ -1,7 +1,8 @@
 """python -m pympar.checkpoint export DIR model.safetensors | import model.safetensors DIR | inspect DIR
 
     export  write one nanoGPT-named state dict (PyTorch: safetensors.torch.load_file) from a
-            checkpoint of any layout (DIR may be a root with a `latest` pointer)
+            checkpoint of any layout (DIR: a run directory (--out), its checkpoints/ folder,
+            or one step_N checkpoint)
     import  make a step-0 checkpoint from such a file, to start training from it
     inspect print the manifest, the files and which ranks' files cover each tensor
 """

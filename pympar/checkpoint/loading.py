@@ -20,21 +20,36 @@ from .regions import as_shard, index_json, intersect, shard_from_json, sub_index
 from .saving import FORMAT
 
 
+RUN_CHECKPOINTS = "checkpoints"   # where pympar.train --out DIR keeps its checkpoints
+
+
 def resolve(directory) -> Path:
-    """The checkpoint directory: ``directory`` itself, or what its ``latest`` file names."""
+    """The checkpoint a path names. Accepted, in this order:
+
+    - a checkpoint itself (``DIR/manifest.json``; e.g. ``OUT/checkpoints/step_400``);
+    - a checkpoints folder (``DIR/latest`` names the newest complete checkpoint);
+    - a run directory, the trainer's ``--out`` (``DIR/checkpoints/latest``).
+
+    Raises CheckpointNotFound listing what was looked for."""
     p = Path(directory)
     if not p.exists():
-        raise CheckpointNotFound(p, "checkpoint directory does not exist")
+        raise CheckpointNotFound(p, "does not exist (expected a run directory, its checkpoints/ folder or one "
+                                    "step_N checkpoint)")
     if not p.is_dir():
         raise CheckpointNotFound(p, "is a file, expected a checkpoint directory")
-    if (p / L.MANIFEST).is_file():
-        return p
-    target = L.read_latest(p)
-    if target is None:
-        raise CheckpointNotFound(p, f"no {L.MANIFEST} and no '{L.LATEST}' pointer: not a checkpoint")
-    if not (target / L.MANIFEST).is_file():
-        raise CheckpointNotFound(p / L.LATEST, f"points to {target.name}, which has no {L.MANIFEST}")
-    return target
+    for root in (p, p / RUN_CHECKPOINTS):
+        if (root / L.MANIFEST).is_file():
+            return root
+        target = L.read_latest(root)
+        if target is not None:
+            if not (target / L.MANIFEST).is_file():
+                raise CheckpointNotFound(root / L.LATEST, f"points to {target.name}, which has no {L.MANIFEST}")
+            return target
+    steps = sorted(q.name for q in (p / RUN_CHECKPOINTS if (p / RUN_CHECKPOINTS).is_dir() else p).glob("step_*"))
+    hint = f" (there are {', '.join(steps[-3:])}: pass one of them)" if steps else ""
+    raise CheckpointNotFound(p, f"not a checkpoint: looked for {p / L.MANIFEST} (one checkpoint), {p / L.LATEST} "
+                                f"(a checkpoints folder) and {p / RUN_CHECKPOINTS / L.LATEST} (a run directory, "
+                                f"the trainer's --out); found none{hint}")
 
 
 class Checkpoint:
