@@ -124,7 +124,8 @@ _HELP = {
     "seed": "seed of the parameters and of the batch stream",
     "eval_every": "validation loss every N steps (0 = only at the end)", "eval_iters": "validation micro-batches",
     "sample_tokens": "bytes of text to sample at the end (0 = none)", "sample_top_k": "top-k of the sampler",
-    "progress": "rank 0 shows a tqdm bar ('bar'), log lines ('log'), or the bar on a terminal ('auto')",
+    "progress": "rank 0 shows a tqdm bar ('bar'), log lines ('log'), or 'auto': the bar when its output "
+                "(or the output of mpiexec/mpirun above it) is a terminal, log lines in files, pipes, batch jobs",
     "log_every": "with log lines: one every N steps (and at every validation)",
     "out": "directory for metrics.jsonl, trace.json, summary.json",
     "profile": "record every rank's events; write OUT/trace.json (Chrome trace)",

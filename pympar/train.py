@@ -326,18 +326,48 @@ def _sample(runner, corpus, model_cfg, run):
     return " ".join(map(str, toks))
 
 
+_LAUNCHERS = ("mpiexec", "mpiexec.hydra", "mpiexec.mpich", "mpirun", "mpirun.mpich", "orterun", "prterun")
+
+
+def _launcher_on_terminal(levels=4) -> bool:
+    """Whether the MPI launcher above this rank writes its output to a terminal.
+
+    A launcher hands its ranks pipes, so the rank's own stdout says nothing; the launcher's
+    does. Climb the parent processes (rank -> hydra_pmi_proxy / prted -> mpiexec / mpirun) to
+    the first known launcher and look at where its stdout goes: a terminal -> True; a file, a
+    pipe (``mpirun ... | tee``), a socket -> False. No launcher found within ``levels``
+    parents (srun: the ranks' parent is slurmstepd and srun may be on another node), or /proc
+    unreadable -> False: log lines are the safe choice when it cannot be known."""
+    pid = os.getppid()
+    for _ in range(levels):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            if name in _LAUNCHERS:
+                target = os.readlink(f"/proc/{pid}/fd/1")
+                return target.startswith(("/dev/pts/", "/dev/tty")) and target != "/dev/tty"
+            pid = int(stat[stat.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid <= 1:
+            return False
+    return False
+
+
 class _progress:
     """Rank 0's view of the loop: a tqdm bar (step, loss, tok/s, MFU) or plain log lines.
 
-    mode 'auto' shows the bar when rank 0's stderr is a terminal, or when an MPI launcher
-    forwards it from one (the launcher hides the terminal from the ranks, so TERM decides).
+    mode 'auto' shows the bar when rank 0's stdout is a terminal, or when the MPI launcher
+    above it writes to one (_launcher_on_terminal); log lines otherwise -- a log file, a pipe,
+    a batch job, or when it cannot be known.
     """
 
     def __init__(self, rank, total, mode="auto"):
         self.rank, self.total, self.bar = rank, total, None
         if mode == "auto":
             launched = any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
-            mode = "bar" if sys.stderr.isatty() or (launched and os.environ.get("TERM", "dumb") != "dumb") else "log"
+            mode = "bar" if sys.stdout.isatty() or (launched and rank == 0 and _launcher_on_terminal()) else "log"
         if rank == 0 and mode == "bar":
             from tqdm import tqdm
             self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5,

@@ -291,3 +291,26 @@ def test_every_checkpoint_command_takes_a_run_dir_its_checkpoints_folder_or_one_
     bad = train(1, "--steps", 6, "--resume", tmp_path, check=False)      # not a run, nor checkpoints
     assert bad.returncode == 2 and any("looked for" in ln and "(a run directory, the trainer's --out)" in ln
                                        for ln in error_lines(bad)), bad.stdout
+
+
+def test_progress_auto_follows_what_the_launcher_writes_to(tmp_path):
+    # mpirun's output captured (a pipe, as `mpirun ... > run.log` gives a file): log lines, no bar
+    res = train(2, "--steps", 12, "--log-every", 4)
+    assert "\r" not in res.stdout and "step/s" not in res.stdout, res.stdout[-1500:]
+    assert any(line.startswith("step 12/12") for line in res.stdout.splitlines()), res.stdout[-1500:]
+    # mpirun on a terminal (a pseudo-terminal made by util-linux `script`): rank 0 draws the bar,
+    # although its own stdout is the launcher's pipe
+    import shutil
+    import subprocess
+
+    from mpirun import ROOT, mpi_env, mpiexec
+    if shutil.which("script") is None:
+        pytest.skip("util-linux `script` (a pseudo-terminal) is not installed")
+    import sys
+    cmd = " ".join([mpiexec(), "-n", "2", sys.executable, "-m", "pympar.train", *TINY, "--steps", "12"])
+    typescript = tmp_path / "typescript"
+    p = subprocess.run(["script", "-qec", cmd, str(typescript)], capture_output=True, text=True, env=mpi_env(),
+                       cwd=ROOT / "tests", timeout=90)
+    shown = typescript.read_bytes().decode(errors="replace")       # read_text would turn \r into \n
+    assert p.returncode == 0, (p.returncode, p.stdout[-500:], p.stderr[-500:], shown[-1500:])
+    assert "step/s" in shown and "\r" in shown, shown[-1500:]
