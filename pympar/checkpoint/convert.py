@@ -59,16 +59,25 @@ def infer_config(tensors: dict, n_head=None) -> dict:
 
 def import_state_dict(in_file, directory, config: dict | None = None, n_head=None, step: int = 0):
     """Write a step-``step`` checkpoint in ``directory`` from a nanoGPT-named safetensors file."""
-    from ..nn.config import GPTConfig
-    from ..nn.gpt import GPT
-
     tensors, metadata = st.read_all(in_file)
+    _untie(tensors, in_file)
+    cfg = json.loads(metadata["pympar.config"]) if "pympar.config" in metadata else infer_config(tensors, n_head)
+    cfg.update(config or {})
+    return _save_imported(tensors, cfg, in_file, directory, step)
+
+
+def _untie(tensors, source):
     if LM_HEAD in tensors:
         lm = tensors.pop(LM_HEAD)
         if WTE in tensors and not np.array_equal(lm, tensors[WTE]):
-            raise CheckpointMismatch(in_file, f"{LM_HEAD} differs from {WTE}: pympar ties them")
-    cfg = json.loads(metadata["pympar.config"]) if "pympar.config" in metadata else infer_config(tensors, n_head)
-    cfg.update(config or {})
+            raise CheckpointMismatch(source, f"{LM_HEAD} differs from {WTE}: pympar ties them")
+
+
+def _save_imported(tensors, cfg, in_file, directory, step):
+    """Check nanoGPT-named ``tensors`` against GPTConfig ``cfg`` and write the checkpoint."""
+    from ..nn.config import GPTConfig
+    from ..nn.gpt import GPT
+
     known = {f.name for f in fields(GPTConfig)}
     try:
         gcfg = GPTConfig(**{k: v for k, v in cfg.items() if k in known}).validate()
@@ -111,3 +120,95 @@ def describe_checkpoint(directory, verify: bool = False) -> str:
     for r in rows:
         lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
     return "\n".join(lines)
+
+
+# --- Hugging Face transformers (GPT2LMHeadModel) ---------------------------------------------
+# GPT-2's Linear layers are Conv1D modules: weight (in, out), the transpose of nanoGPT's and
+# pympar's (out, in). Everything else has nanoGPT's names and shapes; lm_head is tied to wte.
+HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+HF_CONFIG, HF_WEIGHTS, HF_PICKLE = "config.json", "model.safetensors", "pytorch_model.bin"
+HF_GELU = ("gelu_new", "gelu_pytorch_tanh")    # the tanh form of GELU, pympar's
+
+
+def _is_conv1d(name):
+    return name.startswith("transformer.h.") and name.endswith(HF_CONV1D)
+
+
+def export_hf(directory, out_dir, dtype=None) -> dict:
+    """Write checkpoint ``directory`` as a Hugging Face GPT-2 directory (config.json and
+    model.safetensors) that ``transformers.GPT2LMHeadModel.from_pretrained(out_dir)`` loads;
+    return {name: shape}. MoE models and models without biases are refused (GPT-2 has neither
+    experts nor bias-free layers)."""
+    ck = Checkpoint(directory)
+    cfg = ck.meta.get("config") or {}
+    if cfg.get("n_expert", 0):
+        raise CheckpointMismatch(ck.path, f"an MoE model ({cfg['n_expert']} experts) has no GPT-2 form: GPT-2 has no "
+                                          f"experts. Export it with --format nanogpt (pympar's names, MoE tensors "
+                                          f"under transformer.h.N.moe.*; see docs/checkpoint.md)")
+    if not cfg.get("bias", True):
+        raise CheckpointMismatch(ck.path, "a model without biases has no GPT-2 form (GPT-2 has a bias on every "
+                                          "linear and LayerNorm): export it with --format nanogpt")
+    tensors = {k: ck.read(k) for k in sorted(ck.tensors) if not k.startswith(L.OPT_PREFIX)}
+    if dtype is not None:
+        tensors = {k: v.astype(dtype) for k, v in tensors.items()}
+    hf = {k: (np.ascontiguousarray(v.T) if _is_conv1d(k) else v) for k, v in tensors.items()}
+    vocab, n_embd = tensors[WTE].shape
+    config = {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": int(vocab), "n_positions": int(cfg.get("block_size", tensors["transformer.wpe.weight"].shape[0])),
+        "n_embd": int(n_embd), "n_layer": int(cfg["n_layer"]), "n_head": int(cfg["n_head"]), "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": float(cfg.get("ln_eps", 1e-5)),
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        # the byte vocabulary has no special tokens: the last id stands for both (GPT-2's 50256 is too)
+        "bos_token_id": int(vocab) - 1, "eos_token_id": int(vocab) - 1, "tie_word_embeddings": True,
+        "torch_dtype": str(next(iter(hf.values())).dtype), "pympar": {"step": ck.step, "config": cfg},
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    st.write(out / HF_WEIGHTS, hf, {"format": "pt"})
+    return {k: v.shape for k, v in hf.items()}
+
+
+def import_hf(src_dir, directory, step: int = 0):
+    """Write a step-``step`` checkpoint in ``directory`` from a Hugging Face GPT-2 directory
+    (config.json + model.safetensors): Conv1D weights transposed, the tied head dropped,
+    GPT-2's attention-mask buffers ignored. pytorch_model.bin is refused: it is a pickle."""
+    src = Path(src_dir)
+    if not (src / HF_CONFIG).is_file():
+        raise CheckpointMismatch(src, f"no {HF_CONFIG}: expected a Hugging Face model directory "
+                                      f"({HF_CONFIG} and {HF_WEIGHTS})")
+    hc = json.loads((src / HF_CONFIG).read_text())
+    if hc.get("model_type") != "gpt2":
+        raise CheckpointMismatch(src / HF_CONFIG, f"model_type {hc.get('model_type')!r}: only GPT-2 ('gpt2') "
+                                                   f"maps onto pympar's GPT")
+    if not (src / HF_WEIGHTS).is_file():
+        why = (f"{HF_PICKLE} is a Python pickle, which can run code when loaded; pympar does not load pickles "
+               f"(nor depend on PyTorch). Convert it once where transformers is installed: "
+               f"GPT2LMHeadModel.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)"
+               if (src / HF_PICKLE).is_file() else f"no {HF_WEIGHTS}")
+        raise CheckpointMismatch(src, why)
+    act = hc.get("activation_function", "gelu_new")
+    if act not in HF_GELU:
+        raise CheckpointMismatch(src / HF_CONFIG, f"activation_function {act!r}: pympar's MLP uses GELU in its "
+                                                   f"tanh form ({' or '.join(HF_GELU)}); the model would compute "
+                                                   f"other numbers")
+    n_embd = int(hc["n_embd"])
+    if hc.get("n_inner") not in (None, 4 * n_embd):
+        raise CheckpointMismatch(src / HF_CONFIG, f"n_inner {hc['n_inner']}: pympar's MLP is 4 x n_embd = {4 * n_embd}")
+    if hc.get("scale_attn_by_inverse_layer_idx") or hc.get("reorder_and_upcast_attn"):
+        raise CheckpointMismatch(src / HF_CONFIG, "scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn: "
+                                                   "pympar's attention has neither")
+    raw, _ = st.read_all(src / HF_WEIGHTS)
+    tensors = {}
+    for k, v in raw.items():
+        name = k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k   # GPT2Model files
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue              # GPT-2's causal-mask buffers, not weights
+        tensors[name] = np.ascontiguousarray(v.T) if _is_conv1d(name) else v
+    _untie(tensors, src / HF_WEIGHTS)
+    cfg = {"vocab_size": int(hc["vocab_size"]), "block_size": int(hc["n_positions"]), "n_layer": int(hc["n_layer"]),
+           "n_head": int(hc["n_head"]), "n_embd": n_embd, "bias": True,
+           "ln_eps": float(hc.get("layer_norm_epsilon", 1e-5))}
+    return _save_imported(tensors, cfg, src / HF_WEIGHTS, directory, step)
