@@ -1,0 +1,70 @@
+"""Generation with a key/value cache: equal to the uncached path token for token, to transformers'
+greedy decoding of an exported model, and the CLI on each checkpoint form."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpirun import ROOT, mpi_env, run_mpi
+from pympar.checkpoint import save_training
+from pympar.nn.config import GPTConfig
+from pympar.nn.generate import generate
+from pympar.nn.gpt import GPT
+
+
+def _model(preset, **over):
+    cfg = GPTConfig.from_preset(preset)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return GPT(cfg.validate())
+
+
+@pytest.mark.parametrize("preset", ["tiny", "moe-tiny"])
+def test_cache_equals_the_uncached_path_greedy_and_sampled(preset):
+    m = _model(preset, block_size=32)
+    prompt = np.array([[10, 20, 30], [1, 2, 3]])
+    for top_k, seed in ((1, 0), (8, 5), (None, 9)):
+        a = generate(m, prompt, 45, top_k=top_k, rng=np.random.default_rng(seed), cache=True)   # past block_size
+        b = generate(m, prompt, 45, top_k=top_k, rng=np.random.default_rng(seed), cache=False)
+        assert a.shape == (2, 48)
+        np.testing.assert_array_equal(a, b, err_msg=f"top_k={top_k}")
+
+
+def test_greedy_equals_transformers_generate_on_an_export(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from pympar.checkpoint.convert import export_hf
+
+    m = _model("tiny", n_layer=3, n_embd=64, n_head=4)
+    save_training(tmp_path / "ck", 1, m)
+    export_hf(tmp_path / "ck", tmp_path / "hf")
+    t = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    prompt = np.array([[100, 101, 32, 40, 41]])
+    with torch.no_grad():
+        theirs = t.generate(torch.tensor(prompt), do_sample=False, max_new_tokens=32, min_new_tokens=32,
+                            pad_token_id=0).numpy()
+    ours = generate(m, prompt, 32, top_k=1)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_cli_samples_from_every_checkpoint_form(tmp_path):
+    run = tmp_path / "run"
+    run_mpi(1, ["-m", "pympar.train", "--preset", "tiny", "--steps", "2", "--save-every", "2", "--sample-tokens", "0",
+                "--eval-iters", "1", "--out", run], timeout=90)
+    step = sorted((run / "checkpoints").glob("step_*"))[-1]
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "pympar.generate", *map(str, args)], capture_output=True,
+                              text=True, env=mpi_env(), cwd=ROOT / "tests", timeout=60)
+    outs = []
+    for form in (run, run / "checkpoints", step):
+        r = cli(form, "--prompt", "def ", "--tokens", "24", "--top-k", "1")
+        assert r.returncode == 0 and r.stdout.startswith("def ") and "24 tokens from step 2" in r.stderr, r.stderr
+        outs.append(r.stdout)
+    assert outs[0] == outs[1] == outs[2]
+    assert cli(run, "--prompt", "def ", "--tokens", "24", "--top-k", "1", "--no-cache").stdout == outs[0]
+    r = cli(tmp_path, "--prompt", "x")
+    assert r.returncode == 2 and r.stderr.startswith("pympar.generate: error:") and "looked for" in r.stderr
+    r = cli(run, "--prompt-ids", "300")
+    assert r.returncode == 2 and "prompt ids must be 0..255" in r.stderr
