@@ -4,7 +4,9 @@ Writes into DIR (headless, matplotlib's Agg backend):
   loss.png        train loss per step and validation loss where measured
   throughput.png  tokens/s and MFU per step
   time_split.png  seconds per step, stacked by category (compute, dp/tp/pp/ep comm, bubble, optimizer)
-  experts.png     layer x expert heatmap of the share of tokens per expert (MoE runs only)
+  experts.png     per MoE layer a step x expert heat map of each expert's share of the routed
+                  tokens with the dropped fraction beside it, and with --ep > 1 the share per EP
+                  rank over training (MoE runs only)
   pipeline.png    one step's timeline per rank from trace.json (runs with --profile only)
 """
 from __future__ import annotations
@@ -65,22 +67,64 @@ def plot_time_split(m, out, plt):
     _save(fig, out / "time_split.png", plt)
 
 
-def plot_experts(m, out, plt) -> bool:
-    """Share of routed tokens per expert, summed over the run; False when not an MoE run."""
-    layers = {}
+def expert_series(m):
+    """{layer: (steps (S,), share (S, E) of the step's routed tokens per expert, dropped (S,))}."""
+    rows = {}
     for r in m:
-        for s in r.get("moe") or []:
-            layers.setdefault(s["layer"], np.zeros(len(s["tokens_per_expert"])))
-            layers[s["layer"]] += s["tokens_per_expert"]
-    if not layers:
+        for st in r.get("moe") or []:
+            rows.setdefault(st["layer"], []).append((r["step"], st["tokens_per_expert"], st.get("dropped_fraction", 0.0)))
+    out = {}
+    for layer, rs in rows.items():
+        tok = np.array([t for _, t, _ in rs], dtype=np.float64)
+        out[layer] = (np.array([s for s, _, _ in rs]), tok / np.maximum(tok.sum(axis=1, keepdims=True), 1),
+                      np.array([d for _, _, d in rs], dtype=np.float64))
+    return out
+
+
+def plot_experts(m, out, plt, ep: int = 1) -> bool:
+    """Expert utilisation over training; False when not an MoE run.
+
+    One row per MoE layer: a heat map of each expert's share of the step's routed tokens
+    (x: step, y: expert; 1/E is an even split) and, beside it, the fraction of token
+    assignments dropped by the capacity limit. With expert parallelism (ep > 1) a last row shows
+    the share of each EP rank (rank r holds experts [r E/ep, (r+1) E/ep)), layers summed: which
+    rank's experts are hot."""
+    series = expert_series(m)
+    if not series:
         return False
-    keys = sorted(layers)
-    share = np.array([layers[k] / max(layers[k].sum(), 1) for k in keys])   # (layers, experts)
-    fig, ax = plt.subplots(figsize=(1.5 + 0.5 * share.shape[1], 1.2 + 0.5 * len(keys)))
-    im = ax.imshow(share, cmap="viridis", aspect="auto")
-    ax.set(xlabel="expert", ylabel="layer", title="share of tokens per expert",
-           yticks=range(len(keys)), yticklabels=keys, xticks=range(share.shape[1]))
-    fig.colorbar(im, ax=ax)
+    keys = sorted(series)
+    E = series[keys[0]][1].shape[1]
+    ranks = ep if ep > 1 and E % ep == 0 else 1
+    n_rows = len(keys) + (1 if ranks > 1 else 0)
+    fig, axes = plt.subplots(n_rows, 2, figsize=(9, 1.2 + 1.6 * n_rows), squeeze=False,
+                             gridspec_kw=dict(width_ratios=[5, 1.3]))
+    vmax = max(float(series[k][1].max()) for k in keys)
+    for i, k in enumerate(keys):
+        steps, share, dropped = series[k]
+        ax = axes[i][0]
+        im = ax.imshow(share.T, aspect="auto", cmap="magma", vmin=0, vmax=vmax, interpolation="nearest",
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, E - 0.5, -0.5))
+        ax.set(ylabel=f"layer {k}\nexpert", yticks=range(E) if E <= 16 else None)
+        fig.colorbar(im, ax=ax, label=f"share (even {1 / E:.2f})", pad=0.01)
+        d = axes[i][1]
+        d.plot(steps, 100 * dropped, color="tab:red", lw=1)
+        d.set(ylabel="dropped %", ylim=(0, max(1.0, 100 * float(dropped.max()) * 1.1)))
+        if i == 0:
+            ax.set_title("share of each step's routed tokens per expert")
+            d.set_title("dropped")
+    if ranks > 1:
+        ax = axes[-1][0]
+        steps = series[keys[0]][0]
+        per = E // ranks
+        total = sum(series[k][1] for k in keys) / len(keys)               # (S, E), layers averaged
+        for r in range(ranks):
+            ax.plot(steps, total[:, r * per:(r + 1) * per].sum(axis=1), label=f"ep rank {r} (experts {r * per}-{(r + 1) * per - 1})")
+        ax.axhline(1 / ranks, color="k", lw=0.6, ls="--")
+        ax.set(ylabel="share per EP rank", title="which rank's experts are hot (layers averaged; dashed: even)")
+        ax.legend(fontsize=6, ncol=min(4, ranks))
+        axes[-1][1].axis("off")
+    axes[-1][0].set_xlabel("step")
+    axes[-1][1].set_xlabel("step")
     _save(fig, out / "experts.png", plt)
     return True
 
@@ -139,7 +183,14 @@ def make_report(run_dir) -> list[Path]:
     plot_throughput(m, run_dir, plt)
     plot_time_split(m, run_dir, plt)
     wrote = [run_dir / n for n in ("loss.png", "throughput.png", "time_split.png")]
-    if plot_experts(m, run_dir, plt):
+    ep = 1
+    if (run_dir / "summary.json").exists():     # the layout the run used (expert-parallel size)
+        try:
+            run = json.loads((run_dir / "summary.json").read_text())["config"]["run"]
+            ep = int((run.get("layout_resolved") or {}).get("ep") or run.get("ep") or 1)
+        except (ValueError, KeyError, TypeError):
+            ep = 1
+    if plot_experts(m, run_dir, plt, ep=ep):
         wrote.append(run_dir / "experts.png")
     if (run_dir / "trace.json").exists() and plot_pipeline(run_dir / "trace.json", run_dir, plt):
         wrote.append(run_dir / "pipeline.png")

@@ -1,6 +1,7 @@
 """pympar.report: the PNGs a run directory allows, from hand-made metrics and trace files."""
 import json
 
+import numpy as np
 import pytest
 
 from pympar import report
@@ -72,3 +73,30 @@ def test_recorder_totals_are_per_category_and_reset():
 def test_report_cli_errors_without_metrics(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 2
     assert "no metrics file" in capsys.readouterr().err
+
+
+def test_expert_heat_map_over_training_and_the_per_rank_view(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pympar.report import expert_series, plot_experts
+
+    m = [dict(step=s, moe=[dict(layer=0, tokens_per_expert=[s, 10, 10, 20 - s], dropped_fraction=0.01 * s),
+                           dict(layer=1, tokens_per_expert=[5, 5, 5, 5], dropped_fraction=0.0)]) for s in range(10)]
+    ser = expert_series(m)
+    steps, share, dropped = ser[0]
+    assert steps.tolist() == list(range(10)) and share.shape == (10, 4)
+    np.testing.assert_allclose(share.sum(axis=1), 1.0)
+    np.testing.assert_allclose(share[:, 0], np.arange(10) / 40)        # this step's share, not the run's
+    np.testing.assert_allclose(dropped, 0.01 * np.arange(10))
+    np.testing.assert_allclose(ser[1][1], 0.25)
+    heights = {}
+    for ep in (1, 2):
+        d = tmp_path / f"ep{ep}"
+        d.mkdir()
+        assert plot_experts(m, d, plt, ep=ep)
+        from PIL import Image
+        heights[ep] = Image.open(d / "experts.png").size[1]
+    assert heights[2] > heights[1]                # the per-rank row is drawn only with expert parallelism
+    assert not plot_experts([dict(step=0, moe=[])], tmp_path, plt)
