@@ -32,16 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from collectives import parse_size  # noqa: E402
 
 TRANSPORTS = {"shm": {}, "network": {"MPIR_CVAR_NOLOCAL": "1"}, "2nodes": {"MPIR_CVAR_NUM_CLIQUES": "2"}}
 MID, LARGE = 128 << 10, 4 << 20     # size bands: -n iters below MID, --mid-iters to LARGE, --large-iters from it
 TARGET = 1.15
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(s[:-1]) * mult[s[-1]]) if s and s[-1] in mult else int(s)
 
 
 def one(coll, n, transport, lo, hi, factor, iters, warmup, timeout):

@@ -28,7 +28,7 @@ from .dtypes import check_dtype, finish_avg, mpi_op, reduce_op, wire
 from .plans import MAX_PLANS, Plan
 from .progress import P2PRequest, Request, StagedRequest, Waiter, deadline_guard, default_timeout, poll1
 from .topology import Topology
-from .tuning import Decision, Runs, Tuner, measure, read_setting, shape_key
+from .tuning import Decision, Tuner, measure, read_setting, shape_key
 from .watchdog import ArrivalBoard, op_code
 from . import debug as _debug
 
@@ -192,9 +192,9 @@ class MPIComm(Communicator):
         if dst is x and verb == "allreduce":
             dst = np.empty_like(x)
         had_arena = self._arena is not None
-        runs = Runs(nbytes, {a: (lambda p=Plan(verb, a, x.dtype, out_shape, _OWN[verb], self._coll, op, root, E):
-                                 self._run(p, x, dst, w)) for a in cands})
-        d = tuner.record(verb, x.dtype, nbytes, measure(cands, runs, self._coll, self._timer))
+        runs = {a: (lambda p=Plan(verb, a, x.dtype, out_shape, _OWN[verb], self._coll, op, root, E):
+                    self._run(p, x, dst, w)) for a in cands}
+        d = tuner.record(verb, x.dtype, nbytes, measure(cands, runs, self._coll, nbytes, self._timer))
         if (not had_arena and self._arena is not None and d.algo not in _SHM
                 and self._arena.cap > _KEEP_ARENA):
             self._arena.free()    # the measurement made a large shared window that nothing uses
@@ -723,30 +723,25 @@ class MPIComm(Communicator):
     # blocking send/recv of a C-contiguous NumPy array: the library's nonblocking call polled
     # in place (no Request, no Waiter unless the wait is not short; same deadline and report)
     def send(self, x, dest, tag=0):
-        if type(x) is _ndarray and x.flags.c_contiguous and x.ndim:
-            check_dtype(x.dtype)
-            self.p2p_seq += 1
-            req = self._p2p.Isend(wire(x), dest, tag)
-            if not req.Test():
-                seq = self.p2p_seq
-                poll1(req, lambda: Waiter("send", self.name, seq, self.timeout), dest)
+        if _lean(x):
+            self._poll_p2p(self._p2p.Isend(wire(x), dest, tag), dest, "send")
             return
         self.isend(x, dest, tag).wait()
 
     def recv(self, buf, source, tag=0):
-        if type(buf) is _ndarray and buf.flags.c_contiguous and buf.ndim:
-            check_dtype(buf.dtype)
-            self.p2p_seq += 1
-            req = self._p2p.Irecv(wire(buf), source, tag)
-            if not req.Test():
-                seq = self.p2p_seq
-                poll1(req, lambda: Waiter("recv", self.name, seq, self.timeout), source)
+        if _lean(buf):
+            self._poll_p2p(self._p2p.Irecv(wire(buf), source, tag), source, "recv")
             return buf
         return self.irecv(buf, source, tag).wait()
 
+    def _poll_p2p(self, req, peer, op):
+        self.p2p_seq += 1
+        if not req.Test():
+            seq = self.p2p_seq
+            poll1(req, lambda: Waiter(op, self.name, seq, self.timeout), peer)
+
     def isend(self, x, dest, tag=0):
-        if type(x) is _ndarray and x.flags.c_contiguous and x.ndim:   # NumPy: the lean request
-            check_dtype(x.dtype)
+        if _lean(x):                     # NumPy: the lean request
             return P2PRequest(self._p2p.Isend(wire(x), dest, tag), dest, self._lazy_waiter("send"), x)
         if needs_staging(x):
             x = to_host(x)
@@ -756,8 +751,7 @@ class MPIComm(Communicator):
 
     def irecv(self, buf, source, tag=0):
         """Receive into buf (arrays never travel pickled: the receiver supplies the buffer)."""
-        if type(buf) is _ndarray and buf.flags.c_contiguous and buf.ndim:
-            check_dtype(buf.dtype)
+        if _lean(buf):
             return P2PRequest(self._p2p.Irecv(wire(buf), source, tag), source, self._lazy_waiter("recv"), buf)
         if needs_staging(buf):
             h = np.empty(buf.shape, dtype=buf.dtype)         # host landing buffer; copied back on completion
@@ -789,6 +783,15 @@ class MPIComm(Communicator):
         for c in (self._coll, self._p2p):
             if c != MPI.COMM_NULL and c not in (MPI.COMM_WORLD, MPI.COMM_SELF):
                 c.Free()
+
+
+def _lean(a) -> bool:
+    """Whether a point-to-point operand takes the lean path: a C-contiguous NumPy array with at
+    least one dimension, of a dtype pympar.comm takes (checked here; raises otherwise)."""
+    if type(a) is _ndarray and a.flags.c_contiguous and a.ndim:
+        check_dtype(a.dtype)
+        return True
+    return False
 
 
 def _then_return(steps, result):

@@ -121,11 +121,11 @@ def pick(times: dict, library: str = "mpi") -> str:
     return best
 
 
-def measure(names, runs, coll, timer=None) -> dict:
+def measure(names, runs, coll, nbytes, timer=None) -> dict:
     """{name: seconds}: the median over rounds of the slowest rank's time of runs[name]().
 
     Collective over the mpi4py communicator ``coll`` (every rank calls it with the same
-    names in the same order). runs[name]() performs one complete collective; a round times
+    names in the same order). runs[name]() performs one complete collective of nbytes; a round times
     batch(nbytes) of them back to back, timer(name, run) -> seconds of one round (default:
     perf_counter around run()), divided by the batch. The rounds' times are MAX-reduced over
     the ranks, so the result -- and any decision taken from it -- is the same on every rank
@@ -133,9 +133,7 @@ def measure(names, runs, coll, timer=None) -> dict:
     from mpi4py import MPI
 
     timer = timer or _time_it
-    nbytes = getattr(runs, "nbytes", None)
-    reps = rounds(nbytes) if nbytes is not None else 3
-    k = batch(nbytes) if nbytes is not None else 1
+    reps, k = rounds(nbytes), batch(nbytes)
     for name in names:           # warm-up: first-use allocations (shared windows, buffers)
         runs[name]()
     burst = {name: _burst(runs[name], k) for name in names}
@@ -161,14 +159,6 @@ def _time_it(_name, run):
     t0 = time.perf_counter()
     run()
     return time.perf_counter() - t0
-
-
-class Runs(dict):
-    """name -> callable, with the message size that sets the number of rounds."""
-
-    def __init__(self, nbytes, items=()):
-        super().__init__(items)
-        self.nbytes = nbytes
 
 
 # --- tuning files ----------------------------------------------------------------------

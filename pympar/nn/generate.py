@@ -20,8 +20,9 @@ import numpy as np
 from ..backend import to_numpy, xp_of
 
 
-def _sample(lg, top_k, temperature, rng):
-    lg = to_numpy(lg).astype(np.float64) / temperature            # (B, V), as GPT.generate
+def sample(lg, top_k, temperature, rng):
+    """Next tokens (B, 1) from last-position logits lg (B, V): temperature, top-k, one draw each."""
+    lg = to_numpy(lg).astype(np.float64) / temperature
     if top_k is not None:
         kth = np.sort(lg, axis=-1)[:, -min(top_k, lg.shape[-1])][:, None]
         lg = np.where(lg < kth, -np.inf, lg)
@@ -89,7 +90,7 @@ def generate(model, idx, n, top_k=None, temperature=1.0, rng=None, cache=True):
         kv = KVCache(model, idx.shape[0])
         lg = kv.step(model, xp.asarray(idx[:, -bs:]))
         for i in range(n):
-            nxt = _sample(lg, top_k, temperature, rng)
+            nxt = sample(lg, top_k, temperature, rng)
             idx = np.concatenate([idx, nxt], axis=1)
             if i == n - 1:
                 break

@@ -342,17 +342,13 @@ class GPT(Module):
 
     def generate(self, idx, n, top_k=None, rng=None, temperature=1.0):
         """Append n sampled tokens to idx (B, T)."""
+        from .generate import sample        # the one sampling rule (the cached path uses it too)
+
         rng = np.random.default_rng(0) if rng is None else rng
         idx = to_numpy(idx)                      # sampling runs on the host
         for _ in range(n):
             ctx = idx[:, -self.config.block_size:]
-            lg = to_numpy(self.logits(ctx)[:, -1, :]).astype(np.float64) / temperature   # (B, V)
-            if top_k is not None:
-                kth = np.sort(lg, axis=-1)[:, -min(top_k, lg.shape[-1])][:, None]
-                lg = np.where(lg < kth, -np.inf, lg)
-            p = np.exp(lg - lg.max(axis=-1, keepdims=True))
-            p /= p.sum(axis=-1, keepdims=True)
-            nxt = np.array([rng.choice(p.shape[-1], p=row) for row in p])[:, None]
+            nxt = sample(self.logits(ctx)[:, -1, :], top_k, temperature, rng)
             idx = np.concatenate([idx, nxt], axis=1)
         return idx
 
