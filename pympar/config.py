@@ -28,9 +28,10 @@ class Layout:
     pp: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __str__(self):
-        return f"dp={self.dp} pp={self.pp} tp={self.tp} ep={self.ep}"
+        return f"dp={self.dp} pp={self.pp} tp={self.tp} ep={self.ep}" + (f" cp={self.cp}" if self.cp > 1 else "")
 
 
 @dataclass
@@ -44,6 +45,7 @@ class RunConfig:
     pp: int | None = None
     tp: int | None = None
     ep: int | None = None
+    cp: int | None = None
     layout: str = "rule"
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -95,9 +97,11 @@ _HELP = {
     "config": "TOML file with any of these options (flags override it)",
     "data": "text file, directory of text files, nanoGPT dir (train.bin/val.bin) or llm.c .bin; "
             "default: this Python's standard-library sources",
-    "dp": "data-parallel size (default: world / (pp*tp))",
+    "dp": "data-parallel size (default: world / (pp*cp*tp))",
+    "cp": "context-parallel size: each sequence's positions split over cp ranks (two of 2*cp equal chunks each, "
+          "ring attention); block_size must be divisible by 2*cp (default 1)",
     "pp": "pipeline-parallel stages", "tp": "tensor-parallel size",
-    "ep": "expert-parallel size (divides dp and n_expert)",
+    "ep": "expert-parallel size (divides dp*cp and n_expert)",
     "layout": "'rule': dp/pp/tp/ep not given are filled in (pp=tp=ep=1, dp takes the rest); "
               "'auto': the planner (python -m pympar.plan) picks dp, pp, tp, ep, micro-batches, schedule, "
               "ZeRO and sequence parallelism for the same global batch (micro_batch_size*n_micro*world)",
@@ -246,7 +250,7 @@ def parse_args(argv, world_size: int) -> tuple[GPTConfig, RunConfig]:
         raise ConfigError(str(e)) from None
     run.model_overrides = sorted(overrides)
     _check_run(run)
-    run.layout_auto = all(getattr(run, k) is None for k in ("dp", "pp", "tp", "ep"))
+    run.layout_auto = all(getattr(run, k) is None for k in ("dp", "pp", "tp", "ep", "cp"))
     if run.layout == "auto":
         _apply_planner(world_size, model, run)
     run.layout_resolved = choose_layout(world_size, model, run)
@@ -256,7 +260,7 @@ def parse_args(argv, world_size: int) -> tuple[GPTConfig, RunConfig]:
 def _apply_planner(world: int, model: GPTConfig, run: RunConfig) -> None:
     """--layout auto: the planner's best layout for the same global batch (no communication;
     the planner's constants are fixed, so every rank picks the same layout)."""
-    given = [k for k in ("dp", "pp", "tp", "ep") if getattr(run, k) is not None]
+    given = [k for k in ("dp", "pp", "tp", "ep", "cp") if getattr(run, k) is not None]
     if given:
         raise ConfigError(f"--layout auto chooses dp, pp, tp and ep itself, but {', '.join('--' + k for k in given)} "
                           f"was given: drop it, or drop --layout auto")
@@ -295,7 +299,7 @@ def _check_run(run: RunConfig) -> None:
         raise ConfigError(f"topk_ratio={run.topk_ratio} must be in (0, 1]")
     if run.comm_timeout <= 0:
         raise ConfigError(f"comm_timeout={run.comm_timeout} must be > 0 seconds")
-    for k in ("dp", "pp", "tp", "ep"):
+    for k in ("dp", "pp", "tp", "ep", "cp"):
         v = getattr(run, k)
         if v is not None and v < 1:
             raise ConfigError(f"{k}={v} must be >= 1")
@@ -311,23 +315,32 @@ def _check_run(run: RunConfig) -> None:
 def choose_layout(world: int, model: GPTConfig, run: RunConfig) -> Layout:
     """The layout for this world size. Given sizes are kept; missing ones are filled in.
 
-    Rule (a placeholder until the planner exists): pp = tp = ep = 1 unless given, and dp
-    takes the rest of the world. Every rank computes the same answer.
+    Rule: pp = tp = ep = cp = 1 unless given, and dp takes the rest of the world (--layout auto asks
+    the planner instead). Every rank computes the same answer.
     """
-    pp, tp, ep = run.pp or 1, run.tp or 1, run.ep or 1
+    pp, tp, ep, cp = run.pp or 1, run.tp or 1, run.ep or 1, run.cp or 1
+    rest, names = pp * cp * tp, "pp*tp" if cp == 1 else "pp*cp*tp"
     if run.dp is None:
-        if world % (pp * tp):
-            raise ConfigError(f"world size {world} is not divisible by pp*tp={pp}*{tp}={pp * tp}; "
-                              f"launch a multiple of {pp * tp} ranks or change --pp/--tp")
-        dp = world // (pp * tp)
+        if world % rest:
+            raise ConfigError(f"world size {world} is not divisible by {names}={rest}; "
+                              f"launch a multiple of {rest} ranks or change --{names.replace('*', '/--')}")
+        dp = world // rest
     else:
         dp = run.dp
-    lay = Layout(dp, pp, tp, ep)
-    if dp * pp * tp != world:
-        raise ConfigError(f"dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} does not match the world size {world}; "
-                          f"launch {dp * pp * tp} ranks or change the layout")
-    if dp % ep:
-        raise ConfigError(f"ep={ep} does not divide dp={dp} (experts are sharded over data-parallel ranks)")
+    lay = Layout(dp, pp, tp, ep, cp)
+    if dp * rest != world:
+        raise ConfigError(f"dp*{names} = {dp}*{rest} = {dp * rest} does not match the world size {world}; "
+                          f"launch {dp * rest} ranks or change the layout")
+    if (dp * cp) % ep:
+        raise ConfigError(f"ep={ep} does not divide dp*cp={dp * cp} (experts are sharded over the data- and "
+                          f"context-parallel ranks)" if cp > 1 else
+                          f"ep={ep} does not divide dp={dp} (experts are sharded over data-parallel ranks)")
+    if cp > 1:
+        from .parallel.cp import validate_cp
+        try:
+            validate_cp(model, cp, tp, run.seq_parallel)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if ep > 1 and (model.n_expert == 0 or model.n_expert % ep):
         raise ConfigError(f"ep={ep} needs n_expert divisible by ep; n_expert={model.n_expert}")
     if tp > 1 and model.n_head % tp:

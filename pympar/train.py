@@ -115,7 +115,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
         # auto choose the library's blocking collectives (comm/tuning.py)
         comm = MPIComm(mpi, name="world", timeout=run.comm_timeout, on_timeout="abort")
     lay = run.layout_resolved
-    dp_rank = Mesh.coords(rank, lay.dp, lay.pp, lay.tp)[1]   # this rank's data shard
+    dp_rank = Mesh.coords(rank, lay.dp, lay.pp, lay.tp, lay.cp).dp   # this rank's data shard
     rec = Recorder(enabled=run.profile)
     runner = build_runner(model_cfg, lay, comm, run, rec)
     predicted = runner.predicted_ledger(run.micro_batch_size, run.n_micro)
@@ -199,7 +199,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
     if run.profile:
         events = gather_object(comm, rec.events, root=0)   # timed by comm.timeout
         if rank == 0 and out:
-            write_chrome_trace(out / "trace.json", events, [f"rank {r} (pp, dp, tp) {Mesh.coords(r, lay.dp, lay.pp, lay.tp)}" for r in range(world)])
+            write_chrome_trace(out / "trace.json", events, [f"rank {r} (pp, dp, cp, tp) {tuple(Mesh.coords(r, lay.dp, lay.pp, lay.tp, lay.cp))}" for r in range(world)])
     if rank == 0 and history:                  # (empty when resumed at the last step)
         summary = _summary(history, val_loss, wall, world, runner.n_params, describe(model_cfg, run))
         summary["memory"] = dict(ledger_predicted=predicted, ledger_rank0=runner.ledger,

@@ -34,7 +34,7 @@ def _run(n, mode, timeout, device="cpu"):
 
 @pytest.mark.parametrize("n", WORLDS)
 def test_ci_slice_of_layouts_matches_single_process(n):
-    ran, failed = _run(n, "ci", timeout=150 if n == 8 else 90)
+    ran, failed = _run(n, "ci", timeout=300 if n == 8 else 120)
     assert (ran, failed) == (len(ci_layouts(n)), 0)
 
 

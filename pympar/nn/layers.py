@@ -101,11 +101,15 @@ class Embedding(Module):
         yield f"{pre}wte.weight", self.wte
         yield f"{pre}wpe.weight", self.wpe
 
+    # the global positions of the T tokens given (context parallelism: parallel.cp sets this
+    # rank's); None: 0 .. T-1
+    positions = None
+
     def forward(self, idx):                      # idx (B, T) -> x (B, T, C)
         B, T = idx.shape
         if T > self.wpe.data.shape[0]:
             raise ValueError(f"sequence length T={T} exceeds block_size={self.wpe.data.shape[0]}")
-        x = self.wte.data[idx] + self.wpe.data[:T]
+        x = self.wte.data[idx] + self.wpe.data[position_rows(self, T)]
         return compute_cast(x, self._cdt), idx
 
     def backward(self, dx, idx):                 # dx (B, T, C) -> None (idx has no gradient)
@@ -113,5 +117,20 @@ class Embedding(Module):
         C = dx.shape[-1]
         dxf = dx.astype(self.wte.grad.dtype, copy=False)
         scatter_add(self.wte.grad, idx.reshape(-1), dxf.reshape(-1, C))
-        self.wpe.grad[:T] += dxf.sum(axis=0)
+        self.wpe.grad[position_rows(self, T)] += dxf.sum(axis=0)   # distinct rows: += is a scatter-add
         return None
+
+
+def position_rows(emb, T, part=None):
+    """Rows of wpe for T tokens: 0..T-1, or emb.positions (on wpe's device) when set; ``part``
+    (a slice) takes a part of them (sequence parallelism's rows)."""
+    pos = getattr(emb, "positions", None)
+    if pos is None:
+        return part if part is not None else slice(0, T)
+    if len(pos) != T:
+        raise ValueError(f"{T} tokens per sequence, but this rank holds {len(pos)} positions of each "
+                         f"(context parallelism: pass the rank's part of every sequence)")
+    cached = getattr(emb, "_pos_dev", None)
+    if cached is None or cached[0] is not pos:
+        emb._pos_dev = cached = (pos, xp_of(emb.wpe.data).asarray(pos))
+    return cached[1] if part is None else cached[1][part]

@@ -8,6 +8,10 @@ Routing, for N = B*T tokens of one micro-batch and E experts:
 Priority when an expert overflows: CHOICE-MAJOR. All first choices (in token order) are
 placed before any second choice (in token order), and so on. A dropped assignment adds
 nothing; the block's residual carries the token.
+Under context parallelism (parallel.cp) a rank holds some positions of every sequence: the
+counts behind f and the capacity's drops are those of the whole micro-batch (``cp_routing``),
+the means over tokens are over the rank's own, and the cp group's mean of its ranks' losses is
+the micro-batch's.
 Loss terms (per micro-batch), both added to the model loss:
   aux = aux_coef * E * sum_i f_i * P_i,  f_i = assignments routed to i BEFORE dropping / (N k),
         P_i = mean over tokens of probs[:, i]  (f is a count: no gradient through it)
@@ -56,6 +60,7 @@ class MoE(Module):
         self.shared = MLP(n_embd, name=f"{name}.shared", **mk) if shared_expert else None
         self.expert_bias = np.zeros(n_expert, dtype=self._acc)  # selection only, not trained
         self.recording = True            # count loads (False for evaluation passes)
+        self.cp_routing = None           # parallel.cp.CPRouting when the micro-batch spans a cp group
         self._reset_counters()
 
     def _reset_counters(self):
@@ -133,7 +138,19 @@ class MoE(Module):
         # assignments in choice-major priority order: (k, N) flattened
         a_expert = idx.T.reshape(-1)
         a_token = xp.tile(xp.arange(N), k)
-        pos, counts = kernels.capacity_positions(a_expert, E, self.capacity(N))
+        cpr = self.cp_routing                    # context parallelism: the micro-batch spans ranks
+        if cpr is None:
+            pos, counts = kernels.capacity_positions(a_expert, E, self.capacity(N))
+            mb_counts, mb_n = counts, N
+        else:
+            mb_n = N * cpr.comm.size
+            cap = self.capacity(mb_n)
+            if cap == 0:                         # dropless: only the counts are the micro-batch's
+                pos, counts = kernels.capacity_positions(a_expert, E, 0)
+                mb_counts = cpr.counts(counts)
+            else:                                # drops decided in the micro-batch's priority order
+                pos, mb_counts = cpr.capacity_positions(a_expert, E, cap, k, B)
+                counts = xp.bincount(a_expert, minlength=E)
         kept = xp.flatnonzero(pos >= 0)
         order = kept[_stable_argsort(a_expert[kept])]            # (M,) grouped by expert
         rows = a_token[order]                                              # (M,) token of each row
@@ -146,7 +163,7 @@ class MoE(Module):
         if self.shared is not None:
             ysh, shctx = self.shared.forward(xf)
             y += ysh
-        f = counts.astype(acc) / (N * k)
+        f = mb_counts.astype(acc) / (mb_n * k)
         aux = self.aux_coef * E * float((f * probs.mean(axis=0)).sum())
         z = self.z_coef * float((lse * lse).mean())
         if self.recording:
@@ -155,7 +172,7 @@ class MoE(Module):
             self._load_since_update += counts
         ctx = dict(shape=x.shape, xf=xf, probs=probs, lse=lse, idx=idx, gates=gates, ssum=ssum,
                    order=order, rows=rows, gate_rows=gate_rows, ys=ys, ectx=ectx, shctx=shctx,
-                   f=f, aux_loss=aux + z, aux=aux, z=z)
+                   f=f, counts=counts, aux_loss=aux + z, aux=aux, z=z)
         return y.reshape(B, T, C), ctx
 
     def backward(self, dy, ctx, daux=1.0):       # dy (B, T, C) -> dx (B, T, C)

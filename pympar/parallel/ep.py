@@ -169,7 +169,7 @@ class ExpertParallelMixin:
         if self.recording:
             B, T, _ = ctx["shape"]
             a, n_assign = self._ep_acc, B * T * self.top_k
-            a["routed"] += np.rint(to_numpy(ctx["f"]) * n_assign).astype(np.int64)   # host: E counts
+            a["routed"] += np.asarray(to_numpy(ctx["counts"]), np.int64)   # host: E counts (this rank's tokens)
             a["kept"] += len(ctx["order"])
             a["assignments"] += n_assign
         return y, ctx

@@ -7,7 +7,8 @@ wte between the first and last stage, and the sequence-parallel partial grads ov
     expert params  (1/n_micro) * sum over its ep group's micro-batches  -> mean over edp, x 1/ep
 
 (see pympar.parallel.ep for the 1/ep). Each kind is one ``DataParallel`` (buckets overlapped
-with backward, optional ZeRO-1/2/3 and compression) over its group: dense over ``mesh.dp_comm``,
+with backward, optional ZeRO-1/2/3 and compression) over its group: dense over ``mesh.dpcp_comm``
+(the dp group, or dp x cp under context parallelism),
 expert over ``mesh.edp_comm``. With ZeRO the state (rows) of expert parameters is
 therefore sharded over edp and that of dense parameters over dp.
 
@@ -64,7 +65,7 @@ class GradSync:
         self.named, self.params = named, [p for _, p in named]
         # (DataParallel, post-scale, group rank): the dp (edp) rank 0 counts replicated grads
         late = [tied_copy] if tied_copy is not None else []     # final after the tied sum only
-        self.groups = [(DataParallel(dense, mesh.dp_comm, launch_last=late, **dp_kw), 1.0, mesh.dp_rank)]
+        self.groups = [(DataParallel(dense, mesh.dpcp_comm, launch_last=late, **dp_kw), 1.0, mesh.dpcp_rank)]
         if expert:
             self.groups.append((DataParallel(expert, mesh.edp_comm, **dp_kw), 1.0 / mesh.ep, mesh.edp_rank))
         if self.zero:

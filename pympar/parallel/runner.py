@@ -1,7 +1,8 @@
 """The seam between the trainer and the parallel strategies: one ``ParallelRunner`` for any
 layout dp x pp x tp with ep | dp.
 
-``build_runner(model_cfg, layout, comm, opts, rec)`` returns it; the trainer only ever calls
+``build_runner(model_cfg, layout, comm, opts, rec)`` returns it (layout: dp, pp, tp, ep and, when it
+has one, cp); the trainer only ever calls
 
     runner.train_step(micro_batches, lr) -> dict(loss, grad_norm, loss_scale, skipped, moe, time_split, pipeline)
     runner.eval_loss(batches)             -> float, the mean loss over the batches of all DP ranks
@@ -9,19 +10,22 @@ layout dp x pp x tp with ep | dp.
     runner.n_params, runner.model_cfg, runner.mesh
 
 ``micro_batches`` is this rank's list of (idx (B,T), targets (B,T)): the global micro-batches
-g = dp_rank*n_micro + j (pympar.data); every rank of a tp group and of a pipeline gets the
-same list. The step's loss is the mean over all micro-batches of the global batch, so every
+g = dp_rank*n_micro + j (pympar.data); every rank of a tp group, of a pipeline and of a cp group
+gets the same list (whole sequences: with cp > 1 the runner keeps its rank's positions of each,
+parallel.cp). The step's loss is the mean over all micro-batches of the global batch, so every
 layout computes the single-process step (DESIGN.md, Determinism).
 
 Composition, per rank with mesh coordinates (pp stage, dp rank, tp rank, ep rank):
   model     pp = 1: nn.GPT (tp = 1) or parallel.tp.TPGPT; pp > 1: this stage's chunks
             (parallel.pp.build_pipeline; TP stages cut from a TPGPT by SlicedModelFactory);
             ep > 1: install_expert_parallel keeps this ep rank's experts (alltoallv dispatch)
+            cp > 1: install_context_parallel: ring attention, this rank's positions, MoE routing
+            over the micro-batch
   backward  pp = 1: loss_and_grad per micro-batch (grad_scale = loss_scale / n_micro);
             pp > 1: the executor's schedule, which also sums the tied wte between the first
             and last stage and the sequence-parallel partial grads over tp
-  sync      GradSync (one gradient path, from each parameter's placement): dense grads mean over dp,
-            expert grads over edp x 1/ep
+  sync      GradSync (one gradient path, from each parameter's placement): dense grads mean over
+            dp x cp, expert grads over edp x 1/ep
             (buckets, overlap, ZeRO-1/2/3, compression from parallel.dp); under a pipeline the
             buckets of a chunk start once its last micro-batch's backward is done
   norm      every rank counts the gradient elements it owns; ONE world allreduce of
@@ -42,6 +46,7 @@ from ..comm.objects import gather_object
 from ..nn import GPT
 from ..nn.gpt import RECOMPUTE, count_params, set_recompute
 from ..optim import DynamicLossScaler
+from .cp import install_context_parallel, local_batch, validate_cp
 from .ep import ep_step_stats, install_expert_parallel, validate_ep
 from . import ledger
 from .gradsync import GradSync
@@ -57,7 +62,7 @@ class NotSupportedError(ValueError):
 def check_supported(model_cfg, layout, opts) -> None:
     """Raise ValueError (NotSupportedError for what no strategy implements) before any
     communication: every rank reaches the same verdict on its own."""
-    dp, pp, tp, ep = layout.dp, layout.pp, layout.tp, layout.ep
+    dp, pp, tp, ep, cp = layout.dp, layout.pp, layout.tp, layout.ep, getattr(layout, "cp", 1)
     if opts.device not in ("cpu", "cuda"):
         raise ValueError(f"--device {opts.device!r}: expected cpu or cuda")
     if opts.zero not in (0, 1, 2, 3):
@@ -67,13 +72,14 @@ def check_supported(model_cfg, layout, opts) -> None:
         raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)}")
     if opts.seq_parallel and tp == 1:
         raise NotSupportedError("--seq-parallel splits activations over the tensor-parallel group: it needs --tp > 1")
-    Mesh.validate(dp * pp * tp, dp, pp, tp, ep)
+    Mesh.validate(dp * pp * cp * tp, dp, pp, tp, ep, cp)
     validate_ep(model_cfg, ep)
     if ep > 1 and not model_cfg.n_expert:
         raise ValueError(f"ep={ep} needs a MoE model (n_expert > 0)")
     if tp > 1:
         from .tp import validate_tp
-        validate_tp(model_cfg, tp, opts.seq_parallel, seq_len=model_cfg.block_size)
+        validate_tp(model_cfg, tp, opts.seq_parallel, seq_len=model_cfg.block_size // cp)
+    validate_cp(model_cfg, cp, tp, opts.seq_parallel)
     v = getattr(opts, "virtual_stages", 1)
     if pp > 1:
         from .pp import validate_pipeline
@@ -96,7 +102,8 @@ class ParallelRunner:
 
     def __init__(self, model_cfg, layout, comm, opts, rec=_profile.NULL):
         self.model_cfg, self.layout, self.comm, self.rec = model_cfg, layout, comm, rec
-        self.mesh = mesh = Mesh(comm, dp=layout.dp, pp=layout.pp, tp=layout.tp, ep=layout.ep)
+        self.cp = getattr(layout, "cp", 1)
+        self.mesh = mesh = Mesh(comm, dp=layout.dp, pp=layout.pp, tp=layout.tp, ep=layout.ep, cp=self.cp)
         self.dp, self.pp, self.tp, self.ep = layout.dp, layout.pp, layout.tp, layout.ep
         self.seed = opts.seed
         self.master = np.dtype(getattr(opts, "master_dtype", "float32"))
@@ -106,6 +113,10 @@ class ParallelRunner:
         self.zero = int(opts.zero)
         if self.ep > 1:               # keep n_expert/ep experts; tokens move by alltoallv
             install_expert_parallel(self.model, mesh.ep_comm)
+        self.cp_positions = None
+        if self.cp > 1:               # this rank's positions; K, V travel around the cp ring
+            install_context_parallel(self.model, mesh.cp_comm, model_cfg.block_size)
+            self.cp_positions = self.model.cp_positions
         set_recompute(self.model, getattr(opts, "recompute", "none"))
         # nothing is allocated yet (parameters are made on first use): ZeRO-3 makes only its rows,
         # on the device; otherwise the model is made on the host (same numbers) and moved
@@ -174,6 +185,28 @@ class ParallelRunner:
                                          dtype=self.master, compute_dtype=self.compute, factory=factory)
         return model, executor, tp_model
 
+    def _local(self, batches):
+        """This rank's positions of each (idx, targets) of whole sequences (all of them when cp = 1)."""
+        if self.cp_positions is None:
+            return batches
+        T = self.model_cfg.block_size
+        for idx, _ in batches:
+            if np.shape(idx)[1] != T:
+                raise ValueError(f"context parallelism splits sequences of block_size={T} positions; got a batch of "
+                                 f"{np.shape(idx)[1]}: pass whole sequences of {T}")
+        return [local_batch(b, self.cp_positions) for b in batches]
+
+    def _cp_seconds(self):
+        """Seconds this step waited for the cp ring (the transfers not hidden behind a block's computation)."""
+        if self.cp == 1:
+            return 0.0
+        wait = busy = 0.0
+        for core in self.model.cp_cores:
+            w, b = core.take_seconds()
+            wait, busy = wait + w, busy + b
+        self.cp_busy_seconds = busy
+        return wait
+
     def _allreduce(self, v):
         """Sum of a host float64 vector over the world (MPI side of a DeviceComm)."""
         if self.comm.size == 1:
@@ -185,6 +218,7 @@ class ParallelRunner:
     def train_step(self, micro_batches, lr) -> dict:
         rec, sync, model = self.rec, self.sync, self.model
         n = len(micro_batches)
+        micro_batches = self._local(micro_batches)
         self._reset_comm_counters()                       # eval/generation since the last step
         model.zero_grad()
         sync.begin_step()
@@ -210,9 +244,11 @@ class ParallelRunner:
         tp_s = self._tp_model.take_tp_comm_seconds() if self._tp_model is not None else 0.0
         local_moe = {st["layer"]: st for st in model.moe_stats()}
         ep_s = sum(layer._ep_acc["a2a_s"] for _, layer in model.moe_layers()) if self.ep > 1 else 0.0
-        a2a = {s["layer"]: s for s in ep_step_stats(model, self.mesh.dp_comm)} if self.ep > 1 else {}
-        rec.add("forward/backward", "compute", t0, max(compute - tp_s - ep_s, 0.0))
+        a2a = {s["layer"]: s for s in ep_step_stats(model, self.mesh.dpcp_comm)} if self.ep > 1 else {}
+        cp_s = self._cp_seconds()
+        rec.add("forward/backward", "compute", t0, max(compute - tp_s - ep_s - cp_s, 0.0))
         rec.add("tp collectives", "tp_comm", t0, tp_s)
+        rec.add("context-parallel ring", "cp_comm", t0, cp_s)
         rec.add("expert all-to-all", "ep_comm", t0, ep_s)
         rec.add("pipeline wait", "bubble", t0, bubble)
         rec.add("pipeline send/tied/loss", "pp_comm", t0, pp_other)
@@ -223,7 +259,7 @@ class ParallelRunner:
         vec = self._step_vector(loss, local_moe, a2a)
         with rec.span("step allreduce", self._world_comm_category(), bytes=int(vec.nbytes)):
             red = self._allreduce(vec)
-        loss = float(red[0] / self.dp)
+        loss = float(red[0] / (self.dp * self.cp))
         nonfinite, total_sq = red[1], float(red[2])
         n_moe = len(self.moe_ids) * (self.model_cfg.n_expert + 3)
         moe = self._moe_from(red[3:3 + n_moe])
@@ -301,13 +337,13 @@ class ParallelRunner:
 
     def _world_comm_category(self):
         """The time-split key of a world collective: the largest kind of group it spans."""
-        for key, size in (("dp_comm", self.dp), ("pp_comm", self.pp), ("tp_comm", self.tp)):
+        for key, size in (("dp_comm", self.dp), ("pp_comm", self.pp), ("cp_comm", self.cp), ("tp_comm", self.tp)):
             if size > 1:
                 return key
         return "optimizer"
 
     def _step_vector(self, loss, local_moe, a2a):
-        """This rank's share of [loss*dp, non-finite, norm^2, per MoE layer: load (E), dropped, a2a s,
+        """This rank's share of [loss*dp*cp, non-finite, norm^2, per MoE layer: load (E), dropped, a2a s,
         a2a bytes, then every rank's memory figures (ledger.memory_vector)]."""
         E, m = self.model_cfg.n_expert, self.mesh
         head = m.tp_rank == 0 and m.pp_rank == 0           # the loss is the same over tp and pp
@@ -322,7 +358,7 @@ class ParallelRunner:
                 o = 3 + k * (E + 3)
                 vec[o:o + E] = local_moe[i]["tokens_per_expert"]
                 vec[o + E] = local_moe[i]["dropped_fraction"]
-                if i in a2a and m.dp_rank == 0:            # already summed over dp
+                if i in a2a and m.dpcp_rank == 0:          # already summed over dp x cp
                     vec[o + E + 1] = a2a[i]["a2a_seconds"]
                     vec[o + E + 2] = a2a[i]["a2a_bytes"]
         return vec
@@ -332,7 +368,7 @@ class ParallelRunner:
         for k, i in enumerate(self.moe_ids):
             o = k * (E + 3)
             st = dict(layer=i, tokens_per_expert=[int(round(t)) for t in v[o:o + E]],
-                      dropped_fraction=float(v[o + E] / self.dp))
+                      dropped_fraction=float(v[o + E] / (self.dp * self.cp)))
             if self.ep > 1:
                 st.update(a2a_seconds=float(v[o + E + 1]), a2a_bytes=int(round(v[o + E + 2])))
             out.append(st)
@@ -344,12 +380,14 @@ class ParallelRunner:
 
         Every rank of a dp group runs the same number of forward passes (the most any has;
         padding passes are discarded): MoE layers exchange tokens over ep, stages over pp."""
+        batches = self._local(batches)
+        group = self.mesh.dpcp_comm                  # every cp rank holds a mean over its positions
         with self.rec.span("eval", "eval", n=len(batches)):
             n_max = len(batches)
-            if self.dp > 1:
-                n_max = int(np.asarray(self.mesh.dp_comm.allreduce(np.array([n_max], np.int64), op="max")).reshape(-1)[0])  # host
+            if group.size > 1:
+                n_max = int(np.asarray(group.allreduce(np.array([n_max], np.int64), op="max")).reshape(-1)[0])  # host
             T = self.model_cfg.block_size
-            pad = batches[0] if batches else (np.zeros((1, T), np.int64), np.zeros((1, T), np.int64))  # host tokens
+            pad = batches[0] if batches else self._local([(np.zeros((1, T), np.int64), np.zeros((1, T), np.int64))])[0]  # host tokens
             total = 0.0
             for j in range(n_max):
                 x, y = batches[j] if j < len(batches) else pad
@@ -360,15 +398,15 @@ class ParallelRunner:
                 total += loss if j < len(batches) else 0.0
             local = np.array([total, len(batches)], np.float64)  # host
             tot = local
-            if self.dp > 1:
-                out = self.mesh.dp_comm.allreduce(local)
+            if group.size > 1:
+                out = group.allreduce(local)
                 tot = local if out is None else np.asarray(out)  # host
         return float(tot[0] / max(tot[1], 1))
 
     def generate(self, prompt, n, top_k, rng):
         """Sample on world rank 0. A layout that splits the model first gathers the full
         parameters there (one gather); the other ranks return None without further collectives."""
-        if self.pp == self.tp == self.ep == 1 and self.zero != 3:
+        if self.pp == self.tp == self.ep == self.cp == 1 and self.zero != 3:
             return self.model.generate(prompt, n, top_k=top_k, rng=rng) if self.comm.rank == 0 else None
         state = self.full_state_dict()
         if state is None:

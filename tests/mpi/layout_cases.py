@@ -1,9 +1,10 @@
 """The layouts of the equivalence test (tests/mpi/mpi_layouts.py): pure enumeration, no MPI.
 
-A layout is (dp, pp, tp, ep, model, schedule, v, sp, zero, dtype, recompute) with dp*pp*tp =
-world. ``all_layouts(world)`` is every layout the test models admit (pp <= n_layer, tp | n_head,
-ep | dp and ep | n_expert, interleaved only where n_layer divides into pp*2 chunks, sequence
-parallelism only with tp > 1, ZeRO stages 1-3 only with dp > 1), each with activation
+A layout is (dp, pp, tp, ep, model, schedule, v, sp, zero, dtype, recompute, cp) with
+dp*pp*cp*tp = world. ``all_layouts(world)`` is every layout the test models admit (pp <= n_layer,
+tp | n_head, ep | dp*cp and ep | n_expert, 2*cp | block_size (cp 1, 2, 4 with block_size 8),
+interleaved only where n_layer divides into pp*2 chunks, sequence parallelism only with tp > 1
+and tp | block_size/cp, ZeRO stages 1-3 only with dp*cp > 1), each with activation
 recomputation none, selective and full, in float64. ``ci_layouts(world)`` is a
 representative slice: a greedy all-pairs cover (every pair of dimension values that occurs in
 the full matrix occurs in some chosen layout), with float32 as one more dimension value.
@@ -35,17 +36,19 @@ class Layout:
     zero: int
     dtype: str = "float64"
     recompute: str = "none"
+    cp: int = 1
 
     @property
     def world(self):
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def n_micro(self):
         return G // self.dp
 
     def __str__(self):
-        s = f"dp{self.dp}.pp{self.pp}.tp{self.tp}.ep{self.ep} {self.model}"
+        s = f"dp{self.dp}.pp{self.pp}.tp{self.tp}.ep{self.ep}" + (f".cp{self.cp}" if self.cp > 1 else "") + \
+            f" {self.model}"
         if self.pp > 1:
             s += f" {self.schedule}" + (f"(v={self.v})" if self.v > 1 else "")
         return s + (" sp" if self.sp else "") + (f" zero{self.zero}" if self.zero else "") + \
@@ -53,7 +56,7 @@ class Layout:
 
     def features(self):
         """(dimension, value) items whose pairs the CI slice must cover."""
-        return [("shape", (self.dp, self.pp, self.tp)), ("ep", self.ep), ("model", self.model),
+        return [("shape", (self.dp, self.pp, self.tp, self.cp)), ("ep", self.ep), ("model", self.model),
                 ("schedule", self.schedule), ("sp", self.sp), ("zero", self.zero), ("dtype", self.dtype),
                 ("recompute", self.recompute)]
 
@@ -64,21 +67,25 @@ def _divisors(n):
 
 def all_layouts(world: int, dtypes=("float64",)):
     out = []
-    for pp in _divisors(world):
-        if pp > N_LAYER:
+    T = DENSE["block_size"]
+    for cp in _divisors(world):
+        if T % (2 * cp) and cp > 1:
             continue
-        for tp in _divisors(world // pp):
-            if N_HEAD % tp:
+        for pp in _divisors(world // cp):
+            if pp > N_LAYER:
                 continue
-            dp = world // (pp * tp)
-            scheds = [("-", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)] + \
-                ([("interleaved", 2)] if N_LAYER % (2 * pp) == 0 else [])
-            for model in ("dense", "moe"):
-                eps = [1] if model == "dense" else [e for e in _divisors(dp) if N_EXPERT % e == 0]
-                for ep, (sched, v), sp, zero, dt, rc in itertools.product(
-                        eps, scheds, [False, True] if tp > 1 else [False], [0, 1, 2, 3] if dp > 1 else [0], dtypes,
-                        RECOMPUTE):
-                    out.append(Layout(dp, pp, tp, ep, model, sched, v, sp, zero, dt, rc))
+            for tp in _divisors(world // (pp * cp)):
+                if N_HEAD % tp:
+                    continue
+                dp = world // (pp * tp * cp)
+                scheds = [("-", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)] + \
+                    ([("interleaved", 2)] if N_LAYER % (2 * pp) == 0 else [])
+                sps = [False, True] if tp > 1 and (T // cp) % tp == 0 else [False]
+                for model in ("dense", "moe"):
+                    eps = [1] if model == "dense" else [e for e in _divisors(dp * cp) if N_EXPERT % e == 0]
+                    for ep, (sched, v), sp, zero, dt, rc in itertools.product(
+                            eps, scheds, sps, [0, 1, 2, 3] if dp * cp > 1 else [0], dtypes, RECOMPUTE):
+                        out.append(Layout(dp, pp, tp, ep, model, sched, v, sp, zero, dt, rc, cp))
     return out
 
 

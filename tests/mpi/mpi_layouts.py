@@ -1,9 +1,10 @@
 """The project's central claim, inside every rank of one mpiexec launch: every layout of this
-world size trains the single-process run (DESIGN.md, Determinism; issue 5, Proof).
+world size (dp x pp x cp x tp, ep | dp*cp) trains the single-process run (DESIGN.md, Determinism; issue 5, Proof).
 
 Each rank loops over the layouts of its world size (tests/mpi/layout_cases.py; PYMPAR_LAYOUTS
 = ci | full), builds the mesh and ``ParallelRunner`` for the layout, trains STEPS optimiser
-steps on the global batch (G micro-batches, rank gets g = dp_rank*n_micro + j) and compares
+steps on the global batch (G micro-batches, rank gets g = dp_rank*n_micro + j; the ranks of a cp
+group get the same whole sequences and keep their positions of them) and compares
 with the single-process reference that every rank computes locally (nn.GPT accumulating the G
 micro-batches, global-norm clipping, AdamW): the loss and the grad norm at every step, every
 parameter this rank holds (its shard of the full tensor) after the last step, the evaluation
@@ -156,7 +157,7 @@ def run_layout(world, lay):
 
 
 def free_mesh(mesh):
-    for c in (mesh.tp_comm, mesh.dp_comm, mesh.pp_comm, mesh.ep_comm, mesh.edp_comm):
+    for c in mesh.communicators():
         if hasattr(c, "free"):
             c.free()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...backend import scatter_add, xp_of
+from ...nn.layers import position_rows
 from ...nn.parameter import Module, compute_cast
 from ..shard import make_replicated, make_sharded, padded_partition, padded_slice
 from .collectives import as_collectives
@@ -44,8 +45,10 @@ class VocabParallelEmbedding(Module):
         own = (loc >= 0) & (loc < self.wte.data.shape[0])
         return xp_of(loc).where(own, loc, 0), own
 
+    positions = None                             # context parallelism: see nn.layers.Embedding
+
     def _positions(self, T):
-        return self._tp.seq_slice(T) if self._sp else slice(0, T)
+        return position_rows(self, T, self._tp.seq_slice(T) if self._sp else None)
 
     def forward(self, idx):                      # idx (B, T) -> x (B, T, C) [SP: (B, T/tp, C)]
         B, T = idx.shape

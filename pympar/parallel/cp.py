@@ -1,0 +1,245 @@
+"""Context parallelism: the positions of every sequence split over a cp group, ring attention.
+
+Split (load-balanced for causal attention): the T positions of a sequence are cut into 2*cp
+chunks of c = T / (2*cp); cp rank i holds chunk i and chunk 2*cp-1-i, in that order, so every
+rank gets one early and one late chunk and causal attention costs every rank the same. All
+position-wise modules (embedding with the positions of its chunks, LayerNorm, MLP, MoE, head)
+run on these 2c local positions unchanged; only attention needs the others' keys and values.
+
+Ring attention (``RingAttentionCore``, the attention core of nn.attention_core with the same
+interface): rank i's key/value block travels around the cp ring, one hop per step, the next
+block's transfer (nonblocking send/recv) overlapping the computation of the block in hand. For
+the block of rank j, causality leaves exactly one of three cases:
+
+    j == i   causal attention of the local sequence (its two chunks are in position order)
+    j <  i   every local query sees the first chunk of j (chunk j < i), not its second
+    j >  i   only the second local chunk (2cp-1-i) sees j's keys, both its chunks
+
+Each block gives (o_b, lse_b) from the tiled kernel (kernels.attention_block_forward); the
+blocks merge with the online softmax's log-sum-exp: lse = logaddexp(lse, lse_b),
+o = o e^(lse_old - lse) + o_b e^(lse_b - lse). The backward sends the key/value blocks around
+again and, with each, the accumulator of its dK, dV, which every rank adds its part to; after
+cp hops each accumulator is back with the owner of the block. The block backward uses the
+merged o and lse, so the blocks' gradients sum to the full softmax's.
+
+Loss and gradients: every rank's cross-entropy is the mean over its local positions (equal
+counts on every rank by the split), so the mean over the cp group is the micro-batch's mean; the
+gradient sync averages replicated gradients over dp x cp (Mesh.dpcp_comm). MoE layers add the
+routing counts over cp (their auxiliary loss uses the micro-batch's expert fractions) and, when
+a capacity drops assignments, decide the drops in the micro-batch's own priority order
+(``CPRouting``), so cp changes no number (DESIGN.md, Determinism).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .. import kernels
+from ..backend import xp_of
+from ..nn.attention_core import CausalAttentionCore
+
+_KV_TAG, _DKV_TAG = 0x6370, 0x6371          # ring messages (tags apart from the pipeline's)
+
+
+def validate_cp(model_cfg, cp: int, tp: int = 1, seq_parallel: bool = False, seq_len: int | None = None) -> None:
+    """Raise ValueError unless the model's sequences split into 2*cp equal chunks (no communication)."""
+    if cp == 1:
+        return
+    T = seq_len or model_cfg.block_size
+    if T < 2 * cp or T % (2 * cp):
+        ok = [d for d in range(2, T + 1) if T % (2 * d) == 0][:6]
+        raise ValueError(f"cp={cp} needs a sequence length divisible by 2*cp = {2 * cp} (each rank takes two of "
+                         f"2*cp equal chunks, for equal causal work); block_size={T}: use "
+                         + (f"cp in {ok}" if ok else "cp=1 (this sequence is too short to split)")
+                         + f" or a block_size that is a multiple of {2 * cp}")
+    if seq_parallel and (T // cp) % tp:
+        raise ValueError(f"--seq-parallel with cp={cp} splits each rank's {T // cp} positions over tp={tp}: "
+                         f"block_size / cp must be divisible by tp")
+
+
+def positions(T: int, cp: int, rank: int) -> np.ndarray:
+    """The global positions cp rank ``rank`` holds, in local order: chunk rank, then chunk 2cp-1-rank."""
+    if cp == 1:
+        return np.arange(T)
+    c = T // (2 * cp)
+    return np.concatenate([np.arange(rank * c, (rank + 1) * c), np.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+
+
+def local_batch(batch, pos):
+    """(idx, targets) of full sequences -> the positions ``pos`` of each (host arrays stay host)."""
+    idx, targets = batch
+    return idx[:, pos], targets[:, pos]
+
+
+class RingAttentionCore(CausalAttentionCore):
+    """Causal attention of this rank's 2c positions against all T over the cp ring.
+
+    Same face as CausalAttentionCore: forward(qkv (B, 2c, 3, nh, hs)) -> (ya (B, 2c, nh*hs), ctx),
+    backward(dya, ctx) -> dqkv. ``seconds`` accumulates the time spent waiting for the ring
+    (take_seconds() reads and resets it); ``overlap_seconds`` the time the transfers were in
+    flight while a block was being computed."""
+
+    def __init__(self, cp_comm):
+        self.comm = cp_comm
+        self.cp, self.rank = cp_comm.size, cp_comm.rank
+        self.wait_s = self.busy_s = 0.0
+
+    def take_seconds(self):
+        """(seconds waiting for ring transfers, seconds of block computation) since the last call."""
+        out = (self.wait_s, self.busy_s)
+        self.wait_s = self.busy_s = 0.0
+        return out
+
+    # --- the three block cases ------------------------------------------------------------
+    def _block(self, j, T):
+        """(query rows, key rows, causal) of the block of rank j, as slices of the local 2c rows."""
+        c = T // 2
+        if j == self.rank:
+            return slice(0, T), slice(0, T), True
+        if j < self.rank:
+            return slice(0, T), slice(0, c), False
+        return slice(c, T), slice(0, T), False
+
+    def _exchange(self, buf, tag):
+        """Send buf to the next rank of the ring, receive the previous rank's into a new buffer."""
+        xp = xp_of(buf)
+        nxt = xp.empty_like(buf)
+        n, p = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+        return nxt, (self.comm.isend(buf, n, tag=tag), self.comm.irecv(nxt, p, tag=tag))
+
+    def _wait(self, reqs):
+        t0 = time.perf_counter()
+        for r in reqs:
+            r.wait()
+        self.wait_s += time.perf_counter() - t0
+
+    def forward(self, qkv):                      # qkv (B, 2c, 3, nh, hs) -> ya (B, 2c, nh*hs), ctx
+        B, T, three, nh, hs = qkv.shape
+        if three != 3:
+            raise ValueError(f"qkv has shape {qkv.shape}: expected (B, T, 3, n_head, head_size)")
+        xp = xp_of(qkv)
+        scale = 1.0 / np.sqrt(hs)
+        kv = xp.ascontiguousarray(qkv[:, :, 1:])          # (B, 2c, 2, nh, hs): what travels
+        q = qkv[:, :, 0]
+        o = lse = None
+        for s in range(self.cp):
+            j = (self.rank - s) % self.cp
+            reqs = ()
+            if s < self.cp - 1:
+                nxt, reqs = self._exchange(kv, _KV_TAG)
+            t0 = time.perf_counter()
+            qr, kr, causal = self._block(j, T)
+            ob, lb = kernels.attention_block_forward(q[:, qr], kv[:, kr, 0], kv[:, kr, 1], scale, causal)
+            if o is None:                                  # s == 0: the local block covers every row
+                o, lse = ob, lb
+            else:
+                _merge(o, lse, ob, lb, qr, nh)
+            self.busy_s += time.perf_counter() - t0
+            if reqs:
+                self._wait(reqs)
+                kv = nxt
+        return o, ("ring", qkv, o, lse)
+
+    def backward(self, dya, ctx):                # dya (B, 2c, nh*hs) -> dqkv (B, 2c, 3, nh, hs)
+        _, qkv, o, lse = ctx
+        B, T, _, nh, hs = qkv.shape
+        xp = xp_of(qkv)
+        scale = 1.0 / np.sqrt(hs)
+        dqkv = xp.zeros_like(qkv)
+        dq = dqkv[:, :, 0]
+        kv = xp.ascontiguousarray(qkv[:, :, 1:])
+        q = qkv[:, :, 0]
+        dkv_reqs, acc = (), None
+        for s in range(self.cp):
+            j = (self.rank - s) % self.cp
+            kv_reqs = ()
+            if s < self.cp - 1:
+                nxt, kv_reqs = self._exchange(kv, _KV_TAG)
+            t0 = time.perf_counter()
+            qr, kr, causal = self._block(j, T)
+            dqb, dkb, dvb = kernels.attention_block_backward(q[:, qr], kv[:, kr, 0], kv[:, kr, 1], o[:, qr],
+                                                             lse[:, :, qr], dya[:, qr], scale, causal)
+            dq[:, qr] += dqb
+            self.busy_s += time.perf_counter() - t0
+            if s == 0:
+                acc = xp.zeros_like(kv)                    # dK, dV of this rank's own block
+            else:
+                self._wait(dkv_reqs)                       # the accumulator of block j, from the previous rank
+                acc = acc_in
+            acc[:, kr, 0] += dkb
+            acc[:, kr, 1] += dvb
+            acc_in, dkv_reqs = self._exchange(acc, _DKV_TAG)   # on to the next holder (last hop: the owner)
+            if kv_reqs:
+                self._wait(kv_reqs)
+                kv = nxt
+        if self.cp > 1:
+            self._wait(dkv_reqs)
+            acc = acc_in                                   # this rank's own block, every rank's part added
+        dqkv[:, :, 1:] = acc
+        return dqkv
+
+
+def _merge(o, lse, ob, lb, rows, nh):
+    """Fold block (ob (B, r, nh*hs), lb (B, nh, r)) into (o, lse) on the query rows ``rows``."""
+    xp = xp_of(o)
+    la = lse[:, :, rows]
+    new = xp.logaddexp(la, lb)                             # (B, nh, r)
+    wa = xp.exp(la - new).transpose(0, 2, 1)[..., None]    # (B, r, nh, 1)
+    wb = xp.exp(lb - new).transpose(0, 2, 1)[..., None]
+    B, r = ob.shape[:2]
+    oa = o[:, rows].reshape(B, r, nh, -1)
+    o[:, rows] = (oa * wa + ob.reshape(B, r, nh, -1) * wb).reshape(B, r, -1)
+    lse[:, :, rows] = new
+
+
+class CPRouting:
+    """MoE routing statistics of one micro-batch spread over the cp group (installed on MoE layers).
+
+    counts(local_counts) -> the micro-batch's counts per expert (sum over cp);
+    capacity_positions(a_expert, E, capacity) -> this rank's slot positions, decided over the whole
+    micro-batch in its choice-major token order (the single process's priority)."""
+
+    def __init__(self, cp_comm, pos, T):
+        self.comm, self.pos, self.T = cp_comm, np.asarray(pos), int(T)
+
+    def counts(self, local):
+        out = self.comm.allreduce(local.copy())
+        return local if out is None else out
+
+    def capacity_positions(self, a_expert, E, capacity, k, B):
+        """a_expert (k*B*2c,) local, choice-major -> (pos (k*B*2c,), counts (E,)) of the micro-batch."""
+        xp = xp_of(a_expert)
+        mine = a_expert.reshape(k, B, -1)
+        parts = self.comm.allgather(xp.ascontiguousarray(mine))          # (cp*k, B, 2c), rank-major
+        cp = self.comm.size
+        full = xp.empty((k, B, self.T), dtype=a_expert.dtype)
+        for r in range(cp):
+            full[:, :, positions(self.T, cp, r)] = parts.reshape(cp, k, B, -1)[r]
+        pos, counts = kernels.capacity_positions(full.reshape(-1), E, capacity)
+        return pos.reshape(k, B, self.T)[:, :, self.pos].reshape(-1), counts
+
+
+def install_context_parallel(model, cp_comm, T: int):
+    """Make ``model`` (nn.GPT, TPGPT or pipeline chunks: anything whose modules() reach its pieces)
+    run this cp rank's positions of sequences of length T: ring attention in every attention,
+    the embedding's positions, the MoE layers' routing over the micro-batch."""
+    from ..nn.moe import MoE
+
+    pos = positions(T, cp_comm.size, cp_comm.rank)
+    cores = []
+    for top in model.modules():
+        for m in top.modules():
+            for name, child in list(vars(m).items()):
+                if type(child) is CausalAttentionCore:
+                    ring = RingAttentionCore(cp_comm)
+                    ring.keep_probs, ring.impl = child.keep_probs, child.impl
+                    setattr(m, name, ring)
+                    cores.append(ring)
+            if hasattr(m, "wpe") and hasattr(m, "wte"):
+                m.positions = pos
+            if isinstance(m, MoE):
+                m.cp_routing = CPRouting(cp_comm, pos, T)
+    model.cp_cores = cores
+    model.cp_positions = pos
+    return model
