@@ -69,14 +69,14 @@ def _flags(layout: str) -> dict:
     return {k.lstrip("-"): int(v) for k, v in zip(t[::2], t[1::2])}
 
 
-def _wrapped(n: int, args: list, timeout: float):
+def _wrapped(n: int, args: list, timeout: float, environ=None):
     """mpiexec -n n python args, each rank under /usr/bin/time writing its peak RSS to a file:
-    (completed process, {rank: peak bytes})."""
+    (completed process, {rank: peak bytes}); environ: the ranks' environment (default common.env())."""
     with tempfile.TemporaryDirectory() as d:
         inner = " ".join(["exec", "/usr/bin/time", "-o", shlex.quote(d) + "/peak_$PMI_RANK", "-f", "%M",
                           *[shlex.quote(str(a)) for a in (sys.executable, *args)]])
         p = subprocess.run([mpiexec(), "-n", str(n), "sh", "-c", inner], capture_output=True, text=True,
-                           env=env(), timeout=timeout, cwd=ROOT)
+                           env=environ or env(), timeout=timeout, cwd=ROOT)
         peaks = {int(f.name.split("_")[1]): int(f.read_text().split()[-1]) * 1024 for f in Path(d).glob("peak_*")}
     return p, peaks
 

@@ -1,19 +1,29 @@
-// Causal attention tile by tile with an online softmax (flash-attention style), float32/float64,
-// one build per ISA. No (T, T) array exists at any time: the forward keeps the output and one
-// log-sum-exp per row; the backward recomputes each tile's probabilities from them.
+// Attention tile by tile with an online softmax (flash-attention style), float32/float64, one build
+// per ISA. No (Tq, Tk) array exists at any time: the forward keeps the output and one log-sum-exp
+// per row; the backward recomputes each tile's probabilities from them.
 //
-// Layouts (the packing of nn.attention_core): qkv (B, T, 3, H, D), o and dout (B, T, H*D),
-// lse (B, H, T), dqkv like qkv. Rows of one head are strided views into those arrays; the tiles
-// are small GEMMs on a register-blocked micro-kernel (below), one accumulation order per output
-// element, so every thread count gives bit-identical results.
+// One "block": queries q (B, Tq, H, D) against keys k and values v (B, Tk, H, D), causal (Tq == Tk,
+// query t sees key s <= t) or not (every query sees every key). The operands are read in place
+// through their batch and row strides (RowStrides; the head stride is D, the last axis
+// contiguous), so packed qkv (B, T, 3, H, D) is three such views and so are the halves of a ring
+// attention's key/value buffer. o and dout (B, Tq, H*D), lse (B, H, Tq); dq, dk, dv are strided
+// outputs like the inputs (dqkv packed, or three separate arrays).
+//
+// The backward takes o and lse of the complete softmax of these query rows, over every key block
+// (ring attention's merged result): P = exp(S - lse), Dv = rowsum(dout * o). Summed over a partition
+// of the keys, the blocks' dq (and each key block's dk, dv) are the full attention's gradients.
+//
+// Rows of one head are strided views into those arrays; the tiles are small GEMMs on a
+// register-blocked micro-kernel (below), one accumulation order per output element, so every
+// thread count gives bit-identical results.
 //
 // Scores are held transposed, St (key c, query r), so that the GEMMs need no packed copy of k or
-// v and the softmax's per-query statistics are vectors along r; query t0 + r sees key s0 + c when
-// s0 + c <= t0 + r (only the diagonal tile, s0 == t0, is cut).
+// v and the softmax's per-query statistics are vectors along r; with the causal mask, query t0 + r
+// sees key s0 + c when s0 + c <= t0 + r (only the diagonal tile, s0 == t0, is cut).
 //
 // Threads: the forward splits over (batch, head, query tile); the backward over (batch, head), or,
 // with fewer heads than threads, over (batch, head, key tile) then (batch, head, query tile).
-// Scratch is O(T * D) per head being worked on.
+// Scratch is O(Tq * D) per head being worked on.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -106,30 +116,36 @@ void gemm(const T* A, int64_t ars, int64_t aks, const T* B, int64_t ldb, T* C, i
   }
 }
 
+// task z of n tiles -> the tile: 0, n-1, 1, n-2, ..., so that contiguous chunks of tasks carry
+// about equal causal work whatever their count (without the mask every tile has the same work)
+inline int64_t balanced(int64_t z, int64_t n) { return z % 2 == 0 ? z / 2 : n - 1 - z / 2; }
+
+inline int64_t tiles(int64_t n) { return (n + kTile - 1) / kTile; }
+
 template <typename T>
-struct Head {  // one (batch, head): strided row pointers into the packed arrays
+struct Head {  // one (batch, head): row pointers into q, k, v and their row strides
   const T *q, *k, *v;
-  int64_t sq;  // row stride of q, k, v (3 H D)
-  Head(const T* qkv, int64_t b, int64_t h, int64_t T_, int64_t H, int64_t D)
-      : q(qkv + b * T_ * 3 * H * D + h * D), k(q + H * D), v(q + 2 * H * D), sq(3 * H * D) {}
+  int64_t sq, sk, sv;
+  Head(const T* q_, RowStrides qs, const T* k_, RowStrides ks, const T* v_, RowStrides vs, int64_t b, int64_t h,
+       int64_t D)
+      : q(q_ + b * qs.batch + h * D), k(k_ + b * ks.batch + h * D), v(v_ + b * vs.batch + h * D), sq(qs.row),
+        sk(ks.row), sv(vs.row) {}
 };
 
 }  // namespace
 
 template <typename T>
-void attention_fwd(const T* qkv, T* o, T* lse, int64_t B, int64_t T_, int64_t H, int64_t D, double scale) {
-  const int64_t nt = (T_ + kTile - 1) / kTile, so = H * D;
+void attention_block_fwd(const T* q, RowStrides qs, const T* k, RowStrides ks, const T* v, RowStrides vs, T* o,
+                         T* lse, int64_t B, int64_t Tq, int64_t Tk, int64_t H, int64_t D, bool causal, double scale) {
+  const int64_t nq = tiles(Tq), nk = tiles(Tk), so = H * D;
   const T sc = static_cast<T>(scale);
-  // task (b, h, query tile): tile i and tile nt-1-i are neighbours in the task order, so that
-  // contiguous chunks of tasks carry about equal causal work whatever their count
-  parallel_for(B * H * nt, 1, 1, [&](int64_t t0_, int64_t t1_) {
+  parallel_for(B * H * nq, 1, 1, [&](int64_t t0_, int64_t t1_) {
     std::vector<T> QsT(D * kTile), St(kTile * kTile), Oa(kTile * D), m(kTile), l(kTile), alpha(kTile);
     for (int64_t task = t0_; task < t1_; ++task) {
-      const int64_t bh = task / nt, z = task % nt;
-      const int64_t i = (z % 2 == 0) ? z / 2 : nt - 1 - z / 2;
+      const int64_t bh = task / nq, i = balanced(task % nq, nq);
       const int64_t b = bh / H, h = bh % H;
-      Head<T> hd(qkv, b, h, T_, H, D);
-      const int64_t t0 = i * kTile, br = std::min(kTile, T_ - t0);
+      Head<T> hd(q, qs, k, ks, v, vs, b, h, D);
+      const int64_t t0 = i * kTile, br = std::min(kTile, Tq - t0);
       for (int64_t r = 0; r < br; ++r) {  // QsT (D, br): the scaled queries, transposed
         const T* qr = hd.q + (t0 + r) * hd.sq;
         for (int64_t d = 0; d < D; ++d) QsT[d * kTile + r] = qr[d] * sc;
@@ -137,14 +153,16 @@ void attention_fwd(const T* qkv, T* o, T* lse, int64_t B, int64_t T_, int64_t H,
       std::fill(m.begin(), m.end(), T(-INFINITY));
       std::fill(l.begin(), l.end(), T(0));
       std::fill(Oa.begin(), Oa.end(), T(0));
-      for (int64_t j = 0; j <= i; ++j) {
-        const int64_t s0 = j * kTile, bc = std::min(kTile, T_ - s0);
-        gemm(hd.k + s0 * hd.sq, hd.sq, int64_t(1), QsT.data(), kTile, St.data(), kTile, bc, br, D, false);
+      const int64_t nj = causal ? i + 1 : nk;
+      for (int64_t j = 0; j < nj; ++j) {
+        const int64_t s0 = j * kTile, bc = std::min(kTile, Tk - s0);
+        const bool cut = causal && j == i;  // the diagonal tile: query r sees key c when c <= r
+        gemm(hd.k + s0 * hd.sk, hd.sk, int64_t(1), QsT.data(), kTile, St.data(), kTile, bc, br, D, false);
         T* mx = alpha.data();  // the new row maxima first, then the rescale factors
         std::copy(m.begin(), m.begin() + br, mx);
         for (int64_t c = 0; c < bc; ++c) {
           const T* sr = St.data() + c * kTile;
-          if (j < i) {
+          if (!cut) {
 #pragma omp simd
             for (int64_t r = 0; r < br; ++r) mx[r] = sr[r] > mx[r] ? sr[r] : mx[r];
           } else {
@@ -153,7 +171,7 @@ void attention_fwd(const T* qkv, T* o, T* lse, int64_t B, int64_t T_, int64_t H,
         }
         for (int64_t c = 0; c < bc; ++c) {
           T* sr = St.data() + c * kTile;
-          const int64_t r0 = j < i ? 0 : c;  // the diagonal tile: query r sees key c when c <= r
+          const int64_t r0 = cut ? c : 0;
 #pragma omp simd
           for (int64_t r = r0; r < br; ++r) sr[r] = exp_approx(sr[r] - mx[r]);
           for (int64_t r = 0; r < r0; ++r) sr[r] = 0;
@@ -176,12 +194,12 @@ void attention_fwd(const T* qkv, T* o, T* lse, int64_t B, int64_t T_, int64_t H,
           for (int64_t d = 0; d < D; ++d) oa[d] *= a;
         }
         // Oa (br, D) += P (br, bc) . V (bc, D), P read from St transposed
-        gemm(St.data(), int64_t(1), kTile, hd.v + s0 * hd.sq, hd.sq, Oa.data(), D, br, D, bc, true);
+        gemm(St.data(), int64_t(1), kTile, hd.v + s0 * hd.sv, hd.sv, Oa.data(), D, br, D, bc, true);
       }
-      T* lh = lse + (b * H + h) * T_;
+      T* lh = lse + (b * H + h) * Tq;
       for (int64_t r = 0; r < br; ++r) {
         const T inv = T(1) / l[r];
-        T* orow = o + (b * T_ + t0 + r) * so + h * D;
+        T* orow = o + (b * Tq + t0 + r) * so + h * D;
         const T* oa = Oa.data() + r * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) orow[d] = oa[d] * inv;
@@ -191,27 +209,30 @@ void attention_fwd(const T* qkv, T* o, T* lse, int64_t B, int64_t T_, int64_t H,
   });
 }
 
-// One head's backward inputs, rearranged once: Qs (T, D) the scaled queries, QsT and dOT (D, T)
-// transposed copies (the B operands of the St and dPt GEMMs), Dv (T) = rowsum(dO * O), the
-// softmax backward's row term (= sum_c P dP).
+// One head's backward inputs, rearranged once: Qs (Tq, D) the scaled queries, QsT and dOT (D, Tq)
+// transposed copies (the B operands of the St and dPt GEMMs), Dv (Tq) = rowsum(dO * O), the
+// softmax backward's row term (= sum over all keys of P dP: O is the complete softmax's output).
 template <typename T>
 struct BwdHead {
   Head<T> hd;
   const T *doh, *lh;
-  T *dq, *dk, *dv;
-  int64_t so;
+  T *dq, *dk, *dv;  // row strides sdq, sdk, sdv
+  int64_t so, sdq, sdk, sdv, Tq, Tk;
+  bool causal;
   std::vector<T> Qs, QsT, dOT, Dv;
-  BwdHead(const T* qkv, const T* o, const T* lse, const T* dout, T* dqkv, int64_t bh, int64_t T_, int64_t H,
-          int64_t D, T sc)
-      : hd(qkv, bh / H, bh % H, T_, H, D), so(H * D), Qs(T_ * D), QsT(D * T_), dOT(D * T_), Dv(T_) {
+  BwdHead(const Head<T>& hd_, const T* o, const T* lse, const T* dout, T* dq_, RowStrides dqs, T* dk_,
+          RowStrides dks, T* dv_, RowStrides dvs, int64_t bh, int64_t Tq_, int64_t Tk_, int64_t H, int64_t D,
+          bool causal_, T sc)
+      : hd(hd_), so(H * D), sdq(dqs.row), sdk(dks.row), sdv(dvs.row), Tq(Tq_), Tk(Tk_), causal(causal_),
+        Qs(Tq_ * D), QsT(D * Tq_), dOT(D * Tq_), Dv(Tq_) {
     const int64_t b = bh / H, h = bh % H;
-    doh = dout + b * T_ * so + h * D;  // row stride so
-    lh = lse + bh * T_;
-    dq = dqkv + b * T_ * 3 * H * D + h * D;  // row stride 3 H D, like qkv
-    dk = dq + H * D;
-    dv = dq + 2 * H * D;
-    const T* oh = o + b * T_ * so + h * D;
-    for (int64_t t = 0; t < T_; ++t) {
+    doh = dout + b * Tq * so + h * D;  // row stride so
+    lh = lse + bh * Tq;
+    dq = dq_ + b * dqs.batch + h * D;
+    dk = dk_ + b * dks.batch + h * D;
+    dv = dv_ + b * dvs.batch + h * D;
+    const T* oh = o + b * Tq * so + h * D;
+    for (int64_t t = 0; t < Tq; ++t) {
       const T *qr = hd.q + t * hd.sq, *dr = doh + t * so, *orow = oh + t * so;
       T s = 0;
 #pragma omp simd reduction(+ : s)
@@ -220,22 +241,23 @@ struct BwdHead {
       for (int64_t d = 0; d < D; ++d) {
         const T x = qr[d] * sc;
         Qs[t * D + d] = x;
-        QsT[d * T_ + t] = x;
-        dOT[d * T_ + t] = dr[d];
+        QsT[d * Tq + t] = x;
+        dOT[d * Tq + t] = dr[d];
       }
     }
   }
 
   // query tile i x key tile j: Pt = P^T (bc, br) and dSt = dS^T, dS = P * (dP - Dv)
-  void tile(int64_t i, int64_t j, int64_t T_, int64_t D, T* Pt, T* dSt) const {
-    const int64_t t0 = i * kTile, br = std::min(kTile, T_ - t0), s0 = j * kTile, bc = std::min(kTile, T_ - s0);
-    gemm(hd.k + s0 * hd.sq, hd.sq, int64_t(1), QsT.data() + t0, T_, Pt, kTile, bc, br, D, false);  // St = K Qs^T
-    gemm(hd.v + s0 * hd.sq, hd.sq, int64_t(1), dOT.data() + t0, T_, dSt, kTile, bc, br, D, false);  // dPt = V dO^T
+  void tile(int64_t i, int64_t j, int64_t D, T* Pt, T* dSt) const {
+    const int64_t t0 = i * kTile, br = std::min(kTile, Tq - t0), s0 = j * kTile, bc = std::min(kTile, Tk - s0);
+    gemm(hd.k + s0 * hd.sk, hd.sk, int64_t(1), QsT.data() + t0, Tq, Pt, kTile, bc, br, D, false);  // St = K Qs^T
+    gemm(hd.v + s0 * hd.sv, hd.sv, int64_t(1), dOT.data() + t0, Tq, dSt, kTile, bc, br, D, false);  // dPt = V dO^T
     const T* lr = lh + t0;
     const T* dvr = Dv.data() + t0;
+    const bool cut = causal && i == j;  // the diagonal tile: query r sees key c when c <= r
     for (int64_t c = 0; c < bc; ++c) {
       T *pr = Pt + c * kTile, *dr = dSt + c * kTile;
-      const int64_t r0 = i > j ? 0 : c;  // the diagonal tile: query r sees key c when c <= r
+      const int64_t r0 = cut ? c : 0;
 #pragma omp simd
       for (int64_t r = r0; r < br; ++r) {
         const T p = exp_approx(pr[r] - lr[r]);
@@ -246,41 +268,42 @@ struct BwdHead {
     }
   }
 
-  // dk, dv of key tile j: sums over query tiles i = j, j+1, ... in that order
-  void key_tile(int64_t j, int64_t nt, int64_t T_, int64_t D, T* Pt, T* dSt, T* dK, T* dV, T* dQs) const {
-    const int64_t s0 = j * kTile, bc = std::min(kTile, T_ - s0);
+  // dk, dv of key tile j: sums over the query tiles that see it (i = j, j+1, ... causal; all
+  // otherwise) in that order
+  void key_tile(int64_t j, int64_t D, T* Pt, T* dSt, T* dK, T* dV, T* dQs) const {
+    const int64_t s0 = j * kTile, bc = std::min(kTile, Tk - s0), nq = tiles(Tq);
     std::fill(dK, dK + kTile * D, T(0));
     std::fill(dV, dV + kTile * D, T(0));
-    for (int64_t i = j; i < nt; ++i) {
-      const int64_t t0 = i * kTile, br = std::min(kTile, T_ - t0);
-      tile(i, j, T_, D, Pt, dSt);
+    for (int64_t i = causal ? j : 0; i < nq; ++i) {
+      const int64_t t0 = i * kTile, br = std::min(kTile, Tq - t0);
+      tile(i, j, D, Pt, dSt);
       gemm(Pt, kTile, int64_t(1), doh + t0 * so, so, dV, D, bc, D, br, true);          // dV += P^T dO
       gemm(dSt, kTile, int64_t(1), Qs.data() + t0 * D, D, dK, D, bc, D, br, true);     // dK += dS^T Qs
       if (dQs != nullptr)                                                              // dQs += dS K
-        gemm(dSt, int64_t(1), kTile, hd.k + s0 * hd.sq, hd.sq, dQs + t0 * D, D, br, D, bc, true);
+        gemm(dSt, int64_t(1), kTile, hd.k + s0 * hd.sk, hd.sk, dQs + t0 * D, D, br, D, bc, true);
     }
     for (int64_t c = 0; c < bc; ++c) {
-      std::copy(dK + c * D, dK + (c + 1) * D, dk + (s0 + c) * hd.sq);
-      std::copy(dV + c * D, dV + (c + 1) * D, dv + (s0 + c) * hd.sq);
+      std::copy(dK + c * D, dK + (c + 1) * D, dk + (s0 + c) * sdk);
+      std::copy(dV + c * D, dV + (c + 1) * D, dv + (s0 + c) * sdv);
     }
   }
 
-  // dq of query tile i: sums over key tiles j = 0, 1, ..., i in that order (the order key_tile's
-  // dQs accumulation has), then scaled
-  void query_tile(int64_t i, int64_t T_, int64_t D, T sc, T* Pt, T* dSt, T* dQ) const {
-    const int64_t t0 = i * kTile, br = std::min(kTile, T_ - t0);
+  // dq of query tile i: sums over the key tiles it sees (j = 0, 1, ..., i causal; all otherwise)
+  // in that order (the order key_tile's dQs accumulation has), then scaled
+  void query_tile(int64_t i, int64_t D, T sc, T* Pt, T* dSt, T* dQ) const {
+    const int64_t t0 = i * kTile, br = std::min(kTile, Tq - t0), nj = causal ? i + 1 : tiles(Tk);
     std::fill(dQ, dQ + kTile * D, T(0));
-    for (int64_t j = 0; j <= i; ++j) {
-      const int64_t s0 = j * kTile, bc = std::min(kTile, T_ - s0);
-      tile(i, j, T_, D, Pt, dSt);
-      gemm(dSt, int64_t(1), kTile, hd.k + s0 * hd.sq, hd.sq, dQ, D, br, D, bc, true);
+    for (int64_t j = 0; j < nj; ++j) {
+      const int64_t s0 = j * kTile, bc = std::min(kTile, Tk - s0);
+      tile(i, j, D, Pt, dSt);
+      gemm(dSt, int64_t(1), kTile, hd.k + s0 * hd.sk, hd.sk, dQ, D, br, D, bc, true);
     }
     write_dq(dQ, t0, br, D, sc);
   }
 
   void write_dq(const T* dQs, int64_t t0, int64_t rows, int64_t D, T sc) const {
     for (int64_t r = 0; r < rows; ++r) {
-      T* dr = dq + (t0 + r) * hd.sq;
+      T* dr = dq + (t0 + r) * sdq;
       const T* src = dQs + r * D;
       for (int64_t d = 0; d < D; ++d) dr[d] = src[d] * sc;
     }
@@ -293,45 +316,52 @@ struct BwdHead {
 // - fewer heads than threads: key tiles (dk, dv) and then query tiles (dq) as separate tasks,
 //   which recomputes P and dS once more (8 tile GEMMs per pair) but keeps every thread busy.
 template <typename T>
-void attention_bwd(const T* qkv, const T* o, const T* lse, const T* dout, T* dqkv, int64_t B, int64_t T_, int64_t H,
-                   int64_t D, double scale) {
-  const int64_t nt = (T_ + kTile - 1) / kTile, BH = B * H;
+void attention_block_bwd(const T* q, RowStrides qs, const T* k, RowStrides ks, const T* v, RowStrides vs, const T* o,
+                         const T* lse, const T* dout, T* dq, RowStrides dqs, T* dk, RowStrides dks, T* dv,
+                         RowStrides dvs, int64_t B, int64_t Tq, int64_t Tk, int64_t H, int64_t D, bool causal,
+                         double scale) {
+  const int64_t nq = tiles(Tq), nk = tiles(Tk), BH = B * H;
   const T sc = static_cast<T>(scale);
-  if (BH >= get_num_threads() || nt == 1) {
+  auto head = [&](int64_t bh) {
+    return BwdHead<T>(Head<T>(q, qs, k, ks, v, vs, bh / H, bh % H, D), o, lse, dout, dq, dqs, dk, dks, dv, dvs, bh,
+                      Tq, Tk, H, D, causal, sc);
+  };
+  if (BH >= get_num_threads() || std::max(nq, nk) <= 1) {
     parallel_for(BH, 1, 1, [&](int64_t h0, int64_t h1) {
-      std::vector<T> dQs(T_ * D), dK(kTile * D), dV(kTile * D), Pt(kTile * kTile), dSt(kTile * kTile);
+      std::vector<T> dQs(Tq * D), dK(kTile * D), dV(kTile * D), Pt(kTile * kTile), dSt(kTile * kTile);
       for (int64_t bh = h0; bh < h1; ++bh) {
-        BwdHead<T> w(qkv, o, lse, dout, dqkv, bh, T_, H, D, sc);
+        const BwdHead<T> w = head(bh);
         std::fill(dQs.begin(), dQs.end(), T(0));
-        for (int64_t j = 0; j < nt; ++j) w.key_tile(j, nt, T_, D, Pt.data(), dSt.data(), dK.data(), dV.data(), dQs.data());
-        w.write_dq(dQs.data(), 0, T_, D, sc);
+        for (int64_t j = 0; j < nk; ++j) w.key_tile(j, D, Pt.data(), dSt.data(), dK.data(), dV.data(), dQs.data());
+        w.write_dq(dQs.data(), 0, Tq, D, sc);
       }
     });
     return;
   }
   std::vector<BwdHead<T>> heads;
   heads.reserve(BH);
-  for (int64_t bh = 0; bh < BH; ++bh) heads.emplace_back(qkv, o, lse, dout, dqkv, bh, T_, H, D, sc);
-  // tasks ordered so that contiguous chunks carry about equal work (tile z and nt-1-z side by side)
-  auto pick = [nt](int64_t z) { return (z % 2 == 0) ? z / 2 : nt - 1 - z / 2; };
-  parallel_for(BH * nt, 1, 1, [&](int64_t t0_, int64_t t1_) {
+  for (int64_t bh = 0; bh < BH; ++bh) heads.push_back(head(bh));
+  parallel_for(BH * nk, 1, 1, [&](int64_t t0_, int64_t t1_) {
     std::vector<T> dK(kTile * D), dV(kTile * D), Pt(kTile * kTile), dSt(kTile * kTile);
     for (int64_t task = t0_; task < t1_; ++task)
-      heads[task / nt].key_tile(pick(task % nt), nt, T_, D, Pt.data(), dSt.data(), dK.data(), dV.data(), nullptr);
+      heads[task / nk].key_tile(balanced(task % nk, nk), D, Pt.data(), dSt.data(), dK.data(), dV.data(), nullptr);
   });
-  parallel_for(BH * nt, 1, 1, [&](int64_t t0_, int64_t t1_) {
+  parallel_for(BH * nq, 1, 1, [&](int64_t t0_, int64_t t1_) {
     std::vector<T> dQ(kTile * D), Pt(kTile * kTile), dSt(kTile * kTile);
     for (int64_t task = t0_; task < t1_; ++task)
-      heads[task / nt].query_tile(pick(task % nt), T_, D, sc, Pt.data(), dSt.data(), dQ.data());
+      heads[task / nq].query_tile(balanced(task % nq, nq), D, sc, Pt.data(), dSt.data(), dQ.data());
   });
 }
 
-template void attention_fwd<float>(const float*, float*, float*, int64_t, int64_t, int64_t, int64_t, double);
-template void attention_fwd<double>(const double*, double*, double*, int64_t, int64_t, int64_t, int64_t, double);
-template void attention_bwd<float>(const float*, const float*, const float*, const float*, float*, int64_t, int64_t,
-                                   int64_t, int64_t, double);
-template void attention_bwd<double>(const double*, const double*, const double*, const double*, double*, int64_t,
-                                    int64_t, int64_t, int64_t, double);
+#define PYMPAR_ATTENTION(T)                                                                                      \
+  template void attention_block_fwd<T>(const T*, RowStrides, const T*, RowStrides, const T*, RowStrides, T*, T*, \
+                                       int64_t, int64_t, int64_t, int64_t, int64_t, bool, double);               \
+  template void attention_block_bwd<T>(const T*, RowStrides, const T*, RowStrides, const T*, RowStrides,         \
+                                       const T*, const T*, const T*, T*, RowStrides, T*, RowStrides, T*,         \
+                                       RowStrides, int64_t, int64_t, int64_t, int64_t, int64_t, bool, double);
+PYMPAR_ATTENTION(float)
+PYMPAR_ATTENTION(double)
+#undef PYMPAR_ATTENTION
 
 }  // namespace PYMPAR_ISA
 }  // namespace pympar

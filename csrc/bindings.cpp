@@ -82,6 +82,54 @@ void check_targets(const int64_t* t, int64_t N, int64_t V) {
                             " is >= the vocabulary size " + std::to_string(V));
 }
 
+std::string shape_of(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+// a (B, T, H, D) operand of the block attention kernels, read in place: checked for its shape, the
+// dtype dt, an aligned start, the last axis contiguous and the head stride D; the batch and row
+// strides (any, in whole elements) are returned. A stride of an axis of length 1 is never used.
+RowStrides rows_of(const py::array& a, const char* fn, const char* name, int dt, int64_t B, int64_t T, int64_t H,
+                   int64_t D) {
+  const std::string what = std::string(fn) + ": " + name;
+  if (a.ndim() != 4 || a.shape(0) != B || a.shape(1) != T || a.shape(2) != H || a.shape(3) != D)
+    throw py::value_error(what + " has shape " + shape_of(a) + ", expected (B, T, H, D) = (" + std::to_string(B) +
+                          ", " + std::to_string(T) + ", " + std::to_string(H) + ", " + std::to_string(D) + ")");
+  if (dtype_code(a) != dt)
+    throw py::value_error(what + " has dtype " + py::str(a.dtype()).cast<std::string>() +
+                          ", expected the dtype of q");
+  if (a.size() == 0) return {0, 0};  // nothing is read (NumPy may give such arrays any strides)
+  const int64_t item = a.itemsize();
+  auto stride = [&](int i) { return a.shape(i) > 1 ? int64_t(a.strides(i)) : int64_t(0); };
+  if (reinterpret_cast<uintptr_t>(a.data()) % item != 0 || stride(0) % item != 0 || stride(1) % item != 0)
+    throw py::value_error(what + " is not aligned to its elements (pass np.ascontiguousarray(...))");
+  if (stride(3) != (a.shape(3) > 1 ? item : 0) || stride(2) != (a.shape(2) > 1 ? D * item : 0))
+    throw py::value_error(what + " has strides " + py::str(py::tuple(a.attr("strides"))).cast<std::string>() +
+                          ": the last axis must be contiguous and the head stride D (pass np.ascontiguousarray(...))");
+  return {stride(0) / item, stride(1) / item};
+}
+
+struct BlockDims {
+  int64_t B, Tq, Tk, H, D;
+};
+
+// (B, Tq, Tk, H, D) of q (B, Tq, H, D) against k (B, Tk, H, D); rows_of checks the rest
+BlockDims block_dims(const char* fn, const py::array& q, const py::array& k, bool causal) {
+  if (q.ndim() != 4 || k.ndim() != 4)
+    throw py::value_error(std::string(fn) + ": q " + shape_of(q) + " and k " + shape_of(k) +
+                          " must be (B, Tq, H, D) and (B, Tk, H, D)");
+  BlockDims d{q.shape(0), q.shape(1), k.shape(1), q.shape(2), q.shape(3)};
+  if (causal && d.Tq != d.Tk)
+    throw py::value_error(std::string(fn) + ": causal needs Tq == Tk, got Tq=" + std::to_string(d.Tq) +
+                          " Tk=" + std::to_string(d.Tk));
+  return d;
+}
+
+template <typename T> const T* at(const py::array& a, int64_t offset) { return ct<T>(a) + offset; }
+template <typename T> T* at(py::array& a, int64_t offset) { return mt<T>(a) + offset; }
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -133,33 +181,86 @@ PYBIND11_MODULE(_C, m) {
     else K->softmax_causal_bwd_f64(ct<double>(y), ct<double>(dy), mt<double>(dx), B, T);
   });
 
-  // qkv (B, T, 3, H, D) -> o (B, T, H*D), lse (B, H, T)
+  // causal attention on packed qkv (B, T, 3, H, D) -> o (B, T, H*D), lse (B, H, T): the causal block
+  // of the views q = qkv[:, :, 0], k = [:, :, 1], v = [:, :, 2] (rows 3 H D apart); dqkv packed alike
   m.def("attention_forward", [](const py::array& qkv, py::array& o, py::array& lse, double scale) {
     if (qkv.ndim() != 5 || qkv.shape(2) != 3) throw py::value_error("attention_forward: qkv must be (B, T, 3, H, D)");
-    int64_t B = qkv.shape(0), T = qkv.shape(1), H = qkv.shape(3), D = qkv.shape(4);
+    int64_t B = qkv.shape(0), T = qkv.shape(1), H = qkv.shape(3), D = qkv.shape(4), HD = H * D;
     int dt = check(qkv, "qkv", FLOATS);
-    check(o, "o", 1u << dt, B * T * H * D);
+    check(o, "o", 1u << dt, B * T * HD);
     check(lse, "lse", 1u << dt, B * H * T);
+    const RowStrides s{T * 3 * HD, 3 * HD};
     py::gil_scoped_release g;
-    if (dt == F32) K->attention_fwd_f32(ct<float>(qkv), mt<float>(o), mt<float>(lse), B, T, H, D, scale);
-    else K->attention_fwd_f64(ct<double>(qkv), mt<double>(o), mt<double>(lse), B, T, H, D, scale);
+    if (dt == F32)
+      K->attention_block_fwd_f32(ct<float>(qkv), s, at<float>(qkv, HD), s, at<float>(qkv, 2 * HD), s, mt<float>(o),
+                                 mt<float>(lse), B, T, T, H, D, true, scale);
+    else
+      K->attention_block_fwd_f64(ct<double>(qkv), s, at<double>(qkv, HD), s, at<double>(qkv, 2 * HD), s,
+                                 mt<double>(o), mt<double>(lse), B, T, T, H, D, true, scale);
   });
   m.def("attention_backward", [](const py::array& qkv, const py::array& o, const py::array& lse,
                                  const py::array& dout, py::array& dqkv, double scale) {
     if (qkv.ndim() != 5 || qkv.shape(2) != 3) throw py::value_error("attention_backward: qkv must be (B, T, 3, H, D)");
-    int64_t B = qkv.shape(0), T = qkv.shape(1), H = qkv.shape(3), D = qkv.shape(4);
+    int64_t B = qkv.shape(0), T = qkv.shape(1), H = qkv.shape(3), D = qkv.shape(4), HD = H * D;
     int dt = check(qkv, "qkv", FLOATS);
-    check(o, "o", 1u << dt, B * T * H * D);
+    check(o, "o", 1u << dt, B * T * HD);
     check(lse, "lse", 1u << dt, B * H * T);
-    check(dout, "dout", 1u << dt, B * T * H * D);
+    check(dout, "dout", 1u << dt, B * T * HD);
     check(dqkv, "dqkv", 1u << dt, qkv.size());
+    const RowStrides s{T * 3 * HD, 3 * HD};
     py::gil_scoped_release g;
     if (dt == F32)
-      K->attention_bwd_f32(ct<float>(qkv), ct<float>(o), ct<float>(lse), ct<float>(dout), mt<float>(dqkv), B, T, H, D,
-                           scale);
+      K->attention_block_bwd_f32(ct<float>(qkv), s, at<float>(qkv, HD), s, at<float>(qkv, 2 * HD), s, ct<float>(o),
+                                 ct<float>(lse), ct<float>(dout), mt<float>(dqkv), s, at<float>(dqkv, HD), s,
+                                 at<float>(dqkv, 2 * HD), s, B, T, T, H, D, true, scale);
     else
-      K->attention_bwd_f64(ct<double>(qkv), ct<double>(o), ct<double>(lse), ct<double>(dout), mt<double>(dqkv), B, T,
-                           H, D, scale);
+      K->attention_block_bwd_f64(ct<double>(qkv), s, at<double>(qkv, HD), s, at<double>(qkv, 2 * HD), s,
+                                 ct<double>(o), ct<double>(lse), ct<double>(dout), mt<double>(dqkv), s,
+                                 at<double>(dqkv, HD), s, at<double>(dqkv, 2 * HD), s, B, T, T, H, D, true, scale);
+  });
+  // one block of (ring) attention: q (B, Tq, H, D), k, v (B, Tk, H, D), strided views read in place ->
+  // o (B, Tq, H*D), lse (B, H, Tq); causal needs Tq == Tk
+  m.def("attention_block_forward", [](const py::array& q, const py::array& k, const py::array& v, py::array& o,
+                                      py::array& lse, double scale, bool causal) {
+    const char* fn = "attention_block_forward";
+    auto [B, Tq, Tk, H, D] = block_dims(fn, q, k, causal);
+    int dt = check(o, "o", FLOATS, B * Tq * H * D);
+    check(lse, "lse", 1u << dt, B * H * Tq);
+    RowStrides qs = rows_of(q, fn, "q", dt, B, Tq, H, D), ks = rows_of(k, fn, "k", dt, B, Tk, H, D),
+               vs = rows_of(v, fn, "v", dt, B, Tk, H, D);
+    if (Tk == 0 && Tq > 0) throw py::value_error(std::string(fn) + ": Tk=0, the queries have no key to attend to");
+    py::gil_scoped_release g;
+    if (dt == F32)
+      K->attention_block_fwd_f32(ct<float>(q), qs, ct<float>(k), ks, ct<float>(v), vs, mt<float>(o), mt<float>(lse),
+                                 B, Tq, Tk, H, D, causal, scale);
+    else
+      K->attention_block_fwd_f64(ct<double>(q), qs, ct<double>(k), ks, ct<double>(v), vs, mt<double>(o),
+                                 mt<double>(lse), B, Tq, Tk, H, D, causal, scale);
+  });
+  // its backward: o, lse of the complete softmax of these query rows (every key block), dout (B, Tq, H*D)
+  // -> dq (B, Tq, H, D), dk, dv (B, Tk, H, D), written (=) through their strides
+  m.def("attention_block_backward", [](const py::array& q, const py::array& k, const py::array& v,
+                                       const py::array& o, const py::array& lse, const py::array& dout, py::array& dq,
+                                       py::array& dk, py::array& dv, double scale, bool causal) {
+    const char* fn = "attention_block_backward";
+    auto [B, Tq, Tk, H, D] = block_dims(fn, q, k, causal);
+    int dt = check(o, "o", FLOATS, B * Tq * H * D);
+    check(lse, "lse", 1u << dt, B * H * Tq);
+    check(dout, "dout", 1u << dt, B * Tq * H * D);
+    RowStrides qs = rows_of(q, fn, "q", dt, B, Tq, H, D), ks = rows_of(k, fn, "k", dt, B, Tk, H, D),
+               vs = rows_of(v, fn, "v", dt, B, Tk, H, D), dqs = rows_of(dq, fn, "dq", dt, B, Tq, H, D),
+               dks = rows_of(dk, fn, "dk", dt, B, Tk, H, D), dvs = rows_of(dv, fn, "dv", dt, B, Tk, H, D);
+    for (const py::array* a : {&dq, &dk, &dv})
+      if (!a->writeable()) throw py::value_error(std::string(fn) + ": dq, dk and dv must be writeable");
+    py::gil_scoped_release g;
+    if (dt == F32)
+      K->attention_block_bwd_f32(ct<float>(q), qs, ct<float>(k), ks, ct<float>(v), vs, ct<float>(o), ct<float>(lse),
+                                 ct<float>(dout), mt<float>(dq), dqs, mt<float>(dk), dks, mt<float>(dv), dvs, B, Tq, Tk,
+                                 H, D, causal, scale);
+    else
+      K->attention_block_bwd_f64(ct<double>(q), qs, ct<double>(k), ks, ct<double>(v), vs, ct<double>(o),
+                                 ct<double>(lse), ct<double>(dout), mt<double>(dq), dqs, mt<double>(dk), dks,
+                                 mt<double>(dv), dvs, B, Tq, Tk, H, D, causal, scale);
   });
   m.def("layernorm_forward", [](const py::array& x, const py::array& w, const py::array& b, py::array& y,
                                 py::array& mean, py::array& rstd, double eps) {

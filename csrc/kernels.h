@@ -9,6 +9,12 @@
 
 namespace pympar {
 
+// a (B, T, H, D) operand read in place: element (b, t, h, d) at [b * batch + t * row + h * D + d]
+// (strides in elements; the head axis has stride D and the last axis is contiguous)
+struct RowStrides {
+  int64_t batch, row;
+};
+
 struct KernelTable {
   const char* isa;
   // x, y (B, T, T); row i of each matrix sees columns <= i
@@ -38,16 +44,26 @@ struct KernelTable {
                      int64_t dloss_stride, float* dlogits, int64_t N, int64_t V);
   void (*ce_bwd_f64)(const double* logits, const double* lse, const int64_t* targets, const double* dloss,
                      int64_t dloss_stride, double* dlogits, int64_t N, int64_t V);
-  // causal attention, tile by tile (attention.cpp): qkv (B, T, 3, H, D) -> o (B, T, H*D), lse (B, H, T);
-  // backward: dout (B, T, H*D) -> dqkv (B, T, 3, H, D) (=, every element written); q is scaled by `scale`
-  void (*attention_fwd_f32)(const float* qkv, float* o, float* lse, int64_t B, int64_t T, int64_t H, int64_t D,
-                            double scale);
-  void (*attention_fwd_f64)(const double* qkv, double* o, double* lse, int64_t B, int64_t T, int64_t H, int64_t D,
-                            double scale);
-  void (*attention_bwd_f32)(const float* qkv, const float* o, const float* lse, const float* dout, float* dqkv,
-                            int64_t B, int64_t T, int64_t H, int64_t D, double scale);
-  void (*attention_bwd_f64)(const double* qkv, const double* o, const double* lse, const double* dout, double* dqkv,
-                            int64_t B, int64_t T, int64_t H, int64_t D, double scale);
+  // attention of one block, tile by tile (attention.cpp): q (B, Tq, H, D), k, v (B, Tk, H, D), each read
+  // through its RowStrides -> o (B, Tq, H*D), lse (B, H, Tq); causal requires Tq == Tk (query t sees keys
+  // <= t), otherwise every query sees every key; q is scaled by `scale`. Backward: o, lse those of the
+  // complete softmax of these rows (over every key block), dout (B, Tq, H*D) -> dq (B, Tq, H, D),
+  // dk, dv (B, Tk, H, D) through their RowStrides (=, every element written). Packed qkv (B, T, 3, H, D)
+  // is the causal block of the views qkv[:, :, 0], [:, :, 1], [:, :, 2].
+  void (*attention_block_fwd_f32)(const float* q, RowStrides qs, const float* k, RowStrides ks, const float* v,
+                                  RowStrides vs, float* o, float* lse, int64_t B, int64_t Tq, int64_t Tk, int64_t H,
+                                  int64_t D, bool causal, double scale);
+  void (*attention_block_fwd_f64)(const double* q, RowStrides qs, const double* k, RowStrides ks, const double* v,
+                                  RowStrides vs, double* o, double* lse, int64_t B, int64_t Tq, int64_t Tk, int64_t H,
+                                  int64_t D, bool causal, double scale);
+  void (*attention_block_bwd_f32)(const float* q, RowStrides qs, const float* k, RowStrides ks, const float* v,
+                                  RowStrides vs, const float* o, const float* lse, const float* dout, float* dq,
+                                  RowStrides dqs, float* dk, RowStrides dks, float* dv, RowStrides dvs, int64_t B,
+                                  int64_t Tq, int64_t Tk, int64_t H, int64_t D, bool causal, double scale);
+  void (*attention_block_bwd_f64)(const double* q, RowStrides qs, const double* k, RowStrides ks, const double* v,
+                                  RowStrides vs, const double* o, const double* lse, const double* dout, double* dq,
+                                  RowStrides dqs, double* dk, RowStrides dks, double* dv, RowStrides dvs, int64_t B,
+                                  int64_t Tq, int64_t Tk, int64_t H, int64_t D, bool causal, double scale);
   // in place on p, m, v (n,) of dtype pdt (F32 or F64); g of dtype gdt (any float)
   void (*adamw)(void* p, const void* g, void* m, void* v, int pdt, int gdt, int64_t n, double lr,
                 double beta1, double beta2, double eps, double weight_decay, double bc1, double bc2);

@@ -13,9 +13,13 @@ template <typename T> void gelu_fwd(const T*, T*, int64_t);
 template <typename T> void gelu_bwd(const T*, const T*, T*, int64_t);
 template <typename T> void ce_fwd(const T*, const int64_t*, T*, T*, int64_t, int64_t);
 template <typename T> void ce_bwd(const T*, const T*, const int64_t*, const T*, int64_t, T*, int64_t, int64_t);
-template <typename T> void attention_fwd(const T*, T*, T*, int64_t, int64_t, int64_t, int64_t, double);
 template <typename T>
-void attention_bwd(const T*, const T*, const T*, const T*, T*, int64_t, int64_t, int64_t, int64_t, double);
+void attention_block_fwd(const T*, RowStrides, const T*, RowStrides, const T*, RowStrides, T*, T*, int64_t, int64_t,
+                         int64_t, int64_t, int64_t, bool, double);
+template <typename T>
+void attention_block_bwd(const T*, RowStrides, const T*, RowStrides, const T*, RowStrides, const T*, const T*,
+                         const T*, T*, RowStrides, T*, RowStrides, T*, RowStrides, int64_t, int64_t, int64_t, int64_t,
+                         int64_t, bool, double);
 void adamw(void*, const void*, void*, void*, int, int, int64_t, double, double, double, double, double, double,
            double);
 void reduce(void*, const void*, int, int, int64_t);
@@ -40,8 +44,8 @@ const KernelTable* PYMPAR_CAT(table_, PYMPAR_ISA)() {
       K::gelu_bwd<float>, K::gelu_bwd<double>,
       K::ce_fwd<float>, K::ce_fwd<double>,
       K::ce_bwd<float>, K::ce_bwd<double>,
-      K::attention_fwd<float>, K::attention_fwd<double>,
-      K::attention_bwd<float>, K::attention_bwd<double>,
+      K::attention_block_fwd<float>, K::attention_block_fwd<double>,
+      K::attention_block_bwd<float>, K::attention_block_bwd<double>,
       K::adamw, K::reduce, K::scale, K::cast,
   };
   return &t;

@@ -102,8 +102,8 @@ _HELP = {
           "ring attention); block_size must be divisible by 2*cp (default 1)",
     "pp": "pipeline-parallel stages", "tp": "tensor-parallel size",
     "ep": "expert-parallel size (divides dp*cp and n_expert)",
-    "layout": "'rule': dp/pp/tp/ep not given are filled in (pp=tp=ep=1, dp takes the rest); "
-              "'auto': the planner (python -m pympar.plan) picks dp, pp, tp, ep, micro-batches, schedule, "
+    "layout": "'rule': dp/pp/tp/ep/cp not given are filled in (pp=tp=ep=cp=1, dp takes the rest); "
+              "'auto': the planner (python -m pympar.plan) picks dp, pp, tp, ep, cp, micro-batches, schedule, "
               "ZeRO and sequence parallelism for the same global batch (micro_batch_size*n_micro*world)",
     "schedule": "pipeline schedule", "virtual_stages": "model chunks per rank (interleaved schedule)",
     "micro_batch_size": "sequences per micro-batch",
@@ -262,7 +262,7 @@ def _apply_planner(world: int, model: GPTConfig, run: RunConfig) -> None:
     the planner's constants are fixed, so every rank picks the same layout)."""
     given = [k for k in ("dp", "pp", "tp", "ep", "cp") if getattr(run, k) is not None]
     if given:
-        raise ConfigError(f"--layout auto chooses dp, pp, tp and ep itself, but {', '.join('--' + k for k in given)} "
+        raise ConfigError(f"--layout auto chooses dp, pp, tp, ep and cp itself, but {', '.join('--' + k for k in given)} "
                           f"was given: drop it, or drop --layout auto")
     from .parallel.runner import check_supported
     from .plan import choose_layout as plan_layout
@@ -271,14 +271,14 @@ def _apply_planner(world: int, model: GPTConfig, run: RunConfig) -> None:
         opts = replace(run, micro_batch_size=lay.micro_batch_size, n_micro=lay.n_micro, schedule=lay.schedule,
                        virtual_stages=lay.virtual_stages, zero=int(lay.zero), seq_parallel=lay.seq_parallel,
                        recompute=lay.recompute)
-        check_supported(model, Layout(lay.dp, lay.pp, lay.tp, lay.ep), opts)
+        check_supported(model, Layout(lay.dp, lay.pp, lay.tp, lay.ep, lay.cp), opts)
 
     gb = run.micro_batch_size * run.n_micro * world
     try:
         lay = plan_layout(model, world, gb, accept=accept)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    run.dp, run.pp, run.tp, run.ep = lay.dp, lay.pp, lay.tp, lay.ep
+    run.dp, run.pp, run.tp, run.ep, run.cp = lay.dp, lay.pp, lay.tp, lay.ep, lay.cp
     run.micro_batch_size, run.n_micro = lay.micro_batch_size, lay.n_micro
     run.schedule, run.virtual_stages = lay.schedule, lay.virtual_stages
     run.zero, run.seq_parallel, run.recompute = int(lay.zero), lay.seq_parallel, lay.recompute

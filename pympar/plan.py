@@ -137,18 +137,19 @@ class Layout:
     zero: int = 0
     seq_parallel: bool = False
     recompute: str = "none"
+    cp: int = 1
 
     def key(self) -> str:
-        s = f"dp{self.dp} pp{self.pp} tp{self.tp} ep{self.ep} mbs{self.micro_batch_size} m{self.n_micro} {self.schedule}"
+        s = f"dp{self.dp} pp{self.pp} tp{self.tp} ep{self.ep}" + (f" cp{self.cp}" if self.cp > 1 else "") + \
+            f" mbs{self.micro_batch_size} m{self.n_micro} {self.schedule}"
         if self.virtual_stages > 1:
             s += f"(v{self.virtual_stages})"
         return s + (f" zero{self.zero}" if self.zero else "") + (" sp" if self.seq_parallel else "") + \
             (f" rc-{self.recompute}" if self.recompute != "none" else "")
 
     def train_args(self) -> list:
-        a = ["--dp", self.dp, "--pp", self.pp, "--tp", self.tp, "--ep", self.ep,
-             "--micro-batch-size", self.micro_batch_size, "--n-micro", self.n_micro,
-             "--schedule", self.schedule]
+        a = ["--dp", self.dp, "--pp", self.pp, "--tp", self.tp, "--ep", self.ep] + (["--cp", self.cp] if self.cp > 1 else [])
+        a += ["--micro-batch-size", self.micro_batch_size, "--n-micro", self.n_micro, "--schedule", self.schedule]
         if self.virtual_stages > 1:
             a += ["--virtual-stages", self.virtual_stages]
         if self.zero:
@@ -256,11 +257,11 @@ def params_per_rank(cfg: GPTConfig, lay: Layout, stage_blocks, first: bool, last
 def activations_per_micro(cfg: GPTConfig, lay: Layout, stage_blocks, last: bool) -> float:
     """Activation elements a stage produces per micro-batch: the non-matmul work of the time
     model (memory is the ledger's, pympar.parallel.ledger)."""
-    B, T, C, H, tp = lay.micro_batch_size, cfg.block_size, cfg.n_embd, cfg.n_head, lay.tp
+    B, T, C, H, tp = lay.micro_batch_size, cfg.block_size // lay.cp, cfg.n_embd, cfg.n_head, lay.tp
     rep = 4.0 / tp if lay.seq_parallel else 4.0        # block input, ln_1 out, residual, ln_2 out
     n = 0.0
     for i in stage_blocks:
-        n += B * T * C * rep + B * T * C * 5.0 / tp + 2.0 * B * H * T * T / tp   # qkv, attn out, scores+probs
+        n += B * T * C * rep + B * T * C * 5.0 / tp + 2.0 * B * H * T * T * lay.cp / tp   # qkv, attn out, scores+probs
         if is_moe_layer(cfg, i):
             tok = B * T * cfg.top_k
             n += tok * (C + 8.0 * C / tp) + B * T * cfg.n_expert * 2
@@ -284,14 +285,16 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
 
     part = partition(cfg, lay.pp, lay.virtual_stages)
     scheds = _schedules(lay)
-    B, T, C = lay.micro_batch_size, cfg.block_size, cfg.n_embd
+    B, T, C = lay.micro_batch_size, cfg.block_size // lay.cp, cfg.n_embd     # T: this rank's positions
     tp_cross = lay.tp > m.ranks_per_node
-    pp_cross = lay.tp * lay.pp > m.ranks_per_node
-    dp_cross = lay.tp * lay.pp * lay.dp > m.ranks_per_node
+    cp_cross = lay.tp * lay.cp > m.ranks_per_node
+    pp_cross = lay.tp * lay.cp * lay.pp > m.ranks_per_node
+    dp_cross = lay.tp * lay.cp * lay.pp * lay.dp > m.ranks_per_node
+    dpcp = lay.dp * lay.cp                             # the gradient group
     mem, worst_rank = ledger.predict(cfg, dp=lay.dp, pp=lay.pp, tp=lay.tp, ep=lay.ep, zero=lay.zero,
                                      recompute=lay.recompute, sp=lay.seq_parallel, micro_batch_size=B,
                                      n_micro=lay.n_micro, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
-                                     act_bytes=m.act_bytes)
+                                     act_bytes=m.act_bytes, cp=lay.cp)
     mem = dict(mem, baseline=m.baseline)
     mem["total"] = mem["peak"] + m.baseline
     stages = part.stages_of(worst_rank)
@@ -301,9 +304,9 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
 
     # per micro-batch forward+backward time of one rank (all its v chunks), at the rate of a
     # rank alone; ``slow`` stretches it when the node's ranks share fewer cores
-    slow = m.oversubscription(min(m.ranks_per_node, lay.dp * lay.pp * lay.tp))
+    slow = m.oversubscription(min(m.ranks_per_node, lay.dp * lay.pp * lay.cp * lay.tp))
     tokens = B * T
-    flops_micro = flops_per_token(cfg) * tokens / (lay.tp * lay.pp)
+    flops_micro = flops_per_token(cfg) * tokens / (lay.tp * lay.pp)   # PaLM's count: attention over all T, / cp
     elems = activations_per_micro(cfg, lay, range(cfg.n_layer), True) / lay.pp   # non-matmul work, mean stage
     comp = slow * (flops_micro / (m.peak * m.mfu) + m.elem_time * elems + m.overhead * (cfg.n_layer + 2) / lay.pp)
     # recomputation runs forward work again in backward: full, the whole forward (a third of the
@@ -321,15 +324,20 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     tp_t = (4 * blocks_per_rank + 3 / lay.pp) * m.coll("allreduce", act_b, lay.tp, tp_cross)
     ep_t = 4 * moe_per_rank * m.coll("alltoall", act_b * cfg.top_k, lay.ep, dp_cross)
     pp_t = m.coll("sendrecv", act_b, 2, pp_cross) if lay.pp > 1 else 0.0
-    f_cost = comp / 3 + (tp_t + ep_t) / 2
-    b_cost = 2 * comp / 3 + (tp_t + ep_t) / 2
+    # the ring: per block cp-1 key/value hops forward, cp-1 more and cp dK/dV hops backward, each
+    # hidden behind the block in hand as far as the machine's overlap allows
+    kv_b = 2 * tokens * C / lay.tp * m.act_bytes
+    cp_t = (3 * lay.cp - 2) * blocks_per_rank * m.coll("sendrecv", kv_b, 2, cp_cross) * (1 - m.overlap) \
+        if lay.cp > 1 else 0.0
+    f_cost = comp / 3 + (tp_t + ep_t) / 2 + cp_t / 3
+    b_cost = 2 * comp / 3 + (tp_t + ep_t) / 2 + 2 * cp_t / 3
     # simulate() charges each of a rank's v chunks cost/v; every chunk boundary sends the full B*T*C
     sim = S.simulate(scheds, lay.pp, lay.virtual_stages, f_cost, b_cost, comm_cost=pp_t)
     pipe = sim["makespan"]
     busy = max(sim["busy"])
     grad_bytes = 4 * n_par_worst
-    rs = m.coll("reduce_scatter", grad_bytes, lay.dp, dp_cross)
-    ag = m.coll("allgather", grad_bytes, lay.dp, dp_cross)
+    rs = m.coll("reduce_scatter", grad_bytes, dpcp, dp_cross)
+    ag = m.coll("allgather", grad_bytes, dpcp, dp_cross)
     if lay.zero == 1:                          # one reduce-scatter per step, one allgather after it
         dp_t = rs + ag
     elif lay.zero == 2:                        # a reduce-scatter per micro-batch
@@ -337,12 +345,13 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     elif lay.zero == 3:                        # per micro-batch: gathers for forward and backward
         dp_t = lay.n_micro * (rs + 2 * ag)
     else:
-        dp_t = m.coll("allreduce", grad_bytes, lay.dp, dp_cross)
+        dp_t = m.coll("allreduce", grad_bytes, dpcp, dp_cross)
     dp_exposed = dp_t * (1 - m.overlap)
-    opt_t = slow * m.opt_per_param * n_par_worst / (lay.dp if lay.zero else 1)
+    opt_t = slow * m.opt_per_param * n_par_worst / (dpcp if lay.zero else 1)
     step = pipe + dp_exposed + opt_t
     time = {"compute": comp * lay.n_micro, "tp_comm": tp_t * lay.n_micro, "ep_comm": ep_t * lay.n_micro,
-            "pp_comm": pp_t * lay.n_micro if lay.pp > 1 else 0.0, "bubble": pipe - busy,
+            "pp_comm": pp_t * lay.n_micro if lay.pp > 1 else 0.0, "cp_comm": cp_t * lay.n_micro,
+            "bubble": pipe - busy,
             "dp_comm": dp_exposed, "optimizer": opt_t, "oversubscription": slow}
     return Prediction(lay, mem, time, step, (pipe - busy) / pipe if pipe else 0.0, inflight)
 
@@ -350,6 +359,7 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
 def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_node: int,
                       max_micro: int = 64):
     """Yield (Layout, None) for valid layouts and (Layout-or-dict, reason) for rejected ones."""
+    from .parallel.cp import validate_cp
     from .parallel.pp.partition import validate_pipeline
     from .parallel.tp.validate import validate_tp
 
@@ -362,12 +372,18 @@ def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_n
         if tp > ranks_per_node:
             yield {"tp": tp}, f"tp={tp} spans nodes of {ranks_per_node} ranks (tensor parallelism stays in a node)"
             continue
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
+        for cp, pp in ((c, p) for c in divisors(world // tp) for p in divisors(world // (tp * c))):
+            dp = world // (tp * cp * pp)
+            if cp > 1:
+                try:
+                    validate_cp(cfg, cp)
+                except ValueError as e:
+                    yield {"tp": tp, "cp": cp}, f"invalid: {e}"
+                    continue
             if global_batch % dp:
-                yield {"tp": tp, "pp": pp, "dp": dp}, f"global batch {global_batch} not divisible by dp={dp}"
+                yield {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, f"global batch {global_batch} not divisible by dp={dp}"
                 continue
-            eps = [e for e in divisors(dp) if cfg.n_expert % e == 0] if cfg.n_expert else [1]
+            eps = [e for e in divisors(dp * cp) if cfg.n_expert % e == 0] if cfg.n_expert else [1]
             per_dp = global_batch // dp
             for ep in eps:
                 for mbs in divisors(per_dp):
@@ -378,16 +394,17 @@ def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_n
                     if pp > 1 and cfg.n_layer % (pp * 2) == 0:
                         scheds.append(("interleaved", 2))
                     for sched, v in scheds:
-                        lay0 = Layout(dp, pp, tp, ep, mbs, nm, sched, v)
+                        lay0 = Layout(dp, pp, tp, ep, mbs, nm, sched, v, cp=cp)
                         try:
                             validate_pipeline(cfg, pp, nm, sched, v)
                         except ValueError as e:
                             yield lay0, f"invalid: {e}"
                             continue
-                        for zero in ([0, 1, 2, 3] if dp > 1 else [0]):
-                            for sp in ([False, True] if tp > 1 else [False]):
+                        for zero in ([0, 1, 2, 3] if dp * cp > 1 else [0]):
+                            sps = [False, True] if tp > 1 and (cfg.block_size // cp) % tp == 0 else [False]
+                            for sp in sps:
                                 for rc in ("none", "selective", "full"):
-                                    yield Layout(dp, pp, tp, ep, mbs, nm, sched, v, zero, sp, rc), None
+                                    yield Layout(dp, pp, tp, ep, mbs, nm, sched, v, zero, sp, rc, cp), None
 
 
 def plan(cfg: GPTConfig, world: int, global_batch: int, machine: Machine):

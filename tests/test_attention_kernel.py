@@ -8,7 +8,11 @@
 - 1, 2 and 3 threads give bit-identical results (the determinism rule), the backward's
   per-head split and its key-tile/query-tile split alike;
 - memory linear in T: a process running forward+backward at T=4096 grows its peak resident
-  memory by far less than one (T, T) float32 matrix (64 MiB).
+  memory by far less than one (T, T) float32 matrix (64 MiB);
+- the block kernel (ring attention's: q against k, v of another block, causal or not, read as
+  strided views of packed arrays) against its twin, and the ring identity: the zigzag blocks of
+  context parallelism, merged by their lse, give the full causal attention's o, lse and, with the
+  merged o, lse, summed gradients equal to the full backward's; 1, 2, 3 threads bit-identical.
 """
 from __future__ import annotations
 
@@ -174,3 +178,195 @@ def test_memory_is_linear_in_T():
     linear = 4096 * 2 * 32 * 4 * (3 + 1 + 4)                  # dqkv, o, one thread's scratch: 8 MiB
     assert grew < linear + (4 << 20), grew
     assert grew < 4096 * 4096 * 4 // 4, grew
+
+
+# --- one block of ring attention: q (B, Tq, H, D) against k, v (B, Tk, H, D) -------------------
+BLOCKS = [(1, 1, 1, 1, 4, True), (3, 65, 65, 4, 16, True), (1, 129, 129, 4, 64, True), (3, 7, 7, 1, 5, True),
+          (1, 130, 65, 1, 8, False), (3, 65, 130, 4, 8, False), (1, 74, 37, 4, 16, False),
+          (3, 37, 74, 1, 32, False), (1, 7, 200, 4, 5, False), (3, 200, 7, 1, 24, False), (1, 1, 1, 1, 4, False)]
+
+
+def _block_views(rng, B, Tq, Tk, H, D, causal, dt):
+    """q, k, v as ring attention holds them: causal, the views [:, :, 0/1/2] of packed qkv; otherwise
+    q the second part of packed qkv (qkv[:, c:, 0]) and k, v the front of a (B, T, 2, H, D) buffer."""
+    if causal:
+        qkv = (rng.standard_normal((B, Tq, 3, H, D)) * 2).astype(dt)
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    qkv = (rng.standard_normal((B, Tq + 3, 3, H, D)) * 2).astype(dt)
+    kv = (rng.standard_normal((B, Tk + 5, 2, H, D)) * 2).astype(dt)
+    return qkv[:, 3:, 0], kv[:, :Tk, 0], kv[:, :Tk, 1]
+
+
+@pytest.mark.parametrize("dt", [np.float64, np.float32])
+@pytest.mark.parametrize("case", BLOCKS, ids=lambda c: "B{}Tq{}Tk{}H{}D{}{}".format(*c[:5], "c" if c[5] else "n"))
+def test_block_kernel_equals_its_reference(dt, case):
+    B, Tq, Tk, H, D, causal = case
+    rng = np.random.default_rng(Tq * 7 + Tk)
+    q, k, v = _block_views(rng, B, Tq, Tk, H, D, causal, dt)
+    assert all(N._in_place(a) is a for a in (q, k, v))           # read in place, no copy
+    dout = rng.standard_normal((B, Tq, H * D)).astype(dt)
+    sc = 1 / np.sqrt(D)
+    o, lse = K.attention_block_forward(q, k, v, sc, causal)
+    o_ref, lse_ref = R.attention_block_forward(q, k, v, sc, causal)
+    assert o.dtype == lse.dtype == np.dtype(dt) and o.shape == (B, Tq, H * D) and lse.shape == (B, H, Tq)
+    assert o.flags.c_contiguous and o_ref.flags.c_contiguous
+    assert _rel(o, o_ref) < TOL[dt] and _rel(lse, lse_ref) < TOL[dt]
+    g = K.attention_block_backward(q, k, v, o, lse, dout, sc, causal)
+    g_ref = R.attention_block_backward(q, k, v, o_ref, lse_ref, dout, sc, causal)
+    for a, b, shape in zip(g, g_ref, [(B, Tq, H, D), (B, Tk, H, D), (B, Tk, H, D)]):
+        assert a.shape == b.shape == shape and a.dtype == np.dtype(dt) and a.flags.c_contiguous
+        assert _rel(a, b) < TOL[dt], _rel(a, b)
+    # any other layout (here a last axis with stride 2) is copied first: the same numbers
+    gapped = [np.zeros(a.shape[:-1] + (2 * D,), dtype=dt)[..., ::2] for a in (q, k, v)]
+    for a, b in zip(gapped, (q, k, v)):
+        a[...] = b
+        assert N._in_place(a) is not a
+    np.testing.assert_array_equal(K.attention_block_forward(*gapped, sc, causal)[0], o)
+
+
+def test_packed_kernel_is_the_causal_block_of_its_views():
+    rng = np.random.default_rng(4)
+    qkv = rng.standard_normal((2, 100, 3, 3, 16))
+    dout = rng.standard_normal((2, 100, 48))
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    o, lse = N.attention_forward(qkv, 0.25)
+    ob, lseb = N.attention_block_forward(q, k, v, 0.25, True)
+    np.testing.assert_array_equal(o, ob)
+    np.testing.assert_array_equal(lse, lseb)
+    np.testing.assert_array_equal(N.attention_backward(qkv, o, lse, dout, 0.25),
+                                  np.stack(N.attention_block_backward(q, k, v, o, lse, dout, 0.25, True), axis=2))
+
+
+def test_block_reference_is_the_softmax_definition():
+    """The non-causal twin against a direct loop over query rows (no shared code)."""
+    rng = np.random.default_rng(5)
+    B, Tq, Tk, H, D = 2, 5, 8, 2, 3
+    q, k, v = rng.standard_normal((B, Tq, H, D)), rng.standard_normal((B, Tk, H, D)), rng.standard_normal((B, Tk, H, D))
+    o, lse = R.attention_block_forward(q, k, v, 0.5, False)
+    for b in range(B):
+        for h in range(H):
+            for t in range(Tq):
+                s = (q[b, t, h] * 0.5) @ k[b, :, h].T
+                p = np.exp(s - s.max())
+                np.testing.assert_allclose(o[b, t, h * D:(h + 1) * D], p @ v[b, :, h] / p.sum(), rtol=1e-13)
+                np.testing.assert_allclose(lse[b, h, t], s.max() + np.log(p.sum()), rtol=1e-13)
+
+
+def _zigzag(cp, c):
+    """The positions rank i of cp holds: chunks i and 2 cp - 1 - i of c positions each, in that order."""
+    return [np.r_[i * c:(i + 1) * c, (2 * cp - 1 - i) * c:(2 * cp - i) * c] for i in range(cp)]
+
+
+def _ring_blocks(cp, c):
+    """(i, j, query rows, key rows): local query rows of rank i against local key rows of rank j, and
+    whether the block is causal. j == i: the local causal block; j < i: every local query against the
+    first chunk of rank j (all earlier); j > i: the second chunk's queries against all of rank j."""
+    out = []
+    for i in range(cp):
+        for j in range(cp):
+            if j == i:
+                out.append((i, j, slice(0, 2 * c), slice(0, 2 * c), True))
+            elif j < i:
+                out.append((i, j, slice(0, 2 * c), slice(0, c), False))
+            else:
+                out.append((i, j, slice(c, 2 * c), slice(0, 2 * c), False))
+    return out
+
+
+@pytest.mark.parametrize("cp,c,B,H,D", [(2, 37, 3, 4, 16), (2, 70, 1, 1, 8), (3, 33, 1, 4, 8), (4, 17, 3, 1, 5)],
+                         ids=str)
+def test_ring_zigzag_blocks_make_the_full_causal_attention(cp, c, B, H, D):
+    T = 2 * cp * c
+    rng = np.random.default_rng(T + cp)
+    qkv = rng.standard_normal((B, T, 3, H, D)) * 2
+    dout = rng.standard_normal((B, T, H * D))
+    sc = 1 / np.sqrt(D)
+    o_full, lse_full = K.attention_forward(qkv, sc)
+    g_full = K.attention_backward(qkv, o_full, lse_full, dout, sc)
+    pos = _zigzag(cp, c)
+    assert sorted(np.concatenate(pos).tolist()) == list(range(T))
+    local = [qkv[:, p] for p in pos]                                # (B, 2c, 3, H, D) per rank
+    blocks = _ring_blocks(cp, c)
+
+    # every (query, key) pair the causal mask allows appears in exactly one block
+    seen = np.zeros((T, T), dtype=int)
+    for i, j, qr, kr, causal in blocks:
+        qp, kp = pos[i][qr], pos[j][kr]
+        allowed = np.ones((len(qp), len(kp)), dtype=bool)
+        if causal:
+            allowed = np.tril(allowed)
+        assert (kp[None, :] <= qp[:, None])[allowed].all()
+        seen[np.ix_(qp, kp)] += allowed
+    np.testing.assert_array_equal(seen, np.tril(np.ones((T, T), dtype=int)))
+
+    # forward: each rank's blocks merged by their lse
+    merged = []
+    for i in range(cp):
+        o = np.zeros((B, 2 * c, H * D))
+        lse = np.full((B, H, 2 * c), -np.inf)
+        for i_, j, qr, kr, causal in blocks:
+            if i_ != i:
+                continue
+            ob, lb = K.attention_block_forward(local[i][:, qr, 0], local[j][:, kr, 1], local[j][:, kr, 2], sc, causal)
+            new = np.logaddexp(lse[:, :, qr], lb)
+            w_old = np.exp(lse[:, :, qr] - new).transpose(0, 2, 1).repeat(D, axis=2)   # (B, Tq, H*D)
+            w_new = np.exp(lb - new).transpose(0, 2, 1).repeat(D, axis=2)
+            o[:, qr] = o[:, qr] * w_old + ob * w_new
+            lse[:, :, qr] = new
+        assert _rel(o, o_full[:, pos[i]]) < 1e-12
+        assert _rel(lse, lse_full[:, :, pos[i]]) < 1e-12
+        merged.append((o, lse))
+
+    # backward: every block with its rank's merged o, lse; the sums are the full gradients
+    dqkv = np.zeros_like(qkv)
+    for i, j, qr, kr, causal in blocks:
+        o, lse = merged[i]
+        dq, dk, dv = K.attention_block_backward(local[i][:, qr, 0], local[j][:, kr, 1], local[j][:, kr, 2],
+                                                o[:, qr], lse[:, :, qr], dout[:, pos[i][qr]], sc, causal)
+        dqkv[:, pos[i][qr], 0] += dq
+        dqkv[:, pos[j][kr], 1] += dk
+        dqkv[:, pos[j][kr], 2] += dv
+    for n in range(3):
+        assert _rel(dqkv[:, :, n], g_full[:, :, n]) < 1e-12, ("dq", "dk", "dv")[n]
+
+
+@pytest.mark.parametrize("shape", [(3, 150, 90, 2, 24, False), (1, 200, 130, 1, 16, False),
+                                   (1, 90, 200, 2, 16, False), (1, 150, 150, 2, 24, True)], ids=str)
+def test_block_thread_counts_bit_identical(threads, shape):
+    """1, 2 and 3 threads: the same bits, with the backward split per head (B*H = 6) and over key
+    tiles then query tiles (B*H = 1, 2)."""
+    B, Tq, Tk, H, D, causal = shape
+    rng = np.random.default_rng(6)
+    q, k, v = _block_views(rng, B, Tq, Tk, H, D, causal, np.float32)
+    dout = rng.standard_normal((B, Tq, H * D)).astype(np.float32)
+    res = []
+    for n in (1, 2, 3):
+        K.set_num_threads(n)
+        o, lse = N.attention_block_forward(q, k, v, 0.2, causal)
+        res.append((o, lse) + N.attention_block_backward(q, k, v, o, lse, dout, 0.2, causal))
+    for other in res[1:]:
+        for a, b in zip(res[0], other):
+            np.testing.assert_array_equal(a, b)
+    ref = R.attention_block_backward(q, k, v, *R.attention_block_forward(q, k, v, 0.2, causal), dout, 0.2, causal)
+    for a, b in zip(res[2][2:], ref):
+        assert _rel(a, b) < 1e-5
+
+
+def test_block_errors_name_the_wrong_value():
+    q, k = np.zeros((1, 4, 2, 8)), np.zeros((1, 6, 2, 8))
+    with pytest.raises(ValueError, match="causal needs Tq == Tk, got Tq=4 Tk=6"):
+        K.attention_block_forward(q, k, k, 1.0, True)
+    with pytest.raises(ValueError, match="must be"):
+        K.attention_block_forward(q, k, np.zeros((1, 6, 2, 4)), 1.0, False)
+    with pytest.raises(ValueError, match="Tk=0"):
+        N.attention_block_forward(q, k[:, :0], k[:, :0], 1.0, False)
+    o, lse = np.empty((1, 4, 16)), np.empty((1, 2, 4))
+    from pympar import _C
+    with pytest.raises(ValueError, match="last axis must be contiguous and the head stride D"):
+        _C.attention_block_forward(q, np.zeros((1, 6, 2, 16))[..., ::2], k, o, lse, 1.0, False)
+    with pytest.raises(ValueError, match="k has dtype float32, expected the dtype of q"):
+        _C.attention_block_forward(q, k.astype(np.float32), k, o, lse, 1.0, False)
+    with pytest.raises(ValueError, match=r"v has shape \(1, 5, 2, 8\), expected"):
+        _C.attention_block_forward(q, k, k[:, :5], o, lse, 1.0, False)
+    with pytest.raises(ValueError, match="causal needs Tq == Tk"):
+        _C.attention_block_forward(q, k, k, o, lse, 1.0, True)

@@ -45,7 +45,7 @@ def test_unsplittable_sequences_are_refused_with_what_would_work():
     with pytest.raises(ValueError, match="too short"):
         validate_cp(GPTConfig(block_size=1), 2)
     with pytest.raises(ValueError, match="block_size / cp must be divisible by tp"):
-        validate_cp(GPTConfig(block_size=8, n_head=4), 2, tp=4, seq_parallel=True)
+        validate_cp(GPTConfig(block_size=8, n_head=3, n_embd=48), 2, tp=3, seq_parallel=True)
     validate_cp(GPTConfig(block_size=8), 4)
 
 

@@ -21,7 +21,7 @@ def test_parse_keeps_the_global_batch_and_gives_a_runnable_layout():
 
 
 def test_auto_refuses_explicit_sizes():
-    with pytest.raises(ConfigError, match="--layout auto chooses dp, pp, tp and ep itself"):
+    with pytest.raises(ConfigError, match="--layout auto chooses dp, pp, tp, ep and cp itself"):
         parse_args([*TINY, "--layout", "auto", "--tp", "2"], world_size=4)
 
 

@@ -38,11 +38,12 @@ def test_every_enumerated_layout_is_valid(preset, world):
     valid = [lay for lay, why in enumerate_layouts(cfg, world, gb, world) if why is None]
     assert valid
     for lay in valid:
-        assert lay.dp * lay.pp * lay.tp == world
+        assert lay.dp * lay.pp * lay.cp * lay.tp == world
         assert lay.micro_batch_size * lay.n_micro * lay.dp == gb
         assert cfg.n_head % lay.tp == 0 and lay.pp <= cfg.n_layer
-        assert lay.dp % lay.ep == 0 and (lay.ep == 1 or cfg.n_expert % lay.ep == 0)
-        assert not (lay.seq_parallel and lay.tp == 1) and not (lay.zero and lay.dp == 1)
+        assert (lay.dp * lay.cp) % lay.ep == 0 and (lay.ep == 1 or cfg.n_expert % lay.ep == 0)
+        assert cfg.block_size % (2 * lay.cp) == 0 or lay.cp == 1
+        assert not (lay.seq_parallel and lay.tp == 1) and not (lay.zero and lay.dp * lay.cp == 1)
     keys = [lay.key() for lay in valid]
     assert len(keys) == len(set(keys))
 
@@ -54,6 +55,7 @@ def test_enumerator_covers_the_dimensions():
     assert {(8, 1, 1), (1, 8 // 2, 2), (2, 2, 2), (2, 1, 4), (1, 2, 4)} <= got
     assert {lay.ep for lay in valid} == {1, 2, 4, 8}
     assert {lay.schedule for lay in valid} == {"1f1b", "gpipe", "interleaved"}
+    assert {lay.cp for lay in valid} == {1, 2, 4, 8}
     assert any(lay.zero for lay in valid) and any(lay.seq_parallel for lay in valid)
 
 

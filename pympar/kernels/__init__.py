@@ -40,6 +40,7 @@ _threads = 1
 
 __all__ = [
     "softmax_causal_forward", "softmax_causal_backward", "attention_forward", "attention_backward",
+    "attention_block_forward", "attention_block_backward",
     "layernorm_forward", "layernorm_backward",
     "gelu_forward", "gelu_backward", "cross_entropy_forward", "cross_entropy_backward", "adamw_step",
     "topk", "capacity_positions", "permute", "unpermute_add", "cast", "reduce_inplace", "scale_inplace",
@@ -115,7 +116,7 @@ def backend(a) -> str:
 def _dispatch(name):
     ref = getattr(reference, name)
     cpu = getattr(_cpu, name) if _cpu is not None else ref
-    gpu = getattr(_gpu, name) if _gpu is not None else ref
+    gpu = getattr(_gpu, name, ref) if _gpu is not None else ref  # a kernel CUDA lacks: the reference
     ndarray = np.ndarray
 
     def kernel(*args, **kwargs):
@@ -135,6 +136,8 @@ softmax_causal_forward = _dispatch("softmax_causal_forward")
 softmax_causal_backward = _dispatch("softmax_causal_backward")
 attention_forward = _dispatch("attention_forward")
 attention_backward = _dispatch("attention_backward")
+attention_block_forward = _dispatch("attention_block_forward")
+attention_block_backward = _dispatch("attention_block_backward")
 layernorm_forward = _dispatch("layernorm_forward")
 layernorm_backward = _dispatch("layernorm_backward")
 gelu_forward = _dispatch("gelu_forward")

@@ -3,15 +3,16 @@
 Each function has the signature of its twin in :mod:`pympar.kernels.reference` and checks
 dtype, contiguity and shape before a pointer crosses. What the C++ side does not cover is
 handed to the reference, so every call is answered:
-- the math kernels (softmax, attention, layernorm, GELU, cross-entropy, top-k, unpermute_add) run
-  natively on float32 and float64; float16/bfloat16 inputs go to the reference;
+- the math kernels (softmax, attention and its blocks, layernorm, GELU, cross-entropy, top-k,
+  unpermute_add) run natively on float32 and float64; float16/bfloat16 inputs go to the reference;
 - AdamW runs natively on float32/float64 parameters with a float32/float64/float16/bfloat16
   gradient;
 - cast, reduce_inplace and scale_inplace run natively on float16 and bfloat16 too (and the
   reductions and scaling on int32/int64);
-- non-contiguous inputs are copied to contiguous ones; a non-contiguous in-place target
-  (AdamW's p/m/v, reduce_inplace's dst, scale_inplace's x) goes to the reference, which
-  updates it in place.
+- non-contiguous inputs are copied to contiguous ones (the attention blocks read strided views
+  of packed arrays in place: the last axis contiguous, the head stride D); a non-contiguous
+  in-place target (AdamW's p/m/v, reduce_inplace's dst, scale_inplace's x) goes to the
+  reference, which updates it in place.
 """
 from __future__ import annotations
 
@@ -90,6 +91,49 @@ def attention_backward(qkv, o, lse, dout, scale):
     dqkv = np.empty_like(qkv)
     _C.attention_backward(qkv, o, lse, dout, dqkv, float(scale))
     return dqkv
+
+
+# --- one block of (ring) attention, strided views read in place --------------------------
+def _in_place(a):
+    """a (B, T, H, D) as the block kernels read it without a copy: the last axis contiguous, the head
+    stride D, batch and row strides in whole elements (e.g. qkv[:, :, 0] of packed (B, T, 3, H, D),
+    or kv[:, :c, 1]); any other layout is copied."""
+    n, st = a.itemsize, [s if d > 1 else 0 for d, s in zip(a.shape, a.strides)]
+    ok = a.size == 0 or (a.flags.aligned and st[3] == (n if a.shape[3] > 1 else 0)
+                         and st[2] == (a.shape[3] * n if a.shape[2] > 1 else 0) and st[0] % n == 0 and st[1] % n == 0)
+    return a if ok else np.ascontiguousarray(a)
+
+
+def _native_block(*arrays):
+    dt = arrays[0].dtype
+    return dt in _FLOATS and all(type(a) is np.ndarray and a.dtype == dt for a in arrays)
+
+
+def attention_block_forward(q, k, v, scale, causal):
+    B, Tq, Tk, H, D = reference.block_dims("attention_block_forward", q, k, v, causal)
+    if not _native_block(q, k, v):
+        return reference.attention_block_forward(q, k, v, scale, causal)
+    if Tk == 0 and Tq > 0:
+        raise ValueError(f"attention_block_forward: Tk=0, the {Tq} queries have no key to attend to")
+    o = np.empty((B, Tq, H * D), dtype=q.dtype)
+    lse = np.empty((B, H, Tq), dtype=q.dtype)
+    _C.attention_block_forward(_in_place(q), _in_place(k), _in_place(v), o, lse, float(scale), bool(causal))
+    return o, lse
+
+
+def attention_block_backward(q, k, v, o, lse, dout, scale, causal):
+    B, Tq, Tk, H, D = reference.block_dims("attention_block_backward", q, k, v, causal)
+    if not _native_block(q, k, v, o, lse, dout):
+        return reference.attention_block_backward(q, k, v, o, lse, dout, scale, causal)
+    if o.size != B * Tq * H * D or dout.size != o.size or lse.size != B * H * Tq:
+        raise ValueError(f"attention_block_backward: o {o.shape}, dout {dout.shape}, lse {lse.shape} do not match "
+                         f"q {q.shape}: expected (B, Tq, H*D) twice and (B, H, Tq)")
+    dq = np.empty((B, Tq, H, D), dtype=q.dtype)
+    dk = np.empty((B, Tk, H, D), dtype=q.dtype)
+    dv = np.empty((B, Tk, H, D), dtype=q.dtype)
+    _C.attention_block_backward(_in_place(q), _in_place(k), _in_place(v), _c(o), _c(lse), _c(dout), dq, dk, dv,
+                                float(scale), bool(causal))
+    return dq, dk, dv
 
 
 # --- layernorm -----------------------------------------------------------------------------

@@ -54,48 +54,79 @@ def softmax_causal_backward(y, dy):
     return dx.astype(y.dtype, copy=False)
 
 
-# --- causal attention (the memory-efficient kernel's definition) ----------------------
-def _heads(qkv, scale):
-    q, k, v = (_up(a) for a in qkv.transpose(2, 0, 3, 1, 4))   # (B, H, T, D) each
-    return q * q.dtype.type(scale), k, v
+# --- attention of one block (the memory-efficient kernels' definition) -----------------
+def block_dims(fn, q, k, v, causal):
+    """(B, Tq, Tk, H, D) of q (B, Tq, H, D) against k, v (B, Tk, H, D); a ValueError names what is wrong."""
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+        raise ValueError(f"{fn}: q {q.shape}, k {k.shape}, v {v.shape} must be (B, Tq, H, D), (B, Tk, H, D) "
+                         f"and (B, Tk, H, D)")
+    B, Tq, H, D = q.shape
+    Tk = k.shape[1]
+    if causal and Tq != Tk:
+        raise ValueError(f"{fn}: causal needs Tq == Tk, got Tq={Tq} Tk={Tk}")
+    return B, Tq, Tk, H, D
+
+
+def _block_scores(q, k, scale, causal):
+    """-> qs (scaled), k (B, H, T, D) and the scores qs k^T (B, H, Tq, Tk), -inf where the causal
+    mask hides a key (so that exp(scores - lse) is exactly 0 there)."""
+    xp = xp_of(q)
+    qs, k = (_up(a).transpose(0, 2, 1, 3) for a in (q, k))
+    qs = qs * qs.dtype.type(scale)
+    s = qs @ k.transpose(0, 1, 3, 2)
+    if causal:
+        s = xp.where(xp.triu(xp.ones(s.shape[-2:], dtype=bool), k=1), -xp.inf, s)
+    return qs, k, s
+
+
+def attention_block_forward(q, k, v, scale, causal):
+    """One block of (ring) attention: q (B, Tq, H, D) against k, v (B, Tk, H, D) -> (o (B, Tq, H*D),
+    lse (B, H, Tq)), o in q's dtype, lse the row log-sum-exp of the scaled scores (statistics dtype).
+
+    causal: query t sees keys <= t (needs Tq == Tk); otherwise every query sees every key. This
+    twin materialises (B, H, Tq, Tk); the native kernel computes the same numbers tile by tile."""
+    B, Tq, _, H, D = block_dims("attention_block_forward", q, k, v, causal)
+    xp = xp_of(q)
+    _, _, s = _block_scores(q, k, scale, causal)
+    m = s.max(axis=-1, keepdims=True)
+    e = xp.exp(s - m)
+    l = e.sum(axis=-1, keepdims=True)
+    o = (e / l) @ _up(v).transpose(0, 2, 1, 3)                 # (B, H, Tq, D)
+    o = xp.ascontiguousarray(o.transpose(0, 2, 1, 3).reshape(B, Tq, H * D), dtype=q.dtype)
+    return o, (m + xp.log(l))[..., 0]
+
+
+def attention_block_backward(q, k, v, o, lse, dout, scale, causal):
+    """d(attention_block_forward) -> (dq (B, Tq, H, D), dk, dv (B, Tk, H, D)), dout (B, Tq, H*D).
+
+    o and lse are those of the complete softmax of these query rows over every key block (ring
+    attention's merged result): P = exp(S - lse), dS = P * (dP - rowsum(dout * o)). With the block's
+    own o, lse this is the ordinary attention backward; summed over a partition of the keys, dq
+    (and each key block's dk, dv) are the full attention's."""
+    B, Tq, _, H, D = block_dims("attention_block_backward", q, k, v, causal)
+    xp = xp_of(q)
+    qs, kh, s = _block_scores(q, k, scale, causal)
+    p = xp.exp(s - _up(lse)[..., None])
+    do = _up(dout).reshape(B, Tq, H, D).transpose(0, 2, 1, 3)  # (B, H, Tq, D)
+    row = (do * _up(o).reshape(B, Tq, H, D).transpose(0, 2, 1, 3)).sum(axis=-1, keepdims=True)
+    dp = do @ _up(v).transpose(0, 2, 3, 1)
+    ds = p * (dp - row)
+    dq = (ds @ kh) * qs.dtype.type(scale)
+    dk = ds.transpose(0, 1, 3, 2) @ qs
+    dv = p.transpose(0, 1, 3, 2) @ do
+    return tuple(xp.ascontiguousarray(g.transpose(0, 2, 1, 3), dtype=q.dtype) for g in (dq, dk, dv))
 
 
 def attention_forward(qkv, scale):
-    """qkv (B, T, 3, H, D), packed as nn.attention_core reads it -> (o (B, T, H*D), lse (B, H, T),
-    float32, float64 for float64 input).
-
-    o = softmax(q*scale k^T, causal) v per head; lse the row log-sum-exp of the scaled scores
-    (what the backward needs besides qkv and o). This twin materialises (B, H, T, T); the
-    native kernel computes the same numbers tile by tile without it."""
-    B, T, _, H, D = qkv.shape
-    xp = xp_of(qkv)
-    qs, k, v = _heads(qkv, scale)
-    att = qs @ k.transpose(0, 1, 3, 2)
-    att = xp.where(xp.triu(xp.ones((T, T), dtype=bool), k=1), -xp.inf, att)
-    m = att.max(axis=-1, keepdims=True)
-    e = xp.exp(att - m)
-    s = e.sum(axis=-1, keepdims=True)
-    o = (e / s) @ v                                            # (B, H, T, D)
-    lse = (m + xp.log(s))[..., 0]
-    return o.transpose(0, 2, 1, 3).reshape(B, T, H * D).astype(qkv.dtype, copy=False), lse   # lse: statistics dtype
+    """qkv (B, T, 3, H, D), packed as nn.attention_core reads it -> (o (B, T, H*D), lse (B, H, T)):
+    the causal block of q = qkv[:, :, 0], k = qkv[:, :, 1], v = qkv[:, :, 2]."""
+    return attention_block_forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], scale, True)
 
 
 def attention_backward(qkv, o, lse, dout, scale):
     """d(attention_forward) -> dqkv (B, T, 3, H, D), given o, lse from the forward and dout (B, T, H*D)."""
-    B, T, _, H, D = qkv.shape
-    xp = xp_of(qkv)
-    qs, k, v = _heads(qkv, scale)
-    att = qs @ k.transpose(0, 1, 3, 2)
-    causal = xp.tril(xp.ones((T, T), dtype=bool))
-    p = xp.where(causal, xp.exp(att - _up(lse)[..., None]), 0)
-    do = _up(dout).reshape(B, T, H, D).transpose(0, 2, 1, 3)
-    dp = do @ v.transpose(0, 1, 3, 2)
-    datt = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
-    dq = (datt @ k) * qs.dtype.type(scale)
-    dk = datt.transpose(0, 1, 3, 2) @ qs
-    dv = p.transpose(0, 1, 3, 2) @ do
-    dqkv = xp.stack([dq, dk, dv], axis=2)                      # (B, H, 3, T, D)
-    return dqkv.transpose(0, 3, 2, 1, 4).astype(qkv.dtype, copy=False)
+    g = attention_block_backward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], o, lse, dout, scale, True)
+    return xp_of(qkv).stack(g, axis=2)
 
 
 # --- layernorm ------------------------------------------------------------------------

@@ -84,6 +84,7 @@ class RingAttentionCore(CausalAttentionCore):
         self.comm = cp_comm
         self.cp, self.rank = cp_comm.size, cp_comm.rank
         self.wait_s = self.busy_s = 0.0
+        self.peak_bytes = 0                      # the ring's buffers at their most (the ledger's communication)
 
     def take_seconds(self):
         """(seconds waiting for ring transfers, seconds of block computation) since the last call."""
@@ -121,6 +122,7 @@ class RingAttentionCore(CausalAttentionCore):
         xp = xp_of(qkv)
         scale = 1.0 / np.sqrt(hs)
         kv = xp.ascontiguousarray(qkv[:, :, 1:])          # (B, 2c, 2, nh, hs): what travels
+        self.peak_bytes = max(self.peak_bytes, 2 * kv.nbytes)
         q = qkv[:, :, 0]
         o = lse = None
         for s in range(self.cp):
@@ -149,6 +151,7 @@ class RingAttentionCore(CausalAttentionCore):
         dqkv = xp.zeros_like(qkv)
         dq = dqkv[:, :, 0]
         kv = xp.ascontiguousarray(qkv[:, :, 1:])
+        self.peak_bytes = max(self.peak_bytes, 4 * kv.nbytes)   # kv, the next kv, two accumulators
         q = qkv[:, :, 0]
         dkv_reqs, acc = (), None
         for s in range(self.cp):

@@ -220,14 +220,19 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
 
 def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, micro_batch_size=1,
             n_micro=1, schedule="1f1b", virtual_stages=1, master_bytes=4, act_bytes=None,
-            bucket_mb=25.0, tiled=None, threads=None):
-    """The ledger of the worst pipeline rank of a layout, and its rank: (ledger with peak, pp rank)."""
+            bucket_mb=25.0, tiled=None, threads=None, cp=1):
+    """The ledger of the worst pipeline rank of a layout, and its rank: (ledger with peak, pp rank).
+
+    cp: context parallelism keeps block_size / cp positions of each sequence on a rank, shards ZeRO
+    over dp x cp, and holds the ring's buffers (two key/value blocks in the forward; in the
+    backward also two dK/dV accumulators)."""
     from .pp import schedules as S
     from .pp.partition import partition
 
     act_bytes = act_bytes or master_bytes
     stat = master_bytes
-    B, T = micro_batch_size, cfg.block_size
+    B, T = micro_batch_size, cfg.block_size // cp
+    dp = dp * cp                                               # the gradient group (Mesh.dpcp)
     part = partition(cfg, pp, virtual_stages)
     worst = None
     for r in range(pp):
@@ -272,6 +277,8 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
             comm += wte * master_bytes
         if pp > 1:
             comm += (2 * pp * virtual_stages + 2) * B * T * cfg.n_embd * act_bytes   # posted receives
+        if cp > 1 and blocks:
+            comm += ring_bytes(B, T, cfg.n_embd // tp, act_bytes)
         led = dict(parameters=(sh if zero == 3 else n) * master_bytes, gradients=grads * master_bytes + transient,
                    gradients_transient=transient,
                    optimizer=2 * (sh if zero else n) * master_bytes,
@@ -282,6 +289,12 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
         if worst is None or led["peak"] > worst[0]["peak"]:
             worst = (led, r)
     return worst
+
+
+def ring_bytes(B, T_local, C_local, act_bytes) -> int:
+    """Context parallelism's ring buffers at their peak (the backward): the key/value block in hand
+    and the next one, the dK/dV accumulator being sent and the one being received."""
+    return 4 * B * T_local * 2 * C_local * act_bytes
 
 
 # --- measurement on a runner -----------------------------------------------------------------------

@@ -204,7 +204,7 @@ class ParallelRunner:
         for core in self.model.cp_cores:
             w, b = core.take_seconds()
             wait, busy = wait + w, busy + b
-        self.cp_busy_seconds = busy
+        self.cp_wait_seconds, self.cp_busy_seconds = wait, busy     # the last step's (benchmarks read them)
         return wait
 
     def _allreduce(self, v):
@@ -296,6 +296,8 @@ class ParallelRunner:
         transient = sum(d.peak_full_grad_bytes for d in self.sync.syncs)
         if self.zero == 3:
             comm += self.sync.gather.peak_gathered_bytes
+        if self.cp > 1:                    # one ring at a time: the largest
+            comm += max((c.peak_bytes for c in self.model.cp_cores), default=0)
         if self._workspace is None:
             B, T = np.shape(micro_batches[0][0])
             blocks, first, last = self._held_blocks()
@@ -325,7 +327,8 @@ class ParallelRunner:
         led, _ = ledger.predict(self.model_cfg, dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, zero=self.zero,
                                 recompute=self.recompute, sp=self.sp, micro_batch_size=micro_batch_size,
                                 n_micro=n_micro, schedule=self.schedule, virtual_stages=self.v,
-                                master_bytes=self.master.itemsize, act_bytes=item, bucket_mb=self.bucket_mb)
+                                master_bytes=self.master.itemsize, act_bytes=item, bucket_mb=self.bucket_mb,
+                                cp=self.cp)
         return led
 
     def _reset_comm_counters(self):

@@ -1,4 +1,4 @@
-"""Mesh groups for every valid layout of this world size, and the error for invalid ones."""
+"""Mesh groups for every valid layout (dp, pp, cp, tp, ep) of this world size, and the error for invalid ones."""
 import numpy as np
 import pytest
 
@@ -7,13 +7,14 @@ from pympar.parallel.mesh import Mesh
 
 
 def layouts(world):
-    for tp in range(1, world + 1):
-        for pp in range(1, world + 1):
-            if world % (tp * pp) == 0:
-                dp = world // (tp * pp)
-                for ep in range(1, dp + 1):
-                    if dp % ep == 0:
-                        yield dict(dp=dp, pp=pp, tp=tp, ep=ep)
+    for cp in range(1, world + 1):
+        for tp in range(1, world + 1):
+            for pp in range(1, world + 1):
+                if world % (tp * pp * cp) == 0:
+                    dp = world // (tp * pp * cp)
+                    for ep in range(1, dp * cp + 1):
+                        if dp * cp % ep == 0:
+                            yield dict(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp)
 
 
 @pytest.fixture(scope="module")
@@ -28,20 +29,23 @@ def test_every_valid_layout(comm):
         m = Mesh(comm, **lay)
         want = Mesh.groups(n, **lay)
         me = np.array([r])
-        for kind in ("tp", "dp", "pp", "ep", "edp"):
+        for kind in ("tp", "dp", "pp", "cp", "dpcp", "ep", "edp"):
             sub = getattr(m, f"{kind}_comm")
             got = sub.allgather(me, algo="mpi").tolist()
             assert got in want[kind], f"{lay} {kind}: {got} not in {want[kind]}"
             assert r in got and got.index(r) == sub.rank
-        assert (m.pp_rank, m.dp_rank, m.tp_rank) == Mesh.coords(r, lay["dp"], lay["pp"], lay["tp"])
-        assert m.tp_comm.size == lay["tp"] and m.edp_comm.size == lay["dp"] // lay["ep"]
-        assert m.prev_stage == (r - lay["dp"] * lay["tp"] if m.pp_rank > 0 else None)
-        assert m.next_stage == (r + lay["dp"] * lay["tp"] if m.pp_rank < lay["pp"] - 1 else None)
+        assert (m.pp_rank, m.dp_rank, m.cp_rank, m.tp_rank) == Mesh.coords(r, lay["dp"], lay["pp"], lay["tp"], lay["cp"])
+        assert m.tp_comm.size == lay["tp"] and m.edp_comm.size == lay["dp"] * lay["cp"] // lay["ep"]
+        block = lay["dp"] * lay["cp"] * lay["tp"]
+        assert m.prev_stage == (r - block if m.pp_rank > 0 else None)
+        assert m.next_stage == (r + block if m.pp_rank < lay["pp"] - 1 else None)
         # tensor-parallel ranks are adjacent, pipeline stages are contiguous blocks
         tpg = m.tp_comm.allgather(me, algo="mpi").tolist()
         assert tpg == list(range(tpg[0], tpg[0] + lay["tp"]))
-        block = lay["dp"] * lay["tp"]
         assert m.pp_rank == r // block
+        for c in m.communicators():
+            if c is not comm and hasattr(c, "free"):
+                c.free()
 
 
 def test_invalid_layouts_raise_before_any_collective(comm):
