@@ -14,9 +14,13 @@ Per row:
 - step time: the median over the steps after the first;
 - the ring: seconds per step waiting for key/value transfers (what computation did not hide),
   and the time the same transfers take with nothing to overlap (the worker sends the step's
-  blocks around the ring alone, after training): hidden = 1 - waited / alone.
+  blocks around the ring alone, after training). A wait also holds
+  the time a rank waits for a slower partner to reach the exchange: the per-rank seconds of
+  block computation are recorded (attention_busy_s), and hidden = 1 - max(0, waited - their
+  spread) / alone (``hidden_fraction``, an estimate).
 Threads: every rank gets the node's cores divided by its ranks (the trainer's default), so
-cp = 1 runs 2 threads, cp = 2 one per rank, cp = 4 oversubscribes (2 ranks per core).
+cp = 1 runs 2 threads, cp = 2 one per rank, cp = 4 oversubscribes (2 ranks per core); one more
+cp = 1 row runs one thread (what cp = 2 buys when each rank brings its own core).
 """
 from __future__ import annotations
 
@@ -39,8 +43,9 @@ STEPS = 4
 MiB = 2 ** 20
 
 
-def worker(T: int, out: str):
-    """One rank: STEPS steps at block_size T over every rank of the world as one cp group."""
+def worker(T: int, out: str, threads: int = 0):
+    """One rank: STEPS steps at block_size T over every rank of the world as one cp group
+    (threads: 0 = the node's cores over its ranks)."""
     import numpy as np
     from mpi4py import MPI
 
@@ -52,7 +57,7 @@ def worker(T: int, out: str):
 
     mpi = MPI.COMM_WORLD
     cp = mpi.Get_size()
-    threads = max(1, len(os.sched_getaffinity(0)) // cp)
+    threads = threads or max(1, len(os.sched_getaffinity(0)) // cp)
     kernels.set_num_threads(threads)
     cfg = GPTConfig(block_size=T, **MODEL)
     comm = MPIComm(mpi, name="world", timeout=600)
@@ -61,7 +66,7 @@ def worker(T: int, out: str):
                            device="cpu", lr=1e-3, weight_decay=0.1, grad_clip=1.0)
     runner = ParallelRunner(cfg, SimpleNamespace(dp=1, pp=1, tp=1, ep=1, cp=cp), comm, opts)
     rng = np.random.default_rng(0)
-    times, waits, losses = [], [], []
+    times, waits, busy, losses = [], [], [], []
     for s in range(STEPS):
         t = rng.integers(0, cfg.vocab_size, size=(1, T + 1))
         mpi.Barrier()
@@ -69,6 +74,7 @@ def worker(T: int, out: str):
         res = runner.train_step([(t[:, :-1], t[:, 1:])], 1e-3)
         times.append(time.perf_counter() - t0)
         waits.append(getattr(runner, "cp_wait_seconds", 0.0))
+        busy.append(getattr(runner, "cp_busy_seconds", 0.0))
         losses.append(res["loss"])
     alone = 0.0
     if cp > 1:                       # the same transfers with nothing to hide them behind
@@ -87,7 +93,8 @@ def worker(T: int, out: str):
                             r.wait()
         alone = (time.perf_counter() - t0) / reps
     led = runner.ledger
-    rows = mpi.gather(dict(rank=mpi.Get_rank(), threads=threads, step_s=times, cp_wait_s=waits, losses=losses,
+    rows = mpi.gather(dict(rank=mpi.Get_rank(), threads=threads, step_s=times, cp_wait_s=waits, cp_busy_s=busy,
+                           losses=losses,
                            ring_alone_s=alone, activations=led["activations"], ledger_peak=led["peak"]), root=0)
     if mpi.Get_rank() == 0:
         Path(out).write_text(json.dumps(rows))
@@ -104,20 +111,32 @@ def _env():
     return e
 
 
-def one(T: int, cp: int, timeout: float) -> dict:
+def one(T: int, cp: int, timeout: float, threads: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "rows.json"
-        p, peaks = _wrapped(cp, [str(Path(__file__).resolve()), "--worker", str(T), str(out)], timeout, _env())
+        p, peaks = _wrapped(cp, [str(Path(__file__).resolve()), "--worker", str(T), str(out), str(threads)], timeout,
+                            _env())
         if p.returncode != 0 or not out.exists():
             raise RuntimeError(f"T={T} cp={cp} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
         ranks = json.loads(out.read_text())
     step = max(statistics.median(r["step_s"][1:]) for r in ranks)
     wait = max(statistics.median(r["cp_wait_s"][1:]) for r in ranks)
     alone = max(r["ring_alone_s"] for r in ranks)
+    busy = [statistics.median(r["cp_busy_s"][1:]) for r in ranks]
     return dict(T=T, cp=cp, threads=ranks[0]["threads"], peak_rss=max(peaks.values()),
                 peak_rss_per_rank=[peaks[r] for r in sorted(peaks)], activations=max(r["activations"] for r in ranks),
-                step_s=step, cp_wait_s=wait, ring_alone_s=alone,
-                hidden=(1 - wait / alone) if alone > 0 else None, losses=ranks[0]["losses"])
+                step_s=step, cp_wait_s=wait, ring_alone_s=alone, attention_busy_s=busy,
+                attention_imbalance_s=max(busy) - min(busy),
+                hidden=hidden_fraction(wait, max(busy) - min(busy), alone), losses=ranks[0]["losses"])
+
+
+def hidden_fraction(wait, imbalance, alone):
+    """The share of the ring's transfer time (``alone``) that computation hid: the wait less what a
+    rank spends waiting for a slower partner (the spread of the ranks' block computation), over
+    the transfer time. An estimate: the two causes of a wait cannot be told apart exactly."""
+    if alone <= 0:
+        return None
+    return 1.0 - min(alone, max(0.0, wait - imbalance)) / alone
 
 
 def run(a):
@@ -126,26 +145,30 @@ def run(a):
     base = max(base_peaks.values())
     rows = []
     for T in lengths:
-        for cp in (1, 2, 4):
-            r = one(T, cp, a.timeout)
+        for cp, threads in ((1, 0), (1, 1), (2, 0), (4, 0)):
+            r = one(T, cp, a.timeout, threads)
             r["rss_over_baseline"] = r["peak_rss"] - base
             rows.append(r)
             print(f"T={T:5d} cp={cp} ({r['threads']} thread(s)/rank): peak RSS {r['peak_rss'] / MiB:7.1f} MiB "
                   f"({r['rss_over_baseline'] / MiB:7.1f} over the baseline), activations {r['activations'] / MiB:6.1f} MiB, "
                   f"step {r['step_s']:.3f} s, ring wait {r['cp_wait_s']:.4f} s of {r['ring_alone_s']:.4f} s alone"
-                  + (f" (hidden {r['hidden']:.0%})" if r["hidden"] is not None else ""), flush=True)
+                  + (f" (hidden {r['hidden']:.0%}; attention imbalance {r['attention_imbalance_s']:.4f} s)"
+                     if r["hidden"] is not None else ""), flush=True)
     return dict(machine=machine(), model=MODEL, steps=STEPS, baseline_bytes=base, rows=rows, targets=targets(rows))
 
 
 def targets(rows) -> dict:
     out = {}
     for T in sorted({r["T"] for r in rows}):
-        by = {r["cp"]: r for r in rows if r["T"] == T}
+        by = {r["cp"]: r for r in rows if r["T"] == T and (r["cp"] > 1 or r["threads"] > 1 or len(rows) < 3)}
+        one_core = [r for r in rows if r["T"] == T and r["cp"] == 1 and r["threads"] == 1]
         if 1 in by and 4 in by:
             out[f"T={T}: activations per rank cp=4 / cp=1 (target <= 0.3)"] = by[4]["activations"] / by[1]["activations"]
             out[f"T={T}: peak RSS over the baseline cp=4 / cp=1"] = by[4]["rss_over_baseline"] / by[1]["rss_over_baseline"]
         if 1 in by and 2 in by:
-            out[f"T={T}: step time cp=2 / cp=1 (target <= 0.65)"] = by[2]["step_s"] / by[1]["step_s"]
+            out[f"T={T}: step time cp=2 / cp=1 on the same 2 cores (target <= 0.65)"] = by[2]["step_s"] / by[1]["step_s"]
+        if one_core and 2 in by:
+            out[f"T={T}: step time cp=2 (2 cores) / cp=1 on one core"] = by[2]["step_s"] / one_core[0]["step_s"]
     return out
 
 
@@ -153,11 +176,14 @@ def plot(res, path):
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for T in sorted({r["T"] for r in res["rows"]}):
-        rs = sorted((r for r in res["rows"] if r["T"] == T), key=lambda r: r["cp"])
+        rs = sorted((r for r in res["rows"] if r["T"] == T and (r["cp"] > 1 or r["threads"] > 1)), key=lambda r: r["cp"])
         cps = [r["cp"] for r in rs]
         axes[0].plot(cps, [r["activations"] / MiB for r in rs], "o-", label=f"activations, T={T}")
         axes[0].plot(cps, [r["rss_over_baseline"] / MiB for r in rs], "s--", label=f"peak RSS - baseline, T={T}")
-        axes[1].plot(cps, [r["step_s"] for r in rs], "o-", label=f"T={T}")
+        line, = axes[1].plot(cps, [r["step_s"] for r in rs], "o-", label=f"T={T}, the node's 2 cores")
+        one = [r for r in res["rows"] if r["T"] == T and r["cp"] == 1 and r["threads"] == 1]
+        if one:
+            axes[1].plot([1], [one[0]["step_s"]], "x", color=line.get_color(), ms=9, label=f"T={T}, cp=1 on one core")
     axes[0].set(xlabel="cp", ylabel="MiB per rank", title="memory per rank", xticks=[1, 2, 4])
     axes[1].set(xlabel="cp", ylabel="seconds", title="step time (cp=4: 2 ranks per core)", xticks=[1, 2, 4])
     for ax in axes:
@@ -169,7 +195,7 @@ def plot(res, path):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        worker(int(argv[1]), argv[2])
+        worker(int(argv[1]), argv[2], int(argv[3]) if len(argv) > 3 else 0)
         return None
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T = 512 only (the smoke test)")

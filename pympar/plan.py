@@ -495,13 +495,13 @@ def load_calibration(path, nranks: int) -> dict:
 
 
 def format_table(preds, top: int) -> str:
-    hdr = f"{'#':>3}  {'layout':<48} {'step(ms)':>9} {'mem/rank':>10} {'bubble':>7} {'tp':>6} {'dp':>6} {'pp':>6}"
+    hdr = f"{'#':>3}  {'layout':<48} {'step(ms)':>9} {'mem/rank':>10} {'bubble':>7} {'tp':>6} {'dp':>6} {'pp':>6} {'cp':>6}"
     lines = [hdr, "-" * len(hdr)]
     for i, p in enumerate(preds[:top]):
         t = p.time
         lines.append(f"{i + 1:>3}  {p.layout.key():<48} {p.step_time * 1e3:>9.2f} "
                      f"{p.memory['total'] / 2**20:>8.1f}Mi {p.bubble:>7.2f} {t['tp_comm'] * 1e3:>6.1f} "
-                     f"{t['dp_comm'] * 1e3:>6.1f} {t['pp_comm'] * 1e3:>6.1f}")
+                     f"{t['dp_comm'] * 1e3:>6.1f} {t['pp_comm'] * 1e3:>6.1f} {t.get('cp_comm', 0.0) * 1e3:>6.1f}")
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ Chrome trace JSON: one process row per rank, one thread row per kind of work, op
 Perfetto (ui.perfetto.dev) or chrome://tracing.
 
 Categories (the keys of the time split): compute, dp_comm, tp_comm, pp_comm, ep_comm,
-bubble, optimizer. Other categories (``step``, ``eval``, ``wait``) are recorded but not summed
+cp_comm (waiting for the context-parallel ring), bubble, optimizer. Other categories (``step``, ``eval``, ``wait``) are recorded but not summed
 into the split.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ import json
 import time
 from contextlib import contextmanager
 
-SPLIT = ("compute", "dp_comm", "tp_comm", "pp_comm", "ep_comm", "bubble", "optimizer")
+SPLIT = ("compute", "dp_comm", "tp_comm", "pp_comm", "ep_comm", "cp_comm", "bubble", "optimizer")
 _THREADS = {"compute": 0, "optimizer": 0, "bubble": 0, "wait": 0,
-            "dp_comm": 1, "tp_comm": 1, "pp_comm": 1, "ep_comm": 1, "step": 2, "eval": 2}
+            "dp_comm": 1, "tp_comm": 1, "pp_comm": 1, "ep_comm": 1, "cp_comm": 1, "step": 2, "eval": 2}
 _THREAD_NAMES = {0: "compute", 1: "communication", 2: "steps"}
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from .profile import SPLIT
 
 _COLORS = {"compute": "tab:blue", "dp_comm": "tab:orange", "tp_comm": "tab:green", "pp_comm": "tab:red",
-           "ep_comm": "tab:purple", "bubble": "tab:gray", "optimizer": "tab:olive", "layer": "tab:cyan"}
+           "ep_comm": "tab:purple", "cp_comm": "tab:brown", "bubble": "tab:gray", "optimizer": "tab:olive", "layer": "tab:cyan"}
 
 
 def read_metrics(path: Path) -> list[dict]:

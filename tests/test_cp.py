@@ -70,6 +70,8 @@ def test_train_cli_with_cp_matches_one_process(tmp_path):
     four = run_mpi(4, args + ["--cp", "2", "--out", str(tmp_path / "cp")], timeout=120)
     assert "cp=2" in four.stdout, four.stdout
     lo = [json.loads(x)["loss"] for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
-    lc = [json.loads(x)["loss"] for x in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    recs = [json.loads(x) for x in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    lc = [r["loss"] for r in recs]
     assert len(lo) == len(lc) == 3
     np.testing.assert_allclose(lc, lo, rtol=2e-5)
+    assert all(r["time_split"]["cp_comm"] > 0 for r in recs)      # the ring's waits, in their own category

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pympar.nn import GPT, GPTConfig
+from pympar.parallel import ledger
 from pympar.parallel.ep import is_expert_param
 from pympar.parallel.pp.partition import partition
 from pympar.parallel.pp.schedules import bubble_formula
@@ -283,3 +284,18 @@ def test_cli_gpu_device_and_errors():
     assert bad.returncode == 2 and "--world=0 must be >= 1" in bad.stderr
     bad = run_cli("--preset", "nope", "--world", "2")
     assert bad.returncode == 2 and "unknown preset" in bad.stderr
+
+
+def test_context_parallel_layouts_split_a_long_sequence():
+    """One sequence of 32k positions on 4 ranks: the planner's ledger holds T/cp positions per rank
+    (activations 1/cp, ring buffers under communication), and when only cp=4 fits the memory
+    sequence the plan keeps the cp layouts and rejects the others for memory."""
+    cfg = GPTConfig(n_layer=2, n_embd=128, n_head=4, block_size=32768, vocab_size=256).validate()
+    one, _ = ledger.predict(cfg, tiled=True)
+    four, _ = ledger.predict(cfg, cp=4, tiled=True)
+    assert four["activations"] == pytest.approx(one["activations"] / 4, rel=1e-3)
+    assert four["communication"] >= ledger.ring_bytes(1, 32768 // 4, 128, 4) > 0
+    ok, rejected = plan(cfg, 4, 1, machine(mem=200 * 2**20))      # tp 4 with sp needs ~231 MiB
+    assert ok and all(p.layout.cp == 4 for p in ok)
+    assert any(k.startswith("dp1 pp1 tp4 ep1 mbs1") and "out of memory" in why for k, why in rejected)
+    assert ok[0].time["cp_comm"] > 0 and ok[0].layout.train_args()[8:10] == ["--cp", "4"]

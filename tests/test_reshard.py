@@ -43,6 +43,8 @@ PAIRS = [
     ("dense-dp2zero3-to-tp2", DENSE, "--dp 2 --zero 3", "--dp 1 --tp 2"),
     ("moe-dp2ep2-to-dp4ep2zero3", MOE, "--dp 2 --ep 2", "--dp 4 --ep 2 --zero 3 --recompute full"),
     ("dense-pp2zero2-to-dp2tp2zero3", DENSE, "--dp 2 --pp 2 --zero 2", "--dp 2 --tp 2 --zero 3 --seq-parallel"),
+    ("dense-dp2cp2zero1-to-tp2", DENSE, "--dp 2 --cp 2 --zero 1", "--dp 1 --tp 2"),
+    ("moe-1-to-cp2ep2zero2", MOE, "--dp 1", "--dp 1 --cp 2 --ep 2 --zero 2"),
 ]
 SLOW_PAIRS = [
     ("dense-dp2tp2zero1-to-pp2tp2", DENSE, "--dp 2 --tp 2 --zero 1", "--dp 1 --pp 2 --tp 2"),
@@ -55,13 +57,14 @@ SLOW_PAIRS = [
     ("moe-dp2ep2-to-pp2tp2", MOE, "--dp 2 --ep 2", "--dp 1 --pp 2 --tp 2"),
     ("moe-dp4ep2zero3-to-dp2pp2ep2zero3", MOE, "--dp 4 --ep 2 --zero 3", "--dp 2 --pp 2 --ep 2 --zero 3"),
     ("dense-dp4zero3-to-dp4zero1", DENSE, "--dp 4 --zero 3 --recompute selective", "--dp 4 --zero 1"),
+    ("dense-cp4-to-pp2cp2", DENSE, "--dp 1 --cp 4", "--dp 1 --pp 2 --cp 2"),
 ]
 
 
 def _world(layout: list) -> tuple:
     """(world size, dp) of a layout's flags."""
-    get = {k: int(layout[layout.index(k) + 1]) for k in ("--dp", "--pp", "--tp") if k in layout}
-    return get.get("--dp", 1) * get.get("--pp", 1) * get.get("--tp", 1), get.get("--dp", 1)
+    get = {k: int(layout[layout.index(k) + 1]) for k in ("--dp", "--pp", "--tp", "--cp") if k in layout}
+    return get.get("--dp", 1) * get.get("--pp", 1) * get.get("--tp", 1) * get.get("--cp", 1), get.get("--dp", 1)
 
 
 def train(text, model, layout: str, out, *extra, timeout=150):

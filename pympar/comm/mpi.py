@@ -777,6 +777,9 @@ class MPIComm(Communicator):
         """Release the duplicated communicators and the shared window (collective)."""
         if self._arena is not None:
             self._arena.free()
+        if self._topo is not None:          # its node and leaders communicators (not freed: a leak
+            self._topo.free()               # that ran a long job out of context ids)
+            self._topo = None
         for side in (self._board, self._fp):
             if side is not None:
                 side.free()

@@ -59,6 +59,13 @@ class Topology:
         self.leader_comm_ranks = None
         grp.Free()
 
+    def free(self):
+        """Release the node and leaders communicators (collective over the communicator's ranks)."""
+        for c in (self.node, self.leaders):
+            if c is not None and c != MPI.COMM_NULL:
+                c.Free()
+        self.node = self.leaders = None
+
     @property
     def single_node(self) -> bool:
         return self.n_nodes == 1

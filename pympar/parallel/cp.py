@@ -115,6 +115,23 @@ class RingAttentionCore(CausalAttentionCore):
             r.wait()
         self.wait_s += time.perf_counter() - t0
 
+    @staticmethod
+    def _poll(reqs):
+        """Drive the transfers in flight: MPI moves a nonblocking message only inside MPI calls, so
+        without these tests between the pieces of a block nothing would overlap."""
+        for r in reqs:
+            test = getattr(r, "test", None)
+            if test is not None:
+                test()
+
+    @staticmethod
+    def _head_groups(B, nh):
+        """Heads in up to 4 groups: a block is computed group by group with the ring's transfers
+        polled in between; each group keeps B x heads >= the kernel threads (the backward's faster
+        split, csrc/attention.cpp)."""
+        per = max(-(-kernels.get_num_threads() // B), -(-nh // 4), 1)
+        return [(h, min(h + per, nh)) for h in range(0, nh, per)]
+
     def forward(self, qkv):                      # qkv (B, 2c, 3, nh, hs) -> ya (B, 2c, nh*hs), ctx
         B, T, three, nh, hs = qkv.shape
         if three != 3:
@@ -124,6 +141,7 @@ class RingAttentionCore(CausalAttentionCore):
         kv = xp.ascontiguousarray(qkv[:, :, 1:])          # (B, 2c, 2, nh, hs): what travels
         self.peak_bytes = max(self.peak_bytes, 2 * kv.nbytes)
         q = qkv[:, :, 0]
+        groups = self._head_groups(B, nh)
         o = lse = None
         for s in range(self.cp):
             j = (self.rank - s) % self.cp
@@ -132,11 +150,19 @@ class RingAttentionCore(CausalAttentionCore):
                 nxt, reqs = self._exchange(kv, _KV_TAG)
             t0 = time.perf_counter()
             qr, kr, causal = self._block(j, T)
-            ob, lb = kernels.attention_block_forward(q[:, qr], kv[:, kr, 0], kv[:, kr, 1], scale, causal)
-            if o is None:                                  # s == 0: the local block covers every row
-                o, lse = ob, lb
-            else:
-                _merge(o, lse, ob, lb, qr, nh)
+            for h0, h1 in groups:
+                hd = slice(h0, h1)
+                ob, lb = kernels.attention_block_forward(q[:, qr, hd], kv[:, kr, 0, hd], kv[:, kr, 1, hd], scale,
+                                                         causal)
+                if s > 0:
+                    _merge(o, lse, ob, lb, qr, hd, hs)
+                elif len(groups) == 1:                     # the local block covers every row
+                    o, lse = ob, lb
+                else:
+                    if o is None:
+                        o, lse = xp.empty((B, T, nh * hs), ob.dtype), xp.empty((B, nh, T), lb.dtype)
+                    o[:, :, h0 * hs:h1 * hs], lse[:, hd] = ob, lb
+                self._poll(reqs)
             self.busy_s += time.perf_counter() - t0
             if reqs:
                 self._wait(reqs)
@@ -153,7 +179,8 @@ class RingAttentionCore(CausalAttentionCore):
         kv = xp.ascontiguousarray(qkv[:, :, 1:])
         self.peak_bytes = max(self.peak_bytes, 4 * kv.nbytes)   # kv, the next kv, two accumulators
         q = qkv[:, :, 0]
-        dkv_reqs, acc = (), None
+        groups = self._head_groups(B, nh)
+        dkv_reqs, acc = (), xp.zeros_like(kv)              # s = 0: dK, dV of this rank's own block
         for s in range(self.cp):
             j = (self.rank - s) % self.cp
             kv_reqs = ()
@@ -161,18 +188,24 @@ class RingAttentionCore(CausalAttentionCore):
                 nxt, kv_reqs = self._exchange(kv, _KV_TAG)
             t0 = time.perf_counter()
             qr, kr, causal = self._block(j, T)
-            dqb, dkb, dvb = kernels.attention_block_backward(q[:, qr], kv[:, kr, 0], kv[:, kr, 1], o[:, qr],
-                                                             lse[:, :, qr], dya[:, qr], scale, causal)
-            dq[:, qr] += dqb
+            parts = []
+            for h0, h1 in groups:
+                hd, cols = slice(h0, h1), slice(h0 * hs, h1 * hs)
+                dqb, dkb, dvb = kernels.attention_block_backward(q[:, qr, hd], kv[:, kr, 0, hd], kv[:, kr, 1, hd],
+                                                                 o[:, qr, cols], lse[:, hd, qr], dya[:, qr, cols],
+                                                                 scale, causal)
+                dq[:, qr, hd] += dqb
+                parts.append((hd, dkb, dvb))
+                self._poll(kv_reqs + dkv_reqs)
             self.busy_s += time.perf_counter() - t0
-            if s == 0:
-                acc = xp.zeros_like(kv)                    # dK, dV of this rank's own block
-            else:
+            if s > 0:
                 self._wait(dkv_reqs)                       # the accumulator of block j, from the previous rank
                 acc = acc_in
-            acc[:, kr, 0] += dkb
-            acc[:, kr, 1] += dvb
-            acc_in, dkv_reqs = self._exchange(acc, _DKV_TAG)   # on to the next holder (last hop: the owner)
+            for hd, dkb, dvb in parts:
+                acc[:, kr, 0, hd] += dkb
+                acc[:, kr, 1, hd] += dvb
+            if self.cp > 1:                                # on to the next holder (last hop: the owner)
+                acc_in, dkv_reqs = self._exchange(acc, _DKV_TAG)
             if kv_reqs:
                 self._wait(kv_reqs)
                 kv = nxt
@@ -183,17 +216,20 @@ class RingAttentionCore(CausalAttentionCore):
         return dqkv
 
 
-def _merge(o, lse, ob, lb, rows, nh):
-    """Fold block (ob (B, r, nh*hs), lb (B, nh, r)) into (o, lse) on the query rows ``rows``."""
+def _merge(o, lse, ob, lb, rows, heads, hs):
+    """Fold a block's (ob (B, r, h*hs), lb (B, h, r)) of the heads ``heads`` into (o, lse) on the
+    query rows ``rows``: the online softmax's merge by log-sum-exp."""
     xp = xp_of(o)
-    la = lse[:, :, rows]
-    new = xp.logaddexp(la, lb)                             # (B, nh, r)
-    wa = xp.exp(la - new).transpose(0, 2, 1)[..., None]    # (B, r, nh, 1)
+    la = lse[:, heads, rows]
+    new = xp.logaddexp(la, lb)                             # (B, h, r)
+    wa = xp.exp(la - new).transpose(0, 2, 1)[..., None]    # (B, r, h, 1)
     wb = xp.exp(lb - new).transpose(0, 2, 1)[..., None]
     B, r = ob.shape[:2]
-    oa = o[:, rows].reshape(B, r, nh, -1)
-    o[:, rows] = (oa * wa + ob.reshape(B, r, nh, -1) * wb).reshape(B, r, -1)
-    lse[:, :, rows] = new
+    h = wa.shape[2]
+    cols = slice(heads.start * hs, heads.stop * hs)
+    oa = o[:, rows, cols].reshape(B, r, h, hs)
+    o[:, rows, cols] = (oa * wa + ob.reshape(B, r, h, hs) * wb).reshape(B, r, h * hs)
+    lse[:, heads, rows] = new
 
 
 class CPRouting:
