@@ -163,6 +163,7 @@ def test_bad_data_fails_every_rank_naming_the_file(tmp_path, case):
     (["--schedule", "zigzag"], "invalid choice"),
     (["--steps", "0"], "steps=0 must be >= 1"),
     (["--block-size", "100000", "--data", "__SMALL__"], "fewer than block_size+1"),
+    (["--cp", "2", "--block-size", "30"], "cp=2 needs a sequence length divisible by 2*cp = 4"),
 ])
 def test_bad_config_exits_2_on_every_rank(tmp_path, args, needle):
     small = tmp_path / "s.txt"

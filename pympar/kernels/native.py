@@ -110,7 +110,7 @@ def _native_block(*arrays):
 
 
 def attention_block_forward(q, k, v, scale, causal):
-    B, Tq, Tk, H, D = reference.block_dims("attention_block_forward", q, k, v, causal)
+    B, Tq, Tk, H, D = reference._block_dims("attention_block_forward", q, k, v, causal)
     if not _native_block(q, k, v):
         return reference.attention_block_forward(q, k, v, scale, causal)
     if Tk == 0 and Tq > 0:
@@ -122,7 +122,7 @@ def attention_block_forward(q, k, v, scale, causal):
 
 
 def attention_block_backward(q, k, v, o, lse, dout, scale, causal):
-    B, Tq, Tk, H, D = reference.block_dims("attention_block_backward", q, k, v, causal)
+    B, Tq, Tk, H, D = reference._block_dims("attention_block_backward", q, k, v, causal)
     if not _native_block(q, k, v, o, lse, dout):
         return reference.attention_block_backward(q, k, v, o, lse, dout, scale, causal)
     if o.size != B * Tq * H * D or dout.size != o.size or lse.size != B * H * Tq:

@@ -55,7 +55,7 @@ def softmax_causal_backward(y, dy):
 
 
 # --- attention of one block (the memory-efficient kernels' definition) -----------------
-def block_dims(fn, q, k, v, causal):
+def _block_dims(fn, q, k, v, causal):
     """(B, Tq, Tk, H, D) of q (B, Tq, H, D) against k, v (B, Tk, H, D); a ValueError names what is wrong."""
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
         raise ValueError(f"{fn}: q {q.shape}, k {k.shape}, v {v.shape} must be (B, Tq, H, D), (B, Tk, H, D) "
@@ -85,7 +85,7 @@ def attention_block_forward(q, k, v, scale, causal):
 
     causal: query t sees keys <= t (needs Tq == Tk); otherwise every query sees every key. This
     twin materialises (B, H, Tq, Tk); the native kernel computes the same numbers tile by tile."""
-    B, Tq, _, H, D = block_dims("attention_block_forward", q, k, v, causal)
+    B, Tq, _, H, D = _block_dims("attention_block_forward", q, k, v, causal)
     xp = xp_of(q)
     _, _, s = _block_scores(q, k, scale, causal)
     m = s.max(axis=-1, keepdims=True)
@@ -103,7 +103,7 @@ def attention_block_backward(q, k, v, o, lse, dout, scale, causal):
     attention's merged result): P = exp(S - lse), dS = P * (dP - rowsum(dout * o)). With the block's
     own o, lse this is the ordinary attention backward; summed over a partition of the keys, dq
     (and each key block's dk, dv) are the full attention's."""
-    B, Tq, _, H, D = block_dims("attention_block_backward", q, k, v, causal)
+    B, Tq, _, H, D = _block_dims("attention_block_backward", q, k, v, causal)
     xp = xp_of(q)
     qs, kh, s = _block_scores(q, k, scale, causal)
     p = xp.exp(s - _up(lse)[..., None])
