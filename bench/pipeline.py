@@ -1,4 +1,5 @@
-"""Measured pipeline bubble per schedule against the formula (p-1)/(m+p-1), (p-1)/(v*m+p-1).
+"""Measured pipeline bubble per schedule against the formula (p-1)/(m+p-1), (p-1)/(v*m+p-1),
+and for zb-h1 (p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)) with the F, B, W times measured in the run.
 
 Each rank's bubble is 1 - (its time in forward/backward) / (step time up to the loss
 reduction), from pympar.parallel.pp.PipelineExecutor's own counters; the table shows the mean
@@ -38,7 +39,7 @@ def parse(argv=None):
     ap.add_argument("--launch", action="store_true", help="run mpiexec -n p for every --pp and merge")
     ap.add_argument("--pp", default="2,4", help="pipeline sizes for --launch")
     ap.add_argument("--m", default="4,8,16", help="micro-batch counts")
-    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved")
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb-h1")
     ap.add_argument("--v", type=int, default=2, help="chunks per rank for interleaved")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--work", choices=("spin", "sleep", "flops", "model"), default="spin")
@@ -57,7 +58,8 @@ def ints(s):
 
 # --- emulated blocks ------------------------------------------------------------------------
 class SpinBlock:
-    """Forward: busy-wait ``t`` seconds; backward: 2t. Identity on the activations."""
+    """Forward: busy-wait ``t`` seconds; backward: 2t, of which t is the weight-gradient part
+    (deferred to the W pass by the zero-bubble schedules, at once otherwise). Identity."""
 
     def __init__(self, t):
         self.t = t
@@ -73,7 +75,9 @@ class SpinBlock:
         return x, None
 
     def backward(self, dy, ctx, daux=1.0):
-        self._spin(2 * self.t)
+        from pympar.nn.parameter import deferrable
+        self._spin(self.t)                       # the input gradient (B)
+        deferrable(lambda: self._spin(self.t))   # the weight gradients (W)
         return dy
 
     def named_parameters(self, prefix=""):
@@ -110,7 +114,9 @@ class FlopsBlock(SpinBlock):
         return x, None
 
     def backward(self, dy, ctx, daux=1.0):
-        self._work(2 * self.reps)
+        from pympar.nn.parameter import deferrable
+        self._work(self.reps)
+        deferrable(lambda: self._work(self.reps))
         return dy
 
 
@@ -172,19 +178,26 @@ def run_rank(args):
                 world.barrier()
                 st = ex.train_step(mbs)
                 if it >= args.warmup:
-                    per_step.append((st["bubble"], st["recv_wait_s"] / st["step_s"], st["step_s"]))
-            mine = np.median(np.array(per_step), axis=0)           # (bubble, wait fraction, step_s)
+                    per_step.append((st["bubble"], st["recv_wait_s"] / st["step_s"], st["step_s"],
+                                     st["f_s"] / m, st["b_s"] / m, st["w_s"] / m))
+            mine = np.median(np.array(per_step), axis=0)           # (bubble, wait fraction, step_s, F, B, W)
             allr = MPI.COMM_WORLD.gather(mine.tolist(), root=0)
             peaks = MPI.COMM_WORLD.gather(st["peak_in_flight"], root=0)
             if r == 0:
                 a = np.array(allr)
+                fbw = a[:, 3:6].mean(axis=0)                        # per micro-batch and stage, mean rank
+                # zb-h1: the paper's formula with the measured F, B, W; the others' formulas hold
+                # whatever the times (B there is the whole backward)
+                formula = bubble_formula(sched, p, m, v, *fbw) if sched == "zb-h1" else bubble_formula(sched, p, m, v)
                 # the same schedule on the discrete-event model with the nominal block cost and
                 # the measured one-way message latency: what a perfect executor would show here
                 f = args.block_ms / 1e3 * args.layers / p if args.work in ("spin", "sleep") else 0.0
                 sim = simulate([build_schedule(sched, p, m, v, q) for q in range(p)], p, v,
-                               f_cost=f, b_cost=2 * f, comm_cost=lat) if f else None
+                               f_cost=f, b_cost=2 * f, comm_cost=lat, w_cost=f) if f else None
                 rows.append(dict(schedule=sched, p=p, m=m, v=v, work=args.work,
-                                 formula=bubble_formula(sched, p, m, v),
+                                 formula=formula,
+                                 measured_f_ms=float(fbw[0] * 1e3), measured_b_ms=float(fbw[1] * 1e3),
+                                 measured_w_ms=float(fbw[2] * 1e3),
                                  latency_ms=lat * 1e3,
                                  model_with_latency=float(np.mean(sim["bubble"])) if sim else None,
                                  bubble_mean=float(a[:, 0].mean()), bubble_max=float(a[:, 0].max()),
@@ -218,13 +231,20 @@ def neighbour_latency(world, shape, dtype, reps=30):
 # --- driver ----------------------------------------------------------------------------------
 def table(rows):
     head = (f"{'schedule':<12}{'p':>3}{'m':>4}{'v':>3}{'formula':>9}{'bubble':>9}{'worst':>8}{'diff':>8}"
-            f"{'+latency':>9}{'step ms':>9}  peak in flight")
+            f"{'+latency':>9}{'step ms':>9}  {'F/B/W ms per micro-batch':<26}peak in flight")
     lines = [head, "-" * len(head)]
     for x in rows:
+        fbw = f"{x['measured_f_ms']:.2f}/{x['measured_b_ms']:.2f}/{x['measured_w_ms']:.2f}"
         lines.append(f"{x['schedule']:<12}{x['p']:>3}{x['m']:>4}{x['v']:>3}{x['formula']:>9.3f}"
                      f"{x['bubble_mean']:>9.3f}{x['bubble_max']:>8.3f}{x['bubble_mean'] - x['formula']:>+8.3f}"
                      f"{x['model_with_latency'] if x['model_with_latency'] is not None else float('nan'):>9.3f}"
-                     f"{x['step_ms']:>9.1f}  {x['peak_in_flight']}")
+                     f"{x['step_ms']:>9.1f}  {fbw:<26}{x['peak_in_flight']}")
+    by = {(x["schedule"], x["p"], x["m"]): x for x in rows}
+    for p_, m_ in sorted({(x["p"], x["m"]) for x in rows}):
+        one, zb = by.get(("1f1b", p_, m_)), by.get(("zb-h1", p_, m_))
+        if one and zb and one["bubble_mean"] > 0:
+            lines.append(f"p={p_} m={m_}: zb-h1 / 1f1b bubble {zb['bubble_mean'] / one['bubble_mean']:.2f}, "
+                         f"step time {zb['step_ms'] / one['step_ms']:.2f}")
     lat = sorted({round(x['latency_ms'], 3) for x in rows if x['p'] > 1})
     lines.append(f"measured one-way neighbour latency (ms): {lat}; +latency = the discrete-event model "
                  f"of the same schedule with that latency (0 latency = formula)")

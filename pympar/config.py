@@ -140,7 +140,7 @@ _HELP = {
     "max_bad_steps": "stop after this many consecutive steps with non-finite loss/gradients (0 = never)",
 }
 _CHOICES = {
-    "preset": sorted(PRESETS), "schedule": ["gpipe", "1f1b", "interleaved"],
+    "preset": sorted(PRESETS), "schedule": ["gpipe", "1f1b", "interleaved", "zb-h1"],
     "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"],
     "dtype": ["float32", "bfloat16", "float16"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
     "progress": ["auto", "bar", "log"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],

@@ -390,7 +390,7 @@ def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_n
                     nm = per_dp // mbs
                     if nm > max_micro:
                         continue
-                    scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)]
+                    scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
                     if pp > 1 and cfg.n_layer % (pp * 2) == 0:
                         scheds.append(("interleaved", 2))
                     for sched, v in scheds:
@@ -401,6 +401,8 @@ def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_n
                             yield lay0, f"invalid: {e}"
                             continue
                         for zero in ([0, 1, 2, 3] if dp * cp > 1 else [0]):
+                            if sched == "zb-h1" and zero >= 2:     # refused (runner.check_supported)
+                                continue
                             sps = [False, True] if tp > 1 and (cfg.block_size // cp) % tp == 0 else [False]
                             for sp in sps:
                                 for rc in ("none", "selective", "full"):

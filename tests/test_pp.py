@@ -12,6 +12,7 @@ from mpirun import run_pytest_mpi
 from pympar.nn import GPTConfig
 from pympar.parallel.pp import (SCHEDULES, Action, bubble_formula, build_schedule, partition,
                                 peak_in_flight, simulate, validate_pipeline, validate_schedule)
+from pympar.parallel.pp.schedules import SPLIT_BACKWARD
 
 GRID = [(s, p, m, v) for s in SCHEDULES for p in range(1, 5) for m in range(1, 9) for v in (1, 2)]
 
@@ -35,24 +36,65 @@ def test_grid_has_every_schedule():
 @pytest.mark.parametrize("s,p,m,v", VALID)
 def test_schedule_properties(s, p, m, v):
     sch = [build_schedule(s, p, m, v, r) for r in range(p)]
+    kinds = "FBW" if s in SPLIT_BACKWARD else "FB"
     for r, acts in enumerate(sch):
-        # every (micro, chunk) exactly one F and one B, the F first
-        want = {(k, j, c) for k in "FB" for j in range(m) for c in range(v)}
+        # every (micro, chunk) exactly one F and one B (and one W), in that order
+        want = {(k, j, c) for k in kinds for j in range(m) for c in range(v)}
         got = [(a.kind, a.micro, a.chunk) for a in acts]
         assert len(got) == len(want) and set(got) == want, (r, acts)
         for j, c in itertools.product(range(m), range(v)):
             assert got.index(("F", j, c)) < got.index(("B", j, c)), (r, j, c)
+            if "W" in kinds:
+                assert got.index(("B", j, c)) < got.index(("W", j, c)), (r, j, c)
     # dependencies across ranks are satisfiable (simulate raises on a deadlock) and with
-    # backward = 2 x forward the idle time is exactly the textbook bubble
-    res = simulate(sch, p, v, f_cost=1.0, b_cost=2.0)
-    assert max(res["bubble"]) == pytest.approx(bubble_formula(s, p, m, v), abs=1e-12)
+    # backward = 2 x forward (B = W = forward when split) the idle time is the textbook bubble
+    res = simulate(sch, p, v, f_cost=1.0, b_cost=2.0, w_cost=1.0)
+    if s == "zb-h1" and m < p:               # the formula assumes a steady state (m >= p)
+        one = simulate([build_schedule("1f1b", p, m, 1, r) for r in range(p)], p, 1, 1.0, 2.0)
+        assert max(res["bubble"]) <= max(one["bubble"]) + 1e-12
+    else:
+        assert max(res["bubble"]) == pytest.approx(bubble_formula(s, p, m, v), abs=1e-12)
     peaks = [peak_in_flight(a) for a in sch]
-    if s == "gpipe":
+    if s == "zb-h1":                          # 1F1B's bound between F and B; W's deferred at most p-r-1
+        assert peaks == [min(p - r, m) for r in range(p)]
+        for r, acts in enumerate(sch):
+            assert _most_between(acts, "F", "W") <= 2 * p - r - 1
+    elif s == "gpipe":
         assert peaks == [m] * p
     elif v == 1:                             # 1f1b, and interleaved with one chunk is 1f1b
         assert peaks == [min(p - r, m) for r in range(p)] and max(peaks) <= p
     else:                                    # interleaved: Megatron's warm-up depth + 1
         assert peaks == [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) for r in range(p)]
+
+
+def _most_between(acts, first, last):
+    """Most micro-batches whose ``first`` action ran and ``last`` did not, over the list."""
+    n = most = 0
+    for a in acts:
+        n += (a.kind == first) - (a.kind == last)
+        most = max(most, n)
+    return most
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_zb_h1_tables_for_every_depth(p):
+    """ZB-H1 for p = 2..8 and m = 1..16: each table valid (F < B < W per micro-batch, the
+    pipeline dependencies satisfiable), 1F1B's in-flight bound, and its bubble: with F = B = W
+    a third of 1F1B's (the paper's (p-1)(F+B-W) of idle time) once m >= p, and never more than
+    1F1B's; with W a third of B+W the same formula with those times."""
+    for m in range(1, 17):
+        sch = [build_schedule("zb-h1", p, m, 1, r) for r in range(p)]
+        for r, acts in enumerate(sch):
+            assert _most_between(acts, "F", "B") <= min(p - r, m)
+            assert [a.micro for a in acts if a.kind == "W"] == list(range(m))
+        zb = max(simulate(sch, p, 1, 1.0, 2.0, w_cost=1.0)["bubble"])
+        one = max(simulate([build_schedule("1f1b", p, m, 1, r) for r in range(p)], p, 1, 1.0, 2.0)["bubble"])
+        assert zb <= one + 1e-12
+        if m >= p:
+            assert zb == pytest.approx(bubble_formula("zb-h1", p, m), abs=1e-12)
+            assert zb == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+            idle_zb, idle_one = zb * (3 * m + p - 1), one * (3 * m + 3 * (p - 1))   # in units of F
+            assert idle_zb == pytest.approx(idle_one / 3)
 
 
 def test_simulate_detects_deadlock():
@@ -68,6 +110,7 @@ def test_simulate_detects_deadlock():
 
 @pytest.mark.parametrize("args,msg", [
     (("zb", 2, 4, 1), "unknown pipeline schedule"),
+    (("zb-h1", 2, 4, 2), "use schedule 'interleaved'"),
     (("1f1b", 2, 4, 2), "use schedule 'interleaved'"),
     (("interleaved", 4, 6, 2), "n_micro divisible by pp"),
     (("gpipe", 0, 4, 1), "pp=0"),

@@ -13,7 +13,7 @@ from .attention import CausalSelfAttention
 from .config import GPTConfig
 from .layers import MLP, Embedding, LayerNorm
 from .moe import MoE
-from .parameter import Module, NoGather, accumulate, compute_cast, matmul, resolve_precision
+from .parameter import Module, NoGather, compute_cast, matmul, resolve_precision, weight_grad
 
 
 class Block(Module):
@@ -165,7 +165,8 @@ class Head(Module):
         scale = dloss / max(n_valid, 1)
         if logits is not None:
             dlogits = kernels.cross_entropy_backward(logits, lse, t, scale)          # (N, V)
-            accumulate(self._wte, matmul(dlogits.T, h2, self._wte.grad.dtype))   # (V, C)
+            wte = self._wte
+            weight_grad(wte, lambda: matmul(dlogits.T, h2, wte.grad.dtype))     # (V, C): the W pass
             dh = matmul(dlogits, w)                                               # (N, C)
             return self.ln_f.backward(dh.reshape(shape), c_ln)
         N, V = h2.shape[0], w.shape[0]

@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import kernels
 from ..backend import scatter_add, xp_of
-from .parameter import Module, accumulate, compute_cast, make_param, matmul
+from .parameter import Module, accumulate, compute_cast, deferrable, make_param, matmul, weight_grad
 
 _param = make_param
 
@@ -32,10 +32,11 @@ class Linear(Module):
     def backward(self, dy, x):                   # dy (..., out) -> dx (..., in)
         dy2 = dy.reshape(-1, dy.shape[-1])       # (N, out)
         x2 = x.reshape(-1, x.shape[-1])          # (N, in)
-        accumulate(self.weight, matmul(dy2.T, x2, self.weight.grad.dtype))  # (out, in)
-        if self.bias is not None:
-            accumulate(self.bias, dy2.sum(axis=0, dtype=self.bias.grad.dtype))
-        dx = matmul(dy2, compute_cast(self.weight.data, self._cdt))   # (N, in)
+        w, b = self.weight, self.bias            # W pass (deferrable): dW = dy^T x, db = sum dy
+        weight_grad(w, lambda: matmul(dy2.T, x2, w.grad.dtype))            # (out, in)
+        if b is not None:
+            weight_grad(b, lambda: dy2.sum(axis=0, dtype=b.grad.dtype))
+        dx = matmul(dy2, compute_cast(w.data, self._cdt))   # (N, in): the B pass
         return dx.reshape(*dy.shape[:-1], dx.shape[-1])
 
 
@@ -116,8 +117,13 @@ class Embedding(Module):
         B, T = idx.shape
         C = dx.shape[-1]
         dxf = dx.astype(self.wte.grad.dtype, copy=False)
-        scatter_add(self.wte.grad, idx.reshape(-1), dxf.reshape(-1, C))
-        self.wpe.grad[position_rows(self, T)] += dxf.sum(axis=0)   # distinct rows: += is a scatter-add
+        wte, wpe, rows = self.wte, self.wpe, position_rows(self, T)
+
+        def grads():                             # weight gradients only: deferrable as a whole
+            scatter_add(wte.grad, idx.reshape(-1), dxf.reshape(-1, C))
+            wpe.grad[rows] += dxf.sum(axis=0)    # distinct rows: += is a scatter-add
+
+        deferrable(grads)
         return None
 
 

@@ -30,7 +30,7 @@ from .. import kernels
 from ..backend import to_device, xp_of
 from ..kernels.blas import over_chunks
 from .layers import MLP
-from .parameter import Module, accumulate, make_param
+from .parameter import Module, make_param, weight_grad
 
 
 def _stable_argsort(a):
@@ -203,8 +203,8 @@ class MoE(Module):
         dprobs += (daux * self.aux_coef * E / N) * ctx["f"]                # aux loss, via P_i
         dlogits = probs * (dprobs - (dprobs * probs).sum(axis=1, keepdims=True))
         dlogits += (daux * self.z_coef * 2.0 / N) * lse[:, None] * probs  # z-loss
-        wr = self.router.weight
-        accumulate(wr, dlogits.T @ ctx["xf"].astype(acc, copy=False))      # (E, C)
+        wr, xf = self.router.weight, ctx["xf"]
+        weight_grad(wr, lambda: dlogits.T @ xf.astype(acc, copy=False))   # (E, C): the W pass
         dxf += (dlogits @ wr.data.astype(acc, copy=False)).astype(dxf.dtype, copy=False)
         return dxf.reshape(B, T, C)
 

@@ -152,6 +152,19 @@ def make_param(seed: int, name: str, full_shape, dtype=np.float32, std: float = 
 class Module:
     """Base: children and parameters found by attribute order; names are nanoGPT's."""
 
+    def backward_input(self, dy, ctx, *args):
+        """backward split in two (zero-bubble pipelines): the input gradient now, the weight
+        gradients the module can defer kept for ``backward_weight(ctx)`` (the caller keeps ctx
+        until then). Running both gives bitwise the gradients of ``backward(dy, ctx, *args)``."""
+        with WeightGrads() as w:
+            dx = self.backward(dy, ctx, *args)
+        self.__dict__.setdefault("_w_pending", {})[id(ctx)] = w
+        return dx
+
+    def backward_weight(self, ctx):
+        """The weight gradients ``backward_input(dy, ctx)`` deferred, accumulated now."""
+        self.__dict__.get("_w_pending", {}).pop(id(ctx)).run()
+
     def _children(self):
         for key, val in vars(self).items():
             if key.startswith("_"):
@@ -279,3 +292,67 @@ def accumulate(p: Parameter, g):
         p.grad += g
     else:
         p.grad += g.astype(p.grad.dtype)
+
+
+# --- the backward split: input gradients now, weight gradients later (zero-bubble pipelines) ----
+_DEFERRED = []          # a stack of open WeightGrads scopes (innermost last)
+
+
+def deferrable(apply):
+    """Run ``apply()`` (a weight-gradient update, in place) now, or -- inside a ``WeightGrads``
+    scope -- when the scope's ``run()`` is called. The closure holds what the update needs (the
+    layer's input and output gradient), so a deferred update keeps exactly those alive."""
+    if _DEFERRED:
+        _DEFERRED[-1].items.append(apply)
+    else:
+        apply()
+
+
+def weight_grad(p: Parameter, compute):
+    """p.grad += compute(), now or deferred (``deferrable``)."""
+    deferrable(lambda: accumulate(p, compute()))
+
+
+def deferring() -> bool:
+    """True inside a WeightGrads scope (weight gradients wait for its run())."""
+    return bool(_DEFERRED)
+
+
+class WeightGrads:
+    """The weight gradients a backward pass left for later: ``with WeightGrads() as w:`` around
+    a backward collects every ``weight_grad`` inside it; ``w.run()`` computes and accumulates them
+    in the order the backward met them, so the gradients are bitwise those of running them at
+    once (the same products, added to each .grad in the same order)."""
+
+    __slots__ = ("items",)
+
+    def __init__(self):
+        self.items = []
+
+    def __enter__(self):
+        _DEFERRED.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _DEFERRED.remove(self)
+        return False
+
+    def run(self):
+        items, self.items = self.items, []
+        for apply in items:
+            apply()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the deferred updates keep alive (the arrays their closures hold, each once)."""
+        from ..backend import held_bytes
+        return held_bytes([_closed_over(f) for f in self.items])
+
+
+def _closed_over(f, depth=3):
+    """The values a closure holds (and those of the closures it holds, a few levels down)."""
+    out = []
+    for cell in f.__closure__ or ():
+        v = cell.cell_contents
+        out.append(_closed_over(v, depth - 1) if callable(v) and depth and getattr(v, "__closure__", None) else v)
+    return out

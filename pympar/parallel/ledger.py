@@ -243,7 +243,7 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
         sh = -(-n // dp)                                       # this rank's rows (padding aside)
         grads = {0: n, 1: n, 2: sh, 3: sh}[zero]                 # ZeRO-1 reduces into the full gradient
         sched = S.build_schedule(schedule, pp, n_micro, virtual_stages, r) if pp > 1 else None
-        inflight = S.peak_in_flight(sched) if sched is not None else 1
+        inflight = S.peak_held(sched) if sched is not None else 1     # zb-h1: until W
         per_micro = activations_per_micro(cfg, B, T, tp, sp, recompute, blocks, last, first, act_bytes, stat, ep,
                                           tiled=tiled)
         chunks = max(1, len(stages))

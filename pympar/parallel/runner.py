@@ -81,6 +81,9 @@ def check_supported(model_cfg, layout, opts) -> None:
         validate_tp(model_cfg, tp, opts.seq_parallel, seq_len=model_cfg.block_size // cp)
     validate_cp(model_cfg, cp, tp, opts.seq_parallel)
     v = getattr(opts, "virtual_stages", 1)
+    if getattr(opts, "schedule", "1f1b") == "zb-h1" and pp > 1 and opts.zero >= 2:
+        raise NotSupportedError(f"--schedule zb-h1 defers weight gradients past the backward that ZeRO-{opts.zero} "
+                                f"reduces and releases them after: use --zero 0 or 1 with zb-h1, or 1f1b with ZeRO-{opts.zero}")
     if pp > 1:
         from .pp import validate_pipeline
         validate_pipeline(model_cfg, pp, opts.n_micro, opts.schedule, v)

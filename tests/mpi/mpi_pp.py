@@ -57,9 +57,9 @@ def compare(world, model, ref, what):
             assert e <= TOL, f"rank {world.rank}: {kind} of {n} differs from single process, rel {e:.2e}"
 
 
-CASES = [("gpipe", 1, 3), ("1f1b", 1, 5), ("interleaved", 2, None)]
+CASES = [("gpipe", 1, 3), ("1f1b", 1, 5), ("interleaved", 2, None), ("zb-h1", 1, 5)]
 if FULL:
-    CASES = [(s, v, m) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+    CASES = [(s, v, m) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
              for m in (1, 2, 3, 4, 5, 8)]
 
 
@@ -88,9 +88,28 @@ def test_pipeline_matches_single_process(mpi_world, schedule, v, m):
     # the in-flight bound of each schedule (per chunk of this rank)
     if schedule == "gpipe":
         assert st["peak_in_flight"] == m
-    elif schedule == "1f1b":
+    elif schedule in ("1f1b", "zb-h1"):
         assert st["peak_in_flight"] == min(p - mpi_world.rank, m) <= p
     assert 0.0 <= st["bubble"] < 1.0 and st["step_s"] > 0
+
+
+def test_zb_h1_gradients_are_1f1bs_bitwise(mpi_world):
+    """zb-h1 runs each micro-batch's weight gradients later (W), in the order 1F1B runs its
+    backwards: every parameter's gradient sums the micro-batches in the same order, so the
+    gradients are bitwise 1F1B's (dense and MoE blocks)."""
+    p = mpi_world.size
+    cfg = config(p, moe=True, capacity=1.0, n_layer=2 * p)
+    grads = {}
+    for schedule in ("1f1b", "zb-h1"):
+        model = PipelineGPT(cfg, seed=4, pp=p, rank=mpi_world.rank, dtype=np.float32)
+        ex = PipelineExecutor(model, pp_comm(mpi_world), schedule)
+        model.zero_grad()
+        st = ex.train_step(micro_batches(2 * p + 1, seed=21))
+        grads[schedule] = (st["loss"], {n: q.grad.copy() for n, q in model.named_parameters()})
+    (l1, g1), (l2, g2) = grads["1f1b"], grads["zb-h1"]
+    assert l1 == l2 and g1.keys() == g2.keys()
+    for n in g1:
+        assert np.array_equal(g1[n], g2[n]), n
 
 
 def test_tied_weight_gradient_summed(mpi_world):

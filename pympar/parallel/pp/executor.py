@@ -6,6 +6,9 @@ Per step (m micro-batches, loss = mean over micro-batches, as single-process acc
     requests are only completed at the end of the step;
   * the last stage computes each micro-batch's loss and starts backward with grad_scale
     = loss_scale / m; MoE blocks add their aux/z-loss gradient with the same scale;
+  * zero-bubble schedules (zb-h1): a B action is ``StageChunk.backward_input`` (the input
+    gradient, sent on at once) and keeps the deferred weight gradients (``WeightGrads``) until
+    its W action runs them; the chunk's parameters are reported final (grad_ready) after W;
   * after the last action the tied wte/lm_head gradient is summed between the first and last
     rank (pp > 1), and the per-micro-batch losses are summed over the pipeline group, so every
     rank returns the same mean loss;
@@ -32,7 +35,7 @@ import numpy as np
 
 from ...backend import held_bytes, xp_of
 from . import channels
-from .schedules import Action, build_schedule, validate_schedule
+from .schedules import SPLIT_BACKWARD, Action, build_schedule, validate_schedule
 
 TIED_TAG = 32767                     # the MPI standard's smallest guaranteed tag upper bound
 
@@ -92,7 +95,7 @@ class _RawReq:
 
 
 class PipelineExecutor:
-    """Runs ``schedule`` ("gpipe", "1f1b", "interleaved") for a PipelineGPT over the pipeline
+    """Runs ``schedule`` ("gpipe", "1f1b", "interleaved", "zb-h1") for a PipelineGPT over the pipeline
     communicator ``comm`` (rank i = pipeline stage i; a pympar Communicator or mpi4py comm).
 
     ``recv_window``: how many upcoming receives are kept posted ahead of the action that needs
@@ -125,6 +128,8 @@ class PipelineExecutor:
 
     def _needs_recv(self, a: Action):
         s = a.chunk * self.model.pp + self.model.rank
+        if a.kind == "W":
+            return False, None
         if a.kind == "F":
             return s > 0, s - 1
         return s < self.model.part.n_stage - 1, s + 1
@@ -136,7 +141,8 @@ class PipelineExecutor:
         Every rank gets the same list (the first stage reads idx, the last targets). Gradients of
         loss_scale * mean loss accumulate into .grad (call zero_grad before). Returns a dict:
         loss (mean over micro-batches, same on every rank), losses (per micro-batch), bubble,
-        recv_wait_s, compute_s, step_s, peak_in_flight, activation_peak_bytes (the most the ctxs in
+        recv_wait_s, compute_s (f_s + b_s + w_s: seconds in F, B and W actions; w_s is 0 unless the
+        schedule splits the backward), step_s, peak_in_flight, activation_peak_bytes (the most the ctxs in
         flight held at once), recv_buffer_bytes (receive buffers posted at once, at most)."""
         model, p, v = self.model, self.model.pp, self.model.v
         xp = model.xp                                     # where activations live (after model.to)
@@ -157,6 +163,7 @@ class PipelineExecutor:
             self.partial_sync.begin()
         t0 = time.perf_counter()
         recv_wait = compute = 0.0
+        by_kind = {"F": 0.0, "B": 0.0, "W": 0.0}         # seconds per kind of action
         pending = {}                 # (kind, micro, chunk) -> (request, buffer)
         sends = []
         to_post = [a for a in actions if self._needs_recv(a)[0]]
@@ -172,8 +179,10 @@ class PipelineExecutor:
                 posted += 1
 
         post_upto(self.recv_window)
-        last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}   # chunk -> its last B
-        ctxs, kept = {}, {}
+        split = self.schedule in SPLIT_BACKWARD          # B is the input gradient, W the weights'
+        grads_kind = "W" if split else "B"
+        last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == grads_kind}   # chunk -> its last B (W)
+        ctxs, kept, wgrads = {}, {}, {}
         local_terms = np.zeros(m, dtype=np.float64)  # host: per-micro-batch loss terms (floats)
         live = peak = 0
         live_bytes = peak_bytes = 0                  # what the ctxs in flight hold (each buffer once)
@@ -206,17 +215,35 @@ class PipelineExecutor:
                 live += 1
                 peak = max(peak, live)
                 out, dest_stage = y, s + 1
+            elif a.kind == "W":                               # the weight gradients B deferred
+                if last_b[a.chunk] == i_act:
+                    self._final_backward([p_ for _, p_ in chunk.named_parameters()])
+                w, nb = wgrads.pop((a.micro, a.chunk))
+                w.run()
+                live_bytes -= nb
+                model._grad_ready_chunk(chunk)
+                out = None
             else:
                 if last_b[a.chunk] == i_act:
                     self._final_backward([p_ for _, p_ in chunk.named_parameters()])
                 ctx = ctxs.pop((a.micro, a.chunk))
                 live_bytes -= kept.pop((a.micro, a.chunk))
-                out = chunk.backward(inp, ctx, grad_scale,
-                                     ready=model._grad_ready_module if model.grad_ready_hooks else None)
-                model._grad_ready_chunk(chunk)
+                if split:                                     # what W needs stays alive until W
+                    out, w = chunk.backward_input(inp, ctx, grad_scale)
+                    del ctx
+                    nb = w.nbytes
+                    wgrads[(a.micro, a.chunk)] = (w, nb)
+                    live_bytes += nb
+                    peak_bytes = max(peak_bytes, live_bytes)
+                else:
+                    out = chunk.backward(inp, ctx, grad_scale,
+                                         ready=model._grad_ready_module if model.grad_ready_hooks else None)
+                    model._grad_ready_chunk(chunk)
                 live -= 1
                 dest_stage = s - 1
-            compute += time.perf_counter() - tc
+            dt = time.perf_counter() - tc
+            compute += dt
+            by_kind[a.kind] += dt
             if out is not None:
                 if out.shape != shape or not np.can_cast(out.dtype, act_dtype, "same_kind") or \
                         out.dtype.itemsize > act_dtype.itemsize:
@@ -240,6 +267,7 @@ class PipelineExecutor:
         self.stats = dict(loss=float(np.mean(losses)), losses=[float(x) for x in losses],  # host
                           bubble=1.0 - compute / step if step > 0 else 0.0,
                           recv_wait_s=recv_wait, compute_s=compute, pipeline_s=t_pipe, step_s=step,
+                          f_s=by_kind["F"], b_s=by_kind["B"], w_s=by_kind["W"],
                           peak_in_flight=peak, activation_peak_bytes=int(peak_bytes),
                           recv_buffer_bytes=int(peak_posted * int(np.prod(shape)) * act_dtype.itemsize))
         return self.stats

@@ -1,14 +1,15 @@
 """Pipeline schedules as explicit per-rank action lists, plus a simulator that checks them.
 
 A schedule is, for each pipeline rank, an ordered list of ``Action(kind, micro, chunk)``:
-``kind`` is "F" (forward) or "B" (backward), ``micro`` the micro-batch (0..m-1) and ``chunk``
+``kind`` is "F" (forward), "B" (backward; in the zero-bubble schedules only its input gradient)
+or "W" (the weight gradients a "B" deferred), ``micro`` the micro-batch (0..m-1) and ``chunk``
 the rank's local model chunk (0..v-1). With v chunks per rank the model has S = p*v stages and
 rank r holds the global stages r, r+p, r+2p, ... (Megatron's interleaved assignment), so
 local chunk c of rank r is global stage ``c*p + r``.
 
 Dependencies (what the executor waits for): F(j, s) needs F(j, s-1)'s activation; B(j, s)
 needs F(j, s) on the same rank and B(j, s+1)'s gradient (the last stage starts backward from
-its own loss). The executor posts receives early and sends without blocking, so a schedule
+its own loss); W(j, s) needs B(j, s) on the same rank and nothing from the others. The executor posts receives early and sends without blocking, so a schedule
 runs without deadlock exactly when ``simulate`` finishes it.
 
   gpipe        all m forwards, then all m backwards          peak in flight m
@@ -16,17 +17,27 @@ runs without deadlock exactly when ``simulate`` finishes it.
                and drain                                      peak in flight min(p-r, m) <= p
   interleaved  1F1B over m*v virtual micro-batches, v chunks per rank (needs m % p == 0);
                bubble (p-1)/(v*m+p-1) instead of (p-1)/(m+p-1)
+  zb-h1        zero bubble, 1F1B's activation memory (Qi et al., ICLR 2024): backward split into
+               B and W; at most p-r micro-batches between F and B on rank r, as 1F1B; the W
+               passes fill the slots where 1F1B waits (above all the drain, where B's now travel
+               up the pipeline at the B pass's pace), at most p-r-1 of them deferred. The table is the list schedule of unit-time
+               F, B, W (``list_schedule``: at each moment the earliest action, B before F before
+               W on ties): bubble (p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)), a third of 1F1B's when
+               F = B = W
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+import functools
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SPLIT_BACKWARD = ("zb-h1",)          # schedules whose B is the input gradient only, W the rest
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str        # "F" or "B"
+    kind: str        # "F", "B" or "W"
     micro: int       # micro-batch index, 0..m-1
     chunk: int = 0   # local model chunk, 0..v-1 (global stage = chunk * p + rank)
 
@@ -41,6 +52,8 @@ def validate_schedule(name: str, p: int, m: int, v: int = 1) -> None:
     for key, val in (("pp", p), ("n_micro", m), ("virtual chunks v", v)):
         if int(val) != val or val < 1:
             raise ValueError(f"{key}={val} must be an integer >= 1")
+    if name == "zb-h1" and m < 1:
+        raise ValueError(f"zb-h1 needs n_micro >= 1, got {m}")
     if name != "interleaved" and v != 1:
         raise ValueError(f"schedule {name!r} runs one model chunk per rank but v={v}: "
                          f"use schedule 'interleaved' for v > 1, or v=1")
@@ -90,6 +103,55 @@ def interleaved_1f1b(p: int, m: int, v: int, rank: int) -> list:
     return acts
 
 
+@functools.lru_cache(maxsize=64)
+def list_schedule(p: int, m: int) -> tuple:
+    """ZB-H1's tables for every rank: the list schedule of unit-time F, B, W actions.
+
+    Each rank runs its F's, B's and W's each in micro-batch order; at every moment the rank
+    free earliest starts the action that can start earliest (ties: B, then F, then W), an F
+    only while fewer than p-r micro-batches are between their F and their B (1F1B's bound) and
+    fewer than 2p-r-1 between their F and their W (at most p-r-1 W passes deferred, as the paper's
+    ZB-H1: without that bound the W's of every micro-batch would wait for the drain, and their
+    inputs with them). The order is the table the executor runs; the times are only how it was
+    found."""
+    nxt = {k: [0] * p for k in "FBW"}
+    clock = [0.0] * p
+    done = {}                                    # (kind, micro, stage) -> end time
+    between = [0] * p                            # F done, B not yet
+    unweighted = [0] * p                         # F done, W not yet
+    out = [[] for _ in range(p)]
+    for _ in range(3 * m * p):
+        best = None
+        for r in range(p):
+            opts = []
+            j = nxt["B"][r]
+            if j < m and ("F", j, r) in done and (r == p - 1 or ("B", j, r + 1) in done):
+                opts.append((max(clock[r], done[("F", j, r)], done.get(("B", j, r + 1), 0.0)), 0, "B", j))
+            j = nxt["F"][r]
+            if j < m and between[r] < p - r and unweighted[r] < 2 * p - r - 1 and (r == 0 or ("F", j, r - 1) in done):
+                opts.append((max(clock[r], done.get(("F", j, r - 1), 0.0)), 1, "F", j))
+            j = nxt["W"][r]
+            if j < nxt["B"][r]:
+                opts.append((clock[r], 2, "W", j))
+            if opts:
+                o = min(opts)
+                if best is None or (o[0], o[1], r) < (best[0][0], best[0][1], best[1]):
+                    best = (o, r)
+        (t, _, kind, j), r = best
+        clock[r] = t + 1.0
+        done[(kind, j, r)] = clock[r]
+        nxt[kind][r] += 1
+        between[r] += {"F": 1, "B": -1, "W": 0}[kind]
+        unweighted[r] += {"F": 1, "B": 0, "W": -1}[kind]
+        out[r].append(Action(kind, j))
+    return tuple(tuple(a) for a in out)
+
+
+def zb_h1(p: int, m: int, rank: int) -> list:
+    """ZB-H1 (see the module docstring and list_schedule)."""
+    return list(list_schedule(p, m)[rank])
+
+
 def build_schedule(name: str, p: int, m: int, v: int = 1, rank: int = 0) -> list:
     """The action list of ``rank`` for schedule ``name`` (validated first)."""
     validate_schedule(name, p, m, v)
@@ -99,6 +161,8 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, rank: int = 0) -> list
         return gpipe(p, m, rank)
     if name == "1f1b":
         return one_f_one_b(p, m, rank)
+    if name == "zb-h1":
+        return zb_h1(p, m, rank)
     return interleaved_1f1b(p, m, v, rank)
 
 
@@ -110,13 +174,33 @@ def peak_in_flight(actions) -> int:
         if a.kind == "F":
             live.add(key)
             peak = max(peak, len(live))
-        else:
+        elif a.kind == "B":
             live.discard(key)
     return peak
 
 
-def simulate(schedules, p: int, v: int = 1, f_cost: float = 1.0, b_cost: float = 2.0, comm_cost: float = 0.0):
+def peak_held(actions) -> int:
+    """Most micro-batches (per chunk) whose activations a rank holds at once: from F to B, and in
+    the split schedules on to W (the deferred weight gradients keep the layers' inputs and output
+    gradients; counted here as a whole micro-batch, an upper bound)."""
+    last = "W" if any(a.kind == "W" for a in actions) else "B"
+    live, peak = set(), 0
+    for a in actions:
+        key = (a.micro, a.chunk)
+        if a.kind == "F":
+            live.add(key)
+            peak = max(peak, len(live))
+        elif a.kind == last:
+            live.discard(key)
+    return peak
+
+
+def simulate(schedules, p: int, v: int = 1, f_cost: float = 1.0, b_cost: float = 2.0, comm_cost: float = 0.0,
+             w_cost: float | None = None):
     """Run the per-rank action lists as a discrete-event model (F costs f_cost/v, B b_cost/v).
+
+    b_cost is the whole backward; in lists with W actions B costs (b_cost - w_cost)/v and W
+    w_cost/v (w_cost None: half of b_cost, the weight gradients' share of the backward GEMMs).
 
     ``schedules[r]`` is rank r's list. Returns {"makespan", "busy" (per rank), "bubble" (per rank:
     idle fraction of the makespan), "start"/"end" (dict action -> time per rank)}.
@@ -128,7 +212,9 @@ def simulate(schedules, p: int, v: int = 1, f_cost: float = 1.0, b_cost: float =
     clock = [0.0] * p
     start = [dict() for _ in range(p)]
     end = [dict() for _ in range(p)]
-    cost = {"F": f_cost / v, "B": b_cost / v}
+    split = any(a.kind == "W" for s in schedules for a in s)
+    w = b_cost / 2 if w_cost is None else w_cost
+    cost = {"F": f_cost / v, "B": (b_cost - w if split else b_cost) / v, "W": w / v}
     total = sum(len(s) for s in schedules)
     finished = 0
     while finished < total:
@@ -139,6 +225,8 @@ def simulate(schedules, p: int, v: int = 1, f_cost: float = 1.0, b_cost: float =
                 s = a.chunk * p + r
                 if a.kind == "F":
                     need = [("F", a.micro, s - 1)] if s > 0 else []
+                elif a.kind == "W":
+                    need = [("B", a.micro, s)]
                 else:
                     need = [("F", a.micro, s)] + ([("B", a.micro, s + 1)] if s < n_stage - 1 else [])
                 if any(k not in done for k in need):
@@ -164,7 +252,11 @@ def simulate(schedules, p: int, v: int = 1, f_cost: float = 1.0, b_cost: float =
             "start": start, "end": end}
 
 
-def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
-    """The textbook bubble fraction: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1)."""
+def bubble_formula(name: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
+    """The textbook bubble fraction: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1); zb-h1 (Qi et al.,
+    with the F, B (input gradient) and W times f, b, w) (p-1)(f+b-w) / (m(f+b+w) + (p-1)(f+b-w))."""
+    if name == "zb-h1":
+        idle = (p - 1) * max(f + b - w, 0.0)
+        return idle / (m * (f + b + w) + idle)
     vv = v if name == "interleaved" else 1
     return (p - 1) / (vv * m + p - 1)

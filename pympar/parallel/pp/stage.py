@@ -21,7 +21,7 @@ import numpy as np
 from ...backend import to_device, to_numpy, xp_of
 from ...nn.gpt import Block, Head
 from ...nn.layers import Embedding
-from ...nn.parameter import NoGather
+from ...nn.parameter import NoGather, WeightGrads
 from .partition import Partition, partition as make_partition
 
 TIED_NAME = "transformer.wte.weight"
@@ -168,6 +168,15 @@ class StageChunk:
             return None
         g.settle()
         return dy
+
+    def backward_input(self, dy, ctx, grad_scale):
+        """The B pass of a zero-bubble schedule: ``backward`` with every weight gradient that can
+        wait deferred; returns (dx, WeightGrads). ``WeightGrads.run()`` is the W pass: the same
+        gradients, bitwise, as ``backward`` would have added (LayerNorm's, computed by the kernel
+        that computes its dx, are added in B)."""
+        with WeightGrads() as w:
+            dx = self.backward(dy, ctx, grad_scale)
+        return dx, w
 
     def named_parameters(self):
         if self.embedding is not None:

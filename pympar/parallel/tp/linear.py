@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...nn.parameter import Module, accumulate, compute_cast, matmul
+from ...nn.parameter import Module, compute_cast, matmul, weight_grad
 from ..shard import even_slice, make_replicated, make_sharded
 from .collectives import as_collectives
 
@@ -76,11 +76,12 @@ class ColumnParallelLinear(Module):
         dx = _gemm(dy, compute_cast(self.weight.data, self._cdt).T, self._pdt)
         # "copy": the allreduce of dx runs while the weight gradient is computed (overlap)
         pending = self._tp.allreduce_start(dx) if self._mode == "copy" else None
-        xf = self._tp.allgather_seq(x) if self._mode == "gather_seq" else x
+        xf = self._tp.allgather_seq(x) if self._mode == "gather_seq" else x   # the collective stays in B
         dy2 = dy.reshape(-1, dy.shape[-1])
-        accumulate(self.weight, matmul(dy2.T, xf.reshape(-1, xf.shape[-1]), self.weight.grad.dtype))
-        if self.bias is not None:
-            accumulate(self.bias, dy2.sum(axis=0, dtype=self.bias.grad.dtype))
+        w, b = self.weight, self.bias            # the W pass (deferrable)
+        weight_grad(w, lambda: matmul(dy2.T, xf.reshape(-1, xf.shape[-1]), w.grad.dtype))
+        if b is not None:
+            weight_grad(b, lambda: dy2.sum(axis=0, dtype=b.grad.dtype))
         if pending is not None:
             dx = pending.wait()
         elif self._mode == "gather_seq":
@@ -120,9 +121,10 @@ class RowParallelLinear(Module):
         return y, x
 
     def backward(self, dy, x):                   # dy like y -> dx (..., in/tp)
-        if self.bias is not None and self._mode != "none":
-            accumulate(self.bias, dy.reshape(-1, dy.shape[-1]).sum(axis=0, dtype=self.bias.grad.dtype))
+        w, b = self.weight, self.bias            # the W pass (deferrable): db, dW
+        if b is not None and self._mode != "none":
+            weight_grad(b, lambda: dy.reshape(-1, dy.shape[-1]).sum(axis=0, dtype=b.grad.dtype))
         dyf = self._tp.allgather_seq(dy) if self._mode == "reduce_scatter_seq" else dy
         dy2 = dyf.reshape(-1, dyf.shape[-1])
-        accumulate(self.weight, matmul(dy2.T, x.reshape(-1, x.shape[-1]), self.weight.grad.dtype))
-        return _gemm(dyf, compute_cast(self.weight.data, self._cdt).T)
+        weight_grad(w, lambda: matmul(dy2.T, x.reshape(-1, x.shape[-1]), w.grad.dtype))
+        return _gemm(dyf, compute_cast(w.data, self._cdt).T)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ...backend import xp_of
 from ...nn.moe import MoE
-from ...nn.parameter import accumulate, compute_cast
+from ...nn.parameter import compute_cast, weight_grad
 from .linear import partial_dtype
 from .collectives import as_collectives
 from .mlp import TPMLP
@@ -63,7 +63,8 @@ class TPMoE(MoE):
         for e, lo, n, c in ctxs:
             ex = self.experts[e]
             if ex.c_proj.bias is not None:
-                accumulate(ex.c_proj.bias, dys[lo:lo + n].sum(axis=0, dtype=ex.c_proj.bias.grad.dtype))
+                bias, rows = ex.c_proj.bias, dys[lo:lo + n]
+                weight_grad(bias, lambda bias=bias, rows=rows: rows.sum(axis=0, dtype=bias.grad.dtype))
             dxs[lo:lo + n] = ex.backward(dys[lo:lo + n], c)               # partial over tp
         return self._tp.allreduce(dxs).astype(dys.dtype, copy=False)
 

@@ -1,0 +1,115 @@
+"""The backward split of zero-bubble pipelines: ``backward_input`` (the input gradient) then
+``backward_weight`` (the weight gradients it deferred) gives bitwise the gradients of
+``backward``, for every module kind, dense and MoE, in float32 and float64, under tensor
+parallelism on a size-1 group too; the deferred part is really deferred (no weight gradient
+moves before ``backward_weight``) and what it keeps is freed by it. ``backward`` itself is
+checked against finite differences in tests/test_nn_layers.py and test_nn_gpt.py, so bitwise
+equality carries that check over."""
+import numpy as np
+import pytest
+
+from pympar.comm import SelfComm
+from pympar.nn import MLP, CausalSelfAttention, GPTConfig, LayerNorm, Linear
+from pympar.nn.gpt import Block, Head
+from pympar.nn.layers import Embedding
+from pympar.nn.moe import MoE
+from pympar.nn.parameter import WeightGrads
+from pympar.parallel.pp.stage import GPTPartsFactory, StageChunk
+from pympar.parallel.tp.block import TPBlock
+
+C, T, B = 16, 7, 3
+MOE = dict(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=C, n_expert=4, top_k=2, moe_every=1)
+
+
+def _modules(dt):
+    cfg = GPTConfig(**MOE)
+    dense = GPTConfig(**{**MOE, "n_expert": 0})
+    emb = Embedding(29, 8, C, dtype=dt)
+    yield "linear", Linear(C, 2 * C, name="l", dtype=dt), "x"
+    yield "linear-nobias", Linear(C, C, name="l", dtype=dt, bias=False), "x"
+    yield "layernorm", LayerNorm(C, name="ln", dtype=dt), "x"
+    yield "mlp", MLP(C, name="m", dtype=dt), "x"
+    yield "attention", CausalSelfAttention(C, 2, name="a", dtype=dt), "x"
+    yield "moe", MoE(C, 4, name="e", top_k=2, capacity_factor=1.0, dtype=dt), "x"
+    yield "block-dense", Block(dense, 0, dtype=dt), "x"
+    yield "block-moe", Block(cfg, 0, dtype=dt), "x"
+    yield "tp-block-moe", TPBlock(cfg, 1, SelfComm(), dtype=dt), "x"
+    yield "embedding", emb, "idx"
+    yield "head", Head(dense, emb.wte, dtype=dt), "head"
+
+
+def _inputs(kind, dt, rng):
+    if kind == "idx":
+        return rng.integers(0, 29, size=(B, T))
+    x = rng.standard_normal((B, T, C)).astype(dt)
+    if kind == "head":
+        return (x, rng.integers(0, 29, size=(B, T)))
+    return x
+
+
+def _grads(m):
+    return {n: p.grad.copy() for n, p in m.named_parameters()}
+
+
+def _backward(m, dy, ctx, split):
+    if isinstance(m, Head):
+        dy = 0.7                                   # d(total)/d(mean CE)
+    args = (0.3,) if isinstance(m, (MoE, Block)) else ()
+    if not split:
+        return m.backward(dy, ctx, *args)
+    before = _grads(m)
+    dx = m.backward_input(dy, ctx, *args)
+    ln = {id(p) for mod in m.modules() if isinstance(mod, LayerNorm) for p in mod.parameters()}   # added in B
+    moved = [n for n, p in m.named_parameters() if id(p) not in ln and not np.array_equal(p.grad, before[n])]
+    assert not moved, f"weight gradients changed before backward_weight: {moved}"
+    m.backward_weight(ctx)
+    return dx
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+def test_backward_input_then_weight_is_backward_bitwise(dt):
+    for name, m, kind in _modules(dt):
+        outs = []
+        for split in (False, True):
+            rng = np.random.default_rng(5)
+            x = _inputs(kind, dt, rng)
+            m.zero_grad()
+            y, ctx = m.forward(x)
+            dy = rng.standard_normal(np.shape(y)).astype(dt) if not np.isscalar(y) else None
+            dx = _backward(m, dy, ctx, split)
+            outs.append((dx, _grads(m)))
+        (dx0, g0), (dx1, g1) = outs
+        assert (dx0 is None and dx1 is None) or np.array_equal(dx0, dx1), name
+        assert g0.keys() == g1.keys()
+        for n in g0:
+            assert np.array_equal(g0[n], g1[n]), (name, n)
+        assert any(np.any(g) for g in g1.values()), name      # the comparison saw real gradients
+
+
+def test_stage_chunk_split_keeps_what_w_needs_and_frees_it():
+    """A pipeline chunk's B pass returns the deferred W (its bytes counted), the W pass adds the
+    same gradients as the unsplit backward, and running it empties it."""
+    cfg = GPTConfig(**MOE)
+    fac = GPTPartsFactory(np.float64)
+    emb = fac.embedding(cfg, 0)
+    blocks = [fac.block(cfg, i, 0) for i in range(2)]
+    chunk = StageChunk(0, [0, 1], blocks, emb, fac.head(cfg, emb.wte, 0))
+    rng = np.random.default_rng(1)
+    idx, tgt = rng.integers(0, 29, size=(2, 8)), rng.integers(0, 29, size=(2, 8))
+    params = [p for _, p in chunk.named_parameters()]
+    got = []
+    for split in (False, True):
+        for p in params:
+            p.zero_grad()
+        _, ctx, _ = chunk.forward(idx, tgt)
+        if split:
+            dx, w = chunk.backward_input(None, ctx, 0.5)
+            assert isinstance(w, WeightGrads) and w.items and w.nbytes > 0
+            w.run()
+            assert not w.items
+        else:
+            dx = chunk.backward(None, ctx, 0.5)
+        assert dx is None
+        got.append([p.grad.copy() for p in params])
+    for a, b in zip(*got):
+        assert np.array_equal(a, b)
