@@ -65,7 +65,8 @@ def test_ci_slice_covers_every_pair_of_dimension_values():
         want = set().union(*(_pairs(x) for x in full(n, dtypes=("float64", "float32"))))
         got = set().union(*(_pairs(x) for x in ci_layouts(n)))
         assert want == got, (n, sorted(want - got)[:5])
-    assert len(all_layouts(8)) > 100 and {x.schedule for x in all_layouts(8)} == {"-", "gpipe", "1f1b", "interleaved"}
+    assert len(all_layouts(8)) > 100 and {x.schedule for x in all_layouts(8)} == {"-", "gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert {x.cp for x in all_layouts(8)} == {1, 2, 4}
 
 
 # ----------------------------------------------------------------------------- the trainer's CLI
