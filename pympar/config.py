@@ -11,9 +11,11 @@ every rank reaches the same verdict on its own before the first collective.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tomllib
 from dataclasses import replace, asdict, dataclass, field, fields
+from pathlib import Path
 
 from .nn.config import PRESETS, GPTConfig
 
@@ -285,6 +287,14 @@ def _apply_planner(world: int, model: GPTConfig, run: RunConfig) -> None:
 
 
 def _check_run(run: RunConfig) -> None:
+    for k in ("lr", "min_lr", "weight_decay", "grad_clip", "topk_ratio", "bucket_mb"):
+        v = getattr(run, k)
+        if not math.isfinite(v):
+            raise ConfigError(f"{k}={v} must be a finite number")
+    if math.isnan(run.comm_timeout):
+        raise ConfigError(f"comm_timeout={run.comm_timeout} must be a number of seconds (inf: never time out)")
+    if run.out:
+        _check_out(run.out)
     positive = ("micro_batch_size", "n_micro", "steps", "virtual_stages", "eval_iters", "log_every")
     for k in positive:
         if getattr(run, k) < 1:
@@ -310,6 +320,19 @@ def _check_run(run: RunConfig) -> None:
         raise ConfigError(f"--save-every {run.save_every} needs --out DIR (checkpoints go to DIR/checkpoints)")
     if run.resume == "auto" and not run.out:
         raise ConfigError("--resume auto needs --out DIR (it resumes from the latest checkpoint in DIR/checkpoints)")
+
+
+def _check_out(out: str) -> None:
+    """--out must be a directory this process can create or write (checked, not created)."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory; give a directory (it is made when missing)")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        what = "is not writable" if probe == p else f"cannot be made: {probe} is not a writable directory"
+        raise ConfigError(f"--out {out}: {what}")
 
 
 def choose_layout(world: int, model: GPTConfig, run: RunConfig) -> Layout:

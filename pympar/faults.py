@@ -14,6 +14,12 @@ function of (seed, step), so this is the data position), the loss scaler's state
 bad-step count. The training loop itself draws no random numbers (the sampler at the end
 seeds its own generator from --seed), so there is no other RNG state to carry.
 
+Stop on request. SIGTERM, SIGINT and SIGUSR1 -- to every rank (srun, a launcher forwarding
+them) or to one -- stop the run at the end of the step during which some rank got one
+(``StopRequest``; the flag rides on the step's world allreduce, no collective of its own): with
+--out the ranks write a checkpoint, rank 0 says where and how to resume, and every rank exits with
+status 75 (``RESUMABLE_STATUS``); without --out they say nothing could be saved and exit 75 too.
+
 Injected faults (read from the environment by the trainer only; for tests):
     PYMPAR_INJECT_NAN_STEP=3[,4,...]   steps whose gradient gets a NaN
     PYMPAR_INJECT_NAN_RANK=0           on this rank (default 0; -1 = every rank)
@@ -33,6 +39,44 @@ import numpy as np
 from .backend import xp_of
 
 STOP_STATUS = 4            # exit status when the run stops on non-finite steps
+RESUMABLE_STATUS = 75      # stopped on request (SIGTERM/SIGINT/SIGUSR1): resume it (sysexits' EX_TEMPFAIL)
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+
+
+class StopRequest:
+    """SIGTERM, SIGINT and SIGUSR1 (Slurm's ``--signal=USR1@120``) ask the run to stop at the end
+    of the current step: the handler only records the first signal (a second one -- during the
+    save, say -- changes nothing). The trainer passes ``pending`` into the step, whose one world
+    allreduce carries it, so every rank learns that some rank was asked, at the same step, and
+    they save and stop together. ``install()`` replaces the handlers; ``restore()`` puts back the
+    previous ones."""
+
+    def __init__(self):
+        self.signum, self._old = 0, {}
+
+    @property
+    def pending(self) -> bool:
+        return self.signum != 0
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+    def _handle(self, signum, frame):
+        if not self.signum:
+            self.signum = signum
+
+    def install(self):
+        for name in STOP_SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
 
 
 class NonFiniteStop(RuntimeError):
@@ -124,6 +168,22 @@ def resolve_resume(run):
         return resolve(run.resume)
     except CheckpointError as e:
         raise ValueError(f"--resume {run.resume}: {e.problem}") from None
+
+
+def check_resumable(path, model_cfg) -> None:
+    """Before any collective: the checkpoint's manifest reads and holds this model (same shapes
+    and function, checkpoint.state.ARCH_KEYS); ValueError naming the file and the difference."""
+    from dataclasses import asdict
+
+    from .checkpoint import Checkpoint, CheckpointError
+    from .checkpoint.state import ARCH_KEYS
+
+    try:
+        ck = Checkpoint(path, verify=False)
+        cfg = asdict(model_cfg)
+        ck.check_config({k: cfg[k] for k in ARCH_KEYS if k in cfg})
+    except CheckpointError as e:
+        raise ValueError(f"--resume: {e}") from None
 
 
 def save_run(runner, run, next_step, guard, comm, layout):

@@ -23,6 +23,11 @@ process row per rank; open it in https://ui.perfetto.dev).
 Every rank validates the configuration and the data on its own before the first
 collective; a bad configuration makes every rank print ``pympar.train: error: ...`` and
 exit with status 2.
+
+Exit status: 0 done; 2 a bad configuration or data; 4 stopped after --max-bad-steps non-finite
+steps; 75 stopped on request -- SIGTERM, SIGINT or SIGUSR1 to any rank (Slurm's preemption,
+``scancel``, ``--signal=USR1@120``, Ctrl-C): at the end of the step the ranks save a checkpoint to
+OUT/checkpoints (with --out) and stop together; rerun the same command with ``--resume auto``.
 """
 from __future__ import annotations
 
@@ -42,7 +47,8 @@ from . import backend
 from .comm.objects import gather_object
 from .config import ConfigError, describe, parse_args
 from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
-from .faults import STOP_STATUS, BadStepGuard, FaultInjector, NonFiniteStop, resolve_resume, restore_run, save_run
+from .faults import (RESUMABLE_STATUS, STOP_STATUS, BadStepGuard, FaultInjector, NonFiniteStop, StopRequest,
+                     check_resumable, resolve_resume, restore_run, save_run)
 from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, moe_layer_stats
 from .parallel import ledger
 from .optim import cosine_lr
@@ -72,6 +78,8 @@ def main(argv=None) -> int:
         if run.device == "cuda":
             _check_gpu(run)
         resume_path = resolve_resume(run)
+        if resume_path is not None:
+            check_resumable(resume_path, model_cfg)
     except ValueError as e:                    # ConfigError, DataError, NotSupportedError
         sys.stderr.flush()                     # one write per line: ranks' lines must not interleave
         os.write(2, f"pympar.train: error: {e}\n".encode())
@@ -81,6 +89,7 @@ def main(argv=None) -> int:
 
     # 2.-4. no rank may be left waiting: a stalled collective (or one that does not match, with
     # PYMPAR_DEBUG_COLLECTIVES=1) or any other error after this point ends the whole job
+    from .checkpoint import CheckpointError
     from .comm import CommTimeoutError
     from .comm.debug import CollectiveMismatchError
     from .comm.watchdog import abort_job
@@ -88,6 +97,11 @@ def main(argv=None) -> int:
         return _train(mpi, model_cfg, run, corpus, resume_path)
     except (CommTimeoutError, CollectiveMismatchError) as e:
         abort_job(e)
+    except CheckpointError as e:               # found while loading (a checksum): agreed on every rank
+        if rank == 0:
+            sys.stderr.flush()
+            os.write(2, f"pympar.train: error: {e}\n".encode())
+        return 2
     except NonFiniteStop as e:                 # agreed on every rank: all stop together
         sys.stderr.flush()
         os.write(2, f"pympar.train: error: rank {rank}: {e}\n".encode())
@@ -156,12 +170,13 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
     rec.take_totals()
     bar = _progress(rank, run.steps, run.progress)
     history, val_loss, t_start = [], None, time.perf_counter()
+    stop = StopRequest().install()             # SIGTERM/SIGINT/SIGUSR1: stop at the end of a step, saved
     for step in range(start, run.steps):
         faults.begin_step(step)
         lr = cosine_lr(step, run.lr, min(run.warmup, run.steps), run.steps, run.min_lr)
         batches = local_micro_batches(corpus.train, run.seed, step, dp_rank, run.n_micro, B, T)
         t0 = time.perf_counter()
-        res = runner.train_step(batches, lr)
+        res = runner.train_step(batches, lr, stop=stop.pending)
         dt = time.perf_counter() - t0
         rec.add(f"step {step}", "step", t0, dt)
         do_eval = step == run.steps - 1 or bool(run.eval_every and (step + 1) % run.eval_every == 0)
@@ -189,8 +204,13 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
         history.append(record)
         metrics.write(record)
         bar.update(record, run.log_every)
+        saved = None
         if run.save_every and (step + 1) % run.save_every == 0:
-            save_run(runner, run, step + 1, guard, comm, lay)
+            saved = save_run(runner, run, step + 1, guard, comm, lay)
+        if res["stop"] and step + 1 < run.steps:          # agreed on every rank by the step's allreduce
+            bar.close()
+            return _stop_on_request(runner, run, step + 1, guard, comm, lay, stop, saved, metrics)
+    stop.restore()
     bar.close()
     wall = time.perf_counter() - t_start
 
@@ -212,6 +232,25 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
     metrics.close()
     return 0
+
+
+def _stop_on_request(runner, run, next_step, guard, comm, lay, stop, saved, metrics) -> int:
+    """Every rank, at the same step: checkpoint (with --out), one line on rank 0, status 75."""
+    rank = comm.rank
+    why = f"{stop.name} on this rank" if stop.pending else "a signal to another rank"
+    if run.out:
+        path = saved or save_run(runner, run, next_step, guard, comm, lay)
+        msg = (f"pympar.train: stopped on request ({why}) after step {next_step} of {run.steps}: saved {path}; "
+               f"resume with the same command and --resume auto (the latest checkpoint under {run.out}/checkpoints)")
+    else:
+        msg = (f"pympar.train: stopped on request ({why}) after step {next_step} of {run.steps}: nothing could be "
+               f"saved (no --out); give --out DIR (with --save-every N) to make a run resumable")
+    metrics.close()
+    if rank == 0:
+        sys.stdout.flush()
+        os.write(1, (msg + "\n").encode())
+    stop.restore()
+    return RESUMABLE_STATUS
 
 
 def _threads(mpi, run):

@@ -164,6 +164,10 @@ def test_bad_data_fails_every_rank_naming_the_file(tmp_path, case):
     (["--steps", "0"], "steps=0 must be >= 1"),
     (["--block-size", "100000", "--data", "__SMALL__"], "fewer than block_size+1"),
     (["--cp", "2", "--block-size", "30"], "cp=2 needs a sequence length divisible by 2*cp = 4"),
+    (["--lr", "nan"], "lr=nan must be a finite number"),
+    (["--grad-clip", "inf"], "grad_clip=inf must be a finite number"),
+    (["--out", "/etc/passwd"], "--out /etc/passwd: exists and is not a directory"),
+    (["--out", "/etc/passwd/run"], "--out /etc/passwd/run: cannot be made: /etc/passwd is not a writable directory"),
 ])
 def test_bad_config_exits_2_on_every_rank(tmp_path, args, needle):
     small = tmp_path / "s.txt"
@@ -174,6 +178,45 @@ def test_bad_config_exits_2_on_every_rank(tmp_path, args, needle):
     lines = error_lines(res)
     assert len(lines) == 2 and lines[0] == lines[1], res.stdout[-2000:]
     assert needle in lines[0]
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A 1-rank run of the tiny model with a step-2 checkpoint."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    train(1, "--steps", 2, "--save-every", 2, "--sample-tokens", 0, "--out", out)
+    return out / "checkpoints" / "step_00000002"
+
+
+@pytest.mark.parametrize("damage, needle, every_rank", [
+    ("shape", "checkpoint is of another model (n_embd: checkpoint 32, model 64)", True),
+    ("manifest", "manifest.json", True),
+    ("byte", "sha256", False),
+], ids=["another-model", "truncated-manifest", "flipped-byte"])
+def test_bad_checkpoint_ends_every_rank_with_one_line(tmp_path, saved_run, damage, needle, every_rank):
+    """What the manifest shows is refused on every rank before any collective (status 2, the same
+    line); a shard whose bytes do not match its sha256 is found while loading, agreed by the ranks
+    and reported once, naming the file -- never a traceback or an abort."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(saved_run, ck)
+    extra = []
+    if damage == "shape":
+        extra = ["--n-embd", 64]
+    elif damage == "manifest":
+        m = ck / "manifest.json"
+        m.write_bytes(m.read_bytes()[: len(m.read_bytes()) // 2])
+    else:
+        shard = next(p for p in ck.iterdir() if p.suffix == ".safetensors")
+        data = bytearray(shard.read_bytes())
+        data[-5] ^= 0x40                                 # one byte of the last tensor
+        shard.write_bytes(bytes(data))
+    res = train(2, "--steps", 4, "--resume", ck, "--sample-tokens", 0, *extra, check=False, timeout=90)
+    assert res.returncode == 2, res.stdout[-3000:]
+    lines = error_lines(res)
+    assert len(lines) == (2 if every_rank else 1) and len(set(lines)) == 1, res.stdout[-3000:]
+    assert needle in lines[0] and "Traceback" not in res.stdout and "MPI_Abort" not in res.stdout, res.stdout[-3000:]
 
 
 @pytest.mark.parametrize("var, needle", [

@@ -4,7 +4,8 @@ layout dp x pp x tp with ep | dp.
 ``build_runner(model_cfg, layout, comm, opts, rec)`` returns it (layout: dp, pp, tp, ep and, when it
 has one, cp); the trainer only ever calls
 
-    runner.train_step(micro_batches, lr) -> dict(loss, grad_norm, loss_scale, skipped, moe, time_split, pipeline)
+    runner.train_step(micro_batches, lr, stop) -> dict(loss, grad_norm, loss_scale, skipped, moe, time_split,
+                                                     pipeline, stop: some rank asked to stop)
     runner.eval_loss(batches)             -> float, the mean loss over the batches of all DP ranks
     runner.generate(prompt, n, top_k, rng) -> (1, T+n) tokens on world rank 0, None elsewhere
     runner.n_params, runner.model_cfg, runner.mesh
@@ -29,7 +30,7 @@ Composition, per rank with mesh coordinates (pp stage, dp rank, tp rank, ep rank
             (buckets, overlap, ZeRO-1/2/3, compression from parallel.dp); under a pipeline the
             buckets of a chunk start once its last micro-batch's backward is done
   norm      every rank counts the gradient elements it owns; ONE world allreduce of
-            [loss, non-finite count, norm^2, MoE loads] per step gives the single-process
+            [loss, non-finite count, norm^2, MoE loads, stop requests, memory] per step gives the single-process
             loss and norm, and every MoE layer's global load (for expert-bias balancing and
             rank 0's metrics)
 """
@@ -218,7 +219,9 @@ class ParallelRunner:
         return v if out is None else np.asarray(out)  # host
 
     # --- one optimizer step ------------------------------------------------------------------
-    def train_step(self, micro_batches, lr) -> dict:
+    def train_step(self, micro_batches, lr, stop=False) -> dict:
+        """One optimizer step; ``stop``: this rank was asked to stop (a signal), carried on the
+        step's world allreduce -- the result's "stop" is True on every rank when any rank was."""
         rec, sync, model = self.rec, self.sync, self.model
         n = len(micro_batches)
         micro_batches = self._local(micro_batches)
@@ -259,14 +262,15 @@ class ParallelRunner:
         with rec.span("grad sync", "dp_comm" if self.dp > 1 else "optimizer", bytes=sync.grad_bytes):
             sync.finish()
         self._update_ledger(micro_batches, act, recv_bytes)
-        vec = self._step_vector(loss, local_moe, a2a)
+        vec = self._step_vector(loss, local_moe, a2a, stop)
         with rec.span("step allreduce", self._world_comm_category(), bytes=int(vec.nbytes)):
             red = self._allreduce(vec)
         loss = float(red[0] / (self.dp * self.cp))
         nonfinite, total_sq = red[1], float(red[2])
         n_moe = len(self.moe_ids) * (self.model_cfg.n_expert + 3)
         moe = self._moe_from(red[3:3 + n_moe])
-        memory = memory_summary(red[3 + n_moe:], self.comm.size)
+        stop_any = bool(red[3 + n_moe] > 0)
+        memory = memory_summary(red[4 + n_moe:], self.comm.size)
 
         with rec.span("optimizer", "optimizer"):
             # a non-finite loss or gradient never reaches the weights (agreed: red is reduced over
@@ -288,7 +292,8 @@ class ParallelRunner:
                     layer._load_since_update = xp_of(layer.expert_bias).asarray(loads, dtype=np.int64)
                 model.update_expert_bias()
         split = rec.take_totals() if hasattr(rec, "take_totals") else {}
-        return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, nonfinite=nonfinite, moe=moe, time_split=split,
+        return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, nonfinite=nonfinite, moe=moe,
+                    time_split=split, stop=stop_any,
                     pipeline={k: pipe[k] for k in ("bubble", "peak_in_flight") if k in pipe}, memory=memory)
 
     # --- the memory ledger --------------------------------------------------------------------
@@ -348,14 +353,15 @@ class ParallelRunner:
                 return key
         return "optimizer"
 
-    def _step_vector(self, loss, local_moe, a2a):
+    def _step_vector(self, loss, local_moe, a2a, stop=False):
         """This rank's share of [loss*dp*cp, non-finite, norm^2, per MoE layer: load (E), dropped, a2a s,
-        a2a bytes, then every rank's memory figures (ledger.memory_vector)]."""
+        a2a bytes, this rank asked to stop (0/1), then every rank's memory figures (ledger.memory_vector)]."""
         E, m = self.model_cfg.n_expert, self.mesh
         head = m.tp_rank == 0 and m.pp_rank == 0           # the loss is the same over tp and pp
         mem = ledger.memory_vector(self.comm.size, self.comm.rank, self.ledger["peak"])
-        vec = np.zeros(3 + len(self.moe_ids) * (E + 3) + mem.size, np.float64)  # host: for the world MPI allreduce
+        vec = np.zeros(4 + len(self.moe_ids) * (E + 3) + mem.size, np.float64)  # host: for the world MPI allreduce
         vec[vec.size - mem.size:] = mem
+        vec[vec.size - mem.size - 1] = 1.0 if stop else 0.0
         vec[0] = loss if head else 0.0
         vec[1] = self.sync.nonfinite()
         vec[2] = self.sync.local_sq()
