@@ -26,6 +26,7 @@ Injected faults (read from the environment by the trainer only; for tests):
     PYMPAR_INJECT_NAN_PARAM=NAME       in this parameter (default: the first one backward finishes)
     PYMPAR_INJECT_KILL_STEP=k, PYMPAR_INJECT_KILL_RANK=r   rank r SIGKILLs itself at step k
     PYMPAR_INJECT_HANG_STEP=k, PYMPAR_INJECT_HANG_RANK=r   rank r sleeps (outside MPI) from step k
+They fire in the first attempt of a ``pympar.launch`` job only (PYMPAR_LAUNCH_ATTEMPT=0 or unset).
 """
 from __future__ import annotations
 
@@ -237,6 +238,10 @@ class FaultInjector:
 
     def __init__(self, rank, model):
         self.rank, self.step = rank, -1
+        if os.environ.get("PYMPAR_LAUNCH_ATTEMPT", "0") not in ("", "0"):   # pympar.launch's restarts:
+            model = None                                                    # the faults fired already
+            self.nan_steps, self.nan_here, self.nan_param, self.kill, self.hang = set(), False, None, set(), set()
+            return
         self.nan_steps = _env_steps("PYMPAR_INJECT_NAN_STEP")
         nan_rank = _env_rank("PYMPAR_INJECT_NAN_RANK")
         self.nan_here = bool(self.nan_steps) and nan_rank in (-1, rank)

@@ -1,0 +1,257 @@
+"""Supervise a training job: run it under mpiexec, restart it when it fails, on as many ranks as
+the hostfile offers, with the same training run.
+
+    python -m pympar.launch -n 4 --max-restarts 3 -- --preset small --steps 400 --save-every 50 --out runs/a
+    python -m pympar.launch -n 8 --hostfile hosts --min-ranks 4 -- --preset small --steps 400 --out runs/a
+
+Everything after ``--`` goes to ``python -m pympar.train``; it must name ``--out`` (where the
+checkpoints that a restart resumes from live). Each attempt runs the installed ``mpiexec`` (or
+``--mpiexec PATH``) and is watched to its end:
+
+    exit 0                     done: the supervisor exits 0
+    exit 2                     a configuration or data error: not restarted (it would fail again)
+    exit 75                    stopped on request (a signal; pympar.train saved): restarted
+    anything else              a rank killed, the watchdog's abort, a node gone: restarted
+    the supervisor signalled   SIGTERM/SIGINT/SIGUSR1 are passed to the job (which saves and exits 75)
+                               and the supervisor stops without restarting, with that status
+
+Every attempt runs with ``--resume auto`` (the first one keeps a ``--resume PATH`` it was given), so
+rerunning the supervisor continues a stopped job. A restart comes after ``--backoff`` seconds
+(doubling each time, at most a minute), up to ``--max-restarts`` times; then the supervisor exits with the last
+attempt's status and says so. Every attempt and its cause are one line on the terminal and one
+JSON record in OUT/launch.jsonl.
+
+Elastic: with ``--hostfile FILE`` (MPICH hydra's ``host[:slots]`` lines) the ranks of each attempt
+are the slots the file lists when the attempt starts (at most ``-n`` when given), so a cluster
+manager or a person can shrink or grow the job between attempts; ``--min-ranks M`` refuses to start
+an attempt below M. When the world size changes, the layout is chosen again by the trainer's rule
+(pp, tp, cp, ep as given; dp takes the rest) and the global batch is kept: ``--n-micro`` becomes
+global_batch / (micro_batch_size x dp), refused with a message when it does not divide, so the run
+continues the same training trajectory from the checkpoint, resharded as the trainer can.
+
+Faults injected with PYMPAR_INJECT_* (pympar.faults, for tests) fire in the first attempt only:
+the supervisor tells the trainer its attempt number (PYMPAR_LAUNCH_ATTEMPT).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIG_STATUS, RESUMABLE_STATUS = 2, 75
+
+
+class LaunchError(ValueError):
+    """A supervisor argument or an attempt that cannot start, said in one line."""
+
+
+def parse(argv):
+    if "--" in argv:
+        i = argv.index("--")
+        own, train = argv[:i], argv[i + 1:]
+    else:
+        own, train = argv, []
+    ap = argparse.ArgumentParser(prog="python -m pympar.launch", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", "--np", type=int, default=None, help="ranks (with --hostfile: at most this many)")
+    ap.add_argument("--max-restarts", type=int, default=3, help="restarts after failures (default 3)")
+    ap.add_argument("--hostfile", default=None, help="MPICH hydra hostfile (host[:slots] per line), re-read per attempt")
+    ap.add_argument("--min-ranks", type=int, default=1, help="refuse to start an attempt with fewer ranks")
+    ap.add_argument("--mpiexec", default=None, help="the mpiexec to run (default: the one beside this Python)")
+    ap.add_argument("--backoff", type=float, default=2.0, help="seconds before the first restart (doubling)")
+    a = ap.parse_args(own)
+    if a.np is None and a.hostfile is None:
+        raise LaunchError("give -n N (ranks) or --hostfile FILE")
+    if a.np is not None and a.np < 1 or a.max_restarts < 0 or a.min_ranks < 1 or a.backoff < 0:
+        raise LaunchError("-n, --min-ranks must be >= 1; --max-restarts, --backoff >= 0")
+    if not train:
+        raise LaunchError("nothing to train: give the pympar.train arguments after --")
+    if _flag(train, "--out") is None:
+        raise LaunchError("the pympar.train arguments must include --out DIR: a restart resumes from DIR/checkpoints")
+    return a, train
+
+
+def _flag(args, name):
+    """The value of ``--name V`` or ``--name=V`` in args (the last one), else None."""
+    val = None
+    for i, x in enumerate(args):
+        if x == name and i + 1 < len(args):
+            val = args[i + 1]
+        elif x.startswith(name + "="):
+            val = x.split("=", 1)[1]
+    return val
+
+
+def _without(args, *names):
+    """args without the given flags and their values."""
+    out, skip = [], False
+    for x in args:
+        if skip:
+            skip = False
+            continue
+        if x in names:
+            skip = True
+            continue
+        if any(x.startswith(n + "=") for n in names):
+            continue
+        out.append(x)
+    return out
+
+
+def hostfile_ranks(path) -> int:
+    """Slots a hydra hostfile offers: the sum over its lines of ``host[:slots]`` (1 when omitted)."""
+    total = 0
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise LaunchError(f"--hostfile {path}: {e.strerror}") from None
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, _, slots = line.partition(":")
+        try:
+            n = int(slots) if slots else 1
+        except ValueError:
+            raise LaunchError(f"--hostfile {path}: {line!r} is not host[:slots]") from None
+        total += max(n, 0)
+    return total
+
+
+def layout_for(train, world, global_batch):
+    """(train arguments for this world size, global batch): dp takes what pp*tp*cp leave; n_micro
+    keeps the global batch of the first attempt (LaunchError when it cannot)."""
+    get = {k: int(_flag(train, f"--{k}") or 1) for k in ("pp", "tp", "cp")}
+    rest = get["pp"] * get["tp"] * get["cp"]
+    mbs = int(_flag(train, "--micro-batch-size") or 8)
+    if world % rest:
+        raise LaunchError(f"{world} ranks do not divide into pp*tp*cp = {rest}: the job needs a multiple of {rest}")
+    dp = world // rest
+    if global_batch is None:
+        given_dp = _flag(train, "--dp")
+        dp0 = int(given_dp) if given_dp else dp
+        global_batch = mbs * int(_flag(train, "--n-micro") or 1) * dp0
+    if global_batch % (mbs * dp):
+        raise LaunchError(f"{world} ranks (dp={dp}) cannot keep the global batch of {global_batch} sequences with "
+                          f"micro-batches of {mbs}: it needs dp dividing {global_batch // mbs}")
+    n_micro = global_batch // (mbs * dp)
+    args = _without(train, "--dp", "--n-micro") + ["--dp", str(dp), "--n-micro", str(n_micro)]
+    return args, global_batch
+
+
+def find_mpiexec(given=None) -> str:
+    if given:
+        return given
+    here = Path(sys.executable).parent / "mpiexec"
+    found = str(here) if here.exists() else (shutil.which("mpiexec") or shutil.which("mpirun"))
+    if not found:
+        raise LaunchError("no mpiexec found: pip install 'pympar[mpich]', load your MPI, or give --mpiexec PATH")
+    return found
+
+
+def cause_of(status: int) -> str:
+    if status == 0:
+        return "done"
+    if status == CONFIG_STATUS:
+        return "configuration or data error"
+    if status == RESUMABLE_STATUS:
+        return "stopped on request (checkpoint saved)"
+    if status < 0 or status > 128:
+        sig = -status if status < 0 else status - 128
+        try:
+            return f"a process ended by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"exit status {status}"
+    return f"failed with exit status {status} (a rank died or the watchdog aborted)"
+
+
+class Supervisor:
+    def __init__(self, a, train):
+        self.a, self.train = a, train
+        self.out = Path(_flag(train, "--out"))
+        self.mpiexec = find_mpiexec(a.mpiexec)
+        self.child = None
+        self.signalled = 0
+
+    def _on_signal(self, signum, frame):
+        self.signalled = self.signalled or signum
+        if self.child is not None and self.child.poll() is None:
+            try:
+                self.child.send_signal(signum)      # hydra passes it on to the ranks (they save, exit 75)
+            except ProcessLookupError:
+                pass
+
+    def _log(self, rec):
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.out / "launch.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def ranks(self) -> int:
+        n = self.a.np
+        if self.a.hostfile:
+            slots = hostfile_ranks(self.a.hostfile)
+            n = slots if n is None else min(n, slots)
+        if n < self.a.min_ranks:
+            raise LaunchError(f"{n} rank(s) available{' in ' + self.a.hostfile if self.a.hostfile else ''}, "
+                              f"below --min-ranks {self.a.min_ranks}: not starting")
+        return n
+
+    def run(self) -> int:
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(s, self._on_signal)
+        global_batch, status, backoff = None, 1, self.a.backoff
+        for attempt in range(self.a.max_restarts + 1):
+            n = self.ranks()
+            args, global_batch = layout_for(self.train, n, global_batch)
+            if attempt or _flag(args, "--resume") is None:    # continue from OUT/checkpoints if any
+                args = _without(args, "--resume") + ["--resume", "auto"]
+            cmd = [self.mpiexec, "-n", str(n)] + (["-f", self.a.hostfile] if self.a.hostfile else []) + \
+                [sys.executable, "-m", "pympar.train", *args]
+            env = dict(os.environ, PYMPAR_LAUNCH_ATTEMPT=str(attempt))
+            t0 = time.time()
+            print(f"pympar.launch: attempt {attempt + 1}/{self.a.max_restarts + 1}: {n} ranks, "
+                  f"{' '.join(args)}", flush=True)
+            self.child = subprocess.Popen(cmd, env=env)
+            status = self.child.wait()
+            self.child = None
+            cause = cause_of(status)
+            final = status == 0 or status == CONFIG_STATUS or self.signalled or attempt == self.a.max_restarts
+            action = "stop" if final else f"restart in {backoff:.0f} s"
+            self._log(dict(attempt=attempt, ranks=n, args=args, started=t0, seconds=round(time.time() - t0, 3),
+                           status=status, cause=cause, action=action))
+            print(f"pympar.launch: attempt {attempt + 1} ended: {cause} (status {status}); {action}", flush=True)
+            if status == 0:
+                return 0
+            if status == CONFIG_STATUS:
+                return status
+            if self.signalled:
+                print(f"pympar.launch: stopped by {signal.Signals(self.signalled).name}; run the same command "
+                      f"again to continue from {self.out}/checkpoints", flush=True)
+                return status
+            if attempt == self.a.max_restarts:
+                break
+            time.sleep(backoff)
+            backoff = min(2 * backoff, 60.0) if backoff else 0.0
+        print(f"pympar.launch: giving up after {self.a.max_restarts} restart(s): the last attempt {cause_of(status)} "
+              f"(status {status}); see {self.out}/launch.jsonl", flush=True)
+        return status if status else 1
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        a, train = parse(argv)
+        return Supervisor(a, train).run()
+    except LaunchError as e:
+        print(f"pympar.launch: error: {e}", file=sys.stderr, flush=True)
+        return CONFIG_STATUS
+
+
+if __name__ == "__main__":
+    sys.exit(main())

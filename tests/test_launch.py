@@ -1,0 +1,119 @@
+"""``python -m pympar.launch``: the supervisor restarts a failed job on the ranks the hostfile offers
+and the training run continues as if nothing happened.
+
+Real jobs under mpiexec; a rank is killed with SIGKILL by the trainer's fault injector
+(PYMPAR_INJECT_KILL_STEP, first attempt only). Same world after the restart: every step's loss
+and gradient norm bitwise the uninterrupted run's (CPU float32). Elastic 4 -> 2 and 2 -> 4 ranks
+through the hostfile, global batch kept by n_micro: within 1e-4 relative.
+"""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mpirun import mpi_env, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, SAVE, KILL = 30, 10, 17
+TRAIN = ["--preset", "tiny", "--n-layer", "2", "--micro-batch-size", "2", "--steps", str(STEPS), "--eval-every", "0",
+         "--eval-iters", "1", "--sample-tokens", "0", "--progress", "log", "--log-every", "10",
+         "--save-every", str(SAVE)]
+
+
+def _launch(args, env=None, timeout=240):
+    cmd = [sys.executable, "-m", "pympar.launch", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(env), cwd=ROOT / "tests", timeout=timeout)
+
+
+def _records(out):
+    return [json.loads(x) for x in (Path(out) / "launch.jsonl").read_text().splitlines()]
+
+
+def _losses(out):
+    rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows}
+
+
+def _reference(n, out, n_micro=1):
+    run_mpi(n, ["-m", "pympar.train", *TRAIN, "--n-micro", str(n_micro), "--out", str(out)], timeout=180)
+    return _losses(out)
+
+
+KILL_RANK_1 = {"PYMPAR_INJECT_KILL_STEP": KILL, "PYMPAR_INJECT_KILL_RANK": 1}
+
+
+def test_a_killed_rank_is_restarted_and_the_run_is_the_uninterrupted_one(tmp_path):
+    out = tmp_path / "run"
+    res = _launch(["-n", 4, "--max-restarts", 2, "--backoff", 0.2, "--", *TRAIN, "--out", out], env=KILL_RANK_1)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    recs = _records(out)
+    assert [r["attempt"] for r in recs] == [0, 1] and recs[1]["status"] == 0, recs
+    assert recs[0]["status"] != 0 and recs[0]["action"].startswith("restart"), recs[0]
+    assert "resumed from" in res.stdout and f"step_{KILL // SAVE * SAVE:08d}" in res.stdout, res.stdout[-3000:]
+    assert res.stdout.count("pympar.launch: attempt") == 4      # a start line and an end line per attempt
+    got, want = _losses(out), _reference(4, tmp_path / "ref")
+    assert sorted(got) == sorted(want) == list(range(STEPS))
+    assert all(got[s] == want[s] for s in range(STEPS)), [(s, got[s], want[s]) for s in range(STEPS) if got[s] != want[s]][:3]
+
+
+def test_a_configuration_error_is_not_restarted(tmp_path):
+    out = tmp_path / "run"
+    res = _launch(["-n", 2, "--max-restarts", 3, "--", *TRAIN, "--n-head", 3, "--out", out])
+    assert res.returncode == 2, res.stdout[-2000:]
+    recs = _records(out)
+    assert len(recs) == 1 and recs[0]["cause"] == "configuration or data error" and recs[0]["action"] == "stop"
+
+
+def test_max_restarts_exhausted_says_so(tmp_path):
+    out = tmp_path / "run"
+    res = _launch(["-n", 2, "--max-restarts", 0, "--", *TRAIN, "--out", out], env=KILL_RANK_1)
+    assert res.returncode not in (0, 2, 75), res.stdout[-2000:]
+    assert "giving up after 0 restart(s)" in res.stdout and str(out / "launch.jsonl") in res.stdout
+    assert len(_records(out)) == 1
+
+
+def test_supervisor_refuses_what_cannot_run(tmp_path):
+    res = _launch(["-n", 2, "--", *TRAIN])
+    assert res.returncode == 2 and "must include --out DIR" in res.stderr
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n")
+    res = _launch(["--hostfile", hosts, "--min-ranks", 2, "--", *TRAIN, "--out", tmp_path / "r"])
+    assert res.returncode == 2 and "1 rank(s) available in" in res.stderr and "below --min-ranks 2" in res.stderr
+    hosts.write_text("localhost:3\n")
+    res = _launch(["--hostfile", hosts, "--", *TRAIN, "--micro-batch-size", 2, "--tp", 2, "--out", tmp_path / "r"])
+    assert res.returncode == 2 and "3 ranks do not divide into pp*tp*cp = 2" in res.stderr
+
+
+@pytest.mark.parametrize("before, after", [(4, 2), (2, 4)])
+def test_elastic_restart_on_the_ranks_the_hostfile_offers(tmp_path, before, after):
+    """The hostfile changes while the first attempt runs; the restart takes the new slots, dp and
+    n_micro change so that micro_batch_size x n_micro x dp stays 8, and the losses continue the
+    uninterrupted run's on the first world size."""
+    out, hosts = tmp_path / "run", tmp_path / "hosts"
+    hosts.write_text(f"localhost:{before}\n")
+    n_micro = 4 // before                                # global batch 2 x n_micro x dp = 8 sequences
+    cmd = [sys.executable, "-m", "pympar.launch", "--hostfile", str(hosts), "--backoff", "3", "--max-restarts", "1",
+           "--", *TRAIN, "--n-micro", str(n_micro), "--out", str(out)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(KILL_RANK_1),
+                         cwd=ROOT / "tests")
+    t0 = time.monotonic()
+    while not (out / "launch.jsonl").is_file():          # the first attempt has ended: change the file
+        assert p.poll() is None and time.monotonic() - t0 < 180, p.communicate()[0][-3000:]
+        time.sleep(0.1)
+    hosts.write_text(f"localhost:{after}\n")
+    text, _ = p.communicate(timeout=240)
+    assert p.returncode == 0, text[-3000:]
+    recs = _records(out)
+    assert [r["ranks"] for r in recs] == [before, after], recs
+    args = recs[1]["args"]
+    assert args[args.index("--n-micro") + 1] == str(4 // after) and args[args.index("--dp") + 1] == str(after), args
+    got, want = _losses(out), _reference(before, tmp_path / "ref", n_micro)
+    assert sorted(got) == sorted(want) == list(range(STEPS))
+    for s in range(STEPS):
+        for a, b in zip(got[s], want[s]):
+            assert a == pytest.approx(b, rel=1e-4), (s, got[s], want[s])
