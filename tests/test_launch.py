@@ -117,3 +117,16 @@ def test_elastic_restart_on_the_ranks_the_hostfile_offers(tmp_path, before, afte
     for s in range(STEPS):
         for a, b in zip(got[s], want[s]):
             assert a == pytest.approx(b, rel=1e-4), (s, got[s], want[s])
+
+
+def test_a_hang_ended_by_the_watchdog_is_restarted(tmp_path):
+    """A rank that stops answering (PYMPAR_INJECT_HANG_STEP) makes the others' collectives time out:
+    the watchdog ends the job, the supervisor restarts it, and the run completes."""
+    out = tmp_path / "run"
+    env = {"PYMPAR_INJECT_HANG_STEP": KILL, "PYMPAR_INJECT_HANG_RANK": 0}
+    res = _launch(["-n", 2, "--max-restarts", 1, "--backoff", 0.2, "--", *TRAIN, "--comm-timeout", 4, "--out", out],
+                  env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    recs = _records(out)
+    assert len(recs) == 2 and recs[0]["status"] not in (0, 2, 75) and recs[1]["status"] == 0, recs
+    assert sorted(_losses(out)) == list(range(STEPS))
