@@ -84,6 +84,7 @@ class RunConfig:
     profile: bool = False
     # checkpoints and failures (pympar.faults)
     save_every: int = 0
+    async_save: bool = False
     keep: int = 0
     resume: str | None = None
     max_bad_steps: int = 3
@@ -137,6 +138,8 @@ _HELP = {
     "profile": "record every rank's events; write OUT/trace.json (Chrome trace)",
     "save_every": "checkpoint OUT/checkpoints/step_N every N steps (0 = never)",
     "keep": "keep the newest K checkpoints (0 = all)",
+    "async_save": "checkpoints copied to host memory at the end of the step and written by a background thread "
+                  "while training goes on; published (atomically, as always) once every rank's file is written",
     "resume": "checkpoint to continue from (a run directory, its checkpoints/ folder or one step_N), "
               "or 'auto' = the latest under OUT/checkpoints if any",
     "max_bad_steps": "stop after this many consecutive steps with non-finite loss/gradients (0 = never)",

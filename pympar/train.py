@@ -171,12 +171,13 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
     bar = _progress(rank, run.steps, run.progress)
     history, val_loss, t_start = [], None, time.perf_counter()
     stop = StopRequest().install()             # SIGTERM/SIGINT/SIGUSR1: stop at the end of a step, saved
+    pending = None                             # --async-save: the checkpoint being written in the background
     for step in range(start, run.steps):
         faults.begin_step(step)
         lr = cosine_lr(step, run.lr, min(run.warmup, run.steps), run.steps, run.min_lr)
         batches = local_micro_batches(corpus.train, run.seed, step, dp_rank, run.n_micro, B, T)
         t0 = time.perf_counter()
-        res = runner.train_step(batches, lr, stop=stop.pending)
+        res = runner.train_step(batches, lr, stop=stop.pending, written=pending is not None and pending.written)
         dt = time.perf_counter() - t0
         rec.add(f"step {step}", "step", t0, dt)
         do_eval = step == run.steps - 1 or bool(run.eval_every and (step + 1) % run.eval_every == 0)
@@ -201,15 +202,30 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
         except NonFiniteStop:
             metrics.write(dict(record, nonfinite=True))   # the last step is logged, then all ranks stop
             raise
+        if pending is not None and res["all_written"]:    # every rank's file is on disk: publish
+            pending.finish()
+            pending = None
+        saved = None
+        if run.save_every and (step + 1) % run.save_every == 0:
+            ts = time.perf_counter()
+            if pending is not None:                        # the next save waits for the previous one
+                pending.finish()
+            pending = save_run(runner, run, step + 1, guard, comm, lay, background=run.async_save)
+            if not run.async_save:
+                saved, pending = pending, None
+            record["save_s"] = time.perf_counter() - ts    # what the step waited for (async: the copy)
         history.append(record)
         metrics.write(record)
         bar.update(record, run.log_every)
-        saved = None
-        if run.save_every and (step + 1) % run.save_every == 0:
-            saved = save_run(runner, run, step + 1, guard, comm, lay)
         if res["stop"] and step + 1 < run.steps:          # agreed on every rank by the step's allreduce
             bar.close()
+            if pending is not None:                        # publish it; it is this step's when just begun
+                path = pending.finish()
+                saved = path if pending.step == step + 1 else None
+                pending = None
             return _stop_on_request(runner, run, step + 1, guard, comm, lay, stop, saved, metrics)
+    if pending is not None:
+        pending.finish()
     stop.restore()
     bar.close()
     wall = time.perf_counter() - t_start

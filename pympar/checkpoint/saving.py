@@ -96,64 +96,119 @@ def save(directory, step: int, shards: dict, opt_shards: dict | None = None, met
     JSON-able value per rank (e.g. its RNG state), kept as manifest["ranks"]. keep: keep the
     newest ``keep`` checkpoints (None = all). Returns the checkpoint's path.
     """
-    rank, size = rank_size(comm)
-    root = Path(directory)
-    final = root / L.step_dirname(step)
-    tmp = root / f"{L.TMP_PREFIX}{final.name}"
+    pending = PendingSave(directory, step, shards, opt_shards, meta, comm, keep, rank_meta)
+    pending.write()
+    return pending.finish()
 
-    err, entries, mine = None, {}, {}
-    try:
-        params = describe(shards)
-        clash = sorted(k for k in params if k.startswith(L.OPT_PREFIX))
-        if clash:
-            raise ValueError(f"parameter names {clash} start with {L.OPT_PREFIX!r}, the optimiser's prefix")
-        mine = params | describe(opt_shards or {}, L.OPT_PREFIX)
-        entries = {k: {"full_shape": list(sh.full_shape), "index": index_json(sh), "dtype": st.dtype_code(a.dtype)}
-                   for k, (a, sh) in mine.items()}
-    except (ValueError, TypeError) as e:
-        err = CheckpointError(final, f"rank {rank}: {e}")
-    agree(comm, err, "describing the shards to save")
-    listing = allgather_json(comm, {"entries": entries, "rank_meta": rank_meta})
 
-    err, owners = None, {}
-    try:
-        owners = _owners([x["entries"] for x in listing])
-        if rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            L.clean_stale(root)
-            tmp.mkdir()
-    except (ValueError, OSError) as e:
-        err = CheckpointError(final, f"rank {rank}: {e}")
-    agree(comm, err, "preparing the checkpoint directory")
+class PendingSave:
+    """One checkpoint being saved, in three parts (``save`` runs them in a row):
 
-    err, info = None, None
-    try:
-        mine_owned = {k: v for k, v in mine.items() if owners[(k, json.dumps(entries[k]["index"]))] == rank}
-        if mine_owned:
-            fname = L.rank_filename(rank)
-            shards_json = {k: sh.to_json() for k, (_, sh) in mine_owned.items()}
-            metadata = {"pympar.format": f"{FORMAT}-shard/{VERSION}", "pympar.rank": str(rank),
-                        "pympar.step": str(int(step)), "pympar.shards": json.dumps(shards_json, separators=(",", ":"))}
-            digest = _write_shard_file(tmp / fname, {k: a for k, (a, _) in mine_owned.items()}, metadata)
-            info = {"file": fname, "sha256": digest, "bytes": (tmp / fname).stat().st_size,
-                    "keys": sorted(mine_owned)}
-    except (OSError, ValueError) as e:
-        err = CheckpointError(tmp / L.rank_filename(rank), f"writing shard file failed: {e}")
-    agree(comm, err, "writing shard files")
-    written = allgather_json(comm, info)
+    __init__   collective: describe the pieces, agree who writes each, make the temporary
+               directory; with ``copy=True`` this rank's pieces are copied to host memory here,
+               so that training may change the arrays afterwards (an asynchronous save)
+    write()    this rank's shard file: file I/O only, no communication (a background thread may
+               run it, ``start()``)
+    finish()   collective: wait for write(), agree that every rank wrote, rank 0 writes the
+               manifest and publishes (rename, ``latest``). Until then the previous checkpoint
+               stays the latest: a crash in between loses only this one.
+    """
 
-    err = None
-    if rank == 0:
+    def __init__(self, directory, step, shards, opt_shards=None, meta=None, comm=None, keep=None, rank_meta=None,
+                 copy=False):
+        import threading
+
+        self.comm, self.step, self.meta, self.keep = comm, int(step), meta, keep
+        rank, size = rank_size(comm)
+        self.rank, self.size = rank, size
+        self.root = root = Path(directory)
+        self.final = final = root / L.step_dirname(step)
+        self.tmp = tmp = root / f"{L.TMP_PREFIX}{final.name}"
+        self._thread, self._lock = None, threading.Lock()
+        self._done = False
+        self.error, self.info = None, None
+
+        err, entries, mine = None, {}, {}
         try:
-            manifest = _manifest(step, size, meta, listing, owners, written)
-            _write_manifest(tmp, manifest)
-            _publish(tmp, final)
-            _write_latest(root, final)
-            _prune(root, keep, final)
-        except (OSError, TypeError, ValueError) as e:   # TypeError: meta that is not JSON-able
-            err = CheckpointError(final, f"publishing the checkpoint failed: {e}")
-    agree(comm, err, "publishing the checkpoint")
-    return final
+            params = describe(shards)
+            clash = sorted(k for k in params if k.startswith(L.OPT_PREFIX))
+            if clash:
+                raise ValueError(f"parameter names {clash} start with {L.OPT_PREFIX!r}, the optimiser's prefix")
+            mine = params | describe(opt_shards or {}, L.OPT_PREFIX)
+            entries = {k: {"full_shape": list(sh.full_shape), "index": index_json(sh), "dtype": st.dtype_code(a.dtype)}
+                       for k, (a, sh) in mine.items()}
+        except (ValueError, TypeError) as e:
+            err = CheckpointError(final, f"rank {rank}: {e}")
+        agree(comm, err, "describing the shards to save")
+        self.listing = listing = allgather_json(comm, {"entries": entries, "rank_meta": rank_meta})
+
+        err, owners = None, {}
+        try:
+            owners = _owners([x["entries"] for x in listing])
+            if rank == 0:
+                root.mkdir(parents=True, exist_ok=True)
+                L.clean_stale(root)
+                tmp.mkdir()
+        except (ValueError, OSError) as e:
+            err = CheckpointError(final, f"rank {rank}: {e}")
+        agree(comm, err, "preparing the checkpoint directory")
+        self.owners = owners
+        self.mine = {k: (np.array(a, copy=True) if copy else a, sh) for k, (a, sh) in mine.items()
+                     if owners[(k, json.dumps(entries[k]["index"]))] == rank}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a, _ in self.mine.values())
+
+    def write(self):
+        """This rank's shard file (no communication). Errors are kept for finish()."""
+        try:
+            if self.mine:
+                fname = L.rank_filename(self.rank)
+                shards_json = {k: sh.to_json() for k, (_, sh) in self.mine.items()}
+                metadata = {"pympar.format": f"{FORMAT}-shard/{VERSION}", "pympar.rank": str(self.rank),
+                            "pympar.step": str(self.step),
+                            "pympar.shards": json.dumps(shards_json, separators=(",", ":"))}
+                digest = _write_shard_file(self.tmp / fname, {k: a for k, (a, _) in self.mine.items()}, metadata)
+                self.info = {"file": fname, "sha256": digest, "bytes": (self.tmp / fname).stat().st_size,
+                             "keys": sorted(self.mine)}
+        except (OSError, ValueError) as e:
+            self.error = CheckpointError(self.tmp / L.rank_filename(self.rank), f"writing shard file failed: {e}")
+        self.mine = {}                     # the host copies go as soon as they are on disk
+        with self._lock:
+            self._done = True
+
+    def start(self):
+        """write() on a background thread (the caller trains on; finish() waits for it)."""
+        import threading
+
+        self._thread = threading.Thread(target=self.write, name=f"checkpoint step {self.step}", daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def written(self) -> bool:
+        """This rank's file is written (or failed): finish() would not wait here."""
+        with self._lock:
+            return self._done
+
+    def finish(self) -> Path:
+        if self._thread is not None:
+            self._thread.join()
+        agree(self.comm, self.error, "writing shard files")
+        written = allgather_json(self.comm, self.info)
+        err = None
+        if self.rank == 0:
+            try:
+                manifest = _manifest(self.step, self.size, self.meta, self.listing, self.owners, written)
+                _write_manifest(self.tmp, manifest)
+                _publish(self.tmp, self.final)
+                _write_latest(self.root, self.final)
+                _prune(self.root, self.keep, self.final)
+            except (OSError, TypeError, ValueError) as e:   # TypeError: meta that is not JSON-able
+                err = CheckpointError(self.final, f"publishing the checkpoint failed: {e}")
+        agree(self.comm, err, "publishing the checkpoint")
+        return self.final
 
 
 def _manifest(step, size, meta, listing, owners, written):

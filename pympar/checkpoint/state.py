@@ -16,7 +16,7 @@ import numpy as np
 from ..backend import to_numpy
 from . import layout_io as L
 from .loading import Checkpoint, load
-from .saving import save
+from .saving import PendingSave, save
 
 # config fields that decide the model's function and shapes: a resume must match them
 ARCH_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "n_expert",
@@ -73,15 +73,20 @@ def checkpoint_state(model, optimizer=None):
     return model_shards(model), opt_shards, scalars
 
 
-def save_training(directory, step, model, optimizer=None, comm=None, meta=None, keep=None, rank_meta=None):
+def save_training(directory, step, model, optimizer=None, comm=None, meta=None, keep=None, rank_meta=None,
+                  background=False):
     """Collective: save model (and optimiser) state; meta gets config and the optimiser's scalars.
 
     meta: the trainer's JSON-able extras (layout, data position, loss scale, ...); rank_meta:
-    this rank's JSON-able extras (its RNG state). Returns the checkpoint path."""
+    this rank's JSON-able extras (its RNG state). Returns the checkpoint path; with
+    ``background=True`` a started saving.PendingSave instead (the pieces copied to host memory,
+    the file written by a thread; call its finish(), collectively, to publish it)."""
     shards, opt_shards, scalars = checkpoint_state(model, optimizer)
     meta = dict(meta or {})
     meta.setdefault("config", config_dict(model))
     meta["optimizer"] = scalars
+    if background:
+        return PendingSave(directory, step, shards, opt_shards, meta, comm, keep, rank_meta, copy=True).start()
     return save(directory, step, shards, opt_shards, meta, comm, keep=keep, rank_meta=rank_meta)
 
 

@@ -219,9 +219,11 @@ class ParallelRunner:
         return v if out is None else np.asarray(out)  # host
 
     # --- one optimizer step ------------------------------------------------------------------
-    def train_step(self, micro_batches, lr, stop=False) -> dict:
-        """One optimizer step; ``stop``: this rank was asked to stop (a signal), carried on the
-        step's world allreduce -- the result's "stop" is True on every rank when any rank was."""
+    def train_step(self, micro_batches, lr, stop=False, written=False) -> dict:
+        """One optimizer step. Two flags ride on the step's world allreduce: ``stop`` (this rank was
+        asked to stop, a signal) -> the result's "stop", True on every rank when any rank was;
+        ``written`` (this rank's part of a background checkpoint is on disk) -> "all_written",
+        True on every rank when every rank's is."""
         rec, sync, model = self.rec, self.sync, self.model
         n = len(micro_batches)
         micro_batches = self._local(micro_batches)
@@ -262,7 +264,7 @@ class ParallelRunner:
         with rec.span("grad sync", "dp_comm" if self.dp > 1 else "optimizer", bytes=sync.grad_bytes):
             sync.finish()
         self._update_ledger(micro_batches, act, recv_bytes)
-        vec = self._step_vector(loss, local_moe, a2a, stop)
+        vec = self._step_vector(loss, local_moe, a2a, (stop, written))
         with rec.span("step allreduce", self._world_comm_category(), bytes=int(vec.nbytes)):
             red = self._allreduce(vec)
         loss = float(red[0] / (self.dp * self.cp))
@@ -270,7 +272,8 @@ class ParallelRunner:
         n_moe = len(self.moe_ids) * (self.model_cfg.n_expert + 3)
         moe = self._moe_from(red[3:3 + n_moe])
         stop_any = bool(red[3 + n_moe] > 0)
-        memory = memory_summary(red[4 + n_moe:], self.comm.size)
+        all_written = bool(red[4 + n_moe] >= self.comm.size)
+        memory = memory_summary(red[5 + n_moe:], self.comm.size)
 
         with rec.span("optimizer", "optimizer"):
             # a non-finite loss or gradient never reaches the weights (agreed: red is reduced over
@@ -293,7 +296,7 @@ class ParallelRunner:
                 model.update_expert_bias()
         split = rec.take_totals() if hasattr(rec, "take_totals") else {}
         return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, nonfinite=nonfinite, moe=moe,
-                    time_split=split, stop=stop_any,
+                    time_split=split, stop=stop_any, all_written=all_written,
                     pipeline={k: pipe[k] for k in ("bubble", "peak_in_flight") if k in pipe}, memory=memory)
 
     # --- the memory ledger --------------------------------------------------------------------
@@ -353,15 +356,17 @@ class ParallelRunner:
                 return key
         return "optimizer"
 
-    def _step_vector(self, loss, local_moe, a2a, stop=False):
+    def _step_vector(self, loss, local_moe, a2a, flags=(False, False)):
         """This rank's share of [loss*dp*cp, non-finite, norm^2, per MoE layer: load (E), dropped, a2a s,
-        a2a bytes, this rank asked to stop (0/1), then every rank's memory figures (ledger.memory_vector)]."""
+        a2a bytes, this rank asked to stop (0/1), its checkpoint part written (0/1), then every rank's
+        memory figures (ledger.memory_vector)]."""
         E, m = self.model_cfg.n_expert, self.mesh
         head = m.tp_rank == 0 and m.pp_rank == 0           # the loss is the same over tp and pp
         mem = ledger.memory_vector(self.comm.size, self.comm.rank, self.ledger["peak"])
-        vec = np.zeros(4 + len(self.moe_ids) * (E + 3) + mem.size, np.float64)  # host: for the world MPI allreduce
+        vec = np.zeros(5 + len(self.moe_ids) * (E + 3) + mem.size, np.float64)  # host: for the world MPI allreduce
         vec[vec.size - mem.size:] = mem
-        vec[vec.size - mem.size - 1] = 1.0 if stop else 0.0
+        vec[vec.size - mem.size - 2] = 1.0 if flags[0] else 0.0
+        vec[vec.size - mem.size - 1] = 1.0 if flags[1] else 0.0
         vec[0] = loss if head else 0.0
         vec[1] = self.sync.nonfinite()
         vec[2] = self.sync.local_sq()
