@@ -187,9 +187,10 @@ def check_resumable(path, model_cfg) -> None:
         raise ValueError(f"--resume: {e}") from None
 
 
-def save_run(runner, run, next_step, guard, comm, layout, background=False):
+def save_run(runner, run, next_step, guard, comm, layout, background=False, staging=None):
     """Collective: checkpoint OUT/checkpoints/step_<next_step> (the weights after next_step steps).
-    background: copy the state to host memory and write it on a thread; returns the started
+    background: copy the state to host memory (into ``staging``, the caller's {key: buffer} kept
+    from one save to the next) and write it on a thread; returns the started
     checkpoint.saving.PendingSave (finish() it, collectively, to publish it)."""
     from .checkpoint import save_training
 
@@ -210,7 +211,7 @@ def save_run(runner, run, next_step, guard, comm, layout, background=False):
             "loss_scaler": scaler.state_dict() if scaler else None, "guard": guard.state_dict(),
             "data": {"seed": run.seed, "next_step": int(next_step)}}
     return save_training(checkpoint_root(run), next_step, model, opt, comm, meta=meta, keep=run.keep or None,
-                         background=background)
+                         background=background, staging=staging)
 
 
 def restore_run(runner, path, guard, comm) -> int:

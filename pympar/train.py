@@ -172,6 +172,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
     history, val_loss, t_start = [], None, time.perf_counter()
     stop = StopRequest().install()             # SIGTERM/SIGINT/SIGUSR1: stop at the end of a step, saved
     pending = None                             # --async-save: the checkpoint being written in the background
+    staging = {}                               # ... and the host buffers it is copied into, reused
     for step in range(start, run.steps):
         faults.begin_step(step)
         lr = cosine_lr(step, run.lr, min(run.warmup, run.steps), run.steps, run.min_lr)
@@ -210,7 +211,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
             ts = time.perf_counter()
             if pending is not None:                        # the next save waits for the previous one
                 pending.finish()
-            pending = save_run(runner, run, step + 1, guard, comm, lay, background=run.async_save)
+            pending = save_run(runner, run, step + 1, guard, comm, lay, background=run.async_save, staging=staging)
             if not run.async_save:
                 saved, pending = pending, None
             record["save_s"] = time.perf_counter() - ts    # what the step waited for (async: the copy)

@@ -106,7 +106,8 @@ class PendingSave:
 
     __init__   collective: describe the pieces, agree who writes each, make the temporary
                directory; with ``copy=True`` this rank's pieces are copied to host memory here,
-               so that training may change the arrays afterwards (an asynchronous save)
+               so that training may change the arrays afterwards (an asynchronous save); into
+               ``staging`` ({key: buffer}, kept by the caller between saves) when given
     write()    this rank's shard file: file I/O only, no communication (a background thread may
                run it, ``start()``)
     finish()   collective: wait for write(), agree that every rank wrote, rank 0 writes the
@@ -115,7 +116,7 @@ class PendingSave:
     """
 
     def __init__(self, directory, step, shards, opt_shards=None, meta=None, comm=None, keep=None, rank_meta=None,
-                 copy=False):
+                 copy=False, staging=None):
         import threading
 
         self.comm, self.step, self.meta, self.keep = comm, int(step), meta, keep
@@ -153,7 +154,7 @@ class PendingSave:
             err = CheckpointError(final, f"rank {rank}: {e}")
         agree(comm, err, "preparing the checkpoint directory")
         self.owners = owners
-        self.mine = {k: (np.array(a, copy=True) if copy else a, sh) for k, (a, sh) in mine.items()
+        self.mine = {k: (_staged(k, a, staging) if copy else a, sh) for k, (a, sh) in mine.items()
                      if owners[(k, json.dumps(entries[k]["index"]))] == rank}
 
     @property
@@ -209,6 +210,19 @@ class PendingSave:
                 err = CheckpointError(self.final, f"publishing the checkpoint failed: {e}")
         agree(self.comm, err, "publishing the checkpoint")
         return self.final
+
+
+def _staged(key, a, staging):
+    """A host copy of ``a``: into ``staging[key]`` when it holds a buffer of a's shape and dtype
+    (the previous save's: its pages are mapped already, so the copy runs at memory speed rather
+    than at the rate the kernel hands out fresh pages), else a new one kept there for next time."""
+    if staging is None:
+        return np.array(a, copy=True)
+    buf = staging.get(key)
+    if buf is None or buf.shape != a.shape or buf.dtype != a.dtype:
+        buf = staging[key] = np.empty(a.shape, a.dtype)
+    np.copyto(buf, a)
+    return buf
 
 
 def _manifest(step, size, meta, listing, owners, written):

@@ -47,7 +47,8 @@ def optimizer_shards(optimizer, model=None):
         return optimizer.checkpoint_shards()
     params = dict(getattr(optimizer, "params", None) or (model.named_parameters() if model else ()))
     shards, scalars = {}, {}
-    for key, val in optimizer.state_dict().items():
+    state = optimizer.state_views() if hasattr(optimizer, "state_views") else optimizer.state_dict()
+    for key, val in state.items():
         if not isinstance(val, dict):
             scalars[key] = val.item() if hasattr(val, "item") else val
             continue
@@ -74,19 +75,21 @@ def checkpoint_state(model, optimizer=None):
 
 
 def save_training(directory, step, model, optimizer=None, comm=None, meta=None, keep=None, rank_meta=None,
-                  background=False):
+                  background=False, staging=None):
     """Collective: save model (and optimiser) state; meta gets config and the optimiser's scalars.
 
     meta: the trainer's JSON-able extras (layout, data position, loss scale, ...); rank_meta:
     this rank's JSON-able extras (its RNG state). Returns the checkpoint path; with
     ``background=True`` a started saving.PendingSave instead (the pieces copied to host memory,
-    the file written by a thread; call its finish(), collectively, to publish it)."""
+    the file written by a thread; call its finish(), collectively, to publish it; ``staging``: the
+    caller's {key: host buffer} reused from one background save to the next)."""
     shards, opt_shards, scalars = checkpoint_state(model, optimizer)
     meta = dict(meta or {})
     meta.setdefault("config", config_dict(model))
     meta["optimizer"] = scalars
     if background:
-        return PendingSave(directory, step, shards, opt_shards, meta, comm, keep, rank_meta, copy=True).start()
+        return PendingSave(directory, step, shards, opt_shards, meta, comm, keep, rank_meta, copy=True,
+                           staging=staging).start()
     return save(directory, step, shards, opt_shards, meta, comm, keep=keep, rank_meta=rank_meta)
 
 

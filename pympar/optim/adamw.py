@@ -40,6 +40,11 @@ class AdamW:
         return dict(step=self.step_count, m={n: a.copy() for n, a in self.m.items()},
                     v={n: a.copy() for n, a in self.v.items()})
 
+    def state_views(self):
+        """state_dict's layout without the copies (a checkpoint reads them at once, or copies
+        them itself when it writes in the background)."""
+        return dict(step=self.step_count, m=dict(self.m), v=dict(self.v))
+
     def load_state_dict(self, d):
         if set(d["m"]) != set(self.m):
             raise ValueError(f"optimizer state names differ: missing {sorted(set(self.m) - set(d['m']))[:5]}, "
