@@ -25,9 +25,11 @@ Elastic: with ``--hostfile FILE`` (MPICH hydra's ``host[:slots]`` lines) the ran
 are the slots the file lists when the attempt starts (at most ``-n`` when given), so a cluster
 manager or a person can shrink or grow the job between attempts; ``--min-ranks M`` refuses to start
 an attempt below M. When the world size changes, the layout is chosen again by the trainer's rule
-(pp, tp, cp, ep as given; dp takes the rest) and the global batch is kept: ``--n-micro`` becomes
-global_batch / (micro_batch_size x dp), refused with a message when it does not divide, so the run
-continues the same training trajectory from the checkpoint, resharded as the trainer can.
+(pp, tp, cp, ep as given; dp takes the rest), or by the planner with ``--layout auto``, and the
+global batch is kept: ``--n-micro`` becomes global_batch / (micro_batch_size x dp) (with
+``--layout auto``: / (micro_batch_size x world), the planner's definition), refused with a message
+when it does not divide, so the run continues the same training trajectory from the checkpoint,
+resharded as the trainer can.
 
 Faults injected with PYMPAR_INJECT_* (pympar.faults, for tests) fire in the first attempt only:
 the supervisor tells the trainer its attempt number (PYMPAR_LAUNCH_ATTEMPT).
@@ -127,9 +129,16 @@ def hostfile_ranks(path) -> int:
 def layout_for(train, world, global_batch):
     """(train arguments for this world size, global batch): dp takes what pp*tp*cp leave; n_micro
     keeps the global batch of the first attempt (LaunchError when it cannot)."""
+    mbs = int(_flag(train, "--micro-batch-size") or 8)
+    if _flag(train, "--layout") == "auto":     # the planner's global batch: mbs x n_micro x world
+        if global_batch is None:
+            global_batch = mbs * int(_flag(train, "--n-micro") or 1) * world
+        if global_batch % (mbs * world):
+            raise LaunchError(f"{world} ranks cannot keep the global batch of {global_batch} sequences with "
+                              f"--layout auto and micro-batches of {mbs}: it needs a world dividing {global_batch // mbs}")
+        return _without(train, "--n-micro") + ["--n-micro", str(global_batch // (mbs * world))], global_batch
     get = {k: int(_flag(train, f"--{k}") or 1) for k in ("pp", "tp", "cp")}
     rest = get["pp"] * get["tp"] * get["cp"]
-    mbs = int(_flag(train, "--micro-batch-size") or 8)
     if world % rest:
         raise LaunchError(f"{world} ranks do not divide into pp*tp*cp = {rest}: the job needs a multiple of {rest}")
     dp = world // rest

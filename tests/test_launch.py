@@ -77,6 +77,24 @@ def test_max_restarts_exhausted_says_so(tmp_path):
     assert len(_records(out)) == 1
 
 
+def test_layout_for_keeps_the_global_batch():
+    from pympar.launch import LaunchError, layout_for
+
+    base = ["--micro-batch-size", "2", "--n-micro", "1", "--out", "o"]
+    args, g = layout_for(base, 4, None)
+    assert g == 8 and args[-4:] == ["--dp", "4", "--n-micro", "1"]
+    args, _ = layout_for(base, 2, g)
+    assert args[-4:] == ["--dp", "2", "--n-micro", "2"]
+    args, _ = layout_for(base + ["--tp", "2"], 2, g)          # tp 2 on 2 ranks: dp 1, n_micro 4
+    assert args[-4:] == ["--dp", "1", "--n-micro", "4"]
+    with pytest.raises(LaunchError, match="cannot keep the global batch of 8"):
+        layout_for(base, 3, g)
+    auto = ["--layout", "auto", "--micro-batch-size", "2", "--n-micro", "2", "--out", "o"]
+    args, g = layout_for(auto, 2, None)
+    assert g == 8 and "--dp" not in args and args[-2:] == ["--n-micro", "2"]
+    assert layout_for(auto, 4, g)[0][-2:] == ["--n-micro", "1"]
+
+
 def test_supervisor_refuses_what_cannot_run(tmp_path):
     res = _launch(["-n", 2, "--", *TRAIN])
     assert res.returncode == 2 and "must include --out DIR" in res.stderr

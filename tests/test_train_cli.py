@@ -358,3 +358,10 @@ def test_progress_auto_follows_what_the_launcher_writes_to(tmp_path):
     shown = typescript.read_bytes().decode(errors="replace")       # read_text would turn \r into \n
     assert p.returncode == 0, (p.returncode, p.stdout[-500:], p.stderr[-500:], shown[-1500:])
     assert "step/s" in shown and "\r" in shown, shown[-1500:]
+    # the same under the supervisor on a terminal (pympar.launch -> mpiexec -> the ranks)
+    cmd = " ".join([sys.executable, "-m", "pympar.launch", "-n", "2", "--", *TINY, "--steps", "12",
+                    "--out", str(tmp_path / "launched")])
+    p = subprocess.run(["script", "-qec", cmd, str(typescript)], capture_output=True, text=True, env=mpi_env(),
+                       cwd=ROOT / "tests", timeout=90)
+    shown = typescript.read_bytes().decode(errors="replace")
+    assert p.returncode == 0 and "step/s" in shown and "\r" in shown, shown[-1500:]
