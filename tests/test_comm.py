@@ -50,3 +50,22 @@ def test_collectives_on_two_real_nodes():
     # hierarchical's inter-node leg on the network transport, its nodes not contiguous in rank order
     run_pytest_mpi(4, "mpi_comm.py", timeout=180, env={"MPIR_CVAR_NUM_CLIQUES": 2})
     run_pytest_mpi(4, "mpi_tuning.py", timeout=120, env={"MPIR_CVAR_NUM_CLIQUES": 2})
+
+
+def test_importing_pympar_comm_does_not_start_mpi():
+    """DESIGN.md: `import pympar.comm` does not initialise MPI (importing mpi4py.MPI would): the
+    base, SelfComm, requests and datatypes take mpi4py on first use; the model and parallel
+    layers import without it too, and SelfComm works with no MPI at all."""
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np\n"
+            "import pympar.comm, pympar.nn, pympar.parallel.runner, pympar.parallel.mesh\n"
+            "from pympar.comm import SelfComm\n"
+            "c = SelfComm(); x = np.ones(4, np.float32); c.allreduce(x)\n"
+            "y = np.empty_like(x); r = c.isend(x, 0); c.irecv(y, 0).wait(); r.wait()\n"
+            "assert (y == 1).all()\n"
+            "print(sorted(m for m in sys.modules if m.startswith('mpi4py')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -7,21 +7,26 @@ float32/float64/int32/int64 travel as their MPI types; float16 and bfloat16 trav
 from __future__ import annotations
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import backend, kernels
+from .lazympi import MPI
 
 OPS = ("sum", "avg", "max", "min", "prod")
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 
-_NATIVE = {
-    np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
-    np.dtype(np.int32): MPI.INT32_T, np.dtype(np.int64): MPI.INT64_T,
-    np.dtype(np.uint8): MPI.BYTE,
-}
-_NATIVE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+_NATIVE: dict = {}          # numpy dtype -> MPI type; filled on first use (importing MPI starts it)
+_NATIVE_OPS: dict = {}
 _raw2 = None
 _user_ops: dict = {}
+
+
+def _native() -> dict:
+    if not _NATIVE:
+        _NATIVE.update({np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
+                        np.dtype(np.int32): MPI.INT32_T, np.dtype(np.int64): MPI.INT64_T,
+                        np.dtype(np.uint8): MPI.BYTE})
+        _NATIVE_OPS.update({"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD})
+    return _NATIVE
 
 
 def check_op(op: str) -> str:
@@ -53,7 +58,7 @@ def raw2():
 
 def mpi_type(dt):
     dt = np.dtype(dt)
-    t = _NATIVE.get(dt)
+    t = (_NATIVE or _native()).get(dt)
     if t is not None:
         return t
     if dt.itemsize == 2:
@@ -67,8 +72,9 @@ def wire(a):
     No count: mpi4py derives it from the buffer, per peer for alltoall/allgather receives.
     """
     dt = a.dtype
-    if dt in _NATIVE:
-        return [a, _NATIVE[dt]]
+    native = _NATIVE or _native()
+    if dt in native:
+        return [a, native[dt]]
     return [a.view(np.uint16), raw2()]   # memoryview refuses bfloat16: pass raw 2-byte words
 
 
@@ -79,13 +85,13 @@ def raw_bytes(a):
 
 def has_mpi_type(dt) -> bool:
     """Whether MPI reduces dt with its own (predefined) ops."""
-    return np.dtype(dt) in _NATIVE
+    return np.dtype(dt) in (_NATIVE or _native())
 
 
 def mpi_op(op: str, dt):
     """The MPI op reducing ``dt`` elements with ``op`` (avg reduces as sum; the caller divides)."""
     dt = np.dtype(dt)
-    if dt in _NATIVE:
+    if dt in (_NATIVE or _native()):
         return _NATIVE_OPS[op]
     key = (backend.dtype_name(dt), op)
     if key not in _user_ops:

@@ -11,7 +11,7 @@ import math
 import os
 import time
 
-from mpi4py import MPI
+from .lazympi import MPI
 
 from .errors import CommTimeoutError
 
