@@ -39,7 +39,7 @@ def parse(argv=None):
     ap.add_argument("--launch", action="store_true", help="run mpiexec -n p for every --pp and merge")
     ap.add_argument("--pp", default="2,4", help="pipeline sizes for --launch")
     ap.add_argument("--m", default="4,8,16", help="micro-batch counts")
-    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb-h1")
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb-h1,zb-v")
     ap.add_argument("--v", type=int, default=2, help="chunks per rank for interleaved")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--work", choices=("spin", "sleep", "flops", "model"), default="spin")
@@ -163,13 +163,14 @@ def run_rank(args):
     lat = neighbour_latency(world, (2, 32, C), np.float32)
     rows = []
     for sched in args.schedules.split(","):
-        v = args.v if sched == "interleaved" else 1
+        v = args.v if sched == "interleaved" else (2 if sched == "zb-v" else 1)
         for m in ints(args.m):
             try:
                 validate_schedule(sched, p, m, v)
             except ValueError:
                 continue
-            model = PipelineGPT(cfg, seed=0, pp=p, rank=r, v=v, factory=BenchFactory(args))
+            model = PipelineGPT(cfg, seed=0, pp=p, rank=r, v=v, factory=BenchFactory(args),
+                                placement="v" if sched == "zb-v" else "interleaved")
             ex = PipelineExecutor(model, world, sched)
             mbs = [(rng.integers(0, 64, (2, 32)), rng.integers(0, 64, (2, 32))) for _ in range(m)]
             per_step = []
@@ -193,7 +194,8 @@ def run_rank(args):
                 # the measured one-way message latency: what a perfect executor would show here
                 f = args.block_ms / 1e3 * args.layers / p if args.work in ("spin", "sleep") else 0.0
                 sim = simulate([build_schedule(sched, p, m, v, q) for q in range(p)], p, v,
-                               f_cost=f, b_cost=2 * f, comm_cost=lat, w_cost=f) if f else None
+                               f_cost=f, b_cost=2 * f, comm_cost=lat, w_cost=f,
+                               placement="v" if sched == "zb-v" else "interleaved") if f else None
                 rows.append(dict(schedule=sched, p=p, m=m, v=v, work=args.work,
                                  formula=formula,
                                  measured_f_ms=float(fbw[0] * 1e3), measured_b_ms=float(fbw[1] * 1e3),

@@ -108,7 +108,9 @@ _HELP = {
     "layout": "'rule': dp/pp/tp/ep/cp not given are filled in (pp=tp=ep=cp=1, dp takes the rest); "
               "'auto': the planner (python -m pympar.plan) picks dp, pp, tp, ep, cp, micro-batches, schedule, "
               "ZeRO and sequence parallelism for the same global batch (micro_batch_size*n_micro*world)",
-    "schedule": "pipeline schedule", "virtual_stages": "model chunks per rank (interleaved schedule)",
+    "schedule": "pipeline schedule (zb-h1, zb-v: zero bubble, the backward split into input and weight passes; "
+                "docs/pipeline.md)",
+    "virtual_stages": "model chunks per rank (interleaved schedule; zb-v: 2, set for it)",
     "micro_batch_size": "sequences per micro-batch",
     "n_micro": "micro-batches per DP rank per step (global batch = micro_batch_size*n_micro*dp)",
     "zero": "ZeRO stage over the data-parallel group: 1 shards the optimizer state, 2 also the gradients, "
@@ -145,7 +147,7 @@ _HELP = {
     "max_bad_steps": "stop after this many consecutive steps with non-finite loss/gradients (0 = never)",
 }
 _CHOICES = {
-    "preset": sorted(PRESETS), "schedule": ["gpipe", "1f1b", "interleaved", "zb-h1"],
+    "preset": sorted(PRESETS), "schedule": ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
     "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"],
     "dtype": ["float32", "bfloat16", "float16"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
     "progress": ["auto", "bar", "log"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
@@ -233,6 +235,8 @@ def parse_args(argv, world_size: int) -> tuple[GPTConfig, RunConfig]:
     run_names = {f.name for f in _RUN_FIELDS}
     run = RunConfig(**{k: v for k, v in given.items() if k in run_names})
     run.threads_from = "--threads" if run.threads else ""
+    if run.schedule == "zb-v" and run.virtual_stages == 1 and (run.pp or 1) > 1:
+        run.virtual_stages = 2                # zb-v's two chunks per rank (the V)
     if not run.threads:                   # the environment, read here at the edge
         for var in ("PYMPAR_NUM_THREADS", "OMP_NUM_THREADS"):
             v = os.environ.get(var, "").strip()

@@ -283,7 +283,7 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     from .parallel.pp import schedules as S
     from .parallel.pp.partition import partition
 
-    part = partition(cfg, lay.pp, lay.virtual_stages)
+    part = partition(cfg, lay.pp, lay.virtual_stages, placement=S.placement_of(lay.schedule))
     scheds = _schedules(lay)
     B, T, C = lay.micro_batch_size, cfg.block_size // lay.cp, cfg.n_embd     # T: this rank's positions
     tp_cross = lay.tp > m.ranks_per_node
@@ -332,7 +332,8 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     f_cost = comp / 3 + (tp_t + ep_t) / 2 + cp_t / 3
     b_cost = 2 * comp / 3 + (tp_t + ep_t) / 2 + 2 * cp_t / 3
     # simulate() charges each of a rank's v chunks cost/v; every chunk boundary sends the full B*T*C
-    sim = S.simulate(scheds, lay.pp, lay.virtual_stages, f_cost, b_cost, comm_cost=pp_t)
+    sim = S.simulate(scheds, lay.pp, lay.virtual_stages, f_cost, b_cost, comm_cost=pp_t,
+                     placement=S.placement_of(lay.schedule))
     pipe = sim["makespan"]
     busy = max(sim["busy"])
     grad_bytes = 4 * n_par_worst
@@ -393,6 +394,8 @@ def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_n
                     scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
                     if pp > 1 and cfg.n_layer % (pp * 2) == 0:
                         scheds.append(("interleaved", 2))
+                    if pp > 1 and cfg.n_layer >= 2 * pp:
+                        scheds.append(("zb-v", 2))
                     for sched, v in scheds:
                         lay0 = Layout(dp, pp, tp, ep, mbs, nm, sched, v, cp=cp)
                         try:
@@ -401,7 +404,7 @@ def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_n
                             yield lay0, f"invalid: {e}"
                             continue
                         for zero in ([0, 1, 2, 3] if dp * cp > 1 else [0]):
-                            if sched == "zb-h1" and zero >= 2:     # refused (runner.check_supported)
+                            if sched in ("zb-h1", "zb-v") and zero >= 2:     # refused (runner.check_supported)
                                 continue
                             sps = [False, True] if tp > 1 and (cfg.block_size // cp) % tp == 0 else [False]
                             for sp in sps:

@@ -233,7 +233,7 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
     stat = master_bytes
     B, T = micro_batch_size, cfg.block_size // cp
     dp = dp * cp                                               # the gradient group (Mesh.dpcp)
-    part = partition(cfg, pp, virtual_stages)
+    part = partition(cfg, pp, virtual_stages, placement=S.placement_of(schedule))
     worst = None
     for r in range(pp):
         stages = part.stages_of(r)

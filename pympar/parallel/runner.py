@@ -82,14 +82,15 @@ def check_supported(model_cfg, layout, opts) -> None:
         validate_tp(model_cfg, tp, opts.seq_parallel, seq_len=model_cfg.block_size // cp)
     validate_cp(model_cfg, cp, tp, opts.seq_parallel)
     v = getattr(opts, "virtual_stages", 1)
-    if getattr(opts, "schedule", "1f1b") == "zb-h1" and pp > 1 and opts.zero >= 2:
-        raise NotSupportedError(f"--schedule zb-h1 defers weight gradients past the backward that ZeRO-{opts.zero} "
-                                f"reduces and releases them after: use --zero 0 or 1 with zb-h1, or 1f1b with ZeRO-{opts.zero}")
+    sched = getattr(opts, "schedule", "1f1b")
+    if sched in ("zb-h1", "zb-v") and pp > 1 and opts.zero >= 2:
+        raise NotSupportedError(f"--schedule {sched} defers weight gradients past the backward that ZeRO-{opts.zero} "
+                                f"reduces and releases them after: use --zero 0 or 1 with {sched}, or 1f1b with ZeRO-{opts.zero}")
     if pp > 1:
         from .pp import validate_pipeline
         validate_pipeline(model_cfg, pp, opts.n_micro, opts.schedule, v)
     elif v != 1:
-        raise ValueError(f"virtual_stages={v} needs a pipeline: use --pp > 1 with --schedule interleaved, or 1")
+        raise ValueError(f"virtual_stages={v} needs a pipeline: use --pp > 1 with --schedule interleaved or zb-v, or 1")
 
 
 def build_runner(model_cfg, layout, comm, opts, rec=_profile.NULL):

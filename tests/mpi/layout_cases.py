@@ -3,7 +3,8 @@
 A layout is (dp, pp, tp, ep, model, schedule, v, sp, zero, dtype, recompute, cp) with
 dp*pp*cp*tp = world. ``all_layouts(world)`` is every layout the test models admit (pp <= n_layer,
 tp | n_head, ep | dp*cp and ep | n_expert, 2*cp | block_size (cp 1, 2, 4 with block_size 8),
-interleaved only where n_layer divides into pp*2 chunks, zb-h1 with ZeRO 0 and 1, sequence parallelism only with tp > 1
+interleaved only where n_layer divides into pp*2 chunks, zb-v where n_layer >= 2*pp, zb-h1 and zb-v with
+ZeRO 0 and 1, sequence parallelism only with tp > 1
 and tp | block_size/cp, ZeRO stages 1-3 only with dp*cp > 1), each with activation
 recomputation none, selective and full, in float64. ``ci_layouts(world)`` is a
 representative slice: a greedy all-pairs cover (every pair of dimension values that occurs in
@@ -79,13 +80,14 @@ def all_layouts(world: int, dtypes=("float64",)):
                     continue
                 dp = world // (pp * tp * cp)
                 scheds = [("-", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)] + \
-                    ([("interleaved", 2)] if N_LAYER % (2 * pp) == 0 else [])
+                    ([("interleaved", 2)] if N_LAYER % (2 * pp) == 0 else []) + \
+                    ([("zb-v", 2)] if N_LAYER >= 2 * pp else [])
                 sps = [False, True] if tp > 1 and (T // cp) % tp == 0 else [False]
                 for model in ("dense", "moe"):
                     eps = [1] if model == "dense" else [e for e in _divisors(dp * cp) if N_EXPERT % e == 0]
                     for ep, (sched, v), sp, zero, dt, rc in itertools.product(
                             eps, scheds, sps, [0, 1, 2, 3] if dp * cp > 1 else [0], dtypes, RECOMPUTE):
-                        if sched == "zb-h1" and zero >= 2:          # refused: see runner.check_supported
+                        if sched in ("zb-h1", "zb-v") and zero >= 2:   # refused: see runner.check_supported
                             continue
                         out.append(Layout(dp, pp, tp, ep, model, sched, v, sp, zero, dt, rc, cp))
     return out

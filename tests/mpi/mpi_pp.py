@@ -57,9 +57,9 @@ def compare(world, model, ref, what):
             assert e <= TOL, f"rank {world.rank}: {kind} of {n} differs from single process, rel {e:.2e}"
 
 
-CASES = [("gpipe", 1, 3), ("1f1b", 1, 5), ("interleaved", 2, None), ("zb-h1", 1, 5)]
+CASES = [("gpipe", 1, 3), ("1f1b", 1, 5), ("interleaved", 2, None), ("zb-h1", 1, 5), ("zb-v", 2, 5)]
 if FULL:
-    CASES = [(s, v, m) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+    CASES = [(s, v, m) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
              for m in (1, 2, 3, 4, 5, 8)]
 
 
@@ -70,7 +70,8 @@ def test_pipeline_matches_single_process(mpi_world, schedule, v, m):
     if schedule == "interleaved" and m % p:
         pytest.skip("interleaved needs n_micro % pp == 0")
     cfg = config(p, v)
-    model = PipelineGPT(cfg, seed=3, pp=p, rank=mpi_world.rank, v=v, dtype=np.float64)
+    model = PipelineGPT(cfg, seed=3, pp=p, rank=mpi_world.rank, v=v, dtype=np.float64,
+                        placement="v" if schedule == "zb-v" else "interleaved")
     ex = PipelineExecutor(model, pp_comm(mpi_world), schedule)
     ref = GPT(cfg, seed=3, dtype=np.float64)
     opt = AdamW(model.named_parameters(), lr=1e-2)

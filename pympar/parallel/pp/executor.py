@@ -6,7 +6,7 @@ Per step (m micro-batches, loss = mean over micro-batches, as single-process acc
     requests are only completed at the end of the step;
   * the last stage computes each micro-batch's loss and starts backward with grad_scale
     = loss_scale / m; MoE blocks add their aux/z-loss gradient with the same scale;
-  * zero-bubble schedules (zb-h1): a B action is ``StageChunk.backward_input`` (the input
+  * zero-bubble schedules (zb-h1, zb-v): a B action is ``StageChunk.backward_input`` (the input
     gradient, sent on at once) and keeps the deferred weight gradients (``WeightGrads``) until
     its W action runs them; the chunk's parameters are reported final (grad_ready) after W;
   * after the last action the tied wte/lm_head gradient is summed between the first and last
@@ -35,7 +35,7 @@ import numpy as np
 
 from ...backend import held_bytes, xp_of
 from . import channels
-from .schedules import SPLIT_BACKWARD, Action, build_schedule, validate_schedule
+from .schedules import SPLIT_BACKWARD, Action, build_schedule, placement_of, validate_schedule
 
 TIED_TAG = 32767                     # the MPI standard's smallest guaranteed tag upper bound
 
@@ -95,7 +95,7 @@ class _RawReq:
 
 
 class PipelineExecutor:
-    """Runs ``schedule`` ("gpipe", "1f1b", "interleaved", "zb-h1") for a PipelineGPT over the pipeline
+    """Runs ``schedule`` ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v") for a PipelineGPT over the pipeline
     communicator ``comm`` (rank i = pipeline stage i; a pympar Communicator or mpi4py comm).
 
     ``recv_window``: how many upcoming receives are kept posted ahead of the action that needs
@@ -109,6 +109,13 @@ class PipelineExecutor:
             raise ValueError(f"pipeline communicator has rank {self.p2p.rank} of {self.p2p.size}, "
                              f"but the model was built for rank {model.rank} of pp={model.pp}")
         validate_schedule(schedule, model.pp, model.pp, model.v)   # name and v (n_micro is checked per step)
+        if model.part.placement != placement_of(schedule):
+            raise ValueError(f"schedule {schedule!r} runs chunks placed {placement_of(schedule)!r}, but the model was "
+                             f"built {model.part.placement!r}: build it with placement={placement_of(schedule)!r} "
+                             f"(build_pipeline does)")
+        if self.p2p.channels is not None and model.part.placement != "interleaved":
+            raise ValueError(f"schedule {schedule!r} (chunks in a V) runs over MPI with tags only; the ordered "
+                             f"channels of NCCL pipelines do not carry it yet: use zb-h1 or 1f1b there")
         self.recv_window = recv_window or 2 * model.pp * model.v + 2
         # tensor + sequence parallelism: replicated params with per-tp-rank partial grads
         self.partial_sync = model.make_partial_grad_sync()
@@ -121,13 +128,17 @@ class PipelineExecutor:
 
     # --- neighbours and tags --------------------------------------------------------------
     def _peer(self, stage):
-        return stage % self.model.pp
+        return self.model.part.rank_of(stage)[0]
+
+    def _chunk_of(self, stage):
+        """The receiving rank's local chunk of global ``stage`` (message tags name it)."""
+        return self.model.part.rank_of(stage)[1]
 
     def _tag(self, kind, micro, chunk, m):
         return ((chunk * m + micro) << 1) | (kind == "B")
 
     def _needs_recv(self, a: Action):
-        s = a.chunk * self.model.pp + self.model.rank
+        s = self.model.chunks[a.chunk].stage
         if a.kind == "W":
             return False, None
         if a.kind == "F":
@@ -250,7 +261,7 @@ class PipelineExecutor:
                     raise ValueError(f"stage {s} produced {a.kind} output {out.shape} {out.dtype}, but stages "
                                      f"exchange {shape} {act_dtype}: the model's dtype/activation_shape is wrong")
                 send = xp.ascontiguousarray(out, dtype=act_dtype)
-                dest_chunk = dest_stage // p
+                dest_chunk = self._chunk_of(dest_stage)
                 sends.append((self.p2p.isend(send, self._peer(dest_stage), self._tag(a.kind, a.micro, dest_chunk, m)), send))
             # let MPI progress outstanding transfers without blocking
             sends = [(r, b) for r, b in sends if not r.test()]
@@ -279,11 +290,11 @@ class PipelineExecutor:
     def _sum_tied_grad(self):
         """wte.grad (first stage: embedding part; last: lm_head part) := their sum, on both."""
         model = self.model
-        if model.pp == 1 or not (model.is_first or model.is_last):
+        if model.pp == 1 or model.is_first == model.is_last:   # neither, or both (the V: one wte)
             return
         g = model.tied_weight.grad
         xp = xp_of(g)
-        other = 0 if model.is_last else model.pp - 1
+        other = model.part.rank_of(0 if model.is_last else model.part.n_stage - 1)[0]
         peer = xp.empty_like(g)
         if self.p2p.channels is not None:
             self.p2p.channels.exchange_tied(xp.ascontiguousarray(g), peer)
@@ -322,7 +333,7 @@ class PipelineExecutor:
                 local[j] += terms
                 if y is not None:
                     buf = xp.ascontiguousarray(y, dtype=dt)
-                    sends.append((self.p2p.isend(buf, self._peer(s + 1), self._tag("F", j, (s + 1) // p, m)), buf))
+                    sends.append((self.p2p.isend(buf, self._peer(s + 1), self._tag("F", j, self._chunk_of(s + 1), m)), buf))
         for r, _ in sends:
             r.wait()
         for moe in layers:

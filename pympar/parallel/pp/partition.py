@@ -2,7 +2,8 @@
 
 Stage s (0..S-1, S = pp * v) holds blocks ``bounds[s]:bounds[s+1]``; stage 0 also holds the
 embeddings (wte, wpe), stage S-1 the final LayerNorm, the tied lm_head and the loss. Rank r
-holds stages r, r+pp, ... (interleaved assignment; v=1: just stage r). Everything here is pure
+holds stages r, r+pp, ... (interleaved assignment; v=1: just stage r), or with zb-v stages r
+and 2pp-1-r (the V placement). Everything here is pure
 arithmetic on the config: every rank computes the same answer, and a bad layout raises
 ValueError before any communication.
 """
@@ -42,6 +43,7 @@ class Partition:
     v: int
     bounds: tuple           # S+1 block indices, bounds[0] = 0, bounds[S] = n_layer
     costs: tuple            # per stage FLOPs/token including embedding/head
+    placement: str = "interleaved"   # which rank holds which stage: schedules.stage_of
 
     @property
     def n_stage(self) -> int:
@@ -53,7 +55,13 @@ class Partition:
 
     def stages_of(self, rank: int) -> list:
         """Global stages held by pipeline rank ``rank``, in local chunk order."""
-        return [c * self.pp + rank for c in range(self.v)]
+        from .schedules import stage_of
+        return [stage_of(rank, c, self.pp, self.placement) for c in range(self.v)]
+
+    def rank_of(self, stage: int) -> tuple:
+        """(pipeline rank, local chunk) holding global ``stage``."""
+        from .schedules import rank_of
+        return rank_of(stage, self.pp, self.placement)
 
     def stage_of_block(self, i: int) -> int:
         return next(s for s in range(self.n_stage) if self.bounds[s] <= i < self.bounds[s + 1])
@@ -85,12 +93,12 @@ def _min_max_split(costs, k):
     return tuple(reversed(bounds))
 
 
-def partition(config, pp: int, v: int = 1, seq_len: int | None = None) -> Partition:
+def partition(config, pp: int, v: int = 1, seq_len: int | None = None, placement: str = "interleaved") -> Partition:
     """Balanced stage bounds for ``config.n_layer`` blocks over pp ranks x v chunks.
 
-    v = 1: contiguous cut minimising the most expensive stage, stage 0 charged the embedding
-    and stage pp-1 the head and loss. v > 1 (interleaved): n_layer must divide into pp*v equal
-    chunks (the interleaved schedule's timing assumes equal chunks)."""
+    v = 1, or the V placement (zb-v): contiguous cut minimising the most expensive stage, stage 0
+    charged the embedding and the last stage the head and loss. v > 1 interleaved: n_layer must
+    divide into pp*v equal chunks (the interleaved schedule's timing assumes equal chunks)."""
     n = config.n_layer
     for key, val in (("pp", pp), ("v", v)):
         if int(val) != val or val < 1:
@@ -100,7 +108,7 @@ def partition(config, pp: int, v: int = 1, seq_len: int | None = None) -> Partit
         raise ValueError(f"n_layer={n} blocks cannot fill pp*v={pp}*{v}={S} pipeline stages "
                          f"(each stage needs at least one block): use pp*v <= {n}")
     costs = [block_flops(config, i, seq_len) for i in range(n)]
-    if v > 1:
+    if v > 1 and placement != "v":
         if n % S:
             ok = [k for k in range(2, n // pp + 1) if n % (pp * k) == 0]
             hint = f"v in {ok} would divide it" if ok else f"no v > 1 does with pp={pp}; use schedule '1f1b'"
@@ -116,7 +124,7 @@ def partition(config, pp: int, v: int = 1, seq_len: int | None = None) -> Partit
     stage_costs = [sum(costs[bounds[s]:bounds[s + 1]]) for s in range(S)]
     stage_costs[0] += embedding_flops(config)
     stage_costs[-1] += head_flops(config)
-    return Partition(pp, v, bounds, tuple(stage_costs))
+    return Partition(pp, v, bounds, tuple(stage_costs), placement)
 
 
 def validate_pipeline(config, pp: int, n_micro: int, schedule: str = "1f1b", v: int = 1,
@@ -133,4 +141,8 @@ def validate_pipeline(config, pp: int, n_micro: int, schedule: str = "1f1b", v: 
                          f"limit MPI guarantees): use n_micro*v <= {TIED_TAG // 2}")
     if seq_len is not None and not 1 <= seq_len <= config.block_size:
         raise ValueError(f"sequence length {seq_len} must be in 1..block_size={config.block_size}")
-    return partition(config, pp, v, seq_len)
+    from .schedules import placement_of
+    if schedule == "zb-v" and config.n_layer < 2 * pp:
+        raise ValueError(f"zb-v places 2 chunks per rank (2*pp = {2 * pp} stages) but n_layer={config.n_layer}: "
+                         f"use pp <= {config.n_layer // 2} with zb-v, or zb-h1")
+    return partition(config, pp, v, seq_len, placement_of(schedule))

@@ -24,6 +24,10 @@ runs without deadlock exactly when ``simulate`` finishes it.
                F, B, W (``list_schedule``: at each moment the earliest action, B before F before
                W on ties): bubble (p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)), a third of 1F1B's when
                F = B = W
+  zb-v         ZB-V: two chunks per rank placed in a V (rank r holds stages r and 2p-1-r) and the
+               same list schedule over them, at 1F1B's activation memory (2p half-stage chunks);
+               zero bubble in the paper's ideal timing, and 1-2.5% of the makespan in this list
+               schedule with unit times at m >= 2p
 """
 from __future__ import annotations
 
@@ -31,15 +35,15 @@ from dataclasses import dataclass
 
 import functools
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-SPLIT_BACKWARD = ("zb-h1",)          # schedules whose B is the input gradient only, W the rest
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+SPLIT_BACKWARD = ("zb-h1", "zb-v")   # schedules whose B is the input gradient only, W the rest
 
 
 @dataclass(frozen=True)
 class Action:
     kind: str        # "F", "B" or "W"
     micro: int       # micro-batch index, 0..m-1
-    chunk: int = 0   # local model chunk, 0..v-1 (global stage = chunk * p + rank)
+    chunk: int = 0   # local model chunk, 0..v-1 (global stage: stage_of(rank, chunk, p, placement))
 
     def __repr__(self):
         return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
@@ -52,9 +56,10 @@ def validate_schedule(name: str, p: int, m: int, v: int = 1) -> None:
     for key, val in (("pp", p), ("n_micro", m), ("virtual chunks v", v)):
         if int(val) != val or val < 1:
             raise ValueError(f"{key}={val} must be an integer >= 1")
-    if name == "zb-h1" and m < 1:
-        raise ValueError(f"zb-h1 needs n_micro >= 1, got {m}")
-    if name != "interleaved" and v != 1:
+    if name == "zb-v" and v != 2:
+        raise ValueError(f"zb-v runs two model chunks per rank (placed in a V) but v={v}: use --virtual-stages 2 "
+                         f"(the trainer sets it for zb-v when it is left at 1)")
+    if name not in ("interleaved", "zb-v") and v != 1:
         raise ValueError(f"schedule {name!r} runs one model chunk per rank but v={v}: "
                          f"use schedule 'interleaved' for v > 1, or v=1")
     if name == "interleaved" and v > 1 and m % p:
@@ -103,53 +108,100 @@ def interleaved_1f1b(p: int, m: int, v: int, rank: int) -> list:
     return acts
 
 
-@functools.lru_cache(maxsize=64)
-def list_schedule(p: int, m: int) -> tuple:
-    """ZB-H1's tables for every rank: the list schedule of unit-time F, B, W actions.
+def stage_of(rank: int, chunk: int, p: int, placement: str = "interleaved") -> int:
+    """Global stage of local chunk ``chunk`` of pipeline rank ``rank``: interleaved c*p + r
+    (Megatron's), or "v": chunk 0 is stage r, chunk 1 stage 2p-1-r (ZB-V's V shape: the first and
+    the last stage on rank 0, the two middle ones on rank p-1)."""
+    if placement == "v":
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    return chunk * p + rank
 
-    Each rank runs its F's, B's and W's each in micro-batch order; at every moment the rank
-    free earliest starts the action that can start earliest (ties: B, then F, then W), an F
-    only while fewer than p-r micro-batches are between their F and their B (1F1B's bound) and
-    fewer than 2p-r-1 between their F and their W (at most p-r-1 W passes deferred, as the paper's
-    ZB-H1: without that bound the W's of every micro-batch would wait for the drain, and their
-    inputs with them). The order is the table the executor runs; the times are only how it was
-    found."""
-    nxt = {k: [0] * p for k in "FBW"}
+
+def rank_of(stage: int, p: int, placement: str = "interleaved") -> tuple:
+    """(rank, local chunk) holding global ``stage``: the inverse of stage_of."""
+    if placement == "v":
+        return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
+    return stage % p, stage // p
+
+
+def placement_of(name: str) -> str:
+    """How schedule ``name`` places its chunks: "v" for zb-v, else "interleaved"."""
+    return "v" if name == "zb-v" else "interleaved"
+
+
+@functools.lru_cache(maxsize=64)
+def list_schedule(p: int, m: int, v: int = 1, placement: str = "interleaved") -> tuple:
+    """The zero-bubble tables for every rank: the list schedule of unit-time F, B, W actions.
+
+    Each rank runs, per chunk, its F's, B's and W's each in micro-batch order; at every moment the
+    rank free earliest starts the action that can start earliest (ties: B, then F, then W; among
+    chunks the later stage first). v = 1 (ZB-H1): an F only while fewer than p-r micro-batches are
+    between their F and their B (1F1B's bound) and fewer than 2p-r-1 between their F and their W
+    (at most p-r-1 W passes deferred, as the paper's ZB-H1: without that bound the W's of every
+    micro-batch would wait for the drain, and their inputs with them). v = 2 in the V placement
+    (ZB-V): at most 2p chunk micro-batches between F and B on any rank (each chunk is half a
+    stage: p stages' worth, 1F1B's first-stage bound), one slot kept for chunk 1 so that chunk 0's
+    F's cannot fill it, and at most 4p-1 between F and W. The order is the table the executor runs;
+    the times are only how it was found."""
+    S = p * v
+    nxt = {k: [[0] * v for _ in range(p)] for k in "FBW"}
     clock = [0.0] * p
     done = {}                                    # (kind, micro, stage) -> end time
-    between = [0] * p                            # F done, B not yet
+    between = [0] * p                            # F done, B not yet (chunk micro-batches)
     unweighted = [0] * p                         # F done, W not yet
+    wq = [[] for _ in range(p)]                  # (micro, chunk) whose B ran, W not yet, in order
     out = [[] for _ in range(p)]
-    for _ in range(3 * m * p):
+    if v == 1:
+        f_cap = [p - r for r in range(p)]
+        w_cap = [2 * p - r - 1 for r in range(p)]
+    else:
+        f_cap, w_cap = [2 * p] * p, [4 * p - 1] * p
+    for _ in range(3 * m * S):
         best = None
         for r in range(p):
             opts = []
-            j = nxt["B"][r]
-            if j < m and ("F", j, r) in done and (r == p - 1 or ("B", j, r + 1) in done):
-                opts.append((max(clock[r], done[("F", j, r)], done.get(("B", j, r + 1), 0.0)), 0, "B", j))
-            j = nxt["F"][r]
-            if j < m and between[r] < p - r and unweighted[r] < 2 * p - r - 1 and (r == 0 or ("F", j, r - 1) in done):
-                opts.append((max(clock[r], done.get(("F", j, r - 1), 0.0)), 1, "F", j))
-            j = nxt["W"][r]
-            if j < nxt["B"][r]:
-                opts.append((clock[r], 2, "W", j))
+            for c in range(v):
+                st = stage_of(r, c, p, placement)
+                j = nxt["B"][r][c]
+                if j < m and ("F", j, st) in done and (st == S - 1 or ("B", j, st + 1) in done):
+                    t = max(clock[r], done[("F", j, st)], done.get(("B", j, st + 1), 0.0))
+                    opts.append((t, 0, -st, "B", j, c))
+                j = nxt["F"][r][c]
+                reserve = 1 if (v > 1 and c == 0) else 0
+                if j < m and between[r] < f_cap[r] - reserve and unweighted[r] < w_cap[r] and \
+                        (st == 0 or ("F", j, st - 1) in done):
+                    opts.append((max(clock[r], done.get(("F", j, st - 1), 0.0)), 1, -st, "F", j, c))
+            if wq[r]:
+                j, c = wq[r][0]
+                opts.append((clock[r], 2, 0, "W", j, c))
             if opts:
                 o = min(opts)
                 if best is None or (o[0], o[1], r) < (best[0][0], best[0][1], best[1]):
                     best = (o, r)
-        (t, _, kind, j), r = best
+        if best is None:
+            raise RuntimeError(f"list schedule for p={p}, m={m}, v={v}, {placement} cannot proceed")
+        (t, _, _, kind, j, c), r = best
         clock[r] = t + 1.0
-        done[(kind, j, r)] = clock[r]
-        nxt[kind][r] += 1
+        done[(kind, j, stage_of(r, c, p, placement))] = clock[r]
+        nxt[kind][r][c] += 1
         between[r] += {"F": 1, "B": -1, "W": 0}[kind]
         unweighted[r] += {"F": 1, "B": 0, "W": -1}[kind]
-        out[r].append(Action(kind, j))
+        if kind == "B":
+            wq[r].append((j, c))
+        elif kind == "W":
+            wq[r].pop(0)
+        out[r].append(Action(kind, j, c))
     return tuple(tuple(a) for a in out)
 
 
 def zb_h1(p: int, m: int, rank: int) -> list:
     """ZB-H1 (see the module docstring and list_schedule)."""
     return list(list_schedule(p, m)[rank])
+
+
+def zb_v(p: int, m: int, rank: int) -> list:
+    """ZB-V: two chunks per rank in the V placement (see list_schedule)."""
+    return list(list_schedule(p, m, 2, "v")[rank])
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1, rank: int = 0) -> list:
@@ -163,6 +215,8 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, rank: int = 0) -> list
         return one_f_one_b(p, m, rank)
     if name == "zb-h1":
         return zb_h1(p, m, rank)
+    if name == "zb-v":
+        return zb_v(p, m, rank)
     return interleaved_1f1b(p, m, v, rank)
 
 
@@ -196,7 +250,7 @@ def peak_held(actions) -> int:
 
 
 def simulate(schedules, p: int, v: int = 1, f_cost: float = 1.0, b_cost: float = 2.0, comm_cost: float = 0.0,
-             w_cost: float | None = None):
+             w_cost: float | None = None, placement: str = "interleaved"):
     """Run the per-rank action lists as a discrete-event model (F costs f_cost/v, B b_cost/v).
 
     b_cost is the whole backward; in lists with W actions B costs (b_cost - w_cost)/v and W
@@ -222,7 +276,7 @@ def simulate(schedules, p: int, v: int = 1, f_cost: float = 1.0, b_cost: float =
         for r in range(p):
             while pos[r] < len(schedules[r]):
                 a = schedules[r][pos[r]]
-                s = a.chunk * p + r
+                s = stage_of(r, a.chunk, p, placement)
                 if a.kind == "F":
                     need = [("F", a.micro, s - 1)] if s > 0 else []
                 elif a.kind == "W":
@@ -258,5 +312,7 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1, f: float = 1.0, b: flo
     if name == "zb-h1":
         idle = (p - 1) * max(f + b - w, 0.0)
         return idle / (m * (f + b + w) + idle)
+    if name == "zb-v":                     # the paper's ideal (F = B = W, m >= 2p)
+        return 0.0
     vv = v if name == "interleaved" else 1
     return (p - 1) / (vv * m + p - 1)

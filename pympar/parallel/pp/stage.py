@@ -195,11 +195,11 @@ class PipelineGPT:
     """
 
     def __init__(self, config, seed=0, *, pp=1, rank=0, v=1, dtype=np.float32, compute_dtype=None,
-                 factory=None, part: Partition | None = None):
+                 factory=None, part: Partition | None = None, placement: str = "interleaved"):
         self.config = config.validate()
         if not 0 <= rank < pp:
             raise ValueError(f"pipeline rank={rank} must be in 0..pp-1={pp - 1}")
-        self.part = part or make_partition(config, pp, v)
+        self.part = part or make_partition(config, pp, v, placement=placement)
         if (self.part.pp, self.part.v) != (pp, v):
             raise ValueError(f"partition is for pp={self.part.pp}, v={self.part.v}, not pp={pp}, v={v}")
         self.pp, self.rank, self.v, self.seed = pp, rank, v, seed
@@ -230,16 +230,19 @@ class PipelineGPT:
 
     @property
     def is_first(self) -> bool:
-        return self.rank == 0
+        """This rank holds stage 0 (the embedding)."""
+        return any(ch.embedding is not None for ch in self.chunks)
 
     @property
     def is_last(self) -> bool:
-        return self.rank == self.pp - 1
+        """This rank holds the last stage (the head and the loss)."""
+        return any(ch.head is not None for ch in self.chunks)
 
     @property
     def holds_tied_copy(self) -> bool:
-        """True on the last rank when it is not also the first: its wte duplicates stage 0's."""
-        return self.pp > 1 and self.is_last
+        """True on the rank of the last stage when it does not hold stage 0 too: its wte duplicates
+        stage 0's (in the V placement both are on rank 0: one wte, no copy)."""
+        return self.pp > 1 and self.is_last and not self.is_first
 
     def named_parameters(self, include_tied_copy=True):
         """(global name, Parameter) of this rank; include_tied_copy=False drops the last rank's wte
@@ -335,7 +338,7 @@ class PipelineGPT:
         """ids of the parameters whose grads are completed after the actions (tied wte, sp partials)."""
         if getattr(self, "_later_ids", None) is None:      # the Parameter objects never change
             later = {id(p) for p in self.sp_partial_params()}
-            if self.pp > 1 and self.tied_weight is not None:
+            if self.pp > 1 and self.tied_weight is not None and self.is_first != self.is_last:   # summed later
                 later.add(id(self.tied_weight))
             self._later_ids = later
         return self._later_ids
