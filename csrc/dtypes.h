@@ -4,16 +4,19 @@
 #include <cstdint>
 #include <cstring>
 
+// static: each translation unit keeps its own copy, compiled with its own instruction-set flags
+// (the arithmetic units are built once per ISA; an inline definition shared between them would be
+// one function to the linker, and an -O0 or LTO build could pick the AVX-512 one on an AVX2 machine)
 namespace pympar {
 
 enum DType : int { F32 = 0, F64 = 1, F16 = 2, BF16 = 3, I32 = 4, I64 = 5 };
 
-inline uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+static inline float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 
 // bfloat16 is the top half of a float32.
-inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
-inline uint16_t f32_to_bf16(float f) {
+static inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+static inline uint16_t f32_to_bf16(float f) {
   uint32_t u = f32_bits(f);
   uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // nearest, ties to even
   uint32_t nan = (u >> 16) | 0x40u;                             // keep NaN a (quiet) NaN
@@ -22,7 +25,7 @@ inline uint16_t f32_to_bf16(float f) {
 }
 
 // IEEE half <-> float32, all cases (zero, subnormal, normal, inf, NaN).
-inline float f16_to_f32(uint16_t h) {
+static inline float f16_to_f32(uint16_t h) {
   uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t em = h & 0x7FFFu;
   // normal and subnormal: shift into place and rescale by 2^112 (float arithmetic handles subnormals)
@@ -32,7 +35,7 @@ inline float f16_to_f32(uint16_t h) {
   return bits_f32(sign | bits);
 }
 
-inline uint16_t f32_to_f16(float f) {
+static inline uint16_t f32_to_f16(float f) {
   uint32_t u = f32_bits(f);
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t a = u & 0x7FFFFFFFu;

@@ -7,12 +7,15 @@
 #include <cstdint>
 #include <cstring>
 
+// static: each translation unit keeps its own copy, compiled with its own instruction-set flags
+// (the arithmetic units are built once per ISA; an inline definition shared between them would be
+// one function to the linker, and an -O0 or LTO build could pick the AVX-512 one on an AVX2 machine)
 namespace pympar {
 
 // a * b + c: one fused instruction where the ISA build has FMA. The kernels are compiled with
 // -ffp-contract=off so that every other expression rounds like the NumPy reference does.
 template <typename T>
-inline T madd(T a, T b, T c) {
+static inline T madd(T a, T b, T c) {
 #if defined(__FMA__)
   return std::fma(a, b, c);
 #else
@@ -20,7 +23,7 @@ inline T madd(T a, T b, T c) {
 #endif
 }
 
-inline float exp_approx(float x) {
+static inline float exp_approx(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);  // min/max, not branches: vectorises on SSE2 too
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   float t = madd(x, 1.44269504088896341f, shifter);
@@ -44,7 +47,7 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
-inline double exp_approx(double x) {
+static inline double exp_approx(double x) {
   x = std::min(std::max(x, -708.0), 709.0);
   const double shifter = 6755399441055744.0;  // 1.5 * 2^52
   double t = madd(x, 1.4426950408889634074, shifter);

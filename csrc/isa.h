@@ -12,7 +12,7 @@ namespace pympar {
 constexpr int64_t kElemGrain = 1 << 16;  // elements below which a kernel runs on one thread
 constexpr int64_t kAlign = 64;           // chunk boundaries: whole cache lines, whole vectors
 
-inline int64_t row_grain(int64_t row_len) {
+static inline int64_t row_grain(int64_t row_len) {
   return row_len >= kElemGrain ? 1 : kElemGrain / (row_len > 0 ? row_len : 1);
 }
 }  // namespace pympar

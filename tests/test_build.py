@@ -71,3 +71,31 @@ def test_tests_import_the_package_that_was_built():
         f"pympar imported from {PKG} has no pympar._C, but the installed one in {where} has: run the tests "
         f"with the installed package first on sys.path (`pytest`, not `python -m pytest`, from the repository "
         f"root), or build in place with tools/build_native.sh")
+
+
+def test_headers_shared_by_the_isa_builds_define_only_internal_functions():
+    """csrc/math.cpp, elementwise.cpp, attention.cpp and table.cpp are compiled once per
+    instruction set (generic, avx2, avx512) into one module. A function an included header defines
+    `inline` at namespace scope is ONE function to the linker, so an -O0 or LTO build could call the
+    AVX-512 copy on an AVX2 machine: the shared headers define theirs `static` (one copy per
+    translation unit, compiled with that unit's flags) or inside the per-ISA namespace."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent / "csrc"
+    cmake = (root.parent / "CMakeLists.txt").read_text()
+    sources = re.search(r"set\(PYMPAR_ISA_SOURCES ([^)]*)\)", cmake).group(1).split()
+    headers, todo = set(), [root.parent / s for s in sources]
+    while todo:                                   # the headers the ISA sources include, transitively
+        for inc in re.findall(r'#include "([^"]+)"', todo.pop().read_text()):
+            if inc not in headers and (root / inc).is_file():
+                headers.add(inc)
+                todo.append(root / inc)
+    assert {"fastmath.h", "dtypes.h", "isa.h"} <= headers, headers
+    bad = []
+    for name in sorted(headers):
+        text = (root / name).read_text()
+        isa_scoped = "namespace PYMPAR_ISA" in text
+        for n, line in enumerate(text.splitlines(), 1):
+            if re.match(r"\s*(template\s*<[^>]*>\s*)?(?!static\b)(\w+\s+)?inline\s", line) and not isa_scoped:
+                bad.append(f"{name}:{n}: {line.strip()}")
+    assert not bad, "external inline functions in headers the ISA builds share:\n" + "\n".join(bad)
