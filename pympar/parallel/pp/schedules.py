@@ -220,15 +220,16 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, rank: int = 0) -> list
     return interleaved_1f1b(p, m, v, rank)
 
 
-def peak_in_flight(actions) -> int:
-    """Most micro-batches (counted per chunk) forwarded but not yet backwarded at any point."""
+def peak_in_flight(actions, until: str = "B") -> int:
+    """Most micro-batches (counted per chunk) whose F ran and whose ``until`` action ("B", or "W")
+    did not yet, at any point of the list."""
     live, peak = set(), 0
     for a in actions:
         key = (a.micro, a.chunk)
         if a.kind == "F":
             live.add(key)
             peak = max(peak, len(live))
-        elif a.kind == "B":
+        elif a.kind == until:
             live.discard(key)
     return peak
 
@@ -237,16 +238,7 @@ def peak_held(actions) -> int:
     """Most micro-batches (per chunk) whose activations a rank holds at once: from F to B, and in
     the split schedules on to W (the deferred weight gradients keep the layers' inputs and output
     gradients; counted here as a whole micro-batch, an upper bound)."""
-    last = "W" if any(a.kind == "W" for a in actions) else "B"
-    live, peak = set(), 0
-    for a in actions:
-        key = (a.micro, a.chunk)
-        if a.kind == "F":
-            live.add(key)
-            peak = max(peak, len(live))
-        elif a.kind == last:
-            live.discard(key)
-    return peak
+    return peak_in_flight(actions, "W" if any(a.kind == "W" for a in actions) else "B")
 
 
 def simulate(schedules, p: int, v: int = 1, f_cost: float = 1.0, b_cost: float = 2.0, comm_cost: float = 0.0,
