@@ -61,10 +61,6 @@ def get_xp(device: str = "cpu"):
     raise ValueError(f"unknown device {device!r}: expected 'cpu' or 'cuda'")
 
 
-def device_of(a) -> str:
-    return "cuda" if is_cupy(a) else "cpu"
-
-
 def to_numpy(a):
     """A host copy (or the array itself when it is already on the host)."""
     if is_cupy(a):

@@ -386,11 +386,3 @@ def describe(model: GPTConfig, run: RunConfig) -> dict:
     r["layout_resolved"] = asdict(run.layout_resolved)
     return {"model": {f.name: getattr(model, f.name) for f in _MODEL_FIELDS}, "run": r}
 
-
-def env_rank() -> int:
-    """This process's MPI rank from the launcher's environment (no MPI call), 0 if unknown."""
-    for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if k in os.environ:
-            return int(os.environ[k])
-    return 0
-

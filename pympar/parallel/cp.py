@@ -181,6 +181,7 @@ class RingAttentionCore(CausalAttentionCore):
         q = qkv[:, :, 0]
         groups = self._head_groups(B, nh)
         dkv_reqs, acc = (), xp.zeros_like(kv)              # s = 0: dK, dV of this rank's own block
+        acc_in = None                                      # the accumulator arriving from the previous rank
         for s in range(self.cp):
             j = (self.rank - s) % self.cp
             kv_reqs = ()

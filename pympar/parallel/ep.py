@@ -113,11 +113,6 @@ class ExpertParallelMixin:
         self._ep_acc = dict(processed=np.zeros(self._n_local, np.int64), routed=np.zeros(self.n_expert, np.int64),  # host
                             kept=0, assignments=0, a2a_s=0.0, a2a_bytes=0, a2a_calls=0)
 
-    @property
-    def local_experts(self):
-        """Global ids of the experts this rank holds."""
-        return range(self._ep_lo, self._ep_lo + self._n_local)
-
     def _named_parameters(self, prefix):
         pre = f"{prefix}.experts." if prefix else "experts."
         for name, p in super()._named_parameters(prefix):

@@ -124,14 +124,6 @@ class Mesh:
                 out.append(c)
         return out
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
     def _check_tp_in_node(self):
         """Warn (rank 0 of the group) when a tensor-parallel group crosses nodes."""
         if self.tp == 1 or not hasattr(self.comm, "topology"):

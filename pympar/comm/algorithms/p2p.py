@@ -1,8 +1,6 @@
 """The context an algorithm runs in: its communicator, deadline, reduction and block layout."""
 from __future__ import annotations
 
-import numpy as np
-
 from ... import backend, kernels
 from ..dtypes import raw_bytes
 
@@ -58,6 +56,3 @@ class Ctx:
 def power_of_two_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
-
-def _zero_safe(a):
-    return a if a.size else np.empty(0, dtype=a.dtype)

@@ -63,9 +63,6 @@ class Partition:
         from .schedules import rank_of
         return rank_of(stage, self.pp, self.placement)
 
-    def stage_of_block(self, i: int) -> int:
-        return next(s for s in range(self.n_stage) if self.bounds[s] <= i < self.bounds[s + 1])
-
 
 def _min_max_split(costs, k):
     """Cut ``costs`` into k non-empty contiguous groups minimising the largest group sum.
