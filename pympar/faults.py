@@ -243,7 +243,7 @@ class FaultInjector:
     def __init__(self, rank, model):
         self.rank, self.step = rank, -1
         if os.environ.get("PYMPAR_LAUNCH_ATTEMPT", "0") not in ("", "0"):   # pympar.launch's restarts:
-            model = None                                                    # the faults fired already
+            # the faults fired in the first attempt already
             self.nan_steps, self.nan_here, self.nan_param, self.kill, self.hang = set(), False, None, set(), set()
             return
         self.nan_steps = _env_steps("PYMPAR_INJECT_NAN_STEP")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -117,16 +118,13 @@ class PendingSave:
 
     def __init__(self, directory, step, shards, opt_shards=None, meta=None, comm=None, keep=None, rank_meta=None,
                  copy=False, staging=None):
-        import threading
-
         self.comm, self.step, self.meta, self.keep = comm, int(step), meta, keep
         rank, size = rank_size(comm)
         self.rank, self.size = rank, size
         self.root = root = Path(directory)
         self.final = final = root / L.step_dirname(step)
         self.tmp = tmp = root / f"{L.TMP_PREFIX}{final.name}"
-        self._thread, self._lock = None, threading.Lock()
-        self._done = False
+        self._thread, self._written = None, threading.Event()
         self.error, self.info = None, None
 
         err, entries, mine = None, {}, {}
@@ -176,13 +174,10 @@ class PendingSave:
         except (OSError, ValueError) as e:
             self.error = CheckpointError(self.tmp / L.rank_filename(self.rank), f"writing shard file failed: {e}")
         self.mine = {}                     # the host copies go as soon as they are on disk
-        with self._lock:
-            self._done = True
+        self._written.set()
 
     def start(self):
         """write() on a background thread (the caller trains on; finish() waits for it)."""
-        import threading
-
         self._thread = threading.Thread(target=self.write, name=f"checkpoint step {self.step}", daemon=True)
         self._thread.start()
         return self
@@ -190,8 +185,7 @@ class PendingSave:
     @property
     def written(self) -> bool:
         """This rank's file is written (or failed): finish() would not wait here."""
-        with self._lock:
-            return self._done
+        return self._written.is_set()
 
     def finish(self) -> Path:
         if self._thread is not None:

@@ -202,15 +202,13 @@ class ParallelRunner:
         return [local_batch(b, self.cp_positions) for b in batches]
 
     def _cp_seconds(self):
-        """Seconds this step waited for the cp ring (the transfers not hidden behind a block's computation)."""
-        if self.cp == 1:
-            return 0.0
+        """(seconds this step waited for the cp ring -- the transfers no block's computation hid --,
+        seconds of block computation in the ring attention)."""
         wait = busy = 0.0
-        for core in self.model.cp_cores:
+        for core in (self.model.cp_cores if self.cp > 1 else ()):
             w, b = core.take_seconds()
             wait, busy = wait + w, busy + b
-        self.cp_wait_seconds, self.cp_busy_seconds = wait, busy     # the last step's (benchmarks read them)
-        return wait
+        return wait, busy
 
     def _allreduce(self, v):
         """Sum of a host float64 vector over the world (MPI side of a DeviceComm)."""
@@ -254,7 +252,7 @@ class ParallelRunner:
         local_moe = {st["layer"]: st for st in model.moe_stats()}
         ep_s = sum(layer._ep_acc["a2a_s"] for _, layer in model.moe_layers()) if self.ep > 1 else 0.0
         a2a = {s["layer"]: s for s in ep_step_stats(model, self.mesh.dpcp_comm)} if self.ep > 1 else {}
-        cp_s = self._cp_seconds()
+        cp_s, cp_busy = self._cp_seconds()
         rec.add("forward/backward", "compute", t0, max(compute - tp_s - ep_s - cp_s, 0.0))
         rec.add("tp collectives", "tp_comm", t0, tp_s)
         rec.add("context-parallel ring", "cp_comm", t0, cp_s)
@@ -272,7 +270,7 @@ class ParallelRunner:
         nonfinite, total_sq = red[1], float(red[2])
         n_moe = len(self.moe_ids) * (self.model_cfg.n_expert + 3)
         moe = self._moe_from(red[3:3 + n_moe])
-        stop_any = bool(red[3 + n_moe] > 0)
+        stop_any = bool(red[3 + n_moe] > 0)               # the two flag slots of _step_vector
         all_written = bool(red[4 + n_moe] >= self.comm.size)
         memory = memory_summary(red[5 + n_moe:], self.comm.size)
 
@@ -298,6 +296,7 @@ class ParallelRunner:
         split = rec.take_totals() if hasattr(rec, "take_totals") else {}
         return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, nonfinite=nonfinite, moe=moe,
                     time_split=split, stop=stop_any, all_written=all_written,
+                    cp_ring=dict(wait_s=cp_s, busy_s=cp_busy),
                     pipeline={k: pipe[k] for k in ("bubble", "peak_in_flight") if k in pipe}, memory=memory)
 
     # --- the memory ledger --------------------------------------------------------------------
@@ -364,10 +363,10 @@ class ParallelRunner:
         E, m = self.model_cfg.n_expert, self.mesh
         head = m.tp_rank == 0 and m.pp_rank == 0           # the loss is the same over tp and pp
         mem = ledger.memory_vector(self.comm.size, self.comm.rank, self.ledger["peak"])
-        vec = np.zeros(5 + len(self.moe_ids) * (E + 3) + mem.size, np.float64)  # host: for the world MPI allreduce
-        vec[vec.size - mem.size:] = mem
-        vec[vec.size - mem.size - 2] = 1.0 if flags[0] else 0.0
-        vec[vec.size - mem.size - 1] = 1.0 if flags[1] else 0.0
+        flag = 3 + len(self.moe_ids) * (E + 3)                 # the two flag slots, then the memory figures
+        vec = np.zeros(flag + 2 + mem.size, np.float64)  # host: for the world MPI allreduce
+        vec[flag:flag + 2] = [1.0 if f else 0.0 for f in flags]
+        vec[flag + 2:] = mem
         vec[0] = loss if head else 0.0
         vec[1] = self.sync.nonfinite()
         vec[2] = self.sync.local_sq()
