@@ -194,9 +194,10 @@ void ce_bwd(const T* logits, const T* lse, const int64_t* targets, const T* dlos
         continue;
       }
       const T l = lse[r], d = dloss[r * dloss_stride];
+      const T pt = exp_approx(lr[t] - l);        // read before the row is written: dlogits may be logits
 #pragma omp simd
       for (int64_t j = 0; j < V; ++j) dr[j] = exp_approx(lr[j] - l) * d;
-      dr[t] = (exp_approx(lr[t] - l) - T(1)) * d;
+      dr[t] = (pt - T(1)) * d;
     }
   });
 }

@@ -187,3 +187,38 @@ def test_chunked_cross_entropy_equals_the_whole_one(monkeypatch):
         np.testing.assert_allclose(gc[n], gw[n], rtol=1e-10, atol=1e-14, err_msg=n)
     logits = 2 * cfg.block_size * cfg.vocab_size * 8
     assert kept_whole - kept_chunked == logits
+
+
+@pytest.mark.parametrize("rows", [None, 7])
+def test_head_forward_backward_is_forward_then_backward_bitwise(monkeypatch, rows):
+    """The one-pass head (what loss_and_grad runs) gives the loss, dx and the tied weight's
+    gradient of forward followed by backward bit for bit, whole and chunked; chunked, it computes
+    each chunk's logits once (ceil(N/rows) logits products, where forward + backward take twice)."""
+    import pympar.nn.gpt as G
+    cfg = GPTConfig(vocab_size=96, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    if rows:
+        monkeypatch.setattr(G, "CE_CHUNK", rows * cfg.vocab_size)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, cfg.block_size, cfg.n_embd)).astype(np.float32)
+    t = rng.integers(0, cfg.vocab_size, size=(2, cfg.block_size))
+    t[0, 3] = -1                                                       # an ignored target
+    got = []
+    for fused in (False, True):
+        head = GPT(cfg, seed=4).head
+        calls = []
+        real = G.matmul
+        monkeypatch.setattr(G, "matmul", lambda a, b, *r: (calls.append(b.shape), real(a, b, *r))[1])
+        if fused:
+            loss, dx = head.forward_backward((x, t), 0.5)
+        else:
+            loss, ctx = head.forward((x, t))
+            dx = head.backward(0.5, ctx)
+        monkeypatch.setattr(G, "matmul", real)
+        logits_products = sum(1 for s in calls if s == (cfg.n_embd, cfg.vocab_size))
+        got.append((loss, dx, head.wte.grad.copy(), head.ln_f.weight.grad.copy(), logits_products))
+    (l0, d0, g0, w0, n0), (l1, d1, g1, w1, n1) = got
+    assert l0 == l1
+    for a, b in ((d0, d1), (g0, g1), (w0, w1)):
+        np.testing.assert_array_equal(a, b)
+    chunks = -(-2 * cfg.block_size // rows) if rows else 1
+    assert n1 == chunks and n0 == (2 * chunks if rows else 1)

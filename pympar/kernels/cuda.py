@@ -167,18 +167,18 @@ def cross_entropy_forward(logits, targets):
     return loss, lse
 
 
-def cross_entropy_backward(logits, lse, targets, dloss):
-    if not _float(logits) or logits.ndim != 2 or not _on_device(lse):
-        return reference.cross_entropy_backward(logits, lse, targets, dloss)
+def cross_entropy_backward(logits, lse, targets, dloss, out=None):
     d = cp.asarray(dloss, dtype=cp.float32)
-    if d.ndim > 1:
-        return reference.cross_entropy_backward(logits, lse, targets, dloss)
+    if (not _float(logits) or logits.ndim != 2 or not _on_device(lse) or d.ndim > 1
+            or (out is not None and not (out.flags.c_contiguous and out.dtype == logits.dtype
+                                         and out.shape == logits.shape))):
+        return reference.cross_entropy_backward(logits, lse, targets, dloss, out)
     N, V = logits.shape
     logits = _c(logits)
     lse = _c(lse.astype(cp.float32, copy=False))
     t = _c(cp.asarray(targets).astype(cp.int64, copy=False))
     d = _c(d.reshape(-1))
-    dlogits = cp.empty_like(logits)
+    dlogits = cp.empty_like(logits) if out is None else out     # each element read, then written, by one thread
     _cuda.cross_entropy_backward(_p(logits), _p(lse), _p(t), _p(d), 0 if d.size == 1 else 1, _p(dlogits),
                                  _code(logits.dtype), N, V, _stream())
     return dlogits

@@ -195,15 +195,14 @@ def cross_entropy_forward(logits, targets):
     return loss, lse
 
 
-def cross_entropy_backward(logits, lse, targets, dloss):
+def cross_entropy_backward(logits, lse, targets, dloss, out=None):
     dt = logits.dtype
-    if dt not in _FLOATS or logits.ndim != 2 or lse.dtype != dt:
-        return reference.cross_entropy_backward(logits, lse, targets, dloss)
     d = np.asarray(dloss, dtype=dt)
-    if d.ndim > 1:
-        return reference.cross_entropy_backward(logits, lse, targets, dloss)
+    if (dt not in _FLOATS or logits.ndim != 2 or lse.dtype != dt or d.ndim > 1
+            or (out is not None and not (_inplace_ok(out, (dt,)) and out.shape == logits.shape))):
+        return reference.cross_entropy_backward(logits, lse, targets, dloss, out)
     logits, lse, t, d = _c(logits), _c(lse), _i64(targets), _c(d).reshape(-1)
-    dlogits = np.empty_like(logits)
+    dlogits = np.empty_like(logits) if out is None else out
     _C.cross_entropy_backward(logits, lse, t, d, dlogits)
     return dlogits
 

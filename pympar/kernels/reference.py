@@ -186,10 +186,10 @@ def cross_entropy_forward(logits, targets):
     return loss, lse
 
 
-def cross_entropy_backward(logits, lse, targets, dloss):
+def cross_entropy_backward(logits, lse, targets, dloss, out=None):
     """dlogits = (softmax(logits) - onehot(targets)) * dloss[:, None]; ignored rows get 0.
 
-    dloss is a scalar or (N,)."""
+    dloss is a scalar or (N,). out (optional; may be logits itself): where dlogits is written."""
     xp = xp_of(logits)
     lf = _up(logits)
     p = xp.exp(lf - lse[:, None])
@@ -200,6 +200,9 @@ def cross_entropy_backward(logits, lse, targets, dloss):
     d = xp.asarray(dloss, dtype=p.dtype)
     d = d[:, None] if d.ndim == 1 else d
     p = p * d * valid[:, None]
+    if out is not None:
+        out[...] = p
+        return out
     return p.astype(logits.dtype, copy=False)
 
 

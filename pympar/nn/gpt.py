@@ -154,6 +154,61 @@ class Head(Module):
             loss_rows[r0:r1], lse[r0:r1] = lr, lc
         return float(loss_rows.sum()) / max(n_valid, 1), (c_ln, h2, None, lse, t, n_valid, x.shape)
 
+    def forward_backward(self, inputs, dloss, kept=None):
+        """forward then backward in one pass, for a caller that has dloss at hand (the loss is this
+        micro-batch's last operation): each chunk's logits give their loss and their gradient at
+        once, so no logits are computed twice -- the same operations, in the same order, as forward
+        followed by backward. Returns (mean CE, dx (B, T, C)); kept (a list, optional) gets what the
+        pass holds at its peak beside one chunk (for the activation count; the ledger's head term)."""
+        x, targets = inputs
+        B, T, C = x.shape
+        h, c_ln = self.ln_f.forward(x)
+        h2 = h.reshape(B * T, C)
+        w = compute_cast(self._wte.data, self._cdt)
+        xpm = xp_of(h2)
+        t = xpm.asarray(targets).reshape(-1)
+        N, V = h2.shape[0], w.shape[0]
+        n_valid = int((t >= 0).sum())
+        scale = dloss / max(n_valid, 1)
+        if kept is not None:
+            kept.extend((c_ln, h2, t))
+        rows = self.chunk_rows(N, V)
+        if rows >= N:
+            logits = matmul(h2, w.T)                                                  # (N, V)
+            loss_rows, lse = kernels.cross_entropy_forward(logits, t)
+            if kept is not None:
+                kept.extend((logits, lse))
+            dlogits = kernels.cross_entropy_backward(logits, lse, t, scale, out=logits)
+            wte = self._wte
+            weight_grad(wte, lambda: matmul(dlogits.T, h2, wte.grad.dtype))         # (V, C)
+            dh = matmul(dlogits, w)                                                   # (N, C)
+            return float(loss_rows.sum()) / max(n_valid, 1), self.ln_f.backward(dh.reshape(x.shape), c_ln)
+        loss_rows = dh = None
+        for r0 in range(0, N, rows):
+            r1 = min(r0 + rows, N)
+            hc, tc = h2[r0:r1], t[r0:r1]
+            lg = matmul(hc, w.T)                                                      # (r, V)
+            lr, lc = kernels.cross_entropy_forward(lg, tc)
+            if loss_rows is None:
+                loss_rows = xpm.empty(N, dtype=lr.dtype)
+                if kept is not None:
+                    kept.append(loss_rows)
+            loss_rows[r0:r1] = lr                     # summed once, as forward sums them
+            dl = kernels.cross_entropy_backward(lg, lc, tc, scale, out=lg)         # over the logits
+            self._chunk_weight_grad(dl, hc)
+            dc = matmul(dl, w)                                                        # (r, C)
+            if dh is None:
+                dh = xpm.empty((N, dc.shape[1]), dtype=dc.dtype)
+            dh[r0:r1] = dc
+        return float(loss_rows.sum()) / max(n_valid, 1), self.ln_f.backward(dh.reshape(x.shape), c_ln)
+
+    def _chunk_weight_grad(self, dl, hc):
+        """wte.grad += dl^T hc in vocabulary blocks: no (V, C) product beside the gradient itself."""
+        g = self._wte.grad
+        vrows = max(1, CE_CHUNK // hc.shape[1])
+        for v0 in range(0, g.shape[0], vrows):
+            g[v0:v0 + vrows] += matmul(dl[:, v0:v0 + vrows].T, hc, g.dtype)          # (v, C)
+
     @staticmethod
     def chunk_rows(N: int, V: int) -> int:
         """Rows per cross-entropy chunk: all N when N x V logits fit in CE_CHUNK elements."""
@@ -171,15 +226,13 @@ class Head(Module):
             return self.ln_f.backward(dh.reshape(shape), c_ln)
         N, V = h2.shape[0], w.shape[0]
         rows = self.chunk_rows(N, V)
-        vrows = max(1, CE_CHUNK // h2.shape[1])      # the weight gradient in vocabulary blocks too:
-        g = self._wte.grad                          # no (V, C) product beside the gradient itself
         dh = None
         for r0 in range(0, N, rows):
             r1 = min(r0 + rows, N)
             hc = h2[r0:r1]
-            dl = kernels.cross_entropy_backward(matmul(hc, w.T), lse[r0:r1], t[r0:r1], scale)   # (r, V)
-            for v0 in range(0, V, vrows):
-                g[v0:v0 + vrows] += matmul(dl[:, v0:v0 + vrows].T, hc, g.dtype)          # (v, C)
+            lg = matmul(hc, w.T)                                                      # (r, V)
+            dl = kernels.cross_entropy_backward(lg, lse[r0:r1], t[r0:r1], scale, out=lg)
+            self._chunk_weight_grad(dl, hc)
             dc = matmul(dl, w)                                                    # (r, C)
             if dh is None:
                 dh = xp_of(dc).empty((N, dc.shape[1]), dtype=dc.dtype)
@@ -187,9 +240,9 @@ class Head(Module):
         return self.ln_f.backward(dh.reshape(shape), c_ln)
 
 
-# logits elements per cross-entropy chunk (32 MiB in float32): a 50k vocabulary at 1024 tokens
-# would be 200 MiB of logits and as much again of their gradient
-CE_CHUNK = 1 << 23
+# logits elements per cross-entropy chunk (64 MiB in float32; their gradient is written over them):
+# a 50k vocabulary at 1024 tokens would be 200 MiB of logits and as much again of their gradient
+CE_CHUNK = 1 << 24
 
 
 class GPT(Module):
@@ -281,13 +334,12 @@ class GPT(Module):
         g = self.param_gather
         x, aux, c_emb, ctxs = self._body(idx)
         with g.use(self.head, backward=True):    # the head's forward and backward in one use
-            ce, c_head = self.head.forward((x, targets))
+            held = [] if stats is not None else None
+            ce, dx = self.head.forward_backward((x, targets), grad_scale, held)
             del x
             if stats is not None:
-                kept = held_bytes(idx, c_emb, ctxs, c_head)
+                kept = held_bytes(idx, c_emb, ctxs, held)
                 stats["activation_bytes"] = max(stats.get("activation_bytes", 0), kept)
-            dx = self.head.backward(grad_scale, c_head)
-            del c_head
         self._grad_ready(self.head.ln_f)         # not the tied wte: the embedding adds to it last,
         self._grad_partial([self.head.wte])      # but a sync that sums per use may take this part now
         for b in reversed(self.h):

@@ -165,6 +165,15 @@ class Module:
         """The weight gradients ``backward_input(dy, ctx)`` deferred, accumulated now."""
         self.__dict__.get("_w_pending", {}).pop(id(ctx)).run()
 
+    def forward_backward(self, inputs, dy, kept=None):
+        """forward then backward at once, for a last operation whose output gradient dy is known
+        before its forward (a loss). A module that can do better in one pass (the chunked head)
+        overrides it; kept (a list, optional) gets what the pass holds (for the activation count)."""
+        out, ctx = self.forward(inputs)
+        if kept is not None:
+            kept.append(ctx)
+        return out, self.backward(dy, ctx)
+
     def _children(self):
         for key, val in vars(self).items():
             if key.startswith("_"):
