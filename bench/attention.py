@@ -38,6 +38,9 @@ from pympar import kernels
 from pympar.nn import GPT, GPTConfig
 from pympar.nn.attention_core import CausalAttentionCore
 from pympar.optim import AdamW
+from pympar.config import apply_environment
+
+apply_environment()          # as the trainer does first: the allocator policy, PYMPAR_* settings
 T, impl = int(sys.argv[1]), sys.argv[2]
 CausalAttentionCore.impl = impl
 cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=2, n_head=4, n_embd=128)

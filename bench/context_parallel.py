@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, env, machine, pyplot, run_and_write, save  # noqa: E402
@@ -53,7 +52,11 @@ def worker(T: int, out: str, threads: int = 0):
     from pympar import kernels
     from pympar.comm import MPIComm
     from pympar.nn.config import GPTConfig
+    from pympar.config import RunConfig
+    from pympar.layout import Layout
     from pympar.parallel.runner import ParallelRunner
+    from pympar.config import apply_environment
+    apply_environment()
 
     mpi = MPI.COMM_WORLD
     cp = mpi.Get_size()
@@ -61,10 +64,8 @@ def worker(T: int, out: str, threads: int = 0):
     kernels.set_num_threads(threads)
     cfg = GPTConfig(block_size=T, **MODEL)
     comm = MPIComm(mpi, name="world", timeout=600)
-    opts = SimpleNamespace(seed=1, dtype="float32", n_micro=1, schedule="1f1b", virtual_stages=1, zero=0,
-                           seq_parallel=False, compress="none", topk_ratio=0.01, recompute="none", bucket_mb=25,
-                           device="cpu", lr=1e-3, weight_decay=0.1, grad_clip=1.0)
-    runner = ParallelRunner(cfg, SimpleNamespace(dp=1, pp=1, tp=1, ep=1, cp=cp), comm, opts)
+    opts = RunConfig(seed=1, lr=1e-3, weight_decay=0.1, grad_clip=1.0, bucket_mb=25)
+    runner = ParallelRunner(cfg, Layout(cp=cp), comm, opts)
     rng = np.random.default_rng(0)
     times, waits, busy, losses = [], [], [], []
     for s in range(STEPS):

@@ -101,14 +101,16 @@ def worker_pympar(a):
     import numpy as np
     from mpi4py import MPI
 
-    from pympar import backend
+    from pympar import kernels
+    from pympar.config import apply_environment
+    apply_environment()
     from pympar.comm import MPIComm
     from pympar.parallel.runner import build_runner
 
     mpi = MPI.COMM_WORLD
     world = mpi.Get_size()
     model_cfg, run, corpus = setup(a, world)
-    backend.set_num_threads(1)
+    kernels.set_process_threads(1)
     comm = MPIComm(mpi, name="world", timeout=run.comm_timeout)
     runner = build_runner(model_cfg, run.layout_resolved, comm, run)
     times, losses = [], []

@@ -28,12 +28,14 @@ def main(argv=None):
     ap.add_argument("--json", default=str(common.RESULTS / "generate.json"))
     a = ap.parse_args(argv)
     sys.path.insert(0, str(common.ROOT))
-    from pympar import backend
+    from pympar import kernels
+    from pympar.config import apply_environment
+    apply_environment()
     from pympar.nn.config import GPTConfig
     from pympar.nn.generate import generate
     from pympar.nn.gpt import GPT
 
-    backend.set_num_threads(a.threads)
+    kernels.set_process_threads(a.threads)
     positions = [int(p) for p in a.positions.split(",")]
     cfg = GPTConfig(n_layer=a.layers, n_embd=a.width, n_head=max(1, a.width // 64), block_size=max(positions))
     model = GPT(cfg.validate())

@@ -24,6 +24,9 @@ import numpy as np  # noqa: E402
 from pympar import backend  # noqa: E402
 from pympar import kernels as K  # noqa: E402
 from pympar.kernels import native, reference as R  # noqa: E402
+from pympar.config import apply_environment  # noqa: E402
+
+apply_environment()          # as an application does first: PYMPAR_* settings (PYMPAR_ISA)
 
 
 def timeit(fn, min_time=0.2):

@@ -151,6 +151,8 @@ def run_rank(args):
     from mpi4py import MPI
 
     from pympar.comm import MPIComm
+    from pympar.config import apply_environment
+    apply_environment()
     from pympar.nn import GPTConfig
     from pympar.parallel.pp import (PipelineExecutor, PipelineGPT, bubble_formula, build_schedule,
                                     simulate, validate_schedule)

@@ -31,18 +31,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 sys.path.insert(0, str(common.ROOT))
-from pympar.plan import Layout, spearman  # noqa: E402
+from pympar.layout import Layout  # noqa: E402
+from pympar.plan import spearman  # noqa: E402
 
-L = Layout
 LAYOUTS = {   # preset small, global batch 16 (4 ranks) and 32 (8 ranks) sequences per step
-    4: [L(4, 1, 1, 1, 4, 1, "1f1b"), L(4, 1, 1, 1, 2, 2, "1f1b", zero=True), L(2, 2, 1, 1, 2, 4, "1f1b"),
-        L(2, 2, 1, 1, 4, 2, "gpipe"), L(1, 4, 1, 1, 1, 16, "1f1b"), L(1, 4, 1, 1, 4, 4, "gpipe"),
-        L(2, 2, 1, 1, 2, 4, "interleaved", 2), L(1, 1, 4, 1, 16, 1, "1f1b"),
-        L(2, 1, 2, 1, 8, 1, "1f1b", seq_parallel=True), L(1, 2, 2, 1, 4, 4, "1f1b")],
-    8: [L(8, 1, 1, 1, 4, 1, "1f1b"), L(8, 1, 1, 1, 2, 2, "1f1b", zero=True), L(4, 2, 1, 1, 2, 4, "1f1b"),
-        L(2, 4, 1, 1, 1, 16, "1f1b"), L(2, 4, 1, 1, 2, 8, "gpipe"), L(4, 1, 2, 1, 8, 1, "1f1b"),
-        L(2, 1, 4, 1, 16, 1, "1f1b"), L(2, 2, 2, 1, 4, 4, "1f1b"), L(1, 4, 2, 1, 4, 8, "1f1b"),
-        L(1, 2, 4, 1, 8, 4, "1f1b")],
+    4: [Layout(dp=4, pp=1, tp=1, micro_batch_size=4, n_micro=1, schedule="1f1b"),
+        Layout(dp=4, pp=1, tp=1, micro_batch_size=2, n_micro=2, schedule="1f1b", zero=1),
+        Layout(dp=2, pp=2, tp=1, micro_batch_size=2, n_micro=4, schedule="1f1b"),
+        Layout(dp=2, pp=2, tp=1, micro_batch_size=4, n_micro=2, schedule="gpipe"),
+        Layout(dp=1, pp=4, tp=1, micro_batch_size=1, n_micro=16, schedule="1f1b"),
+        Layout(dp=1, pp=4, tp=1, micro_batch_size=4, n_micro=4, schedule="gpipe"),
+        Layout(dp=2, pp=2, tp=1, micro_batch_size=2, n_micro=4, schedule="interleaved", virtual_stages=2),
+        Layout(dp=1, pp=1, tp=4, micro_batch_size=16, n_micro=1, schedule="1f1b"),
+        Layout(dp=2, pp=1, tp=2, micro_batch_size=8, n_micro=1, schedule="1f1b", seq_parallel=True),
+        Layout(dp=1, pp=2, tp=2, micro_batch_size=4, n_micro=4, schedule="1f1b")],
+    8: [Layout(dp=8, pp=1, tp=1, micro_batch_size=4, n_micro=1, schedule="1f1b"),
+        Layout(dp=8, pp=1, tp=1, micro_batch_size=2, n_micro=2, schedule="1f1b", zero=1),
+        Layout(dp=4, pp=2, tp=1, micro_batch_size=2, n_micro=4, schedule="1f1b"),
+        Layout(dp=2, pp=4, tp=1, micro_batch_size=1, n_micro=16, schedule="1f1b"),
+        Layout(dp=2, pp=4, tp=1, micro_batch_size=2, n_micro=8, schedule="gpipe"),
+        Layout(dp=4, pp=1, tp=2, micro_batch_size=8, n_micro=1, schedule="1f1b"),
+        Layout(dp=2, pp=1, tp=4, micro_batch_size=16, n_micro=1, schedule="1f1b"),
+        Layout(dp=2, pp=2, tp=2, micro_batch_size=4, n_micro=4, schedule="1f1b"),
+        Layout(dp=1, pp=4, tp=2, micro_batch_size=4, n_micro=8, schedule="1f1b"),
+        Layout(dp=1, pp=2, tp=4, micro_batch_size=8, n_micro=4, schedule="1f1b")],
 }
 
 
@@ -120,7 +132,7 @@ def machine_for(world: int, bench_json, calibration=None):
 
 def run(a) -> dict:
     from pympar.nn import GPTConfig
-    from pympar.plan import params_per_rank, predict
+    from pympar.layout import params_per_rank, predict
 
     cfg = GPTConfig.from_preset(a.preset)
     rows, machines, cals = [], {}, {}

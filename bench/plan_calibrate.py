@@ -31,14 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 sys.path.insert(0, str(common.ROOT))
-from pympar.plan import Layout, fit_alpha_beta  # noqa: E402
+from pympar.layout import Layout  # noqa: E402
+from pympar.plan import fit_alpha_beta  # noqa: E402
 
 
 def single_step(preset: str, mbs: int, n_micro: int, steps: int, timeout: float) -> float:
     """Median step time of one process, ``n_micro`` micro-batches of ``mbs`` sequences."""
     import plan_accuracy
 
-    return plan_accuracy.measure(1, Layout(1, 1, 1, 1, mbs, n_micro, "1f1b"), preset, steps, timeout)[0]["step_s"]
+    return plan_accuracy.measure(1, Layout(dp=1, pp=1, tp=1, ep=1, micro_batch_size=mbs, n_micro=n_micro, schedule="1f1b"), preset, steps, timeout)[0]["step_s"]
 
 
 def allreduce_json(world: int, out: Path, timeout: float) -> Path:

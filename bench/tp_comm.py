@@ -32,6 +32,8 @@ def worker(a) -> None:
     from mpi4py import MPI
 
     from pympar.comm import MPIComm
+    from pympar.config import apply_environment
+    apply_environment()
     from pympar.nn import GPTConfig
     from pympar.parallel.gradsync import GradSync
     from pympar.parallel.mesh import Mesh

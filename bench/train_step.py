@@ -59,6 +59,9 @@ from pympar import kernels  # noqa: E402
 from pympar.kernels import alloc, blas  # noqa: E402
 from pympar.nn import GPT, GPTConfig  # noqa: E402
 from pympar.optim import AdamW, decays  # noqa: E402
+from pympar.config import apply_environment  # noqa: E402
+
+apply_environment()          # as the trainer does first: the allocator policy, PYMPAR_* settings
 
 
 def timed(step, steps, warmup):

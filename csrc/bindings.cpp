@@ -22,9 +22,9 @@ namespace {
 
 const KernelTable* K = nullptr;
 
-const KernelTable* pick_table() {
-  const char* want = std::getenv("PYMPAR_ISA");  // generic | avx2 | avx512: force one (tests, benches)
-  std::string w = want ? want : "";
+// the best table the CPU supports, or the one asked for ("generic" | "avx2" | "avx512"; nullptr when
+// the CPU lacks it); the environment is read by pympar.config, which calls use_isa
+const KernelTable* pick_table(const std::string& w) {
 #if defined(PYMPAR_X86)
   __builtin_cpu_init();
   bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -32,9 +32,12 @@ const KernelTable* pick_table() {
                 __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (w == "generic") return table_generic();
-  if (w == "avx2" && avx2) return table_avx2();
-  if ((w.empty() || w == "avx512") && avx512) return table_avx512();
+  if (w == "avx2") return avx2 ? table_avx2() : nullptr;
+  if (w == "avx512") return avx512 ? table_avx512() : nullptr;
+  if (avx512) return table_avx512();
   if (avx2) return table_avx2();
+#else
+  if (!w.empty() && w != "generic") return nullptr;
 #endif
   return table_generic();
 }
@@ -133,9 +136,16 @@ template <typename T> T* at(py::array& a, int64_t offset) { return mt<T>(a) + of
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  K = pick_table();
+  K = pick_table("");
   m.doc() = "pympar C++ kernels (see pympar.kernels)";
   m.def("isa", [] { return std::string(K->isa); }, "the instruction-set build of the arithmetic kernels in use");
+  m.def("use_isa", [](const std::string& name) {
+    if (name != "generic" && name != "avx2" && name != "avx512" && !name.empty())
+      throw py::value_error("use_isa: '" + name + "' is not one of generic, avx2, avx512 (or '' for the best)");
+    const KernelTable* t = pick_table(name);
+    if (!t) throw py::value_error("use_isa: this CPU does not support the " + name + " kernels");
+    K = t;
+  }, "use the kernels of one instruction-set build ('' = the best this CPU supports)");
   m.def("set_num_threads", [](int n) {
     if (n < 1) throw py::value_error("set_num_threads: n=" + std::to_string(n) + " must be >= 1");
     py::gil_scoped_release g;

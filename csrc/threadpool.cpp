@@ -27,10 +27,7 @@ inline int64_t now_ns() {
              std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-std::atomic<int> g_spin_us{[] {
-  const char* v = std::getenv("PYMPAR_SPIN_US");
-  return v ? std::max(0, std::atoi(v)) : 200;
-}()};
+std::atomic<int> g_spin_us{200};   // set_spin_us (pympar.kernels.set_spin_us; PYMPAR_SPIN_US at the edge)
 
 // true once pred() holds, false when the spin budget ran out first
 template <typename Pred>

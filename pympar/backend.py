@@ -139,26 +139,6 @@ def is_low_precision(dt) -> bool:
     return dt == np.float16 or (bfloat16 is not None and dt == bfloat16)
 
 
-def set_num_threads(n: int) -> None:
-    """Threads per process for the native kernels and (best effort) the BLAS."""
-    from . import kernels
-
-    kernels.set_num_threads(n)
-    try:
-        from threadpoolctl import threadpool_limits  # optional
-
-        threadpool_limits(n)
-    except Exception:
-        pass
-
-
-def set_spin_us(us: int) -> None:
-    """How long an idle kernel thread spins before it sleeps (0: never spin; oversubscribed nodes)."""
-    from . import kernels
-
-    kernels.set_spin_us(us)
-
-
 def resident_zeros(shape, dtype, xp=np):
     """Zeros whose pages are written now: state that lives for the whole run (optimizer moments,
     reduced-gradient rows) is then resident from the start, below the activations that come and go,

@@ -7,16 +7,24 @@ also sit in tables (``[model]``, ``[parallel]``, ``[train]``: the table name is 
 ``parse_args(argv, world_size)`` returns ``(GPTConfig, RunConfig)`` or raises
 ``ConfigError`` (a ValueError) with a one-line message. It does no communication, so
 every rank reaches the same verdict on its own before the first collective.
+
+The environment is read here and nowhere else in the package (``read_environment``; the table
+``ENVIRONMENT`` lists every variable and what it sets). ``apply_environment`` hands what it
+found to the layers below as explicit settings (kernels, BLAS threads, allocator, communicators);
+every application calls it first, and so may a program of its own.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import sys
 import tomllib
-from dataclasses import replace, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from . import layout as layouts
+from .layout import Layout
 from .nn.config import PRESETS, GPTConfig
 
 
@@ -24,16 +32,176 @@ class ConfigError(ValueError):
     """A bad configuration: the message says what was wrong and what would be right."""
 
 
-@dataclass
-class Layout:
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    ep: int = 1
-    cp: int = 1
+# --- the environment: read here, passed down as parameters ---------------------------------------
+ENVIRONMENT = {   # variable -> what it sets (docs/engine.md, "Environment variables")
+    "PYMPAR_NUM_THREADS": "threads per rank when --threads is not given (before OMP_NUM_THREADS)",
+    "OMP_NUM_THREADS": "threads per rank when neither --threads nor PYMPAR_NUM_THREADS is given",
+    "PYMPAR_COMM_TIMEOUT": "seconds a stalled collective waits (--comm-timeout's default; <= 0: never)",
+    "PYMPAR_KERNELS": "'reference': every kernel call runs the pure-NumPy/CuPy reference",
+    "PYMPAR_ISA": "'generic', 'avx2' or 'avx512': the C++ kernels of that instruction-set build",
+    "PYMPAR_SPIN_US": "microseconds an idle kernel thread spins before it sleeps (default 200)",
+    "PYMPAR_BLAS_THREADS": "'own': OpenBLAS keeps its own threads instead of the kernels' pool",
+    "PYMPAR_CHUNK_THREADS": "'0': attention's per-slice GEMM stacks run serially",
+    "PYMPAR_MALLOC": "'system': keep glibc's malloc thresholds (freed memory is not retained)",
+    "PYMPAR_DEBUG_COLLECTIVES": "'1': check every collective's fingerprint across the ranks",
+    "PYMPAR_TUNING": "'measure' (default), 'library', or a tuning file of python -m pympar.bench --tune",
+    "PYMPAR_SHM_CHUNK": "bytes per chunk of the shared-memory reductions (default 524288)",
+    "PYMPAR_CUDA_AWARE_MPI": "'0'/'1': whether MPI reads device memory (default: ask the library)",
+    "PYMPAR_RANKS_PER_NODE": "ranks per node the communicators' topology assumes (default: MPI's split)",
+    "PYMPAR_PP_CHANNELS": "'0': pipeline sends over MPI with tags, '1': over ordered channels (default: "
+                          "channels when the pipeline runs on NCCL)",
+    "PYMPAR_NCCL": "'0'/'1': NCCL for GPU collectives (default: when no two ranks share a GPU)",
+    "PYMPAR_CACHE": "directory of the tokenised-corpus cache (default ~/.cache/pympar)",
+    "MPI_LOCALNRANKS, OMPI_COMM_WORLD_LOCAL_SIZE, SLURM_NTASKS_PER_NODE":
+        "(launchers) ranks on this node: the polling pace before the communicators know it",
+    "OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID, LOCAL_RANK, PMI_LOCAL_RANK":
+        "(launchers) this rank's index on its node: its GPU",
+    "PMI_RANK, OMPI_COMM_WORLD_RANK, PMIX_RANK": "(launchers) started by an MPI launcher (--progress auto)",
+}
+_LOCAL_SIZE = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+_LOCAL_RANK = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK", "PMI_LOCAL_RANK")
+_LAUNCHED = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
-    def __str__(self):
-        return f"dp={self.dp} pp={self.pp} tp={self.tp} ep={self.ep}" + (f" cp={self.cp}" if self.cp > 1 else "")
+
+@dataclass(frozen=True)
+class Environment:
+    """What the environment says, parsed and checked (``read_environment``)."""
+    threads: int = 0                   # 0: not set
+    threads_from: str = ""             # the variable it came from
+    comm_timeout: float | None = None
+    kernels_reference: bool = False
+    isa: str = ""
+    spin_us: int | None = None
+    blas_share_threads: bool = True
+    chunk_threads: bool = True
+    retain_memory: bool = True
+    debug_collectives: bool = False
+    tuning: str = ""
+    shm_chunk: int | None = None
+    cuda_aware_mpi: bool | None = None
+    ranks_per_node: int | None = None
+    launcher_local_ranks: int | None = None
+    pp_channels: str = ""              # "", "0", "1"
+    nccl: str = ""                     # "", "0", "1"
+    local_rank: int | None = None
+    launched: bool = False
+    cache_dir: str | None = None
+
+
+def _int_var(env, name, low=None):
+    v = env.get(name, "").strip()
+    if not v:
+        return None
+    try:
+        k = int(v)
+    except ValueError:
+        raise ConfigError(f"{name}={v!r} is not an integer; unset it or give one") from None
+    if low is not None and k < low:
+        raise ConfigError(f"{name}={v!r} must be at least {low}")
+    return k
+
+
+def _choice_var(env, name, choices, meaning=None):
+    v = env.get(name, "").strip()
+    if v not in choices:
+        raise ConfigError(f"{name}={v!r}: expected {meaning or 'one of ' + ', '.join(repr(c) for c in choices)}")
+    return v
+
+
+def read_environment(environ=None) -> Environment:
+    """The environment (os.environ unless given), parsed; ConfigError naming the variable when a
+    value is malformed. Every rank reads the same, so every rank reaches the same verdict."""
+    env = os.environ if environ is None else environ
+    threads, threads_from = 0, ""
+    for var in ("PYMPAR_NUM_THREADS", "OMP_NUM_THREADS"):
+        v = env.get(var, "").strip()
+        if v:
+            try:
+                threads = int(v)
+            except ValueError:
+                raise ConfigError(f"{var}={v!r} is not a number of threads; unset it or give a positive integer") from None
+            if threads < 1:
+                raise ConfigError(f"{var}={v!r} must be a positive number of threads")
+            threads_from = var
+            break
+    timeout = env.get("PYMPAR_COMM_TIMEOUT", "").strip()
+    try:
+        timeout = float(timeout) if timeout else None
+    except ValueError:
+        raise ConfigError(f"PYMPAR_COMM_TIMEOUT={timeout!r} is not a number of seconds") from None
+    if timeout is not None and math.isnan(timeout):
+        raise ConfigError("PYMPAR_COMM_TIMEOUT=nan is not a number of seconds")
+    local_size = next((int(v) for v in (env.get(k, "").split("(")[0].strip() for k in _LOCAL_SIZE) if v.isdigit()),
+                      None)
+    local_rank = next((int(env[k]) for k in _LOCAL_RANK if env.get(k, "").isdigit()), None)
+    aware = _choice_var(env, "PYMPAR_CUDA_AWARE_MPI", ("", "0", "1", "true", "false", "yes", "no")).lower()
+    return Environment(
+        threads=threads, threads_from=threads_from, comm_timeout=timeout,
+        kernels_reference=_choice_var(env, "PYMPAR_KERNELS", ("", "reference", "native")) == "reference",
+        isa=_choice_var(env, "PYMPAR_ISA", ("", "generic", "avx2", "avx512")),
+        spin_us=_int_var(env, "PYMPAR_SPIN_US", 0),
+        blas_share_threads=_choice_var(env, "PYMPAR_BLAS_THREADS", ("", "own", "shared")) != "own",
+        chunk_threads=_choice_var(env, "PYMPAR_CHUNK_THREADS", ("", "0", "1")) != "0",
+        retain_memory=_choice_var(env, "PYMPAR_MALLOC", ("", "system", "retain")) != "system",
+        debug_collectives=env.get("PYMPAR_DEBUG_COLLECTIVES", "0").strip().lower() not in ("", "0", "false", "no", "off"),
+        tuning=env.get("PYMPAR_TUNING", "").strip(),
+        shm_chunk=_int_var(env, "PYMPAR_SHM_CHUNK", 64),
+        cuda_aware_mpi=None if aware == "" else aware in ("1", "true", "yes"),
+        ranks_per_node=_int_var(env, "PYMPAR_RANKS_PER_NODE", 1),
+        launcher_local_ranks=local_size,
+        pp_channels=_choice_var(env, "PYMPAR_PP_CHANNELS", ("", "0", "1"), "0 (MPI with tags), 1 (ordered channels) "
+                                "or unset (channels when the pipeline runs on NCCL)"),
+        nccl=_choice_var(env, "PYMPAR_NCCL", ("", "0", "1"), "0 (MPI only), 1 (NCCL) or unset (NCCL unless ranks "
+                         "share a GPU)"),
+        local_rank=local_rank, launched=any(k in env for k in _LAUNCHED),
+        cache_dir=env.get("PYMPAR_CACHE") or None)
+
+
+def apply_environment(environ=None) -> Environment:
+    """read_environment, then hand its settings down: the kernels (reference, instruction set,
+    spin), the BLAS threads, the allocator policy and the communicators (pympar.comm.settings).
+    Returns the Environment for what the application itself decides (threads, pipeline channels,
+    NCCL, the cache, the local rank)."""
+    from . import kernels
+    from .comm import progress, settings as comm_settings
+    from .kernels import alloc, blas
+
+    e = read_environment(environ)
+    kernels.use_reference(e.kernels_reference)
+    try:
+        kernels.use_isa(e.isa)
+    except ValueError as err:
+        raise ConfigError(f"PYMPAR_ISA={e.isa!r}: {err}") from None
+    if e.spin_us is not None:
+        kernels.set_spin_us(e.spin_us)
+    blas.configure(share_threads=e.blas_share_threads, chunk_threads=e.chunk_threads)
+    if e.retain_memory:
+        alloc.retain_freed_memory()
+    if e.launcher_local_ranks is not None:     # the polling pace before a communicator finds the node's ranks
+        progress.note_job_local_ranks(e.launcher_local_ranks)
+    comm = dict(debug_collectives=e.debug_collectives, tuning=e.tuning, cuda_aware_mpi=e.cuda_aware_mpi,
+                ranks_per_node=e.ranks_per_node)
+    if e.comm_timeout is not None:
+        comm["timeout"] = e.comm_timeout
+    if e.shm_chunk is not None:
+        comm["shm_chunk"] = e.shm_chunk
+    comm_settings.configure(**comm)
+    return e
+
+
+def start_application(prog: str) -> Environment:
+    """apply_environment for a command-line program: a malformed variable ends it with
+    "prog: error: ..." and status 2 (what argparse does with a bad flag)."""
+    try:
+        return apply_environment()
+    except ConfigError as e:
+        sys.stderr.write(f"{prog}: error: {e}\n")
+        raise SystemExit(2) from None
+
+
+def child_environment(**extra) -> dict:
+    """This process's environment with ``extra`` set: for the processes an application starts."""
+    return dict(os.environ, **{k: str(v) for k, v in extra.items()})
 
 
 @dataclass
@@ -59,10 +227,13 @@ class RunConfig:
     compress: str = "none"
     topk_ratio: float = 0.01
     bucket_mb: float = 25.0
+    dp_overlap: bool = True
+    pp_channels: str = "auto"            # default: $PYMPAR_PP_CHANNELS (0: tags, 1: ordered), else auto
     comm_timeout: float = 300.0          # default: $PYMPAR_COMM_TIMEOUT, else 300 s
     # device and numerics
     device: str = "cpu"
     dtype: str = "float32"
+    master_dtype: str = "float32"
     threads: int = 0
     bind: str = "none"
     # optimisation
@@ -121,9 +292,13 @@ _HELP = {
     "seq_parallel": "sequence parallelism with TP",
     "compress": "gradient compression for the DP allreduce", "topk_ratio": "kept fraction with --compress topk",
     "bucket_mb": "DP gradient bucket size (MiB)",
+    "pp_channels": "pipeline sends: 'ordered' two-rank channels (what NCCL needs), 'tags' (MPI tagged messages), "
+                   "'auto': channels when the pipeline runs on NCCL (default: $PYMPAR_PP_CHANNELS 0/1, else auto)",
+    "dp_overlap": "reduce each gradient bucket while backward goes on (--no-dp-overlap: all after backward)",
     "comm_timeout": "seconds before a stalled collective or send/recv aborts the job, naming the ranks that did not "
                     "arrive (default: $PYMPAR_COMM_TIMEOUT, else 300)",
-    "device": "cpu or cuda", "dtype": "compute dtype (master weights stay float32)",
+    "device": "cpu or cuda", "dtype": "compute dtype (the master weights are --master-dtype)",
+    "master_dtype": "dtype of the master weights and optimizer state (float64: for checking numerics)",
     "threads": "kernel/BLAS threads per rank (0 = $PYMPAR_NUM_THREADS or $OMP_NUM_THREADS if set, else the "
                "cores this node's ranks may run on divided by the ranks on the node)",
     "bind": "'cores': pin each rank's threads to its own disjoint cores of the node's affinity mask (when the "
@@ -147,10 +322,10 @@ _HELP = {
     "max_bad_steps": "stop after this many consecutive steps with non-finite loss/gradients (0 = never)",
 }
 _CHOICES = {
-    "preset": sorted(PRESETS), "schedule": ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"],
+    "preset": sorted(PRESETS), "schedule": list(layouts.SCHEDULES),
     "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"],
-    "dtype": ["float32", "bfloat16", "float16"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
-    "progress": ["auto", "bar", "log"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
+    "dtype": ["float32", "bfloat16", "float16"], "master_dtype": ["float32", "float64"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
+    "progress": ["auto", "bar", "log"], "pp_channels": ["auto", "tags", "ordered"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
 }
 _RUN_FIELDS = [f for f in fields(RunConfig) if f.name not in ("layout_resolved", "layout_auto", "model_overrides",
                                                               "threads_from")]
@@ -222,34 +397,25 @@ def _load_toml(path: str) -> dict:
     return d
 
 
-def parse_args(argv, world_size: int) -> tuple[GPTConfig, RunConfig]:
-    """Parse flags (+ TOML), resolve the layout, validate everything; raise ConfigError."""
+def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[GPTConfig, RunConfig]:
+    """Parse flags (+ TOML), resolve the layout, validate everything; raise ConfigError. ``env``:
+    the Environment (read_environment() when not given) for the defaults it sets."""
+    env = read_environment() if env is None else env
     ns = vars(build_parser().parse_args(argv))
     given = dict(_load_toml(ns["config"])) if ns.get("config") else {}
     given.update(ns)                                       # flags override the file
-    if "comm_timeout" not in given and os.environ.get("PYMPAR_COMM_TIMEOUT"):
-        try:
-            given["comm_timeout"] = float(os.environ["PYMPAR_COMM_TIMEOUT"])
-        except ValueError:
-            raise ConfigError(f"PYMPAR_COMM_TIMEOUT={os.environ['PYMPAR_COMM_TIMEOUT']!r} is not a number of seconds") from None
+    if "comm_timeout" not in given and env.comm_timeout is not None:
+        given["comm_timeout"] = env.comm_timeout if env.comm_timeout > 0 else math.inf
+    if "pp_channels" not in given and env.pp_channels:
+        given["pp_channels"] = {"0": "tags", "1": "ordered"}[env.pp_channels]
     run_names = {f.name for f in _RUN_FIELDS}
     run = RunConfig(**{k: v for k, v in given.items() if k in run_names})
     run.threads_from = "--threads" if run.threads else ""
     if run.schedule == "zb-v" and run.virtual_stages == 1 and (run.pp or 1) > 1:
         run.virtual_stages = 2                # zb-v's two chunks per rank (the V)
-    if not run.threads:                   # the environment, read here at the edge
-        for var in ("PYMPAR_NUM_THREADS", "OMP_NUM_THREADS"):
-            v = os.environ.get(var, "").strip()
-            if v:
-                try:
-                    run.threads = int(v)
-                except ValueError:
-                    raise ConfigError(f"{var}={v!r} is not a number of threads; unset it or give a positive integer") from None
-                if run.threads < 1:
-                    raise ConfigError(f"{var}={v!r} must be a positive number of threads")
-                run.threads_from = var
-                break
-    for k in ("schedule", "compress", "device", "dtype", "preset", "zero", "layout", "recompute"):
+    if not run.threads and env.threads:
+        run.threads, run.threads_from = env.threads, env.threads_from
+    for k in ("schedule", "compress", "device", "dtype", "master_dtype", "preset", "zero", "layout", "recompute"):
         if getattr(run, k) not in _CHOICES[k]:
             raise ConfigError(f"{k}={getattr(run, k)!r} is not one of {_CHOICES[k]}")
     overrides = {k: v for k, v in given.items() if k not in run_names}
@@ -273,24 +439,13 @@ def _apply_planner(world: int, model: GPTConfig, run: RunConfig) -> None:
     if given:
         raise ConfigError(f"--layout auto chooses dp, pp, tp, ep and cp itself, but {', '.join('--' + k for k in given)} "
                           f"was given: drop it, or drop --layout auto")
-    from .parallel.runner import check_supported
-    from .plan import choose_layout as plan_layout
-
-    def accept(lay):          # only layouts this run's options can execute
-        opts = replace(run, micro_batch_size=lay.micro_batch_size, n_micro=lay.n_micro, schedule=lay.schedule,
-                       virtual_stages=lay.virtual_stages, zero=int(lay.zero), seq_parallel=lay.seq_parallel,
-                       recompute=lay.recompute)
-        check_supported(model, Layout(lay.dp, lay.pp, lay.tp, lay.ep, lay.cp), opts)
-
     gb = run.micro_batch_size * run.n_micro * world
     try:
-        lay = plan_layout(model, world, gb, accept=accept)
+        lay = layouts.choose(model, world, gb, accept=lambda lay: layouts.check(model, lay, device=run.device))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    run.dp, run.pp, run.tp, run.ep, run.cp = lay.dp, lay.pp, lay.tp, lay.ep, lay.cp
-    run.micro_batch_size, run.n_micro = lay.micro_batch_size, lay.n_micro
-    run.schedule, run.virtual_stages = lay.schedule, lay.virtual_stages
-    run.zero, run.seq_parallel, run.recompute = int(lay.zero), lay.seq_parallel, lay.recompute
+    for f in fields(Layout):
+        setattr(run, f.name, getattr(lay, f.name))
 
 
 def _check_run(run: RunConfig) -> None:
@@ -323,6 +478,9 @@ def _check_run(run: RunConfig) -> None:
     for k in ("save_every", "keep", "max_bad_steps"):
         if getattr(run, k) < 0:
             raise ConfigError(f"{k}={getattr(run, k)} must be >= 0")
+    if run.schedule == "zb-v" and run.pp_channels == "ordered":
+        raise ConfigError("--schedule zb-v (chunks in a V) runs over MPI with tags only; the ordered channels do "
+                          "not carry it yet: use --pp-channels tags or auto, or --schedule zb-h1")
     if run.save_every and not run.out:
         raise ConfigError(f"--save-every {run.save_every} needs --out DIR (checkpoints go to DIR/checkpoints)")
     if run.resume == "auto" and not run.out:
@@ -343,41 +501,17 @@ def _check_out(out: str) -> None:
 
 
 def choose_layout(world: int, model: GPTConfig, run: RunConfig) -> Layout:
-    """The layout for this world size. Given sizes are kept; missing ones are filled in.
-
-    Rule: pp = tp = ep = cp = 1 unless given, and dp takes the rest of the world (--layout auto asks
-    the planner instead). Every rank computes the same answer.
-    """
-    pp, tp, ep, cp = run.pp or 1, run.tp or 1, run.ep or 1, run.cp or 1
-    rest, names = pp * cp * tp, "pp*tp" if cp == 1 else "pp*cp*tp"
-    if run.dp is None:
-        if world % rest:
-            raise ConfigError(f"world size {world} is not divisible by {names}={rest}; "
-                              f"launch a multiple of {rest} ranks or change --{names.replace('*', '/--')}")
-        dp = world // rest
-    else:
-        dp = run.dp
-    lay = Layout(dp, pp, tp, ep, cp)
-    if dp * rest != world:
-        raise ConfigError(f"dp*{names} = {dp}*{rest} = {dp * rest} does not match the world size {world}; "
-                          f"launch {dp * rest} ranks or change the layout")
-    if (dp * cp) % ep:
-        raise ConfigError(f"ep={ep} does not divide dp*cp={dp * cp} (experts are sharded over the data- and "
-                          f"context-parallel ranks)" if cp > 1 else
-                          f"ep={ep} does not divide dp={dp} (experts are sharded over data-parallel ranks)")
-    if cp > 1:
-        from .parallel.cp import validate_cp
-        try:
-            validate_cp(model, cp, tp, run.seq_parallel)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    if ep > 1 and (model.n_expert == 0 or model.n_expert % ep):
-        raise ConfigError(f"ep={ep} needs n_expert divisible by ep; n_expert={model.n_expert}")
-    if tp > 1 and model.n_head % tp:
-        raise ConfigError(f"n_head={model.n_head} is not divisible by tp={tp}")
-    if pp > model.n_layer:
-        raise ConfigError(f"pp={pp} is more than n_layer={model.n_layer}: every stage needs at least one block")
-    return lay
+    """The layout for this world size: the sizes given are kept, the missing ones filled in
+    (``pympar.layout.fill``: pp = tp = ep = cp = 1, dp the rest; --layout auto asked the planner
+    before), with the run's schedule, ZeRO stage, sequence parallelism, recomputation and
+    micro-batches. Every rank computes the same answer."""
+    try:
+        return layouts.fill(world, model, dp=run.dp, pp=run.pp, tp=run.tp, ep=run.ep, cp=run.cp,
+                            seq_parallel=run.seq_parallel, micro_batch_size=run.micro_batch_size,
+                            n_micro=run.n_micro, schedule=run.schedule, virtual_stages=run.virtual_stages,
+                            zero=run.zero, recompute=run.recompute)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def describe(model: GPTConfig, run: RunConfig) -> dict:

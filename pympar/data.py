@@ -191,7 +191,9 @@ def _token_corpus(train, val, name) -> Corpus:
 # ----------------------------------------------------------------------------- text + cache
 
 def cache_root(cache_dir: str | None = None) -> Path:
-    return Path(cache_dir or os.environ.get("PYMPAR_CACHE") or Path.home() / ".cache" / "pympar")
+    """Where tokenised corpora are cached: ``cache_dir`` (the trainer passes $PYMPAR_CACHE,
+    read by pympar.config) or ~/.cache/pympar."""
+    return Path(cache_dir or Path.home() / ".cache" / "pympar")
 
 
 def _text_corpus(files: list[Path], name: str, cache_dir) -> Corpus:

@@ -1,4 +1,4 @@
-"""The trainer's defences: non-finite steps, checkpoints of a run, and injected faults for tests.
+"""The trainer's defences: non-finite steps, checkpoints of a run, stop on request.
 
 Non-finite steps. The runner skips any step whose loss or synced gradients are not finite
 (the verdict is the same on every rank), so nothing non-finite reaches the weights, the
@@ -20,19 +20,13 @@ them) or to one -- stop the run at the end of the step during which some rank go
 --out the ranks write a checkpoint, rank 0 says where and how to resume, and every rank exits with
 status 75 (``RESUMABLE_STATUS``); without --out they say nothing could be saved and exit 75 too.
 
-Injected faults (read from the environment by the trainer only; for tests):
-    PYMPAR_INJECT_NAN_STEP=3[,4,...]   steps whose gradient gets a NaN
-    PYMPAR_INJECT_NAN_RANK=0           on this rank (default 0; -1 = every rank)
-    PYMPAR_INJECT_NAN_PARAM=NAME       in this parameter (default: the first one backward finishes)
-    PYMPAR_INJECT_KILL_STEP=k, PYMPAR_INJECT_KILL_RANK=r   rank r SIGKILLs itself at step k
-    PYMPAR_INJECT_HANG_STEP=k, PYMPAR_INJECT_HANG_RANK=r   rank r sleeps (outside MPI) from step k
-They fire in the first attempt of a ``pympar.launch`` job only (PYMPAR_LAUNCH_ATTEMPT=0 or unset).
+Faults for the tests (a NaN gradient, a killed or hung rank) are injected by the tests' own
+entry point, tests/faulty_train.py, through ``pympar.train.main(argv, faults=...)``; a normal run
+constructs no injector.
 """
 from __future__ import annotations
 
-import os
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -225,51 +219,3 @@ def restore_run(runner, path, guard, comm) -> int:
         scaler.load_state_dict(meta["loss_scaler"])
     guard.load_state_dict(meta.get("guard") or {})
     return int(meta.get("next_step", manifest.get("step", 0)))
-
-
-# --- injected faults (tests) ------------------------------------------------------------------
-def _env_steps(name):
-    v = os.environ.get(name, "")
-    return {int(s) for s in v.split(",") if s.strip()}
-
-
-def _env_rank(name, default=0):
-    return int(os.environ.get(name, default))
-
-
-class FaultInjector:
-    """The PYMPAR_INJECT_* faults of this rank (see the module docstring); inert when unset."""
-
-    def __init__(self, rank, model):
-        self.rank, self.step = rank, -1
-        if os.environ.get("PYMPAR_LAUNCH_ATTEMPT", "0") not in ("", "0"):   # pympar.launch's restarts:
-            # the faults fired in the first attempt already
-            self.nan_steps, self.nan_here, self.nan_param, self.kill, self.hang = set(), False, None, set(), set()
-            return
-        self.nan_steps = _env_steps("PYMPAR_INJECT_NAN_STEP")
-        nan_rank = _env_rank("PYMPAR_INJECT_NAN_RANK")
-        self.nan_here = bool(self.nan_steps) and nan_rank in (-1, rank)
-        self.nan_param = os.environ.get("PYMPAR_INJECT_NAN_PARAM") or None
-        self.kill = _env_steps("PYMPAR_INJECT_KILL_STEP") if _env_rank("PYMPAR_INJECT_KILL_RANK") == rank else set()
-        self.hang = _env_steps("PYMPAR_INJECT_HANG_STEP") if _env_rank("PYMPAR_INJECT_HANG_RANK") == rank else set()
-        if self.nan_here:
-            self._names = {id(p): n for n, p in model.named_parameters()}
-            if self.nan_param is not None and self.nan_param not in self._names.values():
-                raise ValueError(f"PYMPAR_INJECT_NAN_PARAM={self.nan_param}: no such parameter")
-            model.grad_ready_hooks.insert(0, self._poison)   # before the DP sync copies the grads
-
-    def begin_step(self, step):
-        self.step = step
-        if step in self.kill:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if step in self.hang:
-            while True:
-                time.sleep(3600)
-
-    def _poison(self, params, partial=False):
-        if partial or self.step not in self.nan_steps:
-            return
-        for p in params:
-            if self.nan_param is None or self._names.get(id(p)) == self.nan_param:
-                p.grad.reshape(-1)[0] = np.nan
-                return

@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from .config import start_application
+
 
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m pympar.generate", description=__doc__,
@@ -52,6 +54,7 @@ def load_model(src):
 def main(argv=None) -> int:
     from .checkpoint import CheckpointError
 
+    start_application("pympar.generate")
     a = build_parser().parse_args(argv)
     try:
         if a.tokens < 0 or a.temperature <= 0 or (a.top_k is not None and a.top_k < 1):

@@ -8,7 +8,6 @@ Nothing here runs on the CPU path; everything imports CuPy lazily.
 """
 from __future__ import annotations
 
-import os
 
 from . import backend
 
@@ -55,11 +54,11 @@ def device_name() -> str:
     return n.decode() if isinstance(n, bytes) else str(n)
 
 
-def local_rank(mpi_comm) -> int:
-    """This rank's index among the ranks of its node (launcher variables first, then MPI)."""
-    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK", "PMI_LOCAL_RANK"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
+def local_rank(mpi_comm, launcher_local_rank=None) -> int:
+    """This rank's index among the ranks of its node: the launcher's when given
+    (pympar.config.Environment.local_rank), else found with MPI."""
+    if launcher_local_rank is not None:
+        return int(launcher_local_rank)
     return node_rank_size(mpi_comm)[0]
 
 
@@ -93,11 +92,11 @@ def nccl_choice(env: str, ranks_on_node_max: int, gpus: int):
     return True, None
 
 
-def select_device(mpi_comm):
+def select_device(mpi_comm, launcher_local_rank=None):
     """Make GPU local_rank % n_gpus current for this process (one GPU per rank); returns it."""
     cp = backend.get_xp("cuda")
     n = cp.cuda.runtime.getDeviceCount()
-    dev = cp.cuda.Device(local_rank(mpi_comm) % n)
+    dev = cp.cuda.Device(local_rank(mpi_comm, launcher_local_rank) % n)
     dev.use()
     return dev
 
@@ -114,11 +113,11 @@ def bfloat16_supported() -> bool:
         return False
 
 
-def device_world(mpi_comm, timeout=None, name="world", use_nccl=None):
+def device_world(mpi_comm, timeout=None, name="world", use_nccl=None, nccl=""):
     """The job's communicator on GPUs: DeviceComm over NCCL (CuPy operands) and MPI (host
-    operands). PYMPAR_NCCL=0 (or use_nccl=False) keeps everything on MPI: CUDA-aware MPI
-    where the library says it is, host staging otherwise; unset, NCCL is used unless ranks
-    outnumber a node's GPUs (see nccl_choice)."""
+    operands). use_nccl=False (or nccl="0", what PYMPAR_NCCL says) keeps everything on MPI:
+    CUDA-aware MPI where the library says it is, host staging otherwise; "" (auto), NCCL is used
+    unless ranks outnumber a node's GPUs (see nccl_choice)."""
     from .comm.hybrid import DeviceComm
     from .comm.mpi import MPIComm
 
@@ -128,7 +127,7 @@ def device_world(mpi_comm, timeout=None, name="world", use_nccl=None):
 
         most = mpi_comm.allreduce(node_rank_size(mpi_comm)[1], op=MPI.MAX)   # ranks on the fullest node
         gpus = backend.get_xp("cuda").cuda.runtime.getDeviceCount()
-        use_nccl, note = nccl_choice(os.environ.get("PYMPAR_NCCL", ""), most, gpus)
+        use_nccl, note = nccl_choice(nccl, most, gpus)
         if note and mpi.rank == 0:
             print(f"pympar: note: {note}", flush=True)
     if use_nccl and mpi.size > 1:

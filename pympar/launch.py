@@ -4,8 +4,9 @@ the hostfile offers, with the same training run.
     python -m pympar.launch -n 4 --max-restarts 3 -- --preset small --steps 400 --save-every 50 --out runs/a
     python -m pympar.launch -n 8 --hostfile hosts --min-ranks 4 -- --preset small --steps 400 --out runs/a
 
-Everything after ``--`` goes to ``python -m pympar.train``; it must name ``--out`` (where the
-checkpoints that a restart resumes from live). Each attempt runs the installed ``mpiexec`` (or
+Everything after ``--`` goes to ``python -m pympar.train`` (or to ``--program SCRIPT``, a script
+that calls ``pympar.train.main``); it must name ``--out`` (where the checkpoints that a restart
+resumes from live). Each attempt runs the installed ``mpiexec`` (or
 ``--mpiexec PATH``) and is watched to its end:
 
     exit 0                     done: the supervisor exits 0
@@ -67,11 +68,16 @@ def parse(argv):
     ap.add_argument("--min-ranks", type=int, default=1, help="refuse to start an attempt with fewer ranks")
     ap.add_argument("--mpiexec", default=None, help="the mpiexec to run (default: the one beside this Python)")
     ap.add_argument("--backoff", type=float, default=2.0, help="seconds before the first restart (doubling)")
+    ap.add_argument("--program", default=None,
+                    help="a Python script to run instead of -m pympar.train, with the same arguments (one that "
+                         "calls pympar.train.main, e.g. with hooks of its own; default: python -m pympar.train)")
     a = ap.parse_args(own)
     if a.np is None and a.hostfile is None:
         raise LaunchError("give -n N (ranks) or --hostfile FILE")
     if a.np is not None and a.np < 1 or a.max_restarts < 0 or a.min_ranks < 1 or a.backoff < 0:
         raise LaunchError("-n, --min-ranks must be >= 1; --max-restarts, --backoff >= 0")
+    if a.program is not None and not Path(a.program).is_file():
+        raise LaunchError(f"--program {a.program}: no such file")
     if not train:
         raise LaunchError("nothing to train: give the pympar.train arguments after --")
     if _flag(train, "--out") is None:
@@ -221,8 +227,8 @@ class Supervisor:
             if attempt or _flag(args, "--resume") is None:    # continue from OUT/checkpoints if any
                 args = _without(args, "--resume") + ["--resume", "auto"]
             cmd = [self.mpiexec, "-n", str(n)] + (["-f", self.a.hostfile] if self.a.hostfile else []) + \
-                [sys.executable, "-m", "pympar.train", *args]
-            env = dict(os.environ, PYMPAR_LAUNCH_ATTEMPT=str(attempt))
+                [sys.executable, *(["-m", "pympar.train"] if self.a.program is None else [self.a.program]), *args]
+            env = dict(os.environ, PYMPAR_LAUNCH_ATTEMPT=str(attempt))   # the job's environment, passed on
             t0 = time.time()
             print(f"pympar.launch: attempt {attempt + 1}/{self.a.max_restarts + 1}: {n} ranks, "
                   f"{' '.join(args)}", flush=True)

@@ -17,7 +17,8 @@ nanoGPT (no discount for the causal mask). Only the experts a token is routed to
 so MoE MFU reflects active parameters. Biases and LayerNorms are left out.
 
 MFU = tokens_per_s * flops_per_token / (peak_flops_per_rank * world_size), where the peak
-is measured at start-up on each process (``measure_matmul_peak``).
+is measured at start-up on each process (``measure_matmul_peak``). The count itself is
+``pympar.nn.config.flops_per_token`` (a function of the model alone).
 """
 from __future__ import annotations
 
@@ -25,26 +26,6 @@ import json
 import time
 
 import numpy as np
-
-
-def matmul_params_per_token(cfg) -> int:
-    """N_matmul of the module docstring: weights one token multiplies by (active only)."""
-    C = cfg.n_embd
-    n = 0
-    for i in range(cfg.n_layer):
-        n += 4 * C * C
-        if cfg.is_moe_block(i):
-            n += cfg.top_k * 8 * C * C + C * cfg.n_expert
-            if getattr(cfg, "shared_expert", False):
-                n += 8 * C * C
-        else:
-            n += 8 * C * C
-    return n + cfg.vocab_size * C
-
-
-def flops_per_token(cfg) -> float:
-    """Training FLOPs per token (forward + backward), see the module docstring."""
-    return 6.0 * matmul_params_per_token(cfg) + 12.0 * cfg.n_layer * cfg.block_size * cfg.n_embd
 
 
 def measure_matmul_peak(xp=np, dtype=np.float32, n: int = 256, seconds: float = 0.3, barrier=None) -> float:

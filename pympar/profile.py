@@ -1,76 +1,21 @@
-"""Event recorder for the time split and the merged Chrome trace.
+"""The merged Chrome trace of every rank's recorded events.
 
-Every rank owns one ``Recorder``. Code that does work wraps it in
-``with rec.span("fwd L3 mb1", "compute", bytes=...):`` (or calls ``rec.add`` with times it
-measured itself). The recorder always sums durations per category -- that is the per-step
-time split of metrics.jsonl -- and, when profiling is on, also keeps every event.
-``write_chrome_trace`` turns the events of all ranks (gathered by the caller) into one
-Chrome trace JSON: one process row per rank, one thread row per kind of work, openable in
-Perfetto (ui.perfetto.dev) or chrome://tracing.
-
-Categories (the keys of the time split): compute, dp_comm, tp_comm, pp_comm, ep_comm,
-cp_comm (waiting for the context-parallel ring), bubble, optimizer. Other categories (``step``, ``eval``, ``wait``) are recorded but not summed
-into the split.
+The events come from each rank's ``Recorder`` (pympar/parallel/recorder.py: the time split
+and, when profiling is on, every event); ``write_chrome_trace`` turns the events of all ranks
+(gathered by the caller) into one Chrome trace JSON: one process row per rank, one thread row
+per kind of work, openable in Perfetto (ui.perfetto.dev) or chrome://tracing.
 """
 from __future__ import annotations
 
 import json
-import time
-from contextlib import contextmanager
 
-SPLIT = ("compute", "dp_comm", "tp_comm", "pp_comm", "ep_comm", "cp_comm", "bubble", "optimizer")
+from .parallel.recorder import SPLIT, Recorder
+
+__all__ = ["SPLIT", "Recorder", "chrome_trace", "write_chrome_trace"]
+
 _THREADS = {"compute": 0, "optimizer": 0, "bubble": 0, "wait": 0,
             "dp_comm": 1, "tp_comm": 1, "pp_comm": 1, "ep_comm": 1, "cp_comm": 1, "step": 2, "eval": 2}
 _THREAD_NAMES = {0: "compute", 1: "communication", 2: "steps"}
-
-
-class Recorder:
-    """Cheap per-rank recorder: per-category totals always, events only when enabled."""
-
-    def __init__(self, enabled: bool = False):
-        self.enabled = enabled
-        self.events: list[tuple] = []      # (name, cat, t0 s, dur s, args or None)
-        self.totals = dict.fromkeys(SPLIT, 0.0)
-        self.origin = time.perf_counter()
-
-    def reset_origin(self) -> None:
-        """Call right after a barrier so that every rank's clock starts at the same moment."""
-        self.origin = time.perf_counter()
-
-    def add(self, name: str, cat: str, t0: float, dur: float, **args) -> None:
-        """Record a finished piece of work: t0 from time.perf_counter(), dur in seconds."""
-        if cat in self.totals:
-            self.totals[cat] += dur
-        if self.enabled:
-            self.events.append((name, cat, t0 - self.origin, dur, args or None))
-
-    @contextmanager
-    def span(self, name: str, cat: str, **args):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, cat, t0, time.perf_counter() - t0, **args)
-
-    def take_totals(self) -> dict:
-        """The per-category seconds since the last call (and reset them)."""
-        out, self.totals = self.totals, dict.fromkeys(SPLIT, 0.0)
-        return out
-
-
-class _Null:
-    """A recorder that records nothing (for code run outside the trainer)."""
-    enabled = False
-
-    def add(self, *a, **k):
-        pass
-
-    @contextmanager
-    def span(self, *a, **k):
-        yield
-
-
-NULL = _Null()
 
 
 def chrome_trace(events_by_rank: list[list[tuple]], rank_labels: list[str] | None = None) -> dict:

@@ -43,22 +43,26 @@ from pathlib import Path
 
 import numpy as np
 
-from . import backend
+from . import backend, kernels
+from . import layout as layouts
 from .comm.objects import gather_object
-from .config import ConfigError, describe, parse_args
+from .config import ConfigError, apply_environment, describe, parse_args
 from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
-from .faults import (RESUMABLE_STATUS, STOP_STATUS, BadStepGuard, FaultInjector, NonFiniteStop, StopRequest,
+from .faults import (RESUMABLE_STATUS, STOP_STATUS, BadStepGuard, NonFiniteStop, StopRequest,
                      check_resumable, resolve_resume, restore_run, save_run)
-from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, moe_layer_stats
+from .metrics import MetricsWriter, measure_matmul_peak, moe_layer_stats
+from .nn.config import flops_per_token
 from .parallel import ledger
 from .optim import cosine_lr
 from .parallel.mesh import Mesh
-from .parallel.pp import channels as pp_channels
-from .parallel.runner import build_runner, check_supported
+from .parallel.runner import build_runner
 from .profile import SPLIT, Recorder, write_chrome_trace
 
 
-def main(argv=None) -> int:
+def main(argv=None, faults=None) -> int:
+    """The trainer (the module docstring); returns the exit status. ``faults``: a test harness's
+    injector factory, ``faults(rank, model)`` -> an object whose ``begin_step(step)`` runs before
+    every step (tests/faulty_train.py); a normal run has none."""
     from mpi4py import MPI                     # MPI_Init; no collective yet
 
     mpi = MPI.COMM_WORLD
@@ -68,13 +72,13 @@ def main(argv=None) -> int:
     # 1. validate everything on every rank, without communicating
     try:
         quiet = contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext()
+        env = apply_environment()              # the environment, read once, here
         with quiet:                            # --help is printed by rank 0 only
-            model_cfg, run = parse_args(argv, world)
-        corpus = load_corpus(run.data)
+            model_cfg, run = parse_args(argv, world, env)
+        corpus = load_corpus(run.data, cache_dir=env.cache_dir)
         model_cfg = _fit_vocab(model_cfg, run, corpus)
         corpus.check_block_size(model_cfg.block_size)
-        check_supported(model_cfg, run.layout_resolved, run)
-        pp_channels.wanted(None)              # a malformed PYMPAR_PP_CHANNELS fails here, on every rank
+        layouts.check(model_cfg, run.layout_resolved, device=run.device)
         if run.device == "cuda":
             _check_gpu(run)
         resume_path = resolve_resume(run)
@@ -94,7 +98,7 @@ def main(argv=None) -> int:
     from .comm.debug import CollectiveMismatchError
     from .comm.watchdog import abort_job
     try:
-        return _train(mpi, model_cfg, run, corpus, resume_path)
+        return _train(mpi, model_cfg, run, corpus, resume_path, env, faults)
     except (CommTimeoutError, CollectiveMismatchError) as e:
         abort_job(e)
     except CheckpointError as e:               # found while loading (a checksum): agreed on every rank
@@ -114,16 +118,16 @@ def main(argv=None) -> int:
         abort_job(RuntimeError(f"unexpected {type(e).__name__} on this rank: {e}"), status=1)
 
 
-def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
+def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
     rank, world = mpi.Get_rank(), mpi.Get_size()
     # 2. set up: communicator, model replica(s), recorder, the measured peak
     from .comm import MPIComm
     threads, threads_why = _threads(mpi, run)
-    backend.set_num_threads(threads)
+    kernels.set_process_threads(threads)
     if run.device == "cuda":                  # one GPU per rank; NCCL for device arrays, MPI for host ones
         from . import gpu
-        gpu.select_device(mpi)
-        comm = gpu.device_world(mpi, timeout=run.comm_timeout)
+        gpu.select_device(mpi, env.local_rank)
+        comm = gpu.device_world(mpi, timeout=run.comm_timeout, nccl=env.nccl)
     else:
         # a timeout ends the job with the report either way (main's handler): "abort" also lets
         # auto choose the library's blocking collectives (comm/tuning.py)
@@ -135,7 +139,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
     predicted = runner.predicted_ledger(run.micro_batch_size, run.n_micro)
     peak = float(comm.allreduce(np.array([_peak(run, comm)]))[0])  # all ranks at once, summed
     guard = BadStepGuard(run.max_bad_steps, getattr(runner, "scaler", None))
-    faults = FaultInjector(rank, runner.model)
+    injector = faults(rank, runner.model) if faults is not None else None
     start = restore_run(runner, resume_path, guard, comm) if resume_path else 0
     fpt = flops_per_token(model_cfg)
     B, T = run.micro_batch_size, model_cfg.block_size
@@ -168,13 +172,14 @@ def _train(mpi, model_cfg, run, corpus, resume_path) -> int:
     comm.barrier()
     rec.reset_origin()
     rec.take_totals()
-    bar = _progress(rank, run.steps, run.progress)
+    bar = _progress(rank, run.steps, run.progress, launched=env.launched)
     history, val_loss, t_start = [], None, time.perf_counter()
     stop = StopRequest().install()             # SIGTERM/SIGINT/SIGUSR1: stop at the end of a step, saved
     pending = None                             # --async-save: the checkpoint being written in the background
     staging = {}                               # ... and the host buffers it is copied into, reused
     for step in range(start, run.steps):
-        faults.begin_step(step)
+        if injector is not None:
+            injector.begin_step(step)
         lr = cosine_lr(step, run.lr, min(run.warmup, run.steps), run.steps, run.min_lr)
         batches = local_micro_batches(corpus.train, run.seed, step, dp_rank, run.n_micro, B, T)
         t0 = time.perf_counter()
@@ -290,7 +295,7 @@ def _threads(mpi, run):
             n = max(1, cores // ranks)
             why = f"{cores} cores / {ranks} ranks on this node"
         if n * ranks > cores:
-            backend.set_spin_us(0)
+            kernels.set_spin_us(0)
             why += ", oversubscribed: no spinning"
         if run.bind == "cores":
             why += "; " + _bind(node, masks, union, n)
@@ -320,7 +325,6 @@ def _check_gpu(run):
     except RuntimeError as e:
         raise ValueError(str(e)) from None
     from . import gpu
-    gpu.nccl_choice(os.environ.get("PYMPAR_NCCL", ""), 1, 1)   # a malformed PYMPAR_NCCL fails here, on every rank
     if run.compress == "bf16" and not gpu.bfloat16_supported():
         raise ValueError("--compress bf16 on --device cuda needs a CuPy with bfloat16 arrays (CuPy >= 14 with "
                          "ml_dtypes); use --compress fp16 or none")
@@ -419,10 +423,9 @@ class _progress:
     a batch job, or when it cannot be known.
     """
 
-    def __init__(self, rank, total, mode="auto"):
+    def __init__(self, rank, total, mode="auto", launched=False):
         self.rank, self.total, self.bar = rank, total, None
-        if mode == "auto":
-            launched = any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+        if mode == "auto":                   # launched: an MPI launcher's variables are set (pympar.config)
             mode = "bar" if sys.stdout.isatty() or (launched and rank == 0 and _launcher_on_terminal()) else "log"
         if rank == 0 and mode == "bar":
             from tqdm import tqdm
@@ -480,5 +483,4 @@ def _print_summary(s, sample, out):
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

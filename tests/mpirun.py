@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,12 +95,25 @@ def run_pytest_mpi(n: int, test_file: str, timeout: float = 180, env=None, extra
             "--timeout", str(int(timeout * 0.8)), str(ROOT / "tests" / "mpi" / test_file), *extra_args]
     res = run_mpi(n, args, timeout=timeout, env=env)
     # a rank whose every test skipped exits 0 but tested nothing (e.g. a missing module)
+    partial = False
     for summary in _SUMMARY.findall(res.stdout):
         if "skipped" in summary and "passed" not in summary:
             raise AssertionError(f"every test of {test_file} skipped on a rank at -n {n} ({summary.strip()}): "
                                  f"nothing was tested; the skip reasons are in the output\n"
                                  f"--- output tail ---\n{res.stdout[-4000:]}")
+        partial = partial or "skipped" in summary
+    if partial:   # some tests skipped at this rank count: say which and why, in the outer run's warnings
+        reasons = sorted(set(_SKIPPED.findall(res.stdout)))
+        warnings.warn(PartialSkip(f"{test_file} at -n {n}: tests skipped: " + ("; ".join(reasons) or "see -rs output")))
     return res
+
+
+class PartialSkip(UserWarning):
+    """Some tests of an MPI test file skipped at a rank count (shown in pytest's warnings summary)."""
+
+
+# pytest -rs lines: "SKIPPED [2] tests/mpi/mpi_x.py:41: needs 4 ranks"
+_SKIPPED = re.compile(r"SKIPPED \[\d+\] ([^\n]+)")
 
 
 # one rank's pytest summary, e.g. "3 passed, 1 skipped in 0.52s" (ranks' lines may interleave)

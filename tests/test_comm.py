@@ -53,7 +53,7 @@ def test_collectives_on_two_real_nodes():
 
 
 def test_importing_pympar_comm_does_not_start_mpi():
-    """DESIGN.md: `import pympar.comm` does not initialise MPI (importing mpi4py.MPI would): the
+    """docs/design.md: `import pympar.comm` does not initialise MPI (importing mpi4py.MPI would): the
     base, SelfComm, requests and datatypes take mpi4py on first use; the model and parallel
     layers import without it too, and SelfComm works with no MPI at all."""
     import subprocess

@@ -1,14 +1,17 @@
 """Failures of a training run under mpiexec: a killed rank ends the job within a bound and
 --resume auto continues bitwise; a hung rank is named by the watchdog and the job aborts;
 non-finite gradients are skipped (float16: the loss scale drops) or stop the run naming the
-parameter; nothing non-finite reaches a checkpoint. Faults come from PYMPAR_INJECT_* (pympar.faults)."""
+parameter; nothing non-finite reaches a checkpoint. Faults come from PYMPAR_INJECT_* (tests/faulty_train.py)."""
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mpirun import run_mpi
+
+FAULTY = str(Path(__file__).resolve().parent / "faulty_train.py")   # pympar.train + PYMPAR_INJECT_* faults
 
 SMALL = ["--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--micro-batch-size", "2",
          "--eval-iters", "1", "--sample-tokens", "0", "--progress", "log", "--eval-every", "0"]
@@ -25,7 +28,7 @@ def text(tmp_path_factory):
 
 def train(n, text, out, *args, env=None, check=True, timeout=90):
     t0 = time.monotonic()
-    p = run_mpi(n, ["-m", "pympar.train", "--data", text, *SMALL, "--out", out, *map(str, args)],
+    p = run_mpi(n, [FAULTY, "--data", text, *SMALL, "--out", out, *map(str, args)],
                 timeout=timeout, env=env, check=check)
     return p, time.monotonic() - t0
 

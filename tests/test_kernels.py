@@ -346,7 +346,9 @@ def test_set_num_threads_rejects_zero():
 # --- other paths: every ISA build, forced reference, no native module -------------------
 ISA_CHECK = textwrap.dedent("""
     import numpy as np, pympar.kernels as K
+    from pympar.config import apply_environment
     from pympar.kernels import native as N, reference as R
+    apply_environment()          # PYMPAR_ISA, as an application reads it
     assert K.native_isa() == "{isa}", K.native_isa()
     rng = np.random.default_rng(0)
     x = rng.standard_normal((33, 257)).astype(np.float32)
@@ -403,7 +405,8 @@ def test_forced_reference():
 
 
 def test_forced_reference_by_environment():
-    r = _run("import numpy as np, pympar.kernels as K; print(K.backend(np.zeros(1)))", PYMPAR_KERNELS="reference")
+    r = _run("import numpy as np, pympar.kernels as K, pympar.config as C; C.apply_environment(); "
+             "print(K.backend(np.zeros(1)))", PYMPAR_KERNELS="reference")
     assert r.returncode == 0 and r.stdout.strip() == "reference", r.stderr[-2000:]
 
 

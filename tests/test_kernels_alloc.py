@@ -1,5 +1,5 @@
-"""pympar.kernels.alloc: importing the engine keeps freed memory, so a repeated step stops
-page-faulting its activations back in (and PYMPAR_MALLOC=system turns that off)."""
+"""pympar.kernels.alloc: an application (pympar.config.apply_environment) keeps freed memory, so a
+repeated step stops page-faulting its activations back in (and PYMPAR_MALLOC=system turns that off)."""
 import os
 import subprocess
 import sys
@@ -11,8 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 20 rounds of allocating and freeing 16 arrays of 2 MiB: the second half's minor faults
 SCRIPT = r"""
 import resource, numpy as np
-import pympar.nn  # noqa: F401  (the engine import applies the policy)
+import pympar.config
 from pympar.kernels import alloc
+pympar.config.apply_environment()    # what every application does first: applies the policy
 def rnd():
     xs = [np.ones(1 << 19, dtype=np.float32) for _ in range(16)]
     del xs
@@ -32,7 +33,7 @@ def _run(env_extra):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt: Linux only")
-def test_engine_import_retains_freed_memory():
+def test_the_application_edge_retains_freed_memory():
     kept, faults = _run({})
     off, faults_off = _run({"PYMPAR_MALLOC": "system"})
     if not kept:

@@ -25,8 +25,11 @@ TRAIN = ["--preset", "tiny", "--n-layer", "2", "--micro-batch-size", "2", "--ste
          "--save-every", str(SAVE)]
 
 
+FAULTY = str(ROOT / "tests" / "faulty_train.py")     # pympar.train with the PYMPAR_INJECT_* faults
+
+
 def _launch(args, env=None, timeout=240):
-    cmd = [sys.executable, "-m", "pympar.launch", *map(str, args)]
+    cmd = [sys.executable, "-m", "pympar.launch", "--program", FAULTY, *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(env), cwd=ROOT / "tests", timeout=timeout)
 
 
@@ -115,7 +118,8 @@ def test_elastic_restart_on_the_ranks_the_hostfile_offers(tmp_path, before, afte
     out, hosts = tmp_path / "run", tmp_path / "hosts"
     hosts.write_text(f"localhost:{before}\n")
     n_micro = 4 // before                                # global batch 2 x n_micro x dp = 8 sequences
-    cmd = [sys.executable, "-m", "pympar.launch", "--hostfile", str(hosts), "--backoff", "3", "--max-restarts", "1",
+    cmd = [sys.executable, "-m", "pympar.launch", "--program", FAULTY, "--hostfile", str(hosts), "--backoff", "3",
+           "--max-restarts", "1",
            "--", *TRAIN, "--n-micro", str(n_micro), "--out", str(out)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(KILL_RANK_1),
                          cwd=ROOT / "tests")

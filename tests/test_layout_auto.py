@@ -1,23 +1,40 @@
 """--layout auto: the planner picks the layout, identically on every rank, for the same global batch."""
+import dataclasses
 import json
+import math
+import os
 from pathlib import Path
 
 import pytest
 
 from mpirun import run_mpi
+from pympar import layout as layouts
 from pympar.config import ConfigError, parse_args
 
 TINY = ["--preset", "tiny", "--n-layer", "4", "--block-size", "16", "--micro-batch-size", "2", "--n-micro", "2",
         "--sample-tokens", "0", "--eval-every", "0", "--eval-iters", "1"]
 
 
-def test_parse_keeps_the_global_batch_and_gives_a_runnable_layout():
+def test_parse_takes_the_planners_best_layout_for_the_same_global_batch():
+    """parse_args --layout auto = the fastest prediction of the planner that pympar.layout.check
+    accepts, with the run's fields set from it and the rule's global batch kept."""
     model, run = parse_args([*TINY, "--layout", "auto"], world_size=4)
     lay = run.layout_resolved
-    assert lay.dp * lay.pp * lay.tp == 4
-    assert run.micro_batch_size * run.n_micro * lay.dp == 2 * 2 * 4   # same global batch as the rule's dp=4
-    from pympar.parallel.runner import check_supported
-    check_supported(model, lay, run)   # raises if the planner chose something the runner cannot run
+    preds, _ = layouts.plan(model, 4, 2 * 2 * 4, _fixed_machine(4))
+    assert preds and lay == preds[0].layout                # the first of the sorted predictions
+    assert lay.world == 4
+    assert lay.micro_batch_size * lay.n_micro * lay.dp == 2 * 2 * 4   # same global batch as the rule's dp=4
+    assert (run.micro_batch_size, run.n_micro, run.schedule, run.zero) == \
+        (lay.micro_batch_size, lay.n_micro, lay.schedule, lay.zero)
+    assert parse_args([*TINY, "--layout", "auto"], world_size=4)[1].layout_resolved == lay   # every rank the same
+
+
+def _fixed_machine(world):
+    """The constants layouts.choose uses (no measurement)."""
+    d = layouts.CPU_DEFAULT
+    return layouts.Machine(peak=1e10, alpha=d["alpha"], intra_bw=d["intra_bw"], inter_bw=d["inter_bw"],
+                           mem=24 * layouts.GiB // world, act_bytes=d["act_bytes"], mfu=layouts.MFU_ASSUMED["cpu"],
+                           ranks_per_node=world, overlap=0.0, overhead=d["overhead"], cores=os.cpu_count() or 1)
 
 
 def test_auto_refuses_explicit_sizes():
@@ -25,11 +42,19 @@ def test_auto_refuses_explicit_sizes():
         parse_args([*TINY, "--layout", "auto", "--tp", "2"], world_size=4)
 
 
-def test_auto_skips_layouts_the_run_cannot_execute():
-    # tensor parallelism needs float32 today (checked by the runner): the planner's pick must respect it
-    model, run = parse_args([*TINY, "--layout", "auto", "--dtype", "float16"], world_size=4)
-    from pympar.parallel.runner import check_supported
-    check_supported(model, run.layout_resolved, run)
+def test_choose_skips_what_accept_refuses_and_takes_the_next_best():
+    model, _ = parse_args(TINY, world_size=4)
+    best = layouts.choose(model, 4, 16)
+
+    def no(lay):
+        if lay.pp == best.pp and lay.tp == best.tp:
+            raise ValueError("not this shape")
+    other = layouts.choose(model, 4, 16, accept=no)
+    assert (other.pp, other.tp) != (best.pp, best.tp)
+    preds, _ = layouts.plan(model, 4, 16, _fixed_machine(4))
+    assert other == next(p.layout for p in preds if (p.layout.pp, p.layout.tp) != (best.pp, best.tp))
+    with pytest.raises(ValueError, match="no valid layout of 4 ranks"):
+        layouts.choose(model, 4, 16, accept=lambda lay: (_ for _ in ()).throw(ValueError("none")))
 
 
 def test_cli_runs_the_planned_layout_and_says_so(tmp_path):
@@ -37,8 +62,8 @@ def test_cli_runs_the_planned_layout_and_says_so(tmp_path):
                       "--progress", "log"], timeout=120)
     assert "chosen by the planner" in res.stdout
     summary = json.loads((Path(tmp_path) / "summary.json").read_text())
-    lay = summary["config"]["run"]["layout_resolved"] if "config" in summary else None
+    lay = summary["config"]["run"]["layout_resolved"]
+    _, run = parse_args([*TINY, "--layout", "auto"], world_size=4)
+    assert lay == dataclasses.asdict(run.layout_resolved)            # what the ranks ran is the plan
     rows = [json.loads(x) for x in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(r["loss"] == r["loss"] for r in rows)   # finite, two steps
-    if lay:
-        assert lay["dp"] * lay["pp"] * lay["tp"] == 4
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)

@@ -65,8 +65,9 @@ def test_ci_slice_covers_every_pair_of_dimension_values():
         want = set().union(*(_pairs(x) for x in full(n, dtypes=("float64", "float32"))))
         got = set().union(*(_pairs(x) for x in ci_layouts(n)))
         assert want == got, (n, sorted(want - got)[:5])
-    assert len(all_layouts(8)) > 100 and {x.schedule for x in all_layouts(8)} == {"-", "gpipe", "1f1b", "interleaved", "zb-h1",
-                                                                                "zb-v"}
+    assert len(all_layouts(8)) > 100
+    assert {x.schedule for x in all_layouts(8) if x.pp > 1} == {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"}
+    assert {x.schedule for x in all_layouts(8) if x.pp == 1} == {"1f1b"}
     assert {x.cp for x in all_layouts(8)} == {1, 2, 4}
 
 
@@ -111,6 +112,7 @@ def test_cli_layout_matches_one_process(tmp_path, args, n_micro):
     tol = 1e-2 if "--compress" in args else (1e-4 if "--dtype" in args else 1e-5)
     res, four = _losses(4, tmp_path / "four", *args, "--n-micro", n_micro)
     assert "layout dp=" in res.stdout and res.stdout.count("--- sample (top-k) ---") == 1
+    assert len(one) == len(four) > 0 and [a["step"] for a in one] == [b["step"] for b in four]
     for a, b in zip(one, four):
         for k in ("loss", "grad_norm", "val_loss"):
             if a[k] is not None:
@@ -128,15 +130,17 @@ def test_cli_layout_matches_one_process(tmp_path, args, n_micro):
 def test_cli_tensor_parallel_mixed_precision_matches_one_process(tmp_path, dtype, extra):
     """--tp 2 --dtype bfloat16/float16 (fp16: loss scaling) on 2 ranks == 1 rank with the same
     compute dtype, to low-precision tolerance (partial sums over tp are reduced in float32 and
-    rounded once, so only rounding-order effects remain): losses, grad norms, validation loss."""
+    rounded once, so only rounding-order effects remain): losses and validation loss to rel 2e-4,
+    grad norms to 1% (docs/parallel.md: a 200-step bf16 run stayed within 1.2e-4 in loss, 0.7%
+    in grad norm)."""
     _, one = _losses(1, tmp_path / "one", "--preset", "tiny", "--dtype", dtype, "--n-micro", 2)
     res, two = _losses(2, tmp_path / "two", "--preset", "tiny", "--dtype", dtype, "--tp", 2, *extra,
                        "--n-micro", 2)
-    assert "layout dp=" in res.stdout and len(one) == len(two) > 0
+    assert "layout dp=" in res.stdout and len(one) == len(two) > 0 and [a["step"] for a in one] == [b["step"] for b in two]
     for a, b in zip(one, two):
-        for k in ("loss", "grad_norm", "val_loss"):
+        for k, rel in (("loss", 2e-4), ("grad_norm", 1e-2), ("val_loss", 2e-4)):
             if a[k] is not None:
-                assert b[k] == pytest.approx(a[k], rel=2e-2), (k, a["step"], a[k], b[k])
+                assert b[k] == pytest.approx(a[k], rel=rel), (k, a["step"], a[k], b[k])
     assert two[-1]["time_split"]["tp_comm"] > 0
 
 
@@ -154,7 +158,7 @@ def test_cli_layout_on_gpus_matches_one_cpu_process(tmp_path, args, n_micro):
     preset = args[args.index("--preset") + 1]
     _, one = _losses(1, tmp_path / "one", "--preset", preset, "--n-micro", 4)
     res, four = _losses(4, tmp_path / "four", *args, "--device", "cuda", "--n-micro", n_micro, timeout=300)
-    assert "layout dp=" in res.stdout and len(one) == len(four) > 0
+    assert "layout dp=" in res.stdout and len(one) == len(four) > 0 and [a["step"] for a in one] == [b["step"] for b in four]
     for a, b in zip(one, four):
         for k in ("loss", "grad_norm", "val_loss"):
             if a[k] is not None:

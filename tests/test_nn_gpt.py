@@ -1,6 +1,5 @@
 """Whole-model checks: finite differences (float64), config, state dict, mixed precision, training."""
 import inspect
-import time
 
 import numpy as np
 import pytest
@@ -175,12 +174,10 @@ def _train(cfg, steps, B=8, lr=3e-3, seed=0):
 def test_training_on_text_drives_loss_down(moe):
     extra = dict(n_expert=4, top_k=2, capacity_factor=1.25, bias_update_rate=1e-3) if moe else {}
     cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, **extra)
-    t0 = time.perf_counter()
     losses, m = _train(cfg, 150)
     first, last = np.mean(losses[:5]), np.mean(losses[-10:])
     assert first > 5.0, first                        # ~ln(256) at init
-    assert last < 3.3, (first, last)
-    assert time.perf_counter() - t0 < 60
+    assert last < 2.75, (first, last)                # docs/engine.md: 2.62 dense, 2.67 MoE (seeded)
     if moe:
         stats = m.moe_stats()
         assert len(stats) == 2 and sum(stats[0]["tokens_per_expert"]) == 150 * 8 * 32 * 2

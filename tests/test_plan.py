@@ -13,9 +13,10 @@ from pympar.parallel import ledger
 from pympar.parallel.ep import is_expert_param
 from pympar.parallel.pp.partition import partition
 from pympar.parallel.pp.schedules import bubble_formula
-from pympar.metrics import flops_per_token
-from pympar.plan import (Layout, Machine, activations_per_micro, choose_layout, enumerate_layouts, fit_alpha_beta,
-                         load_calibration, params_per_rank, plan, predict, spearman)
+from pympar.nn.config import flops_per_token
+from pympar.layout import (Layout, Machine, activations_per_micro, choose as choose_layout, enumerate_layouts,
+                           params_per_rank, plan, predict)
+from pympar.plan import fit_alpha_beta, load_calibration, spearman
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,7 +84,7 @@ def test_out_of_memory_is_rejected_with_the_numbers():
 @pytest.mark.parametrize("preset", ["tiny", "small", "moe-tiny", "moe-small"])
 def test_params_single_rank_equal_the_model(preset):
     cfg = GPTConfig.from_preset(preset)
-    lay = Layout(1, 1, 1, 1, 1, 1, "1f1b")
+    lay = Layout(dp=1, pp=1, tp=1, ep=1, micro_batch_size=1, n_micro=1, schedule="1f1b")
     assert params_per_rank(cfg, lay, range(cfg.n_layer), True, True) == n_params(GPT(cfg))
 
 
@@ -93,7 +94,7 @@ def test_params_with_expert_parallelism(ep):
     model = GPT(cfg)
     dense = n_params(model, lambda n: not is_expert_param(n))
     experts = n_params(model, is_expert_param)
-    lay = Layout(ep, 1, 1, ep, 1, 1, "1f1b")
+    lay = Layout(dp=ep, pp=1, tp=1, ep=ep, micro_batch_size=1, n_micro=1, schedule="1f1b")
     assert params_per_rank(cfg, lay, range(cfg.n_layer), True, True) == dense + experts // ep
 
 
@@ -101,7 +102,7 @@ def test_params_with_expert_parallelism(ep):
 def test_params_over_stages_sum_to_the_model_plus_the_tied_copy(pp):
     cfg = GPTConfig.from_preset("small")
     part = partition(cfg, pp)
-    lay = Layout(1, pp, 1, 1, 1, 4, "1f1b")
+    lay = Layout(dp=1, pp=pp, tp=1, ep=1, micro_batch_size=1, n_micro=4, schedule="1f1b")
     total = sum(params_per_rank(cfg, lay, part.blocks(s), s == 0, s == pp - 1) for s in range(pp))
     assert total == n_params(GPT(cfg)) + cfg.vocab_size * cfg.n_embd      # the last stage's wte copy
 
@@ -110,8 +111,8 @@ def test_memory_zero_stages_divide_what_they_shard():
     """The planner's memory is the ledger's (pympar.parallel.ledger.predict): ZeRO-1 divides the
     optimizer state by dp, ZeRO-2 also the persistent gradients, ZeRO-3 also the parameters."""
     cfg = GPTConfig.from_preset("gpt2-124m")         # larger than one gradient bucket
-    P = 4 * params_per_rank(cfg, Layout(4, 1, 1, 1, 2, 2, "1f1b"), range(cfg.n_layer), True, True)
-    mem = {z: predict(cfg, Layout(4, 1, 1, 1, 2, 2, "1f1b", zero=z), machine()).memory for z in range(4)}
+    P = 4 * params_per_rank(cfg, Layout(dp=4, pp=1, tp=1, ep=1, micro_batch_size=2, n_micro=2, schedule="1f1b"), range(cfg.n_layer), True, True)
+    mem = {z: predict(cfg, Layout(dp=4, pp=1, tp=1, ep=1, micro_batch_size=2, n_micro=2, schedule="1f1b", zero=z), machine()).memory for z in range(4)}
     assert mem[0]["parameters"] == mem[1]["parameters"] == mem[2]["parameters"] == P
     assert mem[3]["parameters"] == pytest.approx(P / 4, rel=1e-3)
     assert mem[0]["optimizer"] == 2 * P                                 # AdamW m, v in float32
@@ -140,16 +141,16 @@ def test_the_planner_takes_zero_and_recomputation_when_memory_demands_them():
 def test_memory_activations_follow_micro_batches_in_flight():
     cfg = GPTConfig.from_preset("small")
     m = machine()
-    gpipe = predict(cfg, Layout(1, 4, 1, 1, 1, 16, "gpipe"), m)
-    ofob = predict(cfg, Layout(1, 4, 1, 1, 1, 16, "1f1b"), m)
+    gpipe = predict(cfg, Layout(dp=1, pp=4, tp=1, ep=1, micro_batch_size=1, n_micro=16, schedule="gpipe"), m)
+    ofob = predict(cfg, Layout(dp=1, pp=4, tp=1, ep=1, micro_batch_size=1, n_micro=16, schedule="1f1b"), m)
     assert gpipe.peak_in_flight == 16 and ofob.peak_in_flight == 4         # stage 0 of 1F1B keeps p
     # GPipe keeps all 16 on every stage, 1F1B at most p=4 (the worst ranks differ: the last stage holds logits)
     assert gpipe.memory["activations"] > 3 * ofob.memory["activations"]
-    half = predict(cfg, Layout(4, 1, 1, 1, 2, 2, "1f1b"), m)
-    full = predict(cfg, Layout(4, 1, 1, 1, 4, 1, "1f1b"), m)
+    half = predict(cfg, Layout(dp=4, pp=1, tp=1, ep=1, micro_batch_size=2, n_micro=2, schedule="1f1b"), m)
+    full = predict(cfg, Layout(dp=4, pp=1, tp=1, ep=1, micro_batch_size=4, n_micro=1, schedule="1f1b"), m)
     assert full.memory["activations"] > 1.9 * half.memory["activations"]
-    sp = predict(cfg, Layout(2, 1, 2, 1, 8, 1, "1f1b", seq_parallel=True), m)
-    nosp = predict(cfg, Layout(2, 1, 2, 1, 8, 1, "1f1b"), m)
+    sp = predict(cfg, Layout(dp=2, pp=1, tp=2, ep=1, micro_batch_size=8, n_micro=1, schedule="1f1b", seq_parallel=True), m)
+    nosp = predict(cfg, Layout(dp=2, pp=1, tp=2, ep=1, micro_batch_size=8, n_micro=1, schedule="1f1b"), m)
     assert sp.memory["activations"] < nosp.memory["activations"]
 
 
@@ -157,21 +158,21 @@ def test_memory_activations_follow_micro_batches_in_flight():
 @pytest.mark.parametrize("sched, p, mm, v", [("gpipe", 4, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2)])
 def test_bubble_without_communication_is_the_formula(sched, p, mm, v):
     cfg = GPTConfig.from_preset("small")
-    pred = predict(cfg, Layout(1, p, 1, 1, 1, mm, sched, v), machine(alpha=0.0, intra_bw=1e30))
+    pred = predict(cfg, Layout(dp=1, pp=p, tp=1, ep=1, micro_batch_size=1, n_micro=mm, schedule=sched, virtual_stages=v), machine(alpha=0.0, intra_bw=1e30))
     assert pred.bubble == pytest.approx(bubble_formula(sched, p, mm, v), rel=1e-6)
 
 
 def test_oversubscribed_ranks_run_at_cores_over_ranks_and_the_bubble_is_charged():
     cfg = GPTConfig.from_preset("small")
     free = dict(alpha=0.0, intra_bw=1e30, opt_per_param=0.0)          # compute only
-    lay = Layout(1, 4, 1, 1, 1, 4, "gpipe")
+    lay = Layout(dp=1, pp=4, tp=1, ep=1, micro_batch_size=1, n_micro=4, schedule="gpipe")
     alone = predict(cfg, lay, machine(ranks_per_node=4, cores=0, **free))
     shared = predict(cfg, lay, machine(ranks_per_node=4, cores=2, **free))
     assert alone.time["oversubscription"] == 1.0 and shared.time["oversubscription"] == 2.0
     assert shared.step_time == pytest.approx(2 * alone.step_time, rel=1e-9)   # every rank at half a core
     # the same work as DP (4 sequences, every block once per sequence): a waiting rank keeps its
     # share of the cores, so GPipe's bubble costs its full (m + p - 1) / m
-    dp = predict(cfg, Layout(4, 1, 1, 1, 1, 1, "1f1b"), machine(ranks_per_node=4, cores=2, **free))
+    dp = predict(cfg, Layout(dp=4, pp=1, tp=1, ep=1, micro_batch_size=1, n_micro=1, schedule="1f1b"), machine(ranks_per_node=4, cores=2, **free))
     assert shared.step_time / dp.step_time == pytest.approx((4 + 4 - 1) / 4, rel=1e-6)
     # a node with a core per rank is not slowed
     assert predict(cfg, lay, machine(ranks_per_node=4, cores=4, **free)).step_time == pytest.approx(alone.step_time)
@@ -181,14 +182,14 @@ def test_tp_pays_the_latency_of_every_allreduce():
     cfg = GPTConfig.from_preset("small")                          # 4 blocks
     m = machine(alpha=1e-3, intra_bw=1e30, ranks_per_node=4)
     for tp, nm in [(2, 1), (4, 1), (2, 4)]:
-        p = predict(cfg, Layout(4 // tp, 1, tp, 1, 2, nm, "1f1b"), m)
+        p = predict(cfg, Layout(dp=4 // tp, pp=1, tp=tp, ep=1, micro_batch_size=2, n_micro=nm, schedule="1f1b"), m)
         # 4 per block (2 forward, 2 backward) + embedding + cross-entropy's 2, log2(tp) rounds each
         assert p.time["tp_comm"] == pytest.approx(nm * (4 * 4 + 3) * 1e-3 * math.ceil(math.log2(tp)))
 
 
 def test_load_calibration(tmp_path):
     cfg = GPTConfig.from_preset("small")
-    one = Layout(1, 1, 1, 1, 1, 1, "1f1b")
+    one = Layout(dp=1, pp=1, tp=1, ep=1, micro_batch_size=1, n_micro=1, schedule="1f1b")
     mm = flops_per_token(cfg) * cfg.block_size
     cal = dict(preset="small", matmul_peak=1e9,
                single_process=dict(step_fixed_s=0.012, micro_fixed_s=0.006, per_seq_s=2 * mm / 1e9),
@@ -216,10 +217,10 @@ def test_load_calibration(tmp_path):
 def test_tp_and_dp_communication_grow_with_size():
     cfg = GPTConfig.from_preset("small")
     slow = machine(intra_bw=1e8)
-    tp2 = predict(cfg, Layout(2, 1, 2, 1, 8, 1, "1f1b"), slow)
-    tp4 = predict(cfg, Layout(1, 1, 4, 1, 16, 1, "1f1b"), slow)
+    tp2 = predict(cfg, Layout(dp=2, pp=1, tp=2, ep=1, micro_batch_size=8, n_micro=1, schedule="1f1b"), slow)
+    tp4 = predict(cfg, Layout(dp=1, pp=1, tp=4, ep=1, micro_batch_size=16, n_micro=1, schedule="1f1b"), slow)
     assert 0 < tp2.time["tp_comm"] < tp4.time["tp_comm"]
-    dp = predict(cfg, Layout(4, 1, 1, 1, 4, 1, "1f1b"), slow)
+    dp = predict(cfg, Layout(dp=4, pp=1, tp=1, ep=1, micro_batch_size=4, n_micro=1, schedule="1f1b"), slow)
     assert dp.time["dp_comm"] > 0 and tp2.time["dp_comm"] < dp.time["dp_comm"]
 
 

@@ -84,6 +84,24 @@ def test_memory_model_against_measured(accuracy):
         assert 0.5 <= r["activation_ratio"] <= 2.0, (r["layout"], mm, pm)
 
 
+def _mesh(r):
+    return tuple(int(re.search(rf"{k}(\d+)", r["layout"]).group(1)) for k in ("dp", "pp", "tp"))
+
+
+def test_zero1_saving_shows_in_what_the_process_holds(accuracy):
+    """A ZeRO-1 rank holds less than the same mesh without ZeRO by (most of) the optimizer state
+    it no longer keeps: the saving the ledger predicts is in the process (a bound loose enough to
+    let a full-size copy of the state through would fail here, not pass the band above)."""
+    ok = [r for r in accuracy["rows"] if r["status"] == "ok"]
+    pairs = [(z0, z1) for z1 in ok if " zero1" in z1["layout"] for z0 in ok
+             if " zero" not in z0["layout"] and _mesh(z0) == _mesh(z1) and z0["world"] == z1["world"]]
+    assert pairs, "the layouts include a ZeRO-1 one and its mesh without ZeRO"
+    for z0, z1 in pairs:
+        saved = z0["predicted_memory"]["optimizer"] - z1["predicted_memory"]["optimizer"]
+        got = z0["measured_memory"]["persistent"] - z1["measured_memory"]["persistent"]
+        assert saved > 0 and got >= 0.8 * saved, (z0["layout"], z1["layout"], saved, got)
+
+
 @pytest.mark.parametrize("world", [4, 8])
 def test_ranking_beats_random_permutations(accuracy, world):
     ok = [r for r in accuracy["rows"] if r["world"] == world and r["status"] == "ok"]

@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from .. import backend
+from ..config import start_application
 from .runners import BUSBW, IN_PLACE, Case
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "alltoallv", "sendrecv")
@@ -188,6 +189,7 @@ def _write_json(args, comm, **fields):
 
 
 def main(argv=None):
+    start_application("pympar.bench")
     args = build_parser().parse_args(argv)
     p2p = _defaults(args)
     if args.backend == "nccl":

@@ -15,11 +15,13 @@ import json
 import sys
 
 from ..backend import dtype as resolve_dtype
+from ..config import start_application
 from .convert import describe_checkpoint, export_hf, export_state_dict, import_hf, import_state_dict
 from .errors import CheckpointError
 
 
 def main(argv=None) -> int:
+    start_application("pympar.checkpoint")
     ap = argparse.ArgumentParser(prog="python -m pympar.checkpoint", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("export", help="checkpoint -> one nanoGPT-named safetensors file")

@@ -1,7 +1,7 @@
 """Glue between a model/optimiser (any layout) and save/load: {global name: (array, Shard)}.
 
 A model is anything with ``named_parameters()`` yielding (global nanoGPT name, Parameter),
-where a sharded Parameter carries ``.shard`` (API.md); buffers that are not trained but belong
+where a sharded Parameter carries ``.shard`` (pympar/nn/parameter.py); buffers that are not trained but belong
 in a checkpoint come from ``model.named_buffers()`` or, for pympar.nn.GPT, the MoE selection
 biases. An optimiser either offers ``checkpoint_shards() -> ({key: (array, Shard|None)},
 {scalars})`` (layouts whose state is not shaped like the parameters, e.g. ZeRO) or follows

@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 
+from .settings import SETTINGS
 from .watchdog import op_code
 
 SITE_BYTES = 200          # "op file:line", truncated
@@ -25,7 +26,7 @@ _COMM_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def enabled() -> bool:
-    return os.environ.get("PYMPAR_DEBUG_COLLECTIVES", "0") not in ("", "0", "false", "no", "off")
+    return SETTINGS.debug_collectives
 
 
 class CollectiveMismatchError(RuntimeError):

@@ -2,29 +2,28 @@
 from __future__ import annotations
 
 import ctypes
-import os
 
 from .. import backend
+from .settings import SETTINGS
 
 _cuda_aware = None
 
 
 def cuda_aware_mpi() -> bool:
-    """Whether the MPI library reads device memory: PYMPAR_CUDA_AWARE_MPI=0/1 decides when
-    set, else the library's own MPIX_Query_cuda_support when it exports one, else False."""
+    """Whether the MPI library reads device memory: the cuda_aware_mpi setting decides when set
+    (pympar.comm.settings; PYMPAR_CUDA_AWARE_MPI=0/1 at the edge), else the library's own
+    MPIX_Query_cuda_support when it exports one, else False."""
     global _cuda_aware
+    if SETTINGS.cuda_aware_mpi is not None:
+        return bool(SETTINGS.cuda_aware_mpi)
     if _cuda_aware is None:
-        v = os.environ.get("PYMPAR_CUDA_AWARE_MPI")
-        if v is not None:
-            _cuda_aware = v.strip().lower() in ("1", "true", "yes")
-        else:
-            _cuda_aware = False
-            try:
-                fn = ctypes.CDLL(None).MPIX_Query_cuda_support
-                fn.restype = ctypes.c_int
-                _cuda_aware = bool(fn())
-            except (AttributeError, OSError):
-                pass
+        _cuda_aware = False
+        try:
+            fn = ctypes.CDLL(None).MPIX_Query_cuda_support
+            fn.restype = ctypes.c_int
+            _cuda_aware = bool(fn())
+        except (AttributeError, OSError):
+            pass
     return _cuda_aware
 
 

@@ -26,10 +26,10 @@ from .base import Communicator, check_op, check_out, contiguous, flat, new_like,
 from .device import copy_back, needs_staging, sync_stream, to_host
 from .dtypes import check_dtype, finish_avg, mpi_op, reduce_op, wire
 from .plans import MAX_PLANS, Plan
-from .progress import P2PRequest, Request, StagedRequest, Waiter, deadline_guard, default_timeout, poll1
+from .progress import P2PRequest, Request, StagedRequest, Waiter, default_timeout, poll1
 from .topology import Topology
 from .tuning import Decision, Tuner, measure, read_setting, shape_key
-from .watchdog import ArrivalBoard, op_code
+from .watchdog import ArrivalBoard, deadline_guard, op_code
 from . import debug as _debug
 
 ALGOS = {

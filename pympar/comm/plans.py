@@ -92,7 +92,7 @@ def library_start(verb, coll, t, mop=None, counts=None, root=0, raw16=False):
 def library_call(verb, coll, t, mop=None, counts=None, root=0, raw16=False):
     """call(x, dst): the library's *blocking* ``verb`` of x into dst (the same operands as
     library_start). It cannot be polled against a deadline: MPIComm arms the process's
-    DeadlineGuard around it (progress.py), which ends the job when the deadline passes."""
+    DeadlineGuard around it (watchdog.py), which ends the job when the deadline passes."""
     if verb == "allreduce":
         f = coll.Allreduce
 

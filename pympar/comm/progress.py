@@ -14,21 +14,13 @@ import time
 from .lazympi import MPI
 
 from .errors import CommTimeoutError
+from .settings import SETTINGS
 
 SPINS_BEFORE_YIELD = 200      # tight Test calls first: most waits end in microseconds
 SPINS_OVERSUBSCRIBED = 4      # ... unless this node runs more ranks than cores: then the peer
                               # we wait for needs our core, so yield almost at once
 YIELD_SECONDS = 0.02          # then sched_yield between tests for this long
 MAX_SLEEP = 1e-3              # then sleep, doubling from 20 us up to this
-
-
-def _local_ranks():
-    """Ranks of this job on this node, from the launcher (MPICH hydra, Open MPI), or None."""
-    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
-        v = os.environ.get(var, "").split("(")[0].strip()
-        if v.isdigit():
-            return int(v)
-    return None
 
 
 def _cores():
@@ -39,27 +31,35 @@ def _cores():
 
 
 _spins = SPINS_BEFORE_YIELD
+_job_local = 0                # the launcher's count of this job's ranks on this node (0: unknown)
 
 
 def note_local_ranks(n: int) -> None:
-    """Tell the polling pace how many ranks share this node (Topology calls it; the launcher's
-    environment is read at import). More ranks than cores -> yield after a few tests."""
+    """Tell the polling pace how many ranks share this node (Topology calls it with its node's
+    ranks, or the job's when more). More ranks than cores -> yield after a few tests."""
     global _spins
     _spins = SPINS_OVERSUBSCRIBED if n > _cores() else SPINS_BEFORE_YIELD
+
+
+def note_job_local_ranks(n: int) -> None:
+    """The launcher's count of this job's ranks on this node (the application's edge reads it from
+    the launcher's variables): the pace from now on, and a floor for what Topology notes later."""
+    global _job_local
+    _job_local = int(n)
+    note_local_ranks(_job_local)
+
+
+def job_local_ranks() -> int:
+    return _job_local
 
 
 def oversubscribed() -> bool:
     return _spins == SPINS_OVERSUBSCRIBED
 
 
-if _local_ranks() is not None:
-    note_local_ranks(_local_ranks())
-
-
 def default_timeout() -> float:
-    v = os.environ.get("PYMPAR_COMM_TIMEOUT", "300")
-    t = float(v)
-    return math.inf if t <= 0 else t
+    """The communicators' timeout when none is given (pympar.comm.settings; 300 s unless configured)."""
+    return SETTINGS.timeout
 
 
 class Backoff:
@@ -285,51 +285,3 @@ class DoneRequest(Request):
     def __init__(self, result=None):
         super().__init__([], [], None, None, result)
         self._done = True
-
-
-class DeadlineGuard:
-    """The deadline of a blocking library call, which cannot be polled: one daemon thread per
-    process (started on first use) wakes every WATCH_SECONDS and, when the armed call is past
-    its deadline, builds the call's CommTimeoutError (who did not arrive, from the arrival
-    board) and hands it to ``on_expiry`` -- the watchdog's abort_job: the report on stderr and
-    MPI_Abort for every rank (mpi4py releases the GIL inside MPI calls, so the thread runs).
-
-    ``armed``: None, or (deadline, make_waiter) of the call in progress; arming and disarming
-    are one attribute store each."""
-
-    WATCH_SECONDS = 0.05
-
-    def __init__(self, on_expiry):
-        self.armed, self._on_expiry, self._thread = None, on_expiry, None
-
-    def start(self):
-        if self._thread is None:
-            import threading
-
-            self._thread = threading.Thread(target=self._watch, name="pympar-deadline", daemon=True)
-            self._thread.start()
-
-    def _watch(self):
-        while True:
-            a = self.armed
-            if a is not None and time.monotonic() > a[0]:
-                w = a[1]()
-                try:
-                    w.expire([], [])
-                except CommTimeoutError as e:
-                    if self.armed is a:       # still the same call, still stuck
-                        self._on_expiry(e)
-            time.sleep(self.WATCH_SECONDS)
-
-
-_guard = None
-
-
-def deadline_guard() -> DeadlineGuard:
-    global _guard
-    if _guard is None:
-        from .watchdog import abort_job
-
-        _guard = DeadlineGuard(abort_job)
-        _guard.start()
-    return _guard

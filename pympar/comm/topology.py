@@ -6,21 +6,16 @@ hierarchical algorithms and the topology-aware mesh.
 """
 from __future__ import annotations
 
-import os
 
 from mpi4py import MPI
 
 from . import progress
+from .settings import SETTINGS
 
 
 def ranks_per_node_override():
-    v = os.environ.get("PYMPAR_RANKS_PER_NODE", "").strip()
-    if not v:
-        return None
-    k = int(v)
-    if k < 1:
-        raise ValueError(f"PYMPAR_RANKS_PER_NODE={v!r} must be a positive integer")
-    return k
+    """The ranks per node the settings impose (pympar.comm.settings), or None: MPI's split."""
+    return SETTINGS.ranks_per_node
 
 
 def node_split(comm):
@@ -40,7 +35,7 @@ class Topology:
     def __init__(self, comm):
         self.node = node_split(comm)
         self.node_rank, self.node_size = self.node.Get_rank(), self.node.Get_size()
-        progress.note_local_ranks(max(self.node_size, progress._local_ranks() or 0))  # polling pace
+        progress.note_local_ranks(max(self.node_size, progress.job_local_ranks()))  # polling pace
         is_leader = self.node_rank == 0
         self.leaders = comm.Split(0 if is_leader else MPI.UNDEFINED, key=comm.Get_rank())
         if self.leaders == MPI.COMM_NULL:

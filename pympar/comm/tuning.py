@@ -32,6 +32,8 @@ import warnings
 
 import numpy as np
 
+from .settings import SETTINGS
+
 FORMAT = "pympar-tuning/2"
 MARGIN = 1.05       # another algorithm must beat the library's call by more than 5% to be chosen
 _BUDGET = 4 << 20   # measurement rounds: about this many bytes per candidate, 3 to 16 rounds
@@ -163,11 +165,12 @@ def _time_it(_name, run):
 
 # --- tuning files ----------------------------------------------------------------------
 def read_setting(value=None):
-    """$PYMPAR_TUNING (or value): None (measure), 'library', or the parsed file as a dict.
+    """The tuning setting (pympar.comm.settings; or value): None (measure), 'library', or the
+    parsed file as a dict.
 
     Called on one rank (MPIComm broadcasts the result). A file that cannot be read or is not
     a tuning file of this format gives a TuningWarning and None."""
-    value = os.environ.get("PYMPAR_TUNING", "") if value is None else value
+    value = SETTINGS.tuning if value is None else value
     value = str(value).strip()
     if value in ("", "measure", "auto"):
         return None

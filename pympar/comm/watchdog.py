@@ -23,6 +23,9 @@ import zlib
 
 import numpy as np
 
+from .errors import CommTimeoutError
+from .progress import Backoff, default_timeout
+
 ABORT_STATUS = 3          # exit status of a job ended by the watchdog (2 = bad configuration)
 READ_SECONDS = 2.0        # how long a timed-out rank waits for the peers' slots
 # names of the operations MPIComm issues, so a report can name a call this rank never made
@@ -69,8 +72,6 @@ class ArrivalBoard:
 
     def __init__(self, mpi_comm, name: str = "comm", timeout: float | None = None):
         from mpi4py import MPI
-
-        from .progress import default_timeout
 
         self._MPI = MPI
         self.name = name
@@ -172,8 +173,6 @@ class ArrivalBoard:
         are only late (rank 0 still sampling text, writing a trace) are waited for."""
         if self.win is None:
             return
-        from .progress import Backoff
-
         req = self.comm.Ibarrier()
         pace, start = Backoff(), time.monotonic()
         check = start + self.timeout if np.isfinite(self.timeout) else np.inf
@@ -251,3 +250,49 @@ def abort_job(err: BaseException, status: int = ABORT_STATUS):
     time.sleep(ABORT_GRACE_S)
     MPI.COMM_WORLD.Abort(status)
     os._exit(status)   # not reached: Abort does not return
+
+
+class DeadlineGuard:
+    """The deadline of a blocking library call, which cannot be polled: one daemon thread per
+    process (started on first use) wakes every WATCH_SECONDS and, when the armed call is past
+    its deadline, builds the call's CommTimeoutError (who did not arrive, from the arrival
+    board) and hands it to ``on_expiry`` -- abort_job below: the report on stderr and
+    MPI_Abort for every rank (mpi4py releases the GIL inside MPI calls, so the thread runs).
+
+    ``armed``: None, or (deadline, make_waiter) of the call in progress; arming and disarming
+    are one attribute store each."""
+
+    WATCH_SECONDS = 0.05
+
+    def __init__(self, on_expiry):
+        self.armed, self._on_expiry, self._thread = None, on_expiry, None
+
+    def start(self):
+        if self._thread is None:
+            import threading
+
+            self._thread = threading.Thread(target=self._watch, name="pympar-deadline", daemon=True)
+            self._thread.start()
+
+    def _watch(self):
+        while True:
+            a = self.armed
+            if a is not None and time.monotonic() > a[0]:
+                w = a[1]()
+                try:
+                    w.expire([], [])
+                except CommTimeoutError as e:
+                    if self.armed is a:       # still the same call, still stuck
+                        self._on_expiry(e)
+            time.sleep(self.WATCH_SECONDS)
+
+
+_guard = None
+
+
+def deadline_guard() -> DeadlineGuard:
+    global _guard
+    if _guard is None:
+        _guard = DeadlineGuard(abort_job)
+        _guard.start()
+    return _guard

@@ -17,8 +17,6 @@ or the pure-xp reference in :mod:`pympar.kernels.reference`.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from . import reference
@@ -44,7 +42,7 @@ __all__ = [
     "layernorm_forward", "layernorm_backward",
     "gelu_forward", "gelu_backward", "cross_entropy_forward", "cross_entropy_backward", "adamw_step",
     "topk", "capacity_positions", "permute", "unpermute_add", "cast", "reduce_inplace", "scale_inplace",
-    "set_num_threads", "get_num_threads", "native_available", "cuda_available", "backend", "use_reference",
+    "set_num_threads", "set_process_threads", "get_num_threads", "use_isa", "native_available", "cuda_available", "backend", "use_reference",
 ]
 
 
@@ -78,6 +76,18 @@ def set_num_threads(n: int, *, blas: bool = True) -> None:
             share_kernel_threads(n)
 
 
+def set_process_threads(n: int) -> None:
+    """This process's threads: the C++ kernels and the BLAS (any BLAS threadpoolctl knows, when
+    it is installed, beside the OpenBLAS sharing of ``set_num_threads``)."""
+    set_num_threads(n)
+    try:
+        from threadpoolctl import threadpool_limits  # optional
+
+        threadpool_limits(n)
+    except Exception:
+        pass
+
+
 def set_spin_us(us: int) -> None:
     """Microseconds an idle C++ kernel thread spins before it sleeps (0: sleep at once, for a node
     running more threads than cores). A no-op without the native module."""
@@ -85,11 +95,18 @@ def set_spin_us(us: int) -> None:
         _native.set_spin_us(max(0, int(us)))
 
 
+def use_isa(name: str) -> None:
+    """Run the C++ kernels of one instruction-set build: 'generic', 'avx2', 'avx512' (ValueError
+    when the CPU lacks it), or '' for the best this CPU supports (the default)."""
+    if _native is not None:
+        _native.use_isa(name)
+
+
 def get_num_threads() -> int:
     return _threads
 
 
-_force_reference = os.environ.get("PYMPAR_KERNELS", "") == "reference"
+_force_reference = False         # use_reference (PYMPAR_KERNELS=reference at the edge, pympar.config)
 
 
 def use_reference(flag: bool = True) -> None:

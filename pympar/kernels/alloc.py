@@ -10,13 +10,13 @@ minor faults per step before, 0 after, and the step 25-35% faster (see docs/engi
 
 ``retain_freed_memory()`` raises both thresholds (``mallopt``), so freed blocks stay in the
 heap and are reused: the process keeps its peak working set, like a caching allocator.
-It is a no-op off glibc, and when ``PYMPAR_MALLOC=system`` is set (opt-out).
+It is a no-op off glibc. The applications call it at start-up (``pympar.config.apply_environment``)
+unless ``PYMPAR_MALLOC=system`` is set (the opt-out).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
 
 # glibc's mallopt parameters (malloc.h)
@@ -33,7 +33,7 @@ def retain_freed_memory(mmap_threshold: int = 256 << 20, trim_threshold: int = 1
     if _done is not None:
         return _done
     _done = False
-    if os.environ.get("PYMPAR_MALLOC", "") == "system" or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -23,7 +23,6 @@ serially.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -94,12 +93,22 @@ def set_blas_threads(n: int) -> bool:
     return bool(api)
 
 
+_allowed = {"share": True, "chunks": True}
+
+
+def configure(*, share_threads: bool = True, chunk_threads: bool = True) -> None:
+    """share_threads=False: OpenBLAS keeps its own threads (``share_kernel_threads`` declines);
+    chunk_threads=False: ``over_chunks`` runs its ranges in one call, serially. The edge
+    (pympar.config) sets them from PYMPAR_BLAS_THREADS=own and PYMPAR_CHUNK_THREADS=0."""
+    _allowed.update(share=bool(share_threads), chunks=bool(chunk_threads))
+
+
 def share_kernel_threads(n: int) -> bool:
     """Run the BLAS's parallel jobs on the C++ kernels' pool and give it ``n`` threads (the
     pool's size). False, and nothing changed, when the native kernels, an OpenBLAS with the
-    threading hook, or the consent (``PYMPAR_BLAS_THREADS=own`` opts out) is missing."""
+    threading hook, or the consent (``configure(share_threads=False)`` opts out) is missing."""
     global _shared
-    if _C is None or os.environ.get("PYMPAR_BLAS_THREADS", "") == "own" or not _openblas() \
+    if _C is None or not _allowed["share"] or not _openblas() \
             or not _hooks:
         return False
     if not _shared:
@@ -153,7 +162,7 @@ def over_chunks(n_items: int, fn, n_threads: int, weights=None) -> None:
     at once; kernels called inside a range then run on that range's thread alone, so no third
     thread competes for the cores), else on a Python thread pool."""
     parts = min(int(n_threads), int(n_items))
-    if parts <= 1 or os.environ.get("PYMPAR_CHUNK_THREADS", "") == "0" or not _openblas() \
+    if parts <= 1 or not _allowed["chunks"] or not _openblas() \
             or not _lock.acquire(blocking=False):   # nested or concurrent use: serial
         fn(0, n_items)
         return

@@ -3,10 +3,10 @@
 Convention: ``forward(x) -> (y, ctx)``, ``backward(dy, ctx) -> dx``; parameter grads
 accumulate (+=), activation grads are returned fresh (=). See parameter.py.
 
-Importing the engine asks glibc to keep freed memory (pympar/kernels/alloc.py): a step's
-activations are then reused instead of page-faulted in again (PYMPAR_MALLOC=system: off).
+The applications (pympar.config.apply_environment) ask glibc to keep freed memory
+(pympar/kernels/alloc.py): a step's activations are then reused instead of page-faulted in
+again; a program of its own calls ``pympar.kernels.alloc.retain_freed_memory()``.
 """
-from ..kernels.alloc import retain_freed_memory
 from .attention import CausalSelfAttention
 from .config import PRESETS, GPTConfig
 from .gpt import GPT, Block, Head
@@ -14,7 +14,6 @@ from .layers import MLP, Embedding, LayerNorm, Linear
 from .moe import MoE
 from .parameter import Module, Parameter, default_std, init_param
 
-retain_freed_memory()
 
 __all__ = ["GPT", "GPTConfig", "PRESETS", "Block", "Head", "Embedding", "Linear", "LayerNorm",
            "MLP", "CausalSelfAttention", "MoE", "Module", "Parameter", "init_param", "default_std"]

@@ -68,3 +68,23 @@ PRESETS = {
     "moe-small": dict(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128,
                       n_expert=8, top_k=2, moe_every=2, capacity_factor=1.25),
 }
+
+
+def matmul_params_per_token(cfg) -> int:
+    """N_matmul of pympar/metrics.py's docstring: weights one token multiplies by (active only)."""
+    C = cfg.n_embd
+    n = 0
+    for i in range(cfg.n_layer):
+        n += 4 * C * C
+        if cfg.is_moe_block(i):
+            n += cfg.top_k * 8 * C * C + C * cfg.n_expert
+            if getattr(cfg, "shared_expert", False):
+                n += 8 * C * C
+        else:
+            n += 8 * C * C
+    return n + cfg.vocab_size * C
+
+
+def flops_per_token(cfg) -> float:
+    """Training FLOPs per token (forward + backward), PaLM's count; see pympar/metrics.py's docstring."""
+    return 6.0 * matmul_params_per_token(cfg) + 12.0 * cfg.n_layer * cfg.block_size * cfg.n_embd

@@ -409,6 +409,8 @@ class GPT(Module):
     def moe_stats(self):
         return [dict(layer=i, **m.take_stats()) for i, m in self.moe_layers()]
 
-    def update_expert_bias(self):
-        for _, m in self.moe_layers():
-            m.update_expert_bias()
+    def update_expert_bias(self, loads=None):
+        """Every MoE layer's bias update; ``loads``: {layer index: tokens per expert} to use
+        instead of the layers' own counts (the runner passes the global ones)."""
+        for i, m in self.moe_layers():
+            m.update_expert_bias(None if loads is None else loads[i])

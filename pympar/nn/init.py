@@ -1,6 +1,6 @@
 """Initial values addressed by element: any slice of a parameter without the full tensor.
 
-Every initial weight is a function of (seed, name, full shape) alone (DESIGN.md, Determinism).
+Every initial weight is a function of (seed, name, full shape) alone (docs/design.md, Determinism).
 A rank that holds a slice (a tensor-parallel shard, a stage, an expert, a ZeRO-3 row chunk)
 produces just that slice: element ``e`` (its row-major flat index in the FULL tensor) is
 

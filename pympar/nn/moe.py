@@ -215,10 +215,12 @@ class MoE(Module):
         self._stats = xp_of(load).zeros(self.n_expert, np.int64), 0, 0
         return dict(tokens_per_expert=load.tolist(), dropped_fraction=dropped / total if total else 0.0)
 
-    def update_expert_bias(self):
-        """bias += rate * sign(mean_load - load) over the loads since the last update."""
+    def update_expert_bias(self, loads=None):
+        """bias += rate * sign(mean_load - load) over the loads since the last update: this
+        layer's own counts, or ``loads`` (tokens per expert, e.g. summed over the data-parallel
+        replicas, so that every replica moves its bias alike)."""
         xp = xp_of(self.expert_bias)
-        load = xp.asarray(self._load_since_update)
+        load = xp.asarray(self._load_since_update if loads is None else loads, dtype=np.int64)
         if self.bias_update_rate > 0 and load.sum() > 0:
             self.expert_bias += self.bias_update_rate * xp.sign(load.mean() - load)
         self._load_since_update = xp.zeros(self.n_expert, np.int64)

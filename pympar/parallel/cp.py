@@ -27,7 +27,7 @@ counts on every rank by the split), so the mean over the cp group is the micro-b
 gradient sync averages replicated gradients over dp x cp (Mesh.dpcp_comm). MoE layers add the
 routing counts over cp (their auxiliary loss uses the micro-batch's expert fractions) and, when
 a capacity drops assignments, decide the drops in the micro-batch's own priority order
-(``CPRouting``), so cp changes no number (DESIGN.md, Determinism).
+(``CPRouting``), so cp changes no number (docs/design.md, Determinism).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The seam between the trainer and the parallel strategies: one ``ParallelRunner`` for any
 layout dp x pp x tp with ep | dp.
 
-``build_runner(model_cfg, layout, comm, opts, rec)`` returns it (layout: dp, pp, tp, ep and, when it
-has one, cp); the trainer only ever calls
+``build_runner(model_cfg, layout, comm, opts, rec)`` returns it (layout: a pympar.layout.Layout);
+the trainer only ever calls
 
     runner.train_step(micro_batches, lr, stop) -> dict(loss, grad_norm, loss_scale, skipped, moe, time_split,
                                                      pipeline, stop: some rank asked to stop)
@@ -14,7 +14,7 @@ has one, cp); the trainer only ever calls
 g = dp_rank*n_micro + j (pympar.data); every rank of a tp group, of a pipeline and of a cp group
 gets the same list (whole sequences: with cp > 1 the runner keeps its rank's positions of each,
 parallel.cp). The step's loss is the mean over all micro-batches of the global batch, so every
-layout computes the single-process step (DESIGN.md, Determinism).
+layout computes the single-process step (docs/design.md, Determinism).
 
 Composition, per rank with mesh coordinates (pp stage, dp rank, tp rank, ep rank):
   model     pp = 1: nn.GPT (tp = 1) or parallel.tp.TPGPT; pp > 1: this stage's chunks
@@ -41,88 +41,57 @@ import time
 
 import numpy as np
 
-from .. import profile as _profile
-from ..backend import to_numpy, xp_of
+from ..backend import to_numpy
 from ..comm.objects import gather_object
 from ..nn import GPT
-from ..nn.gpt import RECOMPUTE, count_params, set_recompute
+from ..nn.gpt import count_params, set_recompute
 from ..optim import DynamicLossScaler
-from .cp import install_context_parallel, local_batch, validate_cp
-from .ep import ep_step_stats, install_expert_parallel, validate_ep
+from .cp import install_context_parallel, local_batch
+from .ep import ep_step_stats, install_expert_parallel
 from . import ledger
 from .gradsync import GradSync
+from .recorder import Recorder
 from .ledger import memory_summary
 from .mesh import Mesh
 from .shard import shard_of
 
 
-class NotSupportedError(ValueError):
-    """The configuration is valid but this build has no strategy for it."""
-
-
-def check_supported(model_cfg, layout, opts) -> None:
-    """Raise ValueError (NotSupportedError for what no strategy implements) before any
-    communication: every rank reaches the same verdict on its own."""
-    dp, pp, tp, ep, cp = layout.dp, layout.pp, layout.tp, layout.ep, getattr(layout, "cp", 1)
-    if opts.device not in ("cpu", "cuda"):
-        raise ValueError(f"--device {opts.device!r}: expected cpu or cuda")
-    if opts.zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero={opts.zero}: expected a ZeRO stage 0, 1, 2 or 3")
-    recompute = getattr(opts, "recompute", "none")
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)}")
-    if opts.seq_parallel and tp == 1:
-        raise NotSupportedError("--seq-parallel splits activations over the tensor-parallel group: it needs --tp > 1")
-    Mesh.validate(dp * pp * cp * tp, dp, pp, tp, ep, cp)
-    validate_ep(model_cfg, ep)
-    if ep > 1 and not model_cfg.n_expert:
-        raise ValueError(f"ep={ep} needs a MoE model (n_expert > 0)")
-    if tp > 1:
-        from .tp import validate_tp
-        validate_tp(model_cfg, tp, opts.seq_parallel, seq_len=model_cfg.block_size // cp)
-    validate_cp(model_cfg, cp, tp, opts.seq_parallel)
-    v = getattr(opts, "virtual_stages", 1)
-    sched = getattr(opts, "schedule", "1f1b")
-    if sched in ("zb-h1", "zb-v") and pp > 1 and opts.zero >= 2:
-        raise NotSupportedError(f"--schedule {sched} defers weight gradients past the backward that ZeRO-{opts.zero} "
-                                f"reduces and releases them after: use --zero 0 or 1 with {sched}, or 1f1b with ZeRO-{opts.zero}")
-    if pp > 1:
-        from .pp import validate_pipeline
-        validate_pipeline(model_cfg, pp, opts.n_micro, opts.schedule, v)
-    elif v != 1:
-        raise ValueError(f"virtual_stages={v} needs a pipeline: use --pp > 1 with --schedule interleaved or zb-v, or 1")
-
-
-def build_runner(model_cfg, layout, comm, opts, rec=_profile.NULL):
-    """The Runner for this layout (see the module docstring); comm is the world communicator."""
-    check_supported(model_cfg, layout, opts)
+def build_runner(model_cfg, layout, comm, opts, rec=None):
+    """The Runner for this layout (see the module docstring); comm is the world communicator.
+    The layout has passed ``pympar.layout.check`` (the trainer's configuration does it on every
+    rank before any communication)."""
     return ParallelRunner(model_cfg, layout, comm, opts, rec)
 
 
 class ParallelRunner:
     """Builds this rank's part of the model for (pp stage, tp rank, ep rank) and trains it.
 
-    opts: the trainer's RunConfig (or any object with its fields); ``opts.master_dtype``
-    (optional, default float32) sets the master weights' dtype, e.g. float64 in tests."""
+    layout: a ``pympar.layout.Layout`` that passed ``pympar.layout.check`` (mesh sizes, schedule,
+    virtual stages, micro-batches, ZeRO, sequence parallelism, recomputation); opts: the run's
+    other settings, the trainer's RunConfig (or any object with the fields read here: seed,
+    dtype, master_dtype, device, compress, topk_ratio, bucket_mb, dp_overlap, pp_channels, lr,
+    weight_decay, grad_clip)."""
 
-    def __init__(self, model_cfg, layout, comm, opts, rec=_profile.NULL):
-        self.model_cfg, self.layout, self.comm, self.rec = model_cfg, layout, comm, rec
-        self.cp = getattr(layout, "cp", 1)
+    def __init__(self, model_cfg, layout, comm, opts, rec=None):
+        self.model_cfg, self.layout, self.comm = model_cfg, layout, comm
+        self.rec = Recorder() if rec is None else rec      # the trainer passes its own (events, trace)
+        self.cp = layout.cp
         self.mesh = mesh = Mesh(comm, dp=layout.dp, pp=layout.pp, tp=layout.tp, ep=layout.ep, cp=self.cp)
         self.dp, self.pp, self.tp, self.ep = layout.dp, layout.pp, layout.tp, layout.ep
         self.seed = opts.seed
-        self.master = np.dtype(getattr(opts, "master_dtype", "float32"))
+        self.master = np.dtype(opts.master_dtype)
         self.compute = None if opts.dtype == "float32" else opts.dtype
+        self.recompute, self.sp, self.zero = layout.recompute, bool(layout.seq_parallel), int(layout.zero)
+        self.schedule, self.v, self.bucket_mb = layout.schedule, layout.virtual_stages, opts.bucket_mb
         self.model, self.executor, self._tp_model = self._build_model(opts)
-        self.device = getattr(opts, "device", "cpu")
-        self.zero = int(opts.zero)
+        self.device = opts.device
         if self.ep > 1:               # keep n_expert/ep experts; tokens move by alltoallv
             install_expert_parallel(self.model, mesh.ep_comm)
         self.cp_positions = None
         if self.cp > 1:               # this rank's positions; K, V travel around the cp ring
             install_context_parallel(self.model, mesh.cp_comm, model_cfg.block_size)
             self.cp_positions = self.model.cp_positions
-        set_recompute(self.model, getattr(opts, "recompute", "none"))
+        set_recompute(self.model, self.recompute)
         # nothing is allocated yet (parameters are made on first use): ZeRO-3 makes only its rows,
         # on the device; otherwise the model is made on the host (same numbers) and moved
         if self.device != "cpu" and self.zero != 3:
@@ -140,7 +109,7 @@ class ParallelRunner:
         if tied_copy is not None:                           # the last stage's wte copy: its own unit
             units.append([names[id(tied_copy)]])
         self.sync = GradSync(named, mesh, tied_copy, bucket_mb=opts.bucket_mb,
-                             overlap=getattr(opts, "dp_overlap", True),
+                             overlap=opts.dp_overlap,
                              compress=None if compress in (None, "none") else compress,
                              zero=self.zero, units=units, device=self.device).attach(self.model)
         if self.zero == 3 and self.device != "cpu":    # the rows are on the device already
@@ -154,11 +123,9 @@ class ParallelRunner:
         self.scaler = DynamicLossScaler() if opts.dtype == "float16" else None
         self.moe_ids = [i for i in range(model_cfg.n_layer) if model_cfg.is_moe_block(i)]
         self.n_params = count_params(model_cfg)
-        self.recompute, self.sp = getattr(opts, "recompute", "none"), bool(opts.seq_parallel)
-        self.schedule, self.v, self.bucket_mb = opts.schedule, getattr(opts, "virtual_stages", 1), opts.bucket_mb
         self.ledger, self._workspace = None, None
         self._mb = 0
-        if rec.enabled:
+        if self.rec.enabled:
             self._instrument_layers()
 
     def _pieces(self):
@@ -169,7 +136,7 @@ class ParallelRunner:
 
     def _build_model(self, opts):
         """(model, pipeline executor or None, the TPGPT whose collectives are timed or None)."""
-        cfg, mesh, sp = self.model_cfg, self.mesh, bool(opts.seq_parallel)
+        cfg, mesh, sp = self.model_cfg, self.mesh, self.sp
         tp_model = None
         if self.tp > 1:
             from .tp import TPGPT
@@ -185,8 +152,9 @@ class ParallelRunner:
             return GPT(cfg, seed=self.seed, dtype=self.master, compute_dtype=self.compute), None, None
         from .pp import SlicedModelFactory, build_pipeline
         factory = SlicedModelFactory(make_tp) if self.tp > 1 else None
-        model, executor = build_pipeline(cfg, self.seed, mesh.pp_comm, schedule=opts.schedule,
-                                         v=getattr(opts, "virtual_stages", 1), n_micro=opts.n_micro,
+        model, executor = build_pipeline(cfg, self.seed, mesh.pp_comm, schedule=self.schedule,
+                                         v=self.v, n_micro=self.layout.n_micro,
+                                         channels={"auto": None, "tags": False, "ordered": True}[opts.pp_channels],
                                          dtype=self.master, compute_dtype=self.compute, factory=factory)
         return model, executor, tp_model
 
@@ -250,8 +218,8 @@ class ParallelRunner:
             act, recv_bytes = stats.get("activation_bytes", 0), 0
         tp_s = self._tp_model.take_tp_comm_seconds() if self._tp_model is not None else 0.0
         local_moe = {st["layer"]: st for st in model.moe_stats()}
-        ep_s = sum(layer._ep_acc["a2a_s"] for _, layer in model.moe_layers()) if self.ep > 1 else 0.0
-        a2a = {s["layer"]: s for s in ep_step_stats(model, self.mesh.dpcp_comm)} if self.ep > 1 else {}
+        a2a = {s["layer"]: s for s in ep_step_stats(model)} if self.ep > 1 else {}   # this rank's: summed by the step vector
+        ep_s = sum(s["a2a_seconds"] for s in a2a.values())
         cp_s, cp_busy = self._cp_seconds()
         rec.add("forward/backward", "compute", t0, max(compute - tp_s - ep_s - cp_s, 0.0))
         rec.add("tp collectives", "tp_comm", t0, tp_s)
@@ -287,13 +255,10 @@ class ParallelRunner:
                 norm = float("nan")
             else:
                 norm = sync.step(self.opt, lr, self.grad_clip, total_sq)
-                # aux-loss-free balancing must see the global loads, or replicas drift apart; the
-                # counts live where MoE keeps them (the device of its expert_bias)
-                for i, layer in model.moe_layers():
-                    loads = moe[self.moe_ids.index(i)]["tokens_per_expert"]          # host list of ints
-                    layer._load_since_update = xp_of(layer.expert_bias).asarray(loads, dtype=np.int64)
-                model.update_expert_bias()
-        split = rec.take_totals() if hasattr(rec, "take_totals") else {}
+                # aux-loss-free balancing must see the global loads, or replicas drift apart
+                model.update_expert_bias({i: moe[self.moe_ids.index(i)]["tokens_per_expert"]
+                                          for i, _ in model.moe_layers()})
+        split = rec.take_totals()
         return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, nonfinite=nonfinite, moe=moe,
                     time_split=split, stop=stop_any, all_written=all_written,
                     cp_ring=dict(wait_s=cp_s, busy_s=cp_busy),
@@ -375,8 +340,8 @@ class ParallelRunner:
                 o = 3 + k * (E + 3)
                 vec[o:o + E] = local_moe[i]["tokens_per_expert"]
                 vec[o + E] = local_moe[i]["dropped_fraction"]
-                if i in a2a and m.dpcp_rank == 0:          # already summed over dp x cp
-                    vec[o + E + 1] = a2a[i]["a2a_seconds"]
+                if i in a2a:                               # the world sum: the mean over dp x cp, the bytes' sum
+                    vec[o + E + 1] = a2a[i]["a2a_seconds"] / (self.dp * self.cp)
                     vec[o + E + 2] = a2a[i]["a2a_bytes"]
         return vec
 

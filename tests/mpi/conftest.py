@@ -1,8 +1,15 @@
 """Fixtures for tests that run inside every rank of an mpiexec job, and one agreement per test:
 a test that fails (or errors in setup) on some ranks fails on every rank, naming them, so that
 with -x all ranks stop together instead of the others entering the next test's collectives alone
-and waiting there for a rank that has left (a hang until the job's timeout)."""
+and waiting there for a rank that has left (a hang until the job's timeout).
+
+Each rank's test process is an application: it reads the environment the test harness set
+(PYMPAR_TUNING, PYMPAR_DEBUG_COLLECTIVES, PYMPAR_RANKS_PER_NODE, ...) once, at its edge."""
 import pytest
+
+import pympar.config
+
+pympar.config.apply_environment()
 
 _agree = None
 

@@ -1,10 +1,12 @@
 """The layouts of the equivalence test (tests/mpi/mpi_layouts.py): pure enumeration, no MPI.
 
-A layout is (dp, pp, tp, ep, model, schedule, v, sp, zero, dtype, recompute, cp) with
-dp*pp*cp*tp = world. ``all_layouts(world)`` is every layout the test models admit (pp <= n_layer,
+A case is a pympar.layout.Layout (dp, pp, tp, ep, cp, schedule, virtual stages, sequence
+parallelism, ZeRO, recomputation) with the test's model and dtype, dp*pp*cp*tp = world.
+``all_layouts(world)`` is every layout the test models admit (pp <= n_layer,
 tp | n_head, ep | dp*cp and ep | n_expert, 2*cp | block_size (cp 1, 2, 4 with block_size 8),
-interleaved only where n_layer divides into pp*2 chunks, zb-v where n_layer >= 2*pp, zb-h1 and zb-v with
-ZeRO 0 and 1, sequence parallelism only with tp > 1
+interleaved only where n_layer divides into pp*2 chunks, zb-v where n_layer >= 2*pp, what
+pympar.layout.check refuses as not supported left out (zb-h1 and zb-v with ZeRO 2 and 3; any
+other refusal is an error of this enumeration), sequence parallelism only with tp > 1
 and tp | block_size/cp, ZeRO stages 1-3 only with dp*cp > 1), each with activation
 recomputation none, selective and full, in float64. ``ci_layouts(world)`` is a
 representative slice: a greedy all-pairs cover (every pair of dimension values that occurs in
@@ -16,6 +18,9 @@ import itertools
 import random
 from dataclasses import dataclass, replace
 
+import pympar.layout
+from pympar.nn.config import GPTConfig
+
 N_LAYER, N_HEAD, N_EXPERT = 4, 8, 8
 DENSE = dict(vocab_size=61, block_size=8, n_layer=N_LAYER, n_head=N_HEAD, n_embd=16)
 MOE = dict(DENSE, n_expert=N_EXPERT, top_k=2, moe_every=2, capacity_factor=0.0)   # dropless
@@ -24,42 +29,31 @@ WORLDS = (1, 2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
 
 
-@dataclass(frozen=True)
-class Layout:
-    dp: int
-    pp: int
-    tp: int
-    ep: int
-    model: str           # "dense" | "moe"
-    schedule: str        # "-" when pp == 1
-    v: int
-    sp: bool
-    zero: int
+@dataclass(frozen=True, kw_only=True)
+class Layout(pympar.layout.Layout):
+    """pympar's Layout (what the trainer runs) with the test's model and dtype; n_micro is G / dp,
+    the micro-batch size B of tests/mpi/mpi_layouts.py. ``schedule`` "-" only in the
+    name and the pair cover when pp == 1 (the runner gets 1f1b, which is what pp == 1 runs)."""
+    model: str = "dense"       # "dense" | "moe"
     dtype: str = "float64"
-    recompute: str = "none"
-    cp: int = 1
-
-    @property
-    def world(self):
-        return self.dp * self.pp * self.cp * self.tp
-
-    @property
-    def n_micro(self):
-        return G // self.dp
 
     def __str__(self):
         s = f"dp{self.dp}.pp{self.pp}.tp{self.tp}.ep{self.ep}" + (f".cp{self.cp}" if self.cp > 1 else "") + \
             f" {self.model}"
         if self.pp > 1:
-            s += f" {self.schedule}" + (f"(v={self.v})" if self.v > 1 else "")
-        return s + (" sp" if self.sp else "") + (f" zero{self.zero}" if self.zero else "") + \
+            s += f" {self.schedule}" + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
+        return s + (" sp" if self.seq_parallel else "") + (f" zero{self.zero}" if self.zero else "") + \
             (f" recompute={self.recompute}" if self.recompute != "none" else "") + f" {self.dtype}"
 
     def features(self):
         """(dimension, value) items whose pairs the CI slice must cover."""
         return [("shape", (self.dp, self.pp, self.tp, self.cp)), ("ep", self.ep), ("model", self.model),
-                ("schedule", self.schedule), ("sp", self.sp), ("zero", self.zero), ("dtype", self.dtype),
-                ("recompute", self.recompute)]
+                ("schedule", self.schedule if self.pp > 1 else "-"), ("sp", self.seq_parallel), ("zero", self.zero),
+                ("dtype", self.dtype), ("recompute", self.recompute)]
+
+
+def _config(model):
+    return GPTConfig(**(MOE if model == "moe" else DENSE))
 
 
 def _divisors(n):
@@ -79,7 +73,7 @@ def all_layouts(world: int, dtypes=("float64",)):
                 if N_HEAD % tp:
                     continue
                 dp = world // (pp * tp * cp)
-                scheds = [("-", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)] + \
+                scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)] + \
                     ([("interleaved", 2)] if N_LAYER % (2 * pp) == 0 else []) + \
                     ([("zb-v", 2)] if N_LAYER >= 2 * pp else [])
                 sps = [False, True] if tp > 1 and (T // cp) % tp == 0 else [False]
@@ -87,9 +81,14 @@ def all_layouts(world: int, dtypes=("float64",)):
                     eps = [1] if model == "dense" else [e for e in _divisors(dp * cp) if N_EXPERT % e == 0]
                     for ep, (sched, v), sp, zero, dt, rc in itertools.product(
                             eps, scheds, sps, [0, 1, 2, 3] if dp * cp > 1 else [0], dtypes, RECOMPUTE):
-                        if sched in ("zb-h1", "zb-v") and zero >= 2:   # refused: see runner.check_supported
+                        lay = Layout(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, micro_batch_size=2, n_micro=G // dp,
+                                     schedule=sched, virtual_stages=v, zero=zero, seq_parallel=sp, recompute=rc,
+                                     model=model, dtype=dt)
+                        try:                       # what pympar refuses is not a case (zb with ZeRO-2/3)
+                            pympar.layout.check(_config(model), lay)
+                        except pympar.layout.NotSupportedError:
                             continue
-                        out.append(Layout(dp, pp, tp, ep, model, sched, v, sp, zero, dt, rc, cp))
+                        out.append(lay)
     return out
 
 

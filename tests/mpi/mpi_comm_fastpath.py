@@ -12,6 +12,7 @@ from pympar.comm.algorithms import shm
 from pympar.comm.dtypes import DTYPES, reference_reduce
 from pympar.comm.mpi import ALGOS
 from pympar.comm import watchdog
+from pympar.comm import settings
 from pympar.comm.watchdog import op_code
 
 OPS = ("sum", "avg", "max", "min")
@@ -37,7 +38,7 @@ def tol(dt):
 
 def test_chunked_shm_allreduce_around_chunk_boundaries(comm, monkeypatch):
     n, r = comm.size, comm.rank
-    monkeypatch.setattr(shm, "CHUNK_BYTES", 256)          # chunks of a few dozen elements
+    monkeypatch.setattr(settings.SETTINGS, "shm_chunk", 256)   # chunks of a few dozen elements
     for dt in DTYPES:
         C = shm.chunk_elements(backend.dtype(dt).itemsize, n)
         # one chunk short/exact/over, two and three chunks (slot reuse), a prime count of chunks+tail
@@ -58,7 +59,7 @@ def test_chunked_shm_interleaved_with_other_shm_verbs(comm, monkeypatch):
     # successive calls reuse the window: a fast rank's next call must not overwrite what a slow
     # rank still reads (alternating regions + counters); vary sizes so chunks and regions mix
     n, r = comm.size, comm.rank
-    monkeypatch.setattr(shm, "CHUNK_BYTES", 512)
+    monkeypatch.setattr(settings.SETTINGS, "shm_chunk", 512)
     for it in range(6):
         count = 300 + 97 * it
         x = data(r + it, count, "float32")
@@ -270,7 +271,7 @@ def test_planned_calls_enter_the_arrival_board(comm, verb):
 
 
 def test_debug_mode_keeps_no_plans(mpi_world, monkeypatch):
-    monkeypatch.setenv("PYMPAR_DEBUG_COLLECTIVES", "1")
+    monkeypatch.setattr(settings.SETTINGS, "debug_collectives", True)   # PYMPAR_DEBUG_COLLECTIVES=1
     c = MPIComm(mpi_world, name="debugged", timeout=60)
     n, r = c.size, c.rank
     try:

@@ -19,7 +19,8 @@ from pympar.nn import GPT
 from pympar.nn.config import GPTConfig
 from pympar.optim import AdamW, clip_grad_norm
 from pympar.parallel.cp import RingAttentionCore, positions
-from pympar.parallel.runner import ParallelRunner, check_supported
+import pympar.layout
+from pympar.parallel.runner import ParallelRunner
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +89,11 @@ def test_cp_trains_the_single_process_run(comm, model):
         want.append((loss, clip_grad_norm(ref.parameters(), 1.0)))
         opt.step(LR)
         ref.moe_stats()
-    lay = SimpleNamespace(dp=1, pp=1, tp=1, ep=1, cp=comm.size)
+    lay = pympar.layout.Layout(cp=comm.size, n_micro=n_micro)
     opts = SimpleNamespace(seed=SEED, dtype="float32", master_dtype="float64", n_micro=n_micro, schedule="1f1b",
                            virtual_stages=1, zero=0, seq_parallel=False, compress="none", topk_ratio=0.01,
-                           recompute="none", bucket_mb=0.01, device="cpu", lr=LR, weight_decay=0.1, grad_clip=1.0)
-    check_supported(cfg, lay, opts)
+                           recompute="none", bucket_mb=0.01, dp_overlap=True, pp_channels="auto", device="cpu", lr=LR, weight_decay=0.1, grad_clip=1.0)
+    pympar.layout.check(cfg, lay)
     runner = ParallelRunner(cfg, lay, comm, opts)
     got = []
     for s in range(STEPS):

@@ -1,5 +1,5 @@
 """Data parallelism inside every rank: DataParallel (bucketed, overlapped, ZeRO-1) against the
-single-process run of the same global batch (DESIGN.md, Determinism). Holds for any size."""
+single-process run of the same global batch (docs/design.md, Determinism). Holds for any size."""
 import numpy as np
 import pytest
 

@@ -1,6 +1,6 @@
 """Expert parallelism inside every rank: dp = world size, ep over every divisor of dp that divides
 n_expert, against the single-process model accumulating the same global micro-batches
-(DESIGN.md, Determinism), through the trainer's gradient path (GradSync). Holds for any size
+(docs/design.md, Determinism), through the trainer's gradient path (GradSync). Holds for any size
 1..8. float64: grads rel 1e-10, params rel 1e-6."""
 import os
 

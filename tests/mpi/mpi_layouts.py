@@ -1,5 +1,5 @@
 """The project's central claim, inside every rank of one mpiexec launch: every layout of this
-world size (dp x pp x cp x tp, ep | dp*cp) trains the single-process run (DESIGN.md, Determinism; issue 5, Proof).
+world size (dp x pp x cp x tp, ep | dp*cp) trains the single-process run (docs/design.md, Determinism; issue 5, Proof).
 
 Each rank loops over the layouts of its world size (tests/mpi/layout_cases.py; PYMPAR_LAYOUTS
 = ci | full), builds the mesh and ``ParallelRunner`` for the layout, trains STEPS optimiser
@@ -28,7 +28,8 @@ from pympar.backend import to_numpy
 from pympar.nn import GPT
 from pympar.nn.config import GPTConfig
 from pympar.optim import AdamW, clip_grad_norm
-from pympar.parallel.runner import ParallelRunner, check_supported
+import pympar.layout
+from pympar.parallel.runner import ParallelRunner
 from pympar.parallel.shard import shard_of
 
 B, T, STEPS, WD, CLIP, SEED = 2, 8, 3, 0.1, 0.5, 5
@@ -89,10 +90,10 @@ def reference(model, dtype, _cache={}):
 
 def opts_of(lay):
     return SimpleNamespace(seed=SEED, dtype="float32", master_dtype=lay.dtype, n_micro=lay.n_micro,
-                           schedule=lay.schedule if lay.pp > 1 else "1f1b", virtual_stages=lay.v,
-                           zero=lay.zero, seq_parallel=lay.sp, compress="none", topk_ratio=0.01,
+                           schedule=lay.schedule, virtual_stages=lay.virtual_stages,
+                           zero=lay.zero, seq_parallel=lay.seq_parallel, compress="none", topk_ratio=0.01,
                            recompute=lay.recompute,
-                           bucket_mb=0.01, device=DEVICE, lr=LR[lay.dtype], weight_decay=WD, grad_clip=CLIP)
+                           bucket_mb=0.01, dp_overlap=True, pp_channels="auto", device=DEVICE, lr=LR[lay.dtype], weight_decay=WD, grad_clip=CLIP)
 
 
 WORST = {}                     # dtype -> the largest relative difference seen (reported)
@@ -138,16 +139,42 @@ def first_difference(runner, lay, got):
     return None
 
 
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "alltoallv", "barrier",
+               "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "ialltoall", "ialltoallv", "ibarrier")
+
+
+class CountCalls:
+    """Counts the collective calls made on one communicator inside the ``with`` (instance
+    attributes over its methods, removed on exit)."""
+
+    def __init__(self, comm):
+        self.comm, self.calls = comm, []
+
+    def __enter__(self):
+        for name in COLLECTIVES:
+            real = getattr(self.comm, name)
+            setattr(self.comm, name, lambda *a, _n=name, _f=real, **k: (self.calls.append(_n), _f(*a, **k))[1])
+        return self
+
+    def __exit__(self, *exc):
+        for name in COLLECTIVES:
+            delattr(self.comm, name)
+
+
 def run_layout(world, lay):
     cfg = cfg_of(lay.model)
-    check_supported(cfg, lay, opts_of(lay))                      # the trainer's validation
+    pympar.layout.check(cfg, lay, device=DEVICE)                 # the trainer's validation
     runner = ParallelRunner(cfg, lay, world, opts_of(lay))
     runner.opt.eps = EPS[lay.dtype]                              # AdamW, or ZeRO's over the kept rows
     got = dict(losses=[], norms=[])
     for s in range(STEPS):
         mbs = global_batch(s, cfg.vocab_size)
         mine = mbs[runner.mesh.dp_rank * lay.n_micro:(runner.mesh.dp_rank + 1) * lay.n_micro]
-        res = runner.train_step(mine, LR[lay.dtype])
+        with CountCalls(runner.comm) as counted:
+            res = runner.train_step(mine, LR[lay.dtype])
+        # the whole world meets once per step: loss, norm, non-finite count, MoE loads and
+        # all-to-all figures, stop and checkpoint flags, memory -- one allreduce of one vector
+        assert counted.calls == (["allreduce"] if world.size > 1 else []), (str(lay), s, counted.calls)
         got["losses"].append(res["loss"])
         got["norms"].append(res["grad_norm"])
     ev = eval_batches(cfg.vocab_size)

@@ -15,6 +15,12 @@ from pympar.optim import AdamW
 from pympar.parallel.pp import PipelineExecutor, PipelineGPT, validate_pipeline
 
 FULL = os.environ.get("PYMPAR_PP_FULL") == "1"
+# tests/test_pp.py runs this file once more with PYMPAR_PP_CHANNELS=1: every executor on ordered channels
+CHANNELS = {"1": True, "0": False}.get(os.environ.get("PYMPAR_PP_CHANNELS", "").strip())
+
+
+def Executor(model, comm, schedule="1f1b", **kw):
+    return PipelineExecutor(model, comm, schedule, channels=CHANNELS, **kw)
 TOL = 1e-10
 
 
@@ -69,12 +75,12 @@ def test_pipeline_matches_single_process(mpi_world, schedule, v, m):
     m = m or 2 * p
     if schedule == "interleaved" and m % p:
         pytest.skip("interleaved needs n_micro % pp == 0")
-    if schedule == "zb-v" and os.environ.get("PYMPAR_PP_CHANNELS") == "1":
+    if schedule == "zb-v" and CHANNELS:
         pytest.skip("zb-v runs over tagged MPI messages only (the ordered channels are refused with the reason)")
     cfg = config(p, v)
     model = PipelineGPT(cfg, seed=3, pp=p, rank=mpi_world.rank, v=v, dtype=np.float64,
                         placement="v" if schedule == "zb-v" else "interleaved")
-    ex = PipelineExecutor(model, pp_comm(mpi_world), schedule)
+    ex = Executor(model, pp_comm(mpi_world), schedule)
     ref = GPT(cfg, seed=3, dtype=np.float64)
     opt = AdamW(model.named_parameters(), lr=1e-2)
     ropt = AdamW(ref.named_parameters(), lr=1e-2)
@@ -93,7 +99,11 @@ def test_pipeline_matches_single_process(mpi_world, schedule, v, m):
         assert st["peak_in_flight"] == m
     elif schedule in ("1f1b", "zb-h1"):
         assert st["peak_in_flight"] == min(p - mpi_world.rank, m) <= p
-    assert 0.0 <= st["bubble"] < 1.0 and st["step_s"] > 0
+    # the bubble is the step's time not spent in F/B/W: the kinds add up to the compute it is taken from
+    assert st["bubble"] == pytest.approx(1.0 - st["compute_s"] / st["step_s"], rel=1e-12)
+    assert st["f_s"] > 0 and st["b_s"] > 0 and (st["w_s"] > 0) == (schedule in ("zb-h1", "zb-v"))
+    assert st["f_s"] + st["b_s"] + st["w_s"] == pytest.approx(st["compute_s"], rel=1e-9)
+    assert st["compute_s"] < st["pipeline_s"] <= st["step_s"]
 
 
 def test_zb_h1_gradients_are_1f1bs_bitwise(mpi_world):
@@ -105,7 +115,7 @@ def test_zb_h1_gradients_are_1f1bs_bitwise(mpi_world):
     grads = {}
     for schedule in ("1f1b", "zb-h1"):
         model = PipelineGPT(cfg, seed=4, pp=p, rank=mpi_world.rank, dtype=np.float32)
-        ex = PipelineExecutor(model, pp_comm(mpi_world), schedule)
+        ex = Executor(model, pp_comm(mpi_world), schedule)
         model.zero_grad()
         st = ex.train_step(micro_batches(2 * p + 1, seed=21))
         grads[schedule] = (st["loss"], {n: q.grad.copy() for n, q in model.named_parameters()})
@@ -119,7 +129,7 @@ def test_tied_weight_gradient_summed(mpi_world):
     p = mpi_world.size
     cfg = config(p)
     model = PipelineGPT(cfg, seed=5, pp=p, rank=mpi_world.rank, dtype=np.float64)
-    ex = PipelineExecutor(model, pp_comm(mpi_world), "1f1b")
+    ex = Executor(model, pp_comm(mpi_world), "1f1b")
     mbs = micro_batches(2)
     ex.train_step(mbs)
     ref = GPT(cfg, seed=5, dtype=np.float64)
@@ -147,7 +157,7 @@ def test_moe_through_pipeline(mpi_world, capacity):
     p = mpi_world.size
     cfg = config(p, moe=True, capacity=capacity)
     model = PipelineGPT(cfg, seed=7, pp=p, rank=mpi_world.rank, dtype=np.float64)
-    ex = PipelineExecutor(model, pp_comm(mpi_world), "1f1b")
+    ex = Executor(model, pp_comm(mpi_world), "1f1b")
     ref = GPT(cfg, seed=7, dtype=np.float64)
     mbs = micro_batches(3, seed=4)
     st = ex.train_step(mbs)
@@ -164,7 +174,7 @@ def test_forward_loss_matches(mpi_world):
     v = 2 if p * 2 <= 8 else 1
     cfg = config(p, v)
     model = PipelineGPT(cfg, seed=2, pp=p, rank=mpi_world.rank, v=v, dtype=np.float64)
-    ex = PipelineExecutor(model, pp_comm(mpi_world), "interleaved" if v > 1 else "1f1b")
+    ex = Executor(model, pp_comm(mpi_world), "interleaved" if v > 1 else "1f1b")
     mbs = micro_batches(p)
     want = float(np.mean([GPT(cfg, seed=2, dtype=np.float64).forward_loss(i, t) for i, t in mbs]))
     assert abs(ex.forward_loss(mbs) - want) <= TOL * abs(want)
@@ -179,7 +189,7 @@ def test_invalid_layouts_raise_before_communication(mpi_world):
         with pytest.raises(ValueError, match="n_micro divisible by pp"):
             validate_pipeline(config(p, 2), p, n_micro=p + 1, schedule="interleaved", v=2)
         model = PipelineGPT(config(p, 2), seed=0, pp=p, rank=mpi_world.rank, v=2, dtype=np.float64)
-        ex = PipelineExecutor(model, pp_comm(mpi_world), "interleaved")
+        ex = Executor(model, pp_comm(mpi_world), "interleaved")
         with pytest.raises(ValueError, match="n_micro divisible by pp"):
             ex.train_step(micro_batches(p + 1))
     with pytest.raises(ValueError, match="cannot fill"):
@@ -207,7 +217,7 @@ def test_pipeline_of_tensor_parallel_stages(mpi_world, sp):
     cfg = config(p, n_layer=2 * p)
     fac = SlicedModelFactory(lambda c, s: TPGPT(c, tp_comm, seed=s, dtype=np.float64, sequence_parallel=sp))
     model = PipelineGPT(cfg, seed=9, pp=p, rank=pipe.rank, factory=fac)
-    ex = PipelineExecutor(model, pipe, "1f1b")
+    ex = Executor(model, pipe, "1f1b")
     ref = GPT(cfg, seed=9, dtype=np.float64)
     mbs = micro_batches(3, seed=6)
     st = ex.train_step(mbs)
@@ -231,7 +241,7 @@ def test_clip_grad_norm_is_the_single_process_norm(mpi_world):
     cfg = config(p)
     mesh = Mesh(MPIComm(mpi_world), pp=p)
     model = PipelineGPT(cfg, seed=4, pp=p, rank=mpi_world.rank, dtype=np.float64)
-    ex = PipelineExecutor(model, mesh.pp_comm, "gpipe")
+    ex = Executor(model, mesh.pp_comm, "gpipe")
     sync = GradSync(model.named_parameters(), mesh, model.tied_weight if model.holds_tied_copy else None)
     ref = GPT(cfg, seed=4, dtype=np.float64)
     mbs = micro_batches(2)
@@ -251,7 +261,7 @@ def test_build_pipeline_and_sharded_state(mpi_world):
     p = mpi_world.size
     comm = pp_comm(mpi_world)
     cfg = config(p)
-    model, ex = build_pipeline(cfg, 3, comm, schedule="1f1b", n_micro=2, dtype=np.float64)
+    model, ex = build_pipeline(cfg, 3, comm, schedule="1f1b", n_micro=2, dtype=np.float64, channels=CHANNELS)
     mbs = micro_batches(2)
     st = ex.train_step(mbs)
     assert abs(st["loss"] - reference_step(GPT(cfg, seed=3, dtype=np.float64), mbs)) <= 1e-10 * st["loss"]

@@ -20,7 +20,7 @@ Runs at world sizes 4 and 8 (other sizes skip: dp >= 2 and pp = 2 need an even w
 import numpy as np
 import pytest
 
-from layout_cases import Layout
+from layout_cases import G, Layout
 from mpi_layouts import LR, free_mesh, global_batch, opts_of, cfg_of
 from pympar.backend import to_numpy
 from pympar.comm import MPIComm
@@ -34,18 +34,24 @@ def world(mpi_world):
     return MPIComm(mpi_world, name="world", timeout=60)
 
 
+def case(**kw):
+    """A pipeline of 2 stages with dp * 2 * tp ranks and the test's G micro-batches."""
+    kw = dict(pp=2, micro_batch_size=2, **kw)
+    return Layout(n_micro=G // kw["dp"], **kw)
+
+
 def layouts(n):
     if n < 4 or n % 2:
         return []
     dp = n // 2
     out = [  # (layout, compress)
-        (Layout(dp, 2, 1, 1, "dense", "1f1b", 1, False, 0), "none"),
-        (Layout(dp, 2, 1, 1, "dense", "interleaved", 2, False, 1), "none"),
-        (Layout(dp, 2, 1, 2, "moe", "gpipe", 1, False, 0), "none"),
-        (Layout(dp, 2, 1, 1, "dense", "interleaved", 2, False, 0), "fp16"),
+        (case(dp=dp, schedule="1f1b"), "none"),
+        (case(dp=dp, schedule="interleaved", virtual_stages=2, zero=1), "none"),
+        (case(dp=dp, ep=2, model="moe", schedule="gpipe"), "none"),
+        (case(dp=dp, schedule="interleaved", virtual_stages=2), "fp16"),
     ]
     if n == 8:
-        out.append((Layout(2, 2, 2, 1, "dense", "1f1b", 1, True, 1), "none"))
+        out.append((case(dp=2, tp=2, schedule="1f1b", seq_parallel=True, zero=1), "none"))
     return out
 
 
@@ -63,7 +69,7 @@ class Probe:
         self.reset()
         for c, ch in enumerate(model.chunks):
             ch.backward = self._counting(ch.backward, c)
-        ready = model._grad_ready_params
+        ready = model.grad_ready_params
 
         def grad_ready_params(params):
             if any(p is model.tied_weight for p in params):
@@ -71,7 +77,7 @@ class Probe:
             if any(id(p) in self.partial for p in params):
                 self.partial_done = True    # called right after the tp sum of partial grads
             ready(params)
-        model._grad_ready_params = grad_ready_params
+        model.grad_ready_params = grad_ready_params
         for d in runner.sync.syncs:
             d._start = self._recording(d._start)
         finish = runner.sync.finish

@@ -1,5 +1,5 @@
 """Tensor parallelism inside every rank (tp = world size): TPGPT against the single-process
-nn.GPT of the same seed (DESIGN.md, Determinism). Holds for any size whose divisors fit the
+nn.GPT of the same seed (docs/design.md, Determinism). Holds for any size whose divisors fit the
 tiny configs below (1, 2, 4). PYMPAR_TP_SLOW=1 adds the exhaustive matrix."""
 import os
 

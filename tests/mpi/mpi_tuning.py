@@ -9,20 +9,18 @@ import pytest
 from mpi4py import MPI
 
 from pympar.comm import MPIComm
-from pympar.comm import tuning
+from pympar.comm import settings, tuning
 
 
 @pytest.fixture()
 def fresh(mpi_world, monkeypatch):
-    """A new MPIComm per test (no decisions yet); the tuning setting from $PYMPAR_TUNING as the test set it."""
+    """A new MPIComm per test (no decisions yet); the tuning setting as the test sets it."""
     made = []
     tuning._SHARED.clear()      # no decisions from earlier tests' communicators of the same ranks
 
     def make(setting=None):
-        if setting is None:
-            monkeypatch.delenv("PYMPAR_TUNING", raising=False)
-        else:
-            monkeypatch.setenv("PYMPAR_TUNING", str(setting))
+        # what PYMPAR_TUNING would set at an application's edge (pympar.config.apply_environment)
+        monkeypatch.setattr(settings.SETTINGS, "tuning", "" if setting is None else str(setting))
         c = MPIComm(mpi_world, name="tuned", timeout=60)
         made.append(c)
         return c

@@ -29,6 +29,9 @@ from pympar.comm import CommTimeoutError, MPIComm
 from pympar.comm.objects import gather_object
 from pympar.comm.debug import CollectiveMismatchError
 from pympar.comm.watchdog import abort_job
+from pympar.config import apply_environment
+
+apply_environment()      # a script of its own: PYMPAR_DEBUG_COLLECTIVES, PYMPAR_COMM_TIMEOUT as the test set them
 
 scenario = sys.argv[1]
 algo = sys.argv[2] if len(sys.argv) > 2 else "auto"

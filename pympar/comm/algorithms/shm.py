@@ -10,7 +10,6 @@ memory, so a stalled barrier or counter wait can name the ranks that did not arr
 from __future__ import annotations
 
 import atexit
-import os
 import weakref
 
 import numpy as np
@@ -20,6 +19,7 @@ from ... import kernels
 from ..dtypes import finish_avg, reduce_op
 from ..errors import CommTimeoutError
 from ..progress import Backoff
+from ..settings import SETTINGS
 from .p2p import bounds
 
 HEADER = 64
@@ -99,7 +99,8 @@ class ShmArena:
 
 
 # --- allreduce: cache-blocked and pipelined --------------------------------------------------
-# The vector goes through in chunks of CHUNK_BYTES, each rank's region holding SLOTS chunk slots
+# The vector goes through in chunks of about settings.shm_chunk bytes (512 KiB unless configured;
+# PYMPAR_SHM_CHUNK at the edge), each rank's region holding SLOTS chunk slots
 # used in turn. For chunk j every rank (1) copies its input chunk, all but its own slice, into a
 # slot and raises its IN counter; (2) once every IN counter has the chunk, reduces its slice of
 # the chunk from its own input and the others' slots, writes it to dst and into its slot, and
@@ -109,7 +110,6 @@ class ShmArena:
 # slots stay in the last-level cache between the copy-in, the reduction and the copy-out, and
 # only src and dst stream through memory. Counters are per rank in the header (only the owner
 # writes), numbered across calls (ShmArena.chunks), so a stalled wait names the ranks behind.
-CHUNK_BYTES = int(os.environ.get("PYMPAR_SHM_CHUNK", 1 << 19))
 SLOTS = 2
 _IN, _RED, _OUT = 1, 2, 3          # header words (int64) of the per-rank counters; 0 is the barrier
 # dtypes whose first reduction step runs as one three-operand NumPy ufunc pass (acc = a op b)
@@ -121,7 +121,7 @@ _UFUNC_DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float64, np.int32, np
 def chunk_elements(itemsize, n, chunk_bytes=None):
     """Elements per chunk: about chunk_bytes, a multiple of 32*n so every slice is 64-byte aligned."""
     unit = 32 * n
-    return max(unit, (chunk_bytes or CHUNK_BYTES) // itemsize // unit * unit)
+    return max(unit, (chunk_bytes or SETTINGS.shm_chunk) // itemsize // unit * unit)
 
 
 def _wait_counters(arena, word, value, waiter, what):

@@ -19,21 +19,17 @@ with one tag (MPI never lets two messages of one sender, tag and communicator ov
 other), which is how the CPU tests prove the ordering: PYMPAR_PP_CHANNELS=1.
 
 Used by default when the pipeline communicator is a DeviceComm with NCCL (pympar.comm.hybrid);
-PYMPAR_PP_CHANNELS=0 sends over the MPI side with tags instead, =1 forces channels on MPI too.
+``--pp-channels tags`` (PYMPAR_PP_CHANNELS=0) sends over the MPI side with tags instead, ``ordered``
+(=1) forces channels on MPI too.
 """
 from __future__ import annotations
 
-import os
 
-
-def wanted(comm) -> bool:
-    """Whether the executor should use ordered channels on ``comm`` (see the module docstring)."""
-    env = os.environ.get("PYMPAR_PP_CHANNELS", "").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"PYMPAR_PP_CHANNELS={env!r}: expected 0 (MPI with tags), 1 (ordered channels) "
-                         f"or unset (channels when the pipeline runs on NCCL)")
-    if env:
-        return env == "1"
+def wanted(comm, mode: bool | None = None) -> bool:
+    """Whether the executor uses ordered channels on ``comm``: ``mode`` True or False when the run
+    says so (``--pp-channels ordered|tags``), else (None) exactly when the pipeline runs on NCCL."""
+    if mode is not None:
+        return bool(mode)
     return bool(getattr(comm, "uses_nccl", False))
 
 

@@ -35,24 +35,24 @@ import numpy as np
 
 from ...backend import held_bytes, xp_of
 from . import channels
+from .partition import TIED_TAG, check_tags, validate_pipeline
 from .schedules import SPLIT_BACKWARD, Action, build_schedule, placement_of, validate_schedule
-
-TIED_TAG = 32767                     # the MPI standard's smallest guaranteed tag upper bound
+from .stage import PipelineGPT
 
 
 class _P2P:
     """The point-to-point and reduction calls the executor needs, over a pympar Communicator
     (isend/irecv -> Request.wait()/test(), allreduce) or a raw mpi4py communicator."""
 
-    def __init__(self, comm, v=None):
+    def __init__(self, comm, v=None, use_channels=None):
         self.comm = comm
         self.raw = hasattr(comm, "Isend")
         self.rank = comm.Get_rank() if self.raw else comm.rank
         self.size = comm.Get_size() if self.raw else comm.size
-        # NCCL (or PYMPAR_PP_CHANNELS=1): ordered two-rank channels, no tags (pp/channels.py);
+        # NCCL (or use_channels=True): ordered two-rank channels, no tags (pp/channels.py);
         # otherwise tagged messages, over the MPI side of a DeviceComm that has NCCL
         self.channels = None
-        if v is not None and not self.raw and channels.wanted(comm):
+        if v is not None and not self.raw and channels.wanted(comm, use_channels):
             self.channels = channels.Channels(comm, v)
         self.p2p = comm.mpi if not self.raw and getattr(comm, "uses_nccl", False) else comm
 
@@ -100,11 +100,14 @@ class PipelineExecutor:
 
     ``recv_window``: how many upcoming receives are kept posted ahead of the action that needs
     them (default 2*p*v + 2: more than a 1F1B round trip, without a buffer per micro-batch).
+    ``channels``: True, send over ordered two-rank channels (pp/channels.py); False, tagged
+    messages; None (default), channels exactly when ``comm`` runs on NCCL.
     """
 
-    def __init__(self, model, comm, schedule: str = "1f1b", recv_window: int | None = None):
+    def __init__(self, model, comm, schedule: str = "1f1b", recv_window: int | None = None,
+                 channels: bool | None = None):
         self.model, self.schedule = model, schedule
-        self.p2p = _P2P(comm, model.v)
+        self.p2p = _P2P(comm, model.v, channels)
         if self.p2p.size != model.pp or self.p2p.rank != model.rank:
             raise ValueError(f"pipeline communicator has rank {self.p2p.rank} of {self.p2p.size}, "
                              f"but the model was built for rank {model.rank} of pp={model.pp}")
@@ -167,8 +170,7 @@ class PipelineExecutor:
         act_dtype = model.act_dtype
         shape = model.activation_shape(B, T)
         grad_scale = loss_scale / m
-        if 2 * m * v >= TIED_TAG:
-            raise ValueError(f"n_micro={m} x v={v} needs more message tags than MPI guarantees: use n_micro*v < {TIED_TAG // 2}")
+        check_tags(m, v)
 
         if self.partial_sync is not None:
             self.partial_sync.begin()
@@ -232,7 +234,7 @@ class PipelineExecutor:
                 w, nb = wgrads.pop((a.micro, a.chunk))
                 w.run()
                 live_bytes -= nb
-                model._grad_ready_chunk(chunk)
+                model.grad_ready_chunk(chunk)
                 out = None
             else:
                 if last_b[a.chunk] == i_act:
@@ -248,8 +250,8 @@ class PipelineExecutor:
                     peak_bytes = max(peak_bytes, live_bytes)
                 else:
                     out = chunk.backward(inp, ctx, grad_scale,
-                                         ready=model._grad_ready_module if model.grad_ready_hooks else None)
-                    model._grad_ready_chunk(chunk)
+                                         ready=model.grad_ready_module if model.grad_ready_hooks else None)
+                    model.grad_ready_chunk(chunk)
                 live -= 1
                 dest_stage = s - 1
             dt = time.perf_counter() - tc
@@ -271,7 +273,7 @@ class PipelineExecutor:
         self._final_backward(model.parameters())
         if self.partial_sync is not None:
             self.partial_sync.finish()
-            model._grad_ready_params(self.partial_sync.params)
+            model.grad_ready_params(self.partial_sync.params)
         self._sum_tied_grad()
         losses = self.p2p.allreduce_sum(local_terms) if p > 1 else local_terms
         step = time.perf_counter() - t0
@@ -304,7 +306,7 @@ class PipelineExecutor:
             rr.wait()
             sr.wait()
         g += peer                      # g0 + g_last on both ranks: addition commutes, so bitwise equal
-        model._grad_ready_params([model.tied_weight])
+        model.grad_ready_params([model.tied_weight])
 
     # --- evaluation ----------------------------------------------------------------------
     def forward_loss(self, micro_batches) -> float:
@@ -343,13 +345,12 @@ class PipelineExecutor:
 
 
 def build_pipeline(config, seed, pp_comm, *, schedule="1f1b", v=1, n_micro=None, dtype=np.float32,
-                   compute_dtype=None, factory=None):
+                   compute_dtype=None, factory=None, channels=None):
     """Validate the layout (ValueError before any communication), build this rank's PipelineGPT
-    and its PipelineExecutor over ``pp_comm`` (its rank is the stage). Returns (model, executor)."""
-    from .partition import validate_pipeline
-    from .stage import PipelineGPT
+    and its PipelineExecutor over ``pp_comm`` (its rank is the stage; ``channels``: see
+    PipelineExecutor). Returns (model, executor)."""
     p2p = _P2P(pp_comm)
     part = validate_pipeline(config, p2p.size, n_micro if n_micro is not None else p2p.size, schedule, v)
     model = PipelineGPT(config, seed, pp=p2p.size, rank=p2p.rank, v=v, dtype=dtype,
                         compute_dtype=compute_dtype, factory=factory, part=part)
-    return model, PipelineExecutor(model, pp_comm, schedule)
+    return model, PipelineExecutor(model, pp_comm, schedule, channels=channels)

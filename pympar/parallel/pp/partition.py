@@ -13,6 +13,16 @@ from dataclasses import dataclass
 
 from .schedules import validate_schedule
 
+TIED_TAG = 32767                     # the MPI standard's smallest guaranteed tag upper bound
+
+
+def check_tags(n_micro: int, v: int) -> None:
+    """Message tags are ((chunk*n_micro + micro) << 1) | kind, below the tied-weight tag."""
+    if 2 * n_micro * v > TIED_TAG:
+        raise ValueError(f"n_micro={n_micro} x v={v} = {n_micro * v} micro-batch chunks need message tags up to "
+                         f"{2 * n_micro * v - 1}, which reaches the tied-weight tag {TIED_TAG} (the smallest tag "
+                         f"limit MPI guarantees): use n_micro*v <= {TIED_TAG // 2}")
+
 
 def block_flops(config, i: int, seq_len: int | None = None) -> float:
     """Forward FLOPs per token of block i (backward is ~2x for every part alike, so it cancels)."""
@@ -131,11 +141,7 @@ def validate_pipeline(config, pp: int, n_micro: int, schedule: str = "1f1b", v: 
     Raises ValueError with what was wrong and what would be right; pure arithmetic, so every
     rank raises the same error before the first collective."""
     validate_schedule(schedule, pp, n_micro, v)
-    from .executor import TIED_TAG
-    if 2 * n_micro * v > TIED_TAG:     # message tags ((chunk*n_micro + micro) << 1) | kind
-        raise ValueError(f"n_micro={n_micro} x v={v} = {n_micro * v} micro-batch chunks need message tags up to "
-                         f"{2 * n_micro * v - 1}, which reaches the tied-weight tag {TIED_TAG} (the smallest tag "
-                         f"limit MPI guarantees): use n_micro*v <= {TIED_TAG // 2}")
+    check_tags(n_micro, v)
     if seq_len is not None and not 1 <= seq_len <= config.block_size:
         raise ValueError(f"sequence length {seq_len} must be in 1..block_size={config.block_size}")
     from .schedules import placement_of

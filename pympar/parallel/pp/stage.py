@@ -314,25 +314,25 @@ class PipelineGPT:
                              "partial_grad_sync(params) to sum them over tp")
         return self._factory.partial_grad_sync(params)
 
-    def _grad_ready_params(self, params):
+    def grad_ready_params(self, params):
         for hook in self.grad_ready_hooks:
             hook(params)
 
-    def _grad_ready_chunk(self, chunk):
+    def grad_ready_chunk(self, chunk):
         """After a chunk's backward: its parameters' grads are final for this micro-batch, except
         the tied wte when pp > 1 (final only after the first/last-stage sum) and sequence-parallel
         partial grads (final after the tp sum at the end of the step)."""
         if self.grad_ready_hooks:
-            self._grad_ready_params([p for _, p in chunk.named_parameters() if id(p) not in self._later()])
+            self.grad_ready_params([p for _, p in chunk.named_parameters() if id(p) not in self._later()])
 
-    def _grad_ready_module(self, module):
+    def grad_ready_module(self, module):
         """During a chunk's backward (StageChunk.backward's ready): module's grads are done for
-        this micro-batch, with the same exceptions as _grad_ready_chunk."""
+        this micro-batch, with the same exceptions as grad_ready_chunk."""
         if self.grad_ready_hooks:
             later = self._later()
             params = [p for p in module.parameters() if id(p) not in later]
             if params:
-                self._grad_ready_params(params)
+                self.grad_ready_params(params)
 
     def _later(self):
         """ids of the parameters whose grads are completed after the actions (tied wte, sp partials)."""
@@ -366,6 +366,8 @@ class PipelineGPT:
     def moe_stats(self):
         return [dict(layer=i, **m.take_stats()) for i, m in self.moe_layers()]
 
-    def update_expert_bias(self):
-        for _, m in self.moe_layers():
-            m.update_expert_bias()
+    def update_expert_bias(self, loads=None):
+        """Every MoE layer's bias update; ``loads``: {layer index: tokens per expert} to use
+        instead of the layers' own counts (the runner passes the global ones)."""
+        for i, m in self.moe_layers():
+            m.update_expert_bias(None if loads is None else loads[i])

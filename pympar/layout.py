@@ -1,0 +1,462 @@
+"""Layouts: how a run is spread over its ranks, whether it can run, and which one to run.
+
+One module owns them (docs/design.md: the configuration layer). A ``Layout`` is the mesh (dp, pp,
+tp, ep, cp: ``world = dp * pp * cp * tp``; ep divides dp * cp) and what is chosen with it: the
+micro-batch size and count, the pipeline schedule and its virtual stages, the ZeRO stage,
+sequence parallelism and activation recomputation. Three things are done with layouts, all
+here, and the trainer's configuration, the planner (``python -m pympar.plan``) and the tests
+use them:
+
+- ``check(model, layout)``: every rule a layout must satisfy, raising ``ValueError`` (a
+  ``NotSupportedError`` for a combination no strategy implements) with what was wrong and
+  what would be right. Pure arithmetic on the model and the layout, so every rank reaches the
+  same verdict on its own before any communication. The rules of each strategy stay with the
+  strategy (``Mesh.validate``, ``validate_tp``, ``validate_cp``, ``validate_ep``,
+  ``validate_pipeline``); this function is the one place that calls them all.
+- ``fill(world, model, ...)``: the rule for sizes not given (pp = tp = ep = cp = 1, dp the rest).
+- ``choose(model, world, global_batch)``: the planner's best layout (``--layout auto``): the cost
+  model below (``predict``: the ledger's memory and an alpha-beta time per step) over every
+  layout ``enumerate_layouts`` yields, keeping those that fit in memory and pass ``check``.
+
+The cost model (all costs per rank, per optimiser step; its constants and their sources are in
+pympar/plan.py's docstring, which prints and measures these predictions):
+memory = the ledger of the worst pipeline rank + the process baseline; compute = the model's
+FLOPs at the matmul rate + the non-matmul activation work + a per-block overhead; tp, ep, pp, cp
+and dp communication in the alpha-beta model with each collective's bus factor; the pipeline's
+bubble from the schedule simulator of pympar.parallel.pp.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from .nn.config import GPTConfig, flops_per_token
+from .parallel import ledger
+from .parallel.cp import validate_cp
+from .parallel.ep import validate_ep
+from .parallel.mesh import Mesh
+from .parallel.pp import schedules as S
+from .parallel.pp.partition import partition, validate_pipeline
+from .parallel.tp.validate import validate_tp
+from .nn.gpt import RECOMPUTE
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+class NotSupportedError(ValueError):
+    """A combination of strategies that pympar does not implement (the message says what would run)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A run's layout. Mesh sizes first; the rest are chosen with the mesh (the planner) or given
+    (the trainer's flags)."""
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    ep: int = 1
+    cp: int = 1
+    micro_batch_size: int = 1
+    n_micro: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    zero: int = 0
+    seq_parallel: bool = False
+    recompute: str = "none"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    def __str__(self):
+        """The mesh, as the trainer's start-up line prints it."""
+        return f"dp={self.dp} pp={self.pp} tp={self.tp} ep={self.ep}" + (f" cp={self.cp}" if self.cp > 1 else "")
+
+    def key(self) -> str:
+        """Everything, compactly (the planner's table)."""
+        s = f"dp{self.dp} pp{self.pp} tp{self.tp} ep{self.ep}" + (f" cp{self.cp}" if self.cp > 1 else "") + \
+            f" mbs{self.micro_batch_size} m{self.n_micro} {self.schedule}"
+        if self.virtual_stages > 1:
+            s += f"(v{self.virtual_stages})"
+        return s + (f" zero{self.zero}" if self.zero else "") + (" sp" if self.seq_parallel else "") + \
+            (f" rc-{self.recompute}" if self.recompute != "none" else "")
+
+    def train_args(self) -> list:
+        """The ``python -m pympar.train`` flags that run this layout."""
+        a = ["--dp", self.dp, "--pp", self.pp, "--tp", self.tp, "--ep", self.ep] + (["--cp", self.cp] if self.cp > 1 else [])
+        a += ["--micro-batch-size", self.micro_batch_size, "--n-micro", self.n_micro, "--schedule", self.schedule]
+        if self.virtual_stages > 1:
+            a += ["--virtual-stages", self.virtual_stages]
+        if self.zero:
+            a += ["--zero", self.zero]
+        if self.seq_parallel:
+            a += ["--seq-parallel"]
+        if self.recompute != "none":
+            a += ["--recompute", self.recompute]
+        return [str(x) for x in a]
+
+    @classmethod
+    def of(cls, obj) -> "Layout":
+        """The Layout fields of any object that has them (a RunConfig, a test case)."""
+        return cls(**{f.name: getattr(obj, f.name) for f in fields(cls) if hasattr(obj, f.name)})
+
+
+# --- whether a layout can run ----------------------------------------------------------------
+def check(model_cfg: GPTConfig, lay: Layout, *, device: str = "cpu") -> None:
+    """Raise ValueError (NotSupportedError for what no strategy implements) when ``lay`` cannot
+    train ``model_cfg``; see the module docstring."""
+    dp, pp, tp, ep, cp = lay.dp, lay.pp, lay.tp, lay.ep, lay.cp
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: expected cpu or cuda")
+    if lay.zero not in ZERO_STAGES:
+        raise ValueError(f"zero={lay.zero}: expected a ZeRO stage 0, 1, 2 or 3")
+    if lay.recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={lay.recompute!r}: expected one of {', '.join(RECOMPUTE)}")
+    if lay.schedule not in SCHEDULES:
+        raise ValueError(f"schedule={lay.schedule!r}: expected one of {', '.join(SCHEDULES)}")
+    if lay.micro_batch_size < 1 or lay.n_micro < 1:
+        raise ValueError(f"micro_batch_size={lay.micro_batch_size} and n_micro={lay.n_micro} must be >= 1")
+    if lay.seq_parallel and tp == 1:
+        raise NotSupportedError("--seq-parallel splits activations over the tensor-parallel group: it needs --tp > 1")
+    Mesh.validate(lay.world, dp, pp, tp, ep, cp)
+    validate_ep(model_cfg, ep)
+    if ep > 1 and not model_cfg.n_expert:
+        raise ValueError(f"ep={ep} needs a MoE model (n_expert > 0)")
+    if tp > 1:
+        validate_tp(model_cfg, tp, lay.seq_parallel, seq_len=model_cfg.block_size // cp)
+    validate_cp(model_cfg, cp, tp, lay.seq_parallel)
+    v = lay.virtual_stages
+    if lay.schedule in ("zb-h1", "zb-v") and pp > 1 and lay.zero >= 2:
+        raise NotSupportedError(f"--schedule {lay.schedule} defers weight gradients past the backward that ZeRO-{lay.zero} "
+                                f"reduces and releases them after: use --zero 0 or 1 with {lay.schedule}, or 1f1b "
+                                f"with ZeRO-{lay.zero}")
+    if pp > 1:
+        validate_pipeline(model_cfg, pp, lay.n_micro, lay.schedule, v)
+    elif v != 1:
+        raise ValueError(f"virtual_stages={v} needs a pipeline: use --pp > 1 with --schedule interleaved or zb-v, or 1")
+
+
+def fill(world: int, model: GPTConfig, *, dp=None, pp=None, tp=None, ep=None, cp=None, seq_parallel=False,
+         **rest) -> Layout:
+    """The layout of ``world`` ranks with the sizes given kept and the missing ones filled in:
+    pp = tp = ep = cp = 1 unless given, dp the rest of the world. ``rest``: the other Layout
+    fields, taken as they are. Raises ValueError for sizes that do not fit the world or the model."""
+    pp, tp, ep, cp = pp or 1, tp or 1, ep or 1, cp or 1
+    others, names = pp * cp * tp, "pp*tp" if cp == 1 else "pp*cp*tp"
+    if dp is None:
+        if world % others:
+            raise ValueError(f"world size {world} is not divisible by {names}={others}; "
+                             f"launch a multiple of {others} ranks or change --{names.replace('*', '/--')}")
+        dp = world // others
+    if dp * others != world:
+        raise ValueError(f"dp*{names} = {dp}*{others} = {dp * others} does not match the world size {world}; "
+                         f"launch {dp * others} ranks or change the layout")
+    if (dp * cp) % ep:
+        raise ValueError(f"ep={ep} does not divide dp*cp={dp * cp} (experts are sharded over the data- and "
+                         f"context-parallel ranks)" if cp > 1 else
+                         f"ep={ep} does not divide dp={dp} (experts are sharded over data-parallel ranks)")
+    if cp > 1:
+        validate_cp(model, cp, tp, seq_parallel)
+    if ep > 1 and (model.n_expert == 0 or model.n_expert % ep):
+        raise ValueError(f"ep={ep} needs n_expert divisible by ep; n_expert={model.n_expert}")
+    if tp > 1 and model.n_head % tp:
+        raise ValueError(f"n_head={model.n_head} is not divisible by tp={tp}")
+    if pp > model.n_layer:
+        raise ValueError(f"pp={pp} is more than n_layer={model.n_layer}: every stage needs at least one block")
+    return Layout(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, seq_parallel=seq_parallel, **rest)
+
+
+# --- the planner's cost model -----------------------------------------------------------------
+GiB = 1024 ** 3
+
+# peak FLOP/s (bf16 dense) and link bandwidths (bytes/s) of GPU models; cpu is measured.
+DEVICES = {
+    "a100": dict(peak=312e12, intra_bw=240e9, inter_bw=25e9, alpha=10e-6, mem=80 * GiB, act_bytes=2, overhead=3e-5),
+    "h100": dict(peak=989e12, intra_bw=360e9, inter_bw=50e9, alpha=8e-6, mem=80 * GiB, act_bytes=2, overhead=3e-5),
+    "h200": dict(peak=989e12, intra_bw=360e9, inter_bw=50e9, alpha=8e-6, mem=141 * GiB, act_bytes=2, overhead=3e-5),
+}
+# cpu without --calibration: FITTED TO THE DEVELOPMENT VM, not measured where it runs --
+# bench/plan_calibrate.py on the 2-core VM, 4 ranks (alpha per round:
+# 1.7 ms for an 8 B allreduce of 2 rounds; busbw 0.35 GB/s at 8 MiB; the per-micro-batch fixed
+# cost fitted below the noise, so overhead 0)
+CPU_DEFAULT = dict(alpha=0.85e-3, intra_bw=0.35e9, inter_bw=0.35e9, act_bytes=4, overhead=0.0)
+# fraction of the matmul peak a training step reaches. cpu: the peak is a 256^3 float32 burst;
+# a whole step of the small preset ran at 1.0-1.2x that rate (bench/plan_accuracy.py, 4 ranks on
+# 2 cores), larger GEMMs than the burst's; 0.5 had predicted every step 2.5x too slow.
+MFU_ASSUMED = {"cpu": 1.0, "gpu": 0.45}
+
+
+def is_moe_layer(cfg: GPTConfig, i: int) -> bool:
+    return cfg.is_moe_block(i)
+
+
+def divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def parse_bytes(s) -> int:
+    s = str(s).strip()
+    units = {"k": 1024, "m": 1024 ** 2, "g": GiB, "t": 1024 ** 4}
+    low = s.lower().rstrip("ib").rstrip("b") if s.lower().endswith(("ib", "b")) else s.lower()
+    if low and low[-1] in units:
+        return int(float(low[:-1]) * units[low[-1]])
+    return int(float(low))
+
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    memory: dict = field(default_factory=dict)     # bytes per rank by kind, the worst rank
+    time: dict = field(default_factory=dict)       # seconds per step by kind
+    step_time: float = 0.0
+    bubble: float = 0.0
+    peak_in_flight: int = 0
+
+    def row(self) -> dict:
+        return {"layout": self.layout.key(), **asdict(self.layout), "step_time_s": self.step_time,
+                "memory_bytes": self.memory.get("total", 0), "bubble": self.bubble,
+                "memory": self.memory, "time": self.time, "peak_in_flight": self.peak_in_flight}
+
+
+# --- the machine: alpha-beta constants -------------------------------------------------
+@dataclass
+class Machine:
+    peak: float                  # matmul FLOP/s per rank
+    alpha: float                 # collective latency, s
+    intra_bw: float              # bytes/s of a collective's bus inside a node
+    inter_bw: float              # bytes/s across nodes
+    mem: int                     # bytes per rank
+    act_bytes: int               # bytes per activation element
+    mfu: float                   # fraction of peak a step reaches
+    ranks_per_node: int
+    overlap: float               # fraction of the DP sync hidden behind backward
+    overhead: float = 0.0        # fixed seconds per block and micro-batch (Python, kernel launches)
+    cores: int = 0               # cores per node when ranks share them (CPU); 0 = a device per rank
+    elem_time: float = 0.0       # seconds per activation element produced (non-matmul work)
+    opt_per_param: float = 4e-9  # optimiser step seconds per parameter (~40 B touched at ~10 GB/s)
+    baseline: int = 0            # bytes of a rank's process before its model (interpreter, libraries)
+
+    def oversubscription(self, ranks_on_node: int) -> float:
+        """How much slower a rank computes than alone: ranks / cores when they share cores."""
+        return max(1.0, ranks_on_node / self.cores) if self.cores else 1.0
+
+    def coll(self, kind: str, nbytes: float, k: int, cross_node: bool) -> float:
+        """Alpha-beta time of a collective of ``nbytes`` over k ranks."""
+        if k <= 1 or nbytes <= 0:
+            return 0.0
+        factor = {"allreduce": 2 * (k - 1) / k, "reduce_scatter": (k - 1) / k,
+                  "allgather": (k - 1) / k, "alltoall": (k - 1) / k, "sendrecv": 1.0}[kind]
+        bw = self.inter_bw if cross_node else self.intra_bw
+        steps = math.ceil(math.log2(k)) if kind == "allreduce" else 1
+        return self.alpha * steps + factor * nbytes / bw
+
+
+
+# --- the model's parameter and activation counts per rank ------------------------------
+def params_per_rank(cfg: GPTConfig, lay: Layout, stage_blocks, first: bool, last: bool) -> int:
+    """Parameter elements of a rank (the ledger's count, pympar.parallel.ledger)."""
+    return ledger.params_per_rank(cfg, lay.tp, lay.ep, stage_blocks, first, last)
+
+
+def activations_per_micro(cfg: GPTConfig, lay: Layout, stage_blocks, last: bool) -> float:
+    """Activation elements a stage produces per micro-batch: the non-matmul work of the time
+    model (memory is the ledger's, pympar.parallel.ledger)."""
+    B, T, C, H, tp = lay.micro_batch_size, cfg.block_size // lay.cp, cfg.n_embd, cfg.n_head, lay.tp
+    rep = 4.0 / tp if lay.seq_parallel else 4.0        # block input, ln_1 out, residual, ln_2 out
+    n = 0.0
+    for i in stage_blocks:
+        n += B * T * C * rep + B * T * C * 5.0 / tp + 2.0 * B * H * T * T * lay.cp / tp   # qkv, attn out, scores+probs
+        if is_moe_layer(cfg, i):
+            tok = B * T * cfg.top_k
+            n += tok * (C + 8.0 * C / tp) + B * T * cfg.n_expert * 2
+        else:
+            n += B * T * 8.0 * C / tp                   # c_fc out and GELU out
+    if last:
+        vpad = -(-cfg.vocab_size // tp) * tp
+        n += B * T * (C * 2 + vpad / tp)               # ln_f in/out, vocab-parallel logits
+    return n
+
+
+def _schedules(lay: Layout):
+    return [S.build_schedule(lay.schedule, lay.pp, lay.n_micro, lay.virtual_stages, r) for r in range(lay.pp)]
+
+
+# --- prediction ---------------------------------------------------------------------------
+def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
+    part = partition(cfg, lay.pp, lay.virtual_stages, placement=S.placement_of(lay.schedule))
+    scheds = _schedules(lay)
+    B, T, C = lay.micro_batch_size, cfg.block_size // lay.cp, cfg.n_embd     # T: this rank's positions
+    tp_cross = lay.tp > m.ranks_per_node
+    cp_cross = lay.tp * lay.cp > m.ranks_per_node
+    pp_cross = lay.tp * lay.cp * lay.pp > m.ranks_per_node
+    dp_cross = lay.tp * lay.cp * lay.pp * lay.dp > m.ranks_per_node
+    dpcp = lay.dp * lay.cp                             # the gradient group
+    mem, worst_rank = ledger.predict(cfg, dp=lay.dp, pp=lay.pp, tp=lay.tp, ep=lay.ep, zero=lay.zero,
+                                     recompute=lay.recompute, sp=lay.seq_parallel, micro_batch_size=B,
+                                     n_micro=lay.n_micro, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
+                                     act_bytes=m.act_bytes, cp=lay.cp)
+    mem = dict(mem, baseline=m.baseline)
+    mem["total"] = mem["peak"] + m.baseline
+    stages = part.stages_of(worst_rank)
+    blocks_w = [i for s_ in stages for i in part.blocks(s_)]
+    n_par_worst = params_per_rank(cfg, lay, blocks_w, 0 in stages, (part.n_stage - 1) in stages)
+    inflight = S.peak_in_flight(scheds[worst_rank])
+
+    # per micro-batch forward+backward time of one rank (all its v chunks), at the rate of a
+    # rank alone; ``slow`` stretches it when the node's ranks share fewer cores
+    slow = m.oversubscription(min(m.ranks_per_node, lay.dp * lay.pp * lay.cp * lay.tp))
+    tokens = B * T
+    flops_micro = flops_per_token(cfg) * tokens / (lay.tp * lay.pp)   # PaLM's count: attention over all T, / cp
+    elems = activations_per_micro(cfg, lay, range(cfg.n_layer), True) / lay.pp   # non-matmul work, mean stage
+    comp = slow * (flops_micro / (m.peak * m.mfu) + m.elem_time * elems + m.overhead * (cfg.n_layer + 2) / lay.pp)
+    # recomputation runs forward work again in backward: full, the whole forward (a third of the
+    # step's matmul work); selective, the attention scores and probabilities only (the
+    # materialized attention path; the tiled kernel recomputes them in any mode)
+    if lay.recompute == "full":
+        comp *= 4.0 / 3.0
+    elif lay.recompute == "selective" and not ledger.tiled_attention(m.act_bytes):   # tiled: nothing is kept to drop
+        att = 12.0 * cfg.n_layer * T * C / flops_per_token(cfg)         # share of the scores' FLOPs
+        comp *= 1.0 + att / 3.0
+    blocks_per_rank = cfg.n_layer / lay.pp
+    moe_per_rank = sum(1 for i in range(cfg.n_layer) if is_moe_layer(cfg, i)) / lay.pp
+    act_b = tokens * C * m.act_bytes
+    # 4 per block, + embedding (first stage) and cross-entropy's 2 (last stage): 3 spread over the stages
+    tp_t = (4 * blocks_per_rank + 3 / lay.pp) * m.coll("allreduce", act_b, lay.tp, tp_cross)
+    ep_t = 4 * moe_per_rank * m.coll("alltoall", act_b * cfg.top_k, lay.ep, dp_cross)
+    pp_t = m.coll("sendrecv", act_b, 2, pp_cross) if lay.pp > 1 else 0.0
+    # the ring: per block cp-1 key/value hops forward, cp-1 more and cp dK/dV hops backward, each
+    # hidden behind the block in hand as far as the machine's overlap allows
+    kv_b = 2 * tokens * C / lay.tp * m.act_bytes
+    cp_t = (3 * lay.cp - 2) * blocks_per_rank * m.coll("sendrecv", kv_b, 2, cp_cross) * (1 - m.overlap) \
+        if lay.cp > 1 else 0.0
+    f_cost = comp / 3 + (tp_t + ep_t) / 2 + cp_t / 3
+    b_cost = 2 * comp / 3 + (tp_t + ep_t) / 2 + 2 * cp_t / 3
+    # simulate() charges each of a rank's v chunks cost/v; every chunk boundary sends the full B*T*C
+    sim = S.simulate(scheds, lay.pp, lay.virtual_stages, f_cost, b_cost, comm_cost=pp_t,
+                     placement=S.placement_of(lay.schedule))
+    pipe = sim["makespan"]
+    busy = max(sim["busy"])
+    grad_bytes = 4 * n_par_worst
+    rs = m.coll("reduce_scatter", grad_bytes, dpcp, dp_cross)
+    ag = m.coll("allgather", grad_bytes, dpcp, dp_cross)
+    if lay.zero == 1:                          # one reduce-scatter per step, one allgather after it
+        dp_t = rs + ag
+    elif lay.zero == 2:                        # a reduce-scatter per micro-batch
+        dp_t = lay.n_micro * rs + ag
+    elif lay.zero == 3:                        # per micro-batch: gathers for forward and backward
+        dp_t = lay.n_micro * (rs + 2 * ag)
+    else:
+        dp_t = m.coll("allreduce", grad_bytes, dpcp, dp_cross)
+    dp_exposed = dp_t * (1 - m.overlap)
+    opt_t = slow * m.opt_per_param * n_par_worst / (dpcp if lay.zero else 1)
+    step = pipe + dp_exposed + opt_t
+    time = {"compute": comp * lay.n_micro, "tp_comm": tp_t * lay.n_micro, "ep_comm": ep_t * lay.n_micro,
+            "pp_comm": pp_t * lay.n_micro if lay.pp > 1 else 0.0, "cp_comm": cp_t * lay.n_micro,
+            "bubble": pipe - busy,
+            "dp_comm": dp_exposed, "optimizer": opt_t, "oversubscription": slow}
+    return Prediction(lay, mem, time, step, (pipe - busy) / pipe if pipe else 0.0, inflight)
+
+
+def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_node: int,
+                      max_micro: int = 64):
+    """Yield (Layout, None) for valid layouts and (Layout-or-dict, reason) for rejected ones."""
+    for tp in divisors(world):
+        try:
+            validate_tp(cfg, tp)
+        except ValueError as e:
+            yield {"tp": tp}, f"invalid: {e}"
+            continue
+        if tp > ranks_per_node:
+            yield {"tp": tp}, f"tp={tp} spans nodes of {ranks_per_node} ranks (tensor parallelism stays in a node)"
+            continue
+        for cp, pp in ((c, p) for c in divisors(world // tp) for p in divisors(world // (tp * c))):
+            dp = world // (tp * cp * pp)
+            if cp > 1:
+                try:
+                    validate_cp(cfg, cp)
+                except ValueError as e:
+                    yield {"tp": tp, "cp": cp}, f"invalid: {e}"
+                    continue
+            if global_batch % dp:
+                yield {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, f"global batch {global_batch} not divisible by dp={dp}"
+                continue
+            eps = [e for e in divisors(dp * cp) if cfg.n_expert % e == 0] if cfg.n_expert else [1]
+            per_dp = global_batch // dp
+            for ep in eps:
+                for mbs in divisors(per_dp):
+                    nm = per_dp // mbs
+                    if nm > max_micro:
+                        continue
+                    scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)]
+                    if pp > 1 and cfg.n_layer % (pp * 2) == 0:
+                        scheds.append(("interleaved", 2))
+                    if pp > 1 and cfg.n_layer >= 2 * pp:
+                        scheds.append(("zb-v", 2))
+                    for sched, v in scheds:
+                        lay0 = Layout(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, micro_batch_size=mbs, n_micro=nm, schedule=sched,
+                                      virtual_stages=v)
+                        try:
+                            validate_pipeline(cfg, pp, nm, sched, v)
+                        except ValueError as e:
+                            yield lay0, f"invalid: {e}"
+                            continue
+                        for zero in ([0, 1, 2, 3] if dp * cp > 1 else [0]):
+                            sps = [False, True] if tp > 1 and (cfg.block_size // cp) % tp == 0 else [False]
+                            for sp in sps:
+                                for rc in RECOMPUTE:
+                                    lay = replace(lay0, zero=zero, seq_parallel=sp, recompute=rc)
+                                    try:
+                                        check(cfg, lay)
+                                    except ValueError as e:
+                                        yield lay, f"invalid: {e}"
+                                        continue
+                                    yield lay, None
+
+
+def plan(cfg: GPTConfig, world: int, global_batch: int, machine: Machine):
+    """-> (sorted list of Prediction that fit, list of (layout key, reason) rejected)."""
+    ok, rejected = [], []
+    for lay, reason in enumerate_layouts(cfg, world, global_batch, machine.ranks_per_node):
+        if reason:
+            rejected.append((lay.key() if isinstance(lay, Layout) else str(lay), reason))
+            continue
+        p = predict(cfg, lay, machine)
+        if p.memory["total"] > machine.mem:
+            rejected.append((lay.key(), f"out of memory: {p.memory['total'] / GiB:.2f} GiB > "
+                                        f"{machine.mem / GiB:.2f} GiB per rank"))
+            continue
+        ok.append(p)
+    ok.sort(key=lambda p: (p.step_time, p.memory["total"]))
+    return ok, rejected
+
+
+
+def choose(cfg: GPTConfig, world: int, global_batch: int, ranks_per_node: int | None = None,
+           mem_per_rank: int | None = None, accept=None) -> Layout:
+    """The planner's best layout, for ``python -m pympar.train --layout auto``.
+
+    Fixed machine constants (no measurement: CPU_DEFAULT, fitted to the 2-core development VM,
+    a 1e10 FLOP/s peak, no process baseline, memory 24 GiB / ranks per node unless given), so
+    every rank computes the same answer without communicating; the ranking is that machine's.
+    ``python -m pympar.plan --calibration FILE`` (bench/plan_calibrate.py) ranks with this
+    machine's measured constants instead. ``accept(layout)`` may raise ValueError to skip layouts the
+    run cannot use (beyond ``check``, which every candidate has passed)."""
+    rpn = ranks_per_node or world
+    d = CPU_DEFAULT
+    machine = Machine(peak=1e10, alpha=d["alpha"], intra_bw=d["intra_bw"], inter_bw=d["inter_bw"],
+                      mem=mem_per_rank or 24 * GiB // max(1, rpn), act_bytes=d["act_bytes"], mfu=MFU_ASSUMED["cpu"],
+                      ranks_per_node=rpn, overlap=0.0, overhead=d["overhead"], cores=os.cpu_count() or 1)
+    preds, rejected = plan(cfg, world, global_batch, machine)
+    for p in preds:
+        try:
+            if accept is not None:
+                accept(p.layout)
+        except ValueError as e:
+            rejected.append((p.layout.key(), str(e)))
+            continue
+        return p.layout
+    reasons = sorted({r for _, r in rejected})[:3]
+    raise ValueError(f"no valid layout of {world} ranks for this model and global batch {global_batch}: {reasons}")

@@ -1,0 +1,76 @@
+"""``python tests/faulty_train.py ARGS`` = ``python -m pympar.train ARGS`` with faults injected,
+for the tests of failures, restarts and watchdogs (tests/test_failures.py, tests/test_launch.py).
+The package constructs no injector; this entry point passes one to ``pympar.train.main``.
+
+The faults, from the environment:
+    PYMPAR_INJECT_NAN_STEP=3[,4,...]   steps whose gradient gets a NaN
+    PYMPAR_INJECT_NAN_RANK=0           on this rank (default 0; -1 = every rank)
+    PYMPAR_INJECT_NAN_PARAM=NAME       in this parameter (default: the first one backward finishes)
+    PYMPAR_INJECT_KILL_STEP=k, PYMPAR_INJECT_KILL_RANK=r   rank r SIGKILLs itself at step k
+    PYMPAR_INJECT_HANG_STEP=k, PYMPAR_INJECT_HANG_RANK=r   rank r sleeps (outside MPI) from step k
+They fire in the first attempt of a ``pympar.launch`` job only (PYMPAR_LAUNCH_ATTEMPT, which the
+supervisor sets, 0 or unset); ``python -m pympar.launch --program tests/faulty_train.py`` runs it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+
+def _env_steps(name):
+    v = os.environ.get(name, "")
+    return {int(s) for s in v.split(",") if s.strip()}
+
+
+def _env_rank(name, default=0):
+    return int(os.environ.get(name, default))
+
+
+class FaultInjector:
+    """The PYMPAR_INJECT_* faults of this rank (see the module docstring); inert when unset.
+    ``pympar.train.main`` calls it as ``faults(rank, model)`` once the model is built, then
+    ``begin_step(step)`` before every step."""
+
+    def __init__(self, rank, model):
+        self.rank, self.step = rank, -1
+        if os.environ.get("PYMPAR_LAUNCH_ATTEMPT", "0") not in ("", "0"):   # pympar.launch's restarts:
+            # the faults fired in the first attempt already
+            self.nan_steps, self.nan_here, self.nan_param, self.kill, self.hang = set(), False, None, set(), set()
+            return
+        self.nan_steps = _env_steps("PYMPAR_INJECT_NAN_STEP")
+        nan_rank = _env_rank("PYMPAR_INJECT_NAN_RANK")
+        self.nan_here = bool(self.nan_steps) and nan_rank in (-1, rank)
+        self.nan_param = os.environ.get("PYMPAR_INJECT_NAN_PARAM") or None
+        self.kill = _env_steps("PYMPAR_INJECT_KILL_STEP") if _env_rank("PYMPAR_INJECT_KILL_RANK") == rank else set()
+        self.hang = _env_steps("PYMPAR_INJECT_HANG_STEP") if _env_rank("PYMPAR_INJECT_HANG_RANK") == rank else set()
+        if self.nan_here:
+            self._names = {id(p): n for n, p in model.named_parameters()}
+            if self.nan_param is not None and self.nan_param not in self._names.values():
+                raise ValueError(f"PYMPAR_INJECT_NAN_PARAM={self.nan_param}: no such parameter")
+            model.grad_ready_hooks.insert(0, self._poison)   # before the DP sync copies the grads
+
+    def begin_step(self, step):
+        self.step = step
+        if step in self.kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step in self.hang:
+            while True:
+                time.sleep(3600)
+
+    def _poison(self, params, partial=False):
+        if partial or self.step not in self.nan_steps:
+            return
+        for p in params:
+            if self.nan_param is None or self._names.get(id(p)) == self.nan_param:
+                p.grad.reshape(-1)[0] = np.nan
+                return
+
+
+if __name__ == "__main__":
+    from pympar import train
+
+    sys.exit(train.main(sys.argv[1:], faults=FaultInjector))

@@ -1,0 +1,135 @@
+"""The package's import graph: imports point down the layers and no two files import each other.
+
+Every import statement of every file under pympar/ counts -- at module level and inside
+functions (a lazy import is still a dependency) -- read from the source, not by importing it.
+The layers, lowest first (docs/design.md, "Layers"):
+
+    csrc (pympar._C, pympar._cuda)  backend  kernels  comm  optim  nn  parallel  config/layout  applications
+
+A file may import its own layer and those below; the applications (train, launch, generate,
+bench, plan, checkpoint, data, metrics, profile, report, faults, gpu) may import each other.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "pympar"
+LAYERS = {"_C": -1, "_cuda": -1, "backend": 0, "kernels": 1, "comm": 2, "optim": 3, "nn": 4, "parallel": 5,
+          "config": 6, "layout": 6}
+APPLICATION = 7
+
+
+def modules() -> dict:
+    """Dotted module name -> its file, for every .py file of the package."""
+    out = {}
+    for f in PKG.rglob("*.py"):
+        parts = ["pympar", *f.relative_to(PKG).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
+    return out
+
+
+def layer(mod: str) -> int:
+    parts = mod.split(".")
+    if len(parts) == 1:
+        return APPLICATION + 1                      # the package itself: above everything
+    return LAYERS.get(parts[1], APPLICATION)
+
+
+def imports(mods: dict) -> dict:
+    """module -> {(imported module, line)}: the file each import statement reaches."""
+    def extension(name):
+        return name.split(".")[:2] in (["pympar", "_C"], ["pympar", "_cuda"])
+
+    def resolve(name):
+        if extension(name):
+            return ".".join(name.split(".")[:2])   # the extension modules (csrc)
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges = {}
+    for mod, f in mods.items():
+        package = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    full = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    full = node.module or ""
+                # "from pkg import sub" reaches the file sub when it is one, else pkg itself
+                targets = [f"{full}.{a.name}" if f"{full}.{a.name}" in mods or extension(f"{full}.{a.name}")
+                           else full for a in node.names]
+            for t in targets:
+                if t == "pympar" or t.startswith("pympar."):
+                    r = resolve(t)
+                    if r and r != mod:
+                        found.add((r, node.lineno))
+        edges[mod] = found
+    return edges
+
+
+def cycles(edges: dict) -> list:
+    """The strongly connected components of more than one file (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w, _ in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_walk_sees_lazy_imports_and_the_layers():
+    """The walk itself: it finds imports inside functions and maps files to their layers (a walk
+    that found nothing would pass the tests below)."""
+    mods = modules()
+    edges = imports(mods)
+    assert len(mods) > 80
+    assert "pympar._C" in {t for t, _ in edges["pympar.kernels.native"]}       # the extension, below kernels
+    lazy = [n for n in ast.walk(ast.parse((PKG / "train.py").read_text()))
+            if isinstance(n, ast.FunctionDef) and any(isinstance(x, (ast.Import, ast.ImportFrom)) for x in ast.walk(n))]
+    assert lazy, "train.py has imports inside functions: the walk must count them"
+    assert {t for t, _ in edges["pympar.train"]} >= {"pympar.config", "pympar.parallel.runner"}
+    assert layer("pympar.comm.mpi") == 2 and layer("pympar.layout") == 6 and layer("pympar.train") == APPLICATION
+    # a cycle and an upward import are found when they exist
+    assert cycles({"a": {("b", 1)}, "b": {("a", 2)}, "c": set()}) == [["a", "b"]]
+
+
+def test_no_import_cycle_between_files():
+    found = cycles(imports(modules()))
+    assert not found, f"import cycles between files (lazy imports included): {found}"
+
+
+def test_imports_point_down_the_layers():
+    edges = imports(modules())
+    bad = [f"{m} (layer {layer(m)}) imports {t} (layer {layer(t)}) at line {ln}"
+           for m, ts in sorted(edges.items()) for t, ln in sorted(ts) if layer(t) > layer(m)]
+    assert not bad, "imports that point up the layers:\n" + "\n".join(bad)
