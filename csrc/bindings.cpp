@@ -146,8 +146,12 @@ PYBIND11_MODULE(_C, m) {
     if (!t) throw py::value_error("use_isa: this CPU does not support the " + name + " kernels");
     K = t;
   }, "use the kernels of one instruction-set build ('' = the best this CPU supports)");
+  m.attr("max_threads") = pympar::max_threads();
   m.def("set_num_threads", [](int n) {
     if (n < 1) throw py::value_error("set_num_threads: n=" + std::to_string(n) + " must be >= 1");
+    if (n > pympar::max_threads())
+      throw py::value_error("set_num_threads: n=" + std::to_string(n) + " is more than the kernel pool's " +
+                            std::to_string(pympar::max_threads()) + " threads");
     py::gil_scoped_release g;
     pympar::set_num_threads(n);
   });

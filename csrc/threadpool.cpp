@@ -55,6 +55,8 @@ thread_local bool t_inside = false;
 // the poster always see the sleeper.
 class Pool {
  public:
+  static constexpr int kMaxThreads = 255;
+
   ~Pool() { resize(1); }
 
   std::mutex busy;  // held for a whole parallel call (and while resizing)
@@ -62,7 +64,7 @@ class Pool {
   void resize(int n) {
     std::lock_guard<std::mutex> b(busy);
     stop_workers();
-    nthreads_ = std::max(1, std::min(n, 255));
+    nthreads_ = std::max(1, std::min(n, kMaxThreads));   // set_num_threads refuses more (bindings)
     stop_.store(false);
     uint64_t t = ticket_.load();  // a new worker has seen every job so far
     for (int i = 1; i < nthreads_; ++i) workers_.emplace_back([this, i, t] { loop(i, t); });
@@ -180,6 +182,7 @@ void set_num_threads(int n) {
 int get_num_threads() { return pool().size(); }
 
 void set_spin_us(int us) { g_spin_us.store(std::max(0, us)); }
+int max_threads() { return Pool::kMaxThreads; }
 int get_spin_us() { return g_spin_us.load(); }
 
 void parallel_for(int64_t n, int64_t grain, int64_t align, const std::function<void(int64_t, int64_t)>& fn) {

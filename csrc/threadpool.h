@@ -12,8 +12,9 @@
 
 namespace pympar {
 
-void set_num_threads(int n);
+void set_num_threads(int n);   // n in 1..max_threads() (the bindings refuse more)
 int get_num_threads();
+int max_threads();
 
 // How long an idle worker (and a waiting caller) spins before it sleeps, in microseconds.
 // Spinning bridges the short gaps between back-to-back kernel calls of a training step.

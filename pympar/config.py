@@ -449,6 +449,11 @@ def _apply_planner(world: int, model: GPTConfig, run: RunConfig) -> None:
 
 
 def _check_run(run: RunConfig) -> None:
+    from . import kernels
+
+    if run.threads > kernels.max_threads():
+        raise ConfigError(f"threads={run.threads} ({run.threads_from}) is more than the C++ kernel pool's "
+                          f"{kernels.max_threads()} threads per process: give at most {kernels.max_threads()}")
     for k in ("lr", "min_lr", "weight_decay", "grad_clip", "topk_ratio", "bucket_mb"):
         v = getattr(run, k)
         if not math.isfinite(v):

@@ -294,6 +294,8 @@ def _threads(mpi, run):
         else:
             n = max(1, cores // ranks)
             why = f"{cores} cores / {ranks} ranks on this node"
+            if n > kernels.max_threads():            # said, not silently capped
+                n, why = kernels.max_threads(), why + f", capped at the kernel pool's {kernels.max_threads()} threads"
         if n * ranks > cores:
             kernels.set_spin_us(0)
             why += ", oversubscribed: no spinning"

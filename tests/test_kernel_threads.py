@@ -107,6 +107,15 @@ def test_parallel_chunks_ranges_errors_and_nesting(threads):
         _C.parallel_chunks(4, 0, rows)
 
 
+def test_more_threads_than_the_pool_holds_is_refused_not_capped():
+    before = kernels.get_num_threads()
+    assert _C.max_threads == kernels.max_threads() == 255
+    for setter in (_C.set_num_threads, kernels.set_num_threads):
+        with pytest.raises(ValueError, match="more than the .*255 threads"):
+            setter(256)
+    assert kernels.get_num_threads() == before and _C.get_num_threads() == before
+
+
 def test_spin_setting_round_trips():
     before = _C.get_spin_us()
     try:

@@ -42,7 +42,7 @@ __all__ = [
     "layernorm_forward", "layernorm_backward",
     "gelu_forward", "gelu_backward", "cross_entropy_forward", "cross_entropy_backward", "adamw_step",
     "topk", "capacity_positions", "permute", "unpermute_add", "cast", "reduce_inplace", "scale_inplace",
-    "set_num_threads", "set_process_threads", "get_num_threads", "use_isa", "native_available", "cuda_available", "backend", "use_reference",
+    "set_num_threads", "set_process_threads", "get_num_threads", "max_threads", "use_isa", "native_available", "cuda_available", "backend", "use_reference",
 ]
 
 
@@ -68,12 +68,19 @@ def set_num_threads(n: int, *, blas: bool = True) -> None:
     n = int(n)
     if n < 1:
         raise ValueError(f"set_num_threads: n={n} must be >= 1")
+    if n > max_threads():
+        raise ValueError(f"set_num_threads: n={n} is more than the C++ kernel pool's {max_threads()} threads")
     _threads = n
     if _native is not None:
         _native.set_num_threads(n)
         if blas:
             from .blas import share_kernel_threads
             share_kernel_threads(n)
+
+
+def max_threads() -> int:
+    """The most threads set_num_threads accepts (the C++ pool's limit; no limit without it)."""
+    return int(_native.max_threads) if _native is not None else 1 << 30
 
 
 def set_process_threads(n: int) -> None:
