@@ -434,10 +434,11 @@ class ParallelRunner:
             layers = [(f"stage {ch.stage}", ch) for ch in m.chunks]
         else:
             layers = [("embedding", m.embedding)] + [(f"h.{i}", b) for i, b in enumerate(m.h)] + [("head", m.head)]
-        for name, mod in layers:
-            for kind in ("forward", "backward"):
+        short = {"forward": "fwd", "backward": "bwd", "forward_backward": "fwd+bwd"}
+        for name, mod in layers:      # the head's one-pass forward_backward too (GPT.loss_and_grad runs it)
+            for kind in ("forward", "backward") + (("forward_backward",) if name == "head" else ()):
                 fn = getattr(mod, kind)
-                setattr(mod, kind, self._timed(fn, f"{'fwd' if kind == 'forward' else 'bwd'} {name}"))
+                setattr(mod, kind, self._timed(fn, f"{short[kind]} {name}"))
 
     def _timed(self, fn, label):
         rec = self.rec
