@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pympar import kernels  # noqa: E402
-from pympar.kernels import alloc, blas  # noqa: E402
+from pympar.kernels import blas, malloc_policy  # noqa: E402
 from pympar.nn import GPT, GPTConfig  # noqa: E402
 from pympar.optim import AdamW, decays  # noqa: E402
 from pympar.config import apply_environment  # noqa: E402
@@ -171,7 +171,7 @@ def main(a):
     tokens = a.batch * T
     res = dict(preset=a.preset, shape=shape_name(cfg, a.batch, T), config=vars(cfg), batch=a.batch, seq=T,
                threads=a.threads, native_kernels=kernels.native_available(), blas_threads=blas.blas_threads(),
-               kernel_threads=kernels.get_num_threads(), malloc_retained=alloc.retained(), params=n_params,
+               kernel_threads=kernels.get_num_threads(), malloc_retained=malloc_policy.retained(), params=n_params,
                model_flops_per_step=model_flops_per_token(cfg, n_params, T) * tokens)
     res["sgemm_gflops"] = sgemm_gflops(tokens, cfg.n_embd, 4 * cfg.n_embd)
     names = [] if a.no_torch else [p for p in a.peers.split(",") if p]

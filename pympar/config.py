@@ -164,7 +164,7 @@ def apply_environment(environ=None) -> Environment:
     NCCL, the cache, the local rank)."""
     from . import kernels
     from .comm import progress, settings as comm_settings
-    from .kernels import alloc, blas
+    from .kernels import blas, malloc_policy
 
     e = read_environment(environ)
     kernels.use_reference(e.kernels_reference)
@@ -176,7 +176,7 @@ def apply_environment(environ=None) -> Environment:
         kernels.set_spin_us(e.spin_us)
     blas.configure(share_threads=e.blas_share_threads, chunk_threads=e.chunk_threads)
     if e.retain_memory:
-        alloc.retain_freed_memory()
+        malloc_policy.retain_freed_memory()
     if e.launcher_local_ranks is not None:     # the polling pace before a communicator finds the node's ranks
         progress.note_job_local_ranks(e.launcher_local_ranks)
     comm = dict(debug_collectives=e.debug_collectives, tuning=e.tuning, cuda_aware_mpi=e.cuda_aware_mpi,
@@ -253,7 +253,7 @@ class RunConfig:
     log_every: int = 1
     out: str | None = None
     profile: bool = False
-    # checkpoints and failures (pympar.faults)
+    # checkpoints and failures (pympar.resilience)
     save_every: int = 0
     async_save: bool = False
     keep: int = 0

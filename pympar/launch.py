@@ -32,7 +32,7 @@ global batch is kept: ``--n-micro`` becomes global_batch / (micro_batch_size x d
 when it does not divide, so the run continues the same training trajectory from the checkpoint,
 resharded as the trainer can.
 
-Faults injected with PYMPAR_INJECT_* (pympar.faults, for tests) fire in the first attempt only:
+Faults injected with PYMPAR_INJECT_* (tests/faulty_train.py, run with --program) fire in the first attempt only:
 the supervisor tells the trainer its attempt number (PYMPAR_LAUNCH_ATTEMPT).
 """
 from __future__ import annotations

@@ -48,7 +48,7 @@ from . import layout as layouts
 from .comm.objects import gather_object
 from .config import ConfigError, apply_environment, describe, parse_args
 from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
-from .faults import (RESUMABLE_STATUS, STOP_STATUS, BadStepGuard, NonFiniteStop, StopRequest,
+from .resilience import (RESUMABLE_STATUS, STOP_STATUS, BadStepGuard, NonFiniteStop, StopRequest,
                      check_resumable, resolve_resume, restore_run, save_run)
 from .metrics import MetricsWriter, measure_matmul_peak, moe_layer_stats
 from .nn.config import flops_per_token

@@ -1,4 +1,4 @@
-"""save_run (pympar.faults) stops every rank together when any rank's parameters are non-finite."""
+"""save_run (pympar.resilience) stops every rank together when any rank's parameters are non-finite."""
 import pytest
 
 from mpirun import run_pytest_mpi

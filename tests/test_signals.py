@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from mpirun import mpi_env, mpiexec, run_mpi
-from pympar.faults import RESUMABLE_STATUS
+from pympar.resilience import RESUMABLE_STATUS
 
 pytestmark = pytest.mark.mpi
 

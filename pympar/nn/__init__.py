@@ -4,8 +4,8 @@ Convention: ``forward(x) -> (y, ctx)``, ``backward(dy, ctx) -> dx``; parameter g
 accumulate (+=), activation grads are returned fresh (=). See parameter.py.
 
 The applications (pympar.config.apply_environment) ask glibc to keep freed memory
-(pympar/kernels/alloc.py): a step's activations are then reused instead of page-faulted in
-again; a program of its own calls ``pympar.kernels.alloc.retain_freed_memory()``.
+(pympar/kernels/malloc_policy.py): a step's activations are then reused instead of page-faulted in
+again; a program of its own calls ``pympar.kernels.malloc_policy.retain_freed_memory()``.
 """
 from .attention import CausalSelfAttention
 from .config import PRESETS, GPTConfig

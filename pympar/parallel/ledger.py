@@ -18,7 +18,7 @@ from the configuration alone (the planner's model) -- the same categories both w
 ``peak`` = the sum of the six: the moment backward starts, with everything forward kept, the
 head's backward running, the pieces ZeRO-3 has gathered and the collectives in flight. (A
 transient freed early is not always reused by what is allocated later -- pympar keeps freed
-memory in the process, kernels/alloc.py -- so the sum is closer to the peak RSS than the largest
+memory in the process, kernels/malloc_policy.py -- so the sum is closer to the peak RSS than the largest
 live set would be.) The process adds its ``baseline`` (interpreter, libraries, MPI) to that:
 VmHWM, measured from outside, is what these account for (bench/memory.py sets the three side by
 side).
@@ -155,7 +155,7 @@ def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str
         if is_moe_layer(cfg, i):
             blk += _moe_ctx(cfg, N, tp, a, st)
         else:
-            blk += 8 * N * (C // tp) * a                       # c_fc output and GELU output
+            blk += 4 * N * (C // tp) * a                       # c_fc output (the GELU output is recomputed)
         total += blk
     if last:
         vloc = -(-cfg.vocab_size // tp)
@@ -168,13 +168,14 @@ def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str
 
 def _moe_ctx(cfg, N, tp, a, st):
     """A MoE layer's ctx (dropless, routing assumed even): routing tensors, the permuted rows in
-    and out, each expert's MLP ctx (x rows, hidden and GELU output, hidden width / tp)."""
+    and out, each expert's MLP ctx (x rows and the hidden pre-activation, width / tp; the GELU
+    output is recomputed in backward)."""
     C, E, k = cfg.n_embd, cfg.n_expert, cfg.top_k
     M = N * k if not cfg.capacity_factor else min(N * k, E * math.ceil(k * N * cfg.capacity_factor / E))
     out = N * E * st + N * st * 2 + N * k * (8 + st) + M * (8 + 8 + st)   # probs, lse, ssum, idx, gates, order, rows, gates
-    out += 2 * M * C * a + 8 * M * (C // tp) * a                          # xs, ys, experts' h and g
+    out += 2 * M * C * a + 4 * M * (C // tp) * a                          # xs, ys, experts' h (g recomputed)
     if cfg.shared_expert:
-        out += 8 * N * (C // tp) * a
+        out += 4 * N * (C // tp) * a                         # the shared expert's h (g recomputed)
     return out
 
 
@@ -205,6 +206,8 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
         if recompute == "selective":
             att *= 2                                           # the recomputed scores too
     cands = [att if blocks else 0]
+    if blocks:                     # an MLP's backward: the recomputed GELU output and its gradient
+        cands.append(2 * N * 4 * (C // tp) * act_bytes)
     if last:
         vloc = -(-cfg.vocab_size // tp)
         rows = N if tp > 1 else Head.chunk_rows(N, vloc)

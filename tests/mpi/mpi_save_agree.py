@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pympar.comm import MPIComm
-from pympar.faults import BadStepGuard, NonFiniteStop, save_run
+from pympar.resilience import BadStepGuard, NonFiniteStop, save_run
 
 
 class _Param:

@@ -1,4 +1,4 @@
-"""pympar.kernels.alloc: an application (pympar.config.apply_environment) keeps freed memory, so a
+"""pympar.kernels.malloc_policy: an application (pympar.config.apply_environment) keeps freed memory, so a
 repeated step stops page-faulting its activations back in (and PYMPAR_MALLOC=system turns that off)."""
 import os
 import subprocess
@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = r"""
 import resource, numpy as np
 import pympar.config
-from pympar.kernels import alloc
+from pympar.kernels import malloc_policy
 pympar.config.apply_environment()    # what every application does first: applies the policy
 def rnd():
     xs = [np.ones(1 << 19, dtype=np.float32) for _ in range(16)]
@@ -20,7 +20,7 @@ def rnd():
 for _ in range(10): rnd()
 r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(10): rnd()
-print(alloc.retained(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
+print(malloc_policy.retained(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
 """
 
 
