@@ -67,3 +67,16 @@ def test_cli_runs_the_planned_layout_and_says_so(tmp_path):
     assert lay == dataclasses.asdict(run.layout_resolved)            # what the ranks ran is the plan
     rows = [json.loads(x) for x in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_check_refuses_what_no_strategy_implements_with_what_would_run():
+    model, _ = parse_args(TINY, world_size=4)
+    zb3 = layouts.Layout(dp=2, pp=2, n_micro=2, schedule="zb-h1", zero=3)
+    with pytest.raises(layouts.NotSupportedError, match="use --zero 0, 1 or 2 with zb-h1, or 1f1b with ZeRO-3"):
+        layouts.check(model, zb3)
+    layouts.check(model, dataclasses.replace(zb3, zero=2))         # ZeRO-2 composes with zero bubble
+    layouts.check(model, dataclasses.replace(zb3, schedule="1f1b"))
+    with pytest.raises(layouts.NotSupportedError, match="--seq-parallel .* needs --tp > 1"):
+        layouts.check(model, layouts.Layout(dp=4, seq_parallel=True))
+    with pytest.raises(ValueError, match="virtual_stages=2 needs a pipeline"):
+        layouts.check(model, layouts.Layout(dp=4, virtual_stages=2))
