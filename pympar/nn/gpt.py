@@ -12,7 +12,7 @@ from ..backend import held_bytes, to_numpy, xp_of
 from .attention import CausalSelfAttention
 from .config import GPTConfig
 from .layers import MLP, Embedding, LayerNorm
-from .moe import MoE
+from .moe import MoE, MoEBookkeeping
 from .parameter import Module, NoGather, compute_cast, matmul, resolve_precision, weight_grad
 
 
@@ -245,7 +245,7 @@ class Head(Module):
 CE_CHUNK = 1 << 24
 
 
-class GPT(Module):
+class GPT(Module, MoEBookkeeping):
     def __init__(self, config: GPTConfig, seed: int = 0, dtype=np.float32, compute_dtype=None):
         self.config = config.validate()
         dtype, cdt = resolve_precision(dtype, compute_dtype)
@@ -405,12 +405,3 @@ class GPT(Module):
             idx = np.concatenate([idx, nxt], axis=1)
         return idx
 
-    # --- MoE bookkeeping ---------------------------------------------------------------------
-    def moe_stats(self):
-        return [dict(layer=i, **m.take_stats()) for i, m in self.moe_layers()]
-
-    def update_expert_bias(self, loads=None):
-        """Every MoE layer's bias update; ``loads``: {layer index: tokens per expert} to use
-        instead of the layers' own counts (the runner passes the global ones)."""
-        for i, m in self.moe_layers():
-            m.update_expert_bias(None if loads is None else loads[i])

@@ -224,3 +224,17 @@ class MoE(Module):
         if self.bias_update_rate > 0 and load.sum() > 0:
             self.expert_bias += self.bias_update_rate * xp.sign(load.mean() - load)
         self._load_since_update = xp.zeros(self.n_expert, np.int64)
+
+
+class MoEBookkeeping:
+    """The MoE statistics and bias updates of a model whose ``moe_layers()`` lists its
+    (block index, MoE) pairs: nn.GPT and a pipeline rank's PipelineGPT alike."""
+
+    def moe_stats(self):
+        return [dict(layer=i, **m.take_stats()) for i, m in self.moe_layers()]
+
+    def update_expert_bias(self, loads=None):
+        """Every MoE layer's bias update; ``loads``: {layer index: tokens per expert} to use
+        instead of the layers' own counts (the runner passes the global ones)."""
+        for i, m in self.moe_layers():
+            m.update_expert_bias(None if loads is None else loads[i])

@@ -21,6 +21,7 @@ import numpy as np
 from ...backend import to_device, to_numpy, xp_of
 from ...nn.gpt import Block, Head
 from ...nn.layers import Embedding
+from ...nn.moe import MoEBookkeeping
 from ...nn.parameter import NoGather, WeightGrads
 from .partition import Partition, partition as make_partition
 
@@ -187,7 +188,7 @@ class StageChunk:
             yield from self.head.ln_f.named_parameters("transformer.ln_f")
 
 
-class PipelineGPT:
+class PipelineGPT(MoEBookkeeping):
     """The chunks of a GPT that pipeline rank ``rank`` of ``pp`` holds (v chunks: interleaved).
 
     Construction is pure (no communication). ``chunks[c]`` is global stage ``c*pp + rank``.
@@ -363,11 +364,3 @@ class PipelineGPT:
         """(global block index, MoE) for the MoE blocks on this rank."""
         return [(i, b.moe) for ch in self.chunks for i, b in zip(ch.block_ids, ch.blocks) if hasattr(b, "moe")]
 
-    def moe_stats(self):
-        return [dict(layer=i, **m.take_stats()) for i, m in self.moe_layers()]
-
-    def update_expert_bias(self, loads=None):
-        """Every MoE layer's bias update; ``loads``: {layer index: tokens per expert} to use
-        instead of the layers' own counts (the runner passes the global ones)."""
-        for i, m in self.moe_layers():
-            m.update_expert_bias(None if loads is None else loads[i])
