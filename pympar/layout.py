@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from .nn.config import GPTConfig, flops_per_token
 from .parallel import ledger
@@ -96,11 +96,6 @@ class Layout:
         if self.recompute != "none":
             a += ["--recompute", self.recompute]
         return [str(x) for x in a]
-
-    @classmethod
-    def of(cls, obj) -> "Layout":
-        """The Layout fields of any object that has them (a RunConfig, a test case)."""
-        return cls(**{f.name: getattr(obj, f.name) for f in fields(cls) if hasattr(obj, f.name)})
 
 
 # --- whether a layout can run ----------------------------------------------------------------
@@ -406,14 +401,13 @@ def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_n
                         for zero in ([0, 1, 2, 3] if dp * cp > 1 else [0]):
                             sps = [False, True] if tp > 1 and (cfg.block_size // cp) % tp == 0 else [False]
                             for sp in sps:
+                                try:                  # once: recomputation changes no rule but its name
+                                    check(cfg, replace(lay0, zero=zero, seq_parallel=sp))
+                                    why = None
+                                except ValueError as e:
+                                    why = f"invalid: {e}"
                                 for rc in RECOMPUTE:
-                                    lay = replace(lay0, zero=zero, seq_parallel=sp, recompute=rc)
-                                    try:
-                                        check(cfg, lay)
-                                    except ValueError as e:
-                                        yield lay, f"invalid: {e}"
-                                        continue
-                                    yield lay, None
+                                    yield replace(lay0, zero=zero, seq_parallel=sp, recompute=rc), why
 
 
 def plan(cfg: GPTConfig, world: int, global_batch: int, machine: Machine):
@@ -434,6 +428,15 @@ def plan(cfg: GPTConfig, world: int, global_batch: int, machine: Machine):
 
 
 
+def fixed_machine(world: int, ranks_per_node: int | None = None, mem_per_rank: int | None = None) -> Machine:
+    """The machine ``choose`` ranks for (see there): constants, nothing measured."""
+    rpn = ranks_per_node or world
+    d = CPU_DEFAULT
+    return Machine(peak=1e10, alpha=d["alpha"], intra_bw=d["intra_bw"], inter_bw=d["inter_bw"],
+                   mem=mem_per_rank or 24 * GiB // max(1, rpn), act_bytes=d["act_bytes"], mfu=MFU_ASSUMED["cpu"],
+                   ranks_per_node=rpn, overlap=0.0, overhead=d["overhead"], cores=os.cpu_count() or 1)
+
+
 def choose(cfg: GPTConfig, world: int, global_batch: int, ranks_per_node: int | None = None,
            mem_per_rank: int | None = None, accept=None) -> Layout:
     """The planner's best layout, for ``python -m pympar.train --layout auto``.
@@ -444,12 +447,7 @@ def choose(cfg: GPTConfig, world: int, global_batch: int, ranks_per_node: int | 
     ``python -m pympar.plan --calibration FILE`` (bench/plan_calibrate.py) ranks with this
     machine's measured constants instead. ``accept(layout)`` may raise ValueError to skip layouts the
     run cannot use (beyond ``check``, which every candidate has passed)."""
-    rpn = ranks_per_node or world
-    d = CPU_DEFAULT
-    machine = Machine(peak=1e10, alpha=d["alpha"], intra_bw=d["intra_bw"], inter_bw=d["inter_bw"],
-                      mem=mem_per_rank or 24 * GiB // max(1, rpn), act_bytes=d["act_bytes"], mfu=MFU_ASSUMED["cpu"],
-                      ranks_per_node=rpn, overlap=0.0, overhead=d["overhead"], cores=os.cpu_count() or 1)
-    preds, rejected = plan(cfg, world, global_batch, machine)
+    preds, rejected = plan(cfg, world, global_batch, fixed_machine(world, ranks_per_node, mem_per_rank))
     for p in preds:
         try:
             if accept is not None:

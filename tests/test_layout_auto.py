@@ -2,7 +2,6 @@
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -30,11 +29,7 @@ def test_parse_takes_the_planners_best_layout_for_the_same_global_batch():
 
 
 def _fixed_machine(world):
-    """The constants layouts.choose uses (no measurement)."""
-    d = layouts.CPU_DEFAULT
-    return layouts.Machine(peak=1e10, alpha=d["alpha"], intra_bw=d["intra_bw"], inter_bw=d["inter_bw"],
-                           mem=24 * layouts.GiB // world, act_bytes=d["act_bytes"], mfu=layouts.MFU_ASSUMED["cpu"],
-                           ranks_per_node=world, overlap=0.0, overhead=d["overhead"], cores=os.cpu_count() or 1)
+    return layouts.fixed_machine(world)           # the constants layouts.choose uses (no measurement)
 
 
 def test_auto_refuses_explicit_sizes():

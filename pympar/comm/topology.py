@@ -13,15 +13,11 @@ from . import progress
 from .settings import SETTINGS
 
 
-def ranks_per_node_override():
-    """The ranks per node the settings impose (pympar.comm.settings), or None: MPI's split."""
-    return SETTINGS.ranks_per_node
-
 
 def node_split(comm):
     """The node communicator of ``comm`` (mpi4py), ranks ordered as in comm."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    k = ranks_per_node_override()
+    k = SETTINGS.ranks_per_node              # imposed by the settings (pympar.comm.settings), or None
     if k is not None:
         sim = node.Split(MPI.COMM_WORLD.Get_rank() // k, key=comm.Get_rank())
         node.Free()

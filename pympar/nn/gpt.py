@@ -162,6 +162,9 @@ class Head(Module):
         pass holds at its peak beside one chunk (for the activation count; the ledger's head term)."""
         x, targets = inputs
         B, T, C = x.shape
+        if self.chunk_rows(B * T, self._wte.data.shape[0]) >= B * T:
+            # one chunk: forward keeps the logits and backward turns them into their gradient in place
+            return super().forward_backward(inputs, dloss, kept)
         h, c_ln = self.ln_f.forward(x)
         h2 = h.reshape(B * T, C)
         w = compute_cast(self._wte.data, self._cdt)
@@ -173,16 +176,6 @@ class Head(Module):
         if kept is not None:
             kept.extend((c_ln, h2, t))
         rows = self.chunk_rows(N, V)
-        if rows >= N:
-            logits = matmul(h2, w.T)                                                  # (N, V)
-            loss_rows, lse = kernels.cross_entropy_forward(logits, t)
-            if kept is not None:
-                kept.extend((logits, lse))
-            dlogits = kernels.cross_entropy_backward(logits, lse, t, scale, out=logits)
-            wte = self._wte
-            weight_grad(wte, lambda: matmul(dlogits.T, h2, wte.grad.dtype))         # (V, C)
-            dh = matmul(dlogits, w)                                                   # (N, C)
-            return float(loss_rows.sum()) / max(n_valid, 1), self.ln_f.backward(dh.reshape(x.shape), c_ln)
         loss_rows = dh = None
         for r0 in range(0, N, rows):
             r1 = min(r0 + rows, N)
@@ -219,7 +212,7 @@ class Head(Module):
         w = compute_cast(self._wte.data, self._cdt)
         scale = dloss / max(n_valid, 1)
         if logits is not None:
-            dlogits = kernels.cross_entropy_backward(logits, lse, t, scale)          # (N, V)
+            dlogits = kernels.cross_entropy_backward(logits, lse, t, scale, out=logits)   # (N, V), over them
             wte = self._wte
             weight_grad(wte, lambda: matmul(dlogits.T, h2, wte.grad.dtype))     # (V, C): the W pass
             dh = matmul(dlogits, w)                                               # (N, C)
