@@ -13,8 +13,9 @@ torch.set_num_threads). FLOP/s count 7 T^2 D per head (2 GEMMs forward, 5 backwa
 
 Memory: peak resident memory (VmHWM, read by /usr/bin/time after the process exits) of one
 process training the 2-layer, 128-wide model (4 heads, vocabulary 256) for 2 steps at micro-batch
-1, with the tiled and with the materialized attention, at each T. The target (issue 14): tiled
-peak at T 4096 at most 1.5x its peak at T 1024.
+1, with the tiled and with the materialized attention, and with the tiled attention and full
+activation recomputation, at each T. The target (issue 14): tiled peak at T 4096 at most 1.5x
+its peak at T 1024.
 """
 from __future__ import annotations
 
@@ -36,15 +37,17 @@ TRAIN = """
 import sys, numpy as np
 from pympar import kernels
 from pympar.nn import GPT, GPTConfig
+from pympar.nn.gpt import set_recompute
 from pympar.nn.attention_core import CausalAttentionCore
 from pympar.optim import AdamW
 from pympar.config import apply_environment
 
 apply_environment()          # as the trainer does first: the allocator policy, PYMPAR_* settings
-T, impl = int(sys.argv[1]), sys.argv[2]
+T, impl, recompute = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 CausalAttentionCore.impl = impl
 cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=2, n_head=4, n_embd=128)
 model = GPT(cfg, seed=0)
+set_recompute(model, recompute)
 opt = AdamW(model.named_parameters(), lr=1e-4)
 x = np.random.default_rng(0).integers(0, 256, size=(1, T + 1))
 for _ in range(2):
@@ -110,10 +113,11 @@ def speed(shapes, threads, reps):
     return rows
 
 
-def peak_rss(T, impl):
+def peak_rss(T, impl, recompute="none"):
     with tempfile.NamedTemporaryFile("r", suffix=".time") as f:
         e = dict(env())
-        p = subprocess.run(["/usr/bin/time", "-o", f.name, "-f", "%M", sys.executable, "-c", TRAIN, str(T), impl],
+        p = subprocess.run(["/usr/bin/time", "-o", f.name, "-f", "%M", sys.executable, "-c", TRAIN, str(T), impl,
+                            recompute],
                            env=e, capture_output=True, text=True, timeout=1800, cwd=ROOT)
         if p.returncode != 0:
             raise RuntimeError(f"T={T} {impl}: {p.stderr[-1500:]}")
@@ -139,13 +143,17 @@ def run(a):
         row = dict(T=T)
         for impl in ("tiled", "materialized"):
             row[f"{impl}_peak_bytes"] = peak_rss(T, impl)
+        row["tiled_full_peak_bytes"] = peak_rss(T, "tiled", "full")
         mem.append(row)
         print(f"2-layer 128-wide model, micro-batch 1, T {T}: peak RSS tiled {row['tiled_peak_bytes'] / 2**20:.0f} MiB, "
-              f"materialized {row['materialized_peak_bytes'] / 2**20:.0f} MiB", flush=True)
+              f"materialized {row['materialized_peak_bytes'] / 2**20:.0f} MiB, tiled with --recompute full "
+              f"{row['tiled_full_peak_bytes'] / 2**20:.0f} MiB", flush=True)
     res["memory"] = mem
     growth = mem[-1]["tiled_peak_bytes"] / mem[0]["tiled_peak_bytes"]
     res["tiled_peak_growth"] = dict(from_T=mem[0]["T"], to_T=mem[-1]["T"], ratio=growth, target=1.5)
-    print(f"tiled peak at T {mem[-1]['T']} / at T {mem[0]['T']}: {growth:.2f}x (target <= 1.5x)")
+    res["tiled_full_peak_growth"] = mem[-1]["tiled_full_peak_bytes"] / mem[0]["tiled_full_peak_bytes"]
+    print(f"tiled peak at T {mem[-1]['T']} / at T {mem[0]['T']}: {growth:.2f}x (target <= 1.5x); with full "
+          f"recomputation {res['tiled_full_peak_growth']:.2f}x")
     return res
 
 
@@ -163,7 +171,10 @@ def plot(res, png):
     a1.legend(fontsize=6)
     mem = res["memory"]
     Ts = [r["T"] for r in mem]
-    for k, c, lab in (("tiled", "tab:blue", "tiled"), ("materialized", "tab:gray", "materialized")):
+    for k, c, lab in (("tiled", "tab:blue", "tiled"), ("materialized", "tab:gray", "materialized"),
+                      ("tiled_full", "tab:green", "tiled, --recompute full")):
+        if f"{k}_peak_bytes" not in mem[0]:
+            continue
         a2.plot(Ts, [r[f"{k}_peak_bytes"] / 2**20 for r in mem], "o-", color=c, label=lab)
     a2.set(xlabel="sequence length T", ylabel="peak RSS (MiB)", title="2-layer, 128-wide model, micro-batch 1")
     a2.set_xscale("log", base=2)

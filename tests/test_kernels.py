@@ -120,6 +120,25 @@ def test_gelu(dt, n):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+@pytest.mark.parametrize("dt", FLOATS)
+def test_gelu_backward_in_place(impl, dt):
+    """gelu_backward(x, dy, out=dy) and out=x write over their input: the same numbers, bitwise."""
+    if impl == "native" and not K.native_available():
+        pytest.skip("pympar._C is not built")
+    M = N if impl == "native" else R
+    rng = np.random.default_rng(6)
+    x, dy = rand(rng, (4097,), dt, 4.0), rand(rng, (4097,), dt)
+    want = M.gelu_backward(x, dy)
+    for which in ("dy", "x"):
+        xx, dd = x.copy(), dy.copy()
+        out = dd if which == "dy" else xx
+        got = M.gelu_backward(xx, dd, out=out)
+        assert got is out, which
+        np.testing.assert_array_equal(got, want, err_msg=which)
+
+
 # --- fused cross-entropy ----------------------------------------------------------------
 @needs_native
 @pytest.mark.parametrize("dt", FLOATS)

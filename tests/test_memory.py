@@ -222,3 +222,61 @@ def test_head_forward_backward_is_forward_then_backward_bitwise(monkeypatch, row
         np.testing.assert_array_equal(a, b)
     chunks = -(-2 * cfg.block_size // rows) if rows else 1
     assert n1 == chunks and n0 == (2 * chunks if rows else 1)
+
+
+def _block_and_input(cfg, seed=3):
+    from pympar.nn.gpt import Block
+    blk = Block(cfg, 0, seed=seed)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, cfg.block_size, cfg.n_embd)).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    return blk, x, dy
+
+
+def test_a_block_keeps_no_layernorm_output_and_backward_is_bitwise_the_kept_one():
+    """Block's ctx drops ln_1's and ln_2's outputs (computed again in backward from their inputs);
+    dx and every gradient equal bit for bit the composition that keeps them."""
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    blk, x, dy = _block_and_input(cfg)
+    y, ctx = blk.forward(x)
+    assert ctx["attn"][0] is None and ctx["ffn"][0] is None
+    dx = blk.backward(dy, ctx)
+    got = {n: p.grad.copy() for n, p in blk.named_parameters()}
+    blk.zero_grad()
+    h1, c1 = blk.ln_1.forward(x)                 # the same modules, every output kept
+    a, ca = blk.attn.forward(h1)
+    x1 = x + a
+    h2, c2 = blk.ln_2.forward(x1)
+    f, cf = blk.mlp.forward(h2)
+    np.testing.assert_array_equal(y, x1 + f)
+    dx1 = blk.ln_2.backward(blk.mlp.backward(dy, cf), c2) + dy
+    want_dx = blk.ln_1.backward(blk.attn.backward(dx1, ca), c1) + dx1
+    np.testing.assert_array_equal(dx, want_dx)
+    for n, p in blk.named_parameters():
+        np.testing.assert_array_equal(got[n], p.grad, err_msg=n)
+
+
+def test_mlp_backward_holds_one_hidden_sized_transient():
+    """An MLP's backward allocates one (N, 4C) array (the GELU output, then its gradient over it,
+    then GELU's backward in place), not two or three; dx and the gradients as before, bitwise."""
+    from pympar.nn.layers import MLP
+    from pympar.nn.parameter import WeightGrads
+    N, C = 1024, 64
+    mlp = MLP(C, name="m", seed=1)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((N, C)).astype(np.float32)
+    dy = rng.standard_normal((N, C)).astype(np.float32)
+    _, ctx = mlp.forward(x)
+    for p in mlp.parameters():
+        p.grad                                   # allocated before: not the backward's transient
+    dx, peak = made_while(lambda: mlp.backward(dy, ctx))
+    hidden = N * 4 * C * 4
+    assert peak <= hidden + 2 * N * C * 4 + 4 * C * C * 4 + 2**14, (peak, hidden)
+    got = {n: p.grad.copy() for n, p in mlp.named_parameters()}
+    mlp.zero_grad()
+    with WeightGrads() as w:                     # deferred W (zero-bubble): the GELU output is kept
+        dx2 = mlp.backward(dy, ctx)
+    w.run()
+    np.testing.assert_array_equal(dx, dx2)
+    for n, p in mlp.named_parameters():
+        np.testing.assert_array_equal(got[n], p.grad, err_msg=n)

@@ -120,11 +120,13 @@ def gelu_forward(x):
     return y
 
 
-def gelu_backward(x, dy):
-    if not _float(x, dy) or x.shape != dy.shape:
-        return reference.gelu_backward(x, dy)
+def gelu_backward(x, dy, out=None):
+    if (not _float(x, dy) or x.shape != dy.shape
+            or (out is not None and not (_on_device(out) and out.flags.c_contiguous and out.dtype == x.dtype
+                                         and out.shape == x.shape))):
+        return reference.gelu_backward(x, dy, out)
     x, dy = _c(x), _c(dy)
-    dx = cp.empty_like(x)
+    dx = cp.empty_like(x) if out is None else out    # each element read, then written, by one thread
     _cuda.gelu_backward(_p(x), _p(dy), _p(dx), _code(x.dtype), x.size, _stream())
     return dx
 

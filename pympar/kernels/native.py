@@ -173,11 +173,12 @@ def gelu_forward(x):
     return y
 
 
-def gelu_backward(x, dy):
-    if x.dtype not in _FLOATS or dy.dtype != x.dtype or dy.shape != x.shape:
-        return reference.gelu_backward(x, dy)
+def gelu_backward(x, dy, out=None):
+    if (x.dtype not in _FLOATS or dy.dtype != x.dtype or dy.shape != x.shape
+            or (out is not None and not (_inplace_ok(out, (x.dtype,)) and out.shape == x.shape))):
+        return reference.gelu_backward(x, dy, out)
     x, dy = _c(x), _c(dy)
-    dx = np.empty_like(x)
+    dx = np.empty_like(x) if out is None else out    # elementwise: out may be dy or x itself
     _C.gelu_backward(x, dy, dx)
     return dx
 

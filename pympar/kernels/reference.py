@@ -162,13 +162,17 @@ def gelu_forward(x):
     return y.astype(x.dtype, copy=False)
 
 
-def gelu_backward(x, dy):
+def gelu_backward(x, dy, out=None):
+    """dx = GELU'(x) * dy; out (optional; may be dy or x itself): where dx is written."""
     xp = xp_of(x)
     xf, dyf = _up(x), _up(dy)
     u = GELU_C * (xf + 0.044715 * (xf * xf * xf))
     t = xp.tanh(u)
     du = GELU_C * (1.0 + 3 * 0.044715 * xf * xf)
     g = 0.5 * (1.0 + t) + 0.5 * xf * (1.0 - t * t) * du
+    if out is not None:
+        out[...] = g * dyf
+        return out
     return (g * dyf).astype(x.dtype, copy=False)
 
 

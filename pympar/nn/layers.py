@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import kernels
 from ..backend import scatter_add, xp_of
-from .parameter import Module, accumulate, compute_cast, deferrable, make_param, matmul, weight_grad
+from .parameter import Module, accumulate, compute_cast, deferrable, deferring, make_param, matmul, weight_grad
 
 _param = make_param
 
@@ -29,14 +29,17 @@ class Linear(Module):
             y += compute_cast(self.bias.data, self._cdt)
         return y.reshape(*x.shape[:-1], y.shape[-1]), x
 
-    def backward(self, dy, x):                   # dy (..., out) -> dx (..., in)
+    def backward(self, dy, x, out=None):         # dy (..., out) -> dx (..., in)
+        """out (optional): an array of dx's shape and dtype to write dx into (it may be x itself
+        when nothing defers the weight gradient: dW is computed before dx is written)."""
         dy2 = dy.reshape(-1, dy.shape[-1])       # (N, out)
         x2 = x.reshape(-1, x.shape[-1])          # (N, in)
         w, b = self.weight, self.bias            # W pass (deferrable): dW = dy^T x, db = sum dy
         weight_grad(w, lambda: matmul(dy2.T, x2, w.grad.dtype))            # (out, in)
         if b is not None:
             weight_grad(b, lambda: dy2.sum(axis=0, dtype=b.grad.dtype))
-        dx = matmul(dy2, compute_cast(w.data, self._cdt))   # (N, in): the B pass
+        o = None if out is None else out.reshape(dy2.shape[0], -1)
+        dx = matmul(dy2, compute_cast(w.data, self._cdt), out=o)   # (N, in): the B pass
         return dx.reshape(*dy.shape[:-1], dx.shape[-1])
 
 
@@ -56,6 +59,12 @@ class LayerNorm(Module):
         y, mean, rstd = kernels.layernorm_forward(x, self.weight.data, self._b(), self.eps)
         return y, (x, mean, rstd)
 
+    def output(self, ctx):
+        """forward's output again from its ctx (bitwise: the same kernel on the same x and
+        parameters), for a caller that did not keep it."""
+        x = ctx[0]
+        return kernels.layernorm_forward(x, self.weight.data, self._b(), self.eps)[0]
+
     def backward(self, dy, ctx):                 # dy (..., C) -> dx (..., C)
         x, mean, rstd = ctx
         dx, dw, db = kernels.layernorm_backward(dy, x, self.weight.data, mean, rstd)
@@ -70,7 +79,10 @@ class MLP(Module):
 
     The ctx keeps x and the GELU's input h only: backward computes the GELU output again (one
     elementwise pass, the same numbers bit for bit), so an MLP holds 5C per position between its
-    forward and backward instead of 9C."""
+    forward and backward instead of 9C. Backward's transient is one 4C array: the GELU output,
+    then (c_proj's weight gradient taken) the gradient written over it, then GELU's backward in
+    place -- unless a zero-bubble schedule defers c_proj's weight gradient, which then keeps the
+    GELU output until its W pass."""
 
     def __init__(self, n_embd, *, name, seed=0, dtype=np.float32, bias=True, n_layer=1,
                  compute_dtype=None):
@@ -88,9 +100,9 @@ class MLP(Module):
     def backward(self, dy, ctx):
         x, h = ctx
         g = kernels.gelu_forward(h)              # again: c_proj's weight gradient needs it
-        dg = self.c_proj.backward(dy, g)         # (..., 4C)
+        dg = self.c_proj.backward(dy, g, out=None if deferring() else g)   # (..., 4C)
         del g
-        dh = kernels.gelu_backward(h, dg)
+        dh = kernels.gelu_backward(h, dg, out=dg)
         return self.c_fc.backward(dh, x)
 
 

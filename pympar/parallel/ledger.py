@@ -145,7 +145,7 @@ def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str
         if recompute == "full":
             total += N * C * a // s                            # the block's input only
             continue
-        blk = (4 * N * C // s) * a + 4 * (N // s) * st         # x, h1, x1, h2 (+ LN statistics)
+        blk = (2 * N * C // s) * a + 4 * (N // s) * st         # x, x1 (+ LN statistics); h1, h2 recomputed
         if tiled:
             blk += (3 + 1) * N * (C // tp) * a + B * (H // tp) * T * a   # qkv, attention output, lse
         else:
@@ -153,7 +153,7 @@ def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str
             if recompute != "selective":
                 blk += B * (H // tp) * T * T * a               # the probabilities
         if is_moe_layer(cfg, i):
-            blk += _moe_ctx(cfg, N, tp, a, st)
+            blk += (N * C // s) * a + _moe_ctx(cfg, N, tp, a, st)   # a MoE keeps its input h2
         else:
             blk += 4 * N * (C // tp) * a                       # c_fc output (the GELU output is recomputed)
         total += blk
@@ -192,9 +192,10 @@ def unit_sizes(cfg, tp: int, ep: int, blocks, first: bool, last: bool):
 
 
 def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_bytes, tiled=None,
-                    threads=None) -> int:
+                    threads=None, deferred_w=False) -> int:
     """The largest transient of one operation (see the module docstring). ``threads``: the kernel
-    threads (None: this process's kernels.get_num_threads())."""
+    threads (None: this process's kernels.get_num_threads()). ``deferred_w``: a zero-bubble
+    schedule defers the weight gradients (an MLP's GELU output then lives until its W pass)."""
     C, H = cfg.n_embd, cfg.n_head
     N = B * T
     tiled = tiled_attention(act_bytes) if tiled is None else tiled
@@ -206,8 +207,9 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
         if recompute == "selective":
             att *= 2                                           # the recomputed scores too
     cands = [att if blocks else 0]
-    if blocks:                     # an MLP's backward: the recomputed GELU output and its gradient
-        cands.append(2 * N * 4 * (C // tp) * act_bytes)
+    if blocks:                     # an MLP's backward: ln_2's output again, the GELU output (its
+        # gradient written over it; both at once when a zero-bubble schedule defers c_proj's W)
+        cands.append(N * C * act_bytes + (2 if deferred_w else 1) * N * 4 * (C // tp) * act_bytes)
     if last:
         vloc = -(-cfg.vocab_size // tp)
         rows = N if tp > 1 else Head.chunk_rows(N, vloc)
@@ -287,7 +289,7 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
                    optimizer=2 * (sh if zero else n) * master_bytes,
                    activations=per_micro * inflight // chunks, communication=comm,
                    workspace=workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat, tiled,
-                                             threads))
+                                             threads, deferred_w=pp > 1 and schedule in S.SPLIT_BACKWARD))
         led = with_peak(led)
         if worst is None or led["peak"] > worst[0]["peak"]:
             worst = (led, r)

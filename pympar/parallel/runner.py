@@ -53,6 +53,7 @@ from .gradsync import GradSync
 from .recorder import Recorder
 from .ledger import memory_summary
 from .mesh import Mesh
+from .pp.schedules import SPLIT_BACKWARD
 from .shard import shard_of
 
 
@@ -279,7 +280,8 @@ class ParallelRunner:
             blocks, first, last = self._held_blocks()
             item = np.dtype(self.compute or self.master).itemsize
             self._workspace = ledger.workspace_bytes(self.model_cfg, B, T, self.tp, self.recompute, blocks, last,
-                                                     item, self.master.itemsize)
+                                                     item, self.master.itemsize,
+                                                     deferred_w=self.pp > 1 and self.schedule in SPLIT_BACKWARD)
         old = self.ledger or {}
         self.ledger = ledger.measure(self.sync, self.opt, self.params, max(act, old.get("activations", 0)),
                                      max(comm, old.get("communication", 0)), self._workspace, transient)

@@ -42,8 +42,8 @@ def partial_dtype(cdt, master_dtype):
     return None if cdt is None else (np.float64 if np.dtype(master_dtype) == np.float64 else np.float32)
 
 
-def _gemm(x, w, out_dtype=None):                # x (..., k) @ w (n, k).T -> (..., n): one GEMM
-    y = matmul(x.reshape(-1, x.shape[-1]), w.T, out_dtype)
+def _gemm(x, w, out_dtype=None, out=None):      # x (..., k) @ w (n, k).T -> (..., n): one GEMM
+    y = matmul(x.reshape(-1, x.shape[-1]), w.T, out_dtype, None if out is None else out.reshape(-1, w.shape[0]))
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -120,11 +120,11 @@ class RowParallelLinear(Module):
             y = y + compute_cast(self.bias.data, self._cdt)
         return y, x
 
-    def backward(self, dy, x):                   # dy like y -> dx (..., in/tp)
+    def backward(self, dy, x, out=None):         # dy like y -> dx (..., in/tp); out: as nn.Linear's
         w, b = self.weight, self.bias            # the W pass (deferrable): db, dW
         if b is not None and self._mode != "none":
             weight_grad(b, lambda: dy.reshape(-1, dy.shape[-1]).sum(axis=0, dtype=b.grad.dtype))
         dyf = self._tp.allgather_seq(dy) if self._mode == "reduce_scatter_seq" else dy
         dy2 = dyf.reshape(-1, dyf.shape[-1])
         weight_grad(w, lambda: matmul(dy2.T, x.reshape(-1, x.shape[-1]), w.grad.dtype))
-        return _gemm(dyf, compute_cast(w.data, self._cdt).T)
+        return _gemm(dyf, compute_cast(w.data, self._cdt).T, out=out)
