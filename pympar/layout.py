@@ -123,10 +123,6 @@ def check(model_cfg: GPTConfig, lay: Layout, *, device: str = "cpu") -> None:
         validate_tp(model_cfg, tp, lay.seq_parallel, seq_len=model_cfg.block_size // cp)
     validate_cp(model_cfg, cp, tp, lay.seq_parallel)
     v = lay.virtual_stages
-    if lay.schedule in ("zb-h1", "zb-v") and pp > 1 and lay.zero == 3:
-        raise NotSupportedError(f"--schedule {lay.schedule} defers weight gradients past the backward, outside the "
-                                f"scope in which ZeRO-3 gathers a layer and holds its full gradient: use --zero 0, 1 "
-                                f"or 2 with {lay.schedule}, or 1f1b with ZeRO-3")
     if pp > 1:
         validate_pipeline(model_cfg, pp, lay.n_micro, lay.schedule, v)
     elif v != 1:

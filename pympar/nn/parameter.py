@@ -29,15 +29,19 @@ class Parameter:
     ``init``: the recipe of the initial values (an InitSpec): the data is produced from it on
     first use, for exactly the part ``shard`` names, so a layout can decide what a rank holds
     before anything is allocated. ``grad`` is allocated (zeros) on first use and may be
-    released (``release_grad``) by a gradient sync that keeps only a shard of it (ZeRO-2/3)."""
+    released (``release_grad``) by a gradient sync that keeps only a shard of it (ZeRO-2/3).
+    ``grad_shape``: the gradient's shape where it is not the data's -- ZeRO-3, whose data is this
+    rank's rows outside a gather scope while the gradient is the whole (tp-local) tensor's, so a
+    weight gradient deferred past the scope (a zero-bubble W pass) still has its full shape."""
 
-    __slots__ = ("_data", "_grad", "name", "shard", "placement", "init")
+    __slots__ = ("_data", "_grad", "name", "shard", "placement", "init", "grad_shape")
 
     def __init__(self, data=None, grad=None, name="", shard=None, init=None):
         if data is None and init is None:
             raise ValueError(f"Parameter {name!r}: give its data or an init recipe")
         self._data, self._grad, self.name = data, grad, name
         self.shard, self.init, self.placement = shard, init, None
+        self.grad_shape = None
 
     @property
     def data(self):
@@ -57,7 +61,7 @@ class Parameter:
     def grad(self):
         if self._grad is None:
             d = self.data
-            self._grad = xp_of(d).zeros(d.shape, dtype=d.dtype)
+            self._grad = xp_of(d).zeros(self.grad_shape or d.shape, dtype=d.dtype)
         return self._grad
 
     @grad.setter

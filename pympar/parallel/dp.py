@@ -126,6 +126,7 @@ class RowBucket:
                     v[...] = xp.asarray(p.data)      # made for these rows alone
                 p.data = v
                 p.shard = self.row_shards[i]
+                p.grad_shape = _local_shape(self, i)    # the gradient stays the whole tensor's
                 self.rest.append(v)
         # the reduced rows: ZeRO-1's full gradients are the engine's accumulators for the whole step
         # (resident from the start) and, once reduced, hold the mean of this rank's rows in their own

@@ -5,8 +5,8 @@ parallelism, ZeRO, recomputation) with the test's model and dtype, dp*pp*cp*tp =
 ``all_layouts(world)`` is every layout the test models admit (pp <= n_layer,
 tp | n_head, ep | dp*cp and ep | n_expert, 2*cp | block_size (cp 1, 2, 4 with block_size 8),
 interleaved only where n_layer divides into pp*2 chunks, zb-v where n_layer >= 2*pp, what
-pympar.layout.check refuses as not supported left out (zb-h1 and zb-v with ZeRO-3; any
-other refusal is an error of this enumeration), sequence parallelism only with tp > 1
+pympar.layout.check refuses as not supported left out (none at present; any other refusal
+is an error of this enumeration), sequence parallelism only with tp > 1
 and tp | block_size/cp, ZeRO stages 1-3 only with dp*cp > 1), each with activation
 recomputation none, selective and full, in float64. ``ci_layouts(world)`` is a
 representative slice: a greedy all-pairs cover (every pair of dimension values that occurs in
@@ -84,7 +84,7 @@ def all_layouts(world: int, dtypes=("float64",)):
                         lay = Layout(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, micro_batch_size=2, n_micro=G // dp,
                                      schedule=sched, virtual_stages=v, zero=zero, seq_parallel=sp, recompute=rc,
                                      model=model, dtype=dt)
-                        try:                       # what pympar refuses is not a case (zb with ZeRO-3)
+                        try:                       # what pympar refuses as not supported is not a case
                             pympar.layout.check(_config(model), lay)
                         except pympar.layout.NotSupportedError:
                             continue
