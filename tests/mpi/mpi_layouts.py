@@ -43,6 +43,10 @@ LR = {"float64": 1e-2, "float32": 1e-3}
 # holds rounding noise, which eps = 1e-8 would turn into a step of up to ~lr
 EPS = {"float64": 1e-8, "float32": 1e-6}
 MODE = os.environ.get("PYMPAR_LAYOUTS", "ci")
+# a developer's selection from the chosen layouts, e.g. "schedule=zb-h1|zb-v;zero=3" (field=values
+# separated by |, conditions by ;); the tests in tests/test_layouts.py never set it
+WHERE = [(k, v.split("|")) for k, v in (c.split("=", 1) for c in os.environ.get("PYMPAR_LAYOUTS_WHERE", "").split(";")
+                                         if c)]
 DEVICE = os.environ.get("PYMPAR_LAYOUTS_DEVICE", "cpu")
 
 
@@ -203,6 +207,7 @@ def world(mpi_world):
 
 def test_every_layout_matches_single_process(world, mpi_world):
     layouts = ci_layouts(world.size) if MODE == "ci" else all_layouts(world.size)
+    layouts = [lay for lay in layouts if all(str(getattr(lay, k)) in vals for k, vals in WHERE)]
     failures, t0 = [], time.perf_counter()
     for lay in layouts:
         try:
