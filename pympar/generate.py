@@ -1,15 +1,22 @@
-"""python -m pympar.generate SRC --prompt TEXT: sample from a checkpoint, one process.
+"""python -m pympar.generate SRC --prompt TEXT: sample from a checkpoint, on one process or on a layout.
 
     python -m pympar.generate runs/tiny4 --prompt "def " --tokens 200 --top-k 20 --seed 1
     python -m pympar.generate runs/tiny4 --prompt "import " --top-k 1        # greedy
+    mpirun -n 4 python -m pympar.generate runs/tp2pp2 --prompt "def "      # on the saved tp x pp layout
 
 SRC: a run directory (the trainer's --out), its checkpoints/ folder or one step_N checkpoint,
-of any layout: the model is assembled whole on this process (pympar.checkpoint resharding). The
-byte vocabulary (256 tokens) takes the prompt as UTF-8 bytes and prints text; other vocabularies
-take ``--prompt-ids 1,2,3`` and print token ids. Generation keeps a key/value cache (each new
-token costs one position; ``--no-cache`` runs the whole window per token, for comparison) and
-samples as the trainer's sample does: temperature, then top-k, then a draw from ``--seed``.
-The Python API is ``pympar.nn.generate.generate(model, idx, n, top_k, temperature, rng)``.
+of any layout. On one process the model is assembled whole (pympar.checkpoint resharding).
+Under an MPI launcher with more than one rank the model is built on a tp x pp (x ep) layout --
+the one the checkpoint was saved with, or --tp/--pp/--ep -- with dp = ranks / (tp * pp)
+replicas, and the ranks decode together (pympar.parallel.generate: each rank holds its shards
+and its own heads' key/value cache; a pipeline passes each step's activations from stage to
+stage); every rank gets the tokens one process would sample. The byte vocabulary (256 tokens)
+takes the prompt as UTF-8 bytes and prints text; other vocabularies take ``--prompt-ids 1,2,3``
+and print token ids. Generation keeps a key/value cache (each new token costs one position;
+``--no-cache``, on one process, runs the whole window per token, for comparison) and samples as
+the trainer's sample does: temperature, then top-k, then a draw from ``--seed``. The Python API
+is ``pympar.nn.generate.generate(model, idx, n, top_k, temperature, rng)`` and, on a layout,
+``pympar.parallel.generate.generate_parallel(model, mesh, idx, n, ...)``.
 """
 from __future__ import annotations
 
@@ -32,60 +39,144 @@ def build_parser():
     p.add_argument("--temperature", type=float, default=1.0, help="divide the logits by this (default: 1.0)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely (1: greedy)")
     p.add_argument("--seed", type=int, default=0, help="the sampling generator's seed (default: 0)")
-    p.add_argument("--no-cache", action="store_true", help="no key/value cache: the whole window per token")
+    p.add_argument("--no-cache", action="store_true",
+                   help="no key/value cache: the whole window per token (one process only)")
+    for k in ("tp", "pp", "ep"):
+        p.add_argument(f"--{k}", type=int, default=None,
+                       help=f"{k} of the layout to decode on, under an MPI launcher (default: the checkpoint's)")
     return p
+
+
+def config_of(ck):
+    """The GPTConfig a checkpoint records."""
+    from .nn.config import GPTConfig
+
+    cfg = ck.meta.get("config")
+    if not cfg:
+        raise ValueError(f"{ck.path}: the checkpoint records no model config")
+    return GPTConfig(**{k: v for k, v in cfg.items() if k in GPTConfig.__dataclass_fields__}).validate()
 
 
 def load_model(src):
     """(GPT with the checkpoint's weights, its step), on this process."""
     from .checkpoint import Checkpoint, restore_into
-    from .nn.config import GPTConfig
     from .nn.gpt import GPT
 
     ck = Checkpoint(src, verify=False)
-    cfg = ck.meta.get("config")
-    if not cfg:
-        raise ValueError(f"{ck.path}: the checkpoint records no model config")
-    model = GPT(GPTConfig(**{k: v for k, v in cfg.items() if k in GPTConfig.__dataclass_fields__}).validate())
+    model = GPT(config_of(ck))
     restore_into(model, None, ck.path)
     return model, ck.step
 
 
-def main(argv=None) -> int:
-    from .checkpoint import CheckpointError
+def saved_layout(meta) -> dict:
+    """tp, pp, ep, virtual_stages and schedule of the layout a checkpoint was saved with (1, 1, 1,
+    1, 1f1b where it records none: an import)."""
+    lay = meta.get("layout") if isinstance(meta.get("layout"), dict) else {}
+    return dict(tp=int(lay.get("tp", 1)), pp=int(lay.get("pp", 1)), ep=int(lay.get("ep", 1)),
+                virtual_stages=int(lay.get("virtual_stages", 1)), schedule=str(lay.get("schedule", "1f1b")))
 
-    start_application("pympar.generate")
+
+def decode_layout(a, meta, world: int):
+    """The pympar.layout.Layout to decode on with ``world`` ranks: --tp/--pp/--ep, else the layout
+    the checkpoint was saved with; dp the rest."""
+    from .layout import Layout
+
+    saved = saved_layout(meta)
+    lay = dict(saved)
+    given = {k: getattr(a, k) for k in ("tp", "pp", "ep") if getattr(a, k) is not None}
+    if any(v < 1 for v in given.values()):
+        raise ValueError("--tp, --pp and --ep must be >= 1")
+    lay.update(given)
+    if lay["pp"] != saved["pp"]:                # another pipeline: plain stages
+        lay.update(virtual_stages=1, schedule="1f1b")
+    if lay["pp"] == 1:
+        lay.update(virtual_stages=1, schedule="1f1b")
+    tp, pp, ep = lay["tp"], lay["pp"], lay["ep"]
+    if world % (tp * pp):
+        why = "" if given else f" (the layout the checkpoint was saved with: tp={saved['tp']}, pp={saved['pp']})"
+        raise ValueError(f"{world} ranks do not divide into tp={tp} x pp={pp}{why}: run on a multiple of "
+                         f"{tp * pp} ranks, or give --tp/--pp whose product divides {world}")
+    dp = world // (tp * pp)
+    if dp % ep:
+        raise ValueError(f"ep={ep} must divide the {dp} data-parallel replica(s) of {world} ranks at tp={tp} x "
+                         f"pp={pp}: give an --ep that divides {dp}")
+    return Layout(dp=dp, pp=pp, tp=tp, ep=ep, n_micro=pp, virtual_stages=lay["virtual_stages"],
+                  schedule=lay["schedule"])
+
+
+def prompt_ids(a, V: int) -> list:
+    """The prompt's token ids: --prompt-ids, or --prompt's UTF-8 bytes for the byte vocabulary."""
+    if a.prompt_ids is not None:
+        ids = [int(t) for t in a.prompt_ids.split(",") if t.strip()]
+    elif V == 256:
+        ids = list(a.prompt.encode("utf-8"))
+    else:
+        raise ValueError(f"the model's vocabulary has {V} tokens, not pympar's 256 bytes: give the prompt as "
+                         f"--prompt-ids 1,2,3")
+    if not ids or min(ids) < 0 or max(ids) >= V:
+        raise ValueError(f"prompt ids must be 0..{V - 1} and at least one")
+    return ids
+
+
+def main(argv=None) -> int:
+    from .checkpoint import Checkpoint, CheckpointError
+
+    env = start_application("pympar.generate")
     a = build_parser().parse_args(argv)
-    try:
+    mpi = None
+    if env.launched:                          # under an MPI launcher: MPI_Init, no collective yet
+        from mpi4py import MPI
+        mpi = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+    rank = 0 if mpi is None else mpi.Get_rank()
+    try:                                      # every check on every rank, before any collective
         if a.tokens < 0 or a.temperature <= 0 or (a.top_k is not None and a.top_k < 1):
             raise ValueError("--tokens must be >= 0, --temperature > 0 and --top-k >= 1")
-        model, step = load_model(a.src)
-        V = model.config.vocab_size
-        if a.prompt_ids is not None:
-            ids = [int(t) for t in a.prompt_ids.split(",") if t.strip()]
-        elif V == 256:
-            ids = list(a.prompt.encode("utf-8"))
+        if mpi is None:
+            if any(getattr(a, k) not in (None, 1) for k in ("tp", "pp", "ep")):
+                raise ValueError("--tp/--pp/--ep above 1 need that many ranks: launch with mpirun -n N")
+            model, step = load_model(a.src)
+            cfg = model.config
         else:
-            raise ValueError(f"the model's vocabulary has {V} tokens, not pympar's 256 bytes: give the prompt as "
-                             f"--prompt-ids 1,2,3")
-        if not ids or min(ids) < 0 or max(ids) >= V:
-            raise ValueError(f"prompt ids must be 0..{V - 1} and at least one")
-    except (ValueError, OSError, CheckpointError) as e:
-        print(f"pympar.generate: error: {e}", file=sys.stderr)
-        return 2
-    from .nn.generate import generate
+            from .layout import check
 
+            if a.no_cache:
+                raise ValueError("--no-cache runs on one process: launch without mpirun")
+            ck = Checkpoint(a.src, verify=False)
+            cfg = config_of(ck)
+            layout = decode_layout(a, ck.meta, mpi.Get_size())
+            check(cfg, layout)
+        ids = prompt_ids(a, cfg.vocab_size)
+    except (ValueError, OSError, CheckpointError) as e:
+        print(f"pympar.generate: error{'' if mpi is None else f' (rank {rank})'}: {e}", file=sys.stderr)
+        return 2
+    prompt = np.array([ids], np.int64)
     t0 = time.perf_counter()
-    out = generate(model, np.array([ids], np.int64), a.tokens, top_k=a.top_k, temperature=a.temperature,
-                   rng=np.random.default_rng(a.seed), cache=not a.no_cache)
-    dt = time.perf_counter() - t0
-    new = out[0, len(ids):].tolist()
-    if V == 256 and a.prompt_ids is None:
-        sys.stdout.write(bytes(ids + new).decode("utf-8", errors="replace") + "\n")
+    if mpi is None:
+        from .nn.generate import generate
+
+        out = generate(model, prompt, a.tokens, top_k=a.top_k, temperature=a.temperature,
+                       rng=np.random.default_rng(a.seed), cache=not a.no_cache)
+        how = "no cache" if a.no_cache else "key/value cache"
     else:
-        print(",".join(map(str, ids + new)))
-    print(f"pympar.generate: {len(new)} tokens from step {step} in {dt:.2f} s ({len(new) / max(dt, 1e-9):,.0f} "
-          f"tokens/s, {'no cache' if a.no_cache else 'key/value cache'})", file=sys.stderr)
+        from .checkpoint import restore_into
+        from .comm import MPIComm
+        from .parallel.generate import build_for_generation, generate_parallel
+
+        comm = MPIComm(mpi, name="world", on_timeout="abort")
+        model, mesh = build_for_generation(cfg, comm, layout)
+        step = int(restore_into(model, None, ck.path, comm).get("step", ck.step))
+        out = generate_parallel(model, mesh, prompt, a.tokens, top_k=a.top_k, temperature=a.temperature,
+                                rng=np.random.default_rng(a.seed))
+        how = f"key/value cache, {mpi.Get_size()} ranks: tp={layout.tp} pp={layout.pp} ep={layout.ep} dp={layout.dp}"
+    dt = time.perf_counter() - t0
+    if rank == 0:
+        new = out[0, len(ids):].tolist()
+        if cfg.vocab_size == 256 and a.prompt_ids is None:
+            sys.stdout.write(bytes(ids + new).decode("utf-8", errors="replace") + "\n")
+        else:
+            print(",".join(map(str, ids + new)))
+        print(f"pympar.generate: {len(new)} tokens from step {step} in {dt:.2f} s ({len(new) / max(dt, 1e-9):,.0f} "
+              f"tokens/s, {how})", file=sys.stderr)
     return 0
 
 

@@ -68,3 +68,35 @@ def test_cli_samples_from_every_checkpoint_form(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("pympar.generate: error:") and "looked for" in r.stderr
     r = cli(run, "--prompt-ids", "300")
     assert r.returncode == 2 and "prompt ids must be 0..255" in r.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_generation_on_a_layout_equals_one_process(n, tmp_path):
+    """tests/mpi/mpi_generate.py: tp, pp (plain, interleaved, V), ep and dp layouts, dense and MoE."""
+    from mpirun import run_pytest_mpi
+    run_pytest_mpi(n, "mpi_generate.py", timeout=180, env={"GEN_DIR": str(tmp_path)})
+
+
+@pytest.mark.mpi
+def test_cli_decodes_on_the_saved_layout_and_refuses_what_does_not_fit(tmp_path):
+    """A tp 2 x pp 2 run's checkpoint: `mpiexec -n 4 python -m pympar.generate` decodes on that
+    layout (and -n 8 with two replicas, -n 2 with --pp 1) the text one process samples; 3 ranks
+    are refused on every rank with what would fit, before any collective."""
+    run = tmp_path / "run"
+    run_mpi(4, ["-m", "pympar.train", "--preset", "tiny", "--tp", "2", "--pp", "2", "--n-micro", "2", "--steps", "2",
+                "--save-every", "2", "--sample-tokens", "0", "--eval-iters", "1", "--out", run], timeout=120)
+    args = ["-m", "pympar.generate", run, "--prompt", "def ", "--tokens", "40", "--seed", "3"]
+    one = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=mpi_env(),
+                         cwd=ROOT / "tests", timeout=60)
+    assert one.returncode == 0, one.stderr
+    for n, extra, where in ((4, [], "tp=2 pp=2 ep=1 dp=1"), (8, [], "tp=2 pp=2 ep=1 dp=2"),
+                            (2, ["--pp", "1"], "tp=2 pp=1 ep=1 dp=1")):
+        r = run_mpi(n, [*args, *extra], timeout=120)
+        assert r.stdout.startswith(one.stdout), (n, r.stdout[:300], one.stdout[:300])
+        assert "40 tokens from step 2" in r.stdout and where in r.stdout, r.stdout[-500:]
+    r = run_mpi(3, args, timeout=60, check=False)
+    assert r.returncode != 0
+    for rank in range(3):
+        assert (f"pympar.generate: error (rank {rank}): 3 ranks do not divide into tp=2 x pp=2 (the layout the "
+                f"checkpoint was saved with: tp=2, pp=2): run on a multiple of 4 ranks") in r.stdout

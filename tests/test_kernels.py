@@ -158,11 +158,11 @@ def test_cross_entropy(dt, NV):
         d = N.cross_entropy_backward(logits, lse, t, dloss)
         close(d, R.cross_entropy_backward(logits, rlse, t, dloss), dt)
         assert np.all(d[::3] == 0)
-        for K in (N, R):                       # written over the logits: the same values, in place
+        for impl in (N, R):                    # written over the logits: the same values, in place
             buf = logits.copy()
-            got = K.cross_entropy_backward(buf, lse, t, dloss, out=buf)
+            got = impl.cross_entropy_backward(buf, lse, t, dloss, out=buf)
             assert got is buf
-            np.testing.assert_array_equal(got, K.cross_entropy_backward(logits, lse, t, dloss))
+            np.testing.assert_array_equal(got, impl.cross_entropy_backward(logits, lse, t, dloss))
 
 
 @needs_native
