@@ -80,12 +80,11 @@ def build_for_generation(cfg, comm, layout):
     """(model, mesh): this rank's part of a GPT of config ``cfg`` on ``layout`` (a
     pympar.layout.Layout of comm.size ranks; its tp, pp, ep, virtual stages and schedule's
     placement are used, cp and sp are not), parameters made on first use (restore a checkpoint
-    into it). The layout is checked (pympar.layout.check) before any communication."""
-    from ..layout import check
+    into it). The layout has passed ``pympar.layout.check`` (the application does it on every rank
+    before any communication, as the trainer's configuration does for build_runner)."""
     from .ep import install_expert_parallel
     from .mesh import Mesh
 
-    check(cfg, layout)
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     mesh = Mesh(comm, dp=layout.dp * layout.cp, pp=pp, tp=tp, ep=ep)
     make_tp = None
