@@ -88,6 +88,12 @@ def test_profile_trace_has_a_row_per_rank_and_report_draws_it(tmp_path):
         assert all(e["dur"] >= 0 for e in mine)
     assert all(e["args"]["bytes"] > 0 for e in ev if e.get("cat") == "dp_comm")
     res = run_mpi(1, ["-m", "pympar.report", tmp_path], timeout=60)
+    pp = tmp_path / "pp"                         # a pipeline's trace: one event per executed action
+    train(2, "--steps", 2, "--pp", 2, "--schedule", "zb-h1", "--n-micro", 2, "--profile", "--out", pp)
+    ev = json.loads((pp / "trace.json").read_text())["traceEvents"]
+    for r in (0, 1):
+        acts = sorted((e["name"], e["args"]["mb"]) for e in ev if e["pid"] == r and e.get("cat") == "layer")
+        assert acts == sorted([(f"{k} stage {r}", mb) for k in ("fwd", "bwd", "wgrad") for mb in (0, 1)] * 2), acts
     for png in ("loss.png", "throughput.png", "time_split.png", "pipeline.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
     assert "experts.png" not in res.stdout

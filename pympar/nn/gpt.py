@@ -5,6 +5,8 @@ Gradient convention: see pympar/nn/parameter.py (param grads +=, activation grad
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .. import kernels
@@ -94,6 +96,11 @@ class Block(Module):
         dx = self.ln_1.backward(dh1, ctx["ln1"])
         dx += dx1
         return dx
+
+
+def _span(trace, label):
+    """trace(label) (a context manager around one piece's work), or nothing when not tracing."""
+    return contextlib.nullcontext() if trace is None else trace(label)
 
 
 def _without_input(ctx):
@@ -321,13 +328,13 @@ class GPT(Module, MoEBookkeeping):
         xp = xp_of(self.embedding.wte.data)
         return [xp.asarray(a) for a in arrays]
 
-    def _body(self, idx):                        # embedding and blocks: idx (B, T) -> x (B, T, C)
+    def _body(self, idx, trace=None):            # embedding and blocks: idx (B, T) -> x (B, T, C)
         g = self.param_gather
-        with g.use(self.embedding):
+        with g.use(self.embedding), _span(trace, "fwd embedding"):
             x, c_emb = self.embedding.forward(idx)
         ctxs, aux = [], 0.0
-        for b in self.h:
-            with g.use(b):
+        for i, b in enumerate(self.h):
+            with g.use(b), _span(trace, f"fwd h.{i}"):
                 x, c = b.forward(x)
             ctxs.append(c)
             aux += c["aux_loss"]
@@ -339,14 +346,16 @@ class GPT(Module, MoEBookkeeping):
             ce, c_head = self.head.forward((x, targets))
         return ce, aux, (c_emb, ctxs, c_head)
 
-    def loss_and_grad(self, idx, targets, grad_scale=1.0, stats=None) -> float:
+    def loss_and_grad(self, idx, targets, grad_scale=1.0, stats=None, trace=None) -> float:
         """One micro-batch: loss = mean CE + MoE aux + z; grads of grad_scale * loss accumulate.
         stats (a dict, optional) gets "activation_bytes": what forward kept for backward (each
-        buffer once), the largest over the calls that filled it."""
+        buffer once), the largest over the calls that filled it. trace (optional): label ->
+        context manager around each piece's work ("fwd h.3", "fwd+bwd head", "bwd embedding"; the
+        runner's profiler passes its recorder's spans)."""
         idx, targets = self._inputs(idx, targets)
         g = self.param_gather
-        x, aux, c_emb, ctxs = self._body(idx)
-        with g.use(self.head, backward=True):    # the head's forward and backward in one use
+        x, aux, c_emb, ctxs = self._body(idx, trace)
+        with g.use(self.head, backward=True), _span(trace, "fwd+bwd head"):   # forward and backward in one use
             held = [] if stats is not None else None
             ce, dx = self.head.forward_backward((x, targets), grad_scale, held)
             del x
@@ -355,13 +364,13 @@ class GPT(Module, MoEBookkeeping):
                 stats["activation_bytes"] = max(stats.get("activation_bytes", 0), kept)
         self._grad_ready(self.head.ln_f)         # not the tied wte: the embedding adds to it last,
         self._grad_partial([self.head.wte])      # but a sync that sums per use may take this part now
-        for b in reversed(self.h):
-            c = ctxs.pop()                       # each block's activations go as its backward ends
-            with g.use(b, backward=True):
+        for i in reversed(range(len(self.h))):
+            b, c = self.h[i], ctxs.pop()         # each block's activations go as its backward ends
+            with g.use(b, backward=True), _span(trace, f"bwd h.{i}"):
                 dx = b.backward(dx, c, grad_scale)
             del c
             self._grad_ready(b)
-        with g.use(self.embedding, backward=True):
+        with g.use(self.embedding, backward=True), _span(trace, "bwd embedding"):
             self.embedding.backward(dx, c_emb)
         self._grad_ready(self.embedding)
         g.settle()

@@ -125,9 +125,6 @@ class ParallelRunner:
         self.moe_ids = [i for i in range(model_cfg.n_layer) if model_cfg.is_moe_block(i)]
         self.n_params = count_params(model_cfg)
         self.ledger, self._workspace = None, None
-        self._mb = 0
-        if self.rec.enabled:
-            self._instrument_layers()
 
     def _pieces(self):
         """This rank's model pieces (embedding, blocks, head) in forward order."""
@@ -203,17 +200,18 @@ class ParallelRunner:
         pipe = {}
         if self.executor is not None:
             sync.begin_micro(last=False)                  # the executor calls sync.begin_final per chunk
-            pipe = self.executor.train_step(micro_batches, loss_scale=scale)
+            trace = (lambda label, t, dt, mb: rec.add(label, "layer", t, dt, mb=mb)) if rec.enabled else None
+            pipe = self.executor.train_step(micro_batches, loss_scale=scale, trace=trace)
             loss, compute = pipe["loss"], pipe["compute_s"]
             bubble, pp_other = pipe["recv_wait_s"], max(pipe["step_s"] - pipe["compute_s"] - pipe["recv_wait_s"], 0.0)
             act, recv_bytes = pipe["activation_peak_bytes"], pipe["recv_buffer_bytes"]
         else:
             loss, stats = 0.0, {}
             for j, (idx, targets) in enumerate(micro_batches):
-                self._mb = j
                 sync.begin_micro(last=(j == n - 1))
                 tm = time.perf_counter()
-                loss += model.loss_and_grad(idx, targets, grad_scale=scale / n, stats=stats) / n
+                trace = (lambda label, j=j: rec.span(label, "layer", mb=j)) if rec.enabled else None
+                loss += model.loss_and_grad(idx, targets, grad_scale=scale / n, stats=stats, trace=trace) / n
                 rec.add(f"micro-batch {j}", "micro", tm, time.perf_counter() - tm, mb=j)
             compute, bubble, pp_other = time.perf_counter() - t0, 0.0, 0.0
             act, recv_bytes = stats.get("activation_bytes", 0), 0
@@ -428,27 +426,3 @@ class ParallelRunner:
             return self.model.sharded_state()
         return {n: (p.data, shard_of(p)) for n, p in self.model.named_parameters()}
 
-    # --- profiling ------------------------------------------------------------------------------
-    def _instrument_layers(self):
-        """Wrap each layer's (or pipeline chunk's) forward/backward so the trace shows them."""
-        m = self.model
-        if self.executor is not None:
-            layers = [(f"stage {ch.stage}", ch) for ch in m.chunks]
-        else:
-            layers = [("embedding", m.embedding)] + [(f"h.{i}", b) for i, b in enumerate(m.h)] + [("head", m.head)]
-        short = {"forward": "fwd", "backward": "bwd", "forward_backward": "fwd+bwd"}
-        for name, mod in layers:      # the head's one-pass forward_backward too (GPT.loss_and_grad runs it)
-            for kind in ("forward", "backward") + (("forward_backward",) if name == "head" else ()):
-                fn = getattr(mod, kind)
-                setattr(mod, kind, self._timed(fn, f"{short[kind]} {name}"))
-
-    def _timed(self, fn, label):
-        rec = self.rec
-
-        def wrapped(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                rec.add(label, "layer", t0, time.perf_counter() - t0, mb=self._mb)
-        return wrapped

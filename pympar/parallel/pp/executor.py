@@ -149,7 +149,7 @@ class PipelineExecutor:
         return s < self.model.part.n_stage - 1, s + 1
 
     # --- one training step ----------------------------------------------------------------
-    def train_step(self, micro_batches, loss_scale: float = 1.0) -> dict:
+    def train_step(self, micro_batches, loss_scale: float = 1.0, trace=None) -> dict:
         """Forward and backward of all micro-batches [(idx (B,T), targets (B,T)), ...] on this rank.
 
         Every rank gets the same list (the first stage reads idx, the last targets). Gradients of
@@ -157,7 +157,9 @@ class PipelineExecutor:
         loss (mean over micro-batches, same on every rank), losses (per micro-batch), bubble,
         recv_wait_s, compute_s (f_s + b_s + w_s: seconds in F, B and W actions; w_s is 0 unless the
         schedule splits the backward), step_s, peak_in_flight, activation_peak_bytes (the most the ctxs in
-        flight held at once), recv_buffer_bytes (receive buffers posted at once, at most)."""
+        flight held at once), recv_buffer_bytes (receive buffers posted at once, at most). trace
+        (optional): called (label, t0, seconds, micro-batch) after each action ("fwd stage 2",
+        "bwd stage 2", "wgrad stage 2"; the runner's profiler records them)."""
         model, p, v = self.model, self.model.pp, self.model.v
         xp = model.xp                                     # where activations live (after model.to)
         m = len(micro_batches)
@@ -257,6 +259,8 @@ class PipelineExecutor:
             dt = time.perf_counter() - tc
             compute += dt
             by_kind[a.kind] += dt
+            if trace is not None:                            # the profiler's event of this action
+                trace(f"{_KIND_LABEL[a.kind]} stage {s}", tc, dt, a.micro)
             if out is not None:
                 if out.shape != shape or not np.can_cast(out.dtype, act_dtype, "same_kind") or \
                         out.dtype.itemsize > act_dtype.itemsize:
@@ -342,6 +346,9 @@ class PipelineExecutor:
             moe.recording = True
         losses = self.p2p.allreduce_sum(local) if p > 1 else local
         return float(np.mean(losses))  # host
+
+
+_KIND_LABEL = {"F": "fwd", "B": "bwd", "W": "wgrad"}
 
 
 def build_pipeline(config, seed, pp_comm, *, schedule="1f1b", v=1, n_micro=None, dtype=np.float32,

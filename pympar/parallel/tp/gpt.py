@@ -124,12 +124,12 @@ class TPGPT(GPT):
         self._check_batch(idx)
         return super()._forward(idx, targets)
 
-    def loss_and_grad(self, idx, targets, grad_scale=1.0, stats=None) -> float:
+    def loss_and_grad(self, idx, targets, grad_scale=1.0, stats=None, trace=None) -> float:
         """One micro-batch: loss = mean CE + MoE aux + z (identical on every tp rank); grads of
         grad_scale * loss accumulate, complete (sequence-parallel partials summed over tp)."""
         if self._sp_sync.params:
             self._sp_sync.begin()
-        loss = super().loss_and_grad(idx, targets, grad_scale, stats)
+        loss = super().loss_and_grad(idx, targets, grad_scale, stats, trace)
         if self._sp_sync.params:
             self._sp_sync.finish()
             self._grad_ready_params(self._sp_sync.params)
