@@ -133,11 +133,7 @@ class MPIComm(Communicator):
 
     def _pick(self, coll, algo):
         """A named algorithm (not auto) checked against the verb and the topology."""
-        if algo == "blocking":
-            self._blocking_ok()
-            return algo
-        if algo not in ALGOS[coll]:
-            raise ValueError(f"unknown {coll} algorithm {algo!r}: expected auto or one of {', '.join(ALGOS[coll])}")
+        self._check_algo(coll, algo)
         if algo == "shm" and not self.topology().single_node:
             raise ValueError(f"algo='shm' needs every rank of {self.name!r} on one node "
                              f"(it spans {self.topology().n_nodes}); use 'hierarchical' or 'auto'")
@@ -517,29 +513,38 @@ class MPIComm(Communicator):
         if needs_staging(x, out):
             res, rc = self.alltoallv(to_host(x), send_counts, recv_counts)
             return (_unstage(out, x, res)), rc
-        x = contiguous(x, "alltoallv operand")
-        sc = np.asarray(backend.to_numpy(send_counts), dtype=np.int64).reshape(-1)
-        if sc.size != self.size or (sc < 0).any() or sc.sum() != (x.shape[0] if x.ndim else 0):
-            raise ValueError(f"alltoallv: send_counts {sc.tolist()} must have size={self.size} non-negative "
-                             f"entries summing to x.shape[0]={x.shape[0] if x.ndim else 0}")
+        x, sc, per_row = self._v_operands(x, send_counts, "alltoallv")
         if recv_counts is None:
             rc = np.empty(self.size, dtype=np.int64)
             w0 = self._waiter("alltoallv.counts", sc)
             self._lib(w0, lambda: self._coll.Ialltoall([sc, MPI.INT64_T], [rc, MPI.INT64_T]))
         else:
             rc = np.asarray(backend.to_numpy(recv_counts), dtype=np.int64).reshape(-1)
-        per_row = int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
+        out, start = self._v_exchange(x, sc, rc, per_row, out, "alltoallv")
+        w = self._waiter("alltoallv", x, count=per_row)
+        sync_stream(x)
+        self._lib(w, start)
+        return out, rc
+
+    def _v_operands(self, x, send_counts, what):
+        """alltoallv's checked operand, its send counts (int64, one per rank) and elements per row."""
+        x = contiguous(x, f"{what} operand")
+        sc = np.asarray(backend.to_numpy(send_counts), dtype=np.int64).reshape(-1)
+        if sc.size != self.size or (sc < 0).any() or sc.sum() != (x.shape[0] if x.ndim else 0):
+            raise ValueError(f"{what}: send_counts {sc.tolist()} must have size={self.size} non-negative "
+                             f"entries summing to x.shape[0]={x.shape[0] if x.ndim else 0}")
+        return x, sc, (int(np.prod(x.shape[1:])) if x.ndim > 1 else 1)
+
+    def _v_exchange(self, x, sc, rc, per_row, out, what):
+        """(the output (checked, or new) for recv counts rc, a function starting the library's
+        Ialltoallv of the rows with their counts and displacements in elements)."""
         shape = (int(rc.sum()),) + tuple(x.shape[1:])
-        out = check_out(out, shape, x.dtype, "alltoallv") if out is not None else new_like(x, shape)
+        out = check_out(out, shape, x.dtype, what) if out is not None else new_like(x, shape)
         scounts, rcounts = sc * per_row, rc * per_row
         sdis = np.concatenate([[0], np.cumsum(scounts)[:-1]])
         rdis = np.concatenate([[0], np.cumsum(rcounts)[:-1]])
-        w = self._waiter("alltoallv", x, count=per_row)
-        src_f, out_f = flat(x), flat(out)
-        s, rb = wire(src_f), wire(out_f)
-        sync_stream(x)
-        self._lib(w, lambda: self._coll.Ialltoallv([s[0], (scounts, sdis), s[1]], [rb[0], (rcounts, rdis), rb[1]]))
-        return out, rc
+        s, rb = wire(flat(x)), wire(flat(out))
+        return out, lambda: self._coll.Ialltoallv([s[0], (scounts, sdis), s[1]], [rb[0], (rcounts, rdis), rb[1]])
 
     def barrier(self):
         w = self._waiter("barrier")
@@ -672,12 +677,7 @@ class MPIComm(Communicator):
             r = self.ialltoallv(to_host(x), send_counts, recv_counts)
             xp = backend.xp_of(x)
             return _Then(r, lambda res: ((copy_back(out, res[0]) if out is not None else xp.asarray(res[0])), res[1]))
-        x = contiguous(x, "ialltoallv operand")
-        sc = np.asarray(backend.to_numpy(send_counts), dtype=np.int64).reshape(-1)
-        if sc.size != self.size or (sc < 0).any() or sc.sum() != (x.shape[0] if x.ndim else 0):
-            raise ValueError(f"ialltoallv: send_counts {sc.tolist()} must have size={self.size} non-negative "
-                             f"entries summing to x.shape[0]={x.shape[0] if x.ndim else 0}")
-        per_row = int(np.prod(x.shape[1:])) if x.ndim > 1 else 1
+        x, sc, per_row = self._v_operands(x, send_counts, "ialltoallv")
         w = self._waiter("ialltoallv", x, count=per_row)
         sync_stream(x)
 
@@ -687,13 +687,8 @@ class MPIComm(Communicator):
                 yield [self._coll.Ialltoall([sc, MPI.INT64_T], [rc, MPI.INT64_T])], [None]
             else:
                 rc = np.asarray(backend.to_numpy(recv_counts), dtype=np.int64).reshape(-1)
-            shape = (int(rc.sum()),) + tuple(x.shape[1:])
-            res = check_out(out, shape, x.dtype, "ialltoallv") if out is not None else new_like(x, shape)
-            scounts, rcounts = sc * per_row, rc * per_row
-            sdis = np.concatenate([[0], np.cumsum(scounts)[:-1]])
-            rdis = np.concatenate([[0], np.cumsum(rcounts)[:-1]])
-            s, rb = wire(flat(x)), wire(flat(res))
-            yield [self._coll.Ialltoallv([s[0], (scounts, sdis), s[1]], [rb[0], (rcounts, rdis), rb[1]])], [None]
+            res, start = self._v_exchange(x, sc, rc, per_row, out, "ialltoallv")
+            yield [start()], [None]
             return res, rc
         return self._staged(w, steps())
 
