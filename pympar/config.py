@@ -483,9 +483,6 @@ def _check_run(run: RunConfig) -> None:
     for k in ("save_every", "keep", "max_bad_steps"):
         if getattr(run, k) < 0:
             raise ConfigError(f"{k}={getattr(run, k)} must be >= 0")
-    if run.schedule == "zb-v" and run.pp_channels == "ordered":
-        raise ConfigError("--schedule zb-v (chunks in a V) runs over MPI with tags only; the ordered channels do "
-                          "not carry it yet: use --pp-channels tags or auto, or --schedule zb-h1")
     if run.save_every and not run.out:
         raise ConfigError(f"--save-every {run.save_every} needs --out DIR (checkpoints go to DIR/checkpoints)")
     if run.resume == "auto" and not run.out:

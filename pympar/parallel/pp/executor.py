@@ -44,7 +44,7 @@ class _P2P:
     """The point-to-point and reduction calls the executor needs, over a pympar Communicator
     (isend/irecv -> Request.wait()/test(), allreduce) or a raw mpi4py communicator."""
 
-    def __init__(self, comm, v=None, use_channels=None):
+    def __init__(self, comm, v=None, use_channels=None, placement="interleaved"):
         self.comm = comm
         self.raw = hasattr(comm, "Isend")
         self.rank = comm.Get_rank() if self.raw else comm.rank
@@ -53,7 +53,7 @@ class _P2P:
         # otherwise tagged messages, over the MPI side of a DeviceComm that has NCCL
         self.channels = None
         if v is not None and not self.raw and channels.wanted(comm, use_channels):
-            self.channels = channels.Channels(comm, v)
+            self.channels = channels.Channels(comm, v, placement)
         self.p2p = comm.mpi if not self.raw and getattr(comm, "uses_nccl", False) else comm
 
     def isend(self, buf, dest, tag):
@@ -107,7 +107,7 @@ class PipelineExecutor:
     def __init__(self, model, comm, schedule: str = "1f1b", recv_window: int | None = None,
                  channels: bool | None = None):
         self.model, self.schedule = model, schedule
-        self.p2p = _P2P(comm, model.v, channels)
+        self.p2p = _P2P(comm, model.v, channels, model.part.placement)
         if self.p2p.size != model.pp or self.p2p.rank != model.rank:
             raise ValueError(f"pipeline communicator has rank {self.p2p.rank} of {self.p2p.size}, "
                              f"but the model was built for rank {model.rank} of pp={model.pp}")
@@ -116,9 +116,6 @@ class PipelineExecutor:
             raise ValueError(f"schedule {schedule!r} runs chunks placed {placement_of(schedule)!r}, but the model was "
                              f"built {model.part.placement!r}: build it with placement={placement_of(schedule)!r} "
                              f"(build_pipeline does)")
-        if self.p2p.channels is not None and model.part.placement != "interleaved":
-            raise ValueError(f"schedule {schedule!r} (chunks in a V) runs over MPI with tags only; the ordered "
-                             f"channels of NCCL pipelines do not carry it yet: use zb-h1 or 1f1b there")
         self.recv_window = recv_window or 2 * model.pp * model.v + 2
         # tensor + sequence parallelism: replicated params with per-tp-rank partial grads
         self.partial_sync = model.make_partial_grad_sync()
