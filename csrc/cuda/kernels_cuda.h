@@ -44,4 +44,7 @@ void permute_rows(ptr x, ptr rows, ptr out, int64_t M, int64_t row_bytes, ptr st
 // out (n_rows, C) = sum over i with rows[i] == r of w[i] * y[i], in the order of i; `order` the
 // stable argsort of rows and `offsets` (n_rows + 1,) the segment starts, both int64
 void unpermute_add(ptr y, ptr order, ptr offsets, ptr w, ptr out, int dt, int64_t n_rows, int64_t C, ptr stream);
+// the device ordinal holding p (-1: host or unregistered memory), and the current device (boundary.cu)
+int pointer_device(ptr p);
+int current_device();
 }  // namespace pympar_cuda

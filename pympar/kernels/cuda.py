@@ -1,7 +1,8 @@
 """CuPy arrays -> the CUDA kernels of ``pympar._cuda``.
 
-Each function has the signature of its twin in :mod:`pympar.kernels.reference`, checks dtype,
-contiguity and device, and launches on CuPy's current stream (asynchronously, like CuPy's own
+Each function has the signature of its twin in :mod:`pympar.kernels.reference`, routes what the
+kernels do not cover to the reference, allocates the outputs and passes the arrays themselves
+(the bindings check their dtypes, sizes, C order and device again before any launch), and launches on CuPy's current stream (asynchronously, like CuPy's own
 operations). Storage float32, float16 or bfloat16, math in float32; statistics (layernorm
 mean/rstd, cross-entropy loss/lse) and layernorm dw/db are float32, as in the reference. What
 is not covered (float64 math, k > 16 in top-k, more than 256 experts) goes to the reference,
@@ -60,8 +61,7 @@ def softmax_causal_forward(x, out=None):
     direct = (out is not None and out.dtype == x.dtype and out.shape == x.shape and out.flags.c_contiguous
               and _on_device(out) and _p(out) != _p(x))        # the kernel writes straight into out
     y = out if direct else cp.empty_like(x)
-    T = x.shape[-1]
-    _cuda.softmax_causal_forward(_p(x), _p(y), _code(x.dtype), x.size // max(T * T, 1), T, _stream())
+    _cuda.softmax_causal_forward(x, y, _stream())
     if out is not None and not direct:
         out[...] = y
         return out
@@ -73,8 +73,7 @@ def softmax_causal_backward(y, dy):
         return reference.softmax_causal_backward(y, dy)
     y, dy = _c(y), _c(dy)
     dx = cp.empty_like(y)
-    T = y.shape[-1]
-    _cuda.softmax_causal_backward(_p(y), _p(dy), _p(dx), _code(y.dtype), y.size // max(T * T, 1), T, _stream())
+    _cuda.softmax_causal_backward(y, dy, dx, _stream())
     return dx
 
 
@@ -83,13 +82,10 @@ def layernorm_forward(x, w, b, eps=1e-5):
     if not _float(x, w, b) or x.ndim < 1 or w.shape != x.shape[-1:] or b.shape != w.shape:
         return reference.layernorm_forward(x, w, b, eps)
     x, w, b = _c(x), _c(w), _c(b)
-    C = x.shape[-1]
-    N = x.size // max(C, 1)
     y = cp.empty_like(x)
     mean = cp.empty(x.shape[:-1], dtype=cp.float32)
     rstd = cp.empty(x.shape[:-1], dtype=cp.float32)
-    _cuda.layernorm_forward(_p(x), _p(w), _p(b), _p(y), _p(mean), _p(rstd), _code(x.dtype), N, C, float(eps),
-                            _stream())
+    _cuda.layernorm_forward(x, w, b, y, mean, rstd, float(eps), _stream())
     return y, mean, rstd
 
 
@@ -105,8 +101,7 @@ def layernorm_backward(dy, x, w, mean, rstd):
     dw = cp.empty(C, dtype=cp.float32)
     db = cp.empty(C, dtype=cp.float32)
     scratch = cp.empty(max(1, _cuda.layernorm_backward_scratch(N, C)), dtype=cp.float32)
-    _cuda.layernorm_backward(_p(dy), _p(x), _p(w), _p(mean), _p(rstd), _p(dx), _p(dw), _p(db), _p(scratch),
-                             _code(x.dtype), N, C, _stream())
+    _cuda.layernorm_backward(dy, x, w, mean, rstd, dx, dw, db, scratch, _stream())
     return dx, dw, db
 
 
@@ -116,7 +111,7 @@ def gelu_forward(x):
         return reference.gelu_forward(x)
     x = _c(x)
     y = cp.empty_like(x)
-    _cuda.gelu_forward(_p(x), _p(y), _code(x.dtype), x.size, _stream())
+    _cuda.gelu_forward(x, y, _stream())
     return y
 
 
@@ -127,7 +122,7 @@ def gelu_backward(x, dy, out=None):
         return reference.gelu_backward(x, dy, out)
     x, dy = _c(x), _c(dy)
     dx = cp.empty_like(x) if out is None else out    # each element read, then written, by one thread
-    _cuda.gelu_backward(_p(x), _p(dy), _p(dx), _code(x.dtype), x.size, _stream())
+    _cuda.gelu_backward(x, dy, dx, _stream())
     return dx
 
 
@@ -139,7 +134,7 @@ def attention_forward(qkv, scale):
     qkv = _c(qkv)
     o = cp.empty((B, T, H * D), dtype=qkv.dtype)
     lse = cp.empty((B, H, T), dtype=cp.float32)
-    _cuda.attention_forward(_p(qkv), _p(o), _p(lse), _code(qkv.dtype), B, T, H, D, float(scale), _stream())
+    _cuda.attention_forward(qkv, o, lse, float(scale), _stream())
     return o, lse
 
 
@@ -151,8 +146,7 @@ def attention_backward(qkv, o, lse, dout, scale):
     qkv, o, lse, dout = _c(qkv), _c(o), _c(lse), _c(dout)
     dqkv = cp.empty_like(qkv)
     dvec = cp.empty((B, H, T), dtype=cp.float32)
-    _cuda.attention_backward(_p(qkv), _p(o), _p(lse), _p(dout), _p(dqkv), _p(dvec), _code(qkv.dtype), B, T, H, D,
-                             float(scale), _stream())
+    _cuda.attention_backward(qkv, o, lse, dout, dqkv, dvec, float(scale), _stream())
     return dqkv
 
 
@@ -165,7 +159,7 @@ def cross_entropy_forward(logits, targets):
     N, V = logits.shape
     loss = cp.empty(N, dtype=cp.float32)
     lse = cp.empty(N, dtype=cp.float32)
-    _cuda.cross_entropy_forward(_p(logits), _p(t), _p(loss), _p(lse), _code(logits.dtype), N, V, _stream())
+    _cuda.cross_entropy_forward(logits, t, loss, lse, _stream())
     return loss, lse
 
 
@@ -181,8 +175,7 @@ def cross_entropy_backward(logits, lse, targets, dloss, out=None):
     t = _c(cp.asarray(targets).astype(cp.int64, copy=False))
     d = _c(d.reshape(-1))
     dlogits = cp.empty_like(logits) if out is None else out     # each element read, then written, by one thread
-    _cuda.cross_entropy_backward(_p(logits), _p(lse), _p(t), _p(d), 0 if d.size == 1 else 1, _p(dlogits),
-                                 _code(logits.dtype), N, V, _stream())
+    _cuda.cross_entropy_backward(logits, lse, t, d, dlogits, _stream())
     return dlogits
 
 
@@ -194,7 +187,7 @@ def adamw_step(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step):
         return reference.adamw_step(p, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                     weight_decay=weight_decay, step=step)
     g = _c(g)
-    _cuda.adamw_step(_p(p), _p(g), _p(m), _p(v), _code(g.dtype), p.size, float(lr), float(beta1), float(beta2),
+    _cuda.adamw_step(p, g, m, v, float(lr), float(beta1), float(beta2),
                      float(eps), float(weight_decay), float(1 - beta1 ** step), float(1 - beta2 ** step), _stream())
 
 
@@ -206,7 +199,7 @@ def topk(scores, k):
     N, E = scores.shape
     idx = cp.empty((N, k), dtype=cp.int64)
     vals = cp.empty((N, k), dtype=scores.dtype)
-    _cuda.topk(_p(scores), _code(scores.dtype), N, E, int(k), _p(idx), _p(vals), _stream())
+    _cuda.topk(scores, int(k), idx, vals, _stream())
     return idx, vals
 
 
@@ -218,7 +211,7 @@ def capacity_positions(expert_idx, n_expert, capacity):
         raise IndexError(f"capacity_positions: expert indices must lie in [0, {n_expert})")
     pos = cp.empty(e.size, dtype=cp.int64)
     counts = cp.empty(int(n_expert), dtype=cp.int64)
-    _cuda.capacity_positions(_p(e), e.size, int(n_expert), int(capacity), _p(pos), _p(counts), _stream())
+    _cuda.capacity_positions(e, int(n_expert), int(capacity), pos, counts, _stream())
     return pos, counts
 
 
@@ -235,7 +228,7 @@ def permute(x, rows):
         return reference.permute(x, rows)
     x = _c(x)
     out = cp.empty((r.size,) + x.shape[1:], dtype=x.dtype)
-    _cuda.permute(_p(x), _p(r), _p(out), r.size, x.nbytes // max(x.shape[0], 1), _stream())
+    _cuda.permute(x, r, out, _stream())
     return out
 
 
@@ -247,10 +240,9 @@ def unpermute_add(y, rows, weights, n_rows):
     order = cp.argsort(r)  # CuPy's sort is stable: each segment keeps the order of i
     offsets = cp.zeros(int(n_rows) + 1, dtype=cp.int64)
     cp.cumsum(cp.bincount(r, minlength=int(n_rows)), out=offsets[1:])
-    w = 0 if weights is None else _p(_c(cp.asarray(weights).astype(y.dtype, copy=False).reshape(-1)))
+    w = None if weights is None else _c(cp.asarray(weights).astype(y.dtype, copy=False).reshape(-1))
     out = cp.empty((int(n_rows), y.shape[1]), dtype=y.dtype)
-    _cuda.unpermute_add(_p(y), _p(_c(order.astype(cp.int64, copy=False))), _p(offsets), w, _p(out),
-                        _code(y.dtype), int(n_rows), y.shape[1], _stream())
+    _cuda.unpermute_add(y, _c(order.astype(cp.int64, copy=False)), offsets, w, out, int(n_rows), _stream())
     return out
 
 
@@ -260,7 +252,7 @@ def cast(x, dtype):
         return reference.cast(x, dtype)
     x = _c(x)
     out = cp.empty(x.shape, dtype=dtype)
-    _cuda.cast(_p(x), _code(x.dtype), _p(out), _code(dtype), x.size, _stream())
+    _cuda.cast(x, out, _stream())
     return out
 
 
@@ -270,7 +262,7 @@ def reduce_inplace(dst, src, op="sum"):
     if not (_on_device(dst, src) and _code(dst.dtype) >= 0 and dst.flags.c_contiguous and src.dtype == dst.dtype
             and src.shape == dst.shape):
         return reference.reduce_inplace(dst, src, op)
-    _cuda.reduce_inplace(_p(dst), _p(_c(src)), _code(dst.dtype), _OPS[op], dst.size, _stream())
+    _cuda.reduce_inplace(dst, _c(src), _OPS[op], _stream())
     return dst
 
 
@@ -278,5 +270,5 @@ def scale_inplace(x, alpha):
     a = np.asarray(alpha)
     if not (_on_device(x) and _code(x.dtype) >= 0 and x.flags.c_contiguous and a.ndim == 0 and a.dtype.kind in "iuf"):
         return reference.scale_inplace(x, alpha)
-    _cuda.scale_inplace(_p(x), _code(x.dtype), float(a), x.size, _stream())
+    _cuda.scale_inplace(x, float(a), _stream())
     return x
