@@ -253,114 +253,89 @@ class MPIComm(Communicator):
         return req.wait()
 
     # --- collectives ---------------------------------------------------------------
-    # Every blocking verb below starts with its fast path: a NumPy operand whose call key was
-    # planned before runs by that plan (_planned). Otherwise the general path checks the
-    # operands, enters the call on the arrival board (_waiter), picks the algorithm and makes
-    # the plan (_plan, kept for the next call). Both paths then run the collective by the plan:
-    # the library's nonblocking call it bound, or the verb's runner of pympar's algorithms (_run;
-    # the fast path inlines the library branch).
+    # The five blocking verbs are one path (_blocking) over a description of each (_OPERANDS:
+    # its operand checks and output). A NumPy operand whose call key was planned before runs
+    # by that plan (_planned, the fast path). Otherwise the general path stages device operands
+    # through the host when the MPI library cannot take them, checks the operands, enters the
+    # call on the arrival board (_waiter), picks the algorithm and makes the plan (_plan, kept
+    # for the next call). Both paths then run the collective by the plan: the library's
+    # nonblocking call it bound, or the verb's runner of pympar's algorithms (_run; the fast
+    # path inlines the library branch).
     def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True):
         """op over ranks of x. out=None: in place into x (inplace=True) or a new array."""
-        if type(x) is _ndarray and self._fp is None:
-            got = self._planned(("allreduce", x.dtype, x.shape, op, algo), x, out, inplace)
-            if got is not None:
-                return got
-        check_op(op)
-        if needs_staging(x, out, reduction=True):
-            h = to_host(x)
-            self.allreduce(h, op, algo)
-            dst = out if out is not None else (x if inplace else None)
-            return copy_back(dst, h) if dst is not None else backend.xp_of(x).asarray(h)
-        x = contiguous(x, "allreduce operand")
-        dst = check_out(out, x.shape, x.dtype, "allreduce") if out is not None else (x if inplace else new_like(x, x.shape))
-        self._check_algo("allreduce", algo)
-        w = self._waiter("allreduce", x)
-        if self.size == 1:
-            if dst is not x:
-                dst[...] = x
-            return dst
-        plan = self._plan(("allreduce", x.dtype, x.shape, op, algo), x, dst, x.nbytes, x.shape, op=op)
-        return self._run(plan, x, dst, w)
+        return self._blocking("allreduce", x, out, algo, op=op, inplace=inplace)
 
     def reduce_scatter(self, x, op="sum", algo="auto", out=None):
         """x (N, ...) -> this rank's rows [E[r], E[r+1]) of the reduction (see base.py)."""
-        if type(x) is _ndarray and self._fp is None:
-            got = self._planned(("reduce_scatter", x.dtype, x.shape, op, algo), x, out)
-            if got is not None:
-                return got
-        check_op(op)
-        if needs_staging(x, out, reduction=True):
-            res = self.reduce_scatter(to_host(x), op, algo)
-            return _unstage(out, x, res)
-        x, E, out = self._rs_operands(x, out, "reduce_scatter")
-        self._check_algo("reduce_scatter", algo)
-        w = self._waiter("reduce_scatter", x)
-        if self.size == 1:
-            flat(out)[...] = flat(x)
-            return out
-        plan = self._plan(("reduce_scatter", x.dtype, x.shape, op, algo), x, out, x.nbytes, out.shape, op=op, E=E)
-        return self._run(plan, x, out, w)
+        return self._blocking("reduce_scatter", x, out, algo, op=op)
 
     def allgather(self, x, algo="auto", out=None):
         """x (m, ...) on every rank -> (size*m, ...), rank k's rows at [k*m, (k+1)*m)."""
+        return self._blocking("allgather", x, out, algo)
+
+    def broadcast(self, x, root=0, algo="auto"):
+        """x of rank root copied into x on every rank (in place); returns x."""
+        return self._blocking("broadcast", x, None, algo, root=root, inplace=True)
+
+    def alltoall(self, x, out=None, algo="auto"):
+        """x (size*m, ...): rows [i*m, (i+1)*m) go to rank i; out[j*m:(j+1)*m] came from j."""
+        return self._blocking("alltoall", x, out, algo)
+
+    def _blocking(self, verb, x, out, algo, op=None, root=None, inplace=False):
+        """The blocking path of every verb (see above). root: broadcast's, else None; the call
+        key's fourth item is the op (reductions), the root (broadcast) or None."""
+        sel = op if verb in _REDUCING else root
         if type(x) is _ndarray and self._fp is None:
-            got = self._planned(("allgather", x.dtype, x.shape, None, algo), x, out)
+            got = self._planned((verb, x.dtype, x.shape, sel, algo), x, out, inplace)
             if got is not None:
                 return got
-        if needs_staging(x, out):
-            res = self.allgather(to_host(x), algo)
+        if verb in _REDUCING:
+            check_op(op)
+        if needs_staging(x, out, reduction=verb in _REDUCING):
+            res = self._blocking(verb, to_host(x), None, algo, op, root, inplace=verb in _IN_PLACE)
+            if verb in _IN_PLACE:                 # the result lands in out, or in x, or in a new array
+                dst = out if out is not None else (x if inplace else None)
+                return copy_back(dst, res) if dst is not None else backend.xp_of(x).asarray(res)
             return _unstage(out, x, res)
+        x, dst, E, nbytes = _OPERANDS[verb](self, x, out, inplace)
+        self._check_algo(verb, algo)
+        w = self._waiter(verb, x) if root is None else self._waiter(verb, x, root=root)
+        if self.size == 1:
+            if dst is not x:
+                flat(dst)[...] = flat(x)
+            return dst
+        plan = self._plan((verb, x.dtype, x.shape, sel, algo), x, dst, nbytes, dst.shape, op=op,
+                          root=0 if root is None else root, E=E)
+        return self._run(plan, x, dst, w)
+
+    # each verb's operands: (x checked, dst, E (reduce_scatter's row bounds) or None, bytes auto decides on)
+    def _allreduce_operands(self, x, out, inplace):
+        x = contiguous(x, "allreduce operand")
+        dst = check_out(out, x.shape, x.dtype, "allreduce") if out is not None else (x if inplace else new_like(x, x.shape))
+        return x, dst, None, x.nbytes
+
+    def _reduce_scatter_operands(self, x, out, _inplace):
+        x, E, out = self._rs_operands(x, out, "reduce_scatter")
+        return x, out, E, x.nbytes
+
+    def _allgather_operands(self, x, out, _inplace):
         x = contiguous(x, "allgather operand")
         if x.ndim == 0:
             x = x.reshape(1)
         shape = (self.size * x.shape[0],) + tuple(x.shape[1:])
         out = check_out(out, shape, x.dtype, "allgather") if out is not None else new_like(x, shape)
-        self._check_algo("allgather", algo)
-        w = self._waiter("allgather", x)
-        if self.size == 1:
-            flat(out)[...] = flat(x)
-            return out
-        plan = self._plan(("allgather", x.dtype, x.shape, None, algo), x, out, out.nbytes, shape)
-        return self._run(plan, x, out, w)
+        return x, out, None, out.nbytes
 
-    def broadcast(self, x, root=0, algo="auto"):
-        """x of rank root copied into x on every rank (in place); returns x."""
-        if type(x) is _ndarray and self._fp is None:
-            got = self._planned(("broadcast", x.dtype, x.shape, root, algo), x, None, True)
-            if got is not None:
-                return got
-        if needs_staging(x):
-            h = to_host(x)
-            self.broadcast(h, root, algo)
-            return copy_back(x, h)
+    def _broadcast_operands(self, x, _out, _inplace):
         x = contiguous(x, "broadcast operand")
-        self._check_algo("broadcast", algo)
-        w = self._waiter("broadcast", x, root=root)
-        if self.size == 1:
-            return x
-        plan = self._plan(("broadcast", x.dtype, x.shape, root, algo), x, x, x.nbytes, x.shape, root=root)
-        return self._run(plan, x, x, w)
+        return x, x, None, x.nbytes
 
-    def alltoall(self, x, out=None, algo="auto"):
-        """x (size*m, ...): rows [i*m, (i+1)*m) go to rank i; out[j*m:(j+1)*m] came from j."""
-        if type(x) is _ndarray and self._fp is None:
-            got = self._planned(("alltoall", x.dtype, x.shape, None, algo), x, out)
-            if got is not None:
-                return got
-        if needs_staging(x, out):
-            res = self.alltoall(to_host(x), None, algo)
-            return _unstage(out, x, res)
+    def _alltoall_operands(self, x, out, _inplace):
         x = contiguous(x, "alltoall operand")
         if x.ndim == 0 or x.shape[0] % self.size:
             raise ValueError(f"alltoall: x has {x.shape[0] if x.ndim else 0} rows, not a multiple of size={self.size}")
         out = check_out(out, x.shape, x.dtype, "alltoall") if out is not None else new_like(x, x.shape)
-        self._check_algo("alltoall", algo)
-        w = self._waiter("alltoall", x)
-        if self.size == 1:
-            flat(out)[...] = flat(x)
-            return out
-        plan = self._plan(("alltoall", x.dtype, x.shape, None, algo), x, out, x.nbytes, x.shape)
-        return self._run(plan, x, out, w)
+        return x, out, None, x.nbytes
 
     # --- plans: the one mechanism behind the five verbs above (see plans.py) ----------------
     def _plan(self, key, x, dst, nbytes, out_shape, op=None, root=0, E=None):
@@ -821,6 +796,10 @@ class _Then:
 
 
 # each verb's runner of pympar's own algorithms (plans.Plan.own)
+_IN_PLACE = ("allreduce", "broadcast")       # verbs whose result can land in their operand
+_OPERANDS = {"allreduce": MPIComm._allreduce_operands, "reduce_scatter": MPIComm._reduce_scatter_operands,
+             "allgather": MPIComm._allgather_operands, "broadcast": MPIComm._broadcast_operands,
+             "alltoall": MPIComm._alltoall_operands}
 _OWN = {"allreduce": MPIComm._allreduce_own, "reduce_scatter": MPIComm._reduce_scatter_own,
         "allgather": MPIComm._allgather_own, "broadcast": MPIComm._broadcast_own,
         "alltoall": MPIComm._alltoall_own}
