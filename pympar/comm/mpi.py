@@ -309,32 +309,32 @@ class MPIComm(Communicator):
         return self._run(plan, x, dst, w)
 
     # each verb's operands: (x checked, dst, E (reduce_scatter's row bounds) or None, bytes auto decides on)
-    def _allreduce_operands(self, x, out, inplace):
-        x = contiguous(x, "allreduce operand")
-        dst = check_out(out, x.shape, x.dtype, "allreduce") if out is not None else (x if inplace else new_like(x, x.shape))
+    def _allreduce_operands(self, x, out, inplace, what="allreduce"):
+        x = contiguous(x, f"{what} operand")
+        dst = check_out(out, x.shape, x.dtype, what) if out is not None else (x if inplace else new_like(x, x.shape))
         return x, dst, None, x.nbytes
 
-    def _reduce_scatter_operands(self, x, out, _inplace):
-        x, E, out = self._rs_operands(x, out, "reduce_scatter")
+    def _reduce_scatter_operands(self, x, out, _inplace, what="reduce_scatter"):
+        x, E, out = self._rs_operands(x, out, what)
         return x, out, E, x.nbytes
 
-    def _allgather_operands(self, x, out, _inplace):
-        x = contiguous(x, "allgather operand")
+    def _allgather_operands(self, x, out, _inplace, what="allgather"):
+        x = contiguous(x, f"{what} operand")
         if x.ndim == 0:
             x = x.reshape(1)
         shape = (self.size * x.shape[0],) + tuple(x.shape[1:])
-        out = check_out(out, shape, x.dtype, "allgather") if out is not None else new_like(x, shape)
+        out = check_out(out, shape, x.dtype, what) if out is not None else new_like(x, shape)
         return x, out, None, out.nbytes
 
-    def _broadcast_operands(self, x, _out, _inplace):
-        x = contiguous(x, "broadcast operand")
+    def _broadcast_operands(self, x, _out, _inplace, what="broadcast"):
+        x = contiguous(x, f"{what} operand")
         return x, x, None, x.nbytes
 
-    def _alltoall_operands(self, x, out, _inplace):
-        x = contiguous(x, "alltoall operand")
+    def _alltoall_operands(self, x, out, _inplace, what="alltoall"):
+        x = contiguous(x, f"{what} operand")
         if x.ndim == 0 or x.shape[0] % self.size:
-            raise ValueError(f"alltoall: x has {x.shape[0] if x.ndim else 0} rows, not a multiple of size={self.size}")
-        out = check_out(out, x.shape, x.dtype, "alltoall") if out is not None else new_like(x, x.shape)
+            raise ValueError(f"{what}: x has {x.shape[0] if x.ndim else 0} rows, not a multiple of size={self.size}")
+        out = check_out(out, x.shape, x.dtype, what) if out is not None else new_like(x, x.shape)
         return x, out, None, x.nbytes
 
     # --- plans: the one mechanism behind the five verbs above (see plans.py) ----------------
@@ -556,8 +556,7 @@ class MPIComm(Communicator):
             dst = out if out is not None else (x if inplace else None)
             r = self.iallreduce(h, op, algo)
             return _Then(r, lambda hh: _unstage(dst, x, hh))
-        x = contiguous(x, "iallreduce operand")
-        dst = check_out(out, x.shape, x.dtype, "iallreduce") if out is not None else (x if inplace else new_like(x, x.shape))
+        x, dst, _, _ = self._allreduce_operands(x, out, inplace, "iallreduce")
         w = self._waiter("iallreduce", x)
         src_f, dst_f = flat(x), flat(dst)
         fin = (lambda: finish_avg(dst_f, self.size)) if op == "avg" and self.size > 1 else None
@@ -604,10 +603,7 @@ class MPIComm(Communicator):
         if needs_staging(x, out):
             r = self.iallgather(to_host(x), None, algo)
             return _Then(r, lambda res: _unstage(out, x, res))
-        x = contiguous(x, "iallgather operand")
-        x = x.reshape(1) if x.ndim == 0 else x
-        shape = (self.size * x.shape[0],) + tuple(x.shape[1:])
-        out = check_out(out, shape, x.dtype, "iallgather") if out is not None else new_like(x, shape)
+        x, out, _, _ = self._allgather_operands(x, out, False, "iallgather")
         w = self._waiter("iallgather", x)
         src_f, out_f = flat(x), flat(out)
         m = src_f.size
@@ -626,7 +622,7 @@ class MPIComm(Communicator):
         if needs_staging(x):
             h = to_host(x)
             return _Then(self.ibroadcast(h, root, algo), lambda hh: copy_back(x, hh))
-        x = contiguous(x, "ibroadcast operand")
+        x = self._broadcast_operands(x, None, True, "ibroadcast")[0]
         w = self._waiter("ibroadcast", x, root=root)
         sync_stream(x)
         return self._staged(w, self._lib_steps(lambda: self._coll.Ibcast(wire(flat(x)), root), x))
@@ -637,10 +633,7 @@ class MPIComm(Communicator):
         if needs_staging(x, out):
             r = self.ialltoall(to_host(x), None, algo)
             return _Then(r, lambda res: _unstage(out, x, res))
-        x = contiguous(x, "ialltoall operand")
-        if x.ndim == 0 or x.shape[0] % self.size:
-            raise ValueError(f"ialltoall: x has {x.shape[0] if x.ndim else 0} rows, not a multiple of size={self.size}")
-        out = check_out(out, x.shape, x.dtype, "ialltoall") if out is not None else new_like(x, x.shape)
+        x, out, _, _ = self._alltoall_operands(x, out, False, "ialltoall")
         w = self._waiter("ialltoall", x)
         sync_stream(x)
         return self._staged(w, self._lib_steps(lambda: self._coll.Ialltoall(wire(flat(x)), wire(flat(out))), out))
