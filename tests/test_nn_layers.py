@@ -110,3 +110,31 @@ def test_init_param_is_a_function_of_seed_name_shape():
     # float32 is the float64 tensor rounded
     np.testing.assert_array_equal(init_param(7, "w", (3, 4), np.float32),
                                   init_param(7, "w", (3, 4), np.float64).astype(np.float32))
+
+
+def test_zero_grad_marks_stale_and_the_first_contribution_is_written_over():
+    """zero_grad writes nothing; a stale gradient reads as zeros, and the step's first
+    contribution is written over it (a GEMM straight into it for a Linear), then added to."""
+    from pympar.nn.parameter import Parameter, accumulate
+    p = Parameter(np.ones((2, 3), np.float32), name="p")
+    p.grad[...] = 5.0
+    buf = p.grad
+    p.zero_grad()
+    assert p._grad is buf and float(buf.sum()) == 30.0          # nothing written yet
+    accumulate(p, np.full((2, 3), 2.0, np.float32))
+    np.testing.assert_array_equal(p.grad, 2.0)                   # written over, not 5 + 2
+    accumulate(p, np.full((2, 3), 1.0, np.float32))
+    np.testing.assert_array_equal(p.grad, 3.0)                   # then added
+    p.zero_grad()
+    np.testing.assert_array_equal(p.grad, 0.0)                   # no contribution: zeros when read
+    assert p.grad is buf
+    rng = np.random.default_rng(4)
+    lin = Linear(16, 8, name="l", seed=2)
+    x, dy = rng.standard_normal((5, 16)).astype(np.float32), rng.standard_normal((5, 8)).astype(np.float32)
+    lin.backward(dy, x)
+    first = {n: q.grad.copy() for n, q in lin.named_parameters()}
+    lin.backward(dy, x)                                          # accumulates: twice the gradient
+    lin.zero_grad()
+    lin.backward(dy, x)                                          # the GEMM writes into the stale buffer
+    for n, q in lin.named_parameters():
+        np.testing.assert_array_equal(q.grad, first[n], err_msg=n)

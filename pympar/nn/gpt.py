@@ -223,11 +223,16 @@ class Head(Module):
         return float(loss_rows.sum()) / max(n_valid, 1), self.ln_f.backward(dh.reshape(x.shape), c_ln)
 
     def _chunk_weight_grad(self, dl, hc):
-        """wte.grad += dl^T hc in vocabulary blocks: no (V, C) product beside the gradient itself."""
-        g = self._wte.grad
+        """wte.grad += dl^T hc in vocabulary blocks: no (V, C) product beside the gradient itself
+        (the step's first contribution is written straight into the gradient, block by block)."""
+        fresh = self._wte.write_grad()
+        g = fresh if fresh is not None else self._wte.grad
         vrows = max(1, CE_CHUNK // hc.shape[1])
         for v0 in range(0, g.shape[0], vrows):
-            g[v0:v0 + vrows] += matmul(dl[:, v0:v0 + vrows].T, hc, g.dtype)          # (v, C)
+            if fresh is not None:
+                matmul(dl[:, v0:v0 + vrows].T, hc, g.dtype, out=g[v0:v0 + vrows])         # (v, C)
+            else:
+                g[v0:v0 + vrows] += matmul(dl[:, v0:v0 + vrows].T, hc, g.dtype)
 
     @staticmethod
     def chunk_rows(N: int, V: int) -> int:
@@ -241,7 +246,8 @@ class Head(Module):
         if logits is not None:
             dlogits = kernels.cross_entropy_backward(logits, lse, t, scale, out=logits)   # (N, V), over them
             wte = self._wte
-            weight_grad(wte, lambda: matmul(dlogits.T, h2, wte.grad.dtype))     # (V, C): the W pass
+            weight_grad(wte, lambda: matmul(dlogits.T, h2, wte.dtype),          # (V, C): the W pass
+                        into=lambda o: matmul(dlogits.T, h2, o.dtype, out=o))
             dh = matmul(dlogits, w)                                               # (N, C)
             return self.ln_f.backward(dh.reshape(shape), c_ln)
         N, V = h2.shape[0], w.shape[0]

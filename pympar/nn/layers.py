@@ -35,9 +35,10 @@ class Linear(Module):
         dy2 = dy.reshape(-1, dy.shape[-1])       # (N, out)
         x2 = x.reshape(-1, x.shape[-1])          # (N, in)
         w, b = self.weight, self.bias            # W pass (deferrable): dW = dy^T x, db = sum dy
-        weight_grad(w, lambda: matmul(dy2.T, x2, w.grad.dtype))            # (out, in)
+        weight_grad(w, lambda: matmul(dy2.T, x2, w.dtype),                 # (out, in)
+                    into=lambda o: matmul(dy2.T, x2, o.dtype, out=o))
         if b is not None:
-            weight_grad(b, lambda: dy2.sum(axis=0, dtype=b.grad.dtype))
+            weight_grad(b, lambda: dy2.sum(axis=0, dtype=b.dtype), into=lambda o: dy2.sum(axis=0, dtype=o.dtype, out=o))
         o = None if out is None else out.reshape(dy2.shape[0], -1)
         dx = matmul(dy2, compute_cast(w.data, self._cdt), out=o)   # (N, in): the B pass
         return dx.reshape(*dy.shape[:-1], dx.shape[-1])

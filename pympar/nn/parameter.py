@@ -32,9 +32,15 @@ class Parameter:
     released (``release_grad``) by a gradient sync that keeps only a shard of it (ZeRO-2/3).
     ``grad_shape``: the gradient's shape where it is not the data's -- ZeRO-3, whose data is this
     rank's rows outside a gather scope while the gradient is the whole (tp-local) tensor's, so a
-    weight gradient deferred past the scope (a zero-bubble W pass) still has its full shape."""
+    weight gradient deferred past the scope (a zero-bubble W pass) still has its full shape.
 
-    __slots__ = ("_data", "_grad", "name", "shard", "placement", "init", "grad_shape")
+    ``zero_grad`` does not write zeros: it marks the gradient stale, and the first contribution of
+    the next step is written over it (``write_grad``: a weight-gradient GEMM straight into it,
+    ``accumulate``: a copy) instead of added to zeros; reading ``grad`` while stale (a parameter
+    no contribution reached, e.g. an expert without tokens) gives zeros. The numbers are those of
+    zeros plus the contribution, up to the sign of a zero."""
+
+    __slots__ = ("_data", "_grad", "name", "shard", "placement", "init", "grad_shape", "_stale")
 
     def __init__(self, data=None, grad=None, name="", shard=None, init=None):
         if data is None and init is None:
@@ -42,6 +48,7 @@ class Parameter:
         self._data, self._grad, self.name = data, grad, name
         self.shard, self.init, self.placement = shard, init, None
         self.grad_shape = None
+        self._stale = False
 
     @property
     def data(self):
@@ -62,11 +69,22 @@ class Parameter:
         if self._grad is None:
             d = self.data
             self._grad = xp_of(d).zeros(self.grad_shape or d.shape, dtype=d.dtype)
+        elif self._stale:
+            self._grad[...] = 0
+            self._stale = False
         return self._grad
 
     @grad.setter
     def grad(self, value):
-        self._grad = value
+        self._grad, self._stale = value, False
+
+    def write_grad(self):
+        """The gradient buffer to write (not add) this step's first contribution into, or None
+        when a contribution is there already (add to ``grad`` then). The caller writes all of it."""
+        if self._stale:
+            self._stale = False
+            return self._grad
+        return None
 
     @property
     def has_grad(self) -> bool:
@@ -74,11 +92,11 @@ class Parameter:
         return self._grad is not None
 
     def release_grad(self):
-        self._grad = None
+        self._grad, self._stale = None, False
 
     def zero_grad(self):
         if self._grad is not None:
-            self._grad[...] = 0
+            self._stale = True                   # zeros when read, or written over (see above)
 
     @property
     def shape(self):
@@ -300,8 +318,11 @@ def matmul(a, b, out_dtype=None, out=None):
 
 
 def accumulate(p: Parameter, g):
-    """p.grad += g (g in any float dtype)."""
-    if g.dtype == p.grad.dtype:
+    """p.grad += g (g in any float dtype); the step's first contribution is copied in."""
+    dst = p.write_grad()
+    if dst is not None:
+        dst[...] = g
+    elif g.dtype == p.grad.dtype:
         p.grad += g
     else:
         p.grad += g.astype(p.grad.dtype)
@@ -321,9 +342,17 @@ def deferrable(apply):
         apply()
 
 
-def weight_grad(p: Parameter, compute):
-    """p.grad += compute(), now or deferred (``deferrable``)."""
-    deferrable(lambda: accumulate(p, compute()))
+def weight_grad(p: Parameter, compute, into=None):
+    """p.grad += compute(), now or deferred (``deferrable``). ``into(out)`` (optional): the same
+    product written into ``out`` -- the step's first contribution goes straight into the
+    gradient, without a temporary and an addition."""
+    def apply():
+        dst = p.write_grad() if into is not None else None
+        if dst is not None:
+            into(dst)
+        else:
+            accumulate(p, compute())
+    deferrable(apply)
 
 
 def deferring() -> bool:

@@ -79,9 +79,10 @@ class ColumnParallelLinear(Module):
         xf = self._tp.allgather_seq(x) if self._mode == "gather_seq" else x   # the collective stays in B
         dy2 = dy.reshape(-1, dy.shape[-1])
         w, b = self.weight, self.bias            # the W pass (deferrable)
-        weight_grad(w, lambda: matmul(dy2.T, xf.reshape(-1, xf.shape[-1]), w.grad.dtype))
+        x2 = xf.reshape(-1, xf.shape[-1])
+        weight_grad(w, lambda: matmul(dy2.T, x2, w.dtype), into=lambda o: matmul(dy2.T, x2, o.dtype, out=o))
         if b is not None:
-            weight_grad(b, lambda: dy2.sum(axis=0, dtype=b.grad.dtype))
+            weight_grad(b, lambda: dy2.sum(axis=0, dtype=b.dtype), into=lambda o: dy2.sum(axis=0, dtype=o.dtype, out=o))
         if pending is not None:
             dx = pending.wait()
         elif self._mode == "gather_seq":
@@ -123,8 +124,9 @@ class RowParallelLinear(Module):
     def backward(self, dy, x, out=None):         # dy like y -> dx (..., in/tp); out: as nn.Linear's
         w, b = self.weight, self.bias            # the W pass (deferrable): db, dW
         if b is not None and self._mode != "none":
-            weight_grad(b, lambda: dy.reshape(-1, dy.shape[-1]).sum(axis=0, dtype=b.grad.dtype))
+            weight_grad(b, lambda: dy.reshape(-1, dy.shape[-1]).sum(axis=0, dtype=b.dtype))
         dyf = self._tp.allgather_seq(dy) if self._mode == "reduce_scatter_seq" else dy
         dy2 = dyf.reshape(-1, dyf.shape[-1])
-        weight_grad(w, lambda: matmul(dy2.T, x.reshape(-1, x.shape[-1]), w.grad.dtype))
+        x2 = x.reshape(-1, x.shape[-1])
+        weight_grad(w, lambda: matmul(dy2.T, x2, w.dtype), into=lambda o: matmul(dy2.T, x2, o.dtype, out=o))
         return _gemm(dyf, compute_cast(w.data, self._cdt).T, out=out)

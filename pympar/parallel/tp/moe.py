@@ -64,7 +64,7 @@ class TPMoE(MoE):
             ex = self.experts[e]
             if ex.c_proj.bias is not None:
                 bias, rows = ex.c_proj.bias, dys[lo:lo + n]
-                weight_grad(bias, lambda bias=bias, rows=rows: rows.sum(axis=0, dtype=bias.grad.dtype))
+                weight_grad(bias, lambda bias=bias, rows=rows: rows.sum(axis=0, dtype=bias.dtype))
             dxs[lo:lo + n] = ex.backward(dys[lo:lo + n], c)               # partial over tp
         return self._tp.allreduce(dxs).astype(dys.dtype, copy=False)
 
