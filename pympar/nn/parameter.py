@@ -2,8 +2,9 @@
 
 Gradient convention (the whole of pympar.nn follows it):
   * ``forward(x) -> (y, ctx)``; ctx holds exactly what backward needs (no tape, no globals);
-  * ``backward(dy, ctx) -> dx``: parameter gradients are ACCUMULATED (``p.grad += ...``),
-    activation gradients are RETURNED fresh (``dx = ...``);
+  * ``backward(dy, ctx) -> dx``: parameter gradients are ACCUMULATED (``p.grad += ...``, through
+    ``accumulate`` / ``weight_grad``, which write the step's first contribution over the
+    gradient ``zero_grad`` left stale), activation gradients are RETURNED fresh (``dx = ...``);
   * master weights (``p.data``) and their grads are float32 or float64; a module built with a
     lower ``compute_dtype`` casts weights and activations to it for the arithmetic and adds
     its grads back into the master-precision ``p.grad``.
