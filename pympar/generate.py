@@ -87,9 +87,7 @@ def decode_layout(a, meta, world: int):
     if any(v < 1 for v in given.values()):
         raise ValueError("--tp, --pp and --ep must be >= 1")
     lay.update(given)
-    if lay["pp"] != saved["pp"]:                # another pipeline: plain stages
-        lay.update(virtual_stages=1, schedule="1f1b")
-    if lay["pp"] == 1:
+    if lay["pp"] == 1 or lay["pp"] != saved["pp"]:   # no pipeline, or another one: plain stages
         lay.update(virtual_stages=1, schedule="1f1b")
     tp, pp, ep = lay["tp"], lay["pp"], lay["ep"]
     if world % (tp * pp):

@@ -15,6 +15,8 @@ window again (what the uncached path does at every step).
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ..backend import to_numpy, xp_of
@@ -144,21 +146,18 @@ def decode(dec, idx, n, top_k=None, temperature=1.0, rng=None):
     return idx
 
 
+@contextlib.contextmanager
 def moe_inference(model):
     """Context: the model's MoE layers do not count expert loads (inference is not training)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def scope():
-        layers = [m for _, m in model.moe_layers()]
-        for m in layers:
-            m.recording = False
-        try:
-            yield
-        finally:
-            for m in layers:
-                m.recording = True
-    return scope()
+    layers = [m for _, m in model.moe_layers()]
+    was = [m.recording for m in layers]
+    for m in layers:
+        m.recording = False
+    try:
+        yield
+    finally:
+        for m, r in zip(layers, was):
+            m.recording = r
 
 
 def generate(model, idx, n, top_k=None, temperature=1.0, rng=None, cache=True):

@@ -18,25 +18,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..nn.generate import Decoder, KVCache, decode, embed, moe_inference
+from ..nn.generate import Decoder, decode, embed, moe_inference
 
 
 class PipelineDecoder(Decoder):
     """Decoder of a pipeline rank's PipelineGPT over ``pp_comm`` (its rank is the pipeline rank)."""
 
     def __init__(self, model, pp_comm, B):
-        self.model, self.comm, self.B = model, pp_comm, B
-        self.block_size = model.config.block_size
-        part = model.part
+        super().__init__(model, B)
+        self.comm, part = pp_comm, model.part
         self.n_stage = part.n_stage
         self.owner = [part.rank_of(s)[0] for s in range(self.n_stage)]
         self.chunk = {ch.stage: ch for ch in model.chunks}
         self.last = self.owner[-1]
-        self.dtype = next(p for _, p in model.named_parameters()).data.dtype
-        self.reset()
-
-    def reset(self):
-        self.kv, self.t = KVCache(self.B, self.block_size), 0
 
     def step(self, tokens):
         me, B, s = self.comm.rank, tokens.shape[0], tokens.shape[1]
@@ -48,7 +42,8 @@ class PipelineDecoder(Decoder):
             if st == 0:
                 x = embed(ch.embedding, tokens, self.t)
             elif self.owner[st - 1] != me:          # else: the previous stage ran here, x is its output
-                x = self.comm.recv(np.empty((B, s, self.model.config.n_embd), self.dtype), self.owner[st - 1], tag=st)
+                buf = np.empty(self.model.activation_shape(B, s), self.model.act_dtype)   # what stages exchange
+                x = self.comm.recv(buf, self.owner[st - 1], tag=st)
             x = self.kv.run(ch.blocks, x, self.t)
             if st == self.n_stage - 1:
                 out = ch.head.logits(x[:, -1:])[:, -1]
