@@ -37,11 +37,13 @@ def worker(a) -> None:
     from pympar.nn import GPTConfig
     from pympar.parallel.gradsync import GradSync
     from pympar.parallel.mesh import Mesh
-    from pympar.parallel.tp import TPGPT, activation_bytes
+    from pympar.parallel.meter import Meter
+    from pympar.parallel.tp import TPGPT, TPCollectives, activation_bytes
 
     comm = MPIComm(MPI.COMM_WORLD, name="tp")
     cfg = GPTConfig.from_preset(a.preset)
-    model = TPGPT(cfg, comm, seed=0, sequence_parallel=a.sp, compute_dtype=a.compute_dtype)
+    meter = Meter()                                  # the TP collectives' seconds and calls
+    model = TPGPT(cfg, TPCollectives(comm, meter=meter), seed=0, sequence_parallel=a.sp, compute_dtype=a.compute_dtype)
     sync = GradSync(model.named_parameters(), Mesh(comm, tp=comm.size))     # the trainer's path
     opt = sync.make_optimizer(lr=1e-3)
     rng = np.random.default_rng(0)
@@ -51,11 +53,11 @@ def worker(a) -> None:
         toks = rng.integers(0, cfg.vocab_size, size=(a.batch, T + 1))
         return toks[:, :-1], toks[:, 1:]
 
-    steps, comm_s = [], []
+    steps, comm_s, calls = [], [], 0
     for s in range(a.warmup + a.steps):
         x, y = batch()
         comm.barrier()
-        model.take_tp_comm_seconds()
+        meter.take()
         t0 = time.perf_counter()
         model.zero_grad()
         sync.begin_step()
@@ -64,14 +66,15 @@ def worker(a) -> None:
         sync.finish()
         sync.step(opt, 1e-3, 1.0, float(np.asarray(comm.allreduce(np.array([sync.local_sq()]))).reshape(-1)[0]))
         dt = time.perf_counter() - t0
-        c = model.take_tp_comm_seconds()
+        tp = meter.take().get("tp")
+        c, calls = (tp.seconds, tp.calls) if tp is not None else (0.0, 0)
         if s >= a.warmup:
             steps.append(dt)
             comm_s.append(c)
     step = float(np.median(steps))
     frac = float(np.median([c / t for c, t in zip(comm_s, steps)]))
     # the slowest rank's step and its fraction are what a trainer would see
-    rows = MPI.COMM_WORLD.gather(dict(step=step, frac=frac, calls=model.tp.calls), root=0)
+    rows = MPI.COMM_WORLD.gather(dict(step=step, frac=frac, calls=calls), root=0)
     act = activation_bytes(model, *batch())
     if comm.rank == 0:
         slow = max(rows, key=lambda r: r["step"])

@@ -38,6 +38,7 @@ import numpy as np
 from .. import kernels
 from ..backend import xp_of
 from ..nn.attention_core import CausalAttentionCore
+from .meter import Meter
 
 _KV_TAG, _DKV_TAG = 0x6370, 0x6371          # ring messages (tags apart from the pipeline's)
 
@@ -76,21 +77,14 @@ class RingAttentionCore(CausalAttentionCore):
     """Causal attention of this rank's 2c positions against all T over the cp ring.
 
     Same face as CausalAttentionCore: forward(qkv (B, 2c, 3, nh, hs)) -> (ya (B, 2c, nh*hs), ctx),
-    backward(dya, ctx) -> dqkv. ``seconds`` accumulates the time spent waiting for the ring
-    (take_seconds() reads and resets it); ``overlap_seconds`` the time the transfers were in
-    flight while a block was being computed."""
+    backward(dya, ctx) -> dqkv. The meter (pympar.parallel.meter) gets the seconds spent waiting
+    for the ring's transfers ("cp wait") and the seconds of block computation ("cp compute")."""
 
-    def __init__(self, cp_comm):
+    def __init__(self, cp_comm, meter: Meter | None = None):
         self.comm = cp_comm
         self.cp, self.rank = cp_comm.size, cp_comm.rank
-        self.wait_s = self.busy_s = 0.0
+        self.meter = Meter() if meter is None else meter
         self.peak_bytes = 0                      # the ring's buffers at their most (the ledger's communication)
-
-    def take_seconds(self):
-        """(seconds waiting for ring transfers, seconds of block computation) since the last call."""
-        out = (self.wait_s, self.busy_s)
-        self.wait_s = self.busy_s = 0.0
-        return out
 
     # --- the three block cases ------------------------------------------------------------
     def _block(self, j, T):
@@ -113,7 +107,7 @@ class RingAttentionCore(CausalAttentionCore):
         t0 = time.perf_counter()
         for r in reqs:
             r.wait()
-        self.wait_s += time.perf_counter() - t0
+        self.meter.add("cp wait", time.perf_counter() - t0)
 
     @staticmethod
     def _poll(reqs):
@@ -163,7 +157,7 @@ class RingAttentionCore(CausalAttentionCore):
                         o, lse = xp.empty((B, T, nh * hs), ob.dtype), xp.empty((B, nh, T), lb.dtype)
                     o[:, :, h0 * hs:h1 * hs], lse[:, hd] = ob, lb
                 self._poll(reqs)
-            self.busy_s += time.perf_counter() - t0
+            self.meter.add("cp compute", time.perf_counter() - t0)
             if reqs:
                 self._wait(reqs)
                 kv = nxt
@@ -198,7 +192,7 @@ class RingAttentionCore(CausalAttentionCore):
                 dq[:, qr, hd] += dqb
                 parts.append((hd, dkb, dvb))
                 self._poll(kv_reqs + dkv_reqs)
-            self.busy_s += time.perf_counter() - t0
+            self.meter.add("cp compute", time.perf_counter() - t0)
             if s > 0:
                 self._wait(dkv_reqs)                       # the accumulator of block j, from the previous rank
                 acc = acc_in
@@ -260,10 +254,12 @@ class CPRouting:
         return pos.reshape(k, B, self.T)[:, :, self.pos].reshape(-1), counts
 
 
-def install_context_parallel(model, cp_comm, T: int):
+def install_context_parallel(model, cp_comm, T: int, meter: Meter | None = None):
     """Make ``model`` (nn.GPT, TPGPT or pipeline chunks: anything whose modules() reach its pieces)
     run this cp rank's positions of sequences of length T: ring attention in every attention,
-    the embedding's positions, the MoE layers' routing over the micro-batch."""
+    the embedding's positions, the MoE layers' routing over the micro-batch. The ring attentions
+    report their seconds to ``meter`` (one new Meter shared by them when None)."""
+    meter = Meter() if meter is None else meter
     from ..nn.moe import MoE
 
     pos = positions(T, cp_comm.size, cp_comm.rank)
@@ -272,7 +268,7 @@ def install_context_parallel(model, cp_comm, T: int):
         for m in top.modules():
             for name, child in list(vars(m).items()):
                 if type(child) is CausalAttentionCore:
-                    ring = RingAttentionCore(cp_comm)
+                    ring = RingAttentionCore(cp_comm, meter)
                     ring.keep_probs, ring.impl = child.keep_probs, child.impl
                     setattr(m, name, ring)
                     cores.append(ring)

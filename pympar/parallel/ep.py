@@ -39,6 +39,7 @@ import time
 import numpy as np
 
 from ..backend import to_numpy, xp_of
+from .meter import Meter, Tally
 
 _EXPERT = re.compile(r"\.moe\.experts\.(\d+)\.")
 
@@ -102,16 +103,17 @@ class ExpertParallelMixin:
     """Put in front of a MoE class (nn.MoE, TPMoE) by ``install_expert_parallel``: the layer keeps
     its routing and runs its (local) experts through the parent's ``run_experts``."""
 
-    def _ep_setup(self, ep_comm, lo, hi):
+    def _ep_setup(self, ep_comm, lo, hi, meter, key):
         self._ep = ep_comm
         self._ep_lo, self._n_local = lo, hi - lo
         self.experts = self.experts[lo:hi]                  # local experts, local index j = e - lo
+        self._ep_meter, self._ep_key = meter, key           # the all-to-alls' seconds and bytes go there
         self._ep_reset()
 
     def _ep_reset(self):
         # host counters: the counts behind them are on the host already (they travel over MPI)
         self._ep_acc = dict(processed=np.zeros(self._n_local, np.int64), routed=np.zeros(self.n_expert, np.int64),  # host
-                            kept=0, assignments=0, a2a_s=0.0, a2a_bytes=0, a2a_calls=0)
+                            kept=0, assignments=0)
 
     def _named_parameters(self, prefix):
         pre = f"{prefix}.experts." if prefix else "experts."
@@ -124,10 +126,7 @@ class ExpertParallelMixin:
     def _a2a(self, x, send, recv):
         t0 = time.perf_counter()
         out, _ = self._ep.alltoallv(xp_of(x).ascontiguousarray(x), send, recv)   # rows on x's device
-        a = self._ep_acc
-        a["a2a_s"] += time.perf_counter() - t0
-        a["a2a_bytes"] += int(x.nbytes)
-        a["a2a_calls"] += 1
+        self._ep_meter.add(self._ep_key, time.perf_counter() - t0, x.nbytes)
         return out
 
     def run_experts(self, xs, counts):           # xs (M, C) grouped by global expert, counts (E,)
@@ -138,7 +137,7 @@ class ExpertParallelMixin:
         per_dest = np.ascontiguousarray(np.asarray(to_numpy(counts), np.int64).reshape(ep, nl))  # host (ep, n_local)
         t0 = time.perf_counter()
         recv_by = np.asarray(self._ep.alltoall(per_dest)).reshape(ep, nl)             # host (ep, n_local)
-        self._ep_acc["a2a_s"] += time.perf_counter() - t0
+        self._ep_meter.add(self._ep_key, time.perf_counter() - t0, calls=0)   # the counts: not a2a_bytes
         send, recv = per_dest.sum(axis=1), recv_by.sum(axis=1)                        # (ep,) rows, host
         xr = self._a2a(xs, send, recv)                       # (R, C) source-major
         perm = xp.asarray(_expert_major(recv_by))            # (R,) built on the host, moved once
@@ -192,20 +191,23 @@ def moe_layers_of(model):
     return list(model.moe_layers())
 
 
-def install_expert_parallel(model, ep_comm):
+def install_expert_parallel(model, ep_comm, meter: Meter | None = None):
     """Keep only this ep rank's experts in every MoE layer of ``model`` and route tokens over ep_comm.
 
     The model must have been built from (config, seed) like every other rank's: the kept experts are
     then exactly the full model's experts [lo, hi) (init depends on (seed, global name) only). All
-    experts exist transiently during the model's construction. Returns the model."""
-    for _, layer in moe_layers_of(model):
+    experts exist transiently during the model's construction. Layer i's all-to-alls report their
+    seconds and bytes to ``meter`` under ("ep", i) (pympar.parallel.meter; a new Meter when None).
+    Returns the model."""
+    meter = Meter() if meter is None else meter
+    for i, layer in moe_layers_of(model):
         validate_ep(layer, ep_comm.size)
         lo, hi = expert_range(layer.n_expert, ep_comm.size, ep_comm.rank)
         if len(layer.experts) != layer.n_expert:
             raise ValueError(f"MoE layer holds {len(layer.experts)} experts, expected all {layer.n_expert} "
                              "before installing expert parallelism")
         layer.__class__ = _ep_class(type(layer))
-        layer._ep_setup(ep_comm, lo, hi)
+        layer._ep_setup(ep_comm, lo, hi, meter, ("ep", i))
     model.ep_comm = ep_comm
     return model
 
@@ -237,20 +239,21 @@ def lockstep_forward_losses(model, batches, ep_comm):
     return losses
 
 
-def ep_step_stats(model, dp_comm=None):
+def ep_step_stats(model, meter, dp_comm=None):
     """Per MoE layer, over all dp ranks since the last call: tokens_per_expert (kept tokens each
     expert processed), load_cv and max_over_mean of that load, routed_per_expert (assignments
     before dropping), dropped_fraction, a2a_seconds (mean over dp ranks of the time inside the
-    alltoall/alltoallv calls), a2a_bytes (sent, summed over ranks). One allreduce per call."""
+    alltoall/alltoallv calls), a2a_bytes (sent, summed over ranks). ``meter``: the one the layers
+    were installed with; its tallies are taken (reset). One allreduce per call."""
     layers = moe_layers_of(model)
     if not layers:
         return []
-    rows = []
-    for _, m in layers:
-        a = m.take_ep_stats()
+    rows, tallies = [], meter.take()
+    for i, m in layers:
+        a, t = m.take_ep_stats(), tallies.get(("ep", i), Tally())
         proc = np.zeros(m.n_expert, np.float64)  # host: the counters are host vectors
         proc[m._ep_lo:m._ep_lo + m._n_local] = a["processed"]
-        rows.append(np.concatenate([proc, a["routed"], [a["kept"], a["assignments"], a["a2a_bytes"], a["a2a_s"]]]))  # host
+        rows.append(np.concatenate([proc, a["routed"], [a["kept"], a["assignments"], t.bytes, t.seconds]]))  # host
     vec = np.concatenate(rows).astype(np.float64)  # host
     n = 1
     if dp_comm is not None and dp_comm.size > 1:

@@ -74,31 +74,13 @@ def generate_parallel(model, mesh, idx, n, top_k=None, temperature=1.0, rng=None
 def build_for_generation(cfg, comm, layout):
     """(model, mesh): this rank's part of a GPT of config ``cfg`` on ``layout`` (a
     pympar.layout.Layout of comm.size ranks; its tp, pp, ep, virtual stages and schedule's
-    placement are used, cp and sp are not), parameters made on first use (restore a checkpoint
-    into it). The layout has passed ``pympar.layout.check`` (the application does it on every rank
-    before any communication, as the trainer's configuration does for build_runner)."""
-    from .ep import install_expert_parallel
+    placement are used, cp and sp are not: cp's ranks decode as replicas), parameters made on first
+    use (restore a checkpoint into it; pympar.parallel.build). The layout has passed
+    ``pympar.layout.check`` (the application does it on every rank before any communication, as the
+    trainer's configuration does for build_runner)."""
+    from .build import build_model
     from .mesh import Mesh
 
-    tp, pp, ep = layout.tp, layout.pp, layout.ep
-    mesh = Mesh(comm, dp=layout.dp * layout.cp, pp=pp, tp=tp, ep=ep)
-    make_tp = None
-    if tp > 1:
-        from .tp import TPGPT
-
-        def make_tp(c, seed):
-            return TPGPT(c, mesh.tp_comm, seed=seed)
-    if pp > 1:
-        from .pp import PipelineGPT, SlicedModelFactory
-        from .pp.schedules import placement_of
-        model = PipelineGPT(cfg, 0, pp=pp, rank=mesh.pp_comm.rank, v=layout.virtual_stages,
-                            factory=SlicedModelFactory(make_tp) if make_tp else None,
-                            placement=placement_of(layout.schedule))
-    elif make_tp is not None:
-        model = make_tp(cfg, 0)
-    else:
-        from ..nn.gpt import GPT
-        model = GPT(cfg)
-    if ep > 1:
-        install_expert_parallel(model, mesh.ep_comm)
+    mesh = Mesh(comm, dp=layout.dp * layout.cp, pp=layout.pp, tp=layout.tp, ep=layout.ep)
+    model = build_model(cfg, mesh, layout)
     return model, mesh

@@ -17,8 +17,9 @@ parallel.cp). The step's loss is the mean over all micro-batches of the global b
 layout computes the single-process step (docs/design.md, Determinism).
 
 Composition, per rank with mesh coordinates (pp stage, dp rank, tp rank, ep rank):
-  model     pp = 1: nn.GPT (tp = 1) or parallel.tp.TPGPT; pp > 1: this stage's chunks
-            (parallel.pp.build_pipeline; TP stages cut from a TPGPT by SlicedModelFactory);
+  model     parallel.build.build_model (shared with generation): pp = 1: nn.GPT (tp = 1) or
+            parallel.tp.TPGPT; pp > 1: this stage's chunks (parallel.pp.PipelineGPT; TP stages cut
+            from a TPGPT by SlicedModelFactory) and the schedule's PipelineExecutor;
             ep > 1: install_expert_parallel keeps this ep rank's experts (alltoallv dispatch)
             cp > 1: install_context_parallel: ring attention, this rank's positions, MoE routing
             over the micro-batch
@@ -47,12 +48,13 @@ from ..nn import GPT
 from ..nn.gpt import count_params, set_recompute
 from ..optim import DynamicLossScaler
 from .cp import install_context_parallel, local_batch
-from .ep import ep_step_stats, install_expert_parallel
+from .build import build_model
 from . import ledger
 from .gradsync import GradSync
 from .recorder import Recorder
 from .ledger import memory_summary
 from .mesh import Mesh
+from .meter import Meter, seconds
 from .pp.schedules import SPLIT_BACKWARD
 from .shard import shard_of
 
@@ -84,13 +86,12 @@ class ParallelRunner:
         self.compute = None if opts.dtype == "float32" else opts.dtype
         self.recompute, self.sp, self.zero = layout.recompute, bool(layout.seq_parallel), int(layout.zero)
         self.schedule, self.v, self.bucket_mb = layout.schedule, layout.virtual_stages, opts.bucket_mb
-        self.model, self.executor, self._tp_model = self._build_model(opts)
+        self.meter = Meter()          # the tp collectives, the cp ring and the expert all-to-alls report here
+        self.model, self.executor = self._build_model(opts)    # ep > 1: this rank's experts only
         self.device = opts.device
-        if self.ep > 1:               # keep n_expert/ep experts; tokens move by alltoallv
-            install_expert_parallel(self.model, mesh.ep_comm)
         self.cp_positions = None
         if self.cp > 1:               # this rank's positions; K, V travel around the cp ring
-            install_context_parallel(self.model, mesh.cp_comm, model_cfg.block_size)
+            install_context_parallel(self.model, mesh.cp_comm, model_cfg.block_size, self.meter)
             self.cp_positions = self.model.cp_positions
         set_recompute(self.model, self.recompute)
         # nothing is allocated yet (parameters are made on first use): ZeRO-3 makes only its rows,
@@ -133,28 +134,15 @@ class ParallelRunner:
         return self.model.pieces()
 
     def _build_model(self, opts):
-        """(model, pipeline executor or None, the TPGPT whose collectives are timed or None)."""
-        cfg, mesh, sp = self.model_cfg, self.mesh, self.sp
-        tp_model = None
-        if self.tp > 1:
-            from .tp import TPGPT
-
-            def make_tp(c, seed):
-                nonlocal tp_model
-                tp_model = TPGPT(c, mesh.tp_comm, seed=seed, dtype=self.master, sequence_parallel=sp,
-                                 compute_dtype=self.compute)
-                return tp_model
+        """(model, pipeline executor or None): pympar.parallel.build's model, and the executor of
+        the layout's schedule when pp > 1."""
+        model = build_model(self.model_cfg, self.mesh, self.layout, seed=self.seed, dtype=self.master,
+                            compute_dtype=self.compute, sequence_parallel=self.sp, meter=self.meter)
         if self.pp == 1:
-            if self.tp > 1:
-                return make_tp(cfg, self.seed), None, tp_model
-            return GPT(cfg, seed=self.seed, dtype=self.master, compute_dtype=self.compute), None, None
-        from .pp import SlicedModelFactory, build_pipeline
-        factory = SlicedModelFactory(make_tp) if self.tp > 1 else None
-        model, executor = build_pipeline(cfg, self.seed, mesh.pp_comm, schedule=self.schedule,
-                                         v=self.v, n_micro=self.layout.n_micro,
-                                         channels={"auto": None, "tags": False, "ordered": True}[opts.pp_channels],
-                                         dtype=self.master, compute_dtype=self.compute, factory=factory)
-        return model, executor, tp_model
+            return model, None
+        from .pp import PipelineExecutor
+        channels = {"auto": None, "tags": False, "ordered": True}[opts.pp_channels]
+        return model, PipelineExecutor(model, self.mesh.pp_comm, self.schedule, channels=channels)
 
     def _local(self, batches):
         """This rank's positions of each (idx, targets) of whole sequences (all of them when cp = 1)."""
@@ -166,15 +154,6 @@ class ParallelRunner:
                 raise ValueError(f"context parallelism splits sequences of block_size={T} positions; got a batch of "
                                  f"{np.shape(idx)[1]}: pass whole sequences of {T}")
         return [local_batch(b, self.cp_positions) for b in batches]
-
-    def _cp_seconds(self):
-        """(seconds this step waited for the cp ring -- the transfers no block's computation hid --,
-        seconds of block computation in the ring attention)."""
-        wait = busy = 0.0
-        for core in (self.model.cp_cores if self.cp > 1 else ()):
-            w, b = core.take_seconds()
-            wait, busy = wait + w, busy + b
-        return wait, busy
 
     def _allreduce(self, v):
         """Sum of a host float64 vector over the world (MPI side of a DeviceComm)."""
@@ -192,7 +171,7 @@ class ParallelRunner:
         rec, sync, model = self.rec, self.sync, self.model
         n = len(micro_batches)
         micro_batches = self._local(micro_batches)
-        self._reset_comm_counters()                       # eval/generation since the last step
+        self.meter.take()                                 # eval/generation since the last step
         model.zero_grad()
         sync.begin_step()
         scale = self.scaler.scale if self.scaler else 1.0
@@ -215,11 +194,12 @@ class ParallelRunner:
                 rec.add(f"micro-batch {j}", "micro", tm, time.perf_counter() - tm, mb=j)
             compute, bubble, pp_other = time.perf_counter() - t0, 0.0, 0.0
             act, recv_bytes = stats.get("activation_bytes", 0), 0
-        tp_s = self._tp_model.take_tp_comm_seconds() if self._tp_model is not None else 0.0
+        measured = self.meter.take()                      # this step's communication, by part
+        tp_s = seconds(measured, "tp")
         local_moe = {st["layer"]: st for st in model.moe_stats()}
-        a2a = {s["layer"]: s for s in ep_step_stats(model)} if self.ep > 1 else {}   # this rank's: summed by the step vector
-        ep_s = sum(s["a2a_seconds"] for s in a2a.values())
-        cp_s, cp_busy = self._cp_seconds()
+        a2a = {k[1]: t for k, t in measured.items() if k[0] == "ep"}   # this rank's: summed by the step vector
+        ep_s = sum(t.seconds for t in a2a.values())
+        cp_s, cp_busy = seconds(measured, "cp wait"), seconds(measured, "cp compute")
         rec.add("forward/backward", "compute", t0, max(compute - tp_s - ep_s - cp_s, 0.0))
         rec.add("tp collectives", "tp_comm", t0, tp_s)
         rec.add("context-parallel ring", "cp_comm", t0, cp_s)
@@ -307,13 +287,6 @@ class ParallelRunner:
                                 cp=self.cp)
         return led
 
-    def _reset_comm_counters(self):
-        if self._tp_model is not None:
-            self._tp_model.take_tp_comm_seconds()
-        if self.ep > 1:
-            for _, layer in self.model.moe_layers():
-                layer.take_ep_stats()
-
     def _world_comm_category(self):
         """The time-split key of a world collective: the largest kind of group it spans."""
         for key, size in (("dp_comm", self.dp), ("pp_comm", self.pp), ("cp_comm", self.cp), ("tp_comm", self.tp)):
@@ -341,8 +314,8 @@ class ParallelRunner:
                 vec[o:o + E] = local_moe[i]["tokens_per_expert"]
                 vec[o + E] = local_moe[i]["dropped_fraction"]
                 if i in a2a:                               # the world sum: the mean over dp x cp, the bytes' sum
-                    vec[o + E + 1] = a2a[i]["a2a_seconds"] / (self.dp * self.cp)
-                    vec[o + E + 2] = a2a[i]["a2a_bytes"]
+                    vec[o + E + 1] = a2a[i].seconds / (self.dp * self.cp)
+                    vec[o + E + 2] = a2a[i].bytes
         return vec
 
     def _moe_from(self, v):

@@ -15,6 +15,7 @@ from pympar.parallel.ep import (ep_step_stats, install_expert_parallel, is_exper
                                 split_expert_params)
 from pympar.parallel.gradsync import GradSync
 from pympar.parallel.mesh import Mesh
+from pympar.parallel.meter import Meter
 from pympar.parallel.shard import shard_of
 from pympar.parallel.tp import TPGPT
 
@@ -198,7 +199,8 @@ def test_parameter_groups_and_stats(world):
     cfg = _cfg("capacity")
     ep = eps_for(world.size)[-1]
     mesh = Mesh(world, dp=world.size, ep=ep)
-    model = install_expert_parallel(GPT(cfg, seed=SEED, dtype=np.float64), mesh.ep_comm)
+    meter = Meter()
+    model = install_expert_parallel(GPT(cfg, seed=SEED, dtype=np.float64), mesh.ep_comm, meter)
     dense, expert = split_expert_params(model.named_parameters())
     assert all(".moe.experts." in n for n, _ in expert) and not any(".moe.experts." in n for n, _ in dense)
     assert any(".moe.router." in n for n, _ in dense), "the router is dense (synced over all dp)"
@@ -207,7 +209,7 @@ def test_parameter_groups_and_stats(world):
     mbs = global_batch(0, n_micro * world.size, cfg.vocab_size)
     for x, y in mbs[mesh.dp_rank * n_micro:(mesh.dp_rank + 1) * n_micro]:
         model.loss_and_grad(x, y)
-    stats = ep_step_stats(model, mesh.dp_comm)
+    stats = ep_step_stats(model, meter, mesh.dp_comm)
     # the oracle: the single-process model over the whole global batch
     ref = GPT(cfg, seed=SEED, dtype=np.float64)
     for x, y in mbs:
@@ -222,8 +224,8 @@ def test_parameter_groups_and_stats(world):
         assert abs(s["load_cv"] - load.std() / load.mean()) < 1e-12
         assert abs(s["max_over_mean"] - load.max() / load.mean()) < 1e-12
         assert s["a2a_seconds"] > 0 and s["a2a_bytes"] > 0
-    again = ep_step_stats(model, mesh.dp_comm)                # counters were reset
-    assert all(sum(s["tokens_per_expert"]) == 0 for s in again)
+    again = ep_step_stats(model, meter, mesh.dp_comm)                # counters were reset
+    assert all(sum(s["tokens_per_expert"]) == 0 and s["a2a_seconds"] == 0 and s["a2a_bytes"] == 0 for s in again)
 
 
 def test_lockstep_eval_with_unequal_batch_counts(world):

@@ -12,7 +12,8 @@ from pympar.optim import AdamW, clip_grad_norm
 from pympar.parallel.shard import shard_of
 from pympar.parallel.gradsync import GradSync
 from pympar.parallel.mesh import Mesh
-from pympar.parallel.tp import TPGPT, TPCausalSelfAttention, activation_bytes, validate_tp
+from pympar.parallel.meter import Meter, Tally
+from pympar.parallel.tp import TPCollectives, TPGPT, TPCausalSelfAttention, activation_bytes, validate_tp
 
 SLOW = os.environ.get("PYMPAR_TP_SLOW") == "1"
 # vocab 37 is prime: never divisible by tp > 1 (padding path); n_head 4: tp in 1, 2, 4
@@ -62,8 +63,6 @@ class PlainMPI:
 
 @pytest.fixture(scope="module")
 def comm(mpi_world):
-    from pympar.parallel.tp import TPCollectives
-
     if os.environ.get("PYMPAR_TP_COMM") == "plain":
         c = PlainMPI(mpi_world)
     else:
@@ -227,15 +226,17 @@ def test_tp_collectives_per_block_and_timing(comm):
     """Dense, no SP: two allreduces per block in forward and two in backward, plus the embedding
     (1), the cross-entropy statistics (2: max, sums) and the head's input gradient (1)."""
     config = GPTConfig(**DENSE)
-    tpm = TPGPT(config, comm, seed=7, dtype=np.float64)
-    tpm.take_tp_comm_seconds()
+    meter = Meter()
+    tpm = TPGPT(config, TPCollectives(comm.comm, algo=comm.algo, meter=meter), seed=7, dtype=np.float64)
+    assert tpm.tp.meter is meter
     tpm.loss_and_grad(*batch(0, config.vocab_size))
     L = config.n_layer
     want = 0 if comm.size == 1 else 1 + 2 * L + 2 + 1 + 2 * L
-    assert tpm.tp.calls == want
-    seconds = tpm.take_tp_comm_seconds()
-    assert (seconds > 0) == (comm.size > 1)
-    assert tpm.tp.calls == 0 and tpm.tp.seconds == 0.0
+    tp = meter.get("tp")
+    assert tp.calls == want
+    assert (tp.seconds > 0) == (comm.size > 1) and (tp.bytes > 0) == (comm.size > 1)
+    assert meter.take().get("tp", Tally()).calls == want
+    assert meter.get("tp").calls == 0 and meter.get("tp").seconds == 0.0      # take() reset it
 
 
 def test_sequence_parallel_saves_activation_memory(comm):

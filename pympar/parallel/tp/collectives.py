@@ -1,8 +1,9 @@
 """The tensor-parallel collectives, timed: Megatron's conjugate pairs and the sequence-parallel ones.
 
-Every TP module talks to its tp group through one ``TPCollectives`` object, which counts the
-seconds spent inside collectives (``seconds``; ``take_seconds()`` reads and resets), the number
-of calls and the bytes sent into them, so a trainer can report ``tp_comm_fraction``.
+Every TP module talks to its tp group through one ``TPCollectives`` object, which adds the
+seconds spent inside collectives, the number of calls and the bytes sent into them to its
+``meter`` under "tp" (pympar.parallel.meter; the trainer passes its own, so it can report
+``tp_comm_fraction``).
 
 Sequence-parallel layout: activations (B, T, C) are split along T into tp equal parts; rank r
 holds rows [r*T/tp, (r+1)*T/tp) of every sequence. ``allgather_seq`` and ``reduce_scatter_seq``
@@ -13,32 +14,24 @@ from __future__ import annotations
 import time
 
 from ...backend import xp_of
+from ..meter import Meter
 
 
 class TPCollectives:
-    def __init__(self, comm, algo="auto"):
-        """algo: the Communicator's algorithm for every TP collective ('auto' lets it choose)."""
+    def __init__(self, comm, algo="auto", meter: Meter | None = None):
+        """algo: the Communicator's algorithm for every TP collective ('auto' lets it choose);
+        meter: where the collectives' seconds, calls and bytes go (key "tp"; a new Meter if None)."""
         if isinstance(comm, TPCollectives):
             raise TypeError("TPCollectives wraps a Communicator, not another TPCollectives")
         self.comm, self.algo = comm, algo
         self.size = comm.size
         self.rank = comm.rank
-        self.seconds = 0.0
-        self.calls = 0
-        self.bytes = 0
-
-    def take_seconds(self) -> float:
-        """Seconds spent in TP collectives since the last call; resets the counters."""
-        s = self.seconds
-        self.seconds, self.calls, self.bytes = 0.0, 0, 0
-        return s
+        self.meter = Meter() if meter is None else meter
 
     def _timed(self, fn, x, *args, **kw):
         t0 = time.perf_counter()
         out = fn(x, *args, **kw)
-        self.seconds += time.perf_counter() - t0
-        self.calls += 1
-        self.bytes += x.nbytes
+        self.meter.add("tp", time.perf_counter() - t0, x.nbytes)
         return out
 
     # --- plain collectives on contiguous arrays -------------------------------------------------
@@ -124,7 +117,7 @@ class _Timed:
     def wait(self):
         t0 = time.perf_counter()
         out = self.req.wait()
-        self.tpc.seconds += time.perf_counter() - t0
+        self.tpc.meter.add("tp", time.perf_counter() - t0, calls=0)
         return out
 
 

@@ -58,7 +58,9 @@ class SPGradSync:
 class TPGPT(GPT):
     def __init__(self, config: GPTConfig, tp_comm, seed: int = 0, dtype=np.float32,
                  sequence_parallel: bool = False, compute_dtype=None):
-        """compute_dtype: None, 'float16' or 'bfloat16': mixed precision exactly as nn.GPT (float32
+        """tp_comm: the tp group's Communicator, or a TPCollectives over it (its meter then gets
+        the TP collectives' seconds: see pympar.parallel.meter).
+        compute_dtype: None, 'float16' or 'bfloat16': mixed precision exactly as nn.GPT (float32
         master weights and grads, low-precision GEMMs accumulating in float32, softmax and
         LayerNorm statistics in float32); partial sums over tp are reduced in float32."""
         tpc = as_collectives(tp_comm)
@@ -86,10 +88,6 @@ class TPGPT(GPT):
         for b in self.h:
             out += b.sp_partial_params()
         return out + self.head.sp_partial_params()
-
-    def take_tp_comm_seconds(self) -> float:
-        """Seconds spent in TP collectives since the last call (resets): tp_comm_fraction's numerator."""
-        return self.tp.take_seconds()
 
     def sharded_state(self):
         """{global name: (local array, Shard or None)}: what pympar.checkpoint stores."""

@@ -1,0 +1,49 @@
+"""This rank's part of a GPT on a layout: the one construction the trainer and generation share.
+
+    pp = 1, tp = 1    nn.GPT
+    pp = 1, tp > 1    TPGPT over the mesh's tp group
+    pp > 1            PipelineGPT: this rank's chunks (TPGPT slices when tp > 1), placed as the
+                      layout's schedule places them (the V of zb-v, else interleaved)
+    ep > 1            every MoE layer keeps this ep rank's experts (install_expert_parallel)
+
+Parameters are made on first use (nn.init), so a rank allocates only its own pieces; restore a
+checkpoint into the result, or train it from (config, seed). Context parallelism, the gradient
+path and the pipeline executor are the trainer's (pympar.parallel.runner).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .ep import install_expert_parallel
+from .meter import Meter
+
+
+def build_model(cfg, mesh, layout, *, seed: int = 0, dtype=np.float32, compute_dtype=None,
+                sequence_parallel: bool = False, meter: Meter | None = None):
+    """The model of this rank of ``mesh`` (a pympar.parallel.mesh.Mesh of the layout's dp, pp, tp,
+    ep) for ``layout`` (a pympar.layout.Layout that passed pympar.layout.check: its pp, tp, ep,
+    virtual stages and schedule are used). dtype / compute_dtype: master and compute precision
+    (nn.GPT's); sequence_parallel: TPGPT's; meter: where the tp collectives and the expert
+    all-to-alls report their seconds (pympar.parallel.meter)."""
+    make_tp = None
+    if layout.tp > 1:
+        from .tp import TPGPT, TPCollectives
+        tpc = TPCollectives(mesh.tp_comm, meter=meter)         # one for every chunk: one meter
+
+        def make_tp(c, s):
+            return TPGPT(c, tpc, seed=s, dtype=dtype, sequence_parallel=sequence_parallel,
+                         compute_dtype=compute_dtype)
+    if layout.pp > 1:
+        from .pp import PipelineGPT, SlicedModelFactory
+        from .pp.schedules import placement_of
+        model = PipelineGPT(cfg, seed, pp=layout.pp, rank=mesh.pp_rank, v=layout.virtual_stages, dtype=dtype,
+                            compute_dtype=compute_dtype, factory=SlicedModelFactory(make_tp) if make_tp else None,
+                            placement=placement_of(layout.schedule))
+    elif make_tp is not None:
+        model = make_tp(cfg, seed)
+    else:
+        from ..nn.gpt import GPT
+        model = GPT(cfg, seed=seed, dtype=dtype, compute_dtype=compute_dtype)
+    if layout.ep > 1:                    # keep n_expert/ep experts; tokens move by alltoallv
+        install_expert_parallel(model, mesh.ep_comm, meter)
+    return model
