@@ -74,7 +74,7 @@ def gemm_peak(cp):
         a = cp.random.standard_normal((n, n), dtype=cp.float32).astype(backend.dtype(dt))
         s = cuda_time(cp, lambda: a @ a, reps=5, warmup=2)
         out[dt] = dict(tflops=2 * n ** 3 / s / 1e12, n=n)
-        del a
+        a = None                      # free it before the next dtype's
     return out
 
 
@@ -169,7 +169,7 @@ def train_step(cp, args):
                mfu_vs_table_bf16=(fpt * tokens / s / peak) if peak else None, losses=[float(x) for x in losses],
                mem_used_GiB=cp.get_default_memory_pool().used_bytes() / 2 ** 30)
     RESULT["_state"] = {k: backend.to_numpy(v) for k, v in GPT(cfg, seed=0).state_dict().items()}
-    del model, opt
+    model = opt = None                # free them before the pool is emptied
     cp.get_default_memory_pool().free_all_blocks()
     return out
 

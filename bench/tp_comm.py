@@ -109,8 +109,8 @@ def run(a) -> list:
 
 
 def table(rows) -> str:
-    head = (f"| tp | SP | step (ms) | vs tp 1 | tp_comm_fraction (slowest rank) | mean over ranks "
-            f"| tokens/s | activation MiB/rank |\n|---|---|---|---|---|---|---|---|")
+    head = ("| tp | SP | step (ms) | vs tp 1 | tp_comm_fraction (slowest rank) | mean over ranks "
+            "| tokens/s | activation MiB/rank |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         vs = f"{r['step_vs_tp1']:.2f}x" if r.get("step_vs_tp1") else "-"

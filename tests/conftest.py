@@ -18,3 +18,16 @@ def threads():
         kernels.set_num_threads(n)
     yield use
     kernels.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    """A word-salad text file (20,000 words of 13), for the trainer runs of the failure and
+    resharding tests."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    words = "the quick brown fox jumps over a lazy dog and runs far away".split()
+    p = tmp_path_factory.mktemp("data") / "text.txt"
+    p.write_text(" ".join(rng.choice(words, 20000)))
+    return str(p)

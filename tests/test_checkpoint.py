@@ -1,6 +1,5 @@
 """Checkpoints in one process: safetensors compatibility, round trips, damaged checkpoints,
 keep-last-K, GPT + AdamW resume, export/import with PyTorch, the CLI."""
-import json
 import os
 import subprocess
 import sys

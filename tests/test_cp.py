@@ -66,7 +66,7 @@ def test_train_cli_with_cp_matches_one_process(tmp_path):
     args = ["-m", "pympar.train", "--steps", "3", "--block-size", "32", "--n-layer", "2", "--n-embd", "32",
             "--n-head", "2", "--micro-batch-size", "2", "--eval-every", "0", "--eval-iters", "2",
             "--sample-tokens", "0", "--log-every", "1", "--progress", "log"]
-    one = run_mpi(1, args + ["--n-micro", "2", "--out", str(tmp_path / "one")], timeout=120)
+    run_mpi(1, args + ["--n-micro", "2", "--out", str(tmp_path / "one")], timeout=120)
     four = run_mpi(4, args + ["--cp", "2", "--out", str(tmp_path / "cp")], timeout=120)
     assert "cp=2" in four.stdout, four.stdout
     lo = [json.loads(x)["loss"] for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]

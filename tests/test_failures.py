@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from mpirun import run_mpi
 
@@ -15,15 +14,6 @@ FAULTY = str(Path(__file__).resolve().parent / "faulty_train.py")   # pympar.tra
 
 SMALL = ["--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--micro-batch-size", "2",
          "--eval-iters", "1", "--sample-tokens", "0", "--progress", "log", "--eval-every", "0"]
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    words = "the quick brown fox jumps over a lazy dog and runs far away".split()
-    p = tmp_path_factory.mktemp("data") / "text.txt"
-    p.write_text(" ".join(rng.choice(words, 20000)))
-    return str(p)
 
 
 def train(n, text, out, *args, env=None, check=True, timeout=90):
@@ -71,7 +61,7 @@ def test_nonfinite_grads_stop_the_run_naming_the_parameter(text, tmp_path):
     assert p.returncode == 4, p.stdout
     errs = [ln for ln in p.stdout.splitlines() if ln.startswith("pympar.train: error:")]
     assert len(errs) == 2 and len({e.split(": ", 3)[-1] for e in errs}) == 1, errs   # every rank, one message
-    assert f"3 consecutive steps" in errs[0] and f"at step 2 was in parameter {name}" in errs[0], errs
+    assert "3 consecutive steps" in errs[0] and f"at step 2 was in parameter {name}" in errs[0], errs
     m = metrics(out)
     assert [r["step"] for r in m] == [0, 1, 2, 3, 4]
     assert [r["skipped"] for r in m] == [False, False, True, True, True]

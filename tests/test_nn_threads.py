@@ -3,7 +3,6 @@ as one thread, bit for bit, and the BLAS's thread count put back afterwards."""
 import numpy as np
 import pytest
 
-from pympar import kernels
 from pympar.kernels import blas
 from pympar.nn import GPT, GPTConfig, CausalSelfAttention
 
@@ -68,7 +67,6 @@ def test_gpt_step_same_loss_and_grads_at_two_threads(threads):
 def test_moe_experts_threads_bit_identical(threads):
     cfg = GPTConfig.from_preset("moe-tiny")
     rng = np.random.default_rng(2)
-    idx = rng.integers(0, cfg.vocab_size, (4, 32))
     res = []
     for n in (1, 2):
         threads(n)

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from mpirun import run_mpi
-from test_failures import text  # noqa: F401  (fixture: a word-salad text file, shared)
 
 pytestmark = pytest.mark.mpi
 
