@@ -54,7 +54,7 @@ def config_of(ck):
     cfg = ck.meta.get("config")
     if not cfg:
         raise ValueError(f"{ck.path}: the checkpoint records no model config")
-    return GPTConfig(**{k: v for k, v in cfg.items() if k in GPTConfig.__dataclass_fields__}).validate()
+    return GPTConfig.from_dict(cfg)
 
 
 def load_model(src):

@@ -196,3 +196,14 @@ def test_precision_resolution_shared_by_gpt_and_tpgpt():
         GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=16, block_size=8), dtype=np.float16)
     with pytest.raises(ValueError, match="not supported by TPGPT"):
         TPGPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=16, block_size=8), SelfComm(), dtype=np.int32)
+
+
+def test_config_from_dict_keeps_known_fields_and_validates():
+    """GPTConfig.from_dict (checkpoint meta, imported config.json): unknown keys are ignored, the
+    known ones kept, a bad value refused with the field's name."""
+    from dataclasses import asdict
+
+    c = GPTConfig.from_preset("moe-tiny", n_layer=3)
+    assert GPTConfig.from_dict({**asdict(c), "written_by": "another tool", "n_future_field": 7}) == c
+    with pytest.raises(ValueError, match="n_embd=30 is not divisible by n_head=4"):
+        GPTConfig.from_dict({"n_embd": 30, "n_head": 4})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -78,9 +78,8 @@ def _save_imported(tensors, cfg, in_file, directory, step):
     from ..nn.config import GPTConfig
     from ..nn.gpt import GPT
 
-    known = {f.name for f in fields(GPTConfig)}
     try:
-        gcfg = GPTConfig(**{k: v for k, v in cfg.items() if k in known}).validate()
+        gcfg = GPTConfig.from_dict(cfg)
     except (TypeError, ValueError) as e:
         raise CheckpointMismatch(in_file, f"config {cfg} is not a valid GPTConfig: {e}") from None
     want = {k: v.shape for k, v in GPT(gcfg).state_dict().items()}

@@ -49,6 +49,14 @@ class GPTConfig:
         return self.n_expert > 0 and (i + 1) % self.moe_every == 0
 
     @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        """The config a dict records (a checkpoint's meta, an import's config.json): its GPTConfig
+        fields, validated; other keys are ignored (records written by other tools, or by a later
+        pympar with fields this one lacks). TypeError/ValueError when a field is bad."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known}).validate()
+
+    @classmethod
     def from_preset(cls, name: str, **overrides) -> "GPTConfig":
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}: expected one of {sorted(PRESETS)}")
