@@ -77,6 +77,10 @@ class MPIComm(Communicator):
         self.timeout = default_timeout() if timeout is None else float(timeout)
         self.seq = 0          # collectives issued on this communicator (same on every rank)
         self._inflight = []   # unfinished nonblocking operations run by pympar (progress.StagedRequest)
+        # the tags pympar's nonblocking algorithms draw from: 1..TAG_UB (MPI guarantees >= 32767;
+        # MPICH 5 gives 2^29 - 1), one per call, so calls in flight together never share one
+        ub = self._coll.Get_attr(MPI.TAG_UB)
+        self._tag_span = int(ub) if ub else 32767
         self.p2p_seq = 0
         self._topo = self._arena = None
         # auto's source ($PYMPAR_TUNING, tuning.read_setting): rank 0 reads it, every rank gets it
@@ -98,7 +102,11 @@ class MPIComm(Communicator):
     def _waiter(self, op, x=None, count=None, root=-1):
         """The deadline of collective #seq; marks this rank's arrival on the board.
 
-        x/count/root: the fingerprint compared across ranks in debug mode (count defaults to x.size)."""
+        x/count/root: the fingerprint compared across ranks in debug mode (count defaults to x.size).
+        A nonblocking call whose message tag an unfinished earlier call still holds is refused here,
+        before it counts (see _nonblocking_tag)."""
+        if op[0] == "i" and self._inflight:
+            self._check_tag_free(op)
         self.seq += 1
         self._board.enter(self.seq, op)
         w = Waiter(op, self.name, self.seq, self.timeout, self._board)
@@ -230,12 +238,26 @@ class MPIComm(Communicator):
 
     def _ctx(self, waiter, op="sum", x=None, comm=None, nonblocking=False):
         sync = (lambda: sync_stream(x)) if backend.is_cupy(x) else None
-        # a nonblocking algorithm tags its messages with its call's number (1..30000): several
-        # in flight on this communicator never match each other's messages
-        tag = 1 + self.seq % 30000 if nonblocking else 0
+        tag = self._nonblocking_tag(waiter) if nonblocking else 0     # blocking algorithms: tag 0
         if comm is None:   # this communicator: its rank and size are known, no MPI query
             return Ctx(self._coll, waiter, reduce_op(op), sync, tag, self.rank, self.size)
         return Ctx(comm, waiter, reduce_op(op), sync, tag)
+
+    def _nonblocking_tag(self, waiter):
+        """The tag of nonblocking call #waiter.seq's messages: 1 + (seq - 1) mod the tag space, so
+        calls in flight together never match each other's messages."""
+        return 1 + (waiter.seq - 1) % self._tag_span
+
+    def _check_tag_free(self, op):
+        """Refuse the next call when an unfinished call of this rank holds its tag (tag-space calls
+        ago: a request never waited for). Only this rank's requests are known here; the ranks
+        whose earlier call did finish go on into the call and their watchdog names it."""
+        span, seq = self._tag_span, self.seq + 1
+        for r in self._inflight:
+            if (seq - r.seq) % span == 0:
+                raise RuntimeError(f"{self.name}: nonblocking {op} #{seq} would reuse the message tag of #{r.seq}, "
+                                   f"still unfinished {seq - r.seq} calls later (the MPI library's tag space is "
+                                   f"1..{span}): wait for or test the earlier request")
 
     def _rs_operands(self, x, out, what):
         """reduce_scatter's checked operand, element bounds E of the ranks' blocks, and output."""

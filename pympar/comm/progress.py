@@ -237,6 +237,11 @@ class StagedRequest(Request):
         if not self._advance() and inflight is not None:
             inflight.append(self)
 
+    @property
+    def seq(self) -> int:
+        """The call's number on its communicator (its message tag derives from it)."""
+        return self._waiter.seq
+
     def _advance(self) -> bool:
         while not self._done:
             if self._reqs and not MPI.Request.Testall(self._reqs):

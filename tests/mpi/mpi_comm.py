@@ -276,3 +276,31 @@ def test_hierarchical_on_a_permuted_communicator(mpi_world):
         got = sub.allgather(np.full((2, 3), r, dtype=np.float32), algo=algo)
         assert got[:, 0].tolist() == [k for k in range(n) for _ in range(2)], algo
         np.testing.assert_allclose(sub.allreduce(np.full(5, r + 1.0), algo=algo), n * (n + 1) / 2)
+
+
+def test_nonblocking_tags_wrap_and_refuse_a_tag_in_use(mpi_world):
+    """pympar's nonblocking algorithms tag each call's messages 1 + (seq - 1) mod the MPI
+    library's tag space: past its end the tags wrap and the results stay right; a call whose tag
+    an unfinished earlier call still holds is refused before it counts, naming both."""
+    c = MPIComm(mpi_world, name="tags", timeout=60)
+    assert c._tag_span >= 32767                       # MPI's guaranteed TAG_UB
+    if c.size == 1:
+        return                                        # one rank: no messages, no tags
+    c._tag_span = 3                                   # a tiny tag space, to cross its end
+    n, r = c.size, c.rank
+    for k in range(7):                                # tags 1, 2, 3, 1, 2, ...: each finished first
+        np.testing.assert_allclose(c.iallreduce(np.full(5, r + k, float), algo="ring").wait(), n * k + n * (n - 1) / 2)
+    # rank 0 starts three calls while no other rank has: none can finish, their 3 tags are held
+    if r > 0:
+        mpi_world.recv(source=0, tag=77)
+    pending = [c.iallreduce(np.full(4, float(r)), algo="ring") for _ in range(3)]
+    if r == 0:
+        with pytest.raises(RuntimeError, match=r"tags: nonblocking iallreduce #11 would reuse the message tag of "
+                                               r"#8, still unfinished 3 calls later .*tag space is 1\.\.3"):
+            c.iallreduce(np.full(4, 0.0), algo="ring")
+        for q in range(1, n):
+            mpi_world.send(None, dest=q, tag=77)
+    for q in pending:
+        np.testing.assert_allclose(q.wait(), n * (n - 1) / 2)
+    np.testing.assert_allclose(c.iallreduce(np.ones(3), algo="ring").wait(), n)      # the refused call did not count
+    c.free()
