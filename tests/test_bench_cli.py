@@ -164,3 +164,19 @@ def test_attention_bench_quick(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     import report_md
     assert "## Causal attention" in report_md.render(res, {})
+
+
+def test_verb_descriptions_bus_factors_and_algorithms():
+    """pympar.comm.verbs: nccl-tests' bus factors (allreduce 2(n-1)/n; reduce_scatter, allgather,
+    alltoall (n-1)/n; broadcast 1), the bench's table is the verbs' own, and every nonblocking
+    algorithm is one of the verb's blocking ones."""
+    from pympar.bench.runners import BUSBW, IN_PLACE
+    from pympar.comm.verbs import ALGOS, VERBS
+
+    assert VERBS["allreduce"].bus_factor(8) == 1.75 and VERBS["broadcast"].bus_factor(8) == 1.0
+    assert all(VERBS[v].bus_factor(4) == 0.75 for v in ("reduce_scatter", "allgather", "alltoall", "alltoallv"))
+    assert all(BUSBW[v] is VERBS[v].bus_factor for v in VERBS) and BUSBW["sendrecv"](8) == 1.0
+    assert IN_PLACE == {"allreduce", "broadcast"}
+    assert {v for v, d in VERBS.items() if d.reducing} == {"allreduce", "reduce_scatter"}
+    assert all(set(VERBS[v].nonblocking) <= set(VERBS[v].algorithms) for v in VERBS)
+    assert set(ALGOS) == set(VERBS) - {"alltoallv"}

@@ -4,13 +4,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..comm.dtypes import reference_reduce
+from ..comm.verbs import VERBS
 
-BUSBW = {  # nccl-tests bus-bandwidth factors
-    "allreduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-    "allgather": lambda n: (n - 1) / n, "alltoall": lambda n: (n - 1) / n, "alltoallv": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0, "sendrecv": lambda n: 1.0,
-}
-IN_PLACE = {"allreduce", "broadcast"}
+# nccl-tests bus-bandwidth factors: each verb's (pympar.comm.verbs), and a sendrecv's (1: one link)
+BUSBW = {**{name: v.bus_factor for name, v in VERBS.items()}, "sendrecv": lambda n: 1.0}
+IN_PLACE = {name for name, v in VERBS.items() if v.in_place}
 
 
 def fill(rank, count, dtype, xp=np):

@@ -13,7 +13,11 @@ from .selfcomm import SelfComm
 
 
 def __getattr__(name):  # mpi4py (and MPI_Init) only when an MPI communicator is asked for
-    if name in ("MPIComm", "world", "ALGOS"):
+    if name == "ALGOS":
+        from .verbs import ALGOS
+
+        return ALGOS
+    if name in ("MPIComm", "world"):
         from . import mpi
 
         return getattr(mpi, name)

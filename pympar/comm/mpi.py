@@ -29,26 +29,17 @@ from .plans import MAX_PLANS, Plan
 from .progress import P2PRequest, Request, StagedRequest, Waiter, default_timeout, poll1
 from .topology import Topology
 from .tuning import Decision, Tuner, measure, read_setting, shape_key
+from .verbs import ALGOS, VERBS
 from .watchdog import ArrivalBoard, deadline_guard, op_code
 from . import debug as _debug
 
-ALGOS = {
-    "allreduce": ("ring", "recursive_doubling", "rabenseifner", "shm", "hierarchical", "mpi"),
-    "reduce_scatter": ("ring", "recursive_halving", "shm", "hierarchical", "mpi"),
-    "allgather": ("ring", "recursive_doubling", "shm", "hierarchical", "mpi"),
-    "broadcast": ("binomial", "scatter_allgather", "shm", "mpi"),
-    "alltoall": ("pairwise", "mpi"),
-}
-# the nonblocking verbs: the library's nonblocking collective, or pympar's ring run as a
-# state machine that Request.test() moves on (progress.StagedRequest)
-I_ALGOS = ("mpi", "ring")
 _P2P_ALLREDUCE = {"ring": ring_allreduce, "recursive_doubling": recursive_doubling_allreduce,
                   "rabenseifner": rabenseifner_allreduce}
 _P2P_REDUCE_SCATTER = {"ring": ring_reduce_scatter, "recursive_halving": halving_reduce_scatter}
 _P2P_ALLGATHER = {"ring": ring_allgather, "recursive_doubling": doubling_allgather}
 _P2P_BROADCAST = {"binomial": binomial_broadcast, "scatter_allgather": scatter_allgather_broadcast}
 _SHM = ("shm", "hierarchical")
-_REDUCING = ("allreduce", "reduce_scatter")
+_REDUCING = tuple(v for v in ALGOS if VERBS[v].reducing)
 _READ = object()      # MPIComm(_tuning=...) not given: read $PYMPAR_TUNING
 _KEEP_ARENA = 1 << 20  # a window the measurement made is kept up to this size (making one is collective and slow)
 _ndarray = np.ndarray
@@ -553,11 +544,13 @@ class MPIComm(Communicator):
     # nonblocking collective) or "ring" (pympar's ring as a state machine; allreduce,
     # reduce_scatter, allgather). The operands must stay untouched until the request completes.
     # CuPy operands without CUDA-aware MPI go through a host copy written back on completion.
-    def _i_algo(self, verb, algo, ring_ok=True):
+    def _i_algo(self, verb, algo):
+        """The nonblocking form's algorithm (pympar.comm.verbs: Verb.nonblocking); auto: the library's."""
         algo = "mpi" if algo == "auto" else algo
-        if algo not in I_ALGOS or (algo == "ring" and not ring_ok):
-            ok = ("auto", "mpi", "ring") if ring_ok else ("auto", "mpi")
-            raise ValueError(f"unknown {verb} algorithm {algo!r}: the nonblocking form takes one of {', '.join(ok)}")
+        ok = VERBS[verb[1:]].nonblocking
+        if algo not in ok:
+            raise ValueError(f"unknown {verb} algorithm {algo!r}: the nonblocking form takes one of "
+                             f"{', '.join(('auto',) + ok)}")
         return algo
 
     def _staged(self, waiter, steps, finish=None):
@@ -640,7 +633,7 @@ class MPIComm(Communicator):
 
     def ibroadcast(self, x, root=0, algo="auto"):
         """Start broadcast(x, root) (in place): wait() returns x."""
-        algo = self._i_algo("ibroadcast", algo, ring_ok=False)
+        algo = self._i_algo("ibroadcast", algo)
         if needs_staging(x):
             h = to_host(x)
             return _Then(self.ibroadcast(h, root, algo), lambda hh: copy_back(x, hh))
@@ -651,7 +644,7 @@ class MPIComm(Communicator):
 
     def ialltoall(self, x, out=None, algo="auto"):
         """Start alltoall(x, out=out): wait() returns out."""
-        algo = self._i_algo("ialltoall", algo, ring_ok=False)
+        algo = self._i_algo("ialltoall", algo)
         if needs_staging(x, out):
             r = self.ialltoall(to_host(x), None, algo)
             return _Then(r, lambda res: _unstage(out, x, res))
@@ -811,7 +804,7 @@ class _Then:
 
 
 # each verb's runner of pympar's own algorithms (plans.Plan.own)
-_IN_PLACE = ("allreduce", "broadcast")       # verbs whose result can land in their operand
+_IN_PLACE = tuple(v for v in ALGOS if VERBS[v].in_place)   # verbs whose result can land in their operand
 _OPERANDS = {"allreduce": MPIComm._allreduce_operands, "reduce_scatter": MPIComm._reduce_scatter_operands,
              "allgather": MPIComm._allgather_operands, "broadcast": MPIComm._broadcast_operands,
              "alltoall": MPIComm._alltoall_operands}
