@@ -153,6 +153,44 @@ def test_device_comm_routes_device_and_host_operands():
     c.barrier()
 
 
+def test_host_staging_lands_results_on_the_device_and_mpicomm_refuses_them(monkeypatch):
+    """Without a CUDA-aware MPI (forced), MPIComm refuses CuPy operands naming HostStaging; the
+    wrapper runs every verb on host copies and lands the result on the device: in out, in the
+    operand (in-place allreduce, broadcast) or in a new device array; the nonblocking verbs on wait()."""
+    from mpi4py import MPI
+
+    from pympar.comm import HostStaging
+    from pympar.comm.mpi import MPIComm
+    from pympar.comm.settings import SETTINGS
+
+    monkeypatch.setattr(SETTINGS, "cuda_aware_mpi", False)
+    m = MPIComm(MPI.COMM_WORLD.Dup(), name="stage")
+    c = HostStaging(m)
+    n, r = c.size, c.rank
+    x = cp.full(6, float(r + 1), dtype=cp.float32)
+    with pytest.raises(TypeError, match="stage: allreduce got a device .CuPy. operand .*HostStaging"):
+        m.allreduce(x)
+    want = float(sum(range(1, n + 1)))
+    assert c.allreduce(x) is x and cp.asnumpy(x).tolist() == [want] * 6                # in place
+    y = c.allreduce(cp.ones(3, cp.float32), inplace=False)
+    assert backend.is_cupy(y) and cp.asnumpy(y).tolist() == [float(n)] * 3
+    out = cp.zeros(4, cp.float64)
+    assert c.iallreduce(cp.ones(4), out=out).wait() is out and cp.asnumpy(out).tolist() == [float(n)] * 4
+    g = c.allgather(cp.full((1, 2), float(r)))
+    assert backend.is_cupy(g) and cp.asnumpy(g)[:, 0].tolist() == [float(k) for k in range(n)]
+    b = cp.full(3, float(r))
+    assert c.ibroadcast(b, root=0).wait() is b and cp.asnumpy(b).tolist() == [0.0] * 3
+    rs = c.reduce_scatter(cp.ones((n, 2)))
+    assert backend.is_cupy(rs) and cp.asnumpy(rs).tolist() == [[float(n)] * 2]
+    a = c.alltoall(cp.arange(n, dtype=cp.float32) + 10 * r)
+    assert cp.asnumpy(a).tolist() == [float(10 * k + r) for k in range(n)]
+    buf = cp.zeros(2)
+    got = c.sendrecv(cp.full(2, float(r)), (r + 1) % n, buf, (r - 1) % n)
+    assert got is buf and cp.asnumpy(buf).tolist() == [float((r - 1) % n)] * 2
+    assert isinstance(c.split(0, key=r), HostStaging)
+    m.free()
+
+
 def test_trainer_device_cuda_matches_device_cpu(tmp_path):
     import os
     import subprocess

@@ -10,6 +10,7 @@ from .base import Communicator
 from .errors import CommTimeoutError
 from .progress import Request
 from .selfcomm import SelfComm
+from .staging import HostStaging
 
 
 def __getattr__(name):  # mpi4py (and MPI_Init) only when an MPI communicator is asked for
@@ -34,4 +35,4 @@ def world():
     return _world()
 
 
-__all__ = ["Communicator", "CommTimeoutError", "Request", "SelfComm", "MPIComm", "NCCLComm", "world"]
+__all__ = ["Communicator", "CommTimeoutError", "Request", "SelfComm", "HostStaging", "MPIComm", "NCCLComm", "world"]

@@ -7,9 +7,9 @@ call by its operand: CuPy -> the NCCLComm, anything else -> the MPIComm that the
 was bootstrapped on. ``split`` splits both, so a Mesh built on a DeviceComm hands out
 DeviceComm groups (dp, tp, pp, ep, edp), each with its own NCCL communicator.
 
-Without NCCL (``DeviceComm.mpi_only(mpi_comm)``) every call goes to MPIComm, which stages
-CuPy operands through the host or hands device pointers to a CUDA-aware MPI
-(pympar.comm.device.cuda_aware_mpi).
+Without NCCL (``DeviceComm.mpi_only(mpi_comm)``) every call goes to the MPIComm through a
+``HostStaging`` wrapper (pympar.comm.staging): CuPy operands go through host copies, or as
+device pointers to a CUDA-aware MPI (pympar.comm.device.cuda_aware_mpi).
 """
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ class DeviceComm:
 
     @classmethod
     def mpi_only(cls, mpi_comm):
-        return cls(None, mpi_comm)
+        from .staging import HostStaging
+
+        return cls(None, mpi_comm if isinstance(mpi_comm, HostStaging) else HostStaging(mpi_comm))
 
     @property
     def mpi_comm(self):

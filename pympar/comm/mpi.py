@@ -23,7 +23,7 @@ from .algorithms.ring import (ring_allgather, ring_allgather_steps, ring_allredu
                               ring_reduce_scatter, ring_reduce_scatter_steps)
 from .algorithms.shm import ShmArena, shm_allgather, shm_allreduce, shm_broadcast, shm_reduce_scatter
 from .base import Communicator, check_op, check_out, contiguous, flat, new_like, row_bounds
-from .device import copy_back, needs_staging, sync_stream, to_host
+from .device import cuda_aware_mpi, needs_staging, sync_stream
 from .dtypes import check_dtype, finish_avg, mpi_op, reduce_op, wire
 from .plans import MAX_PLANS, Plan
 from .progress import P2PRequest, Request, StagedRequest, Waiter, default_timeout, poll1
@@ -252,6 +252,7 @@ class MPIComm(Communicator):
 
     def _rs_operands(self, x, out, what):
         """reduce_scatter's checked operand, element bounds E of the ranks' blocks, and output."""
+        self._passable(what, x, out, reduction=True)
         x = contiguous(x, f"{what} operand")
         if x.ndim == 0:
             raise ValueError(f"{what} needs an array with at least one dimension (split along axis 0)")
@@ -259,6 +260,16 @@ class MPIComm(Communicator):
         shape = (R[self.rank + 1] - R[self.rank],) + tuple(x.shape[1:])
         out = check_out(out, shape, x.dtype, what) if out is not None else new_like(x, shape)
         return x, E, out
+
+    def _passable(self, what, *arrays, reduction=False):
+        """Refuse device operands this MPI library cannot take: pympar.comm.HostStaging is the
+        communicator that stages them through the host (see device.needs_staging)."""
+        if needs_staging(*arrays, reduction=reduction):
+            why = "it is not CUDA-aware" if not cuda_aware_mpi() else \
+                "MPI has no type for the reduction of " + ", ".join(sorted({str(a.dtype) for a in arrays if a is not None}))
+            raise TypeError(f"{self.name}: {what} got a device (CuPy) operand this MPI library cannot take ({why}): "
+                            f"wrap the communicator in pympar.comm.HostStaging (DeviceComm.mpi_only does), or use "
+                            f"NCCL (pympar.comm.NCCLComm)")
 
     def _lib(self, waiter, start, finish=None, result=None):
         """Run a library collective (nonblocking, polled against the deadline)."""
@@ -304,12 +315,6 @@ class MPIComm(Communicator):
                 return got
         if verb in _REDUCING:
             check_op(op)
-        if needs_staging(x, out, reduction=verb in _REDUCING):
-            res = self._blocking(verb, to_host(x), None, algo, op, root, inplace=verb in _IN_PLACE)
-            if verb in _IN_PLACE:                 # the result lands in out, or in x, or in a new array
-                dst = out if out is not None else (x if inplace else None)
-                return copy_back(dst, res) if dst is not None else backend.xp_of(x).asarray(res)
-            return _unstage(out, x, res)
         x, dst, E, nbytes = _OPERANDS[verb](self, x, out, inplace)
         self._check_algo(verb, algo)
         w = self._waiter(verb, x) if root is None else self._waiter(verb, x, root=root)
@@ -323,6 +328,7 @@ class MPIComm(Communicator):
 
     # each verb's operands: (x checked, dst, E (reduce_scatter's row bounds) or None, bytes auto decides on)
     def _allreduce_operands(self, x, out, inplace, what="allreduce"):
+        self._passable(what, x, out, reduction=True)
         x = contiguous(x, f"{what} operand")
         dst = check_out(out, x.shape, x.dtype, what) if out is not None else (x if inplace else new_like(x, x.shape))
         return x, dst, None, x.nbytes
@@ -332,6 +338,7 @@ class MPIComm(Communicator):
         return x, out, E, x.nbytes
 
     def _allgather_operands(self, x, out, _inplace, what="allgather"):
+        self._passable(what, x, out)
         x = contiguous(x, f"{what} operand")
         if x.ndim == 0:
             x = x.reshape(1)
@@ -340,10 +347,12 @@ class MPIComm(Communicator):
         return x, out, None, out.nbytes
 
     def _broadcast_operands(self, x, _out, _inplace, what="broadcast"):
+        self._passable(what, x)
         x = contiguous(x, f"{what} operand")
         return x, x, None, x.nbytes
 
     def _alltoall_operands(self, x, out, _inplace, what="alltoall"):
+        self._passable(what, x, out)
         x = contiguous(x, f"{what} operand")
         if x.ndim == 0 or x.shape[0] % self.size:
             raise ValueError(f"{what}: x has {x.shape[0] if x.ndim else 0} rows, not a multiple of size={self.size}")
@@ -498,10 +507,7 @@ class MPIComm(Communicator):
 
         recv_counts=None: the counts are exchanged first (one alltoall of int64).
         """
-        if needs_staging(x, out):
-            res, rc = self.alltoallv(to_host(x), send_counts, recv_counts)
-            return (_unstage(out, x, res)), rc
-        x, sc, per_row = self._v_operands(x, send_counts, "alltoallv")
+        x, sc, per_row = self._v_operands(x, send_counts, "alltoallv", out)
         if recv_counts is None:
             rc = np.empty(self.size, dtype=np.int64)
             w0 = self._waiter("alltoallv.counts", sc)
@@ -514,8 +520,9 @@ class MPIComm(Communicator):
         self._lib(w, start)
         return out, rc
 
-    def _v_operands(self, x, send_counts, what):
+    def _v_operands(self, x, send_counts, what, out=None):
         """alltoallv's checked operand, its send counts (int64, one per rank) and elements per row."""
+        self._passable(what, x, out)
         x = contiguous(x, f"{what} operand")
         sc = np.asarray(backend.to_numpy(send_counts), dtype=np.int64).reshape(-1)
         if sc.size != self.size or (sc < 0).any() or sc.sum() != (x.shape[0] if x.ndim else 0):
@@ -566,11 +573,6 @@ class MPIComm(Communicator):
         """Start allreduce(x, op, out=out, inplace=inplace); Request.wait() returns its result."""
         check_op(op)
         algo = self._i_algo("iallreduce", algo)
-        if needs_staging(x, out, reduction=True):
-            h = to_host(x)
-            dst = out if out is not None else (x if inplace else None)
-            r = self.iallreduce(h, op, algo)
-            return _Then(r, lambda hh: _unstage(dst, x, hh))
         x, dst, _, _ = self._allreduce_operands(x, out, inplace, "iallreduce")
         w = self._waiter("iallreduce", x)
         src_f, dst_f = flat(x), flat(dst)
@@ -589,9 +591,6 @@ class MPIComm(Communicator):
         """Start reduce_scatter(x, op, out=out): wait() returns this rank's rows of the reduction."""
         check_op(op)
         algo = self._i_algo("ireduce_scatter", algo)
-        if needs_staging(x, out, reduction=True):
-            r = self.ireduce_scatter(to_host(x), op, algo)
-            return _Then(r, lambda res: _unstage(out, x, res))
         x, E, out = self._rs_operands(x, out, "ireduce_scatter")
         w = self._waiter("ireduce_scatter", x)
         src_f, out_f = flat(x), flat(out)
@@ -615,9 +614,6 @@ class MPIComm(Communicator):
     def iallgather(self, x, out=None, algo="auto"):
         """Start allgather(x, out=out): wait() returns (size*m, ...)."""
         algo = self._i_algo("iallgather", algo)
-        if needs_staging(x, out):
-            r = self.iallgather(to_host(x), None, algo)
-            return _Then(r, lambda res: _unstage(out, x, res))
         x, out, _, _ = self._allgather_operands(x, out, False, "iallgather")
         w = self._waiter("iallgather", x)
         src_f, out_f = flat(x), flat(out)
@@ -634,9 +630,6 @@ class MPIComm(Communicator):
     def ibroadcast(self, x, root=0, algo="auto"):
         """Start broadcast(x, root) (in place): wait() returns x."""
         algo = self._i_algo("ibroadcast", algo)
-        if needs_staging(x):
-            h = to_host(x)
-            return _Then(self.ibroadcast(h, root, algo), lambda hh: copy_back(x, hh))
         x = self._broadcast_operands(x, None, True, "ibroadcast")[0]
         w = self._waiter("ibroadcast", x, root=root)
         sync_stream(x)
@@ -645,9 +638,6 @@ class MPIComm(Communicator):
     def ialltoall(self, x, out=None, algo="auto"):
         """Start alltoall(x, out=out): wait() returns out."""
         algo = self._i_algo("ialltoall", algo)
-        if needs_staging(x, out):
-            r = self.ialltoall(to_host(x), None, algo)
-            return _Then(r, lambda res: _unstage(out, x, res))
         x, out, _, _ = self._alltoall_operands(x, out, False, "ialltoall")
         w = self._waiter("ialltoall", x)
         sync_stream(x)
@@ -656,11 +646,7 @@ class MPIComm(Communicator):
     def ialltoallv(self, x, send_counts, recv_counts=None, out=None):
         """Start alltoallv: wait() returns (out, recv_counts). Without recv_counts the counts are
         exchanged first (a nonblocking alltoall of int64), then the rows: two stages."""
-        if needs_staging(x, out):
-            r = self.ialltoallv(to_host(x), send_counts, recv_counts)
-            xp = backend.xp_of(x)
-            return _Then(r, lambda res: ((copy_back(out, res[0]) if out is not None else xp.asarray(res[0])), res[1]))
-        x, sc, per_row = self._v_operands(x, send_counts, "ialltoallv")
+        x, sc, per_row = self._v_operands(x, send_counts, "ialltoallv", out)
         w = self._waiter("ialltoallv", x, count=per_row)
         sync_stream(x)
 
@@ -721,8 +707,7 @@ class MPIComm(Communicator):
     def isend(self, x, dest, tag=0):
         if _lean(x):                     # NumPy: the lean request
             return P2PRequest(self._p2p.Isend(wire(x), dest, tag), dest, self._lazy_waiter("send"), x)
-        if needs_staging(x):
-            x = to_host(x)
+        self._passable("isend", x)
         x = contiguous(x, "send operand")
         sync_stream(x)
         return Request([self._p2p.Isend(wire(flat(x)), dest, tag)], [dest], self._p2p_waiter("send"), None, x)
@@ -731,10 +716,7 @@ class MPIComm(Communicator):
         """Receive into buf (arrays never travel pickled: the receiver supplies the buffer)."""
         if _lean(buf):
             return P2PRequest(self._p2p.Irecv(wire(buf), source, tag), source, self._lazy_waiter("recv"), buf)
-        if needs_staging(buf):
-            h = np.empty(buf.shape, dtype=buf.dtype)         # host landing buffer; copied back on completion
-            req = self._p2p.Irecv(wire(flat(h)), source, tag)
-            return Request([req], [source], self._p2p_waiter("recv"), lambda: copy_back(buf, h), buf)
+        self._passable("irecv", buf)
         buf = contiguous(buf, "recv buffer")
         return Request([self._p2p.Irecv(wire(flat(buf)), source, tag)], [source], self._p2p_waiter("recv"), None, buf)
 
@@ -781,30 +763,7 @@ def _then_return(steps, result):
     return result
 
 
-def _unstage(out, x, host):
-    """A staged (host) result back on the device: into out when given, else a new array like x's."""
-    return copy_back(out, host) if out is not None else backend.xp_of(x).asarray(host)
-
-
-class _Then:
-    """A request whose result goes through ``then`` once (host staging copy-back)."""
-
-    def __init__(self, req, then):
-        self._req, self._then, self._done, self._result = req, then, False, None
-
-    def test(self):
-        if not self._done and self._req.test():
-            self._result, self._done = self._then(self._req.wait()), True
-        return self._done
-
-    def wait(self):
-        if not self._done:
-            self._result, self._done = self._then(self._req.wait()), True
-        return self._result
-
-
 # each verb's runner of pympar's own algorithms (plans.Plan.own)
-_IN_PLACE = tuple(v for v in ALGOS if VERBS[v].in_place)   # verbs whose result can land in their operand
 _OPERANDS = {"allreduce": MPIComm._allreduce_operands, "reduce_scatter": MPIComm._reduce_scatter_operands,
              "allgather": MPIComm._allgather_operands, "broadcast": MPIComm._broadcast_operands,
              "alltoall": MPIComm._alltoall_operands}

@@ -304,3 +304,41 @@ def test_nonblocking_tags_wrap_and_refuse_a_tag_in_use(mpi_world):
         np.testing.assert_allclose(q.wait(), n * (n - 1) / 2)
     np.testing.assert_allclose(c.iallreduce(np.ones(3), algo="ring").wait(), n)      # the refused call did not count
     c.free()
+
+
+def test_host_staging_passes_host_operands_through(comm):
+    """HostStaging (the wrapper that stages device operands through the host, see
+    test_gpu_engine.py for that part) hands host operands to the wrapped communicator unchanged:
+    every verb gives the wrapped one's answer, in the same buffers; split wraps the sub-communicator
+    and the rest (topology, candidates, barrier) is the wrapped communicator's."""
+    from pympar.comm import HostStaging
+
+    c, n, r = HostStaging(comm), comm.size, comm.rank
+    assert (c.rank, c.size, c.name) == (r, n, comm.name) and c.topology() is comm.topology()
+    assert c.candidates("allreduce") == comm.candidates("allreduce")
+    x = np.full(5, float(r + 1))
+    assert c.allreduce(x) is x and x.tolist() == [n * (n + 1) / 2] * 5
+    out = np.zeros(3)
+    assert c.iallreduce(np.ones(3), out=out, algo="ring").wait() is out and out.tolist() == [float(n)] * 3
+    np.testing.assert_array_equal(c.allgather(np.array([r])), np.arange(n))
+    np.testing.assert_array_equal(c.iallgather(np.array([r]), algo="ring").wait(), np.arange(n))
+    np.testing.assert_array_equal(c.reduce_scatter(np.ones((n, 2))), np.full((1, 2), float(n)))
+    np.testing.assert_array_equal(c.ireduce_scatter(np.ones((n, 2))).wait(), np.full((1, 2), float(n)))
+    b = np.full(2, float(r))
+    assert c.broadcast(b, root=n - 1) is b and b.tolist() == [float(n - 1)] * 2
+    b = np.full(2, float(r))
+    assert c.ibroadcast(b, root=0).wait() is b and b.tolist() == [0.0] * 2
+    a = np.arange(n, dtype=np.float64) + 10 * r
+    np.testing.assert_array_equal(c.alltoall(a), 10 * np.arange(n) + r)
+    np.testing.assert_array_equal(c.ialltoall(a).wait(), 10 * np.arange(n) + r)
+    rows, rc = c.alltoallv(np.full((n, 1), float(r)), np.ones(n, np.int64))
+    assert rc.tolist() == [1] * n and rows[:, 0].tolist() == [float(k) for k in range(n)]
+    rows, rc = c.ialltoallv(np.full((n, 1), float(r)), np.ones(n, np.int64)).wait()
+    assert rows[:, 0].tolist() == [float(k) for k in range(n)]
+    buf = np.zeros(2)
+    assert c.sendrecv(np.full(2, float(r)), (r + 1) % n, buf, (r - 1) % n) is buf
+    assert buf.tolist() == [float((r - 1) % n)] * 2
+    sub = c.split(r % 2, name="parity")
+    assert isinstance(sub, HostStaging) and sub.size == len(range(r % 2, n, 2))
+    sub.free()
+    c.barrier()
