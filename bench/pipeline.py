@@ -46,6 +46,9 @@ def parse(argv=None):
     ap.add_argument("--block-ms", type=float, default=2.0, help="forward time per block (spin, sleep)")
     ap.add_argument("--reps", type=int, default=40, help="64x64 matmuls per block forward (flops)")
     ap.add_argument("--embd", type=int, default=128, help="width of the real blocks (model)")
+    ap.add_argument("--costs", default="unit",
+                    help="zb-h1/zb-v tables, comma-separated: 'unit' (unit-time F, B, W) and/or 'measured' (for "
+                         "the times the first, warm-up, step measured per stage: PipelineExecutor costs='measured')")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--json", default="")
@@ -164,7 +167,10 @@ def run_rank(args):
     rng = np.random.default_rng(0)
     lat = neighbour_latency(world, (2, 32, C), np.float32)
     rows = []
-    for sched in args.schedules.split(","):
+    from pympar.parallel.pp.schedules import SPLIT_BACKWARD
+    runs = [(sched, c) for sched in args.schedules.split(",")
+            for c in (args.costs.split(",") if sched in SPLIT_BACKWARD else ["unit"])]
+    for sched, costs in runs:
         v = args.v if sched == "interleaved" else (2 if sched == "zb-v" else 1)
         for m in ints(args.m):
             try:
@@ -173,7 +179,7 @@ def run_rank(args):
                 continue
             model = PipelineGPT(cfg, seed=0, pp=p, rank=r, v=v, factory=BenchFactory(args),
                                 placement="v" if sched == "zb-v" else "interleaved")
-            ex = PipelineExecutor(model, world, sched)
+            ex = PipelineExecutor(model, world, sched, costs=None if costs == "unit" else "measured")
             mbs = [(rng.integers(0, 64, (2, 32)), rng.integers(0, 64, (2, 32))) for _ in range(m)]
             per_step = []
             for it in range(args.warmup + args.steps):
@@ -198,7 +204,8 @@ def run_rank(args):
                 sim = simulate([build_schedule(sched, p, m, v, q) for q in range(p)], p, v,
                                f_cost=f, b_cost=2 * f, comm_cost=lat, w_cost=f,
                                placement="v" if sched == "zb-v" else "interleaved") if f else None
-                rows.append(dict(schedule=sched, p=p, m=m, v=v, work=args.work,
+                rows.append(dict(schedule=sched, p=p, m=m, v=v, work=args.work, costs=costs,
+                                 table_costs=[list(c) for c in ex.costs] if ex.costs else None,
                                  formula=formula,
                                  measured_f_ms=float(fbw[0] * 1e3), measured_b_ms=float(fbw[1] * 1e3),
                                  measured_w_ms=float(fbw[2] * 1e3),
@@ -239,20 +246,25 @@ def table(rows):
     lines = [head, "-" * len(head)]
     for x in rows:
         fbw = f"{x['measured_f_ms']:.2f}/{x['measured_b_ms']:.2f}/{x['measured_w_ms']:.2f}"
-        lines.append(f"{x['schedule']:<12}{x['p']:>3}{x['m']:>4}{x['v']:>3}{x['formula']:>9.3f}"
+        lines.append(f"{_label(x):<12}{x['p']:>3}{x['m']:>4}{x['v']:>3}{x['formula']:>9.3f}"
                      f"{x['bubble_mean']:>9.3f}{x['bubble_max']:>8.3f}{x['bubble_mean'] - x['formula']:>+8.3f}"
                      f"{x['model_with_latency'] if x['model_with_latency'] is not None else float('nan'):>9.3f}"
                      f"{x['step_ms']:>9.1f}  {fbw:<26}{x['peak_in_flight']}")
-    by = {(x["schedule"], x["p"], x["m"]): x for x in rows}
-    for p_, m_ in sorted({(x["p"], x["m"]) for x in rows}):
-        one, zb = by.get(("1f1b", p_, m_)), by.get(("zb-h1", p_, m_))
-        if one and zb and one["bubble_mean"] > 0:
-            lines.append(f"p={p_} m={m_}: zb-h1 / 1f1b bubble {zb['bubble_mean'] / one['bubble_mean']:.2f}, "
-                         f"step time {zb['step_ms'] / one['step_ms']:.2f}")
+    by = {(x["schedule"], x["p"], x["m"]): x for x in rows if x["schedule"] == "1f1b"}
+    for x in rows:
+        one = by.get(("1f1b", x["p"], x["m"]))
+        if x["schedule"] in ("zb-h1", "zb-v") and one and one["bubble_mean"] > 0:
+            lines.append(f"p={x['p']} m={x['m']}: {_label(x)} / 1f1b bubble {x['bubble_mean'] / one['bubble_mean']:.2f}, "
+                         f"step time {x['step_ms'] / one['step_ms']:.2f}")
     lat = sorted({round(x['latency_ms'], 3) for x in rows if x['p'] > 1})
     lines.append(f"measured one-way neighbour latency (ms): {lat}; +latency = the discrete-event model "
                  f"of the same schedule with that latency (0 latency = formula)")
     return "\n".join(lines)
+
+
+def _label(row):
+    """The schedule, with ' m' when its table was built for the measured times."""
+    return row["schedule"] + (" m" if row.get("costs") == "measured" else "")
 
 
 def launch(args, argv):
@@ -281,7 +293,7 @@ def launch(args, argv):
     print(table(rows))
     if args.json:
         meta = dict(cores=os.cpu_count(), load_average=os.getloadavg(), work=args.work, block_ms=args.block_ms, reps=args.reps,
-                    layers=args.layers, steps=args.steps)
+                    layers=args.layers, steps=args.steps, costs=args.costs)
         Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     return rows
 

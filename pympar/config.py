@@ -229,6 +229,7 @@ class RunConfig:
     bucket_mb: float = 25.0
     dp_overlap: bool = True
     pp_channels: str = "auto"            # default: $PYMPAR_PP_CHANNELS (0: tags, 1: ordered), else auto
+    pp_costs: str = "unit"               # zb-h1/zb-v tables for unit times, or for the first step's measured times
     comm_timeout: float = 300.0          # default: $PYMPAR_COMM_TIMEOUT, else 300 s
     # device and numerics
     device: str = "cpu"
@@ -294,6 +295,9 @@ _HELP = {
     "bucket_mb": "DP gradient bucket size (MiB)",
     "pp_channels": "pipeline sends: 'ordered' two-rank channels (what NCCL needs), 'tags' (MPI tagged messages), "
                    "'auto': channels when the pipeline runs on NCCL (default: $PYMPAR_PP_CHANNELS 0/1, else auto)",
+    "pp_costs": "zb-h1/zb-v: build the table for unit-time F, B, W ('unit'), or from step 2 on for the F, B and W "
+                "times of every stage measured in step 1 ('measured': a smaller bubble when they differ; zb-h1's gradients are the "
+                "same either way, zb-v's tied embedding gradient may then differ between two runs in its last bits)",
     "dp_overlap": "reduce each gradient bucket while backward goes on (--no-dp-overlap: all after backward)",
     "comm_timeout": "seconds before a stalled collective or send/recv aborts the job, naming the ranks that did not "
                     "arrive (default: $PYMPAR_COMM_TIMEOUT, else 300)",
@@ -325,7 +329,7 @@ _CHOICES = {
     "preset": sorted(PRESETS), "schedule": list(layouts.SCHEDULES),
     "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"],
     "dtype": ["float32", "bfloat16", "float16"], "master_dtype": ["float32", "float64"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
-    "progress": ["auto", "bar", "log"], "pp_channels": ["auto", "tags", "ordered"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
+    "progress": ["auto", "bar", "log"], "pp_channels": ["auto", "tags", "ordered"], "pp_costs": ["unit", "measured"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
 }
 _RUN_FIELDS = [f for f in fields(RunConfig) if f.name not in ("layout_resolved", "layout_auto", "model_overrides",
                                                               "threads_from")]
@@ -429,6 +433,11 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
     if run.layout == "auto":
         _apply_planner(world_size, model, run)
     run.layout_resolved = choose_layout(world_size, model, run)
+    lay = run.layout_resolved
+    if run.pp_costs == "measured" and (lay.pp == 1 or lay.schedule not in ("zb-h1", "zb-v")):
+        raise ConfigError(f"--pp-costs measured builds the zb-h1/zb-v table for the measured times, but this run is "
+                          f"pp={lay.pp} with schedule {lay.schedule}: use --schedule zb-h1 or zb-v with --pp > 1, or "
+                          f"drop --pp-costs")
     return model, run
 
 

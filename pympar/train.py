@@ -203,6 +203,8 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
             "moe": [dict(layer=s["layer"], dropped_fraction=s["dropped_fraction"], **moe_layer_stats(s["tokens_per_expert"]))
                     for s in res["moe"]],
         }
+        if res["pipeline"].get("table_costs"):        # --pp-costs measured: what this step's table was built for
+            record["pp_table_costs"] = [list(c) for c in res["pipeline"]["table_costs"]]
         try:
             record.update(guard.after_step(step, res, comm, runner.sync.named_grads()))
         except NonFiniteStop:

@@ -97,10 +97,10 @@ def _losses(n, out, *args, timeout=120):
     (["--preset", "moe-tiny", "--dp", 2, "--pp", 2, "--ep", 2, "--zero", 2, "--recompute", "full"], 2),
     (["--preset", "moe-tiny", "--pp", 2, "--cp", 2, "--ep", 2, "--schedule", "zb-h1", "--zero", 1], 4),
     (["--preset", "tiny", "--n-layer", 5, "--dp", 2, "--pp", 2, "--schedule", "zb-v", "--zero", 3,
-      "--pp-channels", "ordered"], 2),
+      "--pp-channels", "ordered", "--pp-costs", "measured"], 2),
 ], ids=["pp2-tp2", "dp2-tp2-sp-zero1", "dp2-pp2-ep2-gpipe", "dp4-ep2-zero1", "dp2-pp2-ep2-zero1-float16",
         "dp2-pp2-interleaved-bf16sync-bfloat16", "dp2-tp2-zero3-bfloat16", "dp2-pp2-ep2-zero2-recompute",
-        "pp2-cp2-ep2-zb-h1-zero1", "dp2-pp2-zb-v-zero3-ordered-5-layers"])
+        "pp2-cp2-ep2-zb-h1-zero1", "dp2-pp2-zb-v-zero3-ordered-measured-5-layers"])
 def test_cli_layout_matches_one_process(tmp_path, args, n_micro):
     """python -m pympar.train on 4 ranks == on 1 rank with the same global batch (4 micro-batches)
     and compute dtype: losses, grad norms and validation losses per step (rel 1e-5; 1e-4 where
@@ -124,6 +124,9 @@ def test_cli_layout_matches_one_process(tmp_path, args, n_micro):
     assert split["compute"] > 0 and split["optimizer"] > 0
     assert (split["pp_comm"] > 0) == ("--pp" in args) and (split["tp_comm"] > 0) == ("--tp" in args)
     assert (split["ep_comm"] > 0) == ("--ep" in args) and (split["dp_comm"] > 0) == ("--dp" in args)
+    if "--pp-costs" in args:                  # step 0 ran the unit-time table, then the measured times' one
+        tables = [b.get("pp_table_costs") for b in four]
+        assert tables[0] is None and all(t == tables[1] and len(t) == 4 for t in tables[1:]), tables
 
 
 @pytest.mark.parametrize("dtype, extra", [("bfloat16", []), ("float16", ["--seq-parallel"])],

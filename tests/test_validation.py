@@ -44,6 +44,8 @@ CASES = [  # (id, args, expected substring of the message, env)
     ("save-no-out", ["--save-every", "2"], "--save-every 2 needs --out", None),
     ("timeout", ["--comm-timeout", "0"], "comm_timeout=0.0 must be > 0", None),
     ("timeout-env", [], "PYMPAR_COMM_TIMEOUT='soon' is not a number", {"PYMPAR_COMM_TIMEOUT": "soon"}),
+    ("pp-costs-1f1b", ["--pp", "2", "--pp-costs", "measured"],
+     "--pp-costs measured builds the zb-h1/zb-v table for the measured times, but this run is pp=2 with schedule 1f1b", None),
     ("threads-over-pool", ["--threads", "256"], "threads=256 (--threads) is more than the C++ kernel pool's 255", None),
 ]
 

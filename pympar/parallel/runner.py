@@ -72,7 +72,7 @@ class ParallelRunner:
     layout: a ``pympar.layout.Layout`` that passed ``pympar.layout.check`` (mesh sizes, schedule,
     virtual stages, micro-batches, ZeRO, sequence parallelism, recomputation); opts: the run's
     other settings, the trainer's RunConfig (or any object with the fields read here: seed,
-    dtype, master_dtype, device, compress, topk_ratio, bucket_mb, dp_overlap, pp_channels, lr,
+    dtype, master_dtype, device, compress, topk_ratio, bucket_mb, dp_overlap, pp_channels, pp_costs, lr,
     weight_decay, grad_clip)."""
 
     def __init__(self, model_cfg, layout, comm, opts, rec=None):
@@ -142,7 +142,8 @@ class ParallelRunner:
             return model, None
         from .pp import PipelineExecutor
         channels = {"auto": None, "tags": False, "ordered": True}[opts.pp_channels]
-        return model, PipelineExecutor(model, self.mesh.pp_comm, self.schedule, channels=channels)
+        costs = {"unit": None, "measured": "measured"}[opts.pp_costs]
+        return model, PipelineExecutor(model, self.mesh.pp_comm, self.schedule, channels=channels, costs=costs)
 
     def _local(self, batches):
         """This rank's positions of each (idx, targets) of whole sequences (all of them when cp = 1)."""
@@ -241,7 +242,8 @@ class ParallelRunner:
         return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, nonfinite=nonfinite, moe=moe,
                     time_split=split, stop=stop_any, all_written=all_written,
                     cp_ring=dict(wait_s=cp_s, busy_s=cp_busy),
-                    pipeline={k: pipe[k] for k in ("bubble", "peak_in_flight") if k in pipe}, memory=memory)
+                    pipeline={k: pipe[k] for k in ("bubble", "peak_in_flight", "table_costs") if k in pipe},
+                    memory=memory)
 
     # --- the memory ledger --------------------------------------------------------------------
     def _update_ledger(self, micro_batches, act, recv_bytes):

@@ -97,7 +97,7 @@ def opts_of(lay):
                            schedule=lay.schedule, virtual_stages=lay.virtual_stages,
                            zero=lay.zero, seq_parallel=lay.seq_parallel, compress="none", topk_ratio=0.01,
                            recompute=lay.recompute,
-                           bucket_mb=0.01, dp_overlap=True, pp_channels="auto", device=DEVICE, lr=LR[lay.dtype], weight_decay=WD, grad_clip=CLIP)
+                           bucket_mb=0.01, dp_overlap=True, pp_channels="auto", pp_costs="unit", device=DEVICE, lr=LR[lay.dtype], weight_decay=WD, grad_clip=CLIP)
 
 
 WORST = {}                     # dtype -> the largest relative difference seen (reported)

@@ -123,6 +123,48 @@ def test_zb_h1_gradients_are_1f1bs_bitwise(mpi_world):
         assert np.array_equal(g1[n], g2[n]), n
 
 
+@pytest.mark.parametrize("schedule,v", [("zb-h1", 1), ("zb-v", 2)])
+def test_tables_for_the_measured_times(mpi_world, schedule, v):
+    """costs="measured": step 1 runs the unit-time table and measures every stage's F, B, W; from
+    step 2 on the table is built for them -- the same costs on every rank -- and training still
+    equals one process (zb-h1: still 1F1B's gradients bit for bit, the order of the micro-batches
+    in each parameter's sum does not depend on the table)."""
+    p = mpi_world.size
+    cfg = config(p, v)
+    model = PipelineGPT(cfg, seed=3, pp=p, rank=mpi_world.rank, v=v, dtype=np.float64,
+                        placement="v" if schedule == "zb-v" else "interleaved")
+    ex = Executor(model, pp_comm(mpi_world), schedule, costs="measured")
+    ref = GPT(cfg, seed=3, dtype=np.float64)
+    opt, ropt = AdamW(model.named_parameters(), lr=1e-2), AdamW(ref.named_parameters(), lr=1e-2)
+    assert ex.costs is None
+    for step in range(3):
+        mbs = micro_batches(2 * p + 1, seed=30 + step)
+        model.zero_grad()
+        st = ex.train_step(mbs)
+        want = reference_step(ref, mbs)
+        assert abs(st["loss"] - want) <= TOL * abs(want), (schedule, step, st["loss"], want)
+        compare(mpi_world, model, ref, ("data", "grad"))
+        opt.step()
+        ropt.step()
+        costs = ex.costs
+        assert costs is not None and len(costs) == p * v and all(len(c) == 3 and min(c) > 0 for c in costs)
+        assert mpi_world.allgather(costs) == [costs] * p            # every rank builds the same table
+        if step == 0:
+            first = costs
+    assert ex.costs == first == st["table_costs"]                   # built once, from step 1's times
+    if schedule == "zb-h1":                                         # the same weights under 1F1B
+        one = PipelineGPT(cfg, seed=3, pp=p, rank=mpi_world.rank, dtype=np.float64)
+        ex1 = Executor(one, pp_comm(mpi_world), "1f1b")
+        mine = dict(model.named_parameters())
+        for n, q in one.named_parameters():
+            q.data[...] = mine[n].data
+        model.zero_grad()
+        one.zero_grad()
+        assert ex.train_step(mbs)["loss"] == ex1.train_step(mbs)["loss"]
+        for n, q in one.named_parameters():
+            assert np.array_equal(mine[n].grad, q.grad), n
+
+
 def test_tied_weight_gradient_summed(mpi_world):
     p = mpi_world.size
     cfg = config(p)

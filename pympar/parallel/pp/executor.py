@@ -105,8 +105,12 @@ class PipelineExecutor:
     """
 
     def __init__(self, model, comm, schedule: str = "1f1b", recv_window: int | None = None,
-                 channels: bool | None = None):
+                 channels: bool | None = None, costs=None):
         self.model, self.schedule = model, schedule
+        # the split schedules' table: built for unit times (costs None), for given (F, B, W) per
+        # global stage, or ("measured") for the times the first step measured on every stage
+        self.measure = costs == "measured" and schedule in SPLIT_BACKWARD
+        self.costs = None if costs == "measured" else costs
         self.p2p = _P2P(comm, model.v, channels, model.part.placement)
         if self.p2p.size != model.pp or self.p2p.rank != model.rank:
             raise ValueError(f"pipeline communicator has rank {self.p2p.rank} of {self.p2p.size}, "
@@ -160,7 +164,8 @@ class PipelineExecutor:
         model, p, v = self.model, self.model.pp, self.model.v
         xp = model.xp                                     # where activations live (after model.to)
         m = len(micro_batches)
-        actions = build_schedule(self.schedule, p, m, v, model.rank)
+        used = self.costs                                  # the table's times (None: unit)
+        actions = build_schedule(self.schedule, p, m, v, model.rank, used)
         B, T = np.shape(micro_batches[0][0])
         for j, (idx, targets) in enumerate(micro_batches):
             if np.shape(idx) != (B, T) or np.shape(targets) != (B, T):
@@ -176,6 +181,8 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         recv_wait = compute = 0.0
         by_kind = {"F": 0.0, "B": 0.0, "W": 0.0}         # seconds per kind of action
+        S = model.part.n_stage
+        by_stage = np.zeros((S, 3), dtype=np.float64)    # host: seconds per (global stage, F/B/W)
         pending = {}                 # (kind, micro, chunk) -> (request, buffer)
         sends = []
         to_post = [a for a in actions if self._needs_recv(a)[0]]
@@ -256,6 +263,7 @@ class PipelineExecutor:
             dt = time.perf_counter() - tc
             compute += dt
             by_kind[a.kind] += dt
+            by_stage[s, "FBW".index(a.kind)] += dt
             if trace is not None:                            # the profiler's event of this action
                 trace(f"{_KIND_LABEL[a.kind]} stage {s}", tc, dt, a.micro)
             if out is not None:
@@ -276,13 +284,19 @@ class PipelineExecutor:
             self.partial_sync.finish()
             model.grad_ready_params(self.partial_sync.params)
         self._sum_tied_grad()
+        measuring = self.measure and self.costs is None
+        if measuring:          # every stage's times ride on the losses' sum (one rank each: exact)
+            local_terms = np.concatenate([local_terms, by_stage.reshape(-1) / m])
         losses = self.p2p.allreduce_sum(local_terms) if p > 1 else local_terms
+        if measuring:
+            self.costs = measured_costs(np.asarray(losses[m:]).reshape(S, 3))
+            losses = losses[:m]
         step = time.perf_counter() - t0
         self.stats = dict(loss=float(np.mean(losses)), losses=[float(x) for x in losses],  # host
                           bubble=1.0 - compute / step if step > 0 else 0.0,
                           recv_wait_s=recv_wait, compute_s=compute, pipeline_s=t_pipe, step_s=step,
                           f_s=by_kind["F"], b_s=by_kind["B"], w_s=by_kind["W"],
-                          peak_in_flight=peak, activation_peak_bytes=int(peak_bytes),
+                          peak_in_flight=peak, activation_peak_bytes=int(peak_bytes), table_costs=used,
                           recv_buffer_bytes=int(peak_posted * int(np.prod(shape)) * act_dtype.itemsize))
         return self.stats
 
@@ -346,6 +360,16 @@ class PipelineExecutor:
 
 
 _KIND_LABEL = {"F": "fwd", "B": "bwd", "W": "wgrad"}
+
+
+def measured_costs(times) -> tuple:
+    """The (F, B, W) per global stage a split schedule's table is built for, from one step's
+    seconds per micro-batch (S, 3) -- the same array on every rank (summed over the pipeline,
+    one rank contributing each stage). In units of 1/8 of the mean F, at least 1/8: a table
+    does not change on noise finer than that, and is the same on every rank."""
+    t = np.asarray(times, dtype=np.float64)  # host
+    unit = max(float(t[:, 0].mean()), 1e-12) / 8
+    return tuple(tuple(max(1, int(round(x / unit))) / 8 for x in row) for row in t)
 
 
 def build_pipeline(config, seed, pp_comm, *, schedule="1f1b", v=1, n_micro=None, dtype=np.float32,

@@ -130,8 +130,10 @@ def placement_of(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def list_schedule(p: int, m: int, v: int = 1, placement: str = "interleaved") -> tuple:
-    """The zero-bubble tables for every rank: the list schedule of unit-time F, B, W actions.
+def list_schedule(p: int, m: int, v: int = 1, placement: str = "interleaved", costs: tuple | None = None) -> tuple:
+    """The zero-bubble tables for every rank: the list schedule of F, B, W actions of unit time, or
+    of ``costs`` (a tuple of one (F, B, W) triple per global stage, any positive unit: the
+    measured times, see PipelineExecutor's measured costs; B is the input gradient only).
 
     Each rank runs, per chunk, its F's, B's and W's each in micro-batch order; at every moment the
     rank free earliest starts the action that can start earliest (ties: B, then F, then W; among
@@ -144,6 +146,9 @@ def list_schedule(p: int, m: int, v: int = 1, placement: str = "interleaved") ->
     F's cannot fill it, and at most 4p-1 between F and W. The order is the table the executor runs;
     the times are only how it was found."""
     S = p * v
+    if costs is not None and (len(costs) != S or any(len(c) != 3 or min(c) <= 0 for c in costs)):
+        raise ValueError(f"costs must be {S} (F, B, W) triples of positive times, one per stage; got {costs!r}")
+    dur = {k: [1.0 if costs is None else float(costs[st][i]) for st in range(S)] for i, k in enumerate("FBW")}
     nxt = {k: [[0] * v for _ in range(p)] for k in "FBW"}
     clock = [0.0] * p
     done = {}                                    # (kind, micro, stage) -> end time
@@ -181,7 +186,7 @@ def list_schedule(p: int, m: int, v: int = 1, placement: str = "interleaved") ->
         if best is None:
             raise RuntimeError(f"list schedule for p={p}, m={m}, v={v}, {placement} cannot proceed")
         (t, _, _, kind, j, c), r = best
-        clock[r] = t + 1.0
+        clock[r] = t + dur[kind][stage_of(r, c, p, placement)]
         done[(kind, j, stage_of(r, c, p, placement))] = clock[r]
         nxt[kind][r][c] += 1
         between[r] += {"F": 1, "B": -1, "W": 0}[kind]
@@ -194,18 +199,20 @@ def list_schedule(p: int, m: int, v: int = 1, placement: str = "interleaved") ->
     return tuple(tuple(a) for a in out)
 
 
-def zb_h1(p: int, m: int, rank: int) -> list:
+def zb_h1(p: int, m: int, rank: int, costs: tuple | None = None) -> list:
     """ZB-H1 (see the module docstring and list_schedule)."""
-    return list(list_schedule(p, m)[rank])
+    return list(list_schedule(p, m, 1, "interleaved", costs)[rank])
 
 
-def zb_v(p: int, m: int, rank: int) -> list:
+def zb_v(p: int, m: int, rank: int, costs: tuple | None = None) -> list:
     """ZB-V: two chunks per rank in the V placement (see list_schedule)."""
-    return list(list_schedule(p, m, 2, "v")[rank])
+    return list(list_schedule(p, m, 2, "v", costs)[rank])
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1, rank: int = 0) -> list:
-    """The action list of ``rank`` for schedule ``name`` (validated first)."""
+def build_schedule(name: str, p: int, m: int, v: int = 1, rank: int = 0, costs: tuple | None = None) -> list:
+    """The action list of ``rank`` for schedule ``name`` (validated first). costs: the split
+    schedules' (F, B, W) per global stage to build the table for (list_schedule; None: unit times);
+    the other schedules are fixed patterns and ignore it."""
     validate_schedule(name, p, m, v)
     if not 0 <= rank < p:
         raise ValueError(f"rank={rank} must be in 0..{p - 1}")
@@ -214,9 +221,9 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, rank: int = 0) -> list
     if name == "1f1b":
         return one_f_one_b(p, m, rank)
     if name == "zb-h1":
-        return zb_h1(p, m, rank)
+        return zb_h1(p, m, rank, costs)
     if name == "zb-v":
-        return zb_v(p, m, rank)
+        return zb_v(p, m, rank, costs)
     return interleaved_1f1b(p, m, v, rank)
 
 
