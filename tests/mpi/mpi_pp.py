@@ -25,11 +25,8 @@ TOL = 1e-10
 
 
 def pp_comm(world):
-    try:
-        from pympar.comm import MPIComm
-        return MPIComm(world)
-    except ImportError:          # before the communicators land: the executor also takes mpi4py's
-        return world
+    from pympar.comm import MPIComm
+    return MPIComm(world)
 
 
 def config(p, v=1, moe=False, capacity=0.0, n_layer=None):
@@ -294,6 +291,12 @@ def test_clip_grad_norm_is_the_single_process_norm(mpi_world):
     want = clip_grad_norm(ref.parameters(), 1e-3)
     assert abs(norm - want) <= TOL * want, (norm, want)
     compare(mpi_world, model, ref, ("grad",))       # both copies of wte clipped alike
+
+
+def test_executor_refuses_a_raw_mpi4py_communicator(mpi_world):
+    model = PipelineGPT(config(mpi_world.size), seed=3, pp=mpi_world.size, rank=mpi_world.rank)
+    with pytest.raises(TypeError, match="pympar Communicator, not the mpi4py Intracomm: wrap it, pympar.comm.MPIComm"):
+        PipelineExecutor(model, mpi_world)
 
 
 def test_build_pipeline_and_sharded_state(mpi_world):

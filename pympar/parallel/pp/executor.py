@@ -42,61 +42,39 @@ from .stage import PipelineGPT
 
 class _P2P:
     """The point-to-point and reduction calls the executor needs, over a pympar Communicator
-    (isend/irecv -> Request.wait()/test(), allreduce) or a raw mpi4py communicator."""
+    (isend/irecv -> Request.wait()/test(), allreduce)."""
 
     def __init__(self, comm, v=None, use_channels=None, placement="interleaved"):
+        if hasattr(comm, "Isend"):
+            raise TypeError(f"the pipeline runs over a pympar Communicator, not the mpi4py {type(comm).__name__}: "
+                            f"wrap it, pympar.comm.MPIComm(comm) (the mesh's pp_comm is one)")
         self.comm = comm
-        self.raw = hasattr(comm, "Isend")
-        self.rank = comm.Get_rank() if self.raw else comm.rank
-        self.size = comm.Get_size() if self.raw else comm.size
+        self.rank, self.size = comm.rank, comm.size
         # NCCL (or use_channels=True): ordered two-rank channels, no tags (pp/channels.py);
         # otherwise tagged messages, over the MPI side of a DeviceComm that has NCCL
         self.channels = None
-        if v is not None and not self.raw and channels.wanted(comm, use_channels):
+        if v is not None and channels.wanted(comm, use_channels):
             self.channels = channels.Channels(comm, v, placement)
-        self.p2p = comm.mpi if not self.raw and getattr(comm, "uses_nccl", False) else comm
+        self.p2p = comm.mpi if getattr(comm, "uses_nccl", False) else comm
 
     def isend(self, buf, dest, tag):
-        if self.raw:
-            r = self.comm.Isend(buf, dest=dest, tag=tag)
-            return _RawReq(r)
         if self.channels is not None:
             return self.channels.isend(buf, dest, tag)
         return self.p2p.isend(buf, dest, tag=tag)
 
     def irecv(self, buf, source, tag):
-        if self.raw:
-            return _RawReq(self.comm.Irecv(buf, source=source, tag=tag))
         if self.channels is not None:
             return self.channels.irecv(buf, source, tag)
         return self.p2p.irecv(buf, source, tag=tag)
 
     def allreduce_sum(self, x):
         """Sum of a host float64 vector (the per-micro-batch losses) over the group."""
-        if self.raw:
-            from mpi4py import MPI
-            out = np.empty_like(x)  # host
-            self.comm.Allreduce(x, out, op=MPI.SUM)
-            return out
         return self.comm.allreduce(x, op="sum")
-
-
-class _RawReq:
-    __slots__ = ("r",)
-
-    def __init__(self, r):
-        self.r = r
-
-    def wait(self):
-        self.r.Wait()
-
-    def test(self):
-        return bool(self.r.Test())
 
 
 class PipelineExecutor:
     """Runs ``schedule`` ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v") for a PipelineGPT over the pipeline
-    communicator ``comm`` (rank i = pipeline stage i; a pympar Communicator or mpi4py comm).
+    communicator ``comm`` (rank i = pipeline stage i; a pympar Communicator).
 
     ``recv_window``: how many upcoming receives are kept posted ahead of the action that needs
     them (default 2*p*v + 2: more than a 1F1B round trip, without a buffer per micro-batch).
