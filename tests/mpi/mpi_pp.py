@@ -60,6 +60,25 @@ def compare(world, model, ref, what):
             assert e <= TOL, f"rank {world.rank}: {kind} of {n} differs from single process, rel {e:.2e}"
 
 
+def train_against_one_process(world, model, ex, cfg, m, steps, seed):
+    """``steps`` AdamW steps of the pipeline and of one process (nn.GPT, seed 3) on the same m
+    micro-batches each: the loss, every gradient and every weight equal at TOL after each step
+    (and the weights at the end). Yields (the executor's stats, the micro-batches) per step."""
+    ref = GPT(cfg, seed=3, dtype=np.float64)
+    opt, ropt = AdamW(model.named_parameters(), lr=1e-2), AdamW(ref.named_parameters(), lr=1e-2)
+    for step in range(steps):
+        mbs = micro_batches(m, seed=seed + step)
+        model.zero_grad()
+        st = ex.train_step(mbs)
+        want = reference_step(ref, mbs)
+        assert abs(st["loss"] - want) <= TOL * abs(want), (ex.schedule, step, st["loss"], want)
+        compare(world, model, ref, ("data", "grad"))
+        opt.step()
+        ropt.step()
+        yield st, mbs
+    compare(world, model, ref, ("data",))
+
+
 CASES = [("gpipe", 1, 3), ("1f1b", 1, 5), ("interleaved", 2, None), ("zb-h1", 1, 5), ("zb-v", 2, 5)]
 if FULL:
     CASES = [(s, v, m) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
@@ -76,19 +95,8 @@ def test_pipeline_matches_single_process(mpi_world, schedule, v, m):
     model = PipelineGPT(cfg, seed=3, pp=p, rank=mpi_world.rank, v=v, dtype=np.float64,
                         placement="v" if schedule == "zb-v" else "interleaved")
     ex = Executor(model, pp_comm(mpi_world), schedule)
-    ref = GPT(cfg, seed=3, dtype=np.float64)
-    opt = AdamW(model.named_parameters(), lr=1e-2)
-    ropt = AdamW(ref.named_parameters(), lr=1e-2)
-    for step in range(3 if not FULL else 2):
-        mbs = micro_batches(m, seed=10 + step)
-        model.zero_grad()
-        st = ex.train_step(mbs)
-        want = reference_step(ref, mbs)
-        assert abs(st["loss"] - want) <= TOL * abs(want), (schedule, step, st["loss"], want)
-        compare(mpi_world, model, ref, ("data", "grad"))
-        opt.step()
-        ropt.step()
-    compare(mpi_world, model, ref, ("data",))
+    for st, _ in train_against_one_process(mpi_world, model, ex, cfg, m, 3 if not FULL else 2, seed=10):
+        pass
     # the in-flight bound of each schedule (per chunk of this rank)
     if schedule == "gpipe":
         assert st["peak_in_flight"] == m
@@ -131,18 +139,8 @@ def test_tables_for_the_measured_times(mpi_world, schedule, v):
     model = PipelineGPT(cfg, seed=3, pp=p, rank=mpi_world.rank, v=v, dtype=np.float64,
                         placement="v" if schedule == "zb-v" else "interleaved")
     ex = Executor(model, pp_comm(mpi_world), schedule, costs="measured")
-    ref = GPT(cfg, seed=3, dtype=np.float64)
-    opt, ropt = AdamW(model.named_parameters(), lr=1e-2), AdamW(ref.named_parameters(), lr=1e-2)
     assert ex.costs is None
-    for step in range(3):
-        mbs = micro_batches(2 * p + 1, seed=30 + step)
-        model.zero_grad()
-        st = ex.train_step(mbs)
-        want = reference_step(ref, mbs)
-        assert abs(st["loss"] - want) <= TOL * abs(want), (schedule, step, st["loss"], want)
-        compare(mpi_world, model, ref, ("data", "grad"))
-        opt.step()
-        ropt.step()
+    for step, (st, mbs) in enumerate(train_against_one_process(mpi_world, model, ex, cfg, 2 * p + 1, 3, seed=30)):
         costs = ex.costs
         assert costs is not None and len(costs) == p * v and all(len(c) == 3 and min(c) > 0 for c in costs)
         assert mpi_world.allgather(costs) == [costs] * p            # every rank builds the same table
