@@ -69,7 +69,7 @@ class MoE(Module):
         self._stats = xp.zeros(self.n_expert, np.int64), 0, 0   # (load, dropped, assignments)
         self._load_since_update = xp.zeros(self.n_expert, np.int64)
 
-    def _move_buffers(self, device):
+    def move_buffers(self, device):
         self.expert_bias = to_device(self.expert_bias, device)
         self._reset_counters()
 

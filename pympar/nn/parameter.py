@@ -251,10 +251,10 @@ class Module:
             if p.has_grad:
                 p.grad = to_device(p.grad, device)
         for m in self.modules():
-            m._move_buffers(device)
+            m.move_buffers(device)
         return self
 
-    def _move_buffers(self, device: str):
+    def move_buffers(self, device: str):
         """Arrays a module keeps besides its Parameters (MoE: the expert selection bias)."""
 
 

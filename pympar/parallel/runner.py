@@ -117,7 +117,7 @@ class ParallelRunner:
         if self.zero == 3 and self.device != "cpu":    # the rows are on the device already
             for top in self.model.modules():
                 for m in top.modules():
-                    m._move_buffers(self.device)
+                    m.move_buffers(self.device)
         if self.executor is not None:     # buckets start as each chunk's last backward ends
             self.executor.final_backward_hooks.append(self.sync.begin_final)
         self.opt = self.sync.make_optimizer(lr=opts.lr, weight_decay=opts.weight_decay)
