@@ -48,7 +48,7 @@ def parse(argv=None):
     ap.add_argument("--embd", type=int, default=128, help="width of the real blocks (model)")
     ap.add_argument("--costs", default="unit",
                     help="zb-h1/zb-v tables, comma-separated: 'unit' (unit-time F, B, W) and/or 'measured' (for "
-                         "the times the first, warm-up, step measured per stage: PipelineExecutor costs='measured')")
+                         "the times the first, warm-up, step measured per stage, as --pp-costs measured)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--json", default="")
@@ -167,7 +167,7 @@ def run_rank(args):
     rng = np.random.default_rng(0)
     lat = neighbour_latency(world, (2, 32, C), np.float32)
     rows = []
-    from pympar.parallel.pp.schedules import SPLIT_BACKWARD
+    from pympar.parallel.pp.schedules import SPLIT_BACKWARD, measured_costs
     runs = [(sched, c) for sched in args.schedules.split(",")
             for c in (args.costs.split(",") if sched in SPLIT_BACKWARD else ["unit"])]
     for sched, costs in runs:
@@ -179,13 +179,15 @@ def run_rank(args):
                 continue
             model = PipelineGPT(cfg, seed=0, pp=p, rank=r, v=v, factory=BenchFactory(args),
                                 placement="v" if sched == "zb-v" else "interleaved")
-            ex = PipelineExecutor(model, world, sched, costs=None if costs == "unit" else "measured")
+            ex = PipelineExecutor(model, world, sched)
             mbs = [(rng.integers(0, 64, (2, 32)), rng.integers(0, 64, (2, 32))) for _ in range(m)]
             per_step = []
             for it in range(args.warmup + args.steps):
                 model.zero_grad()
                 world.barrier()
                 st = ex.train_step(mbs)
+                if costs == "measured" and ex.costs is None:    # the warm-up step's times: each stage's rank
+                    ex.costs = measured_costs(np.asarray(world.allreduce(st["stage_times"].copy())))
                 if it >= args.warmup:
                     per_step.append((st["bubble"], st["recv_wait_s"] / st["step_s"], st["step_s"],
                                      st["f_s"] / m, st["b_s"] / m, st["w_s"] / m))

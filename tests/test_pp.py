@@ -157,7 +157,7 @@ def test_tables_for_the_measured_times_shrink_the_bubble():
     with those times, than the unit-time table: zb-v at m = 8 0.041 -> 0.022 of the step, at
     m = 16 0.037 -> 0.011; zb-h1 is no worse. Costs that are not one positive triple per stage
     are refused."""
-    from pympar.parallel.pp.executor import measured_costs
+    from pympar.parallel.pp.schedules import measured_costs
 
     f, b, w = 6.9, 7.0, 5.8
     for s, v, m, unit_b, want_b in (("zb-v", 2, 8, 0.041, 0.022), ("zb-v", 2, 16, 0.037, 0.011),

@@ -55,7 +55,7 @@ from .recorder import Recorder
 from .ledger import memory_summary
 from .mesh import Mesh
 from .meter import Meter, seconds
-from .pp.schedules import SPLIT_BACKWARD
+from .pp.schedules import SPLIT_BACKWARD, measured_costs
 from .shard import shard_of
 
 
@@ -88,6 +88,7 @@ class ParallelRunner:
         self.schedule, self.v, self.bucket_mb = layout.schedule, layout.virtual_stages, opts.bucket_mb
         self.meter = Meter()          # the tp collectives, the cp ring and the expert all-to-alls report here
         self.model, self.executor = self._build_model(opts)    # ep > 1: this rank's experts only
+        self.pp_costs = opts.pp_costs     # "measured": the zb table is built for step 1's times
         self.device = opts.device
         self.cp_positions = None
         if self.cp > 1:               # this rank's positions; K, V travel around the cp ring
@@ -142,8 +143,7 @@ class ParallelRunner:
             return model, None
         from .pp import PipelineExecutor
         channels = {"auto": None, "tags": False, "ordered": True}[opts.pp_channels]
-        costs = {"unit": None, "measured": "measured"}[opts.pp_costs]
-        return model, PipelineExecutor(model, self.mesh.pp_comm, self.schedule, channels=channels, costs=costs)
+        return model, PipelineExecutor(model, self.mesh.pp_comm, self.schedule, channels=channels)
 
     def _local(self, batches):
         """This rank's positions of each (idx, targets) of whole sequences (all of them when cp = 1)."""
@@ -211,7 +211,12 @@ class ParallelRunner:
         with rec.span("grad sync", "dp_comm" if self.dp > 1 else "optimizer", bytes=sync.grad_bytes):
             sync.finish()
         self._update_ledger(micro_batches, act, recv_bytes)
-        vec = self._step_vector(loss, local_moe, a2a, (stop, written))
+        # --pp-costs measured: step 1's F, B, W times of every stage ride on this allreduce, from one
+        # replica (dp, cp, tp rank 0), so each slot has one contributor and the sum is exact: every
+        # rank of the job then builds the same table (their pipelines' collectives must match)
+        measuring = self.executor is not None and self.pp_costs == "measured" and self.executor.costs is None
+        times = pipe["stage_times"] if measuring else None
+        vec = self._step_vector(loss, local_moe, a2a, (stop, written), times)
         with rec.span("step allreduce", self._world_comm_category(), bytes=int(vec.nbytes)):
             red = self._allreduce(vec)
         loss = float(red[0] / (self.dp * self.cp))
@@ -220,7 +225,10 @@ class ParallelRunner:
         moe = self._moe_from(red[3:3 + n_moe])
         stop_any = bool(red[3 + n_moe] > 0)               # the two flag slots of _step_vector
         all_written = bool(red[4 + n_moe] >= self.comm.size)
-        memory = memory_summary(red[5 + n_moe:], self.comm.size)
+        n_times = 0 if times is None else times.size
+        if measuring:
+            self.executor.costs = measured_costs(red[5 + n_moe:5 + n_moe + n_times].reshape(times.shape))
+        memory = memory_summary(red[5 + n_moe + n_times:], self.comm.size)
 
         with rec.span("optimizer", "optimizer"):
             # a non-finite loss or gradient never reaches the weights (agreed: red is reduced over
@@ -296,17 +304,21 @@ class ParallelRunner:
                 return key
         return "optimizer"
 
-    def _step_vector(self, loss, local_moe, a2a, flags=(False, False)):
+    def _step_vector(self, loss, local_moe, a2a, flags=(False, False), times=None):
         """This rank's share of [loss*dp*cp, non-finite, norm^2, per MoE layer: load (E), dropped, a2a s,
-        a2a bytes, this rank asked to stop (0/1), its checkpoint part written (0/1), then every rank's
-        memory figures (ledger.memory_vector)]."""
+        a2a bytes, this rank asked to stop (0/1), its checkpoint part written (0/1), when measuring
+        the pipeline's stage times (S x 3: the first replica's, each stage from its rank), then every
+        rank's memory figures (ledger.memory_vector)]."""
         E, m = self.model_cfg.n_expert, self.mesh
         head = m.tp_rank == 0 and m.pp_rank == 0           # the loss is the same over tp and pp
         mem = ledger.memory_vector(self.comm.size, self.comm.rank, self.ledger["peak"])
-        flag = 3 + len(self.moe_ids) * (E + 3)                 # the two flag slots, then the memory figures
-        vec = np.zeros(flag + 2 + mem.size, np.float64)  # host: for the world MPI allreduce
+        flag = 3 + len(self.moe_ids) * (E + 3)                 # the two flag slots, the times, the memory figures
+        nt = 0 if times is None else times.size
+        vec = np.zeros(flag + 2 + nt + mem.size, np.float64)  # host: for the world MPI allreduce
         vec[flag:flag + 2] = [1.0 if f else 0.0 for f in flags]
-        vec[flag + 2:] = mem
+        if nt and m.dp_rank == 0 and m.cp_rank == 0 and m.tp_rank == 0:
+            vec[flag + 2:flag + 2 + nt] = times.reshape(-1)   # zero outside this rank's stages
+        vec[flag + 2 + nt:] = mem
         vec[0] = loss if head else 0.0
         vec[1] = self.sync.nonfinite()
         vec[2] = self.sync.local_sq()

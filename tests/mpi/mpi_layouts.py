@@ -97,7 +97,8 @@ def opts_of(lay):
                            schedule=lay.schedule, virtual_stages=lay.virtual_stages,
                            zero=lay.zero, seq_parallel=lay.seq_parallel, compress="none", topk_ratio=0.01,
                            recompute=lay.recompute,
-                           bucket_mb=0.01, dp_overlap=True, pp_channels="auto", pp_costs="unit", device=DEVICE, lr=LR[lay.dtype], weight_decay=WD, grad_clip=CLIP)
+                           bucket_mb=0.01, dp_overlap=True, pp_channels="auto",
+                           pp_costs="measured" if lay.pp > 1 and lay.schedule in ("zb-h1", "zb-v") else "unit", device=DEVICE, lr=LR[lay.dtype], weight_decay=WD, grad_clip=CLIP)
 
 
 WORST = {}                     # dtype -> the largest relative difference seen (reported)
@@ -184,6 +185,7 @@ def run_layout(world, lay):
     ev = eval_batches(cfg.vocab_size)
     got["eval"] = runner.eval_loss(ev[runner.mesh.dp_rank::lay.dp])   # unequal counts per dp rank
     got["sample"] = runner.generate(PROMPT, 3, 5, np.random.default_rng(1))
+    got["costs"] = runner.executor.costs if runner.executor is not None else None   # zb: step 1's times
     return runner, got
 
 
@@ -210,13 +212,17 @@ def test_every_layout_matches_single_process(world, mpi_world):
     layouts = [lay for lay in layouts if all(str(getattr(lay, k)) in vals for k, vals in WHERE)]
     failures, t0 = [], time.perf_counter()
     for lay in layouts:
+        costs = None
         try:
             runner, got = run_layout(world, lay)
-            msg = first_difference(runner, lay, got)
+            msg, costs = first_difference(runner, lay, got), got["costs"]
             free_mesh(runner.mesh)
         except Exception as e:                 # noqa: BLE001 -- reported with the layout, below
             msg = f"raised {type(e).__name__}: {e}"
-        verdicts = mpi_world.allgather(msg)
+        verdicts = mpi_world.allgather((msg, costs))
+        if any(c != verdicts[0][1] for _, c in verdicts):     # --pp-costs measured: one table for the job
+            verdicts = [(m or f"zb table costs differ between ranks: {[c for _, c in verdicts]}", c) for m, c in verdicts]
+        verdicts = [m for m, _ in verdicts]
         bad = [(r, m) for r, m in enumerate(verdicts) if m is not None]
         if bad:
             failures.append(f"layout [{lay}] rank {bad[0][0]}: {bad[0][1]}")

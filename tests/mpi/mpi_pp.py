@@ -13,6 +13,7 @@ import pytest
 from pympar.nn import GPT, GPTConfig
 from pympar.optim import AdamW
 from pympar.parallel.pp import PipelineExecutor, PipelineGPT, validate_pipeline
+from pympar.parallel.pp.schedules import measured_costs
 
 FULL = os.environ.get("PYMPAR_PP_FULL") == "1"
 # tests/test_pp.py runs this file once more with PYMPAR_PP_CHANNELS=1: every executor on ordered channels
@@ -130,23 +131,27 @@ def test_zb_h1_gradients_are_1f1bs_bitwise(mpi_world):
 
 @pytest.mark.parametrize("schedule,v", [("zb-h1", 1), ("zb-v", 2)])
 def test_tables_for_the_measured_times(mpi_world, schedule, v):
-    """costs="measured": step 1 runs the unit-time table and measures every stage's F, B, W; from
-    step 2 on the table is built for them -- the same costs on every rank -- and training still
-    equals one process (zb-h1: still 1F1B's gradients bit for bit, the order of the micro-batches
-    in each parameter's sum does not depend on the table)."""
+    """Step 1 runs the unit-time table and reports every stage's F, B, W times (stage_times, this
+    rank's stages only); their sum over the pipeline (one rank per stage: exact, the same array on
+    every rank) gives the costs the table is built for from step 2 on, and training still equals
+    one process (zb-h1: still 1F1B's gradients bit for bit, the order of the micro-batches in each
+    parameter's sum does not depend on the table)."""
     p = mpi_world.size
     cfg = config(p, v)
     model = PipelineGPT(cfg, seed=3, pp=p, rank=mpi_world.rank, v=v, dtype=np.float64,
                         placement="v" if schedule == "zb-v" else "interleaved")
-    ex = Executor(model, pp_comm(mpi_world), schedule, costs="measured")
-    assert ex.costs is None
+    comm = pp_comm(mpi_world)
+    ex = Executor(model, comm, schedule)
     for step, (st, mbs) in enumerate(train_against_one_process(mpi_world, model, ex, cfg, 2 * p + 1, 3, seed=30)):
-        costs = ex.costs
-        assert costs is not None and len(costs) == p * v and all(len(c) == 3 and min(c) > 0 for c in costs)
-        assert mpi_world.allgather(costs) == [costs] * p            # every rank builds the same table
+        times = st["stage_times"]
+        assert times.shape == (p * v, 3) and (times[:, 0] > 0).sum() == v      # this rank's stages
         if step == 0:
-            first = costs
-    assert ex.costs == first == st["table_costs"]                   # built once, from step 1's times
+            assert st["table_costs"] is None
+            ex.costs = first = measured_costs(np.asarray(comm.allreduce(times.copy())))
+            assert len(first) == p * v and all(len(c) == 3 and min(c) > 0 for c in first)
+            assert mpi_world.allgather(first) == [first] * p            # every rank builds the same table
+        else:
+            assert st["table_costs"] == first
     if schedule == "zb-h1":                                         # the same weights under 1F1B
         one = PipelineGPT(cfg, seed=3, pp=p, rank=mpi_world.rank, dtype=np.float64)
         ex1 = Executor(one, pp_comm(mpi_world), "1f1b")

@@ -83,12 +83,12 @@ class PipelineExecutor:
     """
 
     def __init__(self, model, comm, schedule: str = "1f1b", recv_window: int | None = None,
-                 channels: bool | None = None, costs=None):
+                 channels: bool | None = None, costs: tuple | None = None):
         self.model, self.schedule = model, schedule
-        # the split schedules' table: built for unit times (costs None), for given (F, B, W) per
-        # global stage, or ("measured") for the times the first step measured on every stage
-        self.measure = costs == "measured" and schedule in SPLIT_BACKWARD
-        self.costs = None if costs == "measured" else costs
+        # the split schedules' table: built for unit times (None) or for (F, B, W) per global
+        # stage (schedules.list_schedule); set it between steps -- the same on every rank of the
+        # job -- e.g. to measured_costs of the times a step reported (stats["stage_times"])
+        self.costs = costs
         self.p2p = _P2P(comm, model.v, channels, model.part.placement)
         if self.p2p.size != model.pp or self.p2p.rank != model.rank:
             raise ValueError(f"pipeline communicator has rank {self.p2p.rank} of {self.p2p.size}, "
@@ -136,7 +136,9 @@ class PipelineExecutor:
         loss (mean over micro-batches, same on every rank), losses (per micro-batch), bubble,
         recv_wait_s, compute_s (f_s + b_s + w_s: seconds in F, B and W actions; w_s is 0 unless the
         schedule splits the backward), step_s, peak_in_flight, activation_peak_bytes (the most the ctxs in
-        flight held at once), recv_buffer_bytes (receive buffers posted at once, at most). trace
+        flight held at once), recv_buffer_bytes (receive buffers posted at once, at most),
+        stage_times (S, 3: this rank's seconds per micro-batch in F, B, W of each global stage it
+        holds, zero for the others), table_costs (what this step's table was built for). trace
         (optional): called (label, t0, seconds, micro-batch) after each action ("fwd stage 2",
         "bwd stage 2", "wgrad stage 2"; the runner's profiler records them)."""
         model, p, v = self.model, self.model.pp, self.model.v
@@ -262,19 +264,14 @@ class PipelineExecutor:
             self.partial_sync.finish()
             model.grad_ready_params(self.partial_sync.params)
         self._sum_tied_grad()
-        measuring = self.measure and self.costs is None
-        if measuring:          # every stage's times ride on the losses' sum (one rank each: exact)
-            local_terms = np.concatenate([local_terms, by_stage.reshape(-1) / m])
         losses = self.p2p.allreduce_sum(local_terms) if p > 1 else local_terms
-        if measuring:
-            self.costs = measured_costs(np.asarray(losses[m:]).reshape(S, 3))
-            losses = losses[:m]
         step = time.perf_counter() - t0
         self.stats = dict(loss=float(np.mean(losses)), losses=[float(x) for x in losses],  # host
                           bubble=1.0 - compute / step if step > 0 else 0.0,
                           recv_wait_s=recv_wait, compute_s=compute, pipeline_s=t_pipe, step_s=step,
                           f_s=by_kind["F"], b_s=by_kind["B"], w_s=by_kind["W"],
                           peak_in_flight=peak, activation_peak_bytes=int(peak_bytes), table_costs=used,
+                          stage_times=by_stage / m,
                           recv_buffer_bytes=int(peak_posted * int(np.prod(shape)) * act_dtype.itemsize))
         return self.stats
 
@@ -339,15 +336,6 @@ class PipelineExecutor:
 
 _KIND_LABEL = {"F": "fwd", "B": "bwd", "W": "wgrad"}
 
-
-def measured_costs(times) -> tuple:
-    """The (F, B, W) per global stage a split schedule's table is built for, from one step's
-    seconds per micro-batch (S, 3) -- the same array on every rank (summed over the pipeline,
-    one rank contributing each stage). In units of 1/8 of the mean F, at least 1/8: a table
-    does not change on noise finer than that, and is the same on every rank."""
-    t = np.asarray(times, dtype=np.float64)  # host
-    unit = max(float(t[:, 0].mean()), 1e-12) / 8
-    return tuple(tuple(max(1, int(round(x / unit))) / 8 for x in row) for row in t)
 
 
 def build_pipeline(config, seed, pp_comm, *, schedule="1f1b", v=1, n_micro=None, dtype=np.float32,

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import functools
 
+import numpy as np
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 SPLIT_BACKWARD = ("zb-h1", "zb-v")   # schedules whose B is the input gradient only, W the rest
 
@@ -197,6 +199,17 @@ def list_schedule(p: int, m: int, v: int = 1, placement: str = "interleaved", co
             wq[r].pop(0)
         out[r].append(Action(kind, j, c))
     return tuple(tuple(a) for a in out)
+
+
+def measured_costs(times) -> tuple:
+    """The (F, B, W) per global stage a split schedule's table is built for, from one step's
+    seconds per micro-batch and stage (S, 3: the stats' stage_times of the stages' ranks, put
+    together so that every rank of the job has the same array -- ParallelRunner sums one
+    replica's over the world, each stage from one rank, which is exact). In units of 1/8 of the
+    mean F, at least 1/8: a table does not change on noise finer than that."""
+    t = np.asarray(times, dtype=np.float64)  # host
+    unit = max(float(t[:, 0].mean()), 1e-12) / 8
+    return tuple(tuple(max(1, int(round(x / unit))) / 8 for x in row) for row in t)
 
 
 def zb_h1(p: int, m: int, rank: int, costs: tuple | None = None) -> list:
