@@ -203,7 +203,7 @@ def run_rank(args):
                 # the same schedule on the discrete-event model with the nominal block cost and
                 # the measured one-way message latency: what a perfect executor would show here
                 f = args.block_ms / 1e3 * args.layers / p if args.work in ("spin", "sleep") else 0.0
-                sim = simulate([build_schedule(sched, p, m, v, q) for q in range(p)], p, v,
+                sim = simulate([build_schedule(sched, p, m, v, q, ex.costs) for q in range(p)], p, v,
                                f_cost=f, b_cost=2 * f, comm_cost=lat, w_cost=f,
                                placement="v" if sched == "zb-v" else "interleaved") if f else None
                 rows.append(dict(schedule=sched, p=p, m=m, v=v, work=args.work, costs=costs,

@@ -187,7 +187,25 @@ def test_host_staging_lands_results_on_the_device_and_mpicomm_refuses_them(monke
     buf = cp.zeros(2)
     got = c.sendrecv(cp.full(2, float(r)), (r + 1) % n, buf, (r - 1) % n)
     assert got is buf and cp.asnumpy(buf).tolist() == [float((r - 1) % n)] * 2
-    assert isinstance(c.split(0, key=r), HostStaging)
+    z = cp.ones(3)
+    y = c.iallreduce(z, inplace=False).wait()
+    assert y is not z and backend.is_cupy(y) and cp.asnumpy(z).tolist() == [1.0] * 3
+    rs = c.ireduce_scatter(cp.ones((n, 2))).wait()
+    assert backend.is_cupy(rs) and cp.asnumpy(rs).tolist() == [[float(n)] * 2]
+    g = c.iallgather(cp.full((1, 2), float(r))).wait()
+    assert backend.is_cupy(g) and cp.asnumpy(g)[:, 0].tolist() == [float(k) for k in range(n)]
+    rows, rc = c.alltoallv(cp.full((n, 1), float(r)), np.ones(n, np.int64))
+    assert backend.is_cupy(rows) and rc.tolist() == [1] * n and cp.asnumpy(rows)[:, 0].tolist() == [float(k) for k in range(n)]
+    out = cp.zeros((n, 1))
+    rows, rc = c.ialltoallv(cp.full((n, 1), float(r)), np.ones(n, np.int64), out=out).wait()
+    assert rows is out and cp.asnumpy(out)[:, 0].tolist() == [float(k) for k in range(n)]
+    land = cp.zeros(2)
+    send = c.isend(cp.full(2, 7.0), r, tag=3)
+    assert c.irecv(land, r, tag=3).wait() is land and cp.asnumpy(land).tolist() == [7.0, 7.0]
+    send.wait()
+    sub = c.split(0, key=r)
+    assert isinstance(sub, HostStaging)
+    sub.free()
     m.free()
 
 

@@ -7,9 +7,10 @@ call by its operand: CuPy -> the NCCLComm, anything else -> the MPIComm that the
 was bootstrapped on. ``split`` splits both, so a Mesh built on a DeviceComm hands out
 DeviceComm groups (dp, tp, pp, ep, edp), each with its own NCCL communicator.
 
-Without NCCL (``DeviceComm.mpi_only(mpi_comm)``) every call goes to the MPIComm through a
-``HostStaging`` wrapper (pympar.comm.staging): CuPy operands go through host copies, or as
-device pointers to a CUDA-aware MPI (pympar.comm.device.cuda_aware_mpi).
+Without NCCL (``DeviceComm.mpi_only(mpi_comm)``) every call goes to the MPIComm. The MPI side is
+always behind a ``HostStaging`` wrapper (pympar.comm.staging): CuPy operands that reach it (all
+of them without NCCL; with NCCL, e.g. the pipeline's tagged sends under --pp-channels tags) go
+through host copies, or as device pointers to a CUDA-aware MPI (pympar.comm.device.cuda_aware_mpi).
 """
 from __future__ import annotations
 
@@ -25,17 +26,20 @@ class DeviceComm:
     def __init__(self, nccl_comm=None, mpi_comm=None):
         if nccl_comm is None and mpi_comm is None:
             raise ValueError("DeviceComm needs an NCCLComm or an MPIComm")
+        from .staging import HostStaging
+
         self.nccl = nccl_comm
-        self.mpi = mpi_comm if mpi_comm is not None else nccl_comm.mpi
+        # the MPI side: host vectors, and device operands NCCL is not given (the pipeline's tagged
+        # sends with --pp-channels tags) -- staged through the host unless MPI is CUDA-aware
+        mpi = mpi_comm if mpi_comm is not None else nccl_comm.mpi
+        self.mpi = mpi if isinstance(mpi, HostStaging) else HostStaging(mpi)
         self.rank, self.size = self.mpi.rank, self.mpi.size
         self.name = nccl_comm.name if nccl_comm is not None else self.mpi.name
         self.timeout = self.mpi.timeout
 
     @classmethod
     def mpi_only(cls, mpi_comm):
-        from .staging import HostStaging
-
-        return cls(None, mpi_comm if isinstance(mpi_comm, HostStaging) else HostStaging(mpi_comm))
+        return cls(None, mpi_comm)
 
     @property
     def mpi_comm(self):

@@ -90,13 +90,13 @@ class MPIComm(Communicator):
         return self._p2p
 
     # --- plumbing ----------------------------------------------------------------
-    def _waiter(self, op, x=None, count=None, root=-1):
+    def _waiter(self, op, x=None, count=None, root=-1, tagged=False):
         """The deadline of collective #seq; marks this rank's arrival on the board.
 
         x/count/root: the fingerprint compared across ranks in debug mode (count defaults to x.size).
-        A nonblocking call whose message tag an unfinished earlier call still holds is refused here,
-        before it counts (see _nonblocking_tag)."""
-        if op[0] == "i" and self._inflight:
+        tagged: a nonblocking call of pympar's algorithms (its messages carry _nonblocking_tag):
+        refused here, before it counts, when an unfinished earlier one still holds its tag."""
+        if tagged and self._inflight:
             self._check_tag_free(op)
         self.seq += 1
         self._board.enter(self.seq, op)
@@ -245,7 +245,7 @@ class MPIComm(Communicator):
         whose earlier call did finish go on into the call and their watchdog names it."""
         span, seq = self._tag_span, self.seq + 1
         for r in self._inflight:
-            if (seq - r.seq) % span == 0:
+            if r.tagged and (seq - r.seq) % span == 0:
                 raise RuntimeError(f"{self.name}: nonblocking {op} #{seq} would reuse the message tag of #{r.seq}, "
                                    f"still unfinished {seq - r.seq} calls later (the MPI library's tag space is "
                                    f"1..{span}): wait for or test the earlier request")
@@ -550,7 +550,8 @@ class MPIComm(Communicator):
     # what the blocking verb returns; test() progresses it. algo: "mpi" (auto: the library's
     # nonblocking collective) or "ring" (pympar's ring as a state machine; allreduce,
     # reduce_scatter, allgather). The operands must stay untouched until the request completes.
-    # CuPy operands without CUDA-aware MPI go through a host copy written back on completion.
+    # CuPy operands an MPI without CUDA support cannot take are refused (_passable): HostStaging
+    # (pympar.comm.staging) is the communicator that copies them through the host.
     def _i_algo(self, verb, algo):
         """The nonblocking form's algorithm (pympar.comm.verbs: Verb.nonblocking); auto: the library's."""
         algo = "mpi" if algo == "auto" else algo
@@ -560,8 +561,11 @@ class MPIComm(Communicator):
                              f"{', '.join(('auto',) + ok)}")
         return algo
 
-    def _staged(self, waiter, steps, finish=None):
-        return StagedRequest(steps, waiter, finish, self._inflight)
+    def _staged(self, waiter, steps, finish=None, tagged=False):
+        """A StagedRequest of this communicator; tagged: its messages carry _nonblocking_tag."""
+        r = StagedRequest(steps, waiter, finish, self._inflight)
+        r.tagged = tagged
+        return r
 
     @staticmethod
     def _lib_steps(start, result):
@@ -574,14 +578,14 @@ class MPIComm(Communicator):
         check_op(op)
         algo = self._i_algo("iallreduce", algo)
         x, dst, _, _ = self._allreduce_operands(x, out, inplace, "iallreduce")
-        w = self._waiter("iallreduce", x)
+        w = self._waiter("iallreduce", x, tagged=algo == "ring" and self.size > 1)
         src_f, dst_f = flat(x), flat(dst)
         fin = (lambda: finish_avg(dst_f, self.size)) if op == "avg" and self.size > 1 else None
         if self.size == 1 or algo == "ring":
             if dst is not x:
                 dst_f[...] = src_f
             steps = ring_allreduce_steps(self._ctx(w, op, x, nonblocking=True), dst_f) if self.size > 1 else iter(())
-            return self._staged(w, _then_return(steps, dst), fin)
+            return self._staged(w, _then_return(steps, dst), fin, tagged=self.size > 1)
         sync_stream(x)
         send = MPI.IN_PLACE if dst is x else wire(src_f)
         return self._staged(w, self._lib_steps(
@@ -592,7 +596,7 @@ class MPIComm(Communicator):
         check_op(op)
         algo = self._i_algo("ireduce_scatter", algo)
         x, E, out = self._rs_operands(x, out, "ireduce_scatter")
-        w = self._waiter("ireduce_scatter", x)
+        w = self._waiter("ireduce_scatter", x, tagged=algo == "ring" and self.size > 1)
         src_f, out_f = flat(x), flat(out)
         fin = (lambda: finish_avg(out_f, self.size)) if op == "avg" and self.size > 1 else None
         if self.size == 1:
@@ -605,7 +609,7 @@ class MPIComm(Communicator):
                 yield from ring_reduce_scatter_steps(self._ctx(w, op, x, nonblocking=True), work, E)
                 out_f[...] = work[E[self.rank]:E[self.rank + 1]]
                 return out
-            return self._staged(w, steps(), fin)
+            return self._staged(w, steps(), fin, tagged=True)
         sync_stream(x)
         counts = [E[i + 1] - E[i] for i in range(self.size)]
         return self._staged(w, self._lib_steps(
@@ -615,14 +619,14 @@ class MPIComm(Communicator):
         """Start allgather(x, out=out): wait() returns (size*m, ...)."""
         algo = self._i_algo("iallgather", algo)
         x, out, _, _ = self._allgather_operands(x, out, False, "iallgather")
-        w = self._waiter("iallgather", x)
+        w = self._waiter("iallgather", x, tagged=algo == "ring" and self.size > 1)
         src_f, out_f = flat(x), flat(out)
         m = src_f.size
         if self.size == 1 or algo == "ring":
             out_f[self.rank * m:(self.rank + 1) * m] = src_f
             E = [k * m for k in range(self.size + 1)]
             steps = ring_allgather_steps(self._ctx(w, "sum", x, nonblocking=True), out_f, E) if self.size > 1 else iter(())
-            return self._staged(w, _then_return(steps, out))
+            return self._staged(w, _then_return(steps, out), tagged=self.size > 1)
         sync_stream(x)
         # receive spec without a count: mpi4py divides the buffer by size (count per rank)
         return self._staged(w, self._lib_steps(lambda: self._coll.Iallgather(wire(src_f), wire(out_f)), out))

@@ -157,7 +157,7 @@ class Waiter:
 class Request:
     """A pending operation: ``wait()`` returns its result, ``test()`` says whether it is done.
 
-    ``finish`` runs once on completion (copy back from a host staging buffer, divide for avg).
+    ``finish`` runs once on completion (divide for avg, copy a result into place).
     """
 
     def __init__(self, reqs, peers, waiter: Waiter, finish=None, result=None):
@@ -230,6 +230,8 @@ class StagedRequest(Request):
     moves all of them on, so ranks that wait for their requests in different orders still
     progress the ones their peers wait for (MPI gives its own nonblocking collectives that
     guarantee; pympar's algorithms get it here)."""
+
+    tagged = False           # its messages carry a tag of the communicator's call numbering
 
     def __init__(self, steps, waiter: Waiter, finish=None, inflight=None):
         super().__init__([], [], waiter, finish, None)

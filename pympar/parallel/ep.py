@@ -244,11 +244,11 @@ def ep_step_stats(model, meter, dp_comm=None):
     expert processed), load_cv and max_over_mean of that load, routed_per_expert (assignments
     before dropping), dropped_fraction, a2a_seconds (mean over dp ranks of the time inside the
     alltoall/alltoallv calls), a2a_bytes (sent, summed over ranks). ``meter``: the one the layers
-    were installed with; its tallies are taken (reset). One allreduce per call."""
+    were installed with; its ("ep", layer) tallies are taken (reset), the rest left. One allreduce per call."""
     layers = moe_layers_of(model)
     if not layers:
         return []
-    rows, tallies = [], meter.take()
+    rows, tallies = [], meter.take(lambda k: isinstance(k, tuple) and k[0] == "ep")
     for i, m in layers:
         a, t = m.take_ep_stats(), tallies.get(("ep", i), Tally())
         proc = np.zeros(m.n_expert, np.float64)  # host: the counters are host vectors

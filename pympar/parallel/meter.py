@@ -40,10 +40,13 @@ class Meter:
         """The tally of ``key`` so far (a zero Tally when nothing was added), without resetting."""
         return self._tallies.get(key, Tally())
 
-    def take(self) -> dict:
-        """{key: Tally} since the last take; resets every tally."""
-        out, self._tallies = self._tallies, {}
-        return out
+    def take(self, keep=None) -> dict:
+        """{key: Tally} since the last take, reset. keep(key) -> bool: only those keys are taken
+        (and reset); the others stay for their owner."""
+        if keep is None:
+            out, self._tallies = self._tallies, {}
+            return out
+        return {k: self._tallies.pop(k) for k in [k for k in self._tallies if keep(k)]}
 
 
 def seconds(tallies: dict, key) -> float:

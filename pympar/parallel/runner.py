@@ -214,7 +214,8 @@ class ParallelRunner:
         # --pp-costs measured: step 1's F, B, W times of every stage ride on this allreduce, from one
         # replica (dp, cp, tp rank 0), so each slot has one contributor and the sum is exact: every
         # rank of the job then builds the same table (their pipelines' collectives must match)
-        measuring = self.executor is not None and self.pp_costs == "measured" and self.executor.costs is None
+        measuring = self.executor is not None and self.pp_costs == "measured" and self.schedule in SPLIT_BACKWARD \
+            and self.executor.costs is None
         times = pipe["stage_times"] if measuring else None
         vec = self._step_vector(loss, local_moe, a2a, (stop, written), times)
         with rec.span("step allreduce", self._world_comm_category(), bytes=int(vec.nbytes)):

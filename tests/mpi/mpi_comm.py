@@ -303,6 +303,9 @@ def test_nonblocking_tags_wrap_and_refuse_a_tag_in_use(mpi_world):
     for q in pending:
         np.testing.assert_allclose(q.wait(), n * (n - 1) / 2)
     np.testing.assert_allclose(c.iallreduce(np.ones(3), algo="ring").wait(), n)      # the refused call did not count
+    lib, ring = c.iallreduce(np.ones(3), algo="mpi"), c.iallreduce(np.ones(3), algo="ring")
+    assert (lib.tagged, ring.tagged) == (False, True)  # the library's own calls hold no pympar tag
+    lib.wait(), ring.wait()
     c.free()
 
 

@@ -209,7 +209,9 @@ def test_parameter_groups_and_stats(world):
     mbs = global_batch(0, n_micro * world.size, cfg.vocab_size)
     for x, y in mbs[mesh.dp_rank * n_micro:(mesh.dp_rank + 1) * n_micro]:
         model.loss_and_grad(x, y)
+    meter.add("tp", 1.5)                                      # another part's tally: left alone
     stats = ep_step_stats(model, meter, mesh.dp_comm)
+    assert meter.get("tp").seconds == 1.5 and not any(isinstance(k, tuple) for k in meter.take())
     # the oracle: the single-process model over the whole global batch
     ref = GPT(cfg, seed=SEED, dtype=np.float64)
     for x, y in mbs:
