@@ -578,14 +578,15 @@ class MPIComm(Communicator):
         check_op(op)
         algo = self._i_algo("iallreduce", algo)
         x, dst, _, _ = self._allreduce_operands(x, out, inplace, "iallreduce")
-        w = self._waiter("iallreduce", x, tagged=algo == "ring" and self.size > 1)
+        ring = algo == "ring" and self.size > 1          # pympar's ring: its messages carry a tag
+        w = self._waiter("iallreduce", x, tagged=ring)
         src_f, dst_f = flat(x), flat(dst)
         fin = (lambda: finish_avg(dst_f, self.size)) if op == "avg" and self.size > 1 else None
         if self.size == 1 or algo == "ring":
             if dst is not x:
                 dst_f[...] = src_f
             steps = ring_allreduce_steps(self._ctx(w, op, x, nonblocking=True), dst_f) if self.size > 1 else iter(())
-            return self._staged(w, _then_return(steps, dst), fin, tagged=self.size > 1)
+            return self._staged(w, _then_return(steps, dst), fin, tagged=ring)
         sync_stream(x)
         send = MPI.IN_PLACE if dst is x else wire(src_f)
         return self._staged(w, self._lib_steps(
@@ -596,7 +597,8 @@ class MPIComm(Communicator):
         check_op(op)
         algo = self._i_algo("ireduce_scatter", algo)
         x, E, out = self._rs_operands(x, out, "ireduce_scatter")
-        w = self._waiter("ireduce_scatter", x, tagged=algo == "ring" and self.size > 1)
+        ring = algo == "ring" and self.size > 1
+        w = self._waiter("ireduce_scatter", x, tagged=ring)
         src_f, out_f = flat(x), flat(out)
         fin = (lambda: finish_avg(out_f, self.size)) if op == "avg" and self.size > 1 else None
         if self.size == 1:
@@ -609,7 +611,7 @@ class MPIComm(Communicator):
                 yield from ring_reduce_scatter_steps(self._ctx(w, op, x, nonblocking=True), work, E)
                 out_f[...] = work[E[self.rank]:E[self.rank + 1]]
                 return out
-            return self._staged(w, steps(), fin, tagged=True)
+            return self._staged(w, steps(), fin, tagged=ring)
         sync_stream(x)
         counts = [E[i + 1] - E[i] for i in range(self.size)]
         return self._staged(w, self._lib_steps(
@@ -619,14 +621,15 @@ class MPIComm(Communicator):
         """Start allgather(x, out=out): wait() returns (size*m, ...)."""
         algo = self._i_algo("iallgather", algo)
         x, out, _, _ = self._allgather_operands(x, out, False, "iallgather")
-        w = self._waiter("iallgather", x, tagged=algo == "ring" and self.size > 1)
+        ring = algo == "ring" and self.size > 1
+        w = self._waiter("iallgather", x, tagged=ring)
         src_f, out_f = flat(x), flat(out)
         m = src_f.size
         if self.size == 1 or algo == "ring":
             out_f[self.rank * m:(self.rank + 1) * m] = src_f
             E = [k * m for k in range(self.size + 1)]
             steps = ring_allgather_steps(self._ctx(w, "sum", x, nonblocking=True), out_f, E) if self.size > 1 else iter(())
-            return self._staged(w, _then_return(steps, out), tagged=self.size > 1)
+            return self._staged(w, _then_return(steps, out), tagged=ring)
         sync_stream(x)
         # receive spec without a count: mpi4py divides the buffer by size (count per rank)
         return self._staged(w, self._lib_steps(lambda: self._coll.Iallgather(wire(src_f), wire(out_f)), out))

@@ -159,8 +159,7 @@ class PipelineExecutor:
         if self.partial_sync is not None:
             self.partial_sync.begin()
         t0 = time.perf_counter()
-        recv_wait = compute = 0.0
-        by_kind = {"F": 0.0, "B": 0.0, "W": 0.0}         # seconds per kind of action
+        recv_wait = 0.0
         S = model.part.n_stage
         by_stage = np.zeros((S, 3), dtype=np.float64)    # host: seconds per (global stage, F/B/W)
         pending = {}                 # (kind, micro, chunk) -> (request, buffer)
@@ -241,8 +240,6 @@ class PipelineExecutor:
                 live -= 1
                 dest_stage = s - 1
             dt = time.perf_counter() - tc
-            compute += dt
-            by_kind[a.kind] += dt
             by_stage[s, "FBW".index(a.kind)] += dt
             if trace is not None:                            # the profiler's event of this action
                 trace(f"{_KIND_LABEL[a.kind]} stage {s}", tc, dt, a.micro)
@@ -266,10 +263,12 @@ class PipelineExecutor:
         self._sum_tied_grad()
         losses = self.p2p.allreduce_sum(local_terms) if p > 1 else local_terms
         step = time.perf_counter() - t0
+        f_s, b_s, w_s = by_stage.sum(axis=0)           # seconds per kind of action
+        compute = float(f_s + b_s + w_s)
         self.stats = dict(loss=float(np.mean(losses)), losses=[float(x) for x in losses],  # host
                           bubble=1.0 - compute / step if step > 0 else 0.0,
                           recv_wait_s=recv_wait, compute_s=compute, pipeline_s=t_pipe, step_s=step,
-                          f_s=by_kind["F"], b_s=by_kind["B"], w_s=by_kind["W"],
+                          f_s=float(f_s), b_s=float(b_s), w_s=float(w_s),
                           peak_in_flight=peak, activation_peak_bytes=int(peak_bytes), table_costs=used,
                           stage_times=by_stage / m,
                           recv_buffer_bytes=int(peak_posted * int(np.prod(shape)) * act_dtype.itemsize))
