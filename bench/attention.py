@@ -13,13 +13,15 @@ torch.set_num_threads). FLOP/s count 7 T^2 D per head (2 GEMMs forward, 5 backwa
 
 Memory: peak resident memory (VmHWM, read by /usr/bin/time after the process exits) of one
 process training the 2-layer, 128-wide model (4 heads, vocabulary 256) for 2 steps at micro-batch
-1, with the tiled and with the materialized attention, and with the tiled attention and full
-activation recomputation, at each T. The target (issue 14): tiled peak at T 4096 at most 1.5x
-its peak at T 1024.
+1, with the tiled and with the materialized attention, and with the tiled attention and
+selective and full activation recomputation, at each T. The target (issue 14): tiled peak at T
+4096 at most 1.5x its peak at T 1024. ``--memory-only`` measures only the memory and keeps the
+speed rows of an earlier run's JSON.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -132,7 +134,11 @@ def run(a):
     quick = a.quick
     shapes = [(256, 4, 32)] if quick else [(1024, 4, 32), (4096, 4, 32), (1024, 12, 64)]
     threads = [1] if quick else [1, 2]
-    res = dict(machine=machine(), speed=speed(shapes, threads, 2 if quick else a.reps))
+    if a.memory_only:
+        res = json.loads(Path(a.json).read_text())
+        res["machine"] = machine()
+    else:
+        res = dict(machine=machine(), speed=speed(shapes, threads, 2 if quick else a.reps))
     try:
         import torch
         res["torch_version"] = torch.__version__
@@ -143,17 +149,20 @@ def run(a):
         row = dict(T=T)
         for impl in ("tiled", "materialized"):
             row[f"{impl}_peak_bytes"] = peak_rss(T, impl)
-        row["tiled_full_peak_bytes"] = peak_rss(T, "tiled", "full")
+        for rc in ("selective", "full"):
+            row[f"tiled_{rc}_peak_bytes"] = peak_rss(T, "tiled", rc)
         mem.append(row)
         print(f"2-layer 128-wide model, micro-batch 1, T {T}: peak RSS tiled {row['tiled_peak_bytes'] / 2**20:.0f} MiB, "
-              f"materialized {row['materialized_peak_bytes'] / 2**20:.0f} MiB, tiled with --recompute full "
-              f"{row['tiled_full_peak_bytes'] / 2**20:.0f} MiB", flush=True)
+              f"materialized {row['materialized_peak_bytes'] / 2**20:.0f} MiB, tiled with --recompute selective "
+              f"{row['tiled_selective_peak_bytes'] / 2**20:.0f} MiB, full {row['tiled_full_peak_bytes'] / 2**20:.0f} MiB",
+              flush=True)
     res["memory"] = mem
     growth = mem[-1]["tiled_peak_bytes"] / mem[0]["tiled_peak_bytes"]
     res["tiled_peak_growth"] = dict(from_T=mem[0]["T"], to_T=mem[-1]["T"], ratio=growth, target=1.5)
-    res["tiled_full_peak_growth"] = mem[-1]["tiled_full_peak_bytes"] / mem[0]["tiled_full_peak_bytes"]
-    print(f"tiled peak at T {mem[-1]['T']} / at T {mem[0]['T']}: {growth:.2f}x (target <= 1.5x); with full "
-          f"recomputation {res['tiled_full_peak_growth']:.2f}x")
+    for rc in ("selective", "full"):
+        res[f"tiled_{rc}_peak_growth"] = mem[-1][f"tiled_{rc}_peak_bytes"] / mem[0][f"tiled_{rc}_peak_bytes"]
+    print(f"tiled peak at T {mem[-1]['T']} / at T {mem[0]['T']}: {growth:.2f}x (target <= 1.5x); with selective "
+          f"recomputation {res['tiled_selective_peak_growth']:.2f}x, full {res['tiled_full_peak_growth']:.2f}x")
     return res
 
 
@@ -172,6 +181,7 @@ def plot(res, png):
     mem = res["memory"]
     Ts = [r["T"] for r in mem]
     for k, c, lab in (("tiled", "tab:blue", "tiled"), ("materialized", "tab:gray", "materialized"),
+                      ("tiled_selective", "tab:olive", "tiled, --recompute selective"),
                       ("tiled_full", "tab:green", "tiled, --recompute full")):
         if f"{k}_peak_bytes" not in mem[0]:
             continue
@@ -188,6 +198,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T 256, 1 thread, memory at T 128/256 (seconds)")
     ap.add_argument("--reps", type=int, default=5, help="calls per measurement (the best is kept)")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="measure the memory only; the speed rows come from the --json file of an earlier run")
     return run_and_write(ap, argv, "attention", run, plot)
 
 

@@ -288,8 +288,9 @@ _HELP = {
     "zero": "ZeRO stage over the data-parallel group: 1 shards the optimizer state, 2 also the gradients, "
             "3 also the parameters (gathered around each layer's use); 0 = off",
     "recompute": "activation recomputation: 'full' keeps each block's input and recomputes the block in "
-                 "backward, 'selective' recomputes the attention probabilities (the T^2 part; the tiled attention "
-                 "kernel, the default on CPU, never keeps them, so there it equals 'none'), 'none' keeps all",
+                 "backward; 'selective' recomputes the attention probabilities (the T^2 part, which the tiled "
+                 "attention kernel, the default on CPU, never keeps) and, without --tp, each MLP's hidden layer "
+                 "(4C per token and layer, one more c_fc GEMM); 'none' keeps all",
     "seq_parallel": "sequence parallelism with TP",
     "compress": "gradient compression for the DP allreduce", "topk_ratio": "kept fraction with --compress topk",
     "bucket_mb": "DP gradient bucket size (MiB)",

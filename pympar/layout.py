@@ -304,13 +304,17 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     elems = activations_per_micro(cfg, lay, range(cfg.n_layer), True) / lay.pp   # non-matmul work, mean stage
     comp = slow * (flops_micro / (m.peak * m.mfu) + m.elem_time * elems + m.overhead * (cfg.n_layer + 2) / lay.pp)
     # recomputation runs forward work again in backward: full, the whole forward (a third of the
-    # step's matmul work); selective, the attention scores and probabilities only (the
-    # materialized attention path; the tiled kernel recomputes them in any mode)
+    # step's matmul work) but a dense MLP's c_proj (its backward computes c_fc's output again);
+    # selective, a dense MLP's c_fc and the attention scores and probabilities (the materialized
+    # attention path; the tiled kernel recomputes them in any mode). Tensor-parallel MLPs keep
+    # their hidden layer in every mode.
+    fpt = flops_per_token(cfg)
+    mlp = 0.0 if lay.tp > 1 else 8.0 * C * C * sum(1 for i in range(cfg.n_layer) if not is_moe_layer(cfg, i)) / fpt
     if lay.recompute == "full":
-        comp *= 4.0 / 3.0
-    elif lay.recompute == "selective" and not ledger.tiled_attention(m.act_bytes):   # tiled: nothing is kept to drop
-        att = 12.0 * cfg.n_layer * T * C / flops_per_token(cfg)         # share of the scores' FLOPs
-        comp *= 1.0 + att / 3.0
+        comp *= 4.0 / 3.0 - mlp
+    elif lay.recompute == "selective":
+        att = 0.0 if ledger.tiled_attention(m.act_bytes) else 12.0 * cfg.n_layer * T * C / fpt / 3.0
+        comp *= 1.0 + mlp + att
     blocks_per_rank = cfg.n_layer / lay.pp
     moe_per_rank = sum(1 for i in range(cfg.n_layer) if is_moe_layer(cfg, i)) / lay.pp
     act_b = tokens * C * m.act_bytes

@@ -29,6 +29,9 @@ def _modules(dt):
     yield "linear-nobias", Linear(C, C, name="l", dtype=dt, bias=False), "x"
     yield "layernorm", LayerNorm(C, name="ln", dtype=dt), "x"
     yield "mlp", MLP(C, name="m", dtype=dt), "x"
+    mlp = MLP(C, name="m", dtype=dt)
+    mlp.keep_hidden = False                        # the hidden layer computed again in backward
+    yield "mlp-recomputed-hidden", mlp, "x"
     yield "attention", CausalSelfAttention(C, 2, name="a", dtype=dt), "x"
     yield "moe", MoE(C, 4, name="e", top_k=2, capacity_factor=1.0, dtype=dt), "x"
     yield "block-dense", Block(dense, 0, dtype=dt), "x"
@@ -66,8 +69,13 @@ def _backward(m, dy, ctx, split):
     return dx
 
 
+@pytest.mark.parametrize("rows", [None, 5], ids=["mlp-one-block", "mlp-blocks-of-5"])
 @pytest.mark.parametrize("dt", [np.float32, np.float64])
-def test_backward_input_then_weight_is_backward_bitwise(dt):
+def test_backward_input_then_weight_is_backward_bitwise(dt, rows, monkeypatch):
+    """(rows=5: the MLPs run the 21 tokens in uneven blocks of 5, the deferred W passes too.)"""
+    from pympar.nn import layers
+    if rows:
+        monkeypatch.setattr(layers, "MLP_ROWS", rows)
     for name, m, kind in _modules(dt):
         outs = []
         for split in (False, True):

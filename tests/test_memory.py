@@ -137,19 +137,27 @@ def attention_impl(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("rows", [None, 7], ids=["one-block", "blocks-of-7"])
 @pytest.mark.parametrize("cfg", [CFG, MOE], ids=["dense", "moe"])
-def test_recomputation_is_bitwise_the_same(cfg, attention_impl):
+def test_recomputation_is_bitwise_the_same(cfg, attention_impl, rows, monkeypatch):
+    """Each mode gives the gradients of 'none' bit for bit, the MLP in one block or (rows=7) in
+    uneven blocks of 7 tokens; 'selective' keeps exactly a dense MLP's hidden layers less (and the
+    materialized path's probabilities), 'full' less still."""
+    from pympar.nn import layers
+    if rows:
+        monkeypatch.setattr(layers, "MLP_ROWS", rows)
     loss, grads, keep, model = _grads_after(cfg, "none")
     loads = [s["tokens_per_expert"] for s in model.moe_stats()]
+    hidden = sum(2 * cfg.block_size * 4 * cfg.n_embd * 8 for i in range(cfg.n_layer) if not cfg.is_moe_block(i))
     for mode in ("selective", "full"):
         l2, g2, keep2, m2 = _grads_after(cfg, mode)
         assert l2 == loss
         for n in grads:
             np.testing.assert_array_equal(g2[n], grads[n], err_msg=f"{mode} {n}")
         if mode == "selective" and attention_impl == "tiled":
-            assert keep2 == keep                               # no probabilities were kept to drop
+            assert keep2 == keep - hidden                      # no probabilities were kept to drop
         else:
-            assert keep2 < keep
+            assert keep2 < keep - hidden
         if cfg.n_expert:                                       # loads counted once, not per recompute
             assert [s["tokens_per_expert"] for s in m2.moe_stats()] == loads
 
@@ -280,3 +288,37 @@ def test_mlp_backward_holds_one_hidden_sized_transient():
     np.testing.assert_array_equal(dx, dx2)
     for n, p in mlp.named_parameters():
         np.testing.assert_array_equal(got[n], p.grad, err_msg=n)
+
+
+@pytest.mark.parametrize("keep_hidden", [True, False])
+def test_mlp_in_blocks_equals_one_block_and_holds_a_blocks_transient(keep_hidden, monkeypatch):
+    """An MLP over more tokens than MLP_ROWS runs in blocks of them: dx and the gradients equal the
+    one-block MLP's to float64 rounding (uneven blocks), forward keeps x and (keep_hidden) the whole
+    hidden layer only, and backward's transient is a block's hidden layer and GELU output (plus dx
+    and a weight gradient's product), not the sequence's."""
+    from pympar.nn import layers
+    from pympar.nn.layers import MLP
+    N, C, rows = 2000, 32, 300
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((N, C))
+    dy = rng.standard_normal((N, C))
+    got = []
+    for r in (N, rows):
+        monkeypatch.setattr(layers, "MLP_ROWS", r)
+        mlp = MLP(C, name="m", seed=4, dtype=np.float64)
+        mlp.keep_hidden = keep_hidden
+        y, ctx = mlp.forward(x)
+        assert ctx[0] is x and (ctx[1] is None) == (not keep_hidden)
+        for p in mlp.parameters():
+            p.grad                                   # allocated before: not the backward's transient
+        dx, peak = made_while(lambda: mlp.backward(dy, ctx))
+        got.append((y, dx, {n: p.grad.copy() for n, p in mlp.named_parameters()}, peak))
+    (y0, dx0, g0, peak0), (y1, dx1, g1, peak1) = got
+    np.testing.assert_allclose(y1, y0, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(dx1, dx0, rtol=1e-12, atol=1e-14)
+    for n in g0:
+        np.testing.assert_allclose(g1[n], g0[n], rtol=1e-12, atol=1e-14, err_msg=n)
+    H, a = 4 * C, 8
+    blocks = (1 if keep_hidden else 2) * rows * H * a
+    assert peak1 <= blocks + N * C * a + rows * C * a + 4 * C * C * a + 2**14, (peak1, blocks)
+    assert peak0 >= (1 if keep_hidden else 2) * N * H * a                     # one block: the whole sequence's

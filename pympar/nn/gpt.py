@@ -40,9 +40,10 @@ class Block(Module):
         return self.moe if hasattr(self, "moe") else self.mlp
 
     # activation recomputation: "none" keeps every activation backward needs; "full" keeps only
-    # the block's input and runs the forward again in backward; "selective" drops the attention
-    # probabilities (B, nh, T, T) only (set_recompute sets it on the attention core; the tiled
-    # attention kernel keeps none in any mode)
+    # the block's input and runs the forward again in backward (all of it but a dense MLP, whose
+    # backward computes its hidden layer block by block); "selective" drops the attention
+    # probabilities (B, nh, T, T; the tiled attention kernel keeps none in any mode) and a dense
+    # MLP's hidden layer (set_recompute sets them on the attention core and the MLP)
     recompute = "none"
 
     def forward(self, x):                        # x (B, T, C) -> y (B, T, C)
@@ -55,13 +56,17 @@ class Block(Module):
     # item is the module's input) drop it, and backward computes it again from the LayerNorm's
     # ctx (its input, kept anyway for its own backward) -- one elementwise pass each, bitwise the
     # same numbers, 2C per position and layer less to hold. A MoE's ctx (a dict) keeps its input.
-    def _forward(self, x):
+    def _forward(self, x, again=False):
+        """again: the forward of a "full" backward, for its ctx only: a dense MLP that does not keep
+        its hidden layer (the MLP's backward computes it block by block) is not run at all."""
         h1, c_ln1 = self.ln_1.forward(x)
         a, c_attn = self.attn.forward(h1)
         del h1
         a += x                                   # x1 = x + attn(...): a is fresh, kept by no ctx
         x1 = a
         h2, c_ln2 = self.ln_2.forward(x1)
+        if again and not hasattr(self, "moe") and not self.mlp.keep_hidden:
+            return None, dict(ln1=c_ln1, attn=_without_input(c_attn), ln2=c_ln2, ffn=(h2, None), aux_loss=0.0)
         f, c_ffn = self.ffn.forward(h2)
         del h2
         f += x1                                  # y = x1 + f: f is fresh too
@@ -78,7 +83,7 @@ class Block(Module):
         if moe is not None:
             moe.recording = False
         try:
-            return self._forward(ctx["recompute"])[1]
+            return self._forward(ctx["recompute"], again=True)[1]
         finally:
             if moe is not None:
                 moe.recording = rec
@@ -125,7 +130,8 @@ def count_params(config: GPTConfig) -> int:
 
 def set_recompute(model, mode: str):
     """Activation recomputation of every block of ``model`` (any model whose modules() reach its
-    blocks: GPT, TPGPT, PipelineGPT): none | selective (attention probabilities) | full (blocks)."""
+    blocks: GPT, TPGPT, PipelineGPT): none | selective (attention probabilities, a dense MLP's
+    hidden layer) | full (blocks)."""
     from .attention_core import CausalAttentionCore
 
     if mode not in RECOMPUTE:
@@ -133,6 +139,8 @@ def set_recompute(model, mode: str):
     for m in model.modules():
         if isinstance(m, Block):
             m.recompute = "full" if mode == "full" else "none"
+            if hasattr(m, "mlp") and m.mlp.rowwise:          # (a tensor-parallel MLP keeps it)
+                m.mlp.keep_hidden = mode == "none"
         if isinstance(m, CausalAttentionCore):
             m.keep_probs = mode != "selective"
     return model

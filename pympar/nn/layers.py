@@ -22,9 +22,10 @@ class Linear(Module):
         self.bias = _param(seed, f"{name}.bias", (n_out,), dtype) if bias else None
         self._cdt = compute_dtype
 
-    def forward(self, x):                        # x (..., in) -> y (..., out)
+    def forward(self, x, out=None):              # x (..., in) -> y (..., out)
+        """out (optional): a C-contiguous (N, out) array (a block of rows of a larger one) to write y into."""
         w = compute_cast(self.weight.data, self._cdt)
-        y = matmul(x.reshape(-1, x.shape[-1]), w.T)   # one GEMM over all tokens: (N, out)
+        y = matmul(x.reshape(-1, x.shape[-1]), w.T, out=out)   # one GEMM over all tokens: (N, out)
         if self.bias is not None:
             y += compute_cast(self.bias.data, self._cdt)
         return y.reshape(*x.shape[:-1], y.shape[-1]), x
@@ -76,14 +77,23 @@ class LayerNorm(Module):
 
 
 class MLP(Module):
-    """c_fc (C -> 4C), GELU (tanh form), c_proj (4C -> C).
+    """c_fc (C -> 4C), GELU (tanh form), c_proj (4C -> C), over at most ``MLP_ROWS`` tokens at a time.
 
-    The ctx keeps x and the GELU's input h only: backward computes the GELU output again (one
-    elementwise pass, the same numbers bit for bit), so an MLP holds 5C per position between its
-    forward and backward instead of 9C. Backward's transient is one 4C array: the GELU output,
-    then (c_proj's weight gradient taken) the gradient written over it, then GELU's backward in
-    place -- unless a zero-bubble schedule defers c_proj's weight gradient, which then keeps the
-    GELU output until its W pass."""
+    Every token's MLP is its own, so forward and backward run in blocks of MLP_ROWS rows (one block
+    when there are fewer): no (tokens, 4C) array but the kept hidden layer exists whole. The ctx
+    keeps x and the GELU's input h; backward computes the GELU output again (one elementwise pass,
+    the same numbers bit for bit). ``keep_hidden = False`` (set by nn.gpt.set_recompute for
+    'selective' and 'full'): h is not kept either, and backward computes each block's h again
+    (one more c_fc GEMM) -- bitwise the same numbers, 4C per token and layer less to hold. Backward's
+    transient is then a block's h and its GELU output (the gradient written over the latter),
+    unless a zero-bubble schedule defers the weight gradients, which then keep every block's GELU
+    output and hidden gradient until the W pass. The blocks are the same in every mode, so the
+    recomputation modes and the deferred W give the gradients of 'none' bit for bit.
+    Tensor-parallel subclasses (whose layers communicate) set ``rowwise = False``: one block,
+    h always kept."""
+
+    rowwise = True                               # the layers are local: any rows may run alone
+    keep_hidden = True
 
     def __init__(self, n_embd, *, name, seed=0, dtype=np.float32, bias=True, n_layer=1,
                  compute_dtype=None):
@@ -92,19 +102,63 @@ class MLP(Module):
         self.c_proj = Linear(4 * n_embd, n_embd, name=f"{name}.c_proj", seed=seed, dtype=dtype,
                              bias=bias, std=0.02 / (2 * n_layer) ** 0.5, compute_dtype=compute_dtype)
 
+    def block_rows(self, N: int) -> int:
+        """Rows per block: all N for a tensor-parallel MLP or when N <= MLP_ROWS."""
+        return N if not self.rowwise else min(N, MLP_ROWS)
+
     def forward(self, x):                        # x (..., C) -> y (..., C)
-        h, _ = self.c_fc.forward(x)              # h (..., 4C)
-        g = kernels.gelu_forward(h)              # g (..., 4C): not kept
-        y, _ = self.c_proj.forward(g)
-        return y, (x, h)
+        x2 = x.reshape(-1, x.shape[-1])
+        N = x2.shape[0]
+        rows = self.block_rows(N)
+        if rows >= N:
+            h, _ = self.c_fc.forward(x)          # h (..., 4C)
+            g = kernels.gelu_forward(h)          # g (..., 4C): not kept
+            y, _ = self.c_proj.forward(g)
+            return y, (x, h if self.keep_hidden else None)
+        xp = xp_of(x2)
+        w = self.c_fc.weight.data
+        h = xp.empty((N, w.shape[0]), dtype=x2.dtype) if self.keep_hidden else None
+        y = None
+        for r0 in range(0, N, rows):
+            r1 = min(r0 + rows, N)
+            hc, _ = self.c_fc.forward(x2[r0:r1], out=None if h is None else h[r0:r1])
+            g = kernels.gelu_forward(hc)
+            if y is None:
+                y = xp.empty((N, self.c_proj.weight.data.shape[0]), dtype=g.dtype)
+            self.c_proj.forward(g, out=y[r0:r1])
+        return y.reshape(*x.shape[:-1], y.shape[-1]), (x, h)
 
     def backward(self, dy, ctx):
         x, h = ctx
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        N = x2.shape[0]
+        rows = self.block_rows(N)
+        if rows >= N:
+            return self._backward_rows(dy, x, h).reshape(x.shape)
+        dx = None
+        for r0 in range(0, N, rows):
+            r1 = min(r0 + rows, N)
+            dxc = self._backward_rows(dy2[r0:r1], x2[r0:r1], None if h is None else h[r0:r1],
+                                      out=None if dx is None else dx[r0:r1])
+            if dx is None:
+                dx = xp_of(dxc).empty((N, dxc.shape[-1]), dtype=dxc.dtype)
+                dx[r0:r1] = dxc
+        return dx.reshape(x.shape)
+
+    def _backward_rows(self, dy, x, h, out=None):
+        """One block's backward (h None: computed again from x, as forward computed it)."""
+        if h is None:
+            h, _ = self.c_fc.forward(x)
         g = kernels.gelu_forward(h)              # again: c_proj's weight gradient needs it
         dg = self.c_proj.backward(dy, g, out=None if deferring() else g)   # (..., 4C)
         del g
         dh = kernels.gelu_backward(h, dg, out=dg)
-        return self.c_fc.backward(dh, x)
+        return self.c_fc.backward(dh, x) if out is None else self.c_fc.backward(dh, x, out=out)
+
+
+# tokens per MLP block (forward and backward): a GEMM of 1024 rows runs near the BLAS's full
+# rate at any width, and the (tokens, 4C) transients stay at 1024 rows however long the sequence
+MLP_ROWS = 1024
 
 
 class Embedding(Module):

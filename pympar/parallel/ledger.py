@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 
 from ..backend import held_bytes
-from ..nn import gpt
+from ..nn import gpt, layers
 from ..nn.gpt import Head
 
 def tiled_attention(act_bytes: int) -> bool:
@@ -154,7 +154,7 @@ def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str
                 blk += B * (H // tp) * T * T * a               # the probabilities
         if is_moe_layer(cfg, i):
             blk += (N * C // s) * a + _moe_ctx(cfg, N, tp, a, st)   # a MoE keeps its input h2
-        else:
+        elif mlp_keeps_hidden(tp, recompute):
             blk += 4 * N * (C // tp) * a                       # c_fc output (the GELU output is recomputed)
         total += blk
     if last:
@@ -164,6 +164,17 @@ def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str
         if tp > 1 or Head.chunk_rows(N, vloc) >= N:
             total += N * vloc * a                              # the logits (kept unless chunked)
     return int(total)
+
+
+def mlp_keeps_hidden(tp: int, recompute: str) -> bool:
+    """Whether a dense block's MLP keeps its hidden layer for backward (nn.layers.MLP.keep_hidden):
+    in 'none', and always when tensor-parallel."""
+    return tp > 1 or recompute == "none"
+
+
+def _mlp_rows(N: int, tp: int) -> int:
+    """Rows of one MLP block (nn.layers.MLP.block_rows)."""
+    return N if tp > 1 else min(N, layers.MLP_ROWS)
 
 
 def _moe_ctx(cfg, N, tp, a, st):
@@ -207,9 +218,15 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
         if recompute == "selective":
             att *= 2                                           # the recomputed scores too
     cands = [att if blocks else 0]
-    if blocks:                     # an MLP's backward: ln_2's output again, the GELU output (its
-        # gradient written over it; both at once when a zero-bubble schedule defers c_proj's W)
-        cands.append(N * C * act_bytes + (2 if deferred_w else 1) * N * 4 * (C // tp) * act_bytes)
+    mlp = 0
+    if blocks:                     # an MLP's backward: ln_2's output again, its dx when it runs in
+        # blocks (each block's written into it), and a block's GELU output (its gradient written
+        # over it; every block's, and their hidden gradients, when a zero-bubble schedule defers
+        # the W passes), with the block's hidden layer computed again when it was not kept
+        r, H = _mlp_rows(N, tp), 4 * (C // tp)
+        hid = (2 * N if deferred_w else r) * H + (0 if mlp_keeps_hidden(tp, recompute) else r * H)
+        mlp = (N * C * (1 + (r < N)) + hid) * act_bytes
+        cands.append(mlp)
     if last:
         vloc = -(-cfg.vocab_size // tp)
         rows = N if tp > 1 else Head.chunk_rows(N, vloc)
@@ -217,9 +234,13 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
         # gradient product before it is added (chunked: in vocabulary blocks of a chunk's size)
         prod = vloc * C if rows >= N else min(vloc, max(1, gpt.CE_CHUNK // C)) * C
         cands.append((2 + (rows < N)) * rows * vloc * max(act_bytes, stat_bytes) + prod * stat_bytes)
-    if recompute == "full" and blocks:                         # one block's whole ctx, again
-        cands.append(activations_per_micro(cfg, B, T, tp, False, "none", blocks[:1], False, False,
-                                           act_bytes, stat_bytes, tiled=tiled) + att)
+    if recompute == "full" and blocks:  # one block's ctx again (a dense MLP's hidden layer aside)
+        again = activations_per_micro(cfg, B, T, tp, False, "none", blocks[:1], False, False,
+                                      act_bytes, stat_bytes, tiled=tiled)
+        if not is_moe_layer(cfg, blocks[0]) and not mlp_keeps_hidden(tp, recompute):
+            again += (N * C - 4 * N * C) * act_bytes           # ln_2's output instead of c_fc's
+            mlp -= N * C * act_bytes                           # (then not computed again)
+        cands.append(again + max(att, mlp))
     return int(max(cands))
 
 

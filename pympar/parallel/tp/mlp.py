@@ -14,6 +14,8 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 
 
 class TPMLP(MLP):
+    rowwise = False                              # its layers' collectives take every row at once
+
     def __init__(self, n_embd, tp, *, name, seed=0, dtype=np.float32, bias=True, n_layer=1,
                  sequence_parallel=False, reduce=True, compute_dtype=None):
         """reduce=False: no collective at all and no c_proj bias in forward/backward (the caller
