@@ -59,8 +59,14 @@ for _ in range(2):
 """
 
 
-def best(fn, reps):
+def best(fn, reps, warm_s=0.3):
+    """The fastest of ``reps`` calls, after calls for at least ``warm_s`` seconds: one warm-up call
+    was not enough for the first measurement at a new thread count (a kernel call at T 1024 then
+    ran at the 1-thread speed, 11 ms where the same call later took 6)."""
+    t0 = time.perf_counter()
     fn()
+    while time.perf_counter() - t0 < warm_s:
+        fn()
     t = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -35,7 +35,10 @@ class CausalSelfAttention(Module):
 
     def backward(self, dy, ctx):                 # dy (B, T, C) -> dx (B, T, C)
         x, core, ya = ctx
-        B, T, C = x.shape
+        del ctx                                  # each piece is let go once used: qkv (3C), the
+        B, T, C = x.shape                        # output and its gradient are not held beside dqkv
         dya = self.c_proj.backward(dy, ya)       # (B, T, C)
+        del ya
         dqkv = self.core.backward(dya, core)     # (B, T, 3, nh, hs)
+        del dya, core
         return self.c_attn.backward(dqkv.reshape(B, T, 3 * C), x)

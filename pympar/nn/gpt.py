@@ -95,10 +95,11 @@ class Block(Module):
             dh2 = self.moe.backward(dy, _with_input(ctx.pop("ffn"), self.ln_2, ctx["ln2"]), daux)
         else:
             dh2 = self.mlp.backward(dy, _with_input(ctx.pop("ffn"), self.ln_2, ctx["ln2"]))
-        dx1 = self.ln_2.backward(dh2, ctx["ln2"])  # fresh: the residual's dy is added in place
+        dx1 = self.ln_2.backward(dh2, ctx.pop("ln2"))   # fresh: the residual's dy is added in place
+        del dh2                                  # (x1, in ln2's ctx, is let go here too)
         dx1 += dy
         dh1 = self.attn.backward(dx1, _with_input(ctx.pop("attn"), self.ln_1, ctx["ln1"]))
-        dx = self.ln_1.backward(dh1, ctx["ln1"])
+        dx = self.ln_1.backward(dh1, ctx.pop("ln1"))
         dx += dx1
         return dx
 

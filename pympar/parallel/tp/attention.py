@@ -53,7 +53,10 @@ class TPCausalSelfAttention(Module):
 
     def backward(self, dy, ctx):                 # dy like y -> dx like x
         c_in, core, ya = ctx
-        B, T, _ = ya.shape
+        del ctx                                  # (as nn.attention's: each piece let go once used)
+        B, T, width = ya.shape
         dya = self.c_proj.backward(dy, ya)       # (B, T, nhl * hs)
+        del ya
         dqkv = self.core.backward(dya, core)     # (B, T, 3, nhl, hs)
-        return self.c_attn.backward(dqkv.reshape(B, T, 3 * ya.shape[-1]), c_in)
+        del dya, core
+        return self.c_attn.backward(dqkv.reshape(B, T, 3 * width), c_in)
