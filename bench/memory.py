@@ -51,7 +51,7 @@ def matrix(quick: bool):
         return [("quick", 1, "--dp 1", 0, "none"), ("quick", 2, "--dp 2", 3, "full"), ("quick", 2, "--dp 2", 1, "none")]
     rows = []
     for model in ("gpt2-small", "m51"):
-        rows += [(model, 1, "--dp 1", 0, rc) for rc in ("none", "full")]
+        rows += [(model, 1, "--dp 1", 0, rc) for rc in ("none", "selective", "full")]
         for n in (2, 4, 8):
             for z in (0, 1, 2, 3):
                 for rc in ("none", "full"):
@@ -94,7 +94,10 @@ def baseline() -> int:
 def run(a):
     base = baseline()
     rows = []
+    worlds = {int(w) for w in a.worlds.split(",") if w}
     for model, n, layout, zero, rc in matrix(a.quick):
+        if worlds and n not in worlds:
+            continue
         cfg = GPTConfig(**MODELS[model]).validate()
         f = _flags(layout)
         dp, pp, tp = f.get("dp", 1), f.get("pp", 1), f.get("tp", 1)
@@ -179,7 +182,7 @@ def plot(res, path):
     ax.bar([x + 0.2 for x in xs], [r["predicted_peak"] / GiB for r in ran], 0.4, label="planner's prediction")
     ax.set_xticks(list(xs))
     ax.set_xticklabels([f"{r['world']}: {r['layout'].replace(' pp1', '').replace(' tp1', '')}\nz{r['zero']} "
-                        f"{'rc' if r['recompute'] == 'full' else ''}" for r in ran], fontsize=6)
+                        f"{dict(full='rc', selective='sel').get(r['recompute'], '')}" for r in ran], fontsize=6)
     ax.set_ylabel("GiB per rank")
     ax.set_title(f"{ran[0]['model'] if ran else ''}: peak memory per rank, ZeRO stage z, rc = full recomputation")
     ax.legend()
@@ -190,6 +193,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a tiny model on 1 and 2 ranks (the smoke test)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    ap.add_argument("--worlds", default="", help="comma-separated world sizes: only the matrix's rows of these "
+                                                  "(e.g. 1; write them to another --json to keep the full run's)")
     res = run_and_write(ap, argv, "memory", run, plot)
     for k, v in res["targets"].items():
         print(f"{k}: {v if isinstance(v, dict) else round(v, 3)}")
