@@ -36,8 +36,9 @@ The model (all costs per rank, per optimiser step):
             reduce-scatter and two allgathers (forward and backward); ``overlap`` of it is hidden
             behind backward
   optimiser = opt_per_param * the rank's parameters (ZeRO: / dp)
-  recompute = full: the forward again in backward (compute x 4/3); selective: the attention
-            scores' share of it
+  recompute = full: the forward again in backward (compute x 4/3, less a dense MLP's c_proj,
+            which is not run again); selective: a dense MLP's c_fc (without tp) and, on the
+            materialized attention, the attention scores' share of it
 A layout that does not fit in memory is rejected, so the fastest that fits wins: ZeRO and
 recomputation are chosen exactly when memory demands them.
 Oversubscribed CPU (more ranks on a node than cores): every rank runs at cores / ranks of a
