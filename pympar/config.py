@@ -289,8 +289,8 @@ _HELP = {
             "3 also the parameters (gathered around each layer's use); 0 = off",
     "recompute": "activation recomputation: 'full' keeps each block's input and recomputes the block in "
                  "backward; 'selective' recomputes the attention probabilities (the T^2 part, which the tiled "
-                 "attention kernel, the default on CPU, never keeps) and, without --tp, each MLP's hidden layer "
-                 "(4C per token and layer, one more c_fc GEMM); 'none' keeps all",
+                 "attention kernel, the default on CPU, never keeps) and, without --tp, each dense block's MLP hidden layer "
+                 "(4C per token and layer, one more c_fc GEMM; MoE experts keep theirs); 'none' keeps all",
     "seq_parallel": "sequence parallelism with TP",
     "compress": "gradient compression for the DP allreduce", "topk_ratio": "kept fraction with --compress topk",
     "bucket_mb": "DP gradient bucket size (MiB)",

@@ -322,3 +322,74 @@ def test_mlp_in_blocks_equals_one_block_and_holds_a_blocks_transient(keep_hidden
     blocks = (1 if keep_hidden else 2) * rows * H * a
     assert peak1 <= blocks + N * C * a + rows * C * a + 4 * C * C * a + 2**14, (peak1, blocks)
     assert peak0 >= (1 if keep_hidden else 2) * N * H * a                     # one block: the whole sequence's
+
+
+@pytest.mark.parametrize("mode", ["none", "selective"])
+@pytest.mark.parametrize("rows", [None, 300], ids=["one-block", "blocks-of-300"])
+@pytest.mark.parametrize("deferred", [False, True], ids=["w-now", "w-deferred"])
+def test_ledger_mlp_backward_is_what_the_mlp_allocates(mode, rows, deferred, monkeypatch):
+    """The ledger's MLP backward transient (workspace) against what backward allocates (traced):
+    within 15% above and 10% below, one block or blocks, W now or deferred (then held until run)."""
+    from pympar.nn import layers
+    from pympar.nn.layers import MLP
+    from pympar.nn.parameter import WeightGrads
+    N, C = 2000, 32
+    monkeypatch.setattr(layers, "MLP_ROWS", rows or N)
+    mlp = MLP(C, name="m", seed=4)
+    mlp.keep_hidden = mode == "none"
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((N, C)).astype(np.float32)
+    dy = rng.standard_normal((N, C)).astype(np.float32)
+    _, ctx = mlp.forward(x)
+    for p in mlp.parameters():
+        p.grad
+
+    def back():
+        if not deferred:
+            return mlp.backward(dy, ctx), None
+        with WeightGrads() as w:
+            dx = mlp.backward(dy, ctx)
+        return dx, w
+    (_, w), peak = made_while(back)
+    want = ledger.mlp_backward_bytes(N, C, 1, mode, deferred, 4)
+    assert 0.9 * want <= peak <= 1.15 * want + 4 * C * C * 4, (peak, want)
+
+
+@pytest.mark.parametrize("cfg", [CFG, MOE], ids=["dense", "moe"])
+def test_ledger_wgrad_hold_is_what_the_deferred_w_keeps(cfg):
+    """A zero-bubble chunk's B pass keeps for its W what ledger.wgrad_hold_per_micro says (dense:
+    exactly; MoE: its routing-dependent rows within 10%), first/last stage or middle one, in every
+    recomputation mode -- more than the ctx for dense blocks (16C against 10C per token)."""
+    from pympar.parallel.pp.stage import GPTPartsFactory, StageChunk
+    fac = GPTPartsFactory(np.float32)
+    emb = fac.embedding(cfg, 0)
+    blocks = [fac.block(cfg, i, 0) for i in range(2)]
+    tol = 1e-9 if not cfg.n_expert else 0.10
+    for first, last in ((True, True), (False, False)):
+        chunk = StageChunk(0, [0, 1], blocks, emb if first else None, fac.head(cfg, emb.wte, 0) if last else None)
+        for mode in ("none", "selective", "full"):
+            for b in blocks:
+                set_recompute(b, mode)
+            rng = np.random.default_rng(1)
+            idx, tgt = rng.integers(0, cfg.vocab_size, size=(2, cfg.block_size)), rng.integers(0, cfg.vocab_size, size=(2, cfg.block_size))
+            x = idx if first else rng.standard_normal((2, cfg.block_size, cfg.n_embd)).astype(np.float32)
+            _, ctx, _ = chunk.forward(x, tgt if last else None)
+            dy = None if last else np.ones((2, cfg.block_size, cfg.n_embd), np.float32)
+            _, w = chunk.backward_input(dy, ctx, 0.5)
+            want = ledger.wgrad_hold_per_micro(cfg, 2, cfg.block_size, 1, False, [0, 1], last, first, 4, 4)
+            assert abs(w.nbytes - want) <= tol * want, (first, last, mode, w.nbytes, want)
+            w.run()
+
+
+def test_selective_leaves_a_tensor_parallel_mlp_its_hidden_layer():
+    """set_recompute('selective') drops a dense MLP's hidden layer only where its rows may run
+    alone: a tensor-parallel MLP (whose GEMMs are one collective over all rows) keeps it, and a
+    plain MLP does not; 'none' gives both back."""
+    from pympar.comm import SelfComm
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    tp = set_recompute(TPGPT(cfg, SelfComm()), "selective")
+    plain = set_recompute(GPT(cfg), "selective")
+    assert all(b.mlp.keep_hidden for b in tp.h)
+    assert not any(b.mlp.keep_hidden for b in plain.h)
+    set_recompute(plain, "none")
+    assert all(b.mlp.keep_hidden for b in plain.h)

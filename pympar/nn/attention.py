@@ -40,5 +40,6 @@ class CausalSelfAttention(Module):
         dya = self.c_proj.backward(dy, ya)       # (B, T, C)
         del ya
         dqkv = self.core.backward(dya, core)     # (B, T, 3, nh, hs)
-        del dya, core
+        del dya, core                            # (CPython >= 3.11 moves a call's arguments into
+                                                 # the callee's frame; 3.10's caller holds them to return)
         return self.c_attn.backward(dqkv.reshape(B, T, 3 * C), x)

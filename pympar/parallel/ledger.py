@@ -166,10 +166,56 @@ def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str
     return int(total)
 
 
+def wgrad_hold_per_micro(cfg, B: int, T: int, tp: int, sp: bool, blocks, last: bool, first: bool,
+                         act_bytes: int, stat_bytes: int) -> int:
+    """Bytes one micro-batch's deferred weight gradients keep from its B pass to its W pass
+    (zero-bubble schedules: WeightGrads.nbytes): every Linear's input and output gradient, the
+    embedding's dx and token ids, the one-chunk head's logits gradient and ln_f output. Often more
+    than the ctx forward kept (a dense block: 16C per token against its 10C), whatever the
+    recomputation mode: B computes again what W needs."""
+    C = cfg.n_embd
+    N = B * T
+    a = act_bytes
+    s = tp if sp else 1
+    Ct = C // tp
+    total = 0
+    for i in blocks:
+        # attention: c_attn's input (ln_1's output, gathered whole under sp) and dqkv; c_proj's
+        # dy (its rows) and input (the attention output)
+        blk = (N * C + 3 * N * Ct + N * C // s + N * Ct) * a
+        if is_moe_layer(cfg, i):
+            E, k = cfg.n_expert, cfg.top_k
+            M = N * k if not cfg.capacity_factor else min(N * k, E * math.ceil(k * N * cfg.capacity_factor / E))
+            blk += M * (2 * C + 8 * Ct) * a + N * C * a + N * E * stat_bytes   # experts; router: input, dlogits
+            if cfg.shared_expert:
+                blk += (N * C + 8 * N * Ct + N * C // s) * a
+        else:                  # c_fc's input (ln_2's output) and dh; c_proj's dy and input (GELU's output)
+            blk += (N * C + 8 * N * Ct + N * C // s) * a
+        total += blk
+    if first:
+        total += N * C * stat_bytes + N * 8                    # the embedding's dx (float32) and ids
+    if last:
+        vloc = -(-cfg.vocab_size // tp)
+        if tp > 1 or Head.chunk_rows(N, vloc) >= N:
+            total += N * vloc * a + N * C * a                  # dlogits, ln_f's output
+    return int(total)
+
+
 def mlp_keeps_hidden(tp: int, recompute: str) -> bool:
     """Whether a dense block's MLP keeps its hidden layer for backward (nn.layers.MLP.keep_hidden):
     in 'none', and always when tensor-parallel."""
     return tp > 1 or recompute == "none"
+
+
+def mlp_backward_bytes(N: int, C: int, tp: int, recompute: str, deferred_w: bool, act_bytes: int) -> int:
+    """The transient of a dense MLP's backward over N tokens (nn.layers.MLP): its dx (made while
+    the last block's hidden gradient is alive; in blocks, each block's written into it), a block's
+    GELU output (its gradient written over it; every block's, and their hidden gradients, when a
+    zero-bubble schedule defers the W passes), and the block's hidden layer computed again when
+    it was not kept."""
+    r, H = _mlp_rows(N, tp), 4 * (C // tp)
+    hid = (2 * N if deferred_w else r) * H + (0 if mlp_keeps_hidden(tp, recompute) else r * H)
+    return int((N * C + hid) * act_bytes)
 
 
 def _mlp_rows(N: int, tp: int) -> int:
@@ -219,13 +265,8 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
             att *= 2                                           # the recomputed scores too
     cands = [att if blocks else 0]
     mlp = 0
-    if blocks:                     # an MLP's backward: ln_2's output again, its dx when it runs in
-        # blocks (each block's written into it), and a block's GELU output (its gradient written
-        # over it; every block's, and their hidden gradients, when a zero-bubble schedule defers
-        # the W passes), with the block's hidden layer computed again when it was not kept
-        r, H = _mlp_rows(N, tp), 4 * (C // tp)
-        hid = (2 * N if deferred_w else r) * H + (0 if mlp_keeps_hidden(tp, recompute) else r * H)
-        mlp = (N * C * (1 + (r < N)) + hid) * act_bytes
+    if blocks:                     # an MLP's backward, beside ln_2's output computed again
+        mlp = N * C * act_bytes + mlp_backward_bytes(N, C, tp, recompute, deferred_w, act_bytes)
         cands.append(mlp)
     if last:
         vloc = -(-cfg.vocab_size // tp)
@@ -234,13 +275,15 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
         # gradient product before it is added (chunked: in vocabulary blocks of a chunk's size)
         prod = vloc * C if rows >= N else min(vloc, max(1, gpt.CE_CHUNK // C)) * C
         cands.append((2 + (rows < N)) * rows * vloc * max(act_bytes, stat_bytes) + prod * stat_bytes)
-    if recompute == "full" and blocks:  # one block's ctx again (a dense MLP's hidden layer aside)
-        again = activations_per_micro(cfg, B, T, tp, False, "none", blocks[:1], False, False,
-                                      act_bytes, stat_bytes, tiled=tiled)
-        if not is_moe_layer(cfg, blocks[0]) and not mlp_keeps_hidden(tp, recompute):
-            again += (N * C - 4 * N * C) * act_bytes           # ln_2's output instead of c_fc's
-            mlp -= N * C * act_bytes                           # (then not computed again)
-        cands.append(again + max(att, mlp))
+    if recompute == "full" and blocks:  # one block's ctx again (a dense MLP's hidden layer aside):
+        for i in {is_moe_layer(cfg, j): j for j in blocks}.values():     # a dense and a MoE one
+            again = activations_per_micro(cfg, B, T, tp, False, "none", [i], False, False,
+                                          act_bytes, stat_bytes, tiled=tiled)
+            beside = mlp
+            if not is_moe_layer(cfg, i) and not mlp_keeps_hidden(tp, recompute):
+                again += (N * C - 4 * N * C) * act_bytes       # ln_2's output instead of c_fc's
+                beside -= N * C * act_bytes                    # (then not computed again)
+            cands.append(again + max(att, beside))
     return int(max(cands))
 
 
@@ -272,6 +315,8 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
         inflight = S.peak_held(sched) if sched is not None else 1     # zb-h1: until W
         per_micro = activations_per_micro(cfg, B, T, tp, sp, recompute, blocks, last, first, act_bytes, stat, ep,
                                           tiled=tiled)
+        if pp > 1 and schedule in S.SPLIT_BACKWARD:     # a held micro-batch: its ctx, or after B its W's
+            per_micro = max(per_micro, wgrad_hold_per_micro(cfg, B, T, tp, sp, blocks, last, first, act_bytes, stat))
         chunks = max(1, len(stages))
         bucket = min(n, int(bucket_mb * 2**20) // master_bytes)
         units = sorted(unit_sizes(cfg, tp, ep, blocks, first, last), reverse=True) + [0, 0]

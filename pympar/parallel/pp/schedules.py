@@ -257,7 +257,8 @@ def peak_in_flight(actions, until: str = "B") -> int:
 def peak_held(actions) -> int:
     """Most micro-batches (per chunk) whose activations a rank holds at once: from F to B, and in
     the split schedules on to W (the deferred weight gradients keep the layers' inputs and output
-    gradients; counted here as a whole micro-batch, an upper bound)."""
+    gradients: the ledger counts a held micro-batch at the larger of its ctx and what its W keeps,
+    ledger.wgrad_hold_per_micro)."""
     return peak_in_flight(actions, "W" if any(a.kind == "W" for a in actions) else "B")
 
 
