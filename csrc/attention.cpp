@@ -23,7 +23,11 @@
 //
 // Threads: the forward splits over (batch, head, query tile); the backward over (batch, head), or,
 // with fewer heads than threads, over (batch, head, key tile) then (batch, head, query tile).
-// Scratch is O(Tq * D) per head being worked on.
+// Scratch is O(Tq * D) per head being worked on: each thread copies the keys and values of the head
+// it works on into contiguous rows (and, in backward, dout and the transposed q and dout, tile by
+// tile), so that no tile GEMM reads rows at the packed qkv's stride; backward takes kGroup key
+// tiles per pass over the query side. Neither changes an operation's order: the results are those
+// of one tile pair at a time, bit for bit.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -45,6 +49,7 @@ constexpr int kVecBytes = 32;
 constexpr int kVecBytes = 16;
 #endif
 constexpr int64_t kTile = 64;  // query rows and key rows per tile
+constexpr int64_t kGroup = 4;  // key tiles per pass over the query side in backward
 
 template <typename T>
 struct Micro {
@@ -132,6 +137,25 @@ struct Head {  // one (batch, head): row pointers into q, k, v and their row str
         sk(ks.row), sv(vs.row) {}
 };
 
+// Contiguous copies (rows of D) of one head's keys and values: the tile GEMMs read them at a row
+// stride of D rather than the packed qkv's 3 H D (whose multiples of 64 bytes put a tile's rows in
+// a few L1 sets, each re-read by every row block of the product). cover() copies the rows up to
+// `rows` of head bh, starting over when the head changes: a thread's consecutive tasks are mostly
+// one head's query tiles, so each head is copied about once per thread.
+template <typename T>
+struct Packed {
+  std::vector<T> k, v;
+  int64_t D, bh = -1, rows = 0;
+  Packed(int64_t Tk, int64_t D_) : k(Tk * D_), v(Tk * D_), D(D_) {}
+  void cover(const Head<T>& hd, int64_t bh_, int64_t upto) {
+    if (bh_ != bh) bh = bh_, rows = 0;
+    for (; rows < upto; ++rows) {
+      std::copy(hd.k + rows * hd.sk, hd.k + rows * hd.sk + D, k.data() + rows * D);
+      std::copy(hd.v + rows * hd.sv, hd.v + rows * hd.sv + D, v.data() + rows * D);
+    }
+  }
+};
+
 }  // namespace
 
 template <typename T>
@@ -140,15 +164,18 @@ void attention_block_fwd(const T* q, RowStrides qs, const T* k, RowStrides ks, c
   const int64_t nq = tiles(Tq), nk = tiles(Tk), so = H * D;
   const T sc = static_cast<T>(scale);
   parallel_for(B * H * nq, 1, 1, [&](int64_t t0_, int64_t t1_) {
-    std::vector<T> QsT(D * kTile), St(kTile * kTile), Oa(kTile * D), m(kTile), l(kTile), alpha(kTile);
+    std::vector<T> QsT(D * kTile), St(kTile * kTile), Oa(kTile * D), m(kTile), l(kTile), alpha(kTile), mxv(kTile);
+    Packed<T> kv(Tk, D);
     for (int64_t task = t0_; task < t1_; ++task) {
       const int64_t bh = task / nq, i = balanced(task % nq, nq);
       const int64_t b = bh / H, h = bh % H;
       Head<T> hd(q, qs, k, ks, v, vs, b, h, D);
       const int64_t t0 = i * kTile, br = std::min(kTile, Tq - t0);
-      for (int64_t r = 0; r < br; ++r) {  // QsT (D, br): the scaled queries, transposed
-        const T* qr = hd.q + (t0 + r) * hd.sq;
-        for (int64_t d = 0; d < D; ++d) QsT[d * kTile + r] = qr[d] * sc;
+      kv.cover(hd, bh, causal ? std::min(Tk, t0 + br) : Tk);
+      for (int64_t d = 0; d < D; ++d) {  // QsT (D, br): the scaled queries, transposed
+        const T* qd = hd.q + t0 * hd.sq + d;
+        T* dst = QsT.data() + d * kTile;
+        for (int64_t r = 0; r < br; ++r) dst[r] = qd[r * hd.sq] * sc;
       }
       std::fill(m.begin(), m.end(), T(-INFINITY));
       std::fill(l.begin(), l.end(), T(0));
@@ -157,8 +184,8 @@ void attention_block_fwd(const T* q, RowStrides qs, const T* k, RowStrides ks, c
       for (int64_t j = 0; j < nj; ++j) {
         const int64_t s0 = j * kTile, bc = std::min(kTile, Tk - s0);
         const bool cut = causal && j == i;  // the diagonal tile: query r sees key c when c <= r
-        gemm(hd.k + s0 * hd.sk, hd.sk, int64_t(1), QsT.data(), kTile, St.data(), kTile, bc, br, D, false);
-        T* mx = alpha.data();  // the new row maxima first, then the rescale factors
+        gemm(kv.k.data() + s0 * D, D, int64_t(1), QsT.data(), kTile, St.data(), kTile, bc, br, D, false);
+        T* mx = mxv.data();  // the new row maxima
         std::copy(m.begin(), m.begin() + br, mx);
         for (int64_t c = 0; c < bc; ++c) {
           const T* sr = St.data() + c * kTile;
@@ -169,32 +196,33 @@ void attention_block_fwd(const T* q, RowStrides qs, const T* k, RowStrides ks, c
             for (int64_t r = c; r < br; ++r) mx[r] = sr[r] > mx[r] ? sr[r] : mx[r];
           }
         }
+        for (int64_t r = 0; r < br; ++r) {
+          const T a = m[r] == -INFINITY ? T(0) : exp_approx(m[r] - mx[r]);  // exactly 1 when
+          m[r] = mx[r];                                                     // the max stays
+          l[r] *= a;
+          alpha[r] = a;
+        }
+        // P = exp(S - m) and the row sums l, key by key (one pass over the tile)
         for (int64_t c = 0; c < bc; ++c) {
           T* sr = St.data() + c * kTile;
           const int64_t r0 = cut ? c : 0;
 #pragma omp simd
-          for (int64_t r = r0; r < br; ++r) sr[r] = exp_approx(sr[r] - mx[r]);
+          for (int64_t r = r0; r < br; ++r) {
+            const T p = exp_approx(sr[r] - mx[r]);
+            sr[r] = p;
+            l[r] += p;
+          }
           for (int64_t r = 0; r < r0; ++r) sr[r] = 0;
         }
         for (int64_t r = 0; r < br; ++r) {
-          const T a = m[r] == -INFINITY ? T(0) : exp_approx(m[r] - mx[r]);
-          m[r] = mx[r];
-          l[r] *= a;
-          alpha[r] = a;
-        }
-        for (int64_t c = 0; c < bc; ++c) {
-          const T* sr = St.data() + c * kTile;
-#pragma omp simd
-          for (int64_t r = 0; r < br; ++r) l[r] += sr[r];
-        }
-        for (int64_t r = 0; r < br; ++r) {
-          T* oa = Oa.data() + r * D;
           const T a = alpha[r];
+          if (a == T(1)) continue;  // (x * 1 == x: skipping it changes no bit)
+          T* oa = Oa.data() + r * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) oa[d] *= a;
         }
         // Oa (br, D) += P (br, bc) . V (bc, D), P read from St transposed
-        gemm(St.data(), int64_t(1), kTile, hd.v + s0 * hd.sv, hd.sv, Oa.data(), D, br, D, bc, true);
+        gemm(St.data(), int64_t(1), kTile, kv.v.data() + s0 * D, D, Oa.data(), D, br, D, bc, true);
       }
       T* lh = lse + (b * H + h) * Tq;
       for (int64_t r = 0; r < br; ++r) {
@@ -209,9 +237,11 @@ void attention_block_fwd(const T* q, RowStrides qs, const T* k, RowStrides ks, c
   });
 }
 
-// One head's backward inputs, rearranged once: Qs (Tq, D) the scaled queries, QsT and dOT (D, Tq)
-// transposed copies (the B operands of the St and dPt GEMMs), Dv (Tq) = rowsum(dO * O), the
-// softmax backward's row term (= sum over all keys of P dP: O is the complete softmax's output).
+// One head's backward inputs, rearranged once: Qs (Tq, D) the scaled queries, QsT and dOT their
+// and dO's transposes tile by tile (query tile i is the contiguous (D, kTile) block at i * D *
+// kTile: the B operands of the St and dPt GEMMs, read at a row stride of kTile, not Tq, whose
+// multiples of 4 KiB would put every row of a panel in the same L1 sets), Dv (Tq) = rowsum(dO * O),
+// the softmax backward's row term (= sum over all keys of P dP: O is the complete softmax's output).
 template <typename T>
 struct BwdHead {
   Head<T> hd;
@@ -219,12 +249,13 @@ struct BwdHead {
   T *dq, *dk, *dv;  // row strides sdq, sdk, sdv
   int64_t so, sdq, sdk, sdv, Tq, Tk;
   bool causal;
-  std::vector<T> Qs, QsT, dOT, Dv;
+  std::vector<T> Qs, QsT, dOT, dOc, Dv;
+  Packed<T> kv;
   BwdHead(const Head<T>& hd_, const T* o, const T* lse, const T* dout, T* dq_, RowStrides dqs, T* dk_,
           RowStrides dks, T* dv_, RowStrides dvs, int64_t bh, int64_t Tq_, int64_t Tk_, int64_t H, int64_t D,
           bool causal_, T sc)
       : hd(hd_), so(H * D), sdq(dqs.row), sdk(dks.row), sdv(dvs.row), Tq(Tq_), Tk(Tk_), causal(causal_),
-        Qs(Tq_ * D), QsT(D * Tq_), dOT(D * Tq_), Dv(Tq_) {
+        Qs(Tq_ * D), QsT(D * tiles(Tq_) * kTile), dOT(D * tiles(Tq_) * kTile), dOc(Tq_ * D), Dv(Tq_), kv(Tk_, D) {
     const int64_t b = bh / H, h = bh % H;
     doh = dout + b * Tq * so + h * D;  // row stride so
     lh = lse + bh * Tq;
@@ -238,20 +269,27 @@ struct BwdHead {
 #pragma omp simd reduction(+ : s)
       for (int64_t d = 0; d < D; ++d) s += dr[d] * orow[d];
       Dv[t] = s;
-      for (int64_t d = 0; d < D; ++d) {
-        const T x = qr[d] * sc;
-        Qs[t * D + d] = x;
-        QsT[d * Tq + t] = x;
-        dOT[d * Tq + t] = dr[d];
-      }
+      for (int64_t d = 0; d < D; ++d) Qs[t * D + d] = qr[d] * sc;
+      std::copy(dr, dr + D, dOc.data() + t * D);
     }
+    for (int64_t t0 = 0; t0 < Tq; t0 += kTile) {  // the transposes, tile by tile, from the copies
+      const int64_t br = std::min(kTile, Tq - t0);
+      T *qt = QsT.data() + t0 * D, *dt = dOT.data() + t0 * D;  // tile t0 / kTile: (D, kTile) at t0 * D
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t r = 0; r < br; ++r) {
+          qt[d * kTile + r] = Qs[(t0 + r) * D + d];
+          dt[d * kTile + r] = dOc[(t0 + r) * D + d];
+        }
+    }
+    kv.cover(hd, bh, Tk_);
   }
 
   // query tile i x key tile j: Pt = P^T (bc, br) and dSt = dS^T, dS = P * (dP - Dv)
   void tile(int64_t i, int64_t j, int64_t D, T* Pt, T* dSt) const {
     const int64_t t0 = i * kTile, br = std::min(kTile, Tq - t0), s0 = j * kTile, bc = std::min(kTile, Tk - s0);
-    gemm(hd.k + s0 * hd.sk, hd.sk, int64_t(1), QsT.data() + t0, Tq, Pt, kTile, bc, br, D, false);  // St = K Qs^T
-    gemm(hd.v + s0 * hd.sv, hd.sv, int64_t(1), dOT.data() + t0, Tq, dSt, kTile, bc, br, D, false);  // dPt = V dO^T
+    const int64_t qt = i * D * kTile;  // query tile i's (D, kTile) block
+    gemm(kv.k.data() + s0 * D, D, int64_t(1), QsT.data() + qt, kTile, Pt, kTile, bc, br, D, false);  // St = K Qs^T
+    gemm(kv.v.data() + s0 * D, D, int64_t(1), dOT.data() + qt, kTile, dSt, kTile, bc, br, D, false);  // dPt = V dO^T
     const T* lr = lh + t0;
     const T* dvr = Dv.data() + t0;
     const bool cut = causal && i == j;  // the diagonal tile: query r sees key c when c <= r
@@ -268,35 +306,43 @@ struct BwdHead {
     }
   }
 
-  // dk, dv of key tile j: sums over the query tiles that see it (i = j, j+1, ... causal; all
-  // otherwise) in that order
-  void key_tile(int64_t j, int64_t D, T* Pt, T* dSt, T* dK, T* dV, T* dQs) const {
-    const int64_t s0 = j * kTile, bc = std::min(kTile, Tk - s0), nq = tiles(Tq);
-    std::fill(dK, dK + kTile * D, T(0));
-    std::fill(dV, dV + kTile * D, T(0));
-    for (int64_t i = causal ? j : 0; i < nq; ++i) {
+  // dk, dv of key tiles j0 .. j0+G-1: each sums over the query tiles that see it (i = j, j+1, ...
+  // causal; all otherwise) in that order; dQs (when given) gets each query tile's terms in key
+  // order. G key tiles share one pass over the query side (Qs, its and dO's transposes, dO, dQs:
+  // 5 T D numbers that outgrow L2 at long T), and every sum keeps its order, whatever G.
+  void key_tiles(int64_t j0, int64_t G, int64_t D, T* Pt, T* dSt, T* dK, T* dV, T* dQs) const {
+    const int64_t nq = tiles(Tq), nk = tiles(Tk);
+    G = std::min(G, nk - j0);
+    std::fill(dK, dK + G * kTile * D, T(0));
+    std::fill(dV, dV + G * kTile * D, T(0));
+    for (int64_t i = causal ? j0 : 0; i < nq; ++i) {
       const int64_t t0 = i * kTile, br = std::min(kTile, Tq - t0);
-      tile(i, j, D, Pt, dSt);
-      gemm(Pt, kTile, int64_t(1), doh + t0 * so, so, dV, D, bc, D, br, true);          // dV += P^T dO
-      gemm(dSt, kTile, int64_t(1), Qs.data() + t0 * D, D, dK, D, bc, D, br, true);     // dK += dS^T Qs
-      if (dQs != nullptr)                                                              // dQs += dS K
-        gemm(dSt, int64_t(1), kTile, hd.k + s0 * hd.sk, hd.sk, dQs + t0 * D, D, br, D, bc, true);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t j = j0 + g, s0 = j * kTile, bc = std::min(kTile, Tk - s0);
+        if (causal && i < j) break;
+        T *dKg = dK + g * kTile * D, *dVg = dV + g * kTile * D;
+        tile(i, j, D, Pt, dSt);
+        gemm(Pt, kTile, int64_t(1), dOc.data() + t0 * D, D, dVg, D, bc, D, br, true);    // dV += P^T dO
+        gemm(dSt, kTile, int64_t(1), Qs.data() + t0 * D, D, dKg, D, bc, D, br, true);    // dK += dS^T Qs
+        if (dQs != nullptr)                                                              // dQs += dS K
+          gemm(dSt, int64_t(1), kTile, kv.k.data() + s0 * D, D, dQs + t0 * D, D, br, D, bc, true);
+      }
     }
-    for (int64_t c = 0; c < bc; ++c) {
-      std::copy(dK + c * D, dK + (c + 1) * D, dk + (s0 + c) * sdk);
-      std::copy(dV + c * D, dV + (c + 1) * D, dv + (s0 + c) * sdv);
+    for (int64_t c = 0; c < std::min(G * kTile, Tk - j0 * kTile); ++c) {
+      std::copy(dK + c * D, dK + (c + 1) * D, dk + (j0 * kTile + c) * sdk);
+      std::copy(dV + c * D, dV + (c + 1) * D, dv + (j0 * kTile + c) * sdv);
     }
   }
 
   // dq of query tile i: sums over the key tiles it sees (j = 0, 1, ..., i causal; all otherwise)
-  // in that order (the order key_tile's dQs accumulation has), then scaled
+  // in that order (the order key_tiles's dQs accumulation has), then scaled
   void query_tile(int64_t i, int64_t D, T sc, T* Pt, T* dSt, T* dQ) const {
     const int64_t t0 = i * kTile, br = std::min(kTile, Tq - t0), nj = causal ? i + 1 : tiles(Tk);
     std::fill(dQ, dQ + kTile * D, T(0));
     for (int64_t j = 0; j < nj; ++j) {
       const int64_t s0 = j * kTile, bc = std::min(kTile, Tk - s0);
       tile(i, j, D, Pt, dSt);
-      gemm(dSt, int64_t(1), kTile, hd.k + s0 * hd.sk, hd.sk, dQ, D, br, D, bc, true);
+      gemm(dSt, int64_t(1), kTile, kv.k.data() + s0 * D, D, dQ, D, br, D, bc, true);
     }
     write_dq(dQ, t0, br, D, sc);
   }
@@ -328,11 +374,13 @@ void attention_block_bwd(const T* q, RowStrides qs, const T* k, RowStrides ks, c
   };
   if (BH >= get_num_threads() || std::max(nq, nk) <= 1) {
     parallel_for(BH, 1, 1, [&](int64_t h0, int64_t h1) {
-      std::vector<T> dQs(Tq * D), dK(kTile * D), dV(kTile * D), Pt(kTile * kTile), dSt(kTile * kTile);
+      std::vector<T> dQs(Tq * D), dK(kGroup * kTile * D), dV(kGroup * kTile * D), Pt(kTile * kTile),
+          dSt(kTile * kTile);
       for (int64_t bh = h0; bh < h1; ++bh) {
         const BwdHead<T> w = head(bh);
         std::fill(dQs.begin(), dQs.end(), T(0));
-        for (int64_t j = 0; j < nk; ++j) w.key_tile(j, D, Pt.data(), dSt.data(), dK.data(), dV.data(), dQs.data());
+        for (int64_t j = 0; j < nk; j += kGroup)
+          w.key_tiles(j, kGroup, D, Pt.data(), dSt.data(), dK.data(), dV.data(), dQs.data());
         w.write_dq(dQs.data(), 0, Tq, D, sc);
       }
     });
@@ -344,7 +392,7 @@ void attention_block_bwd(const T* q, RowStrides qs, const T* k, RowStrides ks, c
   parallel_for(BH * nk, 1, 1, [&](int64_t t0_, int64_t t1_) {
     std::vector<T> dK(kTile * D), dV(kTile * D), Pt(kTile * kTile), dSt(kTile * kTile);
     for (int64_t task = t0_; task < t1_; ++task)
-      heads[task / nk].key_tile(balanced(task % nk, nk), D, Pt.data(), dSt.data(), dK.data(), dV.data(), nullptr);
+      heads[task / nk].key_tiles(balanced(task % nk, nk), 1, D, Pt.data(), dSt.data(), dK.data(), dV.data(), nullptr);
   });
   parallel_for(BH * nq, 1, 1, [&](int64_t t0_, int64_t t1_) {
     std::vector<T> dQ(kTile * D), Pt(kTile * kTile), dSt(kTile * kTile);

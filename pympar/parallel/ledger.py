@@ -256,9 +256,9 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
     C, H = cfg.n_embd, cfg.n_head
     N = B * T
     tiled = tiled_attention(act_bytes) if tiled is None else tiled
-    if tiled:       # each thread's backward scratch (csrc/attention.cpp): q scaled, q^T, dout^T, dq
-        hs, tile = C // H, 64
-        att = _threads(threads) * (4 * T * hs + T + 2 * tile * hs + 2 * tile * tile) * act_bytes
+    if tiled:       # each thread's backward scratch (csrc/attention.cpp): q scaled, q^T, dout, dout^T,
+        hs, tile = C // H, 64   # k and v packed, dq; a group of 4 key tiles' dk, dv; two (tile, tile)
+        att = _threads(threads) * (7 * T * hs + T + 2 * 4 * tile * hs + 2 * tile * tile) * act_bytes
     else:
         att = 2 * B * (H // tp) * T * T * act_bytes             # scores/probabilities and their gradient
         if recompute == "selective":
