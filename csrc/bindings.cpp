@@ -291,21 +291,51 @@ PYBIND11_MODULE(_C, m) {
       K->layernorm_fwd_f64(ct<double>(x), ct<double>(w), ct<double>(b), mt<double>(y), mt<double>(mean),
                            mt<double>(rstd), N, C, eps);
   });
+  // res: None or an (N, C) array added to dx (the residual's gradient)
   m.def("layernorm_backward", [](const py::array& dy, const py::array& x, const py::array& w,
                                  const py::array& mean, const py::array& rstd, py::array& dx, py::array& dw,
-                                 py::array& db) {
+                                 py::array& db, py::object res) {
     int64_t C = last_dim(x), N = C ? x.size() / C : 0;
     int dt = check(x, "x", FLOATS);
     unsigned same = 1u << dt;
     check(dy, "dy", same, x.size()), check(w, "w", same, C), check(mean, "mean", same, N);
     check(rstd, "rstd", same, N), check(dx, "dx", same, x.size()), check(dw, "dw", same, C), check(db, "db", same, C);
+    py::array r;
+    if (!res.is_none()) {
+      r = res.cast<py::array>();
+      check(r, "res", same, x.size());
+    }
+    const void* rp = res.is_none() ? nullptr : r.data();
     py::gil_scoped_release g;
     if (dt == F32)
       K->layernorm_bwd_f32(ct<float>(dy), ct<float>(x), ct<float>(w), ct<float>(mean), ct<float>(rstd),
-                           mt<float>(dx), mt<float>(dw), mt<float>(db), N, C);
+                           static_cast<const float*>(rp), mt<float>(dx), mt<float>(dw), mt<float>(db), N, C);
     else
       K->layernorm_bwd_f64(ct<double>(dy), ct<double>(x), ct<double>(w), ct<double>(mean), ct<double>(rstd),
-                           mt<double>(dx), mt<double>(dw), mt<double>(db), N, C);
+                           static_cast<const double*>(rp), mt<double>(dx), mt<double>(dw), mt<double>(db), N, C);
+  });
+  m.def("add_layernorm_forward", [](py::array& x, const py::array& res, const py::array& w, const py::array& b,
+                                    py::array& y, py::array& mean, py::array& rstd, double eps) {
+    int64_t C = last_dim(x), N = C ? x.size() / C : 0;
+    int dt = check(x, "x", FLOATS);
+    unsigned same = 1u << dt;
+    check(res, "res", same, x.size()), check(w, "w", same, C), check(b, "b", same, C);
+    check(y, "y", same, x.size()), check(mean, "mean", same, N), check(rstd, "rstd", same, N);
+    py::gil_scoped_release g;
+    if (dt == F32)
+      K->add_layernorm_fwd_f32(mt<float>(x), ct<float>(res), ct<float>(w), ct<float>(b), mt<float>(y),
+                               mt<float>(mean), mt<float>(rstd), N, C, eps);
+    else
+      K->add_layernorm_fwd_f64(mt<double>(x), ct<double>(res), ct<double>(w), ct<double>(b), mt<double>(y),
+                               mt<double>(mean), mt<double>(rstd), N, C, eps);
+  });
+  m.def("bias_gelu_forward", [](py::array& h, const py::array& b, py::array& y) {
+    int64_t F = last_dim(h), N = F ? h.size() / F : 0;
+    int dt = check(h, "h", FLOATS);
+    check(b, "b", 1u << dt, F), check(y, "y", 1u << dt, h.size());
+    py::gil_scoped_release g;
+    if (dt == F32) K->bias_gelu_fwd_f32(mt<float>(h), ct<float>(b), mt<float>(y), N, F);
+    else K->bias_gelu_fwd_f64(mt<double>(h), ct<double>(b), mt<double>(y), N, F);
   });
 
   m.def("gelu_forward", [](const py::array& x, py::array& y) {

@@ -27,11 +27,13 @@ struct KernelTable {
                             float* rstd, int64_t N, int64_t C, double eps);
   void (*layernorm_fwd_f64)(const double* x, const double* w, const double* b, double* y, double* mean,
                             double* rstd, int64_t N, int64_t C, double eps);
-  // dx (N, C) =; dw, db (C,) = (not accumulated)
+  // dx (N, C) = [res (N, C; nullable) +]; dw, db (C,) = (not accumulated)
   void (*layernorm_bwd_f32)(const float* dy, const float* x, const float* w, const float* mean,
-                            const float* rstd, float* dx, float* dw, float* db, int64_t N, int64_t C);
+                            const float* rstd, const float* res, float* dx, float* dw, float* db, int64_t N,
+                            int64_t C);
   void (*layernorm_bwd_f64)(const double* dy, const double* x, const double* w, const double* mean,
-                            const double* rstd, double* dx, double* dw, double* db, int64_t N, int64_t C);
+                            const double* rstd, const double* res, double* dx, double* dw, double* db, int64_t N,
+                            int64_t C);
   void (*gelu_fwd_f32)(const float* x, float* y, int64_t n);
   void (*gelu_fwd_f64)(const double* x, double* y, int64_t n);
   void (*gelu_bwd_f32)(const float* x, const float* dy, float* dx, int64_t n);
@@ -72,6 +74,14 @@ struct KernelTable {
   void (*scale)(void* x, int dt, double alpha, int64_t n);
   // dst[i] = src[i] converted; dtypes any float DType
   void (*cast)(const void* src, int sdt, void* dst, int ddt, int64_t n);
+  // x (N, C) += res, then layernorm_fwd of it (y, mean, rstd as there)
+  void (*add_layernorm_fwd_f32)(float* x, const float* res, const float* w, const float* b, float* y, float* mean,
+                                float* rstd, int64_t N, int64_t C, double eps);
+  void (*add_layernorm_fwd_f64)(double* x, const double* res, const double* w, const double* b, double* y,
+                                double* mean, double* rstd, int64_t N, int64_t C, double eps);
+  // h (N, F) += b (F,), y (N, F) = GELU(h)
+  void (*bias_gelu_fwd_f32)(float* h, const float* b, float* y, int64_t N, int64_t F);
+  void (*bias_gelu_fwd_f64)(double* h, const double* b, double* y, int64_t N, int64_t F);
 };
 
 const KernelTable* table_generic();

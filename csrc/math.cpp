@@ -65,33 +65,55 @@ void softmax_causal_bwd(const T* y, const T* dy, T* dx, int64_t B, int64_t T_) {
 
 // --- layernorm: x, y (N, C) ------------------------------------------------------------
 template <typename T>
+static inline void layernorm_row(const T* xr, const T* w, const T* b, T* yr, T* mean, T* rstd, int64_t C,
+                                 double eps) {
+  T s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < C; ++j) s += xr[j];
+  T mu = s / T(C);
+  T ss = 0;  // second pass over the centred values: no cancellation
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < C; ++j) ss += (xr[j] - mu) * (xr[j] - mu);
+  T rs = T(1) / std::sqrt(ss / T(C) + T(eps));
+#pragma omp simd
+  for (int64_t j = 0; j < C; ++j) yr[j] = (xr[j] - mu) * rs * w[j] + b[j];
+  *mean = mu;
+  *rstd = rs;
+}
+
+template <typename T>
 void layernorm_fwd(const T* x, const T* w, const T* b, T* y, T* mean, T* rstd, int64_t N, int64_t C,
                    double eps) {
   parallel_for(N, row_grain(C), 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) layernorm_row(x + r * C, w, b, y + r * C, mean + r, rstd + r, C, eps);
+  });
+}
+
+// x += res (the residual add, in place), then layernorm of the sum: one pass over memory where
+// the add and layernorm_fwd make two; each sum rounds as x + res does, so the result is theirs
+// bit for bit
+template <typename T>
+void add_layernorm_fwd(T* x, const T* res, const T* w, const T* b, T* y, T* mean, T* rstd, int64_t N, int64_t C,
+                       double eps) {
+  parallel_for(N, row_grain(C), 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * C;
-      T* yr = y + r * C;
-      T s = 0;
-#pragma omp simd reduction(+ : s)
-      for (int64_t j = 0; j < C; ++j) s += xr[j];
-      T mu = s / T(C);
-      T ss = 0;  // second pass over the centred values: no cancellation
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < C; ++j) ss += (xr[j] - mu) * (xr[j] - mu);
-      T rs = T(1) / std::sqrt(ss / T(C) + T(eps));
+      T* xr = x + r * C;
+      const T* rr = res + r * C;
 #pragma omp simd
-      for (int64_t j = 0; j < C; ++j) yr[j] = (xr[j] - mu) * rs * w[j] + b[j];
-      mean[r] = mu;
-      rstd[r] = rs;
+      for (int64_t j = 0; j < C; ++j) xr[j] = xr[j] + rr[j];
+      layernorm_row(xr, w, b, y + r * C, mean + r, rstd + r, C, eps);
     }
   });
 }
 
 // dw, db: partial sums over a fixed number of row slices (independent of the thread count, so
 // every thread count gives bit-identical results), summed in slice order at the end.
+//
+// res (nullable, (N, C)): added to dx (the residual's gradient, one pass fewer than adding it after;
+// each dx rounds, then the sum, as that add would)
 template <typename T>
-void layernorm_bwd(const T* dy, const T* x, const T* w, const T* mean, const T* rstd, T* dx, T* dw, T* db,
-                   int64_t N, int64_t C) {
+void layernorm_bwd(const T* dy, const T* x, const T* w, const T* mean, const T* rstd, const T* res, T* dx, T* dw,
+                   T* db, int64_t N, int64_t C) {
   const int64_t S = N < 64 ? (N > 0 ? N : 1) : 64;
   std::vector<T> part(static_cast<size_t>(S * 2 * C), T(0));
   parallel_for(S, 1, 1, [&](int64_t s0, int64_t s1) {
@@ -114,10 +136,20 @@ void layernorm_bwd(const T* dy, const T* x, const T* w, const T* mean, const T* 
         }
         a /= T(C);
         bsum /= T(C);
+        if (res == nullptr) {
 #pragma omp simd
-        for (int64_t j = 0; j < C; ++j) {
-          T xhat = (xr[j] - mu) * rs;
-          dxr[j] = rs * (dyr[j] * w[j] - a - xhat * bsum);
+          for (int64_t j = 0; j < C; ++j) {
+            T xhat = (xr[j] - mu) * rs;
+            dxr[j] = rs * (dyr[j] * w[j] - a - xhat * bsum);
+          }
+        } else {
+          const T* rr = res + r * C;
+#pragma omp simd
+          for (int64_t j = 0; j < C; ++j) {
+            T xhat = (xr[j] - mu) * rs;
+            T v = rs * (dyr[j] * w[j] - a - xhat * bsum);
+            dxr[j] = v + rr[j];
+          }
         }
       }
     }
@@ -134,14 +166,34 @@ void layernorm_bwd(const T* dy, const T* x, const T* w, const T* mean, const T* 
 
 // --- GELU, tanh form: 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = c (x + 0.044715 x^3) -----
 template <typename T>
-void gelu_fwd(const T* x, T* y, int64_t n) {
+static inline T gelu_value(T xi) {
   const T c = T(0.7978845608028654);
+  T u = c * (xi + T(0.044715) * xi * xi * xi);
+  return xi / (T(1) + exp_approx(T(-2) * u));
+}
+
+template <typename T>
+void gelu_fwd(const T* x, T* y, int64_t n) {
   parallel_for(n, kElemGrain, kAlign, [&](int64_t i0, int64_t i1) {
 #pragma omp simd
-    for (int64_t i = i0; i < i1; ++i) {
-      T xi = x[i];
-      T u = c * (xi + T(0.044715) * xi * xi * xi);
-      y[i] = xi / (T(1) + exp_approx(T(-2) * u));
+    for (int64_t i = i0; i < i1; ++i) y[i] = gelu_value(x[i]);
+  });
+}
+
+// h (N, F) += b (F,) (the bias of the GEMM that made h, in place), y = GELU(h): one pass where the
+// bias add and gelu_fwd make two, the same numbers bit for bit
+template <typename T>
+void bias_gelu_fwd(T* h, const T* b, T* y, int64_t N, int64_t F) {
+  parallel_for(N, row_grain(F), 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* hr = h + r * F;
+      T* yr = y + r * F;
+#pragma omp simd
+      for (int64_t j = 0; j < F; ++j) {
+        const T xi = hr[j] + b[j];
+        hr[j] = xi;
+        yr[j] = gelu_value(xi);
+      }
     }
   });
 }
@@ -263,8 +315,10 @@ namespace PYMPAR_ISA {
   template void softmax_causal_fwd<T>(const T*, T*, int64_t, int64_t);                                \
   template void softmax_causal_bwd<T>(const T*, const T*, T*, int64_t, int64_t);                      \
   template void layernorm_fwd<T>(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double); \
-  template void layernorm_bwd<T>(const T*, const T*, const T*, const T*, const T*, T*, T*, T*, int64_t, \
-                                 int64_t);                                                            \
+  template void layernorm_bwd<T>(const T*, const T*, const T*, const T*, const T*, const T*, T*, T*, T*, \
+                                 int64_t, int64_t);                                                   \
+  template void add_layernorm_fwd<T>(T*, const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double); \
+  template void bias_gelu_fwd<T>(T*, const T*, T*, int64_t, int64_t);                                 \
   template void gelu_fwd<T>(const T*, T*, int64_t);                                                   \
   template void gelu_bwd<T>(const T*, const T*, T*, int64_t);                                         \
   template void ce_fwd<T>(const T*, const int64_t*, T*, T*, int64_t, int64_t);                        \

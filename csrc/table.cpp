@@ -8,7 +8,10 @@ template <typename T> void softmax_causal_fwd(const T*, T*, int64_t, int64_t);
 template <typename T> void softmax_causal_bwd(const T*, const T*, T*, int64_t, int64_t);
 template <typename T> void layernorm_fwd(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double);
 template <typename T>
-void layernorm_bwd(const T*, const T*, const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t);
+void layernorm_bwd(const T*, const T*, const T*, const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t);
+template <typename T>
+void add_layernorm_fwd(T*, const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double);
+template <typename T> void bias_gelu_fwd(T*, const T*, T*, int64_t, int64_t);
 template <typename T> void gelu_fwd(const T*, T*, int64_t);
 template <typename T> void gelu_bwd(const T*, const T*, T*, int64_t);
 template <typename T> void ce_fwd(const T*, const int64_t*, T*, T*, int64_t, int64_t);
@@ -47,6 +50,8 @@ const KernelTable* PYMPAR_CAT(table_, PYMPAR_ISA)() {
       K::attention_block_fwd<float>, K::attention_block_fwd<double>,
       K::attention_block_bwd<float>, K::attention_block_bwd<double>,
       K::adamw, K::reduce, K::scale, K::cast,
+      K::add_layernorm_fwd<float>, K::add_layernorm_fwd<double>,
+      K::bias_gelu_fwd<float>, K::bias_gelu_fwd<double>,
   };
   return &t;
 }

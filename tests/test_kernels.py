@@ -95,6 +95,79 @@ def test_layernorm_noncontiguous_input():
         close(g_, r_, np.float64)
 
 
+# --- fused: residual add + layernorm, layernorm backward + residual, bias + GELU ---------
+@needs_native
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (2, 3, 31), (67, 97)])
+def test_add_layernorm_is_the_add_then_layernorm(dt, shape, threads):
+    """The fused kernel equals the add and then layernorm_forward bit for bit (native), and its
+    reference twin within the layernorm tolerance; x becomes the sum in both. Backward with a
+    residual equals backward, then the add, bit for bit; the twin likewise."""
+    rng = np.random.default_rng(11)
+    x, r = rand(rng, shape, dt, 2.0) + 1.5, rand(rng, shape, dt)
+    w, b = rand(rng, shape[-1:], dt), rand(rng, shape[-1:], dt)
+    s = x + r
+    for th in (1, 2):
+        K.set_num_threads(th)
+        xf = x.copy()
+        got = N.add_layernorm_forward(xf, r, w, b, 1e-5)
+        assert np.array_equal(xf, s)
+        for g_, u_ in zip(got, N.layernorm_forward(s, w, b, 1e-5)):
+            assert np.array_equal(g_, u_)
+        xr = x.copy()
+        want = R.add_layernorm_forward(xr, r, w, b, 1e-5)
+        assert np.array_equal(xr, s)
+        for g_, r_ in zip(got, want):
+            close(g_, r_.astype(dt), dt)
+        dy, res = rand(rng, shape, dt), rand(rng, shape, dt)
+        dx, dw, db = N.layernorm_backward(dy, s, w, got[1], got[2], residual=res)
+        ux, uw, ub = N.layernorm_backward(dy, s, w, got[1], got[2])
+        assert np.array_equal(dx, ux + res) and np.array_equal(dw, uw) and np.array_equal(db, ub)
+        for g_, r_ in zip((dx, dw, db), R.layernorm_backward(dy, s, w, got[1], got[2], residual=res)):
+            close(g_, r_.astype(dt), dt)
+
+
+@needs_native
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (3, 5, 64), (129, 1031)])
+def test_bias_gelu_is_the_add_then_gelu(dt, shape, threads):
+    """h += b, then GELU: the fused kernel equals the add and gelu_forward bit for bit at 1 and 2
+    threads, and its reference twin as test_gelu judges gelu_forward (h the same sum in both)."""
+    rng = np.random.default_rng(12)
+    h, b = rand(rng, shape, dt, 3.0), rand(rng, shape[-1:], dt)
+    s = h + b
+    for th in (1, 2):
+        K.set_num_threads(th)
+        hf = h.copy()
+        y = N.bias_gelu_forward(hf, b)
+        assert np.array_equal(hf, s) and np.array_equal(y, N.gelu_forward(s))
+    hr = h.copy()
+    yr = R.bias_gelu_forward(hr, b)
+    assert np.array_equal(hr, s)
+    exact = R.gelu_forward(s.astype(np.float64))
+    np.testing.assert_allclose(y, exact, rtol=1e-5 if dt is np.float32 else 1e-12, atol=1e-5 if dt is np.float32 else 1e-13)
+    np.testing.assert_allclose(yr, exact, rtol=1e-5 if dt is np.float32 else 1e-12, atol=1e-5 if dt is np.float32 else 1e-13)
+
+
+@needs_native
+def test_fused_kernels_hand_what_they_cannot_take_to_the_reference():
+    """A non-contiguous or read-only target, a float16 one, a bias of another dtype: answered by
+    the reference twin, which updates the target in place all the same."""
+    rng = np.random.default_rng(13)
+    h = rand(rng, (6, 16), np.float32)[:, ::2]                # non-contiguous
+    b = rand(rng, (8,), np.float32)
+    s = h + b
+    y = K.bias_gelu_forward(h, b)
+    assert np.array_equal(h, s) and np.allclose(y, R.gelu_forward(s), rtol=1e-5, atol=1e-6)
+    x16, r16 = rand(rng, (4, 8), np.float16), rand(rng, (4, 8), np.float16)
+    w16, b16 = np.ones(8, np.float16), np.zeros(8, np.float16)
+    s16 = x16 + r16
+    got = K.add_layernorm_forward(x16, r16, w16, b16)
+    assert np.array_equal(x16, s16)
+    for g_, r_ in zip(got, R.layernorm_forward(s16, w16, b16)):
+        assert np.array_equal(g_, r_)
+
+
 # --- GELU -------------------------------------------------------------------------------
 @needs_native
 @pytest.mark.parametrize("dt", FLOATS)

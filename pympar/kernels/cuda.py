@@ -89,10 +89,15 @@ def layernorm_forward(x, w, b, eps=1e-5):
     return y, mean, rstd
 
 
-def layernorm_backward(dy, x, w, mean, rstd):
+def add_layernorm_forward(x, res, w, b, eps=1e-5):
+    x += res                                     # (no fused CUDA kernel: the add, then the kernel)
+    return layernorm_forward(x, w, b, eps)
+
+
+def layernorm_backward(dy, x, w, mean, rstd, residual=None):
     if not _float(x, dy, w) or not _on_device(mean, rstd) or dy.shape != x.shape or w.shape != x.shape[-1:] \
             or mean.shape != x.shape[:-1] or rstd.shape != mean.shape:
-        return reference.layernorm_backward(dy, x, w, mean, rstd)
+        return reference.layernorm_backward(dy, x, w, mean, rstd, residual)
     dy, x, w = _c(dy), _c(x), _c(w)
     mean, rstd = _c(mean.astype(cp.float32, copy=False)), _c(rstd.astype(cp.float32, copy=False))
     C = x.shape[-1]
@@ -102,6 +107,8 @@ def layernorm_backward(dy, x, w, mean, rstd):
     db = cp.empty(C, dtype=cp.float32)
     scratch = cp.empty(max(1, _cuda.layernorm_backward_scratch(N, C)), dtype=cp.float32)
     _cuda.layernorm_backward(dy, x, w, mean, rstd, dx, dw, db, scratch, _stream())
+    if residual is not None:                     # (no fused CUDA kernel: the add after it)
+        dx += residual
     return dx, dw, db
 
 
@@ -113,6 +120,11 @@ def gelu_forward(x):
     y = cp.empty_like(x)
     _cuda.gelu_forward(x, y, _stream())
     return y
+
+
+def bias_gelu_forward(h, b):
+    h += b                                       # (no fused CUDA kernel: the add, then the kernel)
+    return gelu_forward(h)
 
 
 def gelu_backward(x, dy, out=None):

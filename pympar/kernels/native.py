@@ -150,16 +150,30 @@ def layernorm_forward(x, w, b, eps=1e-5):
     return y, mean, rstd
 
 
-def layernorm_backward(dy, x, w, mean, rstd):
+def add_layernorm_forward(x, res, w, b, eps=1e-5):
+    dt = x.dtype
+    if not _inplace_ok(x, _FLOATS) or res.dtype != dt or res.shape != x.shape or w.dtype != dt \
+            or b.dtype != dt or x.ndim < 1 or w.shape != x.shape[-1:] or b.shape != w.shape:
+        return reference.add_layernorm_forward(x, res, w, b, eps)
+    res, w, b = _c(res), _c(w), _c(b)
+    y = np.empty_like(x)
+    mean = np.empty(x.shape[:-1], dtype=dt)
+    rstd = np.empty(x.shape[:-1], dtype=dt)
+    _C.add_layernorm_forward(x, res, w, b, y, mean, rstd, float(eps))
+    return y, mean, rstd
+
+
+def layernorm_backward(dy, x, w, mean, rstd, residual=None):
     dt = x.dtype
     if dt not in _FLOATS or any(a.dtype != dt for a in (dy, w, mean, rstd)) or dy.shape != x.shape \
-            or x.ndim < 1 or w.shape != x.shape[-1:] or mean.shape != x.shape[:-1] or rstd.shape != mean.shape:
-        return reference.layernorm_backward(dy, x, w, mean, rstd)
+            or x.ndim < 1 or w.shape != x.shape[-1:] or mean.shape != x.shape[:-1] or rstd.shape != mean.shape \
+            or (residual is not None and (residual.dtype != dt or residual.shape != x.shape)):
+        return reference.layernorm_backward(dy, x, w, mean, rstd, residual)
     dy, x, w, mean, rstd = _c(dy), _c(x), _c(w), _c(mean), _c(rstd)
     dx = np.empty_like(x)
     dw = np.empty_like(w)
     db = np.empty_like(w)
-    _C.layernorm_backward(dy, x, w, mean, rstd, dx, dw, db)
+    _C.layernorm_backward(dy, x, w, mean, rstd, dx, dw, db, None if residual is None else _c(residual))
     return dx, dw, db
 
 
@@ -170,6 +184,14 @@ def gelu_forward(x):
     x = _c(x)
     y = np.empty_like(x)
     _C.gelu_forward(x, y)
+    return y
+
+
+def bias_gelu_forward(h, b):
+    if not _inplace_ok(h, _FLOATS) or b.dtype != h.dtype or h.ndim < 1 or b.shape != h.shape[-1:]:
+        return reference.bias_gelu_forward(h, b)
+    y = np.empty_like(h)
+    _C.bias_gelu_forward(h, _c(b), y)
     return y
 
 

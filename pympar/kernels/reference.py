@@ -141,8 +141,17 @@ def layernorm_forward(x, w, b, eps=1e-5):
     return y.astype(x.dtype, copy=False), mean, rstd
 
 
-def layernorm_backward(dy, x, w, mean, rstd):
-    """-> (dx (..., C), dw (C,), db (C,)); dw/db in the accumulation dtype."""
+def add_layernorm_forward(x, res, w, b, eps=1e-5):
+    """x += res (in place: the residual sum, which the caller keeps), then layernorm_forward(x, w,
+    b, eps): -> (y, mean, rstd). One pass where the two make two (the fused kernels)."""
+    x += res
+    return layernorm_forward(x, w, b, eps)
+
+
+def layernorm_backward(dy, x, w, mean, rstd, residual=None):
+    """-> (dx (..., C), dw (C,), db (C,)); dw/db in the accumulation dtype. residual (optional, the
+    shape of x): added to dx (the gradient that reaches x by the residual path too), after dx is
+    rounded to x's dtype, as an add after the call would."""
     xf, dyf, wf = _up(x), _up(dy), _up(w)
     C = x.shape[-1]
     xhat = (xf - mean[..., None]) * rstd[..., None]
@@ -151,7 +160,10 @@ def layernorm_backward(dy, x, w, mean, rstd):
     db = dyf.reshape(-1, C).sum(axis=0)
     dx = rstd[..., None] * (dxhat - dxhat.mean(axis=-1, keepdims=True)
                             - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
-    return dx.astype(x.dtype, copy=False), dw, db
+    dx = dx.astype(x.dtype, copy=False)
+    if residual is not None:
+        dx += residual
+    return dx, dw, db
 
 
 # --- GELU, tanh form ------------------------------------------------------------------
@@ -160,6 +172,13 @@ def gelu_forward(x):
     xf = _up(x)
     y = 0.5 * xf * (1.0 + xp.tanh(GELU_C * (xf + 0.044715 * (xf * xf * xf))))
     return y.astype(x.dtype, copy=False)
+
+
+def bias_gelu_forward(h, b):
+    """h += b (in place: the GEMM's output gets its bias, and the caller keeps it), then
+    gelu_forward(h). One pass where the two make two (the fused kernels)."""
+    h += b
+    return gelu_forward(h)
 
 
 def gelu_backward(x, dy, out=None):

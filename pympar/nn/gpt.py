@@ -62,9 +62,8 @@ class Block(Module):
         h1, c_ln1 = self.ln_1.forward(x)
         a, c_attn = self.attn.forward(h1)
         del h1
-        a += x                                   # x1 = x + attn(...): a is fresh, kept by no ctx
-        x1 = a
-        h2, c_ln2 = self.ln_2.forward(x1)
+        h2, c_ln2 = self.ln_2.forward_add(a, x)  # x1 = a + x in place (a is fresh, kept by no
+        x1 = a                                   # ctx) and ln_2 of it, in one pass
         if again and not hasattr(self, "moe") and not self.mlp.keep_hidden:
             return None, dict(ln1=c_ln1, attn=_without_input(c_attn), ln2=c_ln2, ffn=(h2, None), aux_loss=0.0)
         f, c_ffn = self.ffn.forward(h2)
@@ -95,13 +94,10 @@ class Block(Module):
             dh2 = self.moe.backward(dy, _with_input(ctx.pop("ffn"), self.ln_2, ctx["ln2"]), daux)
         else:
             dh2 = self.mlp.backward(dy, _with_input(ctx.pop("ffn"), self.ln_2, ctx["ln2"]))
-        dx1 = self.ln_2.backward(dh2, ctx.pop("ln2"))   # fresh: the residual's dy is added in place
+        dx1 = self.ln_2.backward(dh2, ctx.pop("ln2"), residual=dy)   # + the residual's dy, one pass
         del dh2                                  # (x1, in ln2's ctx, is let go here too)
-        dx1 += dy
         dh1 = self.attn.backward(dx1, _with_input(ctx.pop("attn"), self.ln_1, ctx["ln1"]))
-        dx = self.ln_1.backward(dh1, ctx.pop("ln1"))
-        dx += dx1
-        return dx
+        return self.ln_1.backward(dh1, ctx.pop("ln1"), residual=dx1)
 
 
 def _span(trace, label):

@@ -22,13 +22,18 @@ class Linear(Module):
         self.bias = _param(seed, f"{name}.bias", (n_out,), dtype) if bias else None
         self._cdt = compute_dtype
 
-    def forward(self, x, out=None):              # x (..., in) -> y (..., out)
-        """out (optional): a C-contiguous (N, out) array (a block of rows of a larger one) to write y into."""
+    def forward(self, x, out=None, add_bias=True):   # x (..., in) -> y (..., out)
+        """out (optional): a C-contiguous (N, out) array (a block of rows of a larger one) to write y into.
+        add_bias=False: x @ W.T only, for a caller that adds the bias in its next pass (bias_value)."""
         w = compute_cast(self.weight.data, self._cdt)
         y = matmul(x.reshape(-1, x.shape[-1]), w.T, out=out)   # one GEMM over all tokens: (N, out)
-        if self.bias is not None:
-            y += compute_cast(self.bias.data, self._cdt)
+        if self.bias is not None and add_bias:
+            y += self.bias_value()
         return y.reshape(*x.shape[:-1], y.shape[-1]), x
+
+    def bias_value(self):
+        """The bias as forward adds it (in the compute dtype)."""
+        return compute_cast(self.bias.data, self._cdt)
 
     def backward(self, dy, x, out=None):         # dy (..., out) -> dx (..., in)
         """out (optional): an array of dx's shape and dtype to write dx into (it may be x itself
@@ -67,9 +72,16 @@ class LayerNorm(Module):
         x = ctx[0]
         return kernels.layernorm_forward(x, self.weight.data, self._b(), self.eps)[0]
 
-    def backward(self, dy, ctx):                 # dy (..., C) -> dx (..., C)
+    def forward_add(self, x, res):
+        """x += res (the residual sum, in place: x is then the sum, which the caller keeps), and
+        forward of it, in one pass (kernels.add_layernorm_forward): bitwise the add and forward."""
+        y, mean, rstd = kernels.add_layernorm_forward(x, res, self.weight.data, self._b(), self.eps)
+        return y, (x, mean, rstd)
+
+    def backward(self, dy, ctx, residual=None):  # dy (..., C) -> dx (..., C)
+        """residual (optional): a gradient to add to dx (the residual path's), in the same pass."""
         x, mean, rstd = ctx
-        dx, dw, db = kernels.layernorm_backward(dy, x, self.weight.data, mean, rstd)
+        dx, dw, db = kernels.layernorm_backward(dy, x, self.weight.data, mean, rstd, residual)
         accumulate(self.weight, dw)
         if self.bias is not None:
             accumulate(self.bias, db)
@@ -106,13 +118,22 @@ class MLP(Module):
         """Rows per block: all N for a tensor-parallel MLP or when N <= MLP_ROWS."""
         return N if not self.rowwise else min(N, MLP_ROWS)
 
+    def _hidden(self, x, out=None):
+        """c_fc's output h (its bias added) and GELU(h): the bias add and the GELU in one pass
+        (kernels.bias_gelu_forward) where c_fc is a plain Linear with a bias."""
+        fc = self.c_fc
+        if type(fc) is Linear and fc.bias is not None:
+            h, _ = fc.forward(x, out=out, add_bias=False)
+            return h, kernels.bias_gelu_forward(h, fc.bias_value())
+        h, _ = fc.forward(x) if out is None else fc.forward(x, out=out)
+        return h, kernels.gelu_forward(h)
+
     def forward(self, x):                        # x (..., C) -> y (..., C)
         x2 = x.reshape(-1, x.shape[-1])
         N = x2.shape[0]
         rows = self.block_rows(N)
         if rows >= N:
-            h, _ = self.c_fc.forward(x)          # h (..., 4C)
-            g = kernels.gelu_forward(h)          # g (..., 4C): not kept
+            h, g = self._hidden(x)               # h, g (..., 4C); g is not kept
             y, _ = self.c_proj.forward(g)
             return y, (x, h if self.keep_hidden else None)
         xp = xp_of(x2)
@@ -121,8 +142,7 @@ class MLP(Module):
         y = None
         for r0 in range(0, N, rows):
             r1 = min(r0 + rows, N)
-            hc, _ = self.c_fc.forward(x2[r0:r1], out=None if h is None else h[r0:r1])
-            g = kernels.gelu_forward(hc)
+            _, g = self._hidden(x2[r0:r1], out=None if h is None else h[r0:r1])
             if y is None:
                 y = xp.empty((N, self.c_proj.weight.data.shape[0]), dtype=g.dtype)
             self.c_proj.forward(g, out=y[r0:r1])
@@ -148,8 +168,9 @@ class MLP(Module):
     def _backward_rows(self, dy, x, h, out=None):
         """One block's backward (h None: computed again from x, as forward computed it)."""
         if h is None:
-            h, _ = self.c_fc.forward(x)
-        g = kernels.gelu_forward(h)              # again: c_proj's weight gradient needs it
+            h, g = self._hidden(x)               # h, and the GELU output c_proj's dW needs
+        else:
+            g = kernels.gelu_forward(h)          # again: c_proj's weight gradient needs it
         dg = self.c_proj.backward(dy, g, out=None if deferring() else g)   # (..., 4C)
         del g
         dh = kernels.gelu_backward(h, dg, out=dg)
