@@ -178,6 +178,8 @@ def wgrad_hold_per_micro(cfg, B: int, T: int, tp: int, sp: bool, blocks, last: b
     a = act_bytes
     s = tp if sp else 1
     Ct = C // tp
+    # a dense MLP: c_fc's input (ln_2's output) and dh; c_proj's dy and input (GELU's output)
+    mlp = (N * C + 8 * N * Ct + N * C // s) * a
     total = 0
     for i in blocks:
         # attention: c_attn's input (ln_1's output, gathered whole under sp) and dqkv; c_proj's
@@ -187,10 +189,9 @@ def wgrad_hold_per_micro(cfg, B: int, T: int, tp: int, sp: bool, blocks, last: b
             E, k = cfg.n_expert, cfg.top_k
             M = N * k if not cfg.capacity_factor else min(N * k, E * math.ceil(k * N * cfg.capacity_factor / E))
             blk += M * (2 * C + 8 * Ct) * a + N * C * a + N * E * stat_bytes   # experts; router: input, dlogits
-            if cfg.shared_expert:
-                blk += (N * C + 8 * N * Ct + N * C // s) * a
-        else:                  # c_fc's input (ln_2's output) and dh; c_proj's dy and input (GELU's output)
-            blk += (N * C + 8 * N * Ct + N * C // s) * a
+            blk += mlp if cfg.shared_expert else 0
+        else:
+            blk += mlp
         total += blk
     if first:
         total += N * C * stat_bytes + N * 8                    # the embedding's dx (float32) and ids
