@@ -44,7 +44,8 @@ ENVIRONMENT = {   # variable -> what it sets (docs/engine.md, "Environment varia
     "PYMPAR_CHUNK_THREADS": "'0': attention's per-slice GEMM stacks run serially",
     "PYMPAR_MALLOC": "'system': keep glibc's malloc thresholds (freed memory is not retained)",
     "PYMPAR_DEBUG_COLLECTIVES": "'1': check every collective's fingerprint across the ranks",
-    "PYMPAR_TUNING": "'measure' (default), 'library', or a tuning file of python -m pympar.bench --tune",
+    "PYMPAR_TUNING": "'measure' (default; pympar.train's: 'reproducible', floating-point reductions over 3+ ranks "
+                     "not measured), 'library', or a tuning file of python -m pympar.bench --tune",
     "PYMPAR_SHM_CHUNK": "bytes per chunk of the shared-memory reductions (default 524288)",
     "PYMPAR_CUDA_AWARE_MPI": "'0'/'1': whether MPI reads device memory (default: ask the library)",
     "PYMPAR_RANKS_PER_NODE": "ranks per node the communicators' topology assumes (default: MPI's split)",
@@ -157,9 +158,11 @@ def read_environment(environ=None) -> Environment:
         cache_dir=env.get("PYMPAR_CACHE") or None)
 
 
-def apply_environment(environ=None) -> Environment:
+def apply_environment(environ=None, tuning_default="") -> Environment:
     """read_environment, then hand its settings down: the kernels (reference, instruction set,
     spin), the BLAS threads, the allocator policy and the communicators (pympar.comm.settings).
+    tuning_default: auto's setting when $PYMPAR_TUNING is unset ("": measure; the trainer passes
+    "reproducible", comm/tuning.py).
     Returns the Environment for what the application itself decides (threads, pipeline channels,
     NCCL, the cache, the local rank)."""
     from . import kernels
@@ -179,7 +182,7 @@ def apply_environment(environ=None) -> Environment:
         malloc_policy.retain_freed_memory()
     if e.launcher_local_ranks is not None:     # the polling pace before a communicator finds the node's ranks
         progress.note_job_local_ranks(e.launcher_local_ranks)
-    comm = dict(debug_collectives=e.debug_collectives, tuning=e.tuning, cuda_aware_mpi=e.cuda_aware_mpi,
+    comm = dict(debug_collectives=e.debug_collectives, tuning=e.tuning or tuning_default, cuda_aware_mpi=e.cuda_aware_mpi,
                 ranks_per_node=e.ranks_per_node)
     if e.comm_timeout is not None:
         comm["timeout"] = e.comm_timeout

@@ -72,7 +72,8 @@ def main(argv=None, faults=None) -> int:
     # 1. validate everything on every rank, without communicating
     try:
         quiet = contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext()
-        env = apply_environment()              # the environment, read once, here
+        # the environment, read once, here; auto's choices never change a training run's bits
+        env = apply_environment(tuning_default="reproducible")
         with quiet:                            # --help is printed by rank 0 only
             model_cfg, run = parse_args(argv, world, env)
         corpus = load_corpus(run.data, cache_dir=env.cache_dir)

@@ -16,9 +16,14 @@ choice comes from, in order:
    rounds counts (a candidate that is only sometimes fast does not win), and the library's
    call wins unless another candidate is more than ``MARGIN`` faster.
 
-``$PYMPAR_TUNING=library`` makes auto the library's call everywhere (no measurement: what to
-use when runs with 3 or more ranks must repeat bit for bit across jobs, because another
-reduction order rounds differently). Buckets are powers of two: bucket b holds the messages
+``$PYMPAR_TUNING=library`` makes auto the library's call everywhere (no measurement).
+``$PYMPAR_TUNING=reproducible`` (``python -m pympar.train``'s default) measures only where the
+choice cannot change a result: a floating-point reduction (allreduce, reduce_scatter, reduce)
+over 3 or more ranks takes the library's call -- its blocking one when the communicator may
+use it -- because another algorithm adds the ranks in another order, which rounds differently,
+and a measured choice can differ between two jobs (timing noise, a slow minute). Data movement
+(allgather, broadcast, alltoall), integer reductions and 2-rank reductions (every algorithm
+computes a + b) are measured as usual: every candidate gives the same bits there. Buckets are powers of two: bucket b holds the messages
 of (2^(b-1), 2^b] bytes. The nonblocking verbs do not measure: their auto is the library's
 nonblocking collective (what overlaps with computation without pympar driving it).
 """
@@ -33,6 +38,7 @@ import warnings
 import numpy as np
 
 from .settings import SETTINGS
+from .verbs import VERBS
 
 FORMAT = "pympar-tuning/2"
 MARGIN = 1.05       # another algorithm must beat the library's call by more than 5% to be chosen
@@ -88,7 +94,8 @@ class Decision:
     """What auto runs for one (collective, dtype, bucket) on one communicator, and why.
 
     source: 'file' (tuning file), 'measured' (this job's agreed measurement), 'library'
-    ($PYMPAR_TUNING=library), 'only' (one candidate) or 'mismatch' (the ranks were not in the
+    ($PYMPAR_TUNING=library), 'reproducible' (a floating-point reduction over 3+ ranks under
+    $PYMPAR_TUNING=reproducible), 'only' (one candidate) or 'mismatch' (the ranks were not in the
     same call: the library's call ran, nothing was decided); times_us: candidate -> the slowest
     rank's time (median over rounds) behind the choice, empty when nothing was measured."""
 
@@ -174,8 +181,8 @@ def read_setting(value=None):
     value = str(value).strip()
     if value in ("", "measure", "auto"):
         return None
-    if value == "library":
-        return "library"
+    if value in ("library", "reproducible"):
+        return value
     try:
         with open(value) as f:
             data = json.load(f)
@@ -205,7 +212,8 @@ class Tuner:
     not measure them again."""
 
     def __init__(self, setting, shape: str, comm_name: str, warn: bool, members=None, on_timeout="raise"):
-        self.mode = "library" if setting == "library" else "measure"
+        self.size = len(members) if members is not None else int(shape.split("r", 1)[0])
+        self.mode = setting if setting in ("library", "reproducible") else "measure"
         self.shape, self.comm_name = shape, comm_name
         where = setting.get("path") if isinstance(setting, dict) else setting
         self.decisions = {} if members is None else _SHARED.setdefault((tuple(members), where, on_timeout), {})
@@ -232,6 +240,11 @@ class Tuner:
             return None
         return shapes[self.shape]
 
+    def order_sensitive(self, verb, dtype) -> bool:
+        """Whether two algorithms may give ``verb`` different bits here: a reduction of a
+        non-integer dtype over 3 or more ranks (the ranks' terms added in another order)."""
+        return VERBS[verb].reducing and self.size >= 3 and np.dtype(dtype).kind not in "iub"
+
     def lookup(self, verb, dtype, nbytes, candidates):
         """The cached or filed decision, or None when it must be measured."""
         key = (verb, str(dtype), bucket(nbytes))
@@ -240,6 +253,9 @@ class Tuner:
             return d
         if len(candidates) == 1 or self.mode == "library":
             d = Decision(verb, dtype, nbytes, self.shape, "mpi", "only" if len(candidates) == 1 else "library")
+        elif self.mode == "reproducible" and self.order_sensitive(verb, dtype):
+            d = Decision(verb, dtype, nbytes, self.shape, "blocking" if "blocking" in candidates else "mpi",
+                         "reproducible")
         elif self.entries is not None:
             e = self.entries.get(verb, {}).get(str(dtype), {}).get(str(bucket(nbytes)))
             if e is not None and e.get("algo") in candidates:

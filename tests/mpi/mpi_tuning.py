@@ -222,3 +222,32 @@ def test_blocking_library_call_needs_abort_mode_and_is_a_choice_there(mpi_world)
             assert a.astype(int).tolist() == list(range(n))
     raising.free()
     c.free()
+
+
+def test_reproducible_mode_measures_only_what_cannot_change_the_bits(fresh):
+    c = fresh("reproducible")
+    if c.size == 1:
+        pytest.skip("size 1: auto is the only call there is")
+    names = c.candidates("allreduce")
+    timed = []
+    other = names[-1]                        # a pympar algorithm, made to look 10x faster than the rest
+
+    def timer(name, run):
+        timed.append(name)
+        run()
+        return 1e-4 if name == other else 1e-3
+    c._timer = timer
+    d = c.explain("allreduce", 4096, "float32")
+    if c.size >= 3:                           # the ranks' terms in another order: not measured
+        assert (d.source, d.algo, timed) == ("reproducible", "mpi", [])
+        assert c.explain("reduce_scatter", 1 << 16, "float64").source == "reproducible"
+    else:                                     # a + b whatever the algorithm
+        assert (d.source, d.algo) == ("measured", other) and timed
+    timed.clear()
+    i = c.explain("allreduce", 4096, "int64")        # integer sums are exact in any order
+    assert (i.source, i.algo) == ("measured", other) and timed
+    g = c.explain("allgather", 1 << 12, "float32")
+    assert g.source in ("measured", "only")
+    x = np.full(1001, float(c.rank + 1), np.float32)
+    c.allreduce(x)
+    assert np.all(x == c.size * (c.size + 1) / 2)
