@@ -307,7 +307,10 @@ def test_mlp_in_blocks_equals_one_block_and_holds_a_blocks_transient(keep_hidden
         monkeypatch.setattr(layers, "MLP_ROWS", r)
         mlp = MLP(C, name="m", seed=4, dtype=np.float64)
         mlp.keep_hidden = keep_hidden
-        y, ctx = mlp.forward(x)
+        (y, ctx), fpeak = made_while(lambda: mlp.forward(x))
+        # forward: y, (keep_hidden) the whole hidden layer, and one block's pair (h, GELU(h)) at a time
+        held = N * C * 8 + (N * 4 * C * 8 if keep_hidden else 0)
+        assert fpeak <= held + 2 * min(r, N) * 4 * C * 8 + 2**18, (r, fpeak, held)   # two more blocks: +614 KB
         assert ctx[0] is x and (ctx[1] is None) == (not keep_hidden)
         for p in mlp.parameters():
             p.grad                                   # allocated before: not the backward's transient

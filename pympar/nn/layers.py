@@ -142,10 +142,11 @@ class MLP(Module):
         y = None
         for r0 in range(0, N, rows):
             r1 = min(r0 + rows, N)
-            _, g = self._hidden(x2[r0:r1], out=None if h is None else h[r0:r1])
+            hb, g = self._hidden(x2[r0:r1], out=None if h is None else h[r0:r1])
             if y is None:
                 y = xp.empty((N, self.c_proj.weight.data.shape[0]), dtype=g.dtype)
             self.c_proj.forward(g, out=y[r0:r1])
+            del hb, g                            # before the next block's: one block's pair at a time
         return y.reshape(*x.shape[:-1], y.shape[-1]), (x, h)
 
     def backward(self, dy, ctx):
