@@ -182,8 +182,8 @@ def apply_environment(environ=None, tuning_default="") -> Environment:
         malloc_policy.retain_freed_memory()
     if e.launcher_local_ranks is not None:     # the polling pace before a communicator finds the node's ranks
         progress.note_job_local_ranks(e.launcher_local_ranks)
-    comm = dict(debug_collectives=e.debug_collectives, tuning=e.tuning or tuning_default, cuda_aware_mpi=e.cuda_aware_mpi,
-                ranks_per_node=e.ranks_per_node)
+    comm = dict(debug_collectives=e.debug_collectives, tuning=e.tuning or tuning_default,
+                cuda_aware_mpi=e.cuda_aware_mpi, ranks_per_node=e.ranks_per_node)
     if e.comm_timeout is not None:
         comm["timeout"] = e.comm_timeout
     if e.shm_chunk is not None:

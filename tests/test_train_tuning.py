@@ -8,7 +8,6 @@ chosen pympar algorithm is 10x faster than every other candidate -- what a slow 
 make any of them look like -- and prints, at the end, every decision auto took.
 """
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ from mpirun import run_mpi
 
 pytestmark = pytest.mark.mpi
 
-ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["--preset", "tiny", "--n-layer", "2", "--steps", "6", "--eval-every", "0", "--eval-iters", "1",
         "--sample-tokens", "0", "--progress", "log", "--save-every", "6"]
 

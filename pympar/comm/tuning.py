@@ -23,8 +23,9 @@ over 3 or more ranks takes the library's call -- its blocking one when the commu
 use it -- because another algorithm adds the ranks in another order, which rounds differently,
 and a measured choice can differ between two jobs (timing noise, a slow minute). Data movement
 (allgather, broadcast, alltoall), integer reductions and 2-rank reductions (every algorithm
-computes a + b) are measured as usual: every candidate gives the same bits there. Buckets are powers of two: bucket b holds the messages
-of (2^(b-1), 2^b] bytes. The nonblocking verbs do not measure: their auto is the library's
+computes a + b) are measured as usual: every candidate gives the same bits there.
+
+Buckets are powers of two: bucket b holds the messages of (2^(b-1), 2^b] bytes. The nonblocking verbs do not measure: their auto is the library's
 nonblocking collective (what overlaps with computation without pympar driving it).
 """
 from __future__ import annotations
@@ -212,7 +213,7 @@ class Tuner:
     not measure them again."""
 
     def __init__(self, setting, shape: str, comm_name: str, warn: bool, members=None, on_timeout="raise"):
-        self.size = len(members) if members is not None else int(shape.split("r", 1)[0])
+        self.size = int(shape.split("r", 1)[0])   # the shape key starts with the ranks: '4r-...'
         self.mode = setting if setting in ("library", "reproducible") else "measure"
         self.shape, self.comm_name = shape, comm_name
         where = setting.get("path") if isinstance(setting, dict) else setting

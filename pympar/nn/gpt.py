@@ -225,7 +225,8 @@ class Head(Module):
             if dh is None:
                 dh = xpm.empty((N, dc.shape[1]), dtype=dc.dtype)
             dh[r0:r1] = dc
-        del h, h2, hc, lg, dl, dc                    # ln_f's output and the last chunk's: not beside dx
+        del h, h2, hc, lg, dl, dc                    # the last chunk's logits (up to CE_CHUNK) and, unless
+                                                     # kept holds it, ln_f's output: not beside ln_f's dx
         return float(loss_rows.sum()) / max(n_valid, 1), self.ln_f.backward(dh.reshape(x.shape), c_ln)
 
     def _chunk_weight_grad(self, dl, hc):
