@@ -28,6 +28,12 @@
 // tile), so that no tile GEMM reads rows at the packed qkv's stride; backward takes kGroup key
 // tiles per pass over the query side. Neither changes an operation's order: the results are those
 // of one tile pair at a time, bit for bit.
+//
+// Aliasing (the packed backward may write dqkv over qkv, kernels.attention_backward(overwrite=True)):
+// the backward reads a head's q, k and v only while building that head's BwdHead (its copies),
+// before anything of that head is written, and a head's gradients land only in that head's own
+// columns. Keep it so: a change that reads q, k or v of a head after its dk, dv or dq are written
+// breaks test_attention_kernel's in-place test.
 #include <algorithm>
 #include <cmath>
 #include <vector>

@@ -147,6 +147,58 @@ def test_thread_counts_bit_identical(threads, shape):
     assert _rel(res[2][2], ref) < 1e-5
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("shape", [(3, 150, 2, 24), (1, 200, 1, 16), (2, 65, 3, 8)], ids=str)
+@pytest.mark.parametrize("dt", [np.float32, np.float64], ids=["f32", "f64"])
+def test_backward_over_qkv_is_bitwise_the_fresh_one(threads, shape, dt):
+    """overwrite=True (what a consuming attention backward asks): dqkv is written over qkv -- the
+    same memory comes back -- and equals, bit for bit, the gradient written into a fresh array,
+    whichever way the work is split (B*H >= threads: a thread per head; B*H = 1 or 2 below 3
+    threads: key tiles, then query tiles, every head read before any is written)."""
+    B, T, H, D = shape
+    rng = np.random.default_rng(5)
+    qkv = rng.standard_normal((B, T, 3, H, D)).astype(dt)
+    dout = rng.standard_normal((B, T, H * D)).astype(dt)
+    K.set_num_threads(threads)
+    try:
+        o, lse = N.attention_forward(qkv, 0.3)
+        fresh = N.attention_backward(qkv, o, lse, dout, 0.3)
+        mine = qkv.copy()
+        over = N.attention_backward(mine, o, lse, dout, 0.3, overwrite=True)
+    finally:
+        K.set_num_threads(1)
+    assert over is mine
+    np.testing.assert_array_equal(over, fresh)
+    np.testing.assert_array_equal(N.attention_backward(qkv, o, lse, dout, 0.3), fresh)   # qkv untouched
+
+
+def test_self_attention_backward_makes_no_second_qkv():
+    """CausalSelfAttention's backward consumes its ctx: dqkv goes over qkv, so what NumPy allocates
+    (traced; the kernel's C++ scratch is not) is c_proj's and c_attn's dx (1C each per token),
+    not a further 3C for a fresh dqkv."""
+    import tracemalloc
+
+    from pympar.nn.attention import CausalSelfAttention
+    B, T, C, H = 1, 2048, 64, 2
+    attn = CausalSelfAttention(C, H, name="a", seed=1)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((B, T, C)).astype(np.float32)
+    dy = rng.standard_normal((B, T, C)).astype(np.float32)
+    y, ctx = attn.forward(x)
+    for p in attn.parameters():
+        p.grad                                   # allocated before: not the backward's transient
+    one = B * T * C * 4
+    tracemalloc.start()
+    try:
+        dx = attn.backward(dy, ctx)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    del ctx
+    assert dx.shape == x.shape
+    assert peak <= 2 * one + 2**16, peak / one
+
+
 PEAK = textwrap.dedent("""
     import numpy as np, sys
     from pympar.kernels import native as N

@@ -197,6 +197,30 @@ def test_chunked_cross_entropy_equals_the_whole_one(monkeypatch):
     assert kept_whole - kept_chunked == logits
 
 
+def test_a_long_sequence_head_holds_one_chunk_of_logits_whatever_the_vocabulary():
+    """A small vocabulary's logits are small per token, not per sequence: over more than CE_ROWS
+    tokens the head runs in chunks of CE_ROWS rows (a 50k vocabulary's CE_CHUNK bound is the
+    smaller one), and its one pass writes ln_f's output gradient over ln_f's output. What the pass
+    allocates is then that (N, C) array, ln_f's dx and one chunk's logits -- not the (N, V)
+    logits (8C per token here) that one chunk of 4096 rows held."""
+    import pympar.nn.gpt as G
+    assert G.Head.chunk_rows(G.CE_ROWS, 256) == G.CE_ROWS            # one chunk, logits kept
+    assert G.Head.chunk_rows(4 * G.CE_ROWS, 256) == G.CE_ROWS
+    assert G.Head.chunk_rows(2048, 50304) == G.CE_CHUNK // 50304       # 333
+    N, C, V = 4 * G.CE_ROWS, 32, 256
+    cfg = GPTConfig(vocab_size=V, block_size=N, n_layer=1, n_head=2, n_embd=C)
+    head = GPT(cfg, seed=2).head
+    touch(head.parameters())
+    head.wte.grad
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, N, C)).astype(np.float32)
+    t = rng.integers(0, V, size=(1, N))
+    (loss, dx), peak = made_while(lambda: head.forward_backward((x, t), 1.0))
+    one = N * C * 4
+    assert np.isfinite(loss) and dx.shape == x.shape
+    assert peak <= 2 * one + 2 * G.CE_ROWS * V * 4 + 2**16, (peak / one, 2 * G.CE_ROWS * V * 4 / one)
+
+
 @pytest.mark.parametrize("rows", [None, 7])
 def test_head_forward_backward_is_forward_then_backward_bitwise(monkeypatch, rows):
     """The one-pass head (what loss_and_grad runs) gives the loss, dx and the tied weight's
@@ -241,9 +265,15 @@ def _block_and_input(cfg, seed=3):
     return blk, x, dy
 
 
-def test_a_block_keeps_no_layernorm_output_and_backward_is_bitwise_the_kept_one():
-    """Block's ctx drops ln_1's and ln_2's outputs (computed again in backward from their inputs);
-    dx and every gradient equal bit for bit the composition that keeps them."""
+@pytest.mark.parametrize("rows", [None, 24], ids=["one-block", "mlp-blocks-of-24"])
+def test_a_block_keeps_no_layernorm_output_and_backward_is_bitwise_the_kept_one(rows, monkeypatch):
+    """Block's ctx drops ln_1's and ln_2's outputs (computed again in backward from their inputs),
+    and the block's MLP and attention core write their outputs and gradients over arrays
+    the block owns (consume); dx and every gradient equal bit for bit the composition that keeps
+    and allocates them."""
+    from pympar.nn import layers
+    if rows:
+        monkeypatch.setattr(layers, "MLP_ROWS", rows)
     cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
     blk, x, dy = _block_and_input(cfg)
     y, ctx = blk.forward(x)
@@ -327,12 +357,51 @@ def test_mlp_in_blocks_equals_one_block_and_holds_a_blocks_transient(keep_hidden
     assert peak0 >= (1 if keep_hidden else 2) * N * H * a                     # one block: the whole sequence's
 
 
+@pytest.mark.parametrize("keep_hidden", [True, False])
+@pytest.mark.parametrize("rows", [None, 300], ids=["one-block", "blocks-of-300"])
+def test_mlp_consuming_its_input_writes_over_it_bitwise(keep_hidden, rows, monkeypatch):
+    """consume=True (a Block's MLP: its input is ln_2's output, computed again for backward):
+    forward writes y over x block by block and backward writes dx over the x it is given, with
+    the same bits as the MLP that allocates them; forward then allocates no (N, C) output, only
+    (keep_hidden) the hidden layer and one block's pair."""
+    from pympar.nn import layers
+    from pympar.nn.layers import MLP
+    N, C = 2000, 32
+    monkeypatch.setattr(layers, "MLP_ROWS", rows or N)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((N, C)).astype(np.float32)
+    dy = rng.standard_normal((N, C)).astype(np.float32)
+    out = []
+    for consume in (False, True):
+        mlp = MLP(C, name="m", seed=4)
+        mlp.keep_hidden = keep_hidden
+        touch(mlp.parameters())                  # made on first use: before, not in forward's peak
+        xin = x.copy()
+        (y, ctx), fpeak = made_while(lambda: mlp.forward(xin, consume=consume))
+        assert np.shares_memory(y, xin) == consume and (ctx[0] is None) == consume
+        y = y.copy()
+        xb = x.copy()                            # backward's input: ln_2's output again
+        dx = mlp.backward(dy, (xb, ctx[1]), consume=consume)
+        assert np.shares_memory(dx, xb) == consume
+        out.append((y, dx, {n: p.grad.copy() for n, p in mlp.named_parameters()}, fpeak))
+    (y0, dx0, g0, _), (y1, dx1, g1, fpeak1) = out
+    np.testing.assert_array_equal(y1, y0)
+    np.testing.assert_array_equal(dx1, dx0)
+    for n in g0:
+        np.testing.assert_array_equal(g1[n], g0[n], err_msg=n)
+    r = min(rows or N, N)
+    held = N * 4 * C * 4 if keep_hidden else 0
+    assert fpeak1 <= held + 2 * r * 4 * C * 4 + 2**16, (fpeak1, held)      # y (N C: 256 KB) would not fit
+
+
 @pytest.mark.parametrize("mode", ["none", "selective"])
 @pytest.mark.parametrize("rows", [None, 300], ids=["one-block", "blocks-of-300"])
 @pytest.mark.parametrize("deferred", [False, True], ids=["w-now", "w-deferred"])
-def test_ledger_mlp_backward_is_what_the_mlp_allocates(mode, rows, deferred, monkeypatch):
+@pytest.mark.parametrize("consume", [False, True], ids=["new-dx", "dx-over-x"])
+def test_ledger_mlp_backward_is_what_the_mlp_allocates(mode, rows, deferred, consume, monkeypatch):
     """The ledger's MLP backward transient (workspace) against what backward allocates (traced):
-    within 15% above and 10% below, one block or blocks, W now or deferred (then held until run)."""
+    within 15% above and 10% below, one block or blocks, W now or deferred (then held until run),
+    dx made or written over the input (a Block's backward: consume)."""
     from pympar.nn import layers
     from pympar.nn.layers import MLP
     from pympar.nn.parameter import WeightGrads
@@ -349,12 +418,13 @@ def test_ledger_mlp_backward_is_what_the_mlp_allocates(mode, rows, deferred, mon
 
     def back():
         if not deferred:
-            return mlp.backward(dy, ctx), None
+            return mlp.backward(dy, ctx, consume=consume), None
         with WeightGrads() as w:
-            dx = mlp.backward(dy, ctx)
+            dx = mlp.backward(dy, ctx, consume=consume)
         return dx, w
-    (_, w), peak = made_while(back)
-    want = ledger.mlp_backward_bytes(N, C, 1, mode, deferred, 4)
+    (dx, w), peak = made_while(back)
+    assert np.shares_memory(dx, x) == (consume and not deferred)
+    want = ledger.mlp_backward_bytes(N, C, 1, mode, deferred, 4, consume=consume)
     assert 0.9 * want <= peak <= 1.15 * want + 4 * C * C * 4, (peak, want)
 
 

@@ -150,14 +150,14 @@ def attention_forward(qkv, scale):
     return o, lse
 
 
-def attention_backward(qkv, o, lse, dout, scale):
+def attention_backward(qkv, o, lse, dout, scale, overwrite=False):   # (overwrite: a permission,
     if not _float(qkv, o, dout) or qkv.ndim != 5 or qkv.shape[2] != 3 or qkv.shape[-1] > 128 \
             or lse.dtype != cp.float32 or not _on_device(lse):
         return reference.attention_backward(qkv, o, lse, dout, scale)
     B, T, _, H, D = qkv.shape
     qkv, o, lse, dout = _c(qkv), _c(o), _c(lse), _c(dout)
-    dqkv = cp.empty_like(qkv)
-    dvec = cp.empty((B, H, T), dtype=cp.float32)
+    dqkv = cp.empty_like(qkv)                    # not taken: the twin's blocks read k, v of
+    dvec = cp.empty((B, H, T), dtype=cp.float32)  # every query tile from global memory)
     _cuda.attention_backward(qkv, o, lse, dout, dqkv, dvec, float(scale), _stream())
     return dqkv
 

@@ -79,7 +79,7 @@ def attention_forward(qkv, scale):
     return o, lse
 
 
-def attention_backward(qkv, o, lse, dout, scale):
+def attention_backward(qkv, o, lse, dout, scale, overwrite=False):
     dt = qkv.dtype
     if dt not in _FLOATS or qkv.ndim != 5 or qkv.shape[2] != 3 or any(a.dtype != dt for a in (o, lse, dout)):
         return reference.attention_backward(qkv, o, lse, dout, scale)
@@ -88,7 +88,9 @@ def attention_backward(qkv, o, lse, dout, scale):
         raise ValueError(f"attention_backward: o {o.shape}, dout {dout.shape}, lse {lse.shape} do not match "
                          f"qkv {qkv.shape}: expected (B, T, H*D) twice and (B, H, T)")
     qkv, o, lse, dout = _c(qkv), _c(o), _c(lse), _c(dout)
-    dqkv = np.empty_like(qkv)
+    # overwrite: the kernel reads each head's q, k, v into its own copies before it writes that
+    # head's gradients (csrc/attention.cpp), and no head reads another's columns, so dqkv may be qkv
+    dqkv = qkv if overwrite else np.empty_like(qkv)
     _C.attention_backward(qkv, o, lse, dout, dqkv, float(scale))
     return dqkv
 

@@ -123,8 +123,10 @@ def attention_forward(qkv, scale):
     return attention_block_forward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], scale, True)
 
 
-def attention_backward(qkv, o, lse, dout, scale):
-    """d(attention_forward) -> dqkv (B, T, 3, H, D), given o, lse from the forward and dout (B, T, H*D)."""
+def attention_backward(qkv, o, lse, dout, scale, overwrite=False):
+    """d(attention_forward) -> dqkv (B, T, 3, H, D), given o, lse from the forward and dout (B, T, H*D).
+    overwrite=True permits (does not require) writing dqkv over qkv, which the caller will not read
+    again: the C++ kernel does (no second 3C per token beside qkv); this one and CUDA's do not."""
     g = attention_block_backward(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], o, lse, dout, scale, True)
     return xp_of(qkv).stack(g, axis=2)
 

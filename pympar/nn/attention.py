@@ -39,7 +39,7 @@ class CausalSelfAttention(Module):
         B, T, C = x.shape                        # output and its gradient are not held beside dqkv
         dya = self.c_proj.backward(dy, ya)       # (B, T, C)
         del ya
-        dqkv = self.core.backward(dya, core)     # (B, T, 3, nh, hs)
+        dqkv = self.core.backward(dya, core, consume=True)     # (B, T, 3, nh, hs)
         del dya, core                            # (CPython >= 3.11 moves a call's arguments into
                                                  # the callee's frame; 3.10's caller holds them to return)
         return self.c_attn.backward(dqkv.reshape(B, T, 3 * C), x)

@@ -13,7 +13,7 @@ from .. import kernels
 from ..backend import held_bytes, to_numpy, xp_of
 from .attention import CausalSelfAttention
 from .config import GPTConfig
-from .layers import MLP, Embedding, LayerNorm
+from .layers import MLP, MLP_ROWS, Embedding, LayerNorm
 from .moe import MoE, MoEBookkeeping
 from .parameter import Module, NoGather, compute_cast, matmul, resolve_precision, weight_grad
 
@@ -66,7 +66,10 @@ class Block(Module):
         x1 = a                                   # ctx) and ln_2 of it, in one pass
         if again and not hasattr(self, "moe") and not self.mlp.keep_hidden:
             return None, dict(ln1=c_ln1, attn=_without_input(c_attn), ln2=c_ln2, ffn=(h2, None), aux_loss=0.0)
-        f, c_ffn = self.ffn.forward(h2)
+        if hasattr(self, "moe"):
+            f, c_ffn = self.moe.forward(h2)
+        else:                                    # f written over h2, which backward computes again
+            f, c_ffn = self.mlp.forward(h2, consume=True)
         del h2
         f += x1                                  # y = x1 + f: f is fresh too
         y = f
@@ -93,7 +96,7 @@ class Block(Module):
         if hasattr(self, "moe"):
             dh2 = self.moe.backward(dy, _with_input(ctx.pop("ffn"), self.ln_2, ctx["ln2"]), daux)
         else:
-            dh2 = self.mlp.backward(dy, _with_input(ctx.pop("ffn"), self.ln_2, ctx["ln2"]))
+            dh2 = self.mlp.backward(dy, _with_input(ctx.pop("ffn"), self.ln_2, ctx["ln2"]), consume=True)
         dx1 = self.ln_2.backward(dh2, ctx.pop("ln2"), residual=dy)   # + the residual's dy, one pass
         del dh2                                  # (x1, in ln2's ctx, is let go here too)
         dh1 = self.attn.backward(dx1, _with_input(ctx.pop("attn"), self.ln_1, ctx["ln1"]))
@@ -222,11 +225,11 @@ class Head(Module):
             dl = kernels.cross_entropy_backward(lg, lc, tc, scale, out=lg)         # over the logits
             self._chunk_weight_grad(dl, hc)
             dc = matmul(dl, w)                                                        # (r, C)
-            if dh is None:
-                dh = xpm.empty((N, dc.shape[1]), dtype=dc.dtype)
-            dh[r0:r1] = dc
-        del h, h2, hc, lg, dl, dc                    # the last chunk's logits (up to CE_CHUNK) and, unless
-                                                     # kept holds it, ln_f's output: not beside ln_f's dx
+            if dh is None:                            # the chunk's rows of ln_f's output were read
+                same = h2.dtype == dc.dtype and h2.flags.c_contiguous and h2.shape == (N, dc.shape[1])
+                dh = h2 if same else xpm.empty((N, dc.shape[1]), dtype=dc.dtype)   # for the last time
+            dh[r0:r1] = dc                            # above: d(h) goes over them
+        del h, h2, hc, lg, dl, dc                    # the last chunk's logits (up to CE_CHUNK)
         return float(loss_rows.sum()) / max(n_valid, 1), self.ln_f.backward(dh.reshape(x.shape), c_ln)
 
     def _chunk_weight_grad(self, dl, hc):
@@ -243,8 +246,9 @@ class Head(Module):
 
     @staticmethod
     def chunk_rows(N: int, V: int) -> int:
-        """Rows per cross-entropy chunk: all N when N x V logits fit in CE_CHUNK elements."""
-        return N if N * V <= CE_CHUNK else max(1, CE_CHUNK // V)
+        """Rows per cross-entropy chunk: all N when N x V logits fit in CE_CHUNK elements and N is
+        at most CE_ROWS, else at most CE_ROWS rows of at most CE_CHUNK logits."""
+        return N if N * V <= CE_CHUNK and N <= CE_ROWS else max(1, min(CE_ROWS, CE_CHUNK // V))
 
     def backward(self, dloss, ctx):              # dloss: d(total)/d(mean CE) -> dx (B, T, C)
         c_ln, h2, logits, lse, t, n_valid, shape = ctx
@@ -276,6 +280,10 @@ class Head(Module):
 # logits elements per cross-entropy chunk (64 MiB in float32; their gradient is written over them):
 # a 50k vocabulary at 1024 tokens would be 200 MiB of logits and as much again of their gradient
 CE_CHUNK = 1 << 24
+# and rows per chunk (the MLP's block, layers.MLP_ROWS): a small vocabulary's logits are small, but
+# one chunk of a long sequence held them, their gradient's product and ln_f's dx for every token at
+# once (5C per token at a 256 vocabulary and C=128, the step's peak at T=4096)
+CE_ROWS = MLP_ROWS
 
 
 class GPT(Module, MoEBookkeeping):

@@ -128,14 +128,19 @@ class MLP(Module):
         h, _ = fc.forward(x) if out is None else fc.forward(x, out=out)
         return h, kernels.gelu_forward(h)
 
-    def forward(self, x):                        # x (..., C) -> y (..., C)
+    def forward(self, x, consume=False):         # x (..., C) -> y (..., C)
+        """consume=True: the caller owns x and will not read it again (a block's ln_2 output, which
+        backward computes again), so y is written over x block by block, each block's rows once
+        c_fc has read them; the ctx then has no input (None in its place)."""
         x2 = x.reshape(-1, x.shape[-1])
         N = x2.shape[0]
         rows = self.block_rows(N)
+        keep_x = None if consume else x
         if rows >= N:
             h, g = self._hidden(x)               # h, g (..., 4C); g is not kept
-            y, _ = self.c_proj.forward(g)
-            return y, (x, h if self.keep_hidden else None)
+            over = consume and self.rowwise and x2.flags.c_contiguous and g.dtype == x2.dtype
+            y, _ = self.c_proj.forward(g, out=x2 if over else None)
+            return y.reshape(*x.shape[:-1], y.shape[-1]), (keep_x, h if self.keep_hidden else None)
         xp = xp_of(x2)
         w = self.c_fc.weight.data
         h = xp.empty((N, w.shape[0]), dtype=x2.dtype) if self.keep_hidden else None
@@ -144,19 +149,24 @@ class MLP(Module):
             r1 = min(r0 + rows, N)
             hb, g = self._hidden(x2[r0:r1], out=None if h is None else h[r0:r1])
             if y is None:
-                y = xp.empty((N, self.c_proj.weight.data.shape[0]), dtype=g.dtype)
+                over = consume and x2.flags.c_contiguous and g.dtype == x2.dtype
+                y = x2 if over else xp.empty((N, self.c_proj.weight.data.shape[0]), dtype=g.dtype)
             self.c_proj.forward(g, out=y[r0:r1])
             del hb, g                            # before the next block's: one block's pair at a time
-        return y.reshape(*x.shape[:-1], y.shape[-1]), (x, h)
+        return y.reshape(*x.shape[:-1], y.shape[-1]), (keep_x, h)
 
-    def backward(self, dy, ctx):
+    def backward(self, dy, ctx, consume=False):
+        """consume=True: the caller owns ctx's input x and will not read it again (a block's ln_2
+        output, computed again for this backward), so each block's dx is written over its rows of
+        x once their weight gradients are taken -- unless those wait for a W pass, which reads x."""
         x, h = ctx
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         N = x2.shape[0]
         rows = self.block_rows(N)
+        over = consume and self.rowwise and not deferring() and x2.flags.c_contiguous
         if rows >= N:
-            return self._backward_rows(dy, x, h).reshape(x.shape)
-        dx = None
+            return self._backward_rows(dy, x, h, out=x2 if over else None).reshape(x.shape)
+        dx = x2 if over else None
         for r0 in range(0, N, rows):
             r1 = min(r0 + rows, N)
             dxc = self._backward_rows(dy2[r0:r1], x2[r0:r1], None if h is None else h[r0:r1],

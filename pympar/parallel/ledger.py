@@ -208,15 +208,18 @@ def mlp_keeps_hidden(tp: int, recompute: str) -> bool:
     return tp > 1 or recompute == "none"
 
 
-def mlp_backward_bytes(N: int, C: int, tp: int, recompute: str, deferred_w: bool, act_bytes: int) -> int:
+def mlp_backward_bytes(N: int, C: int, tp: int, recompute: str, deferred_w: bool, act_bytes: int,
+                       consume: bool = False) -> int:
     """The transient of a dense MLP's backward over N tokens (nn.layers.MLP): its dx (made while
-    the last block's hidden gradient is alive; in blocks, each block's written into it), a block's
-    GELU output (its gradient written over it; every block's, and their hidden gradients, when a
-    zero-bubble schedule defers the W passes), and the block's hidden layer computed again when
-    it was not kept."""
+    the last block's hidden gradient is alive; in blocks, each block's written into it -- or, with
+    ``consume`` (a Block's backward, whose ln_2 output is its own), written over the input, unless
+    tensor-parallel or W deferred), a block's GELU output (its gradient written over it; every
+    block's, and their hidden gradients, when a zero-bubble schedule defers the W passes), and the
+    block's hidden layer computed again when it was not kept."""
     r, H = _mlp_rows(N, tp), 4 * (C // tp)
     hid = (2 * N if deferred_w else r) * H + (0 if mlp_keeps_hidden(tp, recompute) else r * H)
-    return int((N * C + hid) * act_bytes)
+    dx = 0 if consume and tp == 1 and not deferred_w else N * C
+    return int((dx + hid) * act_bytes)
 
 
 def _mlp_rows(N: int, tp: int) -> int:
@@ -267,7 +270,7 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
     cands = [att if blocks else 0]
     mlp = 0
     if blocks:                     # an MLP's backward, beside ln_2's output computed again
-        mlp = N * C * act_bytes + mlp_backward_bytes(N, C, tp, recompute, deferred_w, act_bytes)
+        mlp = N * C * act_bytes + mlp_backward_bytes(N, C, tp, recompute, deferred_w, act_bytes, consume=True)
         cands.append(mlp)
     if last:
         vloc = -(-cfg.vocab_size // tp)

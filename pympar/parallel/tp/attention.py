@@ -57,6 +57,6 @@ class TPCausalSelfAttention(Module):
         B, T, width = ya.shape
         dya = self.c_proj.backward(dy, ya)       # (B, T, nhl * hs)
         del ya
-        dqkv = self.core.backward(dya, core)     # (B, T, 3, nhl, hs)
+        dqkv = self.core.backward(dya, core, consume=True)     # (B, T, 3, nhl, hs)
         del dya, core
         return self.c_attn.backward(dqkv.reshape(B, T, 3 * width), c_in)
