@@ -139,7 +139,7 @@ class MLP(Module):
         if rows >= N:
             h, g = self._hidden(x)               # h, g (..., 4C); g is not kept
             over = consume and self.rowwise and x2.flags.c_contiguous and g.dtype == x2.dtype
-            y, _ = self.c_proj.forward(g, out=x2 if over else None)
+            y, _ = self.c_proj.forward(g, out=x2) if over else self.c_proj.forward(g)   # (a TP layer takes no out)
             return y.reshape(*x.shape[:-1], y.shape[-1]), (keep_x, h if self.keep_hidden else None)
         xp = xp_of(x2)
         w = self.c_fc.weight.data
