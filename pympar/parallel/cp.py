@@ -163,7 +163,8 @@ class RingAttentionCore(CausalAttentionCore):
                 kv = nxt
         return o, ("ring", qkv, o, lse)
 
-    def backward(self, dya, ctx):                # dya (B, 2c, nh*hs) -> dqkv (B, 2c, 3, nh, hs)
+    def backward(self, dya, ctx, consume=False):  # dya (B, 2c, nh*hs) -> dqkv (B, 2c, 3, nh, hs)
+        """(consume: accepted as the core's; the ring accumulates dqkv in an array of its own)"""
         _, qkv, o, lse = ctx
         B, T, _, nh, hs = qkv.shape
         xp = xp_of(qkv)
