@@ -8,8 +8,10 @@ group get the same whole sequences and keep their positions of them) and compare
 with the single-process reference that every rank computes locally (nn.GPT accumulating the G
 micro-batches, global-norm clipping, AdamW): the loss and the grad norm at every step, every
 parameter this rank holds (its shard of the full tensor) after the last step, the evaluation
-loss, and a sampled continuation. Relative tolerance 1e-6 in float64, 3e-4 in float32 (the
-worst float32 layouts, tensor-parallel MoE, differ by up to 2.1e-4 from rounding order alone;
+loss, and a sampled continuation. Relative tolerance 1e-6 in float64, 1e-3 in float32 (the
+worst float32 layouts, MoE under ZeRO-3 with tensor or context parallelism, differ by up to
+2.1e-4 from rounding order alone on an AVX-512 CPU and by 4.1e-4 on an AVX2 Zen one, where
+OpenBLAS's sgemm kernels round differently -- the previous 3e-4 failed there on unchanged code;
 float64 runs agree to ~1e-13, and a wrong gradient moves parameters by O(1) on this scale).
 PYMPAR_LAYOUTS_DEVICE=cuda runs the layouts on GPUs (one per rank, or shared: see
 pympar.gpu.nccl_choice) against the same host reference.
@@ -33,7 +35,7 @@ from pympar.parallel.runner import ParallelRunner
 from pympar.parallel.shard import shard_of
 
 B, T, STEPS, WD, CLIP, SEED = 2, 8, 3, 0.1, 0.5, 5
-TOL = {"float64": 1e-6, "float32": 3e-4}
+TOL = {"float64": 1e-6, "float32": 1e-3}
 # AdamW's first steps move each element by about lr * sign(grad): an element whose gradient is
 # rounding noise in float32 moves by lr either way, so float32 runs take a smaller lr (a wrong
 # gradient still moves parameters by ~lr = 5% of their scale per step)
