@@ -170,6 +170,10 @@ def test_backward_over_qkv_is_bitwise_the_fresh_one(threads, shape, dt):
     assert over is mine
     np.testing.assert_array_equal(over, fresh)
     np.testing.assert_array_equal(N.attention_backward(qkv, o, lse, dout, 0.3), fresh)   # qkv untouched
+    qkv.flags.writeable = False                  # a read-only qkv is not written over: a fresh dqkv
+    ro = N.attention_backward(qkv, o, lse, dout, 0.3, overwrite=True)
+    assert ro is not qkv
+    np.testing.assert_array_equal(ro, fresh)
 
 
 def test_self_attention_backward_makes_no_second_qkv():

@@ -90,7 +90,7 @@ def attention_backward(qkv, o, lse, dout, scale, overwrite=False):
     qkv, o, lse, dout = _c(qkv), _c(o), _c(lse), _c(dout)
     # overwrite: the kernel reads each head's q, k, v into its own copies before it writes that
     # head's gradients (csrc/attention.cpp), and no head reads another's columns, so dqkv may be qkv
-    dqkv = qkv if overwrite else np.empty_like(qkv)
+    dqkv = qkv if overwrite and qkv.flags.writeable else np.empty_like(qkv)
     _C.attention_backward(qkv, o, lse, dout, dqkv, float(scale))
     return dqkv
 

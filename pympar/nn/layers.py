@@ -163,7 +163,7 @@ class MLP(Module):
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         N = x2.shape[0]
         rows = self.block_rows(N)
-        over = consume and self.rowwise and not deferring() and x2.flags.c_contiguous
+        over = consume and self.rowwise and not deferring() and x2.flags.c_contiguous and x2.dtype == dy2.dtype
         if rows >= N:
             return self._backward_rows(dy, x, h, out=x2 if over else None).reshape(x.shape)
         dx = x2 if over else None

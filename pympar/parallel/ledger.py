@@ -270,7 +270,8 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
     cands = [att if blocks else 0]
     mlp = 0
     if blocks:                     # an MLP's backward, beside ln_2's output computed again
-        mlp = N * C * act_bytes + mlp_backward_bytes(N, C, tp, recompute, deferred_w, act_bytes, consume=True)
+        dense = not all(is_moe_layer(cfg, j) for j in blocks)   # (a MoE layer's experts do not overwrite)
+        mlp = N * C * act_bytes + mlp_backward_bytes(N, C, tp, recompute, deferred_w, act_bytes, consume=dense)
         cands.append(mlp)
     if last:
         vloc = -(-cfg.vocab_size // tp)
