@@ -138,7 +138,7 @@ class MLP(Module):
         keep_x = None if consume else x
         if rows >= N:
             h, g = self._hidden(x)               # h, g (..., 4C); g is not kept
-            over = consume and self.rowwise and x2.flags.c_contiguous and g.dtype == x2.dtype
+            over = self._over(consume, x2, g.dtype)
             y, _ = self.c_proj.forward(g, out=x2) if over else self.c_proj.forward(g)   # (a TP layer takes no out)
             return y.reshape(*x.shape[:-1], y.shape[-1]), (keep_x, h if self.keep_hidden else None)
         xp = xp_of(x2)
@@ -149,7 +149,7 @@ class MLP(Module):
             r1 = min(r0 + rows, N)
             hb, g = self._hidden(x2[r0:r1], out=None if h is None else h[r0:r1])
             if y is None:
-                over = consume and x2.flags.c_contiguous and g.dtype == x2.dtype
+                over = self._over(consume, x2, g.dtype)
                 y = x2 if over else xp.empty((N, self.c_proj.weight.data.shape[0]), dtype=g.dtype)
             self.c_proj.forward(g, out=y[r0:r1])
             del hb, g                            # before the next block's: one block's pair at a time
@@ -163,7 +163,7 @@ class MLP(Module):
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
         N = x2.shape[0]
         rows = self.block_rows(N)
-        over = consume and self.rowwise and not deferring() and x2.flags.c_contiguous and x2.dtype == dy2.dtype
+        over = self._over(consume and not deferring(), x2, dy2.dtype)
         if rows >= N:
             return self._backward_rows(dy, x, h, out=x2 if over else None).reshape(x.shape)
         dx = x2 if over else None
@@ -175,6 +175,11 @@ class MLP(Module):
                 dx = xp_of(dxc).empty((N, dxc.shape[-1]), dtype=dxc.dtype)
                 dx[r0:r1] = dxc
         return dx.reshape(x.shape)
+
+    def _over(self, consume, x2, dtype) -> bool:
+        """Whether a result of ``dtype`` may be written over the input rows x2 (consume: the caller
+        lets them go): a local (row-wise) MLP, a C-contiguous x2 of that dtype."""
+        return consume and self.rowwise and x2.flags.c_contiguous and x2.dtype == dtype
 
     def _backward_rows(self, dy, x, h, out=None):
         """One block's backward (h None: computed again from x, as forward computed it)."""
