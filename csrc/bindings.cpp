@@ -338,6 +338,23 @@ PYBIND11_MODULE(_C, m) {
     else K->bias_gelu_fwd_f64(mt<double>(h), ct<double>(b), mt<double>(y), N, F);
   });
 
+  m.def("bias_add", [](py::array& y, const py::array& b) {
+    int64_t F = last_dim(y), N = F ? y.size() / F : 0;
+    int dt = check(y, "y", FLOATS);
+    check(b, "b", 1u << dt, F);
+    py::gil_scoped_release g;
+    if (dt == F32) K->bias_add_f32(mt<float>(y), ct<float>(b), N, F);
+    else K->bias_add_f64(mt<double>(y), ct<double>(b), N, F);
+  });
+  m.def("column_sum", [](const py::array& x, py::array& out) {
+    int64_t F = last_dim(x), N = F ? x.size() / F : 0;
+    int dt = check(x, "x", FLOATS);
+    check(out, "out", 1u << dt, F);
+    py::gil_scoped_release g;
+    if (dt == F32) K->column_sum_f32(ct<float>(x), mt<float>(out), N, F);
+    else K->column_sum_f64(ct<double>(x), mt<double>(out), N, F);
+  });
+
   m.def("gelu_forward", [](const py::array& x, py::array& y) {
     int dt = check(x, "x", FLOATS);
     check(y, "y", 1u << dt, x.size());

@@ -82,6 +82,12 @@ struct KernelTable {
   // h (N, F) += b (F,), y (N, F) = GELU(h)
   void (*bias_gelu_fwd_f32)(float* h, const float* b, float* y, int64_t N, int64_t F);
   void (*bias_gelu_fwd_f64)(double* h, const double* b, double* y, int64_t N, int64_t F);
+  // y (N, F) += b (F,)
+  void (*bias_add_f32)(float* y, const float* b, int64_t N, int64_t F);
+  void (*bias_add_f64)(double* y, const double* b, int64_t N, int64_t F);
+  // out (F,) = sum over the N rows of x (N, F), in row order
+  void (*column_sum_f32)(const float* x, float* out, int64_t N, int64_t F);
+  void (*column_sum_f64)(const double* x, double* out, int64_t N, int64_t F);
 };
 
 const KernelTable* table_generic();

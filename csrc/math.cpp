@@ -180,6 +180,38 @@ void gelu_fwd(const T* x, T* y, int64_t n) {
   });
 }
 
+// y (N, F) += b (F,): a GEMM's bias, in place, the rows split over the threads (one add per
+// element, the same numbers as NumPy's y += b)
+template <typename T>
+void bias_add(T* y, const T* b, int64_t N, int64_t F) {
+  parallel_for(N, row_grain(F), 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* yr = y + r * F;
+#pragma omp simd
+      for (int64_t j = 0; j < F; ++j) yr[j] += b[j];
+    }
+  });
+}
+
+// out (F,) = the sum of x's N rows (x (N, F)), added row after row in order: what NumPy's
+// x.sum(axis=0) does, so the same numbers bit for bit at any thread count (the threads split the
+// columns; each column's sum is one thread's, in row order)
+template <typename T>
+void column_sum(const T* x, T* out, int64_t N, int64_t F) {
+  parallel_for(F, row_grain(N), kAlign, [&](int64_t j0, int64_t j1) {
+    if (N == 0) {
+      for (int64_t j = j0; j < j1; ++j) out[j] = 0;
+      return;
+    }
+    for (int64_t j = j0; j < j1; ++j) out[j] = x[j];
+    for (int64_t i = 1; i < N; ++i) {
+      const T* xr = x + i * F;
+#pragma omp simd
+      for (int64_t j = j0; j < j1; ++j) out[j] += xr[j];
+    }
+  });
+}
+
 // h (N, F) += b (F,) (the bias of the GEMM that made h, in place), y = GELU(h): one pass where the
 // bias add and gelu_fwd make two, the same numbers bit for bit
 template <typename T>
@@ -319,6 +351,8 @@ namespace PYMPAR_ISA {
                                  int64_t, int64_t);                                                   \
   template void add_layernorm_fwd<T>(T*, const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double); \
   template void bias_gelu_fwd<T>(T*, const T*, T*, int64_t, int64_t);                                 \
+  template void bias_add<T>(T*, const T*, int64_t, int64_t);                                         \
+  template void column_sum<T>(const T*, T*, int64_t, int64_t);                                       \
   template void gelu_fwd<T>(const T*, T*, int64_t);                                                   \
   template void gelu_bwd<T>(const T*, const T*, T*, int64_t);                                         \
   template void ce_fwd<T>(const T*, const int64_t*, T*, T*, int64_t, int64_t);                        \

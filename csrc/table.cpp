@@ -12,6 +12,8 @@ void layernorm_bwd(const T*, const T*, const T*, const T*, const T*, const T*, T
 template <typename T>
 void add_layernorm_fwd(T*, const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t, double);
 template <typename T> void bias_gelu_fwd(T*, const T*, T*, int64_t, int64_t);
+template <typename T> void bias_add(T*, const T*, int64_t, int64_t);
+template <typename T> void column_sum(const T*, T*, int64_t, int64_t);
 template <typename T> void gelu_fwd(const T*, T*, int64_t);
 template <typename T> void gelu_bwd(const T*, const T*, T*, int64_t);
 template <typename T> void ce_fwd(const T*, const int64_t*, T*, T*, int64_t, int64_t);
@@ -52,6 +54,8 @@ const KernelTable* PYMPAR_CAT(table_, PYMPAR_ISA)() {
       K::adamw, K::reduce, K::scale, K::cast,
       K::add_layernorm_fwd<float>, K::add_layernorm_fwd<double>,
       K::bias_gelu_fwd<float>, K::bias_gelu_fwd<double>,
+      K::bias_add<float>, K::bias_add<double>,
+      K::column_sum<float>, K::column_sum<double>,
   };
   return &t;
 }

@@ -171,6 +171,98 @@ def test_fused_kernels_hand_what_they_cannot_take_to_the_unfused_kernels():
         assert np.array_equal(g_, r_)
 
 
+# --- a GEMM's bias: the add in forward, the column sums in backward; the embedding's scatter-add
+@needs_native
+@pytest.mark.parametrize("dt", FLOATS)
+@pytest.mark.parametrize("shape", [(0, 5), (1, 7), (7, 13), (3, 5, 64), (129, 1031), (1031, 257)])
+def test_bias_add_and_column_sum_are_numpys_bit_for_bit(dt, shape, threads):
+    """y += b and x.sum(axis=0) (NumPy adds the rows one after another, in order): the kernels
+    give the same numbers bit for bit at 1, 2 and 3 threads (the threads split rows for the add,
+    columns for the sums, so each column is still summed in row order), into out= too."""
+    rng = np.random.default_rng(21)
+    y, b = rand(rng, shape, dt, 3.0), rand(rng, shape[-1:], dt)
+    x = rand(rng, (int(np.prod(shape[:-1])), shape[-1]), dt, 3.0)
+    want_y, want_s = y + b, x.sum(axis=0)
+    for th in (1, 2, 3):
+        K.set_num_threads(th)
+        got = y.copy()
+        assert N.bias_add(got, b) is got and np.array_equal(got, want_y)
+        s = N.column_sum(x)
+        assert s.dtype == x.dtype and np.array_equal(s, want_s)
+        o = np.full(shape[-1], np.nan, dtype=dt)
+        assert N.column_sum(x, dt, out=o) is o and np.array_equal(o, want_s)
+    assert np.array_equal(R.column_sum(x), want_s)
+
+
+@needs_native
+def test_column_sum_bits_differ_from_another_order():
+    """The bit-for-bit check above can fail: summing the same rows pairwise (another order)
+    gives other float32 numbers for this x, so equality says the kernel keeps NumPy's order."""
+    rng = np.random.default_rng(22)
+    x = rand(rng, (1024, 64), np.float32, 3.0)
+    pairwise = x.reshape(2, 512, 64).sum(axis=1).sum(axis=0)
+    assert not np.array_equal(pairwise, x.sum(axis=0))
+    assert np.array_equal(N.column_sum(x), x.sum(axis=0))
+
+
+@needs_native
+@pytest.mark.parametrize("dt", FLOATS)
+def test_scatter_add_is_add_at_bit_for_bit(dt, threads):
+    """dst[idx] += src with repeated indices: the same numbers as np.add.at (each row's additions
+    in the order of the tokens) at 1, 2 and 3 threads, in place on dst; negative indices count from
+    the end as in NumPy, an index out of range is an IndexError, as np.add.at says, and no rows
+    at all leave dst as it was."""
+    rng = np.random.default_rng(23)
+    V, C, M = 300, 37, 2000
+    dst = rand(rng, (V, C), dt)
+    idx = rng.integers(0, 20, size=M)                         # many repeats of few rows
+    idx[::7] = rng.integers(0, V, size=idx[::7].shape)
+    idx[3] = -1
+    src = rand(rng, (M, C), dt, 2.0)
+    want = dst.copy()
+    np.add.at(want, idx, src)
+    for th in (1, 2, 3):
+        K.set_num_threads(th)
+        got = dst.copy()
+        assert N.scatter_add(got, idx, src) is got and np.array_equal(got, want)
+    got = dst.copy()
+    assert np.array_equal(R.scatter_add(got, idx, src), want)
+    with pytest.raises(IndexError):
+        N.scatter_add(dst.copy(), np.array([0, V]), src[:2])
+    # no rows at all (a vocabulary shard that owns none of the batch's tokens): dst unchanged
+    got = dst.copy()
+    assert N.scatter_add(got, np.array([], dtype=np.int64), src[:0]) is got and np.array_equal(got, dst)
+
+
+@needs_native
+def test_bias_kernels_hand_what_they_cannot_take_to_numpy():
+    """A non-contiguous target or input, another dtype (float16 rows summed in float32), a bias of
+    another dtype: answered by NumPy itself, with its numbers."""
+    rng = np.random.default_rng(24)
+    y = rand(rng, (6, 16), np.float32)[:, ::2]
+    b = rand(rng, (8,), np.float64)
+    want = y.copy()
+    want += b                                                 # NumPy's own in-place add
+    got = y.copy()
+    assert np.array_equal(K.bias_add(got, b), want)
+    yv = rand(rng, (6, 16), np.float32)
+    view = yv[:, ::2]
+    wantv = view + b.astype(np.float32)
+    K.bias_add(view, b.astype(np.float32))
+    assert np.array_equal(yv[:, ::2], wantv)
+    x16 = rand(rng, (33, 8), np.float16)
+    s = K.column_sum(x16, np.float32)
+    assert s.dtype == np.float32 and np.array_equal(s, x16.sum(axis=0, dtype=np.float32))
+    xt = rand(rng, (8, 33), np.float32).T                     # F-ordered
+    assert np.array_equal(K.column_sum(xt), xt.sum(axis=0))
+    dst = np.zeros((4, 8), np.float32)
+    idx = np.array([1, 1, 3])
+    src = rand(rng, (3, 8), np.float64)
+    want = dst.copy()
+    np.add.at(want, idx, src)
+    assert np.array_equal(K.scatter_add(dst, idx, src), want)
+
+
 # --- GELU -------------------------------------------------------------------------------
 @needs_native
 @pytest.mark.parametrize("dt", FLOATS)

@@ -39,7 +39,7 @@ _threads = 1
 __all__ = [
     "softmax_causal_forward", "softmax_causal_backward", "attention_forward", "attention_backward",
     "attention_block_forward", "attention_block_backward",
-    "layernorm_forward", "layernorm_backward",
+    "layernorm_forward", "layernorm_backward", "bias_add", "column_sum", "scatter_add",
     "gelu_forward", "gelu_backward", "cross_entropy_forward", "cross_entropy_backward", "adamw_step",
     "topk", "capacity_positions", "permute", "unpermute_add", "cast", "reduce_inplace", "scale_inplace",
     "set_num_threads", "set_process_threads", "get_num_threads", "max_threads", "use_isa", "native_available", "cuda_available", "backend", "use_reference",
@@ -166,6 +166,9 @@ layernorm_forward = _dispatch("layernorm_forward")
 layernorm_backward = _dispatch("layernorm_backward")
 add_layernorm_forward = _dispatch("add_layernorm_forward")
 bias_gelu_forward = _dispatch("bias_gelu_forward")
+bias_add = _dispatch("bias_add")
+column_sum = _dispatch("column_sum")
+scatter_add = _dispatch("scatter_add")
 gelu_forward = _dispatch("gelu_forward")
 gelu_backward = _dispatch("gelu_backward")
 cross_entropy_forward = _dispatch("cross_entropy_forward")

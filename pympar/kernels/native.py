@@ -200,6 +200,35 @@ def bias_gelu_forward(h, b):
     return y
 
 
+def bias_add(y, b):
+    if not (_inplace_ok(y, _FLOATS) and y.ndim >= 1 and isinstance(b, np.ndarray) and b.dtype == y.dtype
+            and b.shape == y.shape[-1:]):
+        return reference.bias_add(y, b)
+    _C.bias_add(y, _c(b))
+    return y
+
+
+def column_sum(x, dtype=None, out=None):
+    dt = np.dtype(dtype) if dtype is not None else x.dtype
+    if not (isinstance(x, np.ndarray) and x.ndim == 2 and x.dtype in _FLOATS and dt == x.dtype
+            and x.flags.c_contiguous and (out is None or (_inplace_ok(out, (dt,)) and out.shape == x.shape[1:]))):
+        return reference.column_sum(x, dtype, out)
+    o = np.empty(x.shape[1], dtype=dt) if out is None else out
+    _C.column_sum(x, o)
+    return o
+
+
+def scatter_add(dst, idx, src):
+    r = _rows(idx, dst.shape[0]) if isinstance(src, np.ndarray) and src.ndim == 2 else None
+    if (r is None or r.shape[0] != src.shape[0] or not _inplace_ok(dst, _FLOATS) or dst.ndim != 2
+            or src.dtype != dst.dtype or src.shape[1] != dst.shape[1]):
+        return reference.scatter_add(dst, idx, src)
+    if r.shape[0] == 0:   # a rank that owns none of the rows (a vocabulary shard): nothing to add
+        return dst
+    _C.unpermute_add(_c(src), r, None, dst)   # each dst row's additions in the order of i, as np.add.at
+    return dst
+
+
 def gelu_backward(x, dy, out=None):
     if (x.dtype not in _FLOATS or dy.dtype != x.dtype or dy.shape != x.shape
             or (out is not None and not (_inplace_ok(out, (x.dtype,)) and out.shape == x.shape))):

@@ -183,6 +183,26 @@ def bias_gelu_forward(h, b):
     return gelu_forward(h)
 
 
+def bias_add(y, b):
+    """y += b in place (y (..., F), b (F,): a GEMM's bias); returns y."""
+    y += b
+    return y
+
+
+def column_sum(x, dtype=None, out=None):
+    """The sum of x's rows (x (N, F) -> (F,)), in ``dtype`` (default x's), written into ``out``
+    when given: x.sum(axis=0), which NumPy adds row after row in order."""
+    return x.sum(axis=0, dtype=dtype or x.dtype, out=out)
+
+
+def scatter_add(dst, idx, src):
+    """dst[idx[i]] += src[i] for i in order, repeated indices accumulated (dst (V, C), idx (M,),
+    src (M, C)), in place; returns dst."""
+    from ..backend import scatter_add as _scatter
+
+    return _scatter(dst, idx, src)
+
+
 def gelu_backward(x, dy, out=None):
     """dx = GELU'(x) * dy; out (optional; may be dy or x itself): where dx is written."""
     xp = xp_of(x)

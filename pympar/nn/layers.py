@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
-from ..backend import scatter_add, xp_of
+from ..backend import xp_of
 from .parameter import Module, accumulate, compute_cast, deferrable, deferring, make_param, matmul, weight_grad
 
 _param = make_param
@@ -28,7 +28,7 @@ class Linear(Module):
         w = compute_cast(self.weight.data, self._cdt)
         y = matmul(x.reshape(-1, x.shape[-1]), w.T, out=out)   # one GEMM over all tokens: (N, out)
         if self.bias is not None and add_bias:
-            y += self.bias_value()
+            kernels.bias_add(y, self.bias_value())
         return y.reshape(*x.shape[:-1], y.shape[-1]), x
 
     def bias_value(self):
@@ -44,7 +44,8 @@ class Linear(Module):
         weight_grad(w, lambda: matmul(dy2.T, x2, w.dtype),                 # (out, in)
                     into=lambda o: matmul(dy2.T, x2, o.dtype, out=o))
         if b is not None:
-            weight_grad(b, lambda: dy2.sum(axis=0, dtype=b.dtype), into=lambda o: dy2.sum(axis=0, dtype=o.dtype, out=o))
+            weight_grad(b, lambda: kernels.column_sum(dy2, b.dtype),
+                        into=lambda o: kernels.column_sum(dy2, o.dtype, out=o))
         o = None if out is None else out.reshape(dy2.shape[0], -1)
         dx = matmul(dy2, compute_cast(w.data, self._cdt), out=o)   # (N, in): the B pass
         return dx.reshape(*dy.shape[:-1], dx.shape[-1])
@@ -230,8 +231,8 @@ class Embedding(Module):
         wte, wpe, rows = self.wte, self.wpe, position_rows(self, T)
 
         def grads():                             # weight gradients only: deferrable as a whole
-            scatter_add(wte.grad, idx.reshape(-1), dxf.reshape(-1, C))
-            wpe.grad[rows] += dxf.sum(axis=0)    # distinct rows: += is a scatter-add
+            kernels.scatter_add(wte.grad, idx.reshape(-1), dxf.reshape(-1, C))
+            wpe.grad[rows] += kernels.column_sum(dxf.reshape(B, -1)).reshape(T, C)   # distinct rows
 
         deferrable(grads)
         return None

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...backend import scatter_add, xp_of
+from ... import kernels
+from ...backend import xp_of
 from ...nn.layers import position_rows
 from ...nn.parameter import Module, compute_cast
 from ..shard import make_replicated, make_sharded, padded_partition, padded_slice
@@ -68,5 +69,5 @@ class VocabParallelEmbedding(Module):
         self.wpe.grad[self._positions(T)] += dx.sum(axis=0, dtype=self.wpe.grad.dtype)
         dfull = (self._tp.allgather_seq(dx) if self._sp else dx).astype(self.wte.grad.dtype, copy=False)  # (B, T, C)
         loc, own = self._local(idx)
-        scatter_add(self.wte.grad, loc[own], dfull[own].reshape(-1, C))
+        kernels.scatter_add(self.wte.grad, loc[own], dfull[own].reshape(-1, C))
         return None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ... import kernels
 from ...nn.parameter import Module, compute_cast, matmul, weight_grad
 from ..shard import even_slice, make_replicated, make_sharded
 from .collectives import as_collectives
@@ -82,7 +83,8 @@ class ColumnParallelLinear(Module):
         x2 = xf.reshape(-1, xf.shape[-1])
         weight_grad(w, lambda: matmul(dy2.T, x2, w.dtype), into=lambda o: matmul(dy2.T, x2, o.dtype, out=o))
         if b is not None:
-            weight_grad(b, lambda: dy2.sum(axis=0, dtype=b.dtype), into=lambda o: dy2.sum(axis=0, dtype=o.dtype, out=o))
+            weight_grad(b, lambda: kernels.column_sum(dy2, b.dtype),
+                        into=lambda o: kernels.column_sum(dy2, o.dtype, out=o))
         if pending is not None:
             dx = pending.wait()
         elif self._mode == "gather_seq":
