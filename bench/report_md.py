@@ -209,7 +209,7 @@ def sec_kernels(res, status) -> str:
     out = ["## Kernels: C++ against the NumPy reference" + _when("kernels", status), ""]
     if not d:
         return "\n".join(out) + _missing("kernels", status)
-    out += ["`python bench/kernels.py` (details and the per-call overhead in docs/kernels.md).", "",
+    out += ["`python bench/cpu_kernels.py` (details and the per-call overhead in docs/kernels.md).", "",
             _img("kernels", "kernels"), "", "| kernel | elements | " + " | ".join(f"{t} thread(s) speed-up" for t in d["threads"]) + " |",
             "| --- | ---: |" + " ---: |" * len(d["threads"])]
     for r in d["results"]:

@@ -40,7 +40,7 @@ def steps(quick: bool) -> list:
     """(name, argv, figure argv or None) in run order."""
     q = quick
     return [
-        ("kernels", [PY, B / "kernels.py", "--sizes", *(["65536"] if q else ["1048576", "16384"]),
+        ("kernels", [PY, B / "cpu_kernels.py", "--sizes", *(["65536"] if q else ["1048576", "16384"]),
                      "--threads", "1", "2", "--min-time", "0.05" if q else "0.2", "--json", R / "kernels.json"],
          ["kernels", R / "kernels.json", IMG / "kernels.png"]),
         # one command per (shape, threads) row; each merges its row into train_step.json. The

@@ -76,6 +76,16 @@ void* mp(py::array& a) { return a.mutable_data(); }
 template <typename T> const T* ct(const py::array& a) { return static_cast<const T*>(a.data()); }
 template <typename T> T* mt(py::array& a) { return static_cast<T*>(a.mutable_data()); }
 
+// rows (int64, M of them) as a pointer, each checked to lie in [0, n): an IndexError naming the kernel
+const int64_t* rows_in_bounds(const py::array& rows, int64_t M, int64_t n, const char* kernel) {
+  const int64_t* r = ct<int64_t>(rows);
+  for (int64_t i = 0; i < M; ++i)
+    if (r[i] < 0 || r[i] >= n)
+      throw py::index_error(std::string(kernel) + ": row index " + std::to_string(r[i]) + " is out of bounds for " +
+                            std::to_string(n) + " rows");
+  return r;
+}
+
 int64_t last_dim(const py::array& a) { return a.ndim() ? a.shape(a.ndim() - 1) : 1; }
 
 void check_targets(const int64_t* t, int64_t N, int64_t V) {
@@ -437,11 +447,7 @@ PYBIND11_MODULE(_C, m) {
     int64_t row_bytes = N ? x.nbytes() / N : 0;
     if (!x.dtype().is(out.dtype()) || out.nbytes() != M * row_bytes)
       throw py::value_error("permute: out must have x's dtype and shape (len(rows),) + x.shape[1:]");
-    const int64_t* r = ct<int64_t>(rows);
-    for (int64_t i = 0; i < M; ++i)
-      if (r[i] < 0 || r[i] >= N)
-        throw py::index_error("permute: row index " + std::to_string(r[i]) + " is out of bounds for " +
-                              std::to_string(N) + " rows");
+    const int64_t* r = rows_in_bounds(rows, M, N, "permute");
     py::gil_scoped_release g;
     pympar::permute_rows(static_cast<const char*>(x.data()), r, static_cast<char*>(out.mutable_data()), M, row_bytes);
   });
@@ -458,13 +464,21 @@ PYBIND11_MODULE(_C, m) {
       check(wa, "weights", 1u << dt, M);
       w = wa.data();
     }
-    const int64_t* r = ct<int64_t>(rows);
-    for (int64_t i = 0; i < M; ++i)
-      if (r[i] < 0 || r[i] >= n_rows)
-        throw py::index_error("unpermute_add: row index " + std::to_string(r[i]) + " is out of bounds for n_rows=" +
-                              std::to_string(n_rows));
+    const int64_t* r = rows_in_bounds(rows, M, n_rows, "unpermute_add");
     py::gil_scoped_release g;
     pympar::unpermute_add(y.data(), r, w, out.mutable_data(), dt, M, C, n_rows);
+  });
+  // dst[rows[i]] += src[i] in the order of i (np.add.at's); the row width comes from dst, so no rows
+  // (a vocabulary shard that owns none of the tokens) is a valid call that leaves dst as it was
+  m.def("scatter_add", [](py::array& dst, const py::array& rows, const py::array& src) {
+    int dt = check(dst, "dst", FLOATS);
+    if (dst.ndim() != 2) throw py::value_error("scatter_add: dst must be 2-D (rows, width)");
+    int64_t V = dst.shape(0), C = dst.shape(1), M = rows.size();
+    check(rows, "rows", I64ONLY);
+    check(src, "src", 1u << dt, M * C);
+    const int64_t* r = rows_in_bounds(rows, M, V, "scatter_add");
+    py::gil_scoped_release g;
+    if (M) pympar::unpermute_add(src.data(), r, nullptr, dst.mutable_data(), dt, M, C, V);
   });
 
   m.def("cast", [](const py::array& src, py::array& dst) {

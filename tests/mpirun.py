@@ -44,12 +44,13 @@ def mpi_env(extra=None):
 
 
 def _source_tree_mode() -> bool:
-    # tests run from an installed pympar; only fall back to the tree when it is not installed
+    # tests run from an installed pympar; the tree when none is installed or when the tree's is the
+    # one imported (`python -m pytest` from the repository root): the ranks must import the same one
     try:
-        import pympar  # noqa: F401
-        return False
+        import pympar
     except ImportError:
         return True
+    return ROOT in Path(pympar.__file__).resolve().parents
 
 
 def _abs(a) -> str:

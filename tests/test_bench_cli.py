@@ -7,6 +7,23 @@ import pytest
 
 from mpirun import ROOT, mpi_env, run_mpi
 
+
+@pytest.fixture
+def bench_module(monkeypatch):
+    """Import a module of bench/ (which imports its siblings) with bench/ on sys.path for this test
+    only: sys.path and sys.modules are left as they were. bench/ on the path for the rest of the
+    session puts its scripts where other packages' probes look (transformers imported
+    bench/kernels.py as the `kernels` package, before that script was renamed)."""
+    import importlib
+
+    bench = ROOT / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    before = set(sys.modules)
+    yield importlib.import_module
+    for name in set(sys.modules) - before:
+        if str(getattr(sys.modules[name], "__file__", "") or "").startswith(str(bench)):
+            del sys.modules[name]
+
 pytestmark = pytest.mark.mpi
 
 
@@ -76,7 +93,7 @@ def test_osu_columns_for_a_collective(tmp_path):
         assert 0 < r["min_us"] <= r["avg_us"] <= r["time_us"]
 
 
-def test_ddp_step_compares_the_same_work(tmp_path):
+def test_ddp_step_compares_the_same_work(tmp_path, bench_module):
     """bench/ddp_step.py: both sides run, agree on the loss at steps 0 and 1, and the doc renders the row."""
     pytest.importorskip("torch")
     res = tmp_path / "results"
@@ -94,13 +111,12 @@ def test_ddp_step_compares_the_same_work(tmp_path):
     assert r["loss1_pympar"] == pytest.approx(r["loss1_torch"], rel=1e-4) and r["loss1_torch"] != r["loss0_torch"]
     assert r["pympar_tokens_per_s"] > 0 and r["torch_tokens_per_s"] > 0
     assert r["ratio"] == pytest.approx(r["torch_step_s"] / r["pympar_step_s"])
-    sys.path.insert(0, str(ROOT / "bench"))
-    import report_md
+    report_md = bench_module("report_md")
     doc = report_md.render(res, {})
     assert "pympar DP vs torch DDP" in doc and f"| tiny | 2 | 2 x 64 | {r['pympar_tokens_per_s']:.0f} |" in doc
 
 
-def test_memory_bench_measures_from_outside_and_renders(tmp_path):
+def test_memory_bench_measures_from_outside_and_renders(tmp_path, bench_module):
     """bench/memory.py --quick: every row's ranks measured by /usr/bin/time (one peak per rank),
     beside rank 0's ledger and the planner's prediction; the doc renders the table."""
     res = tmp_path / "results"
@@ -114,13 +130,12 @@ def test_memory_bench_measures_from_outside_and_renders(tmp_path):
         assert len(r["measured_per_rank"]) == r["world"] and r["measured_peak"] == max(r["measured_per_rank"])
         assert r["measured_peak"] > r["baseline"] and r["ledger_rank0"]["peak"] > 0
         assert 0.7 < r["ratio_predicted_to_measured"] < 1.3         # the tiny model: the baseline dominates
-    sys.path.insert(0, str(ROOT / "bench"))
-    import report_md
+    report_md = bench_module("report_md")
     doc = report_md.render(res, {})
     assert "## Memory per rank" in doc and "| quick | 2 | dp2 pp1 tp1 | 3 | full |" in doc
 
 
-def test_train_step_bench_runs_the_pytorch_peers(tmp_path):
+def test_train_step_bench_runs_the_pytorch_peers(tmp_path, bench_module):
     """bench/train_step.py: pympar beside PyTorch eager + SDPA and the naive-attention peer (the
     torch.compile peer is the same code path and too slow to compile here), the MFU column and
     the table row; the doc renders it."""
@@ -138,13 +153,12 @@ def test_train_step_bench_runs_the_pytorch_peers(tmp_path):
         assert d[f"{peer}_speed_ratio"] == pytest.approx(d["repeats"][0][f"{peer}_step_s"] / d["repeats"][0]["pympar_step_s"])
         assert 0 < d[f"{peer}_mfu_vs_sgemm"] and d["pympar_mfu_vs_sgemm"] > 0 and d["sgemm_gflops"] > 0
     assert "compile_step_s" not in d and list(d["table"]) == ["L2 D64 H2 V256 T64 B2/1"]
-    sys.path.insert(0, str(ROOT / "bench"))
-    import report_md
+    report_md = bench_module("report_md")
     doc = report_md.render(res, {})
     assert "| L2 D64 H2 V256 T64 B2 | 1 |" in doc and "torch.compile" in doc
 
 
-def test_attention_bench_quick(tmp_path):
+def test_attention_bench_quick(tmp_path, bench_module):
     """bench/attention.py --quick: the three implementations timed, the two memory columns measured."""
     pytest.importorskip("torch")
     probe = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
@@ -161,8 +175,7 @@ def test_attention_bench_quick(tmp_path):
     assert [r["T"] for r in d["speed"]] == [256] and all(d["speed"][0][f"{k}_s"] > 0 for k in ("tiled", "materialized", "sdpa"))
     assert [r["T"] for r in d["memory"]] == [128, 256] and d["memory"][0]["tiled_peak_bytes"] > 10 * 2**20
     assert (tmp_path / "attention.png").stat().st_size > 1000
-    sys.path.insert(0, str(ROOT / "bench"))
-    import report_md
+    report_md = bench_module("report_md")
     assert "## Causal attention" in report_md.render(res, {})
 
 
@@ -180,3 +193,14 @@ def test_verb_descriptions_bus_factors_and_algorithms():
     assert {v for v, d in VERBS.items() if d.reducing} == {"allreduce", "reduce_scatter"}
     assert all(set(VERBS[v].nonblocking) <= set(VERBS[v].algorithms) for v in VERBS)
     assert set(ALGOS) == set(VERBS) - {"alltoallv"}
+
+
+def test_no_bench_script_is_named_like_a_package_transformers_probes():
+    """A script run as `python bench/x.py` has bench/ first on sys.path: a script named like an optional
+    package (transformers asks is_kernels_available() and then imports `kernels`) is imported in its
+    place. Each is_<name>_available of transformers names such a package."""
+    iu = pytest.importorskip("transformers.utils.import_utils")
+    probed = {n[3:-len("_available")] for n in dir(iu) if n.startswith("is_") and n.endswith("_available")}
+    assert "kernels" in probed and "torch" in probed      # the probe list is what this test reads
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    assert not scripts & probed, f"bench/ scripts named like packages transformers imports: {sorted(scripts & probed)}"

@@ -223,9 +223,7 @@ def scatter_add(dst, idx, src):
     if (r is None or r.shape[0] != src.shape[0] or not _inplace_ok(dst, _FLOATS) or dst.ndim != 2
             or src.dtype != dst.dtype or src.shape[1] != dst.shape[1]):
         return reference.scatter_add(dst, idx, src)
-    if r.shape[0] == 0:   # a rank that owns none of the rows (a vocabulary shard): nothing to add
-        return dst
-    _C.unpermute_add(_c(src), r, None, dst)   # each dst row's additions in the order of i, as np.add.at
+    _C.scatter_add(dst, r, _c(src))   # each dst row's additions in the order of i, as np.add.at; no rows: dst as it was
     return dst
 
 

@@ -2,8 +2,8 @@
 elements and at a small size, with 1 and 2 threads. Prints a table with the speedup ratio
 (reference time / native time) and writes JSON with --json.
 
-    PYTHONPATH=. python bench/kernels.py                 # float32, sizes 1M and 16K, threads 1,2
-    PYTHONPATH=. python bench/kernels.py --dtype float64 --threads 1 2 4 --json out.json
+    PYTHONPATH=. python bench/cpu_kernels.py                 # float32, sizes 1M and 16K, threads 1,2
+    PYTHONPATH=. python bench/cpu_kernels.py --dtype float64 --threads 1 2 4 --json out.json
 
 The reference runs single-threaded NumPy (its expressions do not use threads); OMP/BLAS
 threads are pinned to 1 so that the only parallelism measured is the kernels' own.
