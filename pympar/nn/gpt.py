@@ -244,6 +244,11 @@ class Head(Module):
             else:
                 g[v0:v0 + vrows] += matmul(dl[:, v0:v0 + vrows].T, hc, g.dtype)
 
+    def recomputes_logits(self, n_tokens: int) -> bool:
+        """Whether forward then backward computes the logits twice (chunked: they are never held
+        whole), so that ``forward_backward`` saves one (tokens, C) x (C, V) product."""
+        return self.chunk_rows(n_tokens, self._wte.data.shape[0]) < n_tokens
+
     @staticmethod
     def chunk_rows(N: int, V: int) -> int:
         """Rows per cross-entropy chunk: all N when N x V logits fit in CE_CHUNK elements and N is

@@ -165,6 +165,57 @@ def test_tables_for_the_measured_times(mpi_world, schedule, v):
             assert np.array_equal(mine[n].grad, q.grad), n
 
 
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("zb-v", 2)])
+def test_chunked_head_computes_its_logits_once(mpi_world, monkeypatch, schedule, v):
+    """A chunked head (logits never whole: here chunks of 5 of a micro-batch's 16 rows) whose B
+    is the action right after its F runs forward and backward in F's one pass: head.backward,
+    which computes each chunk's logits again, never runs for such a micro-batch; the gradients
+    are bitwise those of the head run apart (forward in F, backward in B), and equal one
+    process's. GPipe (all F, then all B) keeps them apart."""
+    import pympar.nn.gpt as gpt
+    from pympar.parallel.pp.schedules import build_schedule
+    from pympar.parallel.pp.stage import StageChunk
+    monkeypatch.setattr(gpt, "CE_ROWS", 5)
+    p, m = mpi_world.size, 5
+    cfg = config(p, v)
+    mbs = micro_batches(m, seed=31)
+    runs = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(StageChunk, "head_fuses", lambda self, n: False)
+        model = PipelineGPT(cfg, seed=3, pp=p, rank=mpi_world.rank, v=v, dtype=np.float64,
+                            placement="v" if schedule == "zb-v" else "interleaved")
+        calls = {"forward_backward": 0, "backward": 0}
+        for c in model.chunks:
+            if c.head is not None:
+                assert c.head.recomputes_logits(16)
+                for name in calls:
+                    def counted(*a, _f=getattr(c.head, name), _n=name, **k):
+                        calls[_n] += 1
+                        return _f(*a, **k)
+                    monkeypatch.setattr(c.head, name, counted)
+        model.zero_grad()
+        st = Executor(model, pp_comm(mpi_world), schedule).train_step(mbs)
+        runs[fused] = (st["loss"], {n: q.grad.copy() for n, q in model.named_parameters()}, calls, model)
+    (lf, gf, cf, model), (lu, gu, cu, _) = runs[True], runs[False]
+    assert lf == lu and gf.keys() == gu.keys()
+    for n in gf:
+        assert np.array_equal(gf[n], gu[n]), n
+    head = [c for c in model.chunks if c.head is not None]
+    if head:
+        acts = build_schedule(schedule, p, m, v, mpi_world.rank, None)
+        k = model.chunks.index(head[0])
+        pairs = sum(1 for a, b in zip(acts, acts[1:]) if a.kind == "F" and a.chunk == k
+                    and b.kind == "B" and b.chunk == k and b.micro == a.micro)
+        assert cf == {"forward_backward": pairs, "backward": m - pairs}, (cf, pairs)
+        assert cu == {"forward_backward": 0, "backward": m}
+        assert pairs == {"gpipe": 0, "1f1b": m}.get(schedule, pairs) and (schedule == "gpipe") == (pairs == 0)
+    ref = GPT(cfg, seed=3, dtype=np.float64)
+    want = reference_step(ref, mbs)
+    assert abs(lf - want) <= TOL * abs(want)
+    compare(mpi_world, model, ref, ("grad",))
+
+
 def test_tied_weight_gradient_summed(mpi_world):
     p = mpi_world.size
     cfg = config(p)

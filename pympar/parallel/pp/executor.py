@@ -6,6 +6,10 @@ Per step (m micro-batches, loss = mean over micro-batches, as single-process acc
     requests are only completed at the end of the step;
   * the last stage computes each micro-batch's loss and starts backward with grad_scale
     = loss_scale / m; MoE blocks add their aux/z-loss gradient with the same scale;
+  * when a micro-batch's B on the last stage is the action right after its F (1F1B, zb-h1 and
+    zb-v's steady state) and the head is chunked (its logits never held whole), F runs the
+    head's forward and backward in one pass, so each chunk's logits are computed once, as one
+    process computes them (``Head.forward_backward``), instead of again in B;
   * zero-bubble schedules (zb-h1, zb-v): a B action is ``StageChunk.backward_input`` (the input
     gradient, sent on at once) and keeps the deferred weight gradients (``WeightGrads``) until
     its W action runs them; the chunk's parameters are reported final (grad_ready) after W;
@@ -204,7 +208,14 @@ class PipelineExecutor:
             if a.kind == "F":
                 idx, targets = micro_batches[a.micro]
                 x = xp.asarray(idx) if inp is None else inp               # host tokens -> the device
-                y, ctx, terms = chunk.forward(x, xp.asarray(targets) if chunk.head is not None else None)
+                nxt = actions[i_act + 1] if i_act + 1 < len(actions) else None
+                # the head's B right after its F: the head's backward runs in F's pass (its logits
+                # once, not twice); nothing between them, so every gradient is added in the order,
+                # and with the notifications, it had (bitwise the same)
+                fuse = (chunk.head is not None and nxt is not None and nxt.kind == "B" and nxt.micro == a.micro
+                        and nxt.chunk == a.chunk and chunk.head_fuses(B * T))
+                y, ctx, terms = chunk.forward(x, xp.asarray(targets) if chunk.head is not None else None,
+                                              grad_scale if fuse else None)
                 ctxs[(a.micro, a.chunk)] = ctx
                 kept[(a.micro, a.chunk)] = nb = held_bytes(ctx)
                 live_bytes += nb

@@ -118,11 +118,21 @@ class StageChunk:
         """The modules of one forward of this chunk, in order."""
         return [m for m in (self.embedding, *self.blocks, self.head) if m is not None]
 
-    def forward(self, x, targets=None):
+    def head_fuses(self, n_tokens: int) -> bool:
+        """Whether the head would compute its logits twice (forward, then backward) for a
+        micro-batch of n_tokens, and its one pass (``forward(..., grad_scale=)``) saves that."""
+        saves = getattr(self.head, "recomputes_logits", None)
+        return saves is not None and saves(n_tokens)
+
+    def forward(self, x, targets=None, grad_scale=None):
         """x: token ids (B, T) on the first stage, else activations (B, T, C).
 
         Returns (y, ctx, loss_terms): y (B, T, C), or None on the last stage; loss_terms the
-        stage's share of this micro-batch's loss (MoE aux + z of its blocks, and CE if last)."""
+        stage's share of this micro-batch's loss (MoE aux + z of its blocks, and CE if last).
+        grad_scale (last stage only; the executor passes it when this micro-batch's B follows
+        at once): the head runs forward and backward in one pass (``Head.forward_backward``: its
+        chunks' logits are computed once, not again in backward), its weight gradients are added
+        now and the ctx keeps only its input gradient, which ``backward`` hands on."""
         g = self.param_gather
         ctx = {"blocks": []}
         if self.embedding is not None:
@@ -136,7 +146,10 @@ class StageChunk:
             terms += _aux(c)
         if self.head is not None:
             with g.use(self.head):
-                ce, ctx["head"] = self.head.forward((x, targets))
+                if grad_scale is None:
+                    ce, ctx["head"] = self.head.forward((x, targets))
+                else:
+                    ce, ctx["head_dx"] = self.head.forward_backward((x, targets), grad_scale)
             g.settle()
             return None, ctx, terms + float(ce)
         g.settle()
@@ -148,8 +161,11 @@ class StageChunk:
         ln_f, each block, the embedding), as nn.GPT notifies during its backward."""
         g = self.param_gather
         if self.head is not None:
-            with g.use(self.head, backward=True):
-                dy = self.head.backward(grad_scale, ctx.pop("head"))
+            if "head_dx" in ctx:                 # forward ran the head's backward too
+                dy = ctx.pop("head_dx")
+            else:
+                with g.use(self.head, backward=True):
+                    dy = self.head.backward(grad_scale, ctx.pop("head"))
             if ready is not None:
                 ready(self.head.ln_f)
         kept = ctx["blocks"]
