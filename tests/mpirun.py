@@ -50,7 +50,7 @@ def _source_tree_mode() -> bool:
         import pympar
     except ImportError:
         return True
-    return ROOT in Path(pympar.__file__).resolve().parents
+    return Path(pympar.__file__).resolve().parent == ROOT / "pympar"   # not a venv inside the checkout (CI's)
 
 
 def _abs(a) -> str:
