@@ -88,6 +88,27 @@ const int64_t* rows_in_bounds(const py::array& rows, int64_t M, int64_t n, const
 
 int64_t last_dim(const py::array& a) { return a.ndim() ? a.shape(a.ndim() - 1) : 1; }
 
+// out[rows[i]] += y[i] (times weights[i] when given) in the order of i, as np.add.at adds. The row
+// width is out's, so a call with no rows (an expert, or a vocabulary shard, given none) is valid and
+// leaves out as it was.
+void add_rows(const py::array& y, const py::array& rows, py::object weights, py::array& out, const char* kernel) {
+  int dt = check(out, "out", FLOATS);
+  if (out.ndim() != 2) throw py::value_error(std::string(kernel) + ": out must be 2-D (rows, width)");
+  int64_t n_rows = out.shape(0), C = out.shape(1), M = rows.size();
+  check(rows, "rows", I64ONLY);
+  check(y, "y", 1u << dt, M * C);
+  const void* w = nullptr;
+  py::array wa;
+  if (!weights.is_none()) {
+    wa = weights.cast<py::array>();
+    check(wa, "weights", 1u << dt, M);
+    w = wa.data();
+  }
+  const int64_t* r = rows_in_bounds(rows, M, n_rows, kernel);
+  py::gil_scoped_release g;
+  pympar::unpermute_add(y.data(), r, w, out.mutable_data(), dt, M, C, n_rows);
+}
+
 void check_targets(const int64_t* t, int64_t N, int64_t V) {
   for (int64_t i = 0; i < N; ++i)
     if (t[i] >= V)
@@ -452,33 +473,10 @@ PYBIND11_MODULE(_C, m) {
     pympar::permute_rows(static_cast<const char*>(x.data()), r, static_cast<char*>(out.mutable_data()), M, row_bytes);
   });
   m.def("unpermute_add", [](const py::array& y, const py::array& rows, py::object weights, py::array& out) {
-    int64_t M = y.ndim() ? y.shape(0) : 0, C = M ? y.size() / M : 0;
-    int dt = check(y, "y", FLOATS);
-    check(rows, "rows", I64ONLY, M);
-    int64_t n_rows = out.ndim() ? out.shape(0) : 0;
-    check(out, "out", 1u << dt, n_rows * C);
-    const void* w = nullptr;
-    py::array wa;
-    if (!weights.is_none()) {
-      wa = weights.cast<py::array>();
-      check(wa, "weights", 1u << dt, M);
-      w = wa.data();
-    }
-    const int64_t* r = rows_in_bounds(rows, M, n_rows, "unpermute_add");
-    py::gil_scoped_release g;
-    pympar::unpermute_add(y.data(), r, w, out.mutable_data(), dt, M, C, n_rows);
+    add_rows(y, rows, weights, out, "unpermute_add");
   });
-  // dst[rows[i]] += src[i] in the order of i (np.add.at's); the row width comes from dst, so no rows
-  // (a vocabulary shard that owns none of the tokens) is a valid call that leaves dst as it was
   m.def("scatter_add", [](py::array& dst, const py::array& rows, const py::array& src) {
-    int dt = check(dst, "dst", FLOATS);
-    if (dst.ndim() != 2) throw py::value_error("scatter_add: dst must be 2-D (rows, width)");
-    int64_t V = dst.shape(0), C = dst.shape(1), M = rows.size();
-    check(rows, "rows", I64ONLY);
-    check(src, "src", 1u << dt, M * C);
-    const int64_t* r = rows_in_bounds(rows, M, V, "scatter_add");
-    py::gil_scoped_release g;
-    if (M) pympar::unpermute_add(src.data(), r, nullptr, dst.mutable_data(), dt, M, C, V);
+    add_rows(src, rows, py::none(), dst, "scatter_add");
   });
 
   m.def("cast", [](const py::array& src, py::array& dst) {

@@ -7,6 +7,8 @@ import pytest
 
 from mpirun import ROOT, mpi_env, run_mpi
 
+pytestmark = pytest.mark.mpi
+
 
 @pytest.fixture
 def bench_module(monkeypatch):
@@ -23,8 +25,6 @@ def bench_module(monkeypatch):
     for name in set(sys.modules) - before:
         if str(getattr(sys.modules[name], "__file__", "") or "").startswith(str(bench)):
             del sys.modules[name]
-
-pytestmark = pytest.mark.mpi
 
 
 def test_help_explains_the_columns():

@@ -420,6 +420,9 @@ def test_permute_and_unpermute_add(dt):
     for weights in (None, w):
         got = N.unpermute_add(y, rows % 11, weights, 11)
         np.testing.assert_array_equal(got, R.unpermute_add(y, rows % 11, weights, 11))  # same order of adds
+    # an expert given no rows: zeros, as the reference (the row width is the output's, not y's)
+    none = N.unpermute_add(y[:0], rows[:0], None, 11)
+    assert none.shape == (11, 5) and not none.any()
     with pytest.raises(IndexError, match="out of bounds"):
         N.permute(x, np.array([11]))
 

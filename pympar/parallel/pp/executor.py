@@ -208,12 +208,10 @@ class PipelineExecutor:
             if a.kind == "F":
                 idx, targets = micro_batches[a.micro]
                 x = xp.asarray(idx) if inp is None else inp               # host tokens -> the device
-                nxt = actions[i_act + 1] if i_act + 1 < len(actions) else None
                 # the head's B right after its F: the head's backward runs in F's pass (its logits
                 # once, not twice); nothing between them, so every gradient is added in the order,
                 # and with the notifications, it had (bitwise the same)
-                fuse = (chunk.head is not None and nxt is not None and nxt.kind == "B" and nxt.micro == a.micro
-                        and nxt.chunk == a.chunk and chunk.head_fuses(B * T))
+                fuse = chunk.head_fuses(B * T) and actions[i_act + 1:i_act + 2] == [Action("B", a.micro, a.chunk)]
                 y, ctx, terms = chunk.forward(x, xp.asarray(targets) if chunk.head is not None else None,
                                               grad_scale if fuse else None)
                 ctxs[(a.micro, a.chunk)] = ctx

@@ -121,7 +121,7 @@ class StageChunk:
     def head_fuses(self, n_tokens: int) -> bool:
         """Whether the head would compute its logits twice (forward, then backward) for a
         micro-batch of n_tokens, and its one pass (``forward(..., grad_scale=)``) saves that."""
-        saves = getattr(self.head, "recomputes_logits", None)
+        saves = getattr(self.head, "recomputes_logits", None)    # None: no head, or one that never recomputes
         return saves is not None and saves(n_tokens)
 
     def forward(self, x, targets=None, grad_scale=None):
