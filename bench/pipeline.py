@@ -294,7 +294,7 @@ def launch(args, argv):
         rows += json.loads(out.stdout.strip().splitlines()[-1])
     print(table(rows))
     if args.json:
-        meta = dict(cores=os.cpu_count(), load_average=os.getloadavg(), work=args.work, block_ms=args.block_ms, reps=args.reps,
+        meta = dict(cores=os.cpu_count(), load_average=os.getloadavg(), work=args.work, block_ms=args.block_ms, reps=args.reps, embd=args.embd,
                     layers=args.layers, steps=args.steps, costs=args.costs)
         Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     return rows
