@@ -49,19 +49,18 @@ def worker(T: int, out: str, threads: int = 0):
     from mpi4py import MPI
 
     sys.path.insert(0, str(ROOT))
-    from pympar import kernels
     from pympar.comm import MPIComm
     from pympar.nn.config import GPTConfig
     from pympar.config import RunConfig
     from pympar.layout import Layout
+    from pympar.parallel.cores import share_cores
     from pympar.parallel.runner import ParallelRunner
     from pympar.config import apply_environment
     apply_environment()
 
     mpi = MPI.COMM_WORLD
     cp = mpi.Get_size()
-    threads = threads or max(1, len(os.sched_getaffinity(0)) // cp)
-    kernels.set_num_threads(threads)
+    threads, _ = share_cores(mpi, threads, "--threads")    # 0: the node's cores over its ranks
     cfg = GPTConfig(block_size=T, **MODEL)
     comm = MPIComm(mpi, name="world", timeout=600)
     opts = RunConfig(seed=1, lr=1e-3, weight_decay=0.1, grad_clip=1.0, bucket_mb=25)

@@ -15,7 +15,8 @@ The blocks' compute is emulated so that every block costs the same and compute d
   --work flops  each block forward runs a fixed number of (64x64) matmuls, backward twice as
                 many: real CPU work; on fewer cores than ranks, contention distorts it.
   --work model  real GPT blocks (pympar.nn) of --embd width: the true thing, same caveat.
-The embedding and head are real pympar.nn modules (tiny vocabulary, so cheap).
+The embedding and head are real pympar.nn modules (tiny vocabulary, so cheap). Each rank takes its
+share of the node's cores (pympar.parallel.cores; --launch sets one thread per rank).
 
     python bench/pipeline.py --launch --pp 2,4 --json bench/pipeline.json      # spawns mpiexec
     mpiexec -n 4 python bench/pipeline.py --m 4,8,16 --json out.json          # one p
@@ -155,13 +156,15 @@ def run_rank(args):
 
     from pympar.comm import MPIComm
     from pympar.config import apply_environment
-    apply_environment()
+    from pympar.parallel.cores import share_cores
+    env = apply_environment()
     from pympar.nn import GPTConfig
     from pympar.parallel.pp import (PipelineExecutor, PipelineGPT, bubble_formula, build_schedule,
                                     simulate, validate_schedule)
 
     world = MPIComm(MPI.COMM_WORLD)
     p, r = world.size, world.rank
+    share_cores(world, env.threads, env.threads_from)      # each rank its share of the node's cores
     C = args.embd if args.work == "model" else 16
     cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=args.layers, n_head=4, n_embd=C)
     rng = np.random.default_rng(0)

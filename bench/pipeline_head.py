@@ -2,7 +2,8 @@
 computed once) against forward and backward apart (the logits computed again in B), in one run:
 real GPT blocks, a GPT-2-sized vocabulary, pp = the world size, 1F1B. Steps alternate between the
 two (A B, B A, ...) after one warm-up step of each; the median step times and their ratio are
-printed, with each pair's ratio (the spread says how far to trust the median).
+printed, with each pair's ratio (the spread says how far to trust the median). Each rank takes its share
+of the node's cores (pympar.parallel.cores) unless PYMPAR_NUM_THREADS or OMP_NUM_THREADS is set.
 
     mpiexec -n 2 python bench/pipeline_head.py                        # L8 C256 V50304 T1024, 4 micro-batches
     mpiexec -n 2 python bench/pipeline_head.py --layers 2 --pairs 7 --json out.json
@@ -37,11 +38,15 @@ def main(argv=None):
     from mpi4py import MPI
 
     from pympar.comm import MPIComm
+    from pympar.config import apply_environment
     from pympar.nn import GPTConfig
+    from pympar.parallel.cores import share_cores
     from pympar.parallel.pp import PipelineExecutor, PipelineGPT
     from pympar.parallel.pp.stage import StageChunk
 
+    env = apply_environment()
     w = MPI.COMM_WORLD
+    threads, _ = share_cores(w, env.threads, env.threads_from)   # each rank its share of the node's cores
     cfg = GPTConfig(vocab_size=a.vocab, block_size=a.seq, n_layer=a.layers, n_head=max(1, a.embd // 64),
                     n_embd=a.embd).validate()
     model = PipelineGPT(cfg, seed=0, pp=w.size, rank=w.rank, dtype=np.float32)
@@ -77,13 +82,13 @@ def main(argv=None):
     fused, apart = float(np.median(times[True])), float(np.median(times[False]))
     pairs = [b / f for f, b in zip(times[True], times[False])]
     shape = f"pp{w.size} L{a.layers} C{a.embd} V{a.vocab} T{a.seq} m{a.micro}"
-    print(f"{shape}: one pass {fused:.3f} s/step, apart {apart:.3f} s/step, apart/one pass {apart / fused:.3f}x "
+    print(f"{shape}, {threads} thread(s) per rank: one pass {fused:.3f} s/step, apart {apart:.3f} s/step, apart/one pass {apart / fused:.3f}x "
           f"(pairs {min(pairs):.3f}-{max(pairs):.3f}); same loss: {losses[True] == losses[False]}")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"shape": shape, "one_pass_s": fused, "apart_s": apart, "ratio": apart / fused,
                                       "pair_ratios": pairs, "same_loss": losses[True] == losses[False],
-                                      "fuses": bool(fuses)}, indent=1))
+                                      "fuses": bool(fuses), "threads": threads}, indent=1))
 
 
 if __name__ == "__main__":

@@ -67,11 +67,13 @@ def worker(train_argv: list, steps: int) -> None:
     from pympar.comm import MPIComm
     from pympar.config import parse_args
     from pympar.data import load_corpus, local_micro_batches
+    from pympar.parallel.cores import share_cores
     from pympar.parallel.mesh import Mesh
     from pympar.parallel.runner import build_runner
 
     mpi = MPI.COMM_WORLD
     cfg, run = parse_args(train_argv, mpi.Get_size())
+    share_cores(mpi, run.threads, run.threads_from, run.bind)   # as pympar.train: the node's cores shared
     lay = run.layout_resolved
     corpus = load_corpus(run.data)
     comm = MPIComm(mpi, name="world")

@@ -33,7 +33,8 @@ def worker(a) -> None:
 
     from pympar.comm import MPIComm
     from pympar.config import apply_environment
-    apply_environment()
+    from pympar.parallel.cores import share_cores
+    env = apply_environment()
     from pympar.nn import GPTConfig
     from pympar.parallel.gradsync import GradSync
     from pympar.parallel.mesh import Mesh
@@ -41,6 +42,7 @@ def worker(a) -> None:
     from pympar.parallel.tp import TPGPT, TPCollectives, activation_bytes
 
     comm = MPIComm(MPI.COMM_WORLD, name="tp")
+    share_cores(comm, env.threads, env.threads_from)     # each rank its share of the node's cores
     cfg = GPTConfig.from_preset(a.preset)
     meter = Meter()                                  # the TP collectives' seconds and calls
     model = TPGPT(cfg, TPCollectives(comm, meter=meter), seed=0, sequence_parallel=a.sp, compute_dtype=a.compute_dtype)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import backend, kernels
+from . import backend
 from . import layout as layouts
 from .comm.objects import gather_object
 from .config import ConfigError, apply_environment, describe, parse_args
@@ -54,6 +54,7 @@ from .metrics import MetricsWriter, measure_matmul_peak, moe_layer_stats
 from .nn.config import flops_per_token
 from .parallel import ledger
 from .optim import cosine_lr
+from .parallel.cores import share_cores
 from .parallel.mesh import Mesh
 from .parallel.runner import build_runner
 from .profile import SPLIT, Recorder, write_chrome_trace
@@ -123,8 +124,8 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
     rank, world = mpi.Get_rank(), mpi.Get_size()
     # 2. set up: communicator, model replica(s), recorder, the measured peak
     from .comm import MPIComm
-    threads, threads_why = _threads(mpi, run)
-    kernels.set_process_threads(threads)
+    # --threads or the environment, else the node's cores over its ranks (parallel/cores.py)
+    threads, threads_why = share_cores(mpi, run.threads, run.threads_from, run.bind)
     if run.device == "cuda":                  # one GPU per rank; NCCL for device arrays, MPI for host ones
         from . import gpu
         gpu.select_device(mpi, env.local_rank)
@@ -276,51 +277,6 @@ def _stop_on_request(runner, run, next_step, guard, comm, lay, stop, saved, metr
         os.write(1, (msg + "\n").encode())
     stop.restore()
     return RESUMABLE_STATUS
-
-
-def _threads(mpi, run):
-    """(kernel/BLAS threads per rank, why): --threads or the environment (config), else the cores
-    this node's ranks may run on -- the union of their CPU affinity masks, so a Slurm or cgroup
-    limit counts -- divided by the ranks on the node, at least 1. Collective over the node (every
-    rank asks at the same point). Kernel threads never spin waiting when the node's ranks times
-    their threads exceed its cores."""
-    from mpi4py import MPI
-
-    node = mpi.Split_type(MPI.COMM_TYPE_SHARED, key=mpi.Get_rank())
-    try:
-        mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        masks = node.allgather(mine)
-        union = sorted(set().union(*masks))
-        cores, ranks = len(union), node.Get_size()
-        if run.threads:
-            n, why = run.threads, f"{run.threads_from}; {cores} cores / {ranks} ranks on this node"
-        else:
-            n = max(1, cores // ranks)
-            why = f"{cores} cores / {ranks} ranks on this node"
-            if n > kernels.max_threads():            # said, not silently capped
-                n, why = kernels.max_threads(), why + f", capped at the kernel pool's {kernels.max_threads()} threads"
-        if n * ranks > cores:
-            kernels.set_spin_us(0)
-            why += ", oversubscribed: no spinning"
-        if run.bind == "cores":
-            why += "; " + _bind(node, masks, union, n)
-    finally:
-        node.Free()
-    return n, why
-
-
-def _bind(node, masks, union, n) -> str:
-    """--bind cores: node rank r takes cores union[r*n:(r+1)*n] (before the kernel threads exist,
-    so they inherit it). Collective over the node. -> what was done, for the start-up line."""
-    ranks = node.Get_size()
-    if any(m != masks[0] for m in masks):
-        return "not bound: the node's ranks have different affinity masks (the launcher placed them)"
-    if n * ranks > len(union):
-        return f"not bound: {ranks} ranks x {n} threads exceed the {len(union)} cores of the mask"
-    r = node.Get_rank()
-    os.sched_setaffinity(0, union[r * n:(r + 1) * n])
-    got = node.allgather(sorted(os.sched_getaffinity(0)))
-    return "bound, node rank:cores " + " ".join(f"{i}:{','.join(map(str, c))}" for i, c in enumerate(got))
 
 
 def _check_gpu(run):

@@ -213,4 +213,5 @@ def test_pipeline_head_bench_times_both_paths(tmp_path):
                 "--micro", "2", "--pairs", "1", "--json", out], timeout=180, cwd=ROOT)
     d = json.loads(out.read_text())
     assert d["fuses"] and d["same_loss"] and d["shape"] == "pp2 L2 C32 V256 T1100 m2"
+    assert d["threads"] == 1                           # the bench environment: one thread per rank
     assert d["ratio"] == pytest.approx(d["apart_s"] / d["one_pass_s"]) and len(d["pair_ratios"]) == 1
