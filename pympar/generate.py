@@ -158,9 +158,11 @@ def main(argv=None) -> int:
     else:
         from .checkpoint import restore_into
         from .comm import MPIComm
+        from .parallel.cores import share_cores
         from .parallel.generate import build_for_generation, generate_parallel
 
         comm = MPIComm(mpi, name="world", on_timeout="abort")
+        share_cores(comm, env.threads, env.threads_from)     # each rank its share of the node's cores
         model, mesh = build_for_generation(cfg, comm, layout)
         step = int(restore_into(model, None, ck.path, comm).get("step", ck.step))
         out = generate_parallel(model, mesh, prompt, a.tokens, top_k=a.top_k, temperature=a.temperature,
