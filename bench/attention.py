@@ -14,7 +14,10 @@ torch.set_num_threads). FLOP/s count 7 T^2 D per head (2 GEMMs forward, 5 backwa
 Memory: peak resident memory (VmHWM, read by /usr/bin/time after the process exits) of one
 process training the 2-layer, 128-wide model (4 heads, vocabulary 256) for 2 steps at micro-batch
 1, with the tiled and with the materialized attention, and with the tiled attention and
-selective and full activation recomputation, at each T. The target (issue 14): tiled peak at T
+selective and full activation recomputation, at each T; the model's block_size is T in these
+columns, so its position table (and that table's gradient and Adam moments) grows with T too.
+One more column trains one model, block_size the longest T, at every T: what a user with a
+4096-token model sees between short and long sequences. The target (issue 14): tiled peak at T
 4096 at most 1.5x its peak at T 1024. ``--memory-only`` measures only the memory and keeps the
 speed rows of an earlier run's JSON.
 """
@@ -46,8 +49,9 @@ from pympar.config import apply_environment
 
 apply_environment()          # as the trainer does first: the allocator policy, PYMPAR_* settings
 T, impl, recompute = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+block_size = int(sys.argv[4]) if len(sys.argv) > 4 else T     # the model's context (default: T itself)
 CausalAttentionCore.impl = impl
-cfg = GPTConfig(vocab_size=256, block_size=T, n_layer=2, n_head=4, n_embd=128)
+cfg = GPTConfig(vocab_size=256, block_size=block_size, n_layer=2, n_head=4, n_embd=128)
 model = GPT(cfg, seed=0)
 set_recompute(model, recompute)
 opt = AdamW(model.named_parameters(), lr=1e-4)
@@ -121,11 +125,11 @@ def speed(shapes, threads, reps):
     return rows
 
 
-def peak_rss(T, impl, recompute="none"):
+def peak_rss(T, impl, recompute="none", block_size=None):
     with tempfile.NamedTemporaryFile("r", suffix=".time") as f:
         e = dict(env())
         p = subprocess.run(["/usr/bin/time", "-o", f.name, "-f", "%M", sys.executable, "-c", TRAIN, str(T), impl,
-                            recompute],
+                            recompute, str(block_size or T)],
                            env=e, capture_output=True, text=True, timeout=1800, cwd=ROOT)
         if p.returncode != 0:
             raise RuntimeError(f"T={T} {impl}: {p.stderr[-1500:]}")
@@ -151,24 +155,29 @@ def run(a):
     except ImportError:
         pass
     mem = []
-    for T in ([128, 256] if quick else [1024, 2048, 4096]):
+    lengths = [128, 256] if quick else [1024, 2048, 4096]
+    for T in lengths:
         row = dict(T=T)
         for impl in ("tiled", "materialized"):
             row[f"{impl}_peak_bytes"] = peak_rss(T, impl)
         for rc in ("selective", "full"):
             row[f"tiled_{rc}_peak_bytes"] = peak_rss(T, "tiled", rc)
+        row["tiled_one_model_peak_bytes"] = peak_rss(T, "tiled", block_size=lengths[-1])
         mem.append(row)
         print(f"2-layer 128-wide model, micro-batch 1, T {T}: peak RSS tiled {row['tiled_peak_bytes'] / 2**20:.0f} MiB, "
               f"materialized {row['materialized_peak_bytes'] / 2**20:.0f} MiB, tiled with --recompute selective "
-              f"{row['tiled_selective_peak_bytes'] / 2**20:.0f} MiB, full {row['tiled_full_peak_bytes'] / 2**20:.0f} MiB",
+              f"{row['tiled_selective_peak_bytes'] / 2**20:.0f} MiB, full {row['tiled_full_peak_bytes'] / 2**20:.0f} MiB; "
+              f"tiled, block_size {lengths[-1]}: {row['tiled_one_model_peak_bytes'] / 2**20:.0f} MiB",
               flush=True)
     res["memory"] = mem
+    res["memory_when"] = time.strftime("%Y-%m-%d %H:%M")
     growth = mem[-1]["tiled_peak_bytes"] / mem[0]["tiled_peak_bytes"]
     res["tiled_peak_growth"] = dict(from_T=mem[0]["T"], to_T=mem[-1]["T"], ratio=growth, target=1.5)
-    for rc in ("selective", "full"):
+    for rc in ("selective", "full", "one_model"):
         res[f"tiled_{rc}_peak_growth"] = mem[-1][f"tiled_{rc}_peak_bytes"] / mem[0][f"tiled_{rc}_peak_bytes"]
     print(f"tiled peak at T {mem[-1]['T']} / at T {mem[0]['T']}: {growth:.2f}x (target <= 1.5x); with selective "
-          f"recomputation {res['tiled_selective_peak_growth']:.2f}x, full {res['tiled_full_peak_growth']:.2f}x")
+          f"recomputation {res['tiled_selective_peak_growth']:.2f}x, full {res['tiled_full_peak_growth']:.2f}x; one model "
+          f"(block_size {lengths[-1]}) at both lengths, no recomputation: {res['tiled_one_model_peak_growth']:.2f}x")
     return res
 
 
@@ -188,7 +197,8 @@ def plot(res, png):
     Ts = [r["T"] for r in mem]
     for k, c, lab in (("tiled", "tab:blue", "tiled"), ("materialized", "tab:gray", "materialized"),
                       ("tiled_selective", "tab:olive", "tiled, --recompute selective"),
-                      ("tiled_full", "tab:green", "tiled, --recompute full")):
+                      ("tiled_full", "tab:green", "tiled, --recompute full"),
+                      ("tiled_one_model", "tab:purple", "tiled, block_size = longest T")):
         if f"{k}_peak_bytes" not in mem[0]:
             continue
         a2.plot(Ts, [r[f"{k}_peak_bytes"] / 2**20 for r in mem], "o-", color=c, label=lab)

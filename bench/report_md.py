@@ -151,12 +151,16 @@ def sec_attention(res, status) -> str:
             *[f"| {r['T']} | {r['heads']} x {r['head_size']} | {r['threads']} | {1e3 * r['tiled_s']:.1f} | "
               f"{1e3 * r['materialized_s']:.1f} | {1e3 * r['sdpa_s']:.1f} | {r['tiled_gflops']:.0f} | {r['tiled_over_sdpa']:.2f}x |"
               for r in d["speed"]],
-            "", "Peak resident memory (VmHWM, from outside) of one process training the 2-layer, 128-wide model "
-            "(4 heads, vocabulary 256) for 2 steps at micro-batch 1:", "",
-            "| T | tiled MiB | materialized MiB | tiled, `--recompute selective` MiB | tiled, `--recompute full` MiB |",
-            "| ---: | ---: | ---: | ---: | ---: |",
+            "", "Peak resident memory (VmHWM, from outside; " + (f"measured {d['memory_when']}, " if "memory_when" in d else "")
+            + "python bench/attention.py --memory-only measures it alone) of one process training the 2-layer, 128-wide model "
+            "(4 heads, vocabulary 256) for 2 steps at micro-batch 1; block_size = T except in the last column, which "
+            "trains one model (block_size the longest T) at every T:", "",
+            "| T | tiled MiB | materialized MiB | tiled, `--recompute selective` MiB | tiled, `--recompute full` MiB "
+            "| tiled, one model MiB |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
             *[f"| {r['T']} | {r['tiled_peak_bytes'] / 2**20:.0f} | {r['materialized_peak_bytes'] / 2**20:.0f} | "
-              + " | ".join(f"{r[k] / 2**20:.0f}" if k in r else "--" for k in ("tiled_selective_peak_bytes", "tiled_full_peak_bytes"))
+              + " | ".join(f"{r[k] / 2**20:.0f}" if k in r else "--" for k in ("tiled_selective_peak_bytes", "tiled_full_peak_bytes",
+                                                                      "tiled_one_model_peak_bytes"))
               + " |" for r in d["memory"]]]
     g = d["tiled_peak_growth"]
 
@@ -164,8 +168,30 @@ def sec_attention(res, status) -> str:
         return f"{x:.2f}x ({'met' if x <= g['target'] else 'missed'})"
     rc = [f"with {k} recomputation {verdict(d[f'tiled_{k}_peak_growth'])}" for k in ("selective", "full")
           if f"tiled_{k}_peak_growth" in d]
+    if "tiled_one_model_peak_growth" in d:
+        rc.append("one model (block_size the longest T, so its position table is the same size at both lengths) "
+                  f"without recomputation {verdict(d['tiled_one_model_peak_growth'])}")
     out += ["", f"Tiled peak at T {g['to_T']} over its peak at T {g['from_T']} (target at most {g['target']}x): "
                 f"**{verdict(g['ratio'])}** without recomputation" + "".join(f"; {x}" for x in rc) + ".", ""]
+    return "\n".join(out)
+
+
+def sec_gemm(res, status) -> str:
+    d = _load(res, "gemm")
+    out = ["## The GEMMs of a step: NumPy's BLAS (pympar) vs PyTorch's" + _when("gemm", status), ""]
+    if not d:
+        return "\n".join(out) + _missing("gemm", status)
+    out += ["`python bench/gemm.py`: every matrix product pympar's Linear layers and head run in one training step "
+            "(forward y = x W^T, backward dx = dy W and dW = dy^T x, the operands laid out as pympar passes them), "
+            f"timed on NumPy's BLAS ({d.get('blas_numpy', '?')}; what pympar calls) and on PyTorch's "
+            f"(torch {d.get('torch_version', '?')}; what its eager and compiled steps call) at the same threads in one "
+            "process, the libraries alternating in blocks, each product the best of several calls. Attention's own "
+            "products are not included (pympar's run inside its C++ kernel). Ratio > 1: PyTorch's BLAS faster.", "",
+            _img("gemm", "step GEMMs"), "",
+            "| shape | threads | NumPy ms | NumPy GFLOP/s | torch ms | torch GFLOP/s | torch / NumPy speed |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            *[f"| {r['shape']} | {r['threads']} | {r['numpy_ms']:.1f} | {r['numpy_gflops']:.0f} | {r['torch_ms']:.1f} | "
+              f"{r['torch_gflops']:.0f} | {r['torch_over_numpy']:.2f}x |" for r in d["rows"]], ""]
     return "\n".join(out)
 
 
@@ -458,6 +484,6 @@ def render(res: Path, status: dict) -> str:
     quick = [n for n, s in status.items() if s.get("quick")]
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
-    secs = [sec_collectives, sec_auto_select, sec_train_step, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_dp, sec_moe,
+    secs = [sec_collectives, sec_auto_select, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_dp, sec_moe,
             sec_compression, sec_plan, sec_memory, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

@@ -78,6 +78,8 @@ def steps(quick: bool) -> list:
                            "--json", R / "plan_accuracy.json", "--png", IMG / "plan_accuracy.png"], None),
         ("attention", [PY, B / "attention.py", *(["--quick"] if q else []), "--json", R / "attention.json",
                        "--png", IMG / "attention.png"], None),
+        ("gemm", [PY, B / "gemm.py", *(["--threads", "1", "--reps", "2"] if q else []), "--json", R / "gemm.json",
+                  "--png", IMG / "gemm.png"], None),
         ("memory", [PY, B / "memory.py", *(["--quick"] if q else []), "--json", R / "memory.json",
                     "--png", IMG / "memory.png"], None),
         ("soak", [PY, B / "soak.py", "--world", "8", "--preset", "tiny" if q else "small", "--steps", "30" if q else "300",

@@ -159,7 +159,8 @@ def test_train_step_bench_runs_the_pytorch_peers(tmp_path, bench_module):
 
 
 def test_attention_bench_quick(tmp_path, bench_module):
-    """bench/attention.py --quick: the three implementations timed, the two memory columns measured."""
+    """bench/attention.py --quick: the three implementations timed, the memory columns measured (one of
+    them a single model, block_size the longest T, at every T)."""
     pytest.importorskip("torch")
     probe = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
                             "import pympar.kernels as k; print(k.native_available())"],
@@ -174,9 +175,14 @@ def test_attention_bench_quick(tmp_path, bench_module):
     d = json.loads((res / "attention.json").read_text())
     assert [r["T"] for r in d["speed"]] == [256] and all(d["speed"][0][f"{k}_s"] > 0 for k in ("tiled", "materialized", "sdpa"))
     assert [r["T"] for r in d["memory"]] == [128, 256] and d["memory"][0]["tiled_peak_bytes"] > 10 * 2**20
+    # the one-model column: at the longest T it is the same program as the tiled column (block_size = T there)
+    last = d["memory"][-1]
+    assert abs(last["tiled_one_model_peak_bytes"] / last["tiled_peak_bytes"] - 1) < 0.1, last
+    assert d["tiled_one_model_peak_growth"] > 0
     assert (tmp_path / "attention.png").stat().st_size > 1000
     report_md = bench_module("report_md")
-    assert "## Causal attention" in report_md.render(res, {})
+    md = report_md.render(res, {})
+    assert "## Causal attention" in md and "tiled, one model MiB" in md
 
 
 def test_verb_descriptions_bus_factors_and_algorithms():
@@ -215,3 +221,23 @@ def test_pipeline_head_bench_times_both_paths(tmp_path):
     assert d["fuses"] and d["same_loss"] and d["shape"] == "pp2 L2 C32 V256 T1100 m2"
     assert d["threads"] == 1                           # the bench environment: one thread per rank
     assert d["ratio"] == pytest.approx(d["apart_s"] / d["one_pass_s"]) and len(d["pair_ratios"]) == 1
+
+
+def test_gemm_bench_times_both_blas_on_the_step_products(tmp_path):
+    """bench/gemm.py: every product of a step (4 Linears x 3 per layer, the head's 3) timed on NumPy's
+    and PyTorch's BLAS, the step's totals the count-weighted sums of the products."""
+    pytest.importorskip("torch")
+    res = tmp_path / "gemm.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gemm.py"), "--threads", "1", "--reps", "1",
+                        "--shapes", "2:64:128:96", "--json", res, "--png", tmp_path / "gemm.png"],
+                       capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads(res.read_text())
+    (row,) = d["rows"]
+    assert row["threads"] == 1 and len(row["products"]) == 15
+    assert {tuple(q["shape"]) for q in row["products"]} >= {(128, 64, 192), (128, 256, 64), (64, 128, 256), (128, 64, 96)}
+    flops = sum(q["count"] * 2 * q["shape"][0] * q["shape"][1] * q["shape"][2] for q in row["products"])
+    assert flops == 6 * 128 * (2 * 12 * 64 * 64 + 96 * 64)          # 6 x tokens x (Linear + head weights)
+    ms = sum(q["count"] * 2e-6 * q["shape"][0] * q["shape"][1] * q["shape"][2] / q["numpy_gflops"] for q in row["products"])
+    assert abs(ms / row["numpy_ms"] - 1) < 1e-9 and row["torch_over_numpy"] > 0
+    assert (tmp_path / "gemm.png").stat().st_size > 1000

@@ -1,0 +1,161 @@
+"""The GEMMs of a training step: NumPy's BLAS (what pympar calls) against PyTorch's (what its
+eager and compiled steps call), the same shapes and operand layouts, the same threads, one process.
+
+    python bench/gemm.py                    # the three shapes of bench/train_step.py, 1 and 2 threads
+    python bench/gemm.py --threads 1 --reps 3 --shapes L4:256:1024:256   # one shape, quickly
+
+For each shape (layers, width, tokens per micro-batch, vocabulary) the step's products are
+those pympar's Linear layers and head run: per layer qkv, attention projection, c_fc and c_proj,
+each forward y = x W^T, backward dx = dy W and dW = dy^T x, and the head's logits, dh and dW
+(whole, where pympar runs it in row chunks). Each product is timed on both libraries,
+alternating in blocks (two rounds, each the best of --reps calls after a pause that lets the
+other library's spinning threads go idle); the step's GEMM time is the sum over the step's products.
+Attention's own products are not here (pympar's are inside its C++ kernel). The ratio says how
+much of a step's speed the BLAS alone decides: > 1 means PyTorch's BLAS is faster.
+Each thread count runs in its own process, the libraries' thread counts set before they load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, machine, pyplot, run_and_write, save  # noqa: E402
+
+# (name, n_layer, n_embd, tokens, vocab): bench/train_step.py's shapes (issue 14)
+SHAPES = [("L4 D256 T128 B8", 4, 256, 1024, 256), ("L6 D512 T256 B4", 6, 512, 1024, 256),
+          ("gpt2-124m T1024 B1", 12, 768, 1024, 50304)]
+
+
+def products(n_layer, C, N, V):
+    """(label, count per step, (M, K), (K, N) operand builders' shapes and layouts) of one step."""
+    out = []
+    for name, fin, fout in (("qkv", C, 3 * C), ("attn.c_proj", C, C), ("c_fc", C, 4 * C), ("mlp.c_proj", 4 * C, C)):
+        out += [(f"{name} y=xW^T", n_layer, ("x", N, fin), ("wT", fout, fin)),
+                (f"{name} dx=dyW", n_layer, ("x", N, fout), ("w", fout, fin)),
+                (f"{name} dW=dy^Tx", n_layer, ("xT", N, fout), ("x", N, fin))]
+    out += [("head logits", 1, ("x", N, C), ("wT", V, C)), ("head dh", 1, ("x", N, V), ("w", V, C)),
+            ("head dW", 1, ("xT", N, V), ("x", N, C))]
+    return out
+
+
+def operand(np, rng, kind, r, c):
+    """A (r, c) array; 'wT'/'xT' the transpose of a C-contiguous one, as pympar passes w.T / dy.T."""
+    a = rng.standard_normal((r, c)).astype(np.float32)
+    return a.T if kind in ("wT", "xT") else a
+
+
+def block(fn, reps, settle):
+    """The best of ``reps`` calls of fn after one warm-up call, once the other library's threads have
+    stopped spinning (``settle`` seconds idle first): OpenBLAS's and OpenMP's worker threads spin a
+    while after a call, and a product timed right after the other library's ran at 2 threads
+    against 2 spinning threads on 2 cores (L6 D512's step GEMMs: 770 ms on torch at 2 threads,
+    slower than its 648 at 1)."""
+    time.sleep(settle)
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def one(threads, shapes, reps):
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    import numpy as np
+    import torch
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    settle = 0.3 if threads > 1 else 0.0
+    rows = []
+    for (label, L, C, N, V) in shapes:
+        tn = tt = flops = 0.0
+        parts = []
+        for (name, count, (ka, ra, ca), (kb, rb, cb)) in products(L, C, N, V):
+            a, b = operand(np, rng, ka, ra, ca), operand(np, rng, kb, rb, cb)
+            assert a.shape[1] == b.shape[0], (name, a.shape, b.shape)
+            out = np.empty((a.shape[0], b.shape[1]), np.float32)
+            ta, tb, to = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(out)
+            f_np = lambda: np.matmul(a, b, out=out)          # noqa: E731
+            f_t = lambda: torch.matmul(ta, tb, out=to)      # noqa: E731
+            best_np = best_t = float("inf")
+            for _ in range(2):                               # two rounds, the libraries alternating
+                best_np = min(best_np, block(f_np, reps, settle))
+                best_t = min(best_t, block(f_t, reps, settle))
+            fl = 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+            tn, tt, flops = tn + count * best_np, tt + count * best_t, flops + count * fl
+            parts.append(dict(product=name, count=count, shape=[a.shape[0], a.shape[1], b.shape[1]],
+                              numpy_gflops=fl / best_np / 1e9, torch_gflops=fl / best_t / 1e9))
+        rows.append(dict(shape=label, threads=threads, numpy_ms=1e3 * tn, torch_ms=1e3 * tt,
+                         numpy_gflops=flops / tn / 1e9, torch_gflops=flops / tt / 1e9,
+                         torch_over_numpy=tn / tt, products=parts))
+        print(f"{label:20s} {threads} thr: step GEMMs NumPy {1e3 * tn:7.1f} ms ({flops / tn / 1e9:5.0f} GFLOP/s), "
+              f"torch {1e3 * tt:7.1f} ms ({flops / tt / 1e9:5.0f} GFLOP/s): torch's BLAS {tn / tt:.2f}x NumPy's speed",
+              flush=True)
+    return dict(blas_numpy=np.__version__, torch_version=torch.__version__, rows=rows)
+
+
+def parse_shapes(text):
+    if not text:
+        return SHAPES
+    out = []
+    for s in text.split(","):
+        L, C, N, V = s.lstrip("L").split(":")
+        out.append((f"L{L} D{C} N{N} V{V}", int(L), int(C), int(N), int(V)))
+    return out
+
+
+def run(a):
+    rows, meta = [], {}
+    for t in a.threads:
+        p = subprocess.run([sys.executable, __file__, "--one", str(t), "--reps", str(a.reps),
+                            *(["--shapes", a.shapes] if a.shapes else [])],
+                           capture_output=True, text=True, timeout=1800, cwd=ROOT)
+        if p.returncode != 0:
+            raise SystemExit(f"bench/gemm.py at {t} thread(s) failed:\n{p.stderr[-2000:]}")
+        lines = p.stdout.splitlines()
+        print("\n".join(lines[:-1]), flush=True)
+        d = json.loads(lines[-1])
+        rows += d.pop("rows")
+        meta = d
+    return dict(machine=machine(), reps=a.reps, **meta, rows=rows)
+
+
+def plot(res, png):
+    import numpy as np
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3))
+    rows = res["rows"]
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["numpy_gflops"] for r in rows], width=0.4, label="NumPy's BLAS (pympar)")
+    ax.bar(x + 0.2, [r["torch_gflops"] for r in rows], width=0.4, label="PyTorch's BLAS")
+    ax.set_xticks(x, [f"{r['shape']}\n{r['threads']} thr" for r in rows], fontsize=6)
+    ax.set(ylabel="GFLOP/s over the step's GEMMs", title="the GEMMs of a training step, float32")
+    ax.legend(fontsize=7)
+    fig.suptitle(res["machine"], fontsize=7)
+    save(fig, png)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--reps", type=int, default=7, help="calls per product and library (the best is kept)")
+    ap.add_argument("--shapes", default="", help="comma-separated L:C:tokens:vocab (default: train_step's three)")
+    ap.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)   # internal: one thread count, JSON out
+    argv = sys.argv[1:] if argv is None else argv
+    if "--one" in argv:
+        a = ap.parse_args(argv)
+        print(json.dumps(one(a.one, parse_shapes(a.shapes), a.reps)))
+        return None
+    return run_and_write(ap, argv, "gemm", run, plot)
+
+
+if __name__ == "__main__":
+    main()
