@@ -195,6 +195,23 @@ def sec_gemm(res, status) -> str:
     return "\n".join(out)
 
 
+def sec_pipeline_head(res, status) -> str:
+    d = _load(res, "pipeline_head")
+    out = ["## The last pipeline stage's head in one pass vs forward and backward apart" + _when("pipeline_head", status), ""]
+    if not d:
+        return "\n".join(out) + _missing("pipeline_head", status)
+    pr = d["pair_ratios"]
+    out += ["`mpiexec -n 2 python bench/pipeline_head.py`: 1F1B over 2 ranks, real GPT blocks and a GPT-2-sized "
+            "vocabulary; the last stage runs the head's forward and backward in F's one pass (each chunk's logits "
+            "computed once) or apart (the logits computed again in B), the two alternating step by step in one run, "
+            f"{d.get('threads', '?')} thread(s) per rank. docs/pipeline.md explains the path.", "",
+            "| shape | one pass s/step | apart s/step | apart / one pass | pairs | same loss |",
+            "| --- | ---: | ---: | ---: | --- | --- |",
+            f"| {d['shape']} | {d['one_pass_s']:.3f} | {d['apart_s']:.3f} | {d['ratio']:.2f}x | "
+            f"{min(pr):.2f}-{max(pr):.2f}x | {d['same_loss']} |", ""]
+    return "\n".join(out)
+
+
 def sec_ddp_step(res, status) -> str:
     d = _load(res, "ddp_step")
     out = ["## A data-parallel step: pympar DP vs torch DDP (gloo)" + _when("ddp_step", status), ""]
@@ -484,6 +501,6 @@ def render(res: Path, status: dict) -> str:
     quick = [n for n, s in status.items() if s.get("quick")]
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
-    secs = [sec_collectives, sec_auto_select, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_dp, sec_moe,
+    secs = [sec_collectives, sec_auto_select, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe,
             sec_compression, sec_plan, sec_memory, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

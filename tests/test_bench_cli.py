@@ -212,15 +212,18 @@ def test_no_bench_script_is_named_like_a_package_transformers_probes():
     assert not scripts & probed, f"bench/ scripts named like packages transformers imports: {sorted(scripts & probed)}"
 
 
-def test_pipeline_head_bench_times_both_paths(tmp_path):
-    """bench/pipeline_head.py: the last stage's head in one pass and apart, same loss, a ratio per pair."""
-    out = tmp_path / "head.json"
+def test_pipeline_head_bench_times_both_paths(tmp_path, bench_module):
+    """bench/pipeline_head.py: the last stage's head in one pass and apart, same loss, a ratio per pair;
+    docs/benchmarks.md's section renders it."""
+    out = tmp_path / "pipeline_head.json"
     run_mpi(2, ["bench/pipeline_head.py", "--layers", "2", "--embd", "32", "--vocab", "256", "--seq", "1100",
                 "--micro", "2", "--pairs", "1", "--json", out], timeout=180, cwd=ROOT)
     d = json.loads(out.read_text())
     assert d["fuses"] and d["same_loss"] and d["shape"] == "pp2 L2 C32 V256 T1100 m2"
     assert d["threads"] == 1                           # the bench environment: one thread per rank
     assert d["ratio"] == pytest.approx(d["apart_s"] / d["one_pass_s"]) and len(d["pair_ratios"]) == 1
+    md = bench_module("report_md").sec_pipeline_head(tmp_path, {})
+    assert "| pp2 L2 C32 V256 T1100 m2 |" in md and f"{d['ratio']:.2f}x" in md
 
 
 def test_gemm_bench_times_both_blas_on_the_step_products(tmp_path):
