@@ -79,7 +79,7 @@ def steps(quick: bool) -> list:
         ("attention", [PY, B / "attention.py", *(["--quick"] if q else []), "--json", R / "attention.json",
                        "--png", IMG / "attention.png"], None),
         ("pipeline_head", [common.mpiexec(), "-n", "2", PY, B / "pipeline_head.py",
-                           *(["--layers", "2", "--seq", "256", "--pairs", "2"] if q else []),
+                           *(["--layers", "2", "--seq", "512", "--pairs", "2"] if q else []),
                            "--json", R / "pipeline_head.json"], None),
         ("gemm", [PY, B / "gemm.py", *(["--threads", "1", "--reps", "2"] if q else []), "--json", R / "gemm.json",
                   "--png", IMG / "gemm.png"], None),
