@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, env, machine, pyplot, run_and_write, save  # noqa: E402
+from common import ROOT, best, env, machine, pyplot, run_and_write, save  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
@@ -61,22 +61,6 @@ for _ in range(2):
     model.loss_and_grad(x[:, :-1], x[:, 1:])
     opt.step()
 """
-
-
-def best(fn, reps, warm_s=0.3):
-    """The fastest of ``reps`` calls, after calls for at least ``warm_s`` seconds: one warm-up call
-    was not enough for the first measurement at a new thread count (a kernel call at T 1024 then
-    ran at the 1-thread speed, 11 ms where the same call later took 6)."""
-    t0 = time.perf_counter()
-    fn()
-    while time.perf_counter() - t0 < warm_s:
-        fn()
-    t = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        t = min(t, time.perf_counter() - t0)
-    return t
 
 
 def speed(shapes, threads, reps):
@@ -111,7 +95,7 @@ def speed(shapes, threads, reps):
                 y.backward(do)
                 q.grad = k.grad = v.grad = None
             fns["sdpa"] = sdpa
-            ts = {name: best(fn, reps) for name, fn in fns.items()}
+            ts = {name: best(fn, reps, warm_s=0.3) for name, fn in fns.items()}
             flops = 7 * H * T * T * D
             row = dict(T=T, heads=H, head_size=D, threads=th, **{f"{n}_s": t for n, t in ts.items()},
                        **{f"{n}_gflops": flops / t / 1e9 for n, t in ts.items()},

@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,6 +24,29 @@ def env() -> dict:
     """One BLAS/kernel thread per rank; pympar from this checkout."""
     return dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYMPAR_NUM_THREADS="1",
                 PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def best(fn, reps, warm_s=0.0, settle=0.0) -> float:
+    """The fastest of ``reps`` calls of fn (seconds), after ``settle`` seconds idle and warm-up calls
+    for at least ``warm_s`` seconds (one at least).
+
+    warm_s: one warm-up call was not enough for the first measurement at a new thread count (an
+    attention call at T 1024 then ran at the 1-thread speed, 11 ms where the same call later took
+    6). settle: OpenBLAS's and OpenMP's worker threads spin a while after a call, and a product
+    timed right after another library's ran at 2 threads against 2 spinning threads on 2 cores
+    (bench/gemm.py: L6 D512's step GEMMs 770 ms on torch at 2 threads, slower than its 648 at 1)."""
+    if settle:
+        time.sleep(settle)
+    t0 = time.perf_counter()
+    fn()
+    while time.perf_counter() - t0 < warm_s:
+        fn()
+    t = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        t = min(t, time.perf_counter() - t0)
+    return t
 
 
 def mpiexec() -> str:

@@ -21,11 +21,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, pyplot, run_and_write, save  # noqa: E402
+from common import ROOT, best, machine, pyplot, run_and_write, save  # noqa: E402
 
 # (name, n_layer, n_embd, tokens, vocab): bench/train_step.py's shapes (issue 14)
 SHAPES = [("L4 D256 T128 B8", 4, 256, 1024, 256), ("L6 D512 T256 B4", 6, 512, 1024, 256),
@@ -50,22 +49,6 @@ def operand(np, rng, kind, r, c):
     return a.T if kind in ("wT", "xT") else a
 
 
-def block(fn, reps, settle):
-    """The best of ``reps`` calls of fn after one warm-up call, once the other library's threads have
-    stopped spinning (``settle`` seconds idle first): OpenBLAS's and OpenMP's worker threads spin a
-    while after a call, and a product timed right after the other library's ran at 2 threads
-    against 2 spinning threads on 2 cores (L6 D512's step GEMMs: 770 ms on torch at 2 threads,
-    slower than its 648 at 1)."""
-    time.sleep(settle)
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def one(threads, shapes, reps):
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(threads)
@@ -87,8 +70,8 @@ def one(threads, shapes, reps):
             f_t = lambda: torch.matmul(ta, tb, out=to)      # noqa: E731
             best_np = best_t = float("inf")
             for _ in range(2):                               # two rounds, the libraries alternating
-                best_np = min(best_np, block(f_np, reps, settle))
-                best_t = min(best_t, block(f_t, reps, settle))
+                best_np = min(best_np, best(f_np, reps, settle=settle))
+                best_t = min(best_t, best(f_t, reps, settle=settle))
             fl = 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
             tn, tt, flops = tn + count * best_np, tt + count * best_t, flops + count * fl
             parts.append(dict(product=name, count=count, shape=[a.shape[0], a.shape[1], b.shape[1]],
