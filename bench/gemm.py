@@ -1,5 +1,6 @@
-"""The GEMMs of a training step: NumPy's BLAS (what pympar calls) against PyTorch's (what its
-eager and compiled steps call), the same shapes and operand layouts, the same threads, one process.
+"""The GEMMs of a training step: NumPy's BLAS, pympar's products (nn.parameter.matmul: Intel MKL
+where installed, kernels/gemm.py, else NumPy's BLAS) and PyTorch's BLAS (what its eager and
+compiled steps call), the same shapes and operand layouts, the same threads, one process.
 
     python bench/gemm.py                    # the three shapes of bench/train_step.py, 1 and 2 threads
     python bench/gemm.py --threads 1 --reps 3 --shapes L4:256:1024:256   # one shape, quickly
@@ -7,10 +8,11 @@ eager and compiled steps call), the same shapes and operand layouts, the same th
 For each shape (layers, width, tokens per micro-batch, vocabulary) the step's products are
 those pympar's Linear layers and head run: per layer qkv, attention projection, c_fc and c_proj,
 each forward y = x W^T, backward dx = dy W and dW = dy^T x, and the head's logits, dh and dW
-(whole, where pympar runs it in row chunks). Each product is timed on both libraries,
-alternating in blocks (two rounds, each the best of --reps calls after a pause that lets the
-other library's spinning threads go idle); the step's GEMM time is the sum over the step's products.
-Attention's own products are not here (pympar's are inside its C++ kernel). The ratio says how
+(whole, where pympar runs it in row chunks). Each product is timed on the three, alternating in
+blocks (two rounds, each the best of --reps calls after a pause that lets the other library's
+spinning threads go idle); the step's GEMM time is the sum over the step's products. The threads
+are set as pympar.train sets them (kernels.set_process_threads: OpenBLAS on the kernels' pool).
+Attention's own products are not here (pympar's are inside its C++ kernel). The ratios say how
 much of a step's speed the BLAS alone decides: > 1 means PyTorch's BLAS is faster.
 Each thread count runs in its own process, the libraries' thread counts set before they load.
 """
@@ -54,35 +56,46 @@ def one(threads, shapes, reps):
         os.environ[var] = str(threads)
     import numpy as np
     import torch
+
+    from pympar import kernels
+    from pympar.kernels import gemm
+    from pympar.nn.parameter import matmul
     torch.set_num_threads(threads)
+    kernels.set_process_threads(threads)                 # as pympar.train sets them (cores.share_cores)
     rng = np.random.default_rng(0)
     settle = 0.3 if threads > 1 else 0.0
     rows = []
     for (label, L, C, N, V) in shapes:
-        tn = tt = flops = 0.0
+        total = dict(numpy=0.0, pympar=0.0, torch=0.0)
+        flops = 0.0
         parts = []
         for (name, count, (ka, ra, ca), (kb, rb, cb)) in products(L, C, N, V):
             a, b = operand(np, rng, ka, ra, ca), operand(np, rng, kb, rb, cb)
             assert a.shape[1] == b.shape[0], (name, a.shape, b.shape)
             out = np.empty((a.shape[0], b.shape[1]), np.float32)
             ta, tb, to = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(out)
-            f_np = lambda: np.matmul(a, b, out=out)          # noqa: E731
-            f_t = lambda: torch.matmul(ta, tb, out=to)      # noqa: E731
-            best_np = best_t = float("inf")
+            fns = dict(numpy=lambda: np.matmul(a, b, out=out),          # NumPy's BLAS
+                       pympar=lambda: matmul(a, b, out=out),            # pympar's products (kernels/gemm.py)
+                       torch=lambda: torch.matmul(ta, tb, out=to))
+            t = {k: float("inf") for k in fns}
             for _ in range(2):                               # two rounds, the libraries alternating
-                best_np = min(best_np, best(f_np, reps, settle=settle))
-                best_t = min(best_t, best(f_t, reps, settle=settle))
+                for k, fn in fns.items():
+                    t[k] = min(t[k], best(fn, reps, settle=settle))
             fl = 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
-            tn, tt, flops = tn + count * best_np, tt + count * best_t, flops + count * fl
+            for k in total:
+                total[k] += count * t[k]
+            flops += count * fl
             parts.append(dict(product=name, count=count, shape=[a.shape[0], a.shape[1], b.shape[1]],
-                              numpy_gflops=fl / best_np / 1e9, torch_gflops=fl / best_t / 1e9))
-        rows.append(dict(shape=label, threads=threads, numpy_ms=1e3 * tn, torch_ms=1e3 * tt,
-                         numpy_gflops=flops / tn / 1e9, torch_gflops=flops / tt / 1e9,
-                         torch_over_numpy=tn / tt, products=parts))
-        print(f"{label:20s} {threads} thr: step GEMMs NumPy {1e3 * tn:7.1f} ms ({flops / tn / 1e9:5.0f} GFLOP/s), "
-              f"torch {1e3 * tt:7.1f} ms ({flops / tt / 1e9:5.0f} GFLOP/s): torch's BLAS {tn / tt:.2f}x NumPy's speed",
+                              **{f"{k}_gflops": fl / t[k] / 1e9 for k in fns}))
+        tn, tp, tt = total["numpy"], total["pympar"], total["torch"]
+        rows.append(dict(shape=label, threads=threads, numpy_ms=1e3 * tn, pympar_ms=1e3 * tp, torch_ms=1e3 * tt,
+                         numpy_gflops=flops / tn / 1e9, pympar_gflops=flops / tp / 1e9, torch_gflops=flops / tt / 1e9,
+                         torch_over_numpy=tn / tt, torch_over_pympar=tp / tt, products=parts))
+        print(f"{label:20s} {threads} thr: step GEMMs NumPy {1e3 * tn:7.1f} ms ({flops / tn / 1e9:4.0f} GFLOP/s), "
+              f"pympar ({gemm.active()}) {1e3 * tp:7.1f} ms ({flops / tp / 1e9:4.0f}), torch {1e3 * tt:7.1f} ms "
+              f"({flops / tt / 1e9:4.0f}): torch's BLAS {tn / tt:.2f}x NumPy's speed, {tp / tt:.2f}x pympar's",
               flush=True)
-    return dict(blas_numpy=np.__version__, torch_version=torch.__version__, rows=rows)
+    return dict(blas_numpy=np.__version__, torch_version=torch.__version__, pympar_gemm=gemm.describe(), rows=rows)
 
 
 def parse_shapes(text):
@@ -117,8 +130,9 @@ def plot(res, png):
     fig, ax = plt.subplots(figsize=(6, 3))
     rows = res["rows"]
     x = np.arange(len(rows))
-    ax.bar(x - 0.2, [r["numpy_gflops"] for r in rows], width=0.4, label="NumPy's BLAS (pympar)")
-    ax.bar(x + 0.2, [r["torch_gflops"] for r in rows], width=0.4, label="PyTorch's BLAS")
+    ax.bar(x - 0.27, [r["numpy_gflops"] for r in rows], width=0.27, label="NumPy's BLAS")
+    ax.bar(x, [r.get("pympar_gflops", 0) for r in rows], width=0.27, label=f"pympar ({res.get('pympar_gemm', '?')})")
+    ax.bar(x + 0.27, [r["torch_gflops"] for r in rows], width=0.27, label="PyTorch's BLAS")
     ax.set_xticks(x, [f"{r['shape']}\n{r['threads']} thr" for r in rows], fontsize=6)
     ax.set(ylabel="GFLOP/s over the step's GEMMs", title="the GEMMs of a training step, float32")
     ax.legend(fontsize=7)

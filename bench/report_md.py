@@ -123,11 +123,13 @@ def sec_train_step(res, status) -> str:
             f"attention (torch {d.get('torch_version', '?')}). Speed ratios are pympar's tokens/s over the peer's "
             "(> 1: pympar faster), the median of the rounds (`--repeat`). MFU/sgemm: model FLOP/s (PaLM's "
             "6N + 12LCT per token, attention included) over this process's measured float32 GEMM rate on the "
-            "step's largest GEMM at the same threads.", "", _img("train_step", "training step"), "",
-            "| shape | threads | sgemm GFLOP/s | pympar tokens/s | pympar MFU/sgemm | x SDPA | x compile | x naive | "
+            "step's largest GEMM at the same threads (the faster of NumPy's BLAS and pympar's products: MKL where "
+            "installed, pympar/kernels/gemm.py). GEMM: the library pympar's products ran on (rows without one "
+            "predate the choice: NumPy's BLAS).", "", _img("train_step", "training step"), "",
+            "| shape | threads | GEMM | sgemm GFLOP/s | pympar tokens/s | pympar MFU/sgemm | x SDPA | x compile | x naive | "
             "SDPA MFU/sgemm |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-            *[f"| {key.rsplit('/', 1)[0]} | {key.rsplit('/', 1)[1]} | {f(r, 'sgemm_gflops', '.0f')} | "
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            *[f"| {key.rsplit('/', 1)[0]} | {key.rsplit('/', 1)[1]} | {r.get('gemm_library', '-')} | {f(r, 'sgemm_gflops', '.0f')} | "
               f"{r['pympar_tokens_per_s']:.0f} | {f(r, 'pympar_mfu_vs_sgemm', '.2f')} | {f(r, 'sdpa_speed_ratio', '.2f')} | "
               f"{f(r, 'compile_speed_ratio', '.2f')} | {f(r, 'naive_speed_ratio', '.2f')} | {f(r, 'sdpa_mfu_vs_sgemm', '.2f')} |"
               for key, r in sorted(table.items())],
@@ -178,20 +180,25 @@ def sec_attention(res, status) -> str:
 
 def sec_gemm(res, status) -> str:
     d = _load(res, "gemm")
-    out = ["## The GEMMs of a step: NumPy's BLAS (pympar) vs PyTorch's" + _when("gemm", status), ""]
+    out = ["## The GEMMs of a step: NumPy's BLAS, pympar's products (MKL where installed) and PyTorch's" + _when("gemm", status), ""]
     if not d:
         return "\n".join(out) + _missing("gemm", status)
+    f = lambda r, k, fmt: format(r[k], fmt) if k in r else "-"  # noqa: E731
     out += ["`python bench/gemm.py`: every matrix product pympar's Linear layers and head run in one training step "
             "(forward y = x W^T, backward dx = dy W and dW = dy^T x, the operands laid out as pympar passes them), "
-            f"timed on NumPy's BLAS ({d.get('blas_numpy', '?')}; what pympar calls) and on PyTorch's "
+            f"timed on NumPy's BLAS ({d.get('blas_numpy', '?')}), on pympar's products ({d.get('pympar_gemm', 'not run')}; "
+            "nn.parameter.matmul, pympar/kernels/gemm.py) and on PyTorch's "
             f"(torch {d.get('torch_version', '?')}; what its eager and compiled steps call) at the same threads in one "
             "process, the libraries alternating in blocks, each product the best of several calls. Attention's own "
-            "products are not included (pympar's run inside its C++ kernel). Ratio > 1: PyTorch's BLAS faster.", "",
+            "products are not included (pympar's run inside its C++ kernel). Ratio > 1: PyTorch's BLAS faster. "
+            "Rows without a pympar column predate the MKL path (pympar then ran NumPy's BLAS).", "",
             _img("gemm", "step GEMMs"), "",
-            "| shape | threads | NumPy ms | NumPy GFLOP/s | torch ms | torch GFLOP/s | torch / NumPy speed |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-            *[f"| {r['shape']} | {r['threads']} | {r['numpy_ms']:.1f} | {r['numpy_gflops']:.0f} | {r['torch_ms']:.1f} | "
-              f"{r['torch_gflops']:.0f} | {r['torch_over_numpy']:.2f}x |" for r in d["rows"]], ""]
+            "| shape | threads | NumPy ms | pympar ms | torch ms | NumPy / pympar / torch GFLOP/s | torch / NumPy speed | "
+            "torch / pympar speed |",
+            "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+            *[f"| {r['shape']} | {r['threads']} | {r['numpy_ms']:.1f} | {f(r, 'pympar_ms', '.1f')} | {r['torch_ms']:.1f} | "
+              f"{r['numpy_gflops']:.0f} / {f(r, 'pympar_gflops', '.0f')} / {r['torch_gflops']:.0f} | "
+              f"{r['torch_over_numpy']:.2f}x | {f(r, 'torch_over_pympar', '.2f')}x |" for r in d["rows"]], ""]
     return "\n".join(out)
 
 

@@ -56,7 +56,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pympar import kernels  # noqa: E402
-from pympar.kernels import blas, malloc_policy  # noqa: E402
+from pympar.kernels import blas, gemm, malloc_policy  # noqa: E402
 from pympar.nn import GPT, GPTConfig  # noqa: E402
 from pympar.optim import AdamW, decays  # noqa: E402
 from pympar.config import apply_environment  # noqa: E402
@@ -90,8 +90,8 @@ def write_json(path, res):
         table = old.get("table", {}) if "shape" in old else {}
     except (OSError, ValueError):
         pass
-    keep = ("shape", "params", "blas_threads", "kernel_threads", "pympar_step_s", "pympar_tokens_per_s",
-            "sgemm_gflops", "pympar_mfu_vs_sgemm", "repeats") + tuple(
+    keep = ("shape", "params", "blas_threads", "kernel_threads", "gemm_library", "pympar_step_s", "pympar_tokens_per_s",
+            "sgemm_gflops", "sgemm_numpy_gflops", "sgemm_pympar_gflops", "pympar_mfu_vs_sgemm", "repeats") + tuple(
         f"{p}_{k}" for p in PEERS for k in ("step_s", "tokens_per_s", "mfu_vs_sgemm", "speed_ratio"))
     table[f"{res['shape']}/{res['threads']}"] = {k: res[k] for k in keep if k in res}
     with open(path, "w") as f:
@@ -108,19 +108,26 @@ def model_flops_per_token(cfg, n_params, T):
 
 
 def sgemm_gflops(M, K, N, reps=5):
-    """This process's float32 GEMM rate on the step's largest GEMM (tokens x C times C x 4C)."""
+    """This process's float32 GEMM rates on the step's largest GEMM (tokens x C times C x 4C):
+    {"numpy": NumPy's BLAS, "pympar": pympar's products (nn.parameter.matmul: MKL where it runs
+    them, kernels/gemm.py)}. MFU is counted against the faster of the two."""
     import time as _t
+
+    from pympar.nn.parameter import matmul
     rng = np.random.default_rng(1)
     x = rng.standard_normal((M, K)).astype(np.float32)
     w = rng.standard_normal((K, N)).astype(np.float32)
     out = np.empty((M, N), np.float32)
-    np.matmul(x, w, out=out)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = _t.perf_counter()
-        np.matmul(x, w, out=out)
-        best = min(best, _t.perf_counter() - t0)
-    return 2 * M * K * N / best / 1e9
+    rates = {}
+    for name, fn in (("numpy", lambda: np.matmul(x, w, out=out)), ("pympar", lambda: matmul(x, w, out=out))):
+        fn()
+        best = float("inf")
+        for _ in range(reps):
+            t0 = _t.perf_counter()
+            fn()
+            best = min(best, _t.perf_counter() - t0)
+        rates[name] = 2 * M * K * N / best / 1e9
+    return rates
 
 
 def torch_peers(a, cfg, model, idx, tg, names):
@@ -178,7 +185,10 @@ def main(a):
                threads=a.threads, native_kernels=kernels.native_available(), blas_threads=blas.blas_threads(),
                kernel_threads=kernels.get_num_threads(), malloc_retained=malloc_policy.retained(), params=n_params,
                model_flops_per_step=model_flops_per_token(cfg, n_params, T) * tokens)
-    res["sgemm_gflops"] = sgemm_gflops(tokens, cfg.n_embd, 4 * cfg.n_embd)
+    rates = sgemm_gflops(tokens, cfg.n_embd, 4 * cfg.n_embd)
+    res["gemm_library"] = gemm.describe()
+    res["sgemm_numpy_gflops"], res["sgemm_pympar_gflops"] = rates["numpy"], rates["pympar"]
+    res["sgemm_gflops"] = max(rates.values())          # MFU's denominator: the process's faster sgemm
     names = [] if a.no_torch else [p for p in a.peers.split(",") if p]
     bad = [p for p in names if p not in PEERS]
     if bad:
@@ -217,7 +227,8 @@ def main(a):
         res[f"{name}_speed_ratio"] = med(f"{name}_ratio")          # pympar's speed / the peer's
 
     print(f"\n{res['shape']} ({a.preset}): {n_params:,} params, {a.threads} thread(s), "
-          f"native kernels: {res['native_kernels']}; sgemm {res['sgemm_gflops']:.0f} GFLOP/s")
+          f"native kernels: {res['native_kernels']}; GEMM {res['gemm_library']}; "
+          f"sgemm {res['sgemm_gflops']:.0f} GFLOP/s (NumPy's {rates['numpy']:.0f}, pympar's {rates['pympar']:.0f})")
     print(f"{'engine':<22}{'step ms':>10}{'tokens/s':>12}{'MFU/sgemm':>11}{'pympar x':>10}")
     print(f"{'pympar':<22}{1e3 * t_p:>10.1f}{tokens / t_p:>12.0f}{res['pympar_mfu_vs_sgemm']:>11.2f}")
     label = dict(sdpa="torch eager + SDPA", compile="torch.compile + SDPA", naive="torch eager, naive attn")

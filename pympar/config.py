@@ -42,6 +42,7 @@ ENVIRONMENT = {   # variable -> what it sets (docs/engine.md, "Environment varia
     "PYMPAR_SPIN_US": "microseconds an idle kernel thread spins before it sleeps (default 200)",
     "PYMPAR_BLAS_THREADS": "'own': OpenBLAS keeps its own threads instead of the kernels' pool",
     "PYMPAR_CHUNK_THREADS": "'0': attention's per-slice GEMM stacks run serially",
+    "PYMPAR_GEMM": "'numpy': NumPy's BLAS multiplies, 'mkl': Intel MKL must (default 'auto': MKL where installed)",
     "PYMPAR_MALLOC": "'system': keep glibc's malloc thresholds (freed memory is not retained)",
     "PYMPAR_DEBUG_COLLECTIVES": "'1': check every collective's fingerprint across the ranks",
     "PYMPAR_TUNING": "'measure' (default; pympar.train's: 'reproducible', floating-point reductions over 3+ ranks "
@@ -76,6 +77,7 @@ class Environment:
     blas_share_threads: bool = True
     chunk_threads: bool = True
     retain_memory: bool = True
+    gemm: str = ""
     debug_collectives: bool = False
     tuning: str = ""
     shm_chunk: int | None = None
@@ -144,6 +146,7 @@ def read_environment(environ=None) -> Environment:
         blas_share_threads=_choice_var(env, "PYMPAR_BLAS_THREADS", ("", "own", "shared")) != "own",
         chunk_threads=_choice_var(env, "PYMPAR_CHUNK_THREADS", ("", "0", "1")) != "0",
         retain_memory=_choice_var(env, "PYMPAR_MALLOC", ("", "system", "retain")) != "system",
+        gemm=_choice_var(env, "PYMPAR_GEMM", ("", "auto", "numpy", "mkl")),
         debug_collectives=env.get("PYMPAR_DEBUG_COLLECTIVES", "0").strip().lower() not in ("", "0", "false", "no", "off"),
         tuning=env.get("PYMPAR_TUNING", "").strip(),
         shm_chunk=_int_var(env, "PYMPAR_SHM_CHUNK", 64),
@@ -167,7 +170,7 @@ def apply_environment(environ=None, tuning_default="") -> Environment:
     NCCL, the cache, the local rank)."""
     from . import kernels
     from .comm import progress, settings as comm_settings
-    from .kernels import blas, malloc_policy
+    from .kernels import blas, gemm, malloc_policy
 
     e = read_environment(environ)
     kernels.use_reference(e.kernels_reference)
@@ -178,6 +181,10 @@ def apply_environment(environ=None, tuning_default="") -> Environment:
     if e.spin_us is not None:
         kernels.set_spin_us(e.spin_us)
     blas.configure(share_threads=e.blas_share_threads, chunk_threads=e.chunk_threads)
+    try:
+        gemm.use(e.gemm or "auto")
+    except ValueError as err:
+        raise ConfigError(f"PYMPAR_GEMM={e.gemm}: {err}") from None
     if e.retain_memory:
         malloc_policy.retain_freed_memory()
     if e.launcher_local_ranks is not None:     # the polling pace before a communicator finds the node's ranks

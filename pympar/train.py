@@ -48,6 +48,7 @@ from . import layout as layouts
 from .comm.objects import gather_object
 from .config import ConfigError, apply_environment, describe, parse_args
 from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
+from .kernels import gemm
 from .resilience import (RESUMABLE_STATUS, STOP_STATUS, BadStepGuard, NonFiniteStop, StopRequest,
                      check_resumable, resolve_resume, restore_run, save_run)
 from .metrics import MetricsWriter, measure_matmul_peak, moe_layer_stats
@@ -155,7 +156,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
                + (", sequence parallel" if run.seq_parallel else "")) if run.layout == "auto" else \
               ("chosen for the world size" if run.layout_auto else "as given")
         print(f"pympar.train: {world} rank(s), layout {lay} ({how}); {threads} thread(s) per rank ({threads_why}); "
-              f"data {corpus.name}: "
+              f"GEMM {'cuBLAS' if run.device == 'cuda' else gemm.describe()}; data {corpus.name}: "
               f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens, vocab {model_cfg.vocab_size}")
         print(f"pympar.train: model {run.preset} {runner.n_params:,} params, {fpt / 1e6:.2f} MFLOP/token; "
               f"global batch {B}x{run.n_micro}x{lay.dp} sequences x {T} = {tokens_per_step:,} tokens; "

@@ -226,9 +226,10 @@ def test_pipeline_head_bench_times_both_paths(tmp_path, bench_module):
     assert "| pp2 L2 C32 V256 T1100 m2 |" in md and f"{d['ratio']:.2f}x" in md
 
 
-def test_gemm_bench_times_both_blas_on_the_step_products(tmp_path):
+def test_gemm_bench_times_both_blas_on_the_step_products(tmp_path, bench_module):
     """bench/gemm.py: every product of a step (4 Linears x 3 per layer, the head's 3) timed on NumPy's
-    and PyTorch's BLAS, the step's totals the count-weighted sums of the products."""
+    BLAS, pympar's products and PyTorch's BLAS, the step's totals the count-weighted sums of the
+    products; the doc's table renders the row."""
     pytest.importorskip("torch")
     res = tmp_path / "gemm.json"
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "gemm.py"), "--threads", "1", "--reps", "1",
@@ -243,4 +244,9 @@ def test_gemm_bench_times_both_blas_on_the_step_products(tmp_path):
     assert flops == 6 * 128 * (2 * 12 * 64 * 64 + 96 * 64)          # 6 x tokens x (Linear + head weights)
     ms = sum(q["count"] * 2e-6 * q["shape"][0] * q["shape"][1] * q["shape"][2] / q["numpy_gflops"] for q in row["products"])
     assert abs(ms / row["numpy_ms"] - 1) < 1e-9 and row["torch_over_numpy"] > 0
+    ms = sum(q["count"] * 2e-6 * q["shape"][0] * q["shape"][1] * q["shape"][2] / q["pympar_gflops"] for q in row["products"])
+    assert abs(ms / row["pympar_ms"] - 1) < 1e-9 and row["torch_over_pympar"] == pytest.approx(row["pympar_ms"] / row["torch_ms"])
+    assert d["pympar_gemm"].startswith(("MKL", "NumPy"))
     assert (tmp_path / "gemm.png").stat().st_size > 1000
+    md = bench_module("report_md").sec_gemm(tmp_path, {})
+    assert f"| {row['shape']} | 1 | {row['numpy_ms']:.1f} | {row['pympar_ms']:.1f} | {row['torch_ms']:.1f} |" in md

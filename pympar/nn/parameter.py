@@ -16,6 +16,7 @@ import contextlib
 import numpy as np
 
 from .. import kernels
+from ..kernels import gemm
 from ..backend import dtype as backend_dtype
 from ..backend import is_low_precision, lowp_gemm, to_device, xp_of
 from .init import normal_slice
@@ -307,9 +308,13 @@ def matmul(a, b, out_dtype=None, out=None):
             out[...] = y
             return out
         return y.astype(out_dtype or a.dtype, copy=False)
+    if out is not None and out_dtype is not None and out.dtype != out_dtype:
+        raise ValueError(f"matmul: out has dtype {out.dtype}, out_dtype asks for {out_dtype}")
+    if type(a) is np.ndarray and (out_dtype is None or out_dtype == a.dtype):   # MKL, where selected
+        y = gemm.product(a, b, out, kernels.get_num_threads())
+        if y is not None:
+            return y
     if out is not None:
-        if out_dtype is not None and out.dtype != out_dtype:
-            raise ValueError(f"matmul: out has dtype {out.dtype}, out_dtype asks for {out_dtype}")
         if out.dtype == a.dtype:
             return xp_of(a).matmul(a, b, out=out)   # BLAS writes a strided view directly
         out[...] = a @ b

@@ -1,0 +1,129 @@
+"""The GEMM library under pympar's NumPy products (pympar/kernels/gemm.py): MKL where installed,
+NumPy's BLAS otherwise or when asked. MKL's products equal a float64 reference for every operand
+layout pympar passes, the layouts MKL cannot take go to NumPy, and a model trains to the same
+numbers (float tolerance) on either library."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pympar import kernels
+from pympar.config import ConfigError, apply_environment
+from pympar.kernels import gemm
+from pympar.nn import GPT, GPTConfig
+from pympar.nn.parameter import matmul
+
+needs_mkl = pytest.mark.skipif(not gemm._load(), reason="MKL is not installed (pip install 'pympar[mkl]')")
+
+
+@pytest.fixture
+def library():
+    """Restores the selection and the thread count after the test."""
+    before, threads = gemm._choice, kernels.get_num_threads()
+    yield gemm
+    gemm.use(before)
+    kernels.set_num_threads(threads)
+
+
+def _layouts(rng, M, K, N, dtype):
+    a = rng.standard_normal((M, K)).astype(dtype)
+    b = rng.standard_normal((K, N)).astype(dtype)
+    wide = rng.standard_normal((M, K + 7)).astype(dtype)[:, 3:3 + K]     # rows of a wider array
+    return [("C", a, b), ("a^T", np.ascontiguousarray(a.T).T, b), ("b^T", a, np.ascontiguousarray(b.T).T),
+            ("both^T", np.ascontiguousarray(a.T).T, np.ascontiguousarray(b.T).T), ("strided rows", wide, b)]
+
+
+@needs_mkl
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 2e-6), (np.float64, 1e-13)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mkl_products_equal_the_reference(library, dtype, tol, threads):
+    library.use("mkl")
+    kernels.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    for (M, K, N) in [(257, 129, 65), (1024, 64, 192), (3, 5, 2), (64, 1000, 16)]:
+        for name, a, b in _layouts(rng, M, K, N, dtype):
+            ref = a.astype(np.float64) @ b.astype(np.float64)
+            scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)   # the sum's magnitude
+            y = gemm.product(a, b, threads=threads)
+            assert y is not None, (name, M, K, N)
+            assert y.dtype == dtype and y.shape == (M, N)
+            assert np.all(np.abs(y - ref) <= tol * scale), (name, M, K, N, float(np.max(np.abs(y - ref) / scale)))
+            big = np.full((M + 2, N + 5), -7.0, dtype)          # into a block of a larger array
+            out = big[1:M + 1, 2:N + 2]
+            assert matmul(a, b, out=out) is out
+            assert np.array_equal(out, y)
+            assert np.all(big[0] == -7) and np.all(big[:, :2] == -7) and np.all(big[:, N + 2:] == -7)
+
+
+@needs_mkl
+def test_what_mkl_cannot_take_goes_to_numpy(library):
+    library.use("mkl")
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((32, 16)).astype(np.float32)
+    b = rng.standard_normal((16, 16)).astype(np.float32)
+    cases = [
+        (a[:, ::2], b[::2]),                                  # a: no unit stride either way
+        (a.astype(np.float16), b.astype(np.float16)),         # not float32/float64
+        (a, b.astype(np.float64)),                            # mixed dtypes
+        (a[None].repeat(2, 0), b),                            # a stack (attention's materialized path)
+        (a[:, :1], b[:1]),                                    # one-wide
+    ]
+    for x, w in cases:
+        assert gemm.product(x, w) is None
+        y = matmul(x, w)
+        assert np.allclose(y.astype(np.float64), x.astype(np.float64) @ w.astype(np.float64), rtol=1e-2, atol=1e-2)
+    sq = rng.standard_normal((16, 16)).astype(np.float32)
+    ref = sq @ b
+    assert gemm.product(sq, b, out=sq) is None                # out aliases an operand: NumPy buffers it
+    assert np.array_equal(matmul(sq, b, out=sq), ref)
+    assert gemm.product(a, b, out=np.empty((32, 16), np.float64)) is None   # out of another dtype
+
+
+def test_numpy_selected_runs_numpy(library):
+    library.use("numpy")
+    assert library.active() == "numpy" and "NumPy" in library.describe()
+    a = np.ones((64, 32), np.float32)
+    assert library.product(a, a.T) is None
+    assert np.array_equal(matmul(a, a.T), a @ a.T)
+
+
+def test_selection_is_checked(library, monkeypatch):
+    with pytest.raises(ValueError, match="expected one of auto, numpy, mkl"):
+        library.use("openblas")
+    with pytest.raises(ConfigError, match="PYMPAR_GEMM='fast'"):
+        apply_environment({"PYMPAR_GEMM": "fast"})
+    apply_environment({"PYMPAR_GEMM": "numpy"})
+    assert library.active() == "numpy"
+    # where no libmkl_rt can be found: "mkl" is refused with what was looked for, "auto" is NumPy
+    monkeypatch.setattr(library, "_lib", None)
+    monkeypatch.setattr(library, "_where", library._where)
+    monkeypatch.setattr(library, "candidates", lambda: [])
+    with pytest.raises(ConfigError, match="PYMPAR_GEMM=mkl: .*libmkl_rt not found.*PYMPAR_GEMM=numpy"):
+        apply_environment({"PYMPAR_GEMM": "mkl"})
+    library.use("auto")
+    assert library.active() == "numpy" and library.describe() == "NumPy's BLAS (no MKL found)"
+
+
+def _step(dtype):
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(cfg, seed=3, dtype=dtype)
+    x = np.random.default_rng(5).integers(0, 64, size=(3, 33))
+    model.zero_grad()
+    loss = model.loss_and_grad(x[:, :-1], x[:, 1:])
+    loss = loss[0] if isinstance(loss, tuple) else loss
+    return float(loss), {n: p.grad.copy() for n, p in model.named_parameters()}
+
+
+@needs_mkl
+@pytest.mark.parametrize("dtype,rtol", [(np.float32, 1e-4), (np.float64, 1e-11)])
+def test_a_model_trains_to_the_same_numbers_on_either_library(library, dtype, rtol):
+    library.use("numpy")
+    loss_np, g_np = _step(dtype)
+    library.use("mkl")
+    loss_mkl, g_mkl = _step(dtype)
+    assert abs(loss_mkl - loss_np) <= rtol * abs(loss_np)
+    for n in g_np:
+        scale = float(np.max(np.abs(g_np[n])))
+        assert np.max(np.abs(g_mkl[n] - g_np[n])) <= rtol * scale, n
+    loss_again, g_again = _step(dtype)                     # one library, the same bits every time
+    assert loss_again == loss_mkl and all(np.array_equal(g_again[n], g_mkl[n]) for n in g_mkl)
