@@ -161,6 +161,11 @@ def torch_peers(a, cfg, model, idx, tg, names):
 
 
 def main(a):
+    if not a.no_torch:
+        try:                                     # before pympar's first product loads MKL: a torch
+            import torch  # noqa: F401           # loaded after would bind its MKL calls to pympar's
+        except ImportError:                      # (kernels/gemm.py, "Other MKLs in the process")
+            pass
     kernels.set_num_threads(a.threads)
     over = {}
     for kv in a.set:

@@ -40,7 +40,7 @@ def test_mkl_products_equal_the_reference(library, dtype, tol, threads):
     library.use("mkl")
     kernels.set_num_threads(threads)
     rng = np.random.default_rng(0)
-    for (M, K, N) in [(257, 129, 65), (1024, 64, 192), (3, 5, 2), (64, 1000, 16)]:
+    for (M, K, N) in [(257, 129, 65), (1024, 64, 192), (96, 200, 513), (3, 5, 2), (64, 1000, 16)]:
         for name, a, b in _layouts(rng, M, K, N, dtype):
             ref = a.astype(np.float64) @ b.astype(np.float64)
             scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)   # the sum's magnitude

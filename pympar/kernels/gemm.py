@@ -21,8 +21,17 @@ dtypes, empty or one-wide products) goes to NumPy's matmul, as before.
 
 Threads: MKL runs sequentially (its own OpenMP threads would spin beside the C++ kernels'
 pool: blas.py says why that costs); at n > 1 kernel threads a product is cut into n blocks of
-output rows, each one sequential MKL call on one of the kernels' threads (blas.over_chunks),
+output rows (of output columns when it is wider than tall), each one sequential MKL call on one
+of the kernels' threads (blas.over_chunks),
 so the same n threads run every GEMM and kernel of a step, as with OpenBLAS's shared pool.
+
+Other MKLs in the process: libmkl_rt opens MKL's layers into the process's global symbol scope at
+the first product. A library loaded after that which carries its own MKL with exported symbols
+(PyTorch's CPU wheel does) then binds its MKL calls to these, sequential ones: measured,
+PyTorch's 2-thread training step 1.5x slower (L4 D256, bench/train_step.py). Loaded before, it
+keeps its own (its symbols are bound when it loads, and it is not in the global scope). So a
+program that uses PyTorch beside pympar imports torch first (the benchmarks do), or sets
+PYMPAR_GEMM=numpy.
 
 Numbers: MKL and OpenBLAS round differently (float32 products agree to a few ulps of the sum's
 magnitude, not bit for bit); within one library, the same product on the same threads gives
@@ -162,11 +171,21 @@ def product(a, b, out=None, threads: int = 1):
             return None
     (ta, lda), (tb, ldb), ldc = la, lb, out.strides[0] // out.itemsize
     pa, pb, po = a.ctypes.data, b.ctypes.data, out.ctypes.data
-    sa, so = a.strides[0], out.strides[0]        # bytes from one row of a (of out) to the next
-    parts = min(int(threads), M // 16) if 2.0 * M * N * K >= _SPLIT_FLOPS else 1
+    big = 2.0 * M * N * K >= _SPLIT_FLOPS
+    if big and threads > 1 and N > M and N // 16 >= 2:  # wider than tall: blocks of output columns
+        sb, so = b.strides[1], out.strides[1]    # bytes from one column of b (of out) to the next
+        from .blas import over_chunks
+
+        def cols(j0, j1):
+            f(_ROW_MAJOR, ta, tb, M, j1 - j0, K, 1.0, pa, lda, pb + j0 * sb, ldb, 0.0, po + j0 * so, ldc)
+
+        over_chunks(N, cols, min(int(threads), N // 16))
+        return out
+    parts = min(int(threads), M // 16) if big else 1
     if parts <= 1:
         f(_ROW_MAJOR, ta, tb, M, N, K, 1.0, pa, lda, pb, ldb, 0.0, po, ldc)
         return out
+    sa, so = a.strides[0], out.strides[0]        # bytes from one row of a (of out) to the next
     from .blas import over_chunks
 
     def rows(i0, i1):                            # output rows [i0, i1): a's rows, out's rows
