@@ -155,6 +155,8 @@ def run(a):
               flush=True)
     res["memory"] = mem
     res["memory_when"] = time.strftime("%Y-%m-%d %H:%M")
+    from pympar.kernels import gemm              # the processes' GEMM library (MKL adds ~13 MiB to each)
+    res["memory_gemm"] = gemm.describe()
     growth = mem[-1]["tiled_peak_bytes"] / mem[0]["tiled_peak_bytes"]
     res["tiled_peak_growth"] = dict(from_T=mem[0]["T"], to_T=mem[-1]["T"], ratio=growth, target=1.5)
     for rc in ("selective", "full", "one_model"):

@@ -154,6 +154,8 @@ def sec_attention(res, status) -> str:
               f"{1e3 * r['materialized_s']:.1f} | {1e3 * r['sdpa_s']:.1f} | {r['tiled_gflops']:.0f} | {r['tiled_over_sdpa']:.2f}x |"
               for r in d["speed"]],
             "", "Peak resident memory (VmHWM, from outside; " + (f"measured {d['memory_when']}, " if "memory_when" in d else "")
+            + (f"GEMM {d['memory_gemm']} -- MKL's code and buffers add about 13 MiB to every row, so a ratio between rows "
+               "is lower than with NumPy's BLAS for the same bytes of activations; " if "memory_gemm" in d else "")
             + "python bench/attention.py --memory-only measures it alone) of one process training the 2-layer, 128-wide model "
             "(4 heads, vocabulary 256) for 2 steps at micro-batch 1; block_size = T except in the last column, which "
             "trains one model (block_size the longest T) at every T:", "",
