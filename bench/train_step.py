@@ -111,7 +111,7 @@ def sgemm_gflops(M, K, N, reps=5):
     """This process's float32 GEMM rates on the step's largest GEMM (tokens x C times C x 4C):
     {"numpy": NumPy's BLAS, "pympar": pympar's products (nn.parameter.matmul: MKL where it runs
     them, kernels/gemm.py)}. MFU is counted against the faster of the two."""
-    import time as _t
+    from common import best                      # bench/common.py: the fastest of reps calls
 
     from pympar.nn.parameter import matmul
     rng = np.random.default_rng(1)
@@ -120,13 +120,7 @@ def sgemm_gflops(M, K, N, reps=5):
     out = np.empty((M, N), np.float32)
     rates = {}
     for name, fn in (("numpy", lambda: np.matmul(x, w, out=out)), ("pympar", lambda: matmul(x, w, out=out))):
-        fn()
-        best = float("inf")
-        for _ in range(reps):
-            t0 = _t.perf_counter()
-            fn()
-            best = min(best, _t.perf_counter() - t0)
-        rates[name] = 2 * M * K * N / best / 1e9
+        rates[name] = 2 * M * K * N / best(fn, reps) / 1e9
     return rates
 
 

@@ -228,6 +228,7 @@ def test_bad_checkpoint_ends_every_rank_with_one_line(tmp_path, saved_run, damag
 @pytest.mark.parametrize("var, needle", [
     ("PYMPAR_PP_CHANNELS", "expected 0 (MPI with tags), 1 (ordered channels) or unset"),
     ("PYMPAR_NUM_THREADS", "PYMPAR_NUM_THREADS='yes' is not a number of threads"),
+    ("PYMPAR_GEMM", "PYMPAR_GEMM='yes': expected one of '', 'auto', 'numpy', 'mkl'"),
 ])
 def test_bad_environment_setting_exits_2_on_every_rank(tmp_path, var, needle):
     res = run_mpi(2, ["-m", "pympar.train", *TINY, "--steps", "1"], timeout=60, check=False, env={var: "yes"})
@@ -371,3 +372,15 @@ def test_progress_auto_follows_what_the_launcher_writes_to(tmp_path):
                        cwd=ROOT / "tests", timeout=90)
     shown = typescript.read_bytes().decode(errors="replace")
     assert p.returncode == 0 and "step/s" in shown and "\r" in shown, shown[-1500:]
+
+
+def test_the_start_up_line_names_the_gemm_library(tmp_path):
+    """The trainer says which library multiplies (pympar/kernels/gemm.py): MKL where installed
+    (CI installs the extra), NumPy's BLAS when PYMPAR_GEMM=numpy asks for it."""
+    from pympar.kernels import gemm
+
+    res = run_mpi(1, ["-m", "pympar.train", *TINY, "--steps", "1"], timeout=120)
+    want = "GEMM MKL (" if gemm._load() else "GEMM NumPy's BLAS (no MKL found)"
+    assert want in res.stdout, res.stdout[-2000:]
+    res = run_mpi(1, ["-m", "pympar.train", *TINY, "--steps", "1"], timeout=120, env={"PYMPAR_GEMM": "numpy"})
+    assert "GEMM NumPy's BLAS (PYMPAR_GEMM=numpy)" in res.stdout, res.stdout[-2000:]
