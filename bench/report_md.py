@@ -30,6 +30,19 @@ def _when(name, status) -> str:
     return f" (run {s['when']}, {s['seconds']:.0f} s{', --quick' if s.get('quick') else ''})" if s else ""
 
 
+def _opening(res: Path, status, name: str, title: str):
+    """A section's JSON (None when the step wrote none) and its opening lines: the title with when
+    the step last ran and a blank line -- or, without the JSON, the title and what became of the step."""
+    d = _load(res, name)
+    head = title + _when(name, status)
+    return d, ([head, ""] if d else [head, _missing(name, status)])
+
+
+def _cell(r: dict, key: str, fmt: str) -> str:
+    """r[key] formatted, "-" for a row that predates the field."""
+    return format(r[key], fmt) if key in r else "-"
+
+
 def human(b) -> str:
     for u, s in ((1 << 20, "MiB"), (1 << 10, "KiB")):
         if b >= u:
@@ -38,10 +51,9 @@ def human(b) -> str:
 
 
 def sec_collectives(res, status) -> str:
-    d = _load(res, "collectives")
-    out = ["## Collectives: pympar vs the MPI library vs torch.distributed gloo" + _when("collectives", status), ""]
+    d, out = _opening(res, status, "collectives", "## Collectives: pympar vs the MPI library vs torch.distributed gloo")
     if not d:
-        return "\n".join(out) + _missing("collectives", status)
+        return "\n".join(out)
     out += ["`python bench/collectives.py` runs `python -m pympar.bench <collective> --algo all --json` for every "
             "rank count: each pympar algorithm, the library's own call through mpi4py (`library`) and, for allreduce, "
             "gloo (`torch-gloo`), in one run per (collective, ranks). busbw follows nccl-tests. The tables give, per "
@@ -68,11 +80,10 @@ def sec_collectives(res, status) -> str:
 
 
 def sec_auto_select(res, status) -> str:
-    d = _load(res, "auto_select")
-    out = ["## algo=\"auto\" against every choice, on shared memory and on the network transport"
-           + _when("auto_select", status), ""]
+    d, out = _opening(res, status, "auto_select", "## algo=\"auto\" against every choice, on shared memory and on the network transport"
+          )
     if not d:
-        return "\n".join(out) + _missing("auto_select", status)
+        return "\n".join(out)
     tgt = d.get("target", 1.15)
     out += ["`python bench/auto_select.py`: one `python -m pympar.bench allreduce --algo all` run per transport and "
             "rank count (auto measures its choice per size bucket in its warm-up, agreed over the ranks). Per size, "
@@ -111,12 +122,10 @@ def sec_auto_select(res, status) -> str:
 
 
 def sec_train_step(res, status) -> str:
-    d = _load(res, "train_step")
-    out = ["## A training step: pympar vs PyTorch eager + SDPA and torch.compile" + _when("train_step", status), ""]
+    d, out = _opening(res, status, "train_step", "## A training step: pympar vs PyTorch eager + SDPA and torch.compile")
     if not d:
-        return "\n".join(out) + _missing("train_step", status)
+        return "\n".join(out)
     table = d.get("table", {})
-    f = lambda r, k, fmt: format(r[k], fmt) if k in r else "-"  # noqa: E731
     out += ["`python bench/train_step.py`: forward, backward and AdamW of the same model with the same weights and "
             "threads in one process, pympar interleaved with each PyTorch peer a user would pick: eager with "
             "`F.scaled_dot_product_attention`, `torch.compile` of that model, and eager with hand-written "
@@ -129,9 +138,10 @@ def sec_train_step(res, status) -> str:
             "| shape | threads | GEMM | sgemm GFLOP/s | pympar tokens/s | pympar MFU/sgemm | x SDPA | x compile | x naive | "
             "SDPA MFU/sgemm |",
             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-            *[f"| {key.rsplit('/', 1)[0]} | {key.rsplit('/', 1)[1]} | {r.get('gemm_library', '-')} | {f(r, 'sgemm_gflops', '.0f')} | "
-              f"{r['pympar_tokens_per_s']:.0f} | {f(r, 'pympar_mfu_vs_sgemm', '.2f')} | {f(r, 'sdpa_speed_ratio', '.2f')} | "
-              f"{f(r, 'compile_speed_ratio', '.2f')} | {f(r, 'naive_speed_ratio', '.2f')} | {f(r, 'sdpa_mfu_vs_sgemm', '.2f')} |"
+            *[f"| {key.rsplit('/', 1)[0]} | {key.rsplit('/', 1)[1]} | {r.get('gemm_library', '-')} | "
+              f"{_cell(r, 'sgemm_gflops', '.0f')} | {r['pympar_tokens_per_s']:.0f} | {_cell(r, 'pympar_mfu_vs_sgemm', '.2f')} | "
+              f"{_cell(r, 'sdpa_speed_ratio', '.2f')} | {_cell(r, 'compile_speed_ratio', '.2f')} | "
+              f"{_cell(r, 'naive_speed_ratio', '.2f')} | {_cell(r, 'sdpa_mfu_vs_sgemm', '.2f')} |"
               for key, r in sorted(table.items())],
             "", "docs/engine.md has the profile of pympar's step.",
             "", "The data-parallel form of this comparison (pympar DP against torch DDP) is the next section.", ""]
@@ -139,10 +149,9 @@ def sec_train_step(res, status) -> str:
 
 
 def sec_attention(res, status) -> str:
-    d = _load(res, "attention")
-    out = ["## Causal attention: the tiled kernel vs the materialized path vs PyTorch SDPA" + _when("attention", status), ""]
+    d, out = _opening(res, status, "attention", "## Causal attention: the tiled kernel vs the materialized path vs PyTorch SDPA")
     if not d:
-        return "\n".join(out) + _missing("attention", status)
+        return "\n".join(out)
     out += ["`python bench/attention.py`: forward + backward of the attention core alone (qkv to output to dqkv), batch 1, "
             "float32, each the best of several calls, interleaved in one process at the same thread count: pympar's tiled "
             "kernel (the default on NumPy; csrc/attention.cpp), pympar's materialized path (the (T, T) probabilities) and "
@@ -181,11 +190,9 @@ def sec_attention(res, status) -> str:
 
 
 def sec_gemm(res, status) -> str:
-    d = _load(res, "gemm")
-    out = ["## The GEMMs of a step: NumPy's BLAS, pympar's products (MKL where installed) and PyTorch's" + _when("gemm", status), ""]
+    d, out = _opening(res, status, "gemm", "## The GEMMs of a step: NumPy's BLAS, pympar's products (MKL where installed) and PyTorch's")
     if not d:
-        return "\n".join(out) + _missing("gemm", status)
-    f = lambda r, k, fmt: format(r[k], fmt) if k in r else "-"  # noqa: E731
+        return "\n".join(out)
     out += ["`python bench/gemm.py`: every matrix product pympar's Linear layers and head run in one training step "
             "(forward y = x W^T, backward dx = dy W and dW = dy^T x, the operands laid out as pympar passes them), "
             f"timed on NumPy's BLAS ({d.get('blas_numpy', '?')}), on pympar's products ({d.get('pympar_gemm', 'not run')}; "
@@ -198,17 +205,16 @@ def sec_gemm(res, status) -> str:
             "| shape | threads | NumPy ms | pympar ms | torch ms | NumPy / pympar / torch GFLOP/s | torch / NumPy speed | "
             "torch / pympar speed |",
             "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
-            *[f"| {r['shape']} | {r['threads']} | {r['numpy_ms']:.1f} | {f(r, 'pympar_ms', '.1f')} | {r['torch_ms']:.1f} | "
-              f"{r['numpy_gflops']:.0f} / {f(r, 'pympar_gflops', '.0f')} / {r['torch_gflops']:.0f} | "
-              f"{r['torch_over_numpy']:.2f}x | {f(r, 'torch_over_pympar', '.2f')}x |" for r in d["rows"]], ""]
+            *[f"| {r['shape']} | {r['threads']} | {r['numpy_ms']:.1f} | {_cell(r, 'pympar_ms', '.1f')} | {r['torch_ms']:.1f} | "
+              f"{r['numpy_gflops']:.0f} / {_cell(r, 'pympar_gflops', '.0f')} / {r['torch_gflops']:.0f} | "
+              f"{r['torch_over_numpy']:.2f}x | {_cell(r, 'torch_over_pympar', '.2f')}x |" for r in d["rows"]], ""]
     return "\n".join(out)
 
 
 def sec_pipeline_head(res, status) -> str:
-    d = _load(res, "pipeline_head")
-    out = ["## The last pipeline stage's head in one pass vs forward and backward apart" + _when("pipeline_head", status), ""]
+    d, out = _opening(res, status, "pipeline_head", "## The last pipeline stage's head in one pass vs forward and backward apart")
     if not d:
-        return "\n".join(out) + _missing("pipeline_head", status)
+        return "\n".join(out)
     pr = d["pair_ratios"]
     out += ["`mpiexec -n 2 python bench/pipeline_head.py`: 1F1B over 2 ranks, real GPT blocks and a GPT-2-sized "
             "vocabulary; the last stage runs the head's forward and backward in F's one pass (each chunk's logits "
@@ -222,10 +228,9 @@ def sec_pipeline_head(res, status) -> str:
 
 
 def sec_ddp_step(res, status) -> str:
-    d = _load(res, "ddp_step")
-    out = ["## A data-parallel step: pympar DP vs torch DDP (gloo)" + _when("ddp_step", status), ""]
+    d, out = _opening(res, status, "ddp_step", "## A data-parallel step: pympar DP vs torch DDP (gloo)")
     if not d:
-        return "\n".join(out) + _missing("ddp_step", status)
+        return "\n".join(out)
     out += ["`python bench/ddp_step.py`: pympar's data-parallel step (the trainer's ParallelRunner: bucketed "
             "gradient allreduce overlapped with backward) against PyTorch DistributedDataParallel on gloo "
             f"(torch {d['torch_version']}), both launched by mpiexec with the same process count, one thread per "
@@ -257,10 +262,9 @@ def sec_ddp_step(res, status) -> str:
 
 
 def sec_kernels(res, status) -> str:
-    d = _load(res, "kernels")
-    out = ["## Kernels: C++ against the NumPy reference" + _when("kernels", status), ""]
+    d, out = _opening(res, status, "kernels", "## Kernels: C++ against the NumPy reference")
     if not d:
-        return "\n".join(out) + _missing("kernels", status)
+        return "\n".join(out)
     out += ["`python bench/cpu_kernels.py` (details and the per-call overhead in docs/kernels.md).", "",
             _img("kernels", "kernels"), "", "| kernel | elements | " + " | ".join(f"{t} thread(s) speed-up" for t in d["threads"]) + " |",
             "| --- | ---: |" + " ---: |" * len(d["threads"])]
@@ -270,10 +274,9 @@ def sec_kernels(res, status) -> str:
 
 
 def sec_strategies(res, status) -> str:
-    d = _load(res, "strategies")
-    out = ["## Strategies: DP, PP, DP+PP, TP, EP for one model, rank count and global batch" + _when("strategies", status), ""]
+    d, out = _opening(res, status, "strategies", "## Strategies: DP, PP, DP+PP, TP, EP for one model, rank count and global batch")
     if not d:
-        return "\n".join(out) + _missing("strategies", status)
+        return "\n".join(out)
     out += ["`python bench/strategies.py`: real `python -m pympar.train` runs, dense `small` (4 layers, C=128) and "
             f"MoE `moe-small`; median tokens/s over {d['steps']} steps after warm-up, each layout run {d.get('rounds', 1)} "
             "time(s) with the rounds interleaved (the median run is kept). Ratios are against DP alone of the same model.",
@@ -295,10 +298,9 @@ def sec_strategies(res, status) -> str:
 
 
 def sec_pipeline(res, status) -> str:
-    d = _load(res, "pipeline")
-    out = ["## Pipeline bubble against micro-batch count" + _when("pipeline", status), ""]
+    d, out = _opening(res, status, "pipeline", "## Pipeline bubble against micro-batch count")
     if not d:
-        return "\n".join(out) + _missing("pipeline", status)
+        return "\n".join(out)
     out += ["`python bench/pipeline.py --launch` (emulated blocks of fixed duration; docs/pipeline.md has the "
             "latency-aware model). Measured bubble against (p-1)/(m+p-1) (interleaved: (p-1)/(vm+p-1)); the grey "
             "line marks the rule of thumb m = 4p.", "", _img("pipeline", "pipeline"), "",
@@ -310,10 +312,9 @@ def sec_pipeline(res, status) -> str:
 
 
 def sec_dp(res, status) -> str:
-    d = _load(res, "dp_scaling")
-    out = ["## Data-parallel weak scaling and overlap" + _when("dp_scaling", status), ""]
+    d, out = _opening(res, status, "dp_scaling", "## Data-parallel weak scaling and overlap")
     if not d:
-        return "\n".join(out) + _missing("dp_scaling", status)
+        return "\n".join(out)
     out += ["`python bench/dp_scaling.py --launch` (method in docs/parallel.md): same micro-batches per rank, overlap "
             "on and off alternating step by step in one run.", "", _img("dp_scaling", "dp scaling"), "",
             "| dp | overlap | step / dp=1 | sync hidden behind backward | MB sent |", "| ---: | --- | ---: | ---: | ---: |"]
@@ -324,10 +325,9 @@ def sec_dp(res, status) -> str:
 
 
 def sec_moe(res, status) -> str:
-    d = _load(res, "moe_balance")
-    out = ["## MoE load balance" + _when("moe_balance", status), ""]
+    d, out = _opening(res, status, "moe_balance", "## MoE load balance")
     if not d:
-        return "\n".join(out) + _missing("moe_balance", status)
+        return "\n".join(out)
     out += [f"`python bench/moe_balance.py`: `{d['preset']}` with {d['n_expert']} experts, top-{d['top_k']}, "
             f"{d['world']} DP ranks, {d['steps']} steps, same data and seed; loads are the trainer's global "
             f"tokens-per-expert per step. Aux loss: aux_coef {d['aux_coef']}; aux-loss-free: bias_update_rate "
@@ -340,10 +340,9 @@ def sec_moe(res, status) -> str:
 
 
 def sec_compression(res, status) -> str:
-    d = _load(res, "compression")
-    out = ["## Gradient compression" + _when("compression", status), ""]
+    d, out = _opening(res, status, "compression", "## Gradient compression")
     if not d:
-        return "\n".join(out) + _missing("compression", status)
+        return "\n".join(out)
     out += [f"`python bench/compression.py` (runs of bench/dp_scaling.py --curves): dp=2, preset tiny, "
             f"{d['steps']} AdamW steps; loss = mean of the last 10 steps.", "", _img("compression", "compression"), "",
             "| compress | KB sent / step | bytes vs dense | bytes saved | loss (last 10) | loss cost vs dense |",
@@ -368,10 +367,9 @@ def _null(ok):
 
 
 def sec_plan(res, status) -> str:
-    d = _load(res, "plan_accuracy")
-    out = ["## The planner against measurement" + _when("plan_accuracy", status), ""]
+    d, out = _opening(res, status, "plan_accuracy", "## The planner against measurement")
     if not d:
-        return "\n".join(out) + _missing("plan_accuracy", status)
+        return "\n".join(out)
     ok = [r for r in d["rows"] if r["status"] == "ok"]
     rho = d["spearman"]
     runs = d.get("rounds", 1)
@@ -448,10 +446,9 @@ def _calibration(res, acc) -> list:
 
 
 def sec_soak(res, status) -> str:
-    d = _load(res, "soak")
-    out = ["## Soak: memory over a long run with checkpoints" + _when("soak", status), ""]
+    d, out = _opening(res, status, "soak", "## Soak: memory over a long run with checkpoints")
     if not d:
-        return "\n".join(out) + _missing("soak", status)
+        return "\n".join(out)
     out += [f"`python bench/soak.py`: {d['world']} ranks, preset {d['preset']}, {d['steps']} steps, a checkpoint "
             f"every {d['save_every']} (keeping 2). Resident memory of every rank from the trainer's metrics "
             "(largest over ranks). Growth = median over the last tenth of the steps against the second tenth.", "",
@@ -467,10 +464,9 @@ def sec_soak(res, status) -> str:
 
 
 def sec_memory(res, status) -> str:
-    d = _load(res, "memory")
-    out = ["## Memory per rank: ZeRO, recomputation, dp/tp/pp, against the ledger and the planner" + _when("memory", status), ""]
+    d, out = _opening(res, status, "memory", "## Memory per rank: ZeRO, recomputation, dp/tp/pp, against the ledger and the planner")
     if not d:
-        return "\n".join(out) + _missing("memory", status)
+        return "\n".join(out)
     G = 2 ** 30
     out += ["`python bench/memory.py`: one real run per row (2 steps, micro-batch 1, float32, AdamW), every rank "
             "under `/usr/bin/time -f %M`: **measured** is the largest peak resident memory (VmHWM) over the ranks, "

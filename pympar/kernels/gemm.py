@@ -47,6 +47,8 @@ import sys
 
 import numpy as np
 
+from .blas import over_chunks
+
 CHOICES = ("auto", "numpy", "mkl")
 
 _choice = "auto"
@@ -171,25 +173,18 @@ def product(a, b, out=None, threads: int = 1):
             return None
     (ta, lda), (tb, ldb), ldc = la, lb, out.strides[0] // out.itemsize
     pa, pb, po = a.ctypes.data, b.ctypes.data, out.ctypes.data
-    big = 2.0 * M * N * K >= _SPLIT_FLOPS
-    if big and threads > 1 and N > M and N // 16 >= 2:  # wider than tall: blocks of output columns
-        sb, so = b.strides[1], out.strides[1]    # bytes from one column of b (of out) to the next
-        from .blas import over_chunks
-
-        def cols(j0, j1):
-            f(_ROW_MAJOR, ta, tb, M, j1 - j0, K, 1.0, pa, lda, pb + j0 * sb, ldb, 0.0, po + j0 * so, ldc)
-
-        over_chunks(N, cols, min(int(threads), N // 16))
-        return out
-    parts = min(int(threads), M // 16) if big else 1
+    by_cols = N > M                              # wider than tall: blocks of output columns, else rows
+    n = N if by_cols else M
+    parts = min(int(threads), n // 16) if 2.0 * M * N * K >= _SPLIT_FLOPS else 1
     if parts <= 1:
         f(_ROW_MAJOR, ta, tb, M, N, K, 1.0, pa, lda, pb, ldb, 0.0, po, ldc)
         return out
-    sa, so = a.strides[0], out.strides[0]        # bytes from one row of a (of out) to the next
-    from .blas import over_chunks
+    # bytes from one block unit (a row, or a column) of a, b and out to the next
+    da, db, do = (0, b.strides[1], out.strides[1]) if by_cols else (a.strides[0], 0, out.strides[0])
 
-    def rows(i0, i1):                            # output rows [i0, i1): a's rows, out's rows
-        f(_ROW_MAJOR, ta, tb, i1 - i0, N, K, 1.0, pa + i0 * sa, lda, pb, ldb, 0.0, po + i0 * so, ldc)
+    def block(i0, i1):                           # output rows (or columns) [i0, i1)
+        m, w = (M, i1 - i0) if by_cols else (i1 - i0, N)
+        f(_ROW_MAJOR, ta, tb, m, w, K, 1.0, pa + i0 * da, lda, pb + i0 * db, ldb, 0.0, po + i0 * do, ldc)
 
-    over_chunks(M, rows, parts)
+    over_chunks(n, block, parts)
     return out
