@@ -55,6 +55,67 @@ def test_mkl_products_equal_the_reference(library, dtype, tol, threads):
             assert np.all(big[0] == -7) and np.all(big[:, :2] == -7) and np.all(big[:, N + 2:] == -7)
 
 
+@pytest.mark.parametrize("choice", ["mkl", "numpy"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_accumulate_adds_the_product_to_out(library, choice, threads):
+    """matmul(accumulate=True): out += a @ b for every layout, in place (a block of a larger
+    array; nothing around it touched), on MKL by the GEMM itself (beta = 1), on NumPy through the
+    product; an out in a wider dtype (a float32 gradient of bfloat16-style products) and an out
+    MKL cannot write take the fallback; no out is an error."""
+    if choice == "mkl" and not gemm._load():
+        pytest.skip("MKL is not installed")
+    library.use(choice)
+    kernels.set_num_threads(threads)
+    rng = np.random.default_rng(5)
+    for (M, K, N) in [(257, 129, 65), (96, 200, 513), (3, 5, 2)]:
+        for name, a, b in _layouts(rng, M, K, N, np.float32):
+            c0 = rng.standard_normal((M, N)).astype(np.float32)
+            ref = c0.astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64)
+            scale = np.abs(c0) + np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
+            big = np.full((M + 2, N + 5), -7.0, np.float32)
+            out = big[1:M + 1, 2:N + 2]
+            out[...] = c0
+            assert matmul(a, b, out=out, accumulate=True) is out
+            assert np.all(np.abs(out - ref) <= 4e-6 * scale), (name, M, K, N)
+            assert np.all(big[0] == -7) and np.all(big[:, :2] == -7) and np.all(big[:, N + 2:] == -7)
+            if choice == "mkl":                  # MKL took it (not the fallback)
+                again = c0.copy()
+                assert gemm.product(a, b, out=again, threads=threads, accumulate=True) is again
+                assert np.array_equal(again, out)
+    a = rng.standard_normal((32, 16)).astype(np.float32)
+    b = rng.standard_normal((16, 8)).astype(np.float32)
+    wide = np.ones((32, 8), np.float64)
+    matmul(a, b, out=wide, accumulate=True)      # another dtype: the product, widened, then added
+    assert np.array_equal(wide, 1.0 + (a @ b).astype(np.float64))
+    strided = np.ones((32, 16), np.float32)[:, ::2]
+    assert gemm.product(a, b, out=strided, accumulate=True) is None
+    matmul(a, b, out=strided, accumulate=True)
+    assert np.allclose(strided, 1.0 + a @ b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="accumulate=True needs an out"):
+        matmul(a, b, accumulate=True)
+    with pytest.raises(ValueError, match="accumulate=True needs an out"):
+        gemm.product(a, b, accumulate=True)
+
+
+def test_product_grad_writes_then_adds(library):
+    """nn.parameter.product_grad: the step's first contribution is written into the gradient
+    (whatever was there), the next one added; deferred inside a WeightGrads scope until run()."""
+    from pympar.nn.parameter import WeightGrads, make_param, product_grad
+    p = make_param(0, "w", (24, 40), np.float32, 0.02)
+    p.grad[...] = 123.0
+    p.zero_grad()                                # the next write replaces the 123s
+    rng = np.random.default_rng(6)
+    a1, b1 = rng.standard_normal((24, 64)).astype(np.float32), rng.standard_normal((64, 40)).astype(np.float32)
+    a2, b2 = rng.standard_normal((24, 16)).astype(np.float32), rng.standard_normal((16, 40)).astype(np.float32)
+    product_grad(p, a1, b1)
+    assert np.allclose(p.grad, a1 @ b1, rtol=1e-5, atol=1e-5)
+    with WeightGrads() as w:
+        product_grad(p, a2, b2)
+        assert np.allclose(p.grad, a1 @ b1, rtol=1e-5, atol=1e-5)     # not yet
+    w.run()
+    assert np.allclose(p.grad, a1 @ b1 + a2 @ b2, rtol=1e-5, atol=1e-5)
+
+
 @needs_mkl
 def test_what_mkl_cannot_take_goes_to_numpy(library):
     library.use("mkl")

@@ -206,7 +206,10 @@ def test_a_long_sequence_head_holds_one_chunk_of_logits_whatever_the_vocabulary(
     import pympar.nn.gpt as G
     assert G.Head.chunk_rows(G.CE_ROWS, 256) == G.CE_ROWS            # one chunk, logits kept
     assert G.Head.chunk_rows(4 * G.CE_ROWS, 256) == G.CE_ROWS
-    assert G.Head.chunk_rows(2048, 50304) == G.CE_CHUNK // 50304       # 333
+    cap = G.CE_CHUNK // 50304                                          # 333 rows of a 50k vocabulary
+    assert G.Head.chunk_rows(2048, 50304) == 293                       # 7 chunks (as at 333), even
+    assert G.Head.chunk_rows(1024, 50304) == 256 and 256 <= cap        # gpt2-124m: 4 x 256, not 3 x 333 + 25
+    assert G.Head.chunk_rows(G.CE_ROWS + 1, 256) == G.CE_ROWS // 2 + 1  # 2 chunks, not CE_ROWS and 1
     N, C, V = 4 * G.CE_ROWS, 32, 256
     cfg = GPTConfig(vocab_size=V, block_size=N, n_layer=1, n_head=2, n_embd=C)
     head = GPT(cfg, seed=2).head
@@ -239,7 +242,7 @@ def test_head_forward_backward_is_forward_then_backward_bitwise(monkeypatch, row
         head = GPT(cfg, seed=4).head
         calls = []
         real = G.matmul
-        monkeypatch.setattr(G, "matmul", lambda a, b, *r: (calls.append(b.shape), real(a, b, *r))[1])
+        monkeypatch.setattr(G, "matmul", lambda a, b, *r, **kw: (calls.append(b.shape), real(a, b, *r, **kw))[1])
         if fused:
             loss, dx = head.forward_backward((x, t), 0.5)
         else:

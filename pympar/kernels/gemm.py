@@ -145,10 +145,13 @@ def _operand(x):
     return None
 
 
-def product(a, b, out=None, threads: int = 1):
+def product(a, b, out=None, threads: int = 1, accumulate: bool = False):
     """a @ b on MKL when it is selected and the layouts allow (the module's docstring), written
-    into ``out`` when given (else into a fresh row-major array); returns the product, or None
-    (nothing written) when the caller should use NumPy's matmul."""
+    into ``out`` when given (else into a fresh row-major array), or added to it (``accumulate``:
+    out += a @ b in the GEMM itself, beta = 1, no temporary); returns ``out``, or None (nothing
+    written) when the caller should use NumPy's matmul."""
+    if accumulate and out is None:
+        raise ValueError("gemm.product: accumulate=True needs an out to add the product to")
     if _choice == "numpy" or not _load():
         return None
     if a.ndim != 2 or b.ndim != 2:
@@ -172,19 +175,20 @@ def product(a, b, out=None, threads: int = 1):
                 or out.strides[0] // item < N or np.may_share_memory(out, a) or np.may_share_memory(out, b):
             return None
     (ta, lda), (tb, ldb), ldc = la, lb, out.strides[0] // out.itemsize
+    beta = 1.0 if accumulate else 0.0
     pa, pb, po = a.ctypes.data, b.ctypes.data, out.ctypes.data
     by_cols = N > M                              # wider than tall: blocks of output columns, else rows
     n = N if by_cols else M
     parts = min(int(threads), n // 16) if 2.0 * M * N * K >= _SPLIT_FLOPS else 1
     if parts <= 1:
-        f(_ROW_MAJOR, ta, tb, M, N, K, 1.0, pa, lda, pb, ldb, 0.0, po, ldc)
+        f(_ROW_MAJOR, ta, tb, M, N, K, 1.0, pa, lda, pb, ldb, beta, po, ldc)
         return out
     # bytes from one block unit (a row, or a column) of a, b and out to the next
     da, db, do = (0, b.strides[1], out.strides[1]) if by_cols else (a.strides[0], 0, out.strides[0])
 
     def block(i0, i1):                           # output rows (or columns) [i0, i1)
         m, w = (M, i1 - i0) if by_cols else (i1 - i0, N)
-        f(_ROW_MAJOR, ta, tb, m, w, K, 1.0, pa + i0 * da, lda, pb + i0 * db, ldb, 0.0, po + i0 * do, ldc)
+        f(_ROW_MAJOR, ta, tb, m, w, K, 1.0, pa + i0 * da, lda, pb + i0 * db, ldb, beta, po + i0 * do, ldc)
 
     over_chunks(n, block, parts)
     return out

@@ -15,7 +15,7 @@ from .attention import CausalSelfAttention
 from .config import GPTConfig
 from .layers import MLP, MLP_ROWS, Embedding, LayerNorm
 from .moe import MoE, MoEBookkeeping
-from .parameter import Module, NoGather, compute_cast, matmul, resolve_precision, weight_grad
+from .parameter import Module, NoGather, compute_cast, matmul, product_grad, resolve_precision
 
 
 class Block(Module):
@@ -234,15 +234,14 @@ class Head(Module):
 
     def _chunk_weight_grad(self, dl, hc):
         """wte.grad += dl^T hc in vocabulary blocks: no (V, C) product beside the gradient itself
-        (the step's first contribution is written straight into the gradient, block by block)."""
+        (the step's first contribution is written straight into the gradient, a later chunk's added
+        to it by the GEMM where the library can, matmul(accumulate=True); else through a temporary
+        of one block)."""
         fresh = self._wte.write_grad()
         g = fresh if fresh is not None else self._wte.grad
         vrows = max(1, CE_CHUNK // hc.shape[1])
         for v0 in range(0, g.shape[0], vrows):
-            if fresh is not None:
-                matmul(dl[:, v0:v0 + vrows].T, hc, g.dtype, out=g[v0:v0 + vrows])         # (v, C)
-            else:
-                g[v0:v0 + vrows] += matmul(dl[:, v0:v0 + vrows].T, hc, g.dtype)
+            matmul(dl[:, v0:v0 + vrows].T, hc, g.dtype, out=g[v0:v0 + vrows], accumulate=fresh is None)   # (v, C)
 
     def recomputes_logits(self, n_tokens: int) -> bool:
         """Whether forward then backward computes the logits twice (chunked: they are never held
@@ -252,8 +251,14 @@ class Head(Module):
     @staticmethod
     def chunk_rows(N: int, V: int) -> int:
         """Rows per cross-entropy chunk: all N when N x V logits fit in CE_CHUNK elements and N is
-        at most CE_ROWS, else at most CE_ROWS rows of at most CE_CHUNK logits."""
-        return N if N * V <= CE_CHUNK and N <= CE_ROWS else max(1, min(CE_ROWS, CE_CHUNK // V))
+        at most CE_ROWS, else the fewest chunks of at most CE_ROWS rows of at most CE_CHUNK logits,
+        as even as they go (1024 tokens of a 50k vocabulary: 4 chunks of 256 rows, not 3 of 333
+        and one of 25, whose three GEMMs would each read the whole (V, C) embedding for 25 rows)."""
+        if N * V <= CE_CHUNK and N <= CE_ROWS:
+            return N
+        cap = max(1, min(CE_ROWS, CE_CHUNK // V))
+        n = -(-N // cap)                              # chunks
+        return -(-N // n)
 
     def backward(self, dloss, ctx):              # dloss: d(total)/d(mean CE) -> dx (B, T, C)
         c_ln, h2, logits, lse, t, n_valid, shape = ctx
@@ -261,9 +266,7 @@ class Head(Module):
         scale = dloss / max(n_valid, 1)
         if logits is not None:
             dlogits = kernels.cross_entropy_backward(logits, lse, t, scale, out=logits)   # (N, V), over them
-            wte = self._wte
-            weight_grad(wte, lambda: matmul(dlogits.T, h2, wte.dtype),          # (V, C): the W pass
-                        into=lambda o: matmul(dlogits.T, h2, o.dtype, out=o))
+            product_grad(self._wte, dlogits.T, h2)                               # (V, C): the W pass
             dh = matmul(dlogits, w)                                               # (N, C)
             return self.ln_f.backward(dh.reshape(shape), c_ln)
         N, V = h2.shape[0], w.shape[0]

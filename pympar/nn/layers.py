@@ -8,7 +8,8 @@ import numpy as np
 
 from .. import kernels
 from ..backend import xp_of
-from .parameter import Module, accumulate, compute_cast, deferrable, deferring, make_param, matmul, weight_grad
+from .parameter import (Module, accumulate, compute_cast, deferrable, deferring, make_param, matmul, product_grad,
+                        weight_grad)
 
 _param = make_param
 
@@ -41,8 +42,7 @@ class Linear(Module):
         dy2 = dy.reshape(-1, dy.shape[-1])       # (N, out)
         x2 = x.reshape(-1, x.shape[-1])          # (N, in)
         w, b = self.weight, self.bias            # W pass (deferrable): dW = dy^T x, db = sum dy
-        weight_grad(w, lambda: matmul(dy2.T, x2, w.dtype),                 # (out, in)
-                    into=lambda o: matmul(dy2.T, x2, o.dtype, out=o))
+        product_grad(w, dy2.T, x2)                                         # (out, in)
         if b is not None:
             weight_grad(b, lambda: kernels.column_sum(dy2, b.dtype),
                         into=lambda o: kernels.column_sum(dy2, o.dtype, out=o))

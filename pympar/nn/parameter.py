@@ -291,7 +291,7 @@ def compute_cast(a, cdt):
     return a if cdt is None or a.dtype == cdt else kernels.cast(a, cdt)
 
 
-def matmul(a, b, out_dtype=None, out=None):
+def matmul(a, b, out_dtype=None, out=None, accumulate=False):
     """a @ b; float16/bfloat16 operands are multiplied with float32 accumulation (like tensor
     cores; on CuPy by cuBLAS on the tensor cores themselves) and the product rounded to
     ``out_dtype`` (default: the operands' dtype). ``out``: an array (a view is fine, e.g. one
@@ -301,7 +301,19 @@ def matmul(a, b, out_dtype=None, out=None):
     out_dtype (a float32 out_dtype keeps it whole); cuBLAS through CuPy returns the product in
     the operands' dtype, so on a GPU a wider out_dtype (weight gradients, tensor-parallel
     partial sums) widens an already-rounded product -- what PyTorch autocast does too. The GPU
-    tests compare low-precision runs within bf16/fp16 tolerance for this reason."""
+    tests compare low-precision runs within bf16/fp16 tolerance for this reason.
+
+    ``accumulate=True``: out += a @ b (out required, of the product's shape). MKL adds the product
+    in the GEMM itself (beta = 1: no temporary, no second pass over out); elsewhere the product
+    is formed (in out's dtype) and added, as ``accumulate`` below does."""
+    if accumulate:
+        if out is None:
+            raise ValueError("matmul: accumulate=True needs an out to add the product to")
+        if type(a) is np.ndarray and out.dtype == a.dtype and \
+                gemm.product(a, b, out, kernels.get_num_threads(), accumulate=True) is not None:
+            return out
+        out += matmul(a, b, out.dtype)
+        return out
     if is_low_precision(a.dtype) and not lowp_gemm(a):   # NumPy: no float16/bf16 GEMM of its own
         y = a.astype(np.float32) @ b.astype(np.float32)
         if out is not None:
@@ -346,6 +358,20 @@ def deferrable(apply):
         _DEFERRED[-1].items.append(apply)
     else:
         apply()
+
+
+def product_grad(p: Parameter, a, b):
+    """p.grad += a @ b (a weight gradient that is one product, e.g. dy^T x), now or deferred
+    (``deferrable``): the step's first contribution is written straight into the gradient, a
+    later one (the next micro-batch, row block or chunk) is added to it by the GEMM itself where
+    the library can (``matmul(accumulate=True)``) -- no temporary and no addition either way."""
+    def apply():
+        dst = p.write_grad()
+        if dst is not None:
+            matmul(a, b, dst.dtype, out=dst)
+        else:
+            matmul(a, b, out=p.grad, accumulate=True)
+    deferrable(apply)
 
 
 def weight_grad(p: Parameter, compute, into=None):

@@ -17,7 +17,7 @@ import numpy as np
 
 from ...backend import xp_of
 from ...nn.layers import LayerNorm
-from ...nn.parameter import Module, compute_cast, matmul, weight_grad
+from ...nn.parameter import Module, compute_cast, matmul, product_grad
 from .collectives import as_collectives
 
 
@@ -136,8 +136,7 @@ class VocabParallelHead(Module):
                                                    dloss / max(n_valid, 1))
         w = self.wte
         dl = dl[:, :w.data.shape[0]]             # drop the padding columns (their grads are 0)
-        weight_grad(w, lambda: matmul(dl.T, h2, w.dtype),            # the W pass (deferrable)
-                    into=lambda o: matmul(dl.T, h2, o.dtype, out=o))
+        product_grad(w, dl.T, h2)                # the W pass (deferrable)
         dh = matmul(dl, compute_cast(w.data, self._cdt), self._pdt).reshape(shape)  # partial over the vocabulary parts
         dh = self._tp.reduce_scatter_seq(dh) if self._sp else self._tp.allreduce(dh)
         if self._cdt is not None:

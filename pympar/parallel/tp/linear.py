@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import kernels
-from ...nn.parameter import Module, compute_cast, matmul, weight_grad
+from ...nn.parameter import Module, compute_cast, matmul, product_grad, weight_grad
 from ..shard import even_slice, make_replicated, make_sharded
 from .collectives import as_collectives
 
@@ -81,7 +81,7 @@ class ColumnParallelLinear(Module):
         dy2 = dy.reshape(-1, dy.shape[-1])
         w, b = self.weight, self.bias            # the W pass (deferrable)
         x2 = xf.reshape(-1, xf.shape[-1])
-        weight_grad(w, lambda: matmul(dy2.T, x2, w.dtype), into=lambda o: matmul(dy2.T, x2, o.dtype, out=o))
+        product_grad(w, dy2.T, x2)
         if b is not None:
             weight_grad(b, lambda: kernels.column_sum(dy2, b.dtype),
                         into=lambda o: kernels.column_sum(dy2, o.dtype, out=o))
@@ -130,5 +130,5 @@ class RowParallelLinear(Module):
         dyf = self._tp.allgather_seq(dy) if self._mode == "reduce_scatter_seq" else dy
         dy2 = dyf.reshape(-1, dyf.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
-        weight_grad(w, lambda: matmul(dy2.T, x2, w.dtype), into=lambda o: matmul(dy2.T, x2, o.dtype, out=o))
+        product_grad(w, dy2.T, x2)
         return _gemm(dyf, compute_cast(w.data, self._cdt).T, out=out)
