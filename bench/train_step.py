@@ -9,8 +9,8 @@ threads; then a cProfile of pympar's step.
     python bench/train_step.py --preset small --set n_embd=256 --batch 8 --threads 2 --repeat 3
     python bench/train_step.py --preset gpt2-124m --batch 1 --threads 2 --peers sdpa
 
---repeat R measures the round R times (each: pympar, every peer, pympar again; pympar's best of
-its two) and reports the medians; --json merges this run into the file's "table" (one row per
+--repeat R measures the round R times (each: the sgemm rates, pympar, every peer, pympar again;
+pympar's best of its two; each round's MFU against that round's sgemm) and reports the medians; --json merges this run into the file's "table" (one row per
 shape and thread count) and puts this run's figures at the top level.
 """
 from __future__ import annotations
@@ -184,10 +184,7 @@ def main(a):
                threads=a.threads, native_kernels=kernels.native_available(), blas_threads=blas.blas_threads(),
                kernel_threads=kernels.get_num_threads(), malloc_retained=malloc_policy.retained(), params=n_params,
                model_flops_per_step=model_flops_per_token(cfg, n_params, T) * tokens)
-    rates = sgemm_gflops(tokens, cfg.n_embd, 4 * cfg.n_embd)
     res["gemm_library"] = gemm.describe()
-    res["sgemm_numpy_gflops"], res["sgemm_pympar_gflops"] = rates["numpy"], rates["pympar"]
-    res["sgemm_gflops"] = max(rates.values())          # MFU's denominator: the process's faster sgemm
     names = [] if a.no_torch else [p for p in a.peers.split(",") if p]
     bad = [p for p in names if p not in PEERS]
     if bad:
@@ -203,26 +200,36 @@ def main(a):
     settle = 0.3 if a.threads > 1 else 0.0
     for r in range(max(1, a.repeat)):
         warm = a.warmup if r == 0 else 0
+        # MFU's denominator, the process's faster sgemm, measured in every round beside its steps:
+        # this VM's speed drifts by 10-20% over minutes, and one rate from the start of the run
+        # moved every engine's MFU with it (the speed ratios, paired within a round, do not)
+        rates = sgemm_gflops(tokens, cfg.n_embd, 4 * cfg.n_embd)
+        rep = {"sgemm_numpy_gflops": rates["numpy"], "sgemm_pympar_gflops": rates["pympar"],
+               "sgemm_gflops": max(rates.values())}
         t_p = timed(pympar_step, a.steps, warm, settle)
-        rep = {}
         for name, step in peers.items():
             rep[f"{name}_step_s"] = timed(step, a.steps, warm + (2 if name == "compile" and r == 0 else 0), settle)
         if peers:
             t_p = min(t_p, timed(pympar_step, a.steps, 0, settle))
         rep["pympar_step_s"] = t_p
+        flops = res["model_flops_per_step"]
+        for name in ("pympar", *peers):
+            rep[f"{name}_mfu"] = flops / rep[f"{name}_step_s"] / 1e9 / rep["sgemm_gflops"]
         for name in peers:
             rep[f"{name}_ratio"] = rep[f"{name}_step_s"] / t_p
         reps.append(rep)
     res["repeats"] = reps
     med = lambda k: float(np.median([r[k] for r in reps]))  # noqa: E731
-    flops = res["model_flops_per_step"]
+    for k in ("sgemm_numpy_gflops", "sgemm_pympar_gflops", "sgemm_gflops"):
+        res[k] = med(k)
+    rates = {"numpy": res["sgemm_numpy_gflops"], "pympar": res["sgemm_pympar_gflops"]}
     t_p = med("pympar_step_s")
     res["pympar_step_s"], res["pympar_tokens_per_s"] = t_p, tokens / t_p
-    res["pympar_mfu_vs_sgemm"] = flops / t_p / 1e9 / res["sgemm_gflops"]
+    res["pympar_mfu_vs_sgemm"] = med("pympar_mfu")                  # each round's MFU, the median
     for name in peers:
         t = med(f"{name}_step_s")
         res[f"{name}_step_s"], res[f"{name}_tokens_per_s"] = t, tokens / t
-        res[f"{name}_mfu_vs_sgemm"] = flops / t / 1e9 / res["sgemm_gflops"]
+        res[f"{name}_mfu_vs_sgemm"] = med(f"{name}_mfu")
         res[f"{name}_speed_ratio"] = med(f"{name}_ratio")          # pympar's speed / the peer's
 
     print(f"\n{res['shape']} ({a.preset}): {n_params:,} params, {a.threads} thread(s), "

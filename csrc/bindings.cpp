@@ -206,6 +206,42 @@ PYBIND11_MODULE(_C, m) {
     });
   });
 
+  // One product C = alpha A B + beta C by a cblas_?gemm the caller located (kernels/gemm.py: MKL's,
+  // sequential), cut into `parts` blocks of output rows (or columns, by_cols) called side by side
+  // on the kernel threads without the GIL: block i covers units [n*i//parts, n*(i+1)//parts) of
+  // n = M (or N), its A, B and C starting da, db, dc bytes per unit further. The addresses and
+  // leading dimensions are the caller's (it checked the layouts); cblas's integers are 32-bit.
+  m.def("gemm_blocks", [](uintptr_t fn, bool f64, int ta, int tb, int64_t M, int64_t N, int64_t K, uintptr_t pa,
+                          int64_t lda, uintptr_t pb, int64_t ldb, double beta, uintptr_t pc, int64_t ldc, bool by_cols,
+                          int64_t da, int64_t db, int64_t dc, int parts) {
+    if (fn == 0 || parts < 1 || M < 0 || N < 0 || K < 0)
+      throw py::value_error("gemm_blocks: need a function, parts >= 1 and non-negative sizes");
+    using SF = void (*)(int, int, int, int, int, int, float, const void*, int, const void*, int, float, void*, int);
+    using DF = void (*)(int, int, int, int, int, int, double, const void*, int, const void*, int, double, void*, int);
+    const int64_t n = by_cols ? N : M;
+    parts = static_cast<int>(std::min<int64_t>(parts, std::max<int64_t>(n, 1)));
+    auto block = [&](int64_t i0, int64_t i1) {
+      const int m = static_cast<int>(by_cols ? M : i1 - i0), w = static_cast<int>(by_cols ? i1 - i0 : N);
+      const void* a = reinterpret_cast<const void*>(pa + i0 * da);
+      const void* b = reinterpret_cast<const void*>(pb + i0 * db);
+      void* c = reinterpret_cast<void*>(pc + i0 * dc);
+      if (f64)
+        reinterpret_cast<DF>(fn)(101, ta, tb, m, w, static_cast<int>(K), 1.0, a, static_cast<int>(lda), b,
+                                 static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+      else
+        reinterpret_cast<SF>(fn)(101, ta, tb, m, w, static_cast<int>(K), 1.0f, a, static_cast<int>(lda), b,
+                                 static_cast<int>(ldb), static_cast<float>(beta), c, static_cast<int>(ldc));
+    };
+    py::gil_scoped_release g;
+    if (parts == 1) {
+      block(0, n);
+      return;
+    }
+    pympar::parallel_for(parts, 1, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) block(n * p / parts, n * (p + 1) / parts);
+    });
+  });
+
   m.def("softmax_causal_forward", [](const py::array& x, py::array& y) {
     int64_t T = last_dim(x), n = x.size();
     int dt = check(x, "x", FLOATS);
