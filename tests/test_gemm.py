@@ -117,6 +117,32 @@ def test_product_grad_writes_then_adds(library):
 
 
 @needs_mkl
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocks_from_python_equal_blocks_from_cpp(library, monkeypatch, threads):
+    """The two ways to call a product's blocks -- _C.gemm_blocks (the kernel threads, no GIL)
+    and, without the C++ module, a Python call per block through blas.over_chunks -- make the
+    same MKL calls on the same blocks, so the same bits, written and accumulated."""
+    library.use("mkl")
+    kernels.set_num_threads(threads)
+    assert gemm._blocks is not None
+    rng = np.random.default_rng(7)
+    for (M, K, N) in [(257, 129, 65), (96, 200, 513), (1024, 64, 192)]:
+        for name, a, b in _layouts(rng, M, K, N, np.float32):
+            c0 = rng.standard_normal((M, N)).astype(np.float32)
+            got = {}
+            for way in ("cpp", "python"):
+                if way == "python":
+                    monkeypatch.setattr(gemm, "_blocks", None)
+                y = gemm.product(a, b, threads=threads)
+                acc = c0.copy()
+                gemm.product(a, b, out=acc, threads=threads, accumulate=True)
+                got[way] = (y, acc)
+                monkeypatch.undo()
+            assert np.array_equal(got["cpp"][0], got["python"][0]), (name, M, K, N)
+            assert np.array_equal(got["cpp"][1], got["python"][1]), (name, M, K, N)
+
+
+@needs_mkl
 def test_what_mkl_cannot_take_goes_to_numpy(library):
     library.use("mkl")
     rng = np.random.default_rng(1)
