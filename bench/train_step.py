@@ -10,8 +10,9 @@ threads; then a cProfile of pympar's step.
     python bench/train_step.py --preset gpt2-124m --batch 1 --threads 2 --peers sdpa
 
 --repeat R measures the round R times (each: the sgemm rates, pympar, every peer, pympar again;
-pympar's best of its two; each round's MFU against that round's sgemm) and reports the medians; --json merges this run into the file's "table" (one row per
-shape and thread count) and puts this run's figures at the top level.
+pympar's best of its two; each round's MFU against that round's sgemm) and reports the medians;
+--json merges this run into the file's "table" (one row per shape and thread count) and puts this
+run's figures at the top level.
 """
 from __future__ import annotations
 
@@ -198,6 +199,7 @@ def main(a):
     # one round: pympar, each peer, pympar again (its best of two), so machine noise hits all alike
     reps = []
     settle = 0.3 if a.threads > 1 else 0.0
+    flops = res["model_flops_per_step"]
     for r in range(max(1, a.repeat)):
         warm = a.warmup if r == 0 else 0
         # MFU's denominator, the process's faster sgemm, measured in every round beside its steps:
@@ -212,7 +214,6 @@ def main(a):
         if peers:
             t_p = min(t_p, timed(pympar_step, a.steps, 0, settle))
         rep["pympar_step_s"] = t_p
-        flops = res["model_flops_per_step"]
         for name in ("pympar", *peers):
             rep[f"{name}_mfu"] = flops / rep[f"{name}_step_s"] / 1e9 / rep["sgemm_gflops"]
         for name in peers:
@@ -222,7 +223,6 @@ def main(a):
     med = lambda k: float(np.median([r[k] for r in reps]))  # noqa: E731
     for k in ("sgemm_numpy_gflops", "sgemm_pympar_gflops", "sgemm_gflops"):
         res[k] = med(k)
-    rates = {"numpy": res["sgemm_numpy_gflops"], "pympar": res["sgemm_pympar_gflops"]}
     t_p = med("pympar_step_s")
     res["pympar_step_s"], res["pympar_tokens_per_s"] = t_p, tokens / t_p
     res["pympar_mfu_vs_sgemm"] = med("pympar_mfu")                  # each round's MFU, the median
@@ -234,7 +234,8 @@ def main(a):
 
     print(f"\n{res['shape']} ({a.preset}): {n_params:,} params, {a.threads} thread(s), "
           f"native kernels: {res['native_kernels']}; GEMM {res['gemm_library']}; "
-          f"sgemm {res['sgemm_gflops']:.0f} GFLOP/s (NumPy's {rates['numpy']:.0f}, pympar's {rates['pympar']:.0f})")
+          f"sgemm {res['sgemm_gflops']:.0f} GFLOP/s (NumPy's {res['sgemm_numpy_gflops']:.0f}, "
+          f"pympar's {res['sgemm_pympar_gflops']:.0f})")
     print(f"{'engine':<22}{'step ms':>10}{'tokens/s':>12}{'MFU/sgemm':>11}{'pympar x':>10}")
     print(f"{'pympar':<22}{1e3 * t_p:>10.1f}{tokens / t_p:>12.0f}{res['pympar_mfu_vs_sgemm']:>11.2f}")
     label = dict(sdpa="torch eager + SDPA", compile="torch.compile + SDPA", naive="torch eager, naive attn")

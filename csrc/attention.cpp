@@ -66,7 +66,7 @@ constexpr int64_t kGroup = 4;  // key tiles per pass over the query side in back
 // embedded broadcast), so that a 64-wide tile of float32 is one panel; measured on 64 x 64 x 64
 // products (the tiles' shape) it ran about 1.06x the rate of 8 rows by two vectors. Columns left
 // over take panels of two vectors by 8 rows (MR2 x NR2), then single columns. AVX2 and SSE (16
-// or 8 registers): 4 rows by two vectors for both.
+// vector registers): 4 rows by two vectors for both.
 template <typename T>
 struct Micro {
   static constexpr int V = kVecBytes / static_cast<int>(sizeof(T));  // elements per vector
@@ -198,13 +198,13 @@ inline void t8x8(const float* s, int64_t ls, float* d, int64_t ld) {
 
 template <typename T>
 inline void transpose(const T* src, int64_t ls, T* dst, int64_t ld, int64_t rows, int64_t cols) {
-  int64_t r0 = 0, c0 = 0;
+  int64_t r0 = 0;
 #if defined(__AVX__)
   if constexpr (sizeof(T) == 4) {
+    const int64_t c0 = cols - cols % 8;
     for (r0 = 0; r0 + 8 <= rows; r0 += 8)
-      for (int64_t c = 0; c + 8 <= cols; c += 8)
+      for (int64_t c = 0; c < c0; c += 8)
         t8x8(reinterpret_cast<const float*>(src + r0 * ls + c), ls, reinterpret_cast<float*>(dst + c * ld + r0), ld);
-    c0 = cols - cols % 8;
     for (int64_t r = 0; r < r0; ++r)  // the columns right of the 8 x 8 blocks
       for (int64_t c = c0; c < cols; ++c) dst[c * ld + r] = src[r * ls + c];
   }

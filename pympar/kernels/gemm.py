@@ -50,13 +50,9 @@ import sys
 
 import numpy as np
 
-from .blas import over_chunks
+from .blas import _C, over_chunks
 
-try:                     # the C++ entry that runs a product's blocks on the kernel threads (no GIL)
-    from .. import _C
-    _blocks = _C.gemm_blocks
-except (ImportError, AttributeError):
-    _blocks = None
+_blocks = getattr(_C, "gemm_blocks", None)   # runs a product's blocks on the kernel threads, no GIL
 
 CHOICES = ("auto", "numpy", "mkl")
 
@@ -190,18 +186,15 @@ def product(a, b, out=None, threads: int = 1, accumulate: bool = False):
     pa, pb, po = a.ctypes.data, b.ctypes.data, out.ctypes.data
     by_cols = N > M                              # wider than tall: blocks of output columns, else rows
     n = N if by_cols else M
-    parts = min(int(threads), n // 16) if 2.0 * M * N * K >= _SPLIT_FLOPS else 1
+    parts = max(1, min(int(threads), n // 16)) if 2.0 * M * N * K >= _SPLIT_FLOPS else 1
     # bytes from one block unit (a row, or a column) of a, b and out to the next
     da, db, do = (0, b.strides[1], out.strides[1]) if by_cols else (a.strides[0], 0, out.strides[0])
     if _blocks is not None:                      # the blocks on the kernel threads, without the GIL
         _blocks(_addr[dt], dt == np.float64, ta, tb, M, N, K, pa, lda, pb, ldb, beta, po, ldc, by_cols,
-                da, db, do, max(1, parts))
-        return out
-    if parts <= 1:
-        f(_ROW_MAJOR, ta, tb, M, N, K, 1.0, pa, lda, pb, ldb, beta, po, ldc)
+                da, db, do, parts)
         return out
 
-    def block(i0, i1):                           # output rows (or columns) [i0, i1)
+    def block(i0, i1):                           # output rows (or columns) [i0, i1); one part: all
         m, w = (M, i1 - i0) if by_cols else (i1 - i0, N)
         f(_ROW_MAJOR, ta, tb, m, w, K, 1.0, pa + i0 * da, lda, pb + i0 * db, ldb, beta, po + i0 * do, ldc)
 
