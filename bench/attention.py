@@ -36,7 +36,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, best, env, machine, pyplot, run_and_write, save  # noqa: E402
 
-sys.path.insert(0, str(ROOT))
 
 TRAIN = """
 import sys, numpy as np
@@ -124,7 +123,7 @@ def run(a):
     from pympar import kernels
     if not kernels.native_available():
         raise SystemExit("bench/attention.py: the tiled attention kernel needs pympar._C built in this checkout "
-                         f"({ROOT}): run `bash tools/build_native.sh` (or pip install -e .) first")
+                         f"({ROOT}): pip install -e . in the checkout first")
     quick = a.quick
     shapes = [(256, 4, 32)] if quick else [(1024, 4, 32), (4096, 4, 32), (1024, 12, 64)]
     threads = [1] if quick else [1, 2]

@@ -20,10 +20,24 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
+def require_native(prog: str) -> None:
+    """Exit with one line when pympar._C is missing (a bench would time the reference kernels and
+    report that), unless PYMPAR_KERNELS=reference asks for the reference on purpose."""
+    from pympar import config, kernels
+    if kernels.native_available() or config.read_environment().kernels_reference:
+        return
+    try:
+        kernels.require_native(prog)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+require_native(Path(sys.argv[0]).name or "bench")    # every bench script imports this module first
+
+
 def env() -> dict:
-    """One BLAS/kernel thread per rank; pympar from this checkout."""
-    return dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYMPAR_NUM_THREADS="1",
-                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    """One BLAS/kernel thread per rank (pympar is the installed one: pip install -e . in a checkout)."""
+    return dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYMPAR_NUM_THREADS="1")
 
 
 def best(fn, reps, warm_s=0.0, settle=0.0) -> float:

@@ -48,7 +48,6 @@ def worker(T: int, out: str, threads: int = 0):
     import numpy as np
     from mpi4py import MPI
 
-    sys.path.insert(0, str(ROOT))
     from pympar.comm import MPIComm
     from pympar.nn.config import GPTConfig
     from pympar.config import RunConfig

@@ -115,7 +115,7 @@ def main(argv=None):
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     if not K.native_available():
-        sys.exit("pympar._C is not built: run bash tools/build_native.sh (or pip install .) first")
+        sys.exit("pympar._C is not built: pip install . (or pip install -e . in a checkout) first")
     dt = np.dtype(args.dtype)
     rng = np.random.default_rng(0)
     rows = []

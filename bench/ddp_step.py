@@ -43,7 +43,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-sys.path.insert(0, str(common.ROOT))
 
 
 def parse(argv=None):

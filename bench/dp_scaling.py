@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def parse(argv=None):
@@ -117,8 +116,7 @@ def worker(a):
 
 # --- launcher -------------------------------------------------------------------------------
 def run_one(a, n, extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYMPAR_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYMPAR_NUM_THREADS="1")
     mpiexec = Path(sys.executable).parent / "mpiexec"
     args = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(n), sys.executable, __file__,
             "--preset", a.preset, "--micro-batch-size", str(a.micro_batch_size), "--block-size", str(a.block_size),

@@ -28,7 +28,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, best, machine, pyplot, run_and_write, save  # noqa: E402
 
-sys.path.insert(0, str(ROOT))                        # pympar from this checkout unless installed
 
 # (name, n_layer, n_embd, tokens, vocab): bench/train_step.py's shapes (issue 14)
 SHAPES = [("L4 D256 T128 B8", 4, 256, 1024, 256), ("L6 D512 T256 B4", 6, 512, 1024, 256),

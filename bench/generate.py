@@ -27,7 +27,6 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=str(common.RESULTS / "generate.json"))
     a = ap.parse_args(argv)
-    sys.path.insert(0, str(common.ROOT))
     from pympar import kernels
     from pympar.config import apply_environment
     apply_environment()

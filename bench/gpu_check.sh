@@ -22,7 +22,9 @@ RES=$(mktemp -d /tmp/pympar_gpu_check.XXXXXX)   # every intermediate file
 T0=$(date +%s)
 DEADLINE=${GPU_CHECK_SECONDS:-290}
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# the package is assembled in $TREE: src/pympar plus the modules step 3 builds for this GPU
+TREE=/tmp/pympar-gpu-tree
+export PYTHONPATH="$TREE${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 command -v "$PY" >/dev/null 2>&1 || PY=python
 
@@ -102,8 +104,11 @@ export CUDAARCHS=$CC_CAP
 if [ "${GPU_CHECK_SKIP_BUILD:-0}" = 1 ]; then   # (dry runs on a machine without a GPU)
   echo "build skipped (GPU_CHECK_SKIP_BUILD=1)" >"$RES/build.log"
 else
-  stage build 150 "$RES/build.log" env PYTHON="$PY" bash tools/build_native.sh -DCMAKE_CUDA_ARCHITECTURES="$CC_CAP"
+  stage build 150 "$RES/build.log" bash -c "cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DPython_EXECUTABLE='$PY' -Dpybind11_DIR=\$('$PY' -m pybind11 --cmakedir) -DCMAKE_CUDA_ARCHITECTURES=$CC_CAP \
+    && cmake --build build/gpu -j \$(nproc)"
 fi
+rm -rf "$TREE" && mkdir -p "$TREE" && cp -r src/pympar "$TREE"/ && cp build/gpu/_C*.so build/gpu/_cuda*.so "$TREE"/pympar/ 2>/dev/null
 "$PY" -c "from pympar import kernels; print('cuda kernels:', kernels.cuda_available(), 'cpp kernels:', kernels.native_available())" \
   >>"$RES/build.log" 2>&1
 

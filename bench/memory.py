@@ -31,7 +31,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, env, machine, mpiexec, pyplot, run_and_write, save  # noqa: E402
 
-sys.path.insert(0, str(ROOT))
 from pympar.nn.config import GPTConfig  # noqa: E402
 from pympar.nn.gpt import count_params  # noqa: E402
 from pympar.parallel import ledger  # noqa: E402

@@ -30,7 +30,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-sys.path.insert(0, str(common.ROOT))
 from pympar.layout import Layout  # noqa: E402
 from pympar.plan import spearman  # noqa: E402
 

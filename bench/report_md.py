@@ -133,7 +133,7 @@ def sec_train_step(res, status) -> str:
             "(> 1: pympar faster), the median of the rounds (`--repeat`). MFU/sgemm: model FLOP/s (PaLM's "
             "6N + 12LCT per token, attention included) over this process's measured float32 GEMM rate on the "
             "step's largest GEMM at the same threads (the faster of NumPy's BLAS and pympar's products: MKL where "
-            "installed, pympar/kernels/gemm.py). GEMM: the library pympar's products ran on (rows without one "
+            "installed, src/pympar/kernels/gemm.py). GEMM: the library pympar's products ran on (rows without one "
             "predate the choice: NumPy's BLAS).", "", _img("train_step", "training step"), "",
             "| shape | threads | GEMM | sgemm GFLOP/s | pympar tokens/s | pympar MFU/sgemm | x SDPA | x compile | x naive | "
             "SDPA MFU/sgemm |",
@@ -196,7 +196,7 @@ def sec_gemm(res, status) -> str:
     out += ["`python bench/gemm.py`: every matrix product pympar's Linear layers and head run in one training step "
             "(forward y = x W^T, backward dx = dy W and dW = dy^T x, the operands laid out as pympar passes them), "
             f"timed on NumPy's BLAS ({d.get('blas_numpy', '?')}), on pympar's products ({d.get('pympar_gemm', 'not run')}; "
-            "nn.parameter.matmul, pympar/kernels/gemm.py) and on PyTorch's "
+            "nn.parameter.matmul, src/pympar/kernels/gemm.py) and on PyTorch's "
             f"(torch {d.get('torch_version', '?')}; what its eager and compiled steps call) at the same threads in one "
             "process, the libraries alternating in blocks, each product the best of several calls. Attention's own "
             "products are not included (pympar's run inside its C++ kernel). Ratio > 1: PyTorch's BLAS faster. "
@@ -357,7 +357,6 @@ def _null(ok):
     """(world, rho, 95th percentile of rho under permuted predictions) per rank count."""
     import sys
     from common import ROOT
-    sys.path.insert(0, str(ROOT))       # run_all puts only bench/ on the path
     from pympar.plan import spearman, spearman_null_p95
     out = []
     for w in sorted({r["world"] for r in ok}):
@@ -378,7 +377,7 @@ def sec_plan(res, status) -> str:
             "that stay allocated after two steps (tracemalloc: parameters, gradients, buckets, optimiser state) and "
             "the peak of a step above that (activations and temporaries), then the median of timed steps; "
             f"{runs} run(s) per layout, rounds interleaved, median kept. `pympar.plan.predict` gives the prediction "
-            "(the model and each of its terms: pympar/plan.py's docstring)" +
+            "(the model and each of its terms: src/pympar/plan.py's docstring)" +
             (", with the CPU constants of bench/plan_calibrate.py (below), measured by microbenchmarks that are "
              "not the layouts ranked here." if isinstance(d.get("calibration"), dict) else
              " with the alpha-beta constants fitted to the allreduce rows of bench/results/collectives.json for "
@@ -435,7 +434,7 @@ def _calibration(res, acc) -> list:
             out += ["", f"At {w} ranks the small allreduce's latency changed by {max(lat) / min(lat):.0f}x between "
                         "rounds (on this shared VM; the cause was not isolated): the median picks "
                         "one state, and layouts measured in the other are mispredicted by their allreduce count."]
-    out += ["", "What pympar.plan made of them (pympar/plan.py load_calibration):", "",
+    out += ["", "What pympar.plan made of them (src/pympar/plan.py load_calibration):", "",
             "| ranks | matmul GFLOP/s | overhead us/block | elem ns | optimiser ns/param | alpha us/round | bus GB/s | ranks/core |",
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for w, m in acc.get("constants", {}).items():

@@ -13,14 +13,18 @@
 
 #include "dtypes.h"
 #include "kernels.h"
+#include "pyarrays.h"
 #include "threadpool.h"
 
 namespace py = pybind11;
 using namespace pympar;
+using namespace pympar::bind;
+
+namespace pympar::bind {
+const KernelTable* K = nullptr;
+}
 
 namespace {
-
-const KernelTable* K = nullptr;
 
 // the best table the CPU supports, or the one asked for ("generic" | "avx2" | "avx512"; nullptr when
 // the CPU lacks it); the environment is read by pympar.config, which calls use_isa
@@ -42,40 +46,6 @@ const KernelTable* pick_table(const std::string& w) {
   return table_generic();
 }
 
-int dtype_code(const py::array& a) {
-  py::dtype d = a.dtype();
-  char kind = d.kind();
-  auto item = d.itemsize();
-  if (kind == 'f') return item == 4 ? F32 : item == 8 ? F64 : item == 2 ? F16 : -1;
-  if (kind == 'i') return item == 4 ? I32 : item == 8 ? I64 : -1;
-  if (item == 2 && py::str(d.attr("name")).cast<std::string>() == "bfloat16") return BF16;
-  return -1;
-}
-
-// the array, checked: dtype in `allowed` (a bit mask of DType codes), C-contiguous, `n` elements (n >= 0)
-int check(const py::array& a, const char* name, unsigned allowed, int64_t n = -1) {
-  int dt = dtype_code(a);
-  if (dt < 0 || !(allowed & (1u << dt)))
-    throw py::type_error(std::string(name) + ": unsupported dtype " + py::str(a.dtype()).cast<std::string>());
-  if (!(a.flags() & py::array::c_style))
-    throw py::value_error(std::string(name) + ": array must be C-contiguous (pass np.ascontiguousarray(...))");
-  if (n >= 0 && a.size() != n)
-    throw py::value_error(std::string(name) + ": expected " + std::to_string(n) + " elements, got " +
-                          std::to_string(a.size()));
-  return dt;
-}
-
-constexpr unsigned FLOATS = (1u << F32) | (1u << F64);
-constexpr unsigned HALVES = (1u << F16) | (1u << BF16);
-constexpr unsigned INTS = (1u << I32) | (1u << I64);
-constexpr unsigned I64ONLY = 1u << I64;
-
-const void* cp(const py::array& a) { return a.data(); }
-void* mp(py::array& a) { return a.mutable_data(); }
-
-template <typename T> const T* ct(const py::array& a) { return static_cast<const T*>(a.data()); }
-template <typename T> T* mt(py::array& a) { return static_cast<T*>(a.mutable_data()); }
-
 // rows (int64, M of them) as a pointer, each checked to lie in [0, n): an IndexError naming the kernel
 const int64_t* rows_in_bounds(const py::array& rows, int64_t M, int64_t n, const char* kernel) {
   const int64_t* r = ct<int64_t>(rows);
@@ -85,8 +55,6 @@ const int64_t* rows_in_bounds(const py::array& rows, int64_t M, int64_t n, const
                             std::to_string(n) + " rows");
   return r;
 }
-
-int64_t last_dim(const py::array& a) { return a.ndim() ? a.shape(a.ndim() - 1) : 1; }
 
 // out[rows[i]] += y[i] (times weights[i] when given) in the order of i, as np.add.at adds. The row
 // width is out's, so a call with no rows (an expert, or a vocabulary shard, given none) is valid and
@@ -116,11 +84,6 @@ void check_targets(const int64_t* t, int64_t N, int64_t V) {
                             " is >= the vocabulary size " + std::to_string(V));
 }
 
-std::string shape_of(const py::array& a) {
-  std::string s = "(";
-  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
-  return s + (a.ndim() == 1 ? ",)" : ")");
-}
 
 // a (B, T, H, D) operand of the block attention kernels, read in place: checked for its shape, the
 // dtype dt, an aligned start, the last axis contiguous and the head stride D; the batch and row
@@ -168,6 +131,7 @@ template <typename T> T* at(py::array& a, int64_t offset) { return mt<T>(a) + of
 
 PYBIND11_MODULE(_C, m) {
   K = pick_table("");
+  bind_lowp(m);
   m.doc() = "pympar C++ kernels (see pympar.kernels)";
   m.def("isa", [] { return std::string(K->isa); }, "the instruction-set build of the arithmetic kernels in use");
   m.def("use_isa", [](const std::string& name) {

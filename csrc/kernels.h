@@ -88,6 +88,24 @@ struct KernelTable {
   // out (F,) = sum over the N rows of x (N, F), in row order
   void (*column_sum_f32)(const float* x, float* out, int64_t N, int64_t F);
   void (*column_sum_f64)(const double* x, double* out, int64_t N, int64_t F);
+  // bfloat16 activations (lowp.cpp): uint16 storage, float32 math, each output rounded once to
+  // nearest even; parameters, statistics and parameter gradients float32. Shapes as above.
+  void (*layernorm_fwd_bf16)(const uint16_t* x, const float* w, const float* b, uint16_t* y, float* mean,
+                             float* rstd, int64_t N, int64_t C, double eps);
+  void (*add_layernorm_fwd_bf16)(uint16_t* x, const uint16_t* res, const float* w, const float* b, uint16_t* y,
+                                 float* mean, float* rstd, int64_t N, int64_t C, double eps);
+  void (*layernorm_bwd_bf16)(const uint16_t* dy, const uint16_t* x, const float* w, const float* mean,
+                             const float* rstd, const uint16_t* res, uint16_t* dx, float* dw, float* db, int64_t N,
+                             int64_t C);
+  void (*gelu_fwd_bf16)(const uint16_t* x, uint16_t* y, int64_t n);
+  void (*gelu_bwd_bf16)(const uint16_t* x, const uint16_t* dy, uint16_t* dx, int64_t n);
+  void (*bias_gelu_fwd_bf16)(uint16_t* h, const float* b, uint16_t* y, int64_t N, int64_t F);
+  void (*bias_add_bf16)(uint16_t* y, const float* b, int64_t N, int64_t F);
+  void (*column_sum_bf16)(const uint16_t* x, float* out, int64_t N, int64_t F);
+  // one tile of the bf16 GEMM's output: c (R, N) float32 -> h = round(c + bias), g = round(GELU(h))
+  // (bias, g nullable); one thread
+  void (*gemm_epilogue_bf16)(const float* c, int64_t ldc, const float* bias, uint16_t* h, int64_t ldh, uint16_t* g,
+                             int64_t ldg, int64_t R, int64_t N);
 };
 
 const KernelTable* table_generic();

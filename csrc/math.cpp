@@ -8,18 +8,11 @@
 #include "fastmath.h"
 #include "isa.h"
 #include "kernels.h"
+#include "rows.h"
 #include "threadpool.h"
 
 namespace pympar {
 namespace PYMPAR_ISA {
-
-template <typename T>
-static T row_max(const T* x, int64_t n) {
-  T m = -INFINITY;
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
-  return m;
-}
 
 // --- causal softmax: x, y (B, T, T) ----------------------------------------------------
 template <typename T>
@@ -65,23 +58,6 @@ void softmax_causal_bwd(const T* y, const T* dy, T* dx, int64_t B, int64_t T_) {
 
 // --- layernorm: x, y (N, C) ------------------------------------------------------------
 template <typename T>
-static inline void layernorm_row(const T* xr, const T* w, const T* b, T* yr, T* mean, T* rstd, int64_t C,
-                                 double eps) {
-  T s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < C; ++j) s += xr[j];
-  T mu = s / T(C);
-  T ss = 0;  // second pass over the centred values: no cancellation
-#pragma omp simd reduction(+ : ss)
-  for (int64_t j = 0; j < C; ++j) ss += (xr[j] - mu) * (xr[j] - mu);
-  T rs = T(1) / std::sqrt(ss / T(C) + T(eps));
-#pragma omp simd
-  for (int64_t j = 0; j < C; ++j) yr[j] = (xr[j] - mu) * rs * w[j] + b[j];
-  *mean = mu;
-  *rstd = rs;
-}
-
-template <typename T>
 void layernorm_fwd(const T* x, const T* w, const T* b, T* y, T* mean, T* rstd, int64_t N, int64_t C,
                    double eps) {
   parallel_for(N, row_grain(C), 1, [&](int64_t r0, int64_t r1) {
@@ -120,38 +96,9 @@ void layernorm_bwd(const T* dy, const T* x, const T* w, const T* mean, const T* 
     for (int64_t s = s0; s < s1; ++s) {
       T* pdw = part.data() + s * 2 * C;
       T* pdb = pdw + C;
-      for (int64_t r = N * s / S; r < N * (s + 1) / S; ++r) {
-        const T *xr = x + r * C, *dyr = dy + r * C;
-        T* dxr = dx + r * C;
-        const T mu = mean[r], rs = rstd[r];
-        T a = 0, bsum = 0;
-#pragma omp simd reduction(+ : a, bsum)
-        for (int64_t j = 0; j < C; ++j) {
-          T xhat = (xr[j] - mu) * rs;
-          T dxhat = dyr[j] * w[j];
-          a += dxhat;
-          bsum += dxhat * xhat;
-          pdw[j] += dyr[j] * xhat;
-          pdb[j] += dyr[j];
-        }
-        a /= T(C);
-        bsum /= T(C);
-        if (res == nullptr) {
-#pragma omp simd
-          for (int64_t j = 0; j < C; ++j) {
-            T xhat = (xr[j] - mu) * rs;
-            dxr[j] = rs * (dyr[j] * w[j] - a - xhat * bsum);
-          }
-        } else {
-          const T* rr = res + r * C;
-#pragma omp simd
-          for (int64_t j = 0; j < C; ++j) {
-            T xhat = (xr[j] - mu) * rs;
-            T v = rs * (dyr[j] * w[j] - a - xhat * bsum);
-            dxr[j] = v + rr[j];
-          }
-        }
-      }
+      for (int64_t r = N * s / S; r < N * (s + 1) / S; ++r)
+        layernorm_bwd_row(dy + r * C, x + r * C, w, mean[r], rstd[r], res ? res + r * C : nullptr, dx + r * C, pdw,
+                          pdb, C);
     }
   });
   for (int64_t j = 0; j < C; ++j) dw[j] = db[j] = 0;
@@ -165,13 +112,6 @@ void layernorm_bwd(const T* dy, const T* x, const T* w, const T* mean, const T* 
 }
 
 // --- GELU, tanh form: 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = c (x + 0.044715 x^3) -----
-template <typename T>
-static inline T gelu_value(T xi) {
-  const T c = T(0.7978845608028654);
-  T u = c * (xi + T(0.044715) * xi * xi * xi);
-  return xi / (T(1) + exp_approx(T(-2) * u));
-}
-
 template <typename T>
 void gelu_fwd(const T* x, T* y, int64_t n) {
   parallel_for(n, kElemGrain, kAlign, [&](int64_t i0, int64_t i1) {
@@ -230,20 +170,11 @@ void bias_gelu_fwd(T* h, const T* b, T* y, int64_t N, int64_t F) {
   });
 }
 
-// d/dx = s + 2 x s (1 - s) u',  s = sigmoid(2u)
 template <typename T>
 void gelu_bwd(const T* x, const T* dy, T* dx, int64_t n) {
-  const T c = T(0.7978845608028654);
   parallel_for(n, kElemGrain, kAlign, [&](int64_t i0, int64_t i1) {
 #pragma omp simd
-    for (int64_t i = i0; i < i1; ++i) {
-      T xi = x[i];
-      T x2 = xi * xi;
-      T u = c * (xi + T(0.044715) * x2 * xi);
-      T du = c * (T(1) + T(3 * 0.044715) * x2);
-      T s = T(1) / (T(1) + exp_approx(T(-2) * u));
-      dx[i] = (s + T(2) * xi * s * (T(1) - s) * du) * dy[i];
-    }
+    for (int64_t i = i0; i < i1; ++i) dx[i] = gelu_grad(x[i]) * dy[i];
   });
 }
 

@@ -30,6 +30,18 @@ void adamw(void*, const void*, void*, void*, int, int, int64_t, double, double, 
 void reduce(void*, const void*, int, int, int64_t);
 void scale(void*, int, double, int64_t);
 void cast(const void*, int, void*, int, int64_t);
+void layernorm_fwd_bf16(const uint16_t*, const float*, const float*, uint16_t*, float*, float*, int64_t, int64_t,
+                        double);
+void add_layernorm_fwd_bf16(uint16_t*, const uint16_t*, const float*, const float*, uint16_t*, float*, float*, int64_t,
+                            int64_t, double);
+void layernorm_bwd_bf16(const uint16_t*, const uint16_t*, const float*, const float*, const float*, const uint16_t*,
+                        uint16_t*, float*, float*, int64_t, int64_t);
+void gelu_fwd_bf16(const uint16_t*, uint16_t*, int64_t);
+void gelu_bwd_bf16(const uint16_t*, const uint16_t*, uint16_t*, int64_t);
+void bias_gelu_fwd_bf16(uint16_t*, const float*, uint16_t*, int64_t, int64_t);
+void bias_add_bf16(uint16_t*, const float*, int64_t, int64_t);
+void column_sum_bf16(const uint16_t*, float*, int64_t, int64_t);
+void gemm_epilogue_bf16(const float*, int64_t, const float*, uint16_t*, int64_t, uint16_t*, int64_t, int64_t, int64_t);
 }  // namespace PYMPAR_ISA
 
 #define PYMPAR_STR2(x) #x
@@ -56,6 +68,9 @@ const KernelTable* PYMPAR_CAT(table_, PYMPAR_ISA)() {
       K::bias_gelu_fwd<float>, K::bias_gelu_fwd<double>,
       K::bias_add<float>, K::bias_add<double>,
       K::column_sum<float>, K::column_sum<double>,
+      K::layernorm_fwd_bf16, K::add_layernorm_fwd_bf16, K::layernorm_bwd_bf16,
+      K::gelu_fwd_bf16, K::gelu_bwd_bf16, K::bias_gelu_fwd_bf16, K::bias_add_bf16, K::column_sum_bf16,
+      K::gemm_epilogue_bf16,
   };
   return &t;
 }

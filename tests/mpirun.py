@@ -34,23 +34,12 @@ def mpi_env(extra=None):
         env[k] = "1"
     env.setdefault("PYTHONHASHSEED", "0")
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "") if _source_tree_mode() else env.get("PYTHONPATH", "")
     for k, v in (extra or {}).items():          # None: the variable is removed
         if v is None:
             env.pop(k, None)
         else:
             env[k] = str(v)
     return env
-
-
-def _source_tree_mode() -> bool:
-    # tests run from an installed pympar; the tree when none is installed or when the tree's is the
-    # one imported (`python -m pytest` from the repository root): the ranks must import the same one
-    try:
-        import pympar
-    except ImportError:
-        return True
-    return Path(pympar.__file__).resolve().parent == ROOT / "pympar"   # not a venv inside the checkout (CI's)
 
 
 def _abs(a) -> str:
@@ -68,10 +57,8 @@ def run_mpi(n: int, args, timeout: float = 120, env=None, cwd=None, check=True):
     (check=True) or exceeds ``timeout`` seconds.
     """
     cmd = [mpiexec(), "-n", str(n), sys.executable] + [_abs(a) for a in args]
-    if cwd is None:
-        # run where the source tree cannot shadow the installed package (and its native _C):
-        # `python -m` puts the working directory first on sys.path
-        cwd = ROOT if _source_tree_mode() else ROOT / "tests"
+    if cwd is None:                             # the ranks import the installed pympar (src/ layout:
+        cwd = ROOT                               # the checkout's root has no pympar/ to shadow it)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=mpi_env(env), cwd=cwd, start_new_session=True)
     try:

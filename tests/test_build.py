@@ -3,6 +3,10 @@ expose every kernel of the contract, and pick the best instruction-set build for
 (That the CUDA sources compile wherever nvcc exists is checked by CI's build itself.)"""
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,9 @@ import pympar.kernels as K
 from pympar.kernels import reference
 
 PKG = Path(pympar.__file__).resolve().parent
-built = sorted(PKG.glob("_C*.so")) + sorted(PKG.glob("_C*.pyd"))
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.find_spec("pympar._C")   # beside the package, or where an editable install put it
+built = [Path(_spec.origin)] if _spec is not None and _spec.origin else []
 
 
 @pytest.mark.skipif(not built, reason="pympar._C is not built (pure-reference install)")
@@ -21,7 +27,19 @@ def test_built_module_is_the_one_in_use():
     assert K.backend(__import__("numpy").zeros(1)) == "cpp"
     from pympar import _C
 
-    assert Path(_C.__file__).resolve().parent == PKG
+    assert Path(_C.__file__).resolve() == built[0].resolve()
+
+
+def test_the_checkout_cannot_shadow_the_installed_package():
+    """The src/ layout: the repository's root holds no importable pympar, so `python -m pympar.train`
+    typed there (the README's first command) imports the installed package, native module and all."""
+    assert not (ROOT / "pympar").exists() and (ROOT / "src" / "pympar" / "__init__.py").exists()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", "import pympar.kernels as k; print(k.native_available(), k.describe())"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.split()[0] == str(K.native_available()), out
+    if built:
+        assert out.startswith("True C++ "), out
 
 
 @pytest.mark.skipif(not built, reason="pympar._C is not built")
@@ -70,7 +88,7 @@ def test_tests_import_the_package_that_was_built():
     assert K.native_available(), (
         f"pympar imported from {PKG} has no pympar._C, but the installed one in {where} has: run the tests "
         f"with the installed package first on sys.path (`pytest`, not `python -m pytest`, from the repository "
-        f"root), or build in place with tools/build_native.sh")
+        f"root), or install the checkout for development with pip install -e .")
 
 
 def test_headers_shared_by_the_isa_builds_define_only_internal_functions():

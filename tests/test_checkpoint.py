@@ -307,7 +307,7 @@ def test_cli_export_inspect_import(tmp_path):
     from pympar.nn.config import GPTConfig
     from pympar.nn.gpt import GPT
     save_training(tmp_path / "ck", 3, GPT(GPTConfig.from_preset("moe-tiny")))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)
 
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "pympar.checkpoint", *map(str, args)], env=env,

@@ -102,7 +102,7 @@ print("DONE", flush=True)
 def _child(stage, root, n=0, timeout=60, env=None):
     """Run the child (under mpiexec -n n when n); kill it with SIGKILL once it says BLOCKED."""
     cmd = [sys.executable, "-c", CHILD, stage, str(root)]
-    extra = {"PYTHONPATH": str(ROOT)} | (env or {})
+    extra = dict(env or {})
     if n:
         cmd = [mpiexec(), "-n", str(n)] + cmd
         extra["CKPT_MPI"] = "1"

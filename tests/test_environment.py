@@ -20,7 +20,7 @@ from pympar.config import ConfigError, apply_environment, read_environment
 from pympar.kernels import blas
 
 ROOT = Path(__file__).resolve().parent.parent
-EDGE = ROOT / "pympar" / "config.py"
+EDGE = ROOT / "src" / "pympar" / "config.py"
 
 
 def environment_reads(path: Path) -> list:
@@ -55,7 +55,7 @@ def test_the_walk_finds_reads():
 
 
 def test_only_the_configuration_edge_reads_the_environment():
-    bad = [f"{p.relative_to(ROOT)}:{ln}: {what}" for p in sorted((ROOT / "pympar").rglob("*.py")) if p != EDGE
+    bad = [f"{p.relative_to(ROOT)}:{ln}: {what}" for p in sorted((ROOT / "src" / "pympar").rglob("*.py")) if p != EDGE
            for ln, what in environment_reads(p)]
     assert not bad, "the environment is read outside pympar/config.py:\n" + "\n".join(bad)
     assert environment_reads(EDGE), "config.py reads the environment (the walk sees it)"
@@ -125,6 +125,6 @@ def test_a_program_of_its_own_is_not_steered_by_the_environment():
             "print(k._forced_reference(), s.SETTINGS.timeout)\n"
             "import pympar.config as c; c.apply_environment()\n"
             "print(k._forced_reference(), s.SETTINGS.timeout)\n")
-    env = dict(config.child_environment(PYMPAR_KERNELS="reference", PYMPAR_COMM_TIMEOUT="7"), PYTHONPATH=str(ROOT))
+    env = dict(config.child_environment(PYMPAR_KERNELS="reference", PYMPAR_COMM_TIMEOUT="7"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.split("\n")[:2] == ["False 300.0", "True 7.0"]

@@ -215,7 +215,7 @@ def test_trainer_device_cuda_matches_device_cpu(tmp_path):
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = dict(os.environ)
     common = [sys.executable, "-m", "pympar.train", "--preset", "tiny", "--block-size", "16", "--micro-batch-size", "2",
               "--n-micro", "2", "--steps", "3", "--eval-iters", "1", "--sample-tokens", "4", "--lr", "1e-3"]
     out = {}
@@ -239,7 +239,7 @@ def test_checkpoint_from_the_gpu_resumes_on_either_device(tmp_path):
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = dict(os.environ)
     common = [sys.executable, "-m", "pympar.train", "--preset", "tiny", "--block-size", "16", "--micro-batch-size", "2",
               "--n-micro", "2", "--steps", "4", "--eval-iters", "1", "--sample-tokens", "0", "--save-every", "2"]
 

@@ -149,3 +149,30 @@ def test_forked_child_gemm_on_rebuilt_pool(threads):
         pytest.fail("GEMM in a forked child hung")
     assert p.exitcode == 0
     assert q.get(timeout=5) < 1e-3
+
+
+def _default_threads(env, prefix=()):
+    import os
+    import subprocess
+    import sys
+    e = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    out = subprocess.run([*prefix, sys.executable, "-c", "import pympar.kernels as k, pympar._C as C; "
+                          "print(k.get_num_threads(), C.get_num_threads())"], env=dict(e, **env),
+                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    assert out[0] == out[1], out                # the Python face and the C++ pool agree
+    return int(out[0])
+
+
+def test_a_library_user_gets_numpys_thread_convention():
+    """A program that imports pympar and sets nothing: the kernels run as many threads as NumPy's BLAS
+    (OMP_NUM_THREADS when set), within the process's CPU affinity -- not one thread whatever is set."""
+    import os
+    import shutil
+    cpus = len(os.sched_getaffinity(0))
+    assert _default_threads({"OMP_NUM_THREADS": "1"}) == 1
+    if blas._openblas():                        # OpenBLAS took the variable: the kernels follow it
+        assert _default_threads({}) == cpus
+        if cpus >= 2:
+            assert _default_threads({"OMP_NUM_THREADS": "2"}) == 2
+    if shutil.which("taskset") and cpus >= 2:   # one CPU allowed: one thread, whatever the BLAS says
+        assert _default_threads({}, prefix=("taskset", "-c", str(min(os.sched_getaffinity(0))))) == 1

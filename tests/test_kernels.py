@@ -21,8 +21,6 @@ from pympar.kernels import reference as R
 
 import pympar
 
-# subprocesses import the same pympar as this process (the source tree or an installed copy)
-PYMPAR_HOME = Path(pympar.__file__).resolve().parent.parent
 needs_native = pytest.mark.skipif(not K.native_available(), reason="pympar._C is not built")
 if K.native_available():
     from pympar.kernels import native as N
@@ -559,11 +557,8 @@ ISA_CHECK = textwrap.dedent("""
 
 
 def _run(code, **env):
-    e = dict(os.environ, PYTHONPATH=str(PYMPAR_HOME), **env)
-    # cwd: `python -c` puts the working directory first on sys.path; run beside the package under
-    # test so a source checkout (without the built _C) cannot shadow an installed one
-    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60,
-                          cwd=str(PYMPAR_HOME))
+    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True,
+                          text=True, timeout=60)
 
 
 def _cpu_flags():

@@ -25,7 +25,7 @@ print(malloc_policy.retained(), resource.getrusage(resource.RUSAGE_SELF).ru_minf
 
 
 def _run(env_extra):
-    env = dict(os.environ, PYTHONPATH=ROOT, **env_extra)
+    env = dict(os.environ, **env_extra)
     env.pop("PYMPAR_MALLOC", None) if "PYMPAR_MALLOC" not in env_extra else None
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()

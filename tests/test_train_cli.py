@@ -384,3 +384,26 @@ def test_the_start_up_line_names_the_gemm_library(tmp_path):
     assert want in res.stdout, res.stdout[-2000:]
     res = run_mpi(1, ["-m", "pympar.train", *TINY, "--steps", "1"], timeout=120, env={"PYMPAR_GEMM": "numpy"})
     assert "GEMM NumPy's BLAS (PYMPAR_GEMM=numpy)" in res.stdout, res.stdout[-2000:]
+
+
+_NO_NATIVE = ("import sys; sys.modules['pympar._C'] = None\n"     # pympar._C cannot import (a copy without it)
+              "import pympar.train as t; sys.exit(t.main(sys.argv[1:]))\n")
+
+
+def test_a_missing_native_module_stops_every_rank_with_one_line_unless_asked_for():
+    """Without pympar._C every kernel would run the NumPy reference, 10-100x slower, and the run would
+    report that speed: each rank says so in one line and exits 2 before any collective; with
+    PYMPAR_KERNELS=reference the same run trains on the reference and its start-up line says so."""
+    res = run_mpi(2, ["-c", _NO_NATIVE, *TINY, "--steps", "1"], timeout=90, check=False)
+    errs = error_lines(res)
+    assert res.returncode == 2 and len(errs) == 2, res.stdout[-2000:]
+    assert all("pympar._C" in e and "PYMPAR_KERNELS=reference" in e and "pip install" in e for e in errs)
+    assert "Traceback" not in res.stdout
+    res = run_mpi(1, ["-c", _NO_NATIVE, *TINY, "--steps", "1"], timeout=90, env={"PYMPAR_KERNELS": "reference"})
+    assert "kernels reference (PYMPAR_KERNELS=reference)" in res.stdout
+
+
+def test_the_start_up_line_names_the_kernels():
+    import pympar.kernels as K
+    res = train(1, "--steps", 1)
+    assert f"kernels {K.describe()};" in res.stdout and (not K.native_available() or "kernels C++ " in res.stdout)

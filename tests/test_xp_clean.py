@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "pympar"
+ROOT = Path(__file__).resolve().parents[1] / "src" / "pympar"
 FILES = sorted((ROOT / "nn").glob("*.py")) + sorted((ROOT / "optim").glob("*.py")) + \
     [ROOT / "parallel" / f for f in ("dp.py", "gradsync.py", "zero.py")]
 # the model-parallel strategies run whole on the device: every function in them is scanned

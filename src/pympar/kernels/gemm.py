@@ -53,6 +53,7 @@ import numpy as np
 from .blas import _C, over_chunks
 
 _blocks = getattr(_C, "gemm_blocks", None)   # runs a product's blocks on the kernel threads, no GIL
+_bf16_blocks = getattr(_C, "gemm_bf16", None)  # the bf16 driver (tiles, epilogue) on the same threads
 
 CHOICES = ("auto", "numpy", "mkl")
 
@@ -61,6 +62,7 @@ _lib = None          # None: not looked for yet; False: not found; else the CDLL
 _where = ""          # the library's path (or the reason it is missing)
 _fn = {}             # dtype -> cblas_sgemm / cblas_dgemm (ctypes)
 _addr = {}           # dtype -> the same function's address (for _C.gemm_blocks)
+_bf = {}             # MKL's bf16 GEMM: "gemm", "compute" (addresses), "pack", "pack_size" (ctypes)
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 _SEQUENTIAL = 1      # MKL_THREADING_SEQUENTIAL (mkl_service.h)
@@ -107,12 +109,28 @@ def _load():
             f.restype = None
             _fn[np.dtype(dtype)] = f
             _addr[np.dtype(dtype)] = ctypes.cast(f, ctypes.c_void_p).value
+        _bind_bf16(lib)
         _lib, _where = lib, path
         return _lib
     _lib = False
     _where = ("libmkl_rt not found (looked in " + os.path.join(sys.prefix, "lib") +
               " and the loader's path): pip install mkl, or PYMPAR_GEMM=numpy")
     return _lib
+
+
+def _bind_bf16(lib):
+    """MKL's bf16 x bf16 -> float32 GEMM and its packed-operand API, where this MKL has them (2020+).
+    MKL runs it on AMX tiles where the CPU has them, else AVX512-BF16, else emulated in float32."""
+    names = ("cblas_gemm_bf16bf16f32", "cblas_gemm_bf16bf16f32_compute", "cblas_gemm_bf16bf16f32_pack",
+             "cblas_gemm_bf16bf16f32_pack_get_size")
+    if not all(hasattr(lib, n) for n in names):
+        return
+    i, p = ctypes.c_int, ctypes.c_void_p
+    pack, size = lib.cblas_gemm_bf16bf16f32_pack, lib.cblas_gemm_bf16bf16f32_pack_get_size
+    pack.argtypes, pack.restype = (i, i, i, i, i, i, p, i, p), None
+    size.argtypes, size.restype = (i, i, i, i), ctypes.c_size_t
+    _bf.update(gemm=ctypes.cast(lib.cblas_gemm_bf16bf16f32, p).value,
+               compute=ctypes.cast(lib.cblas_gemm_bf16bf16f32_compute, p).value, pack=pack, pack_size=size)
 
 
 def use(choice: str) -> None:
@@ -200,3 +218,116 @@ def product(a, b, out=None, threads: int = 1, accumulate: bool = False):
 
     over_chunks(n, block, parts)
     return out
+
+
+# --- bfloat16 products: bf16 operands, float32 accumulation (MKL's cblas_gemm_bf16bf16f32) ---------
+_B_MATRIX, _PACKED = 162, 151        # CBLAS_IDENTIFIER CblasBMatrix, the "packed" transpose flag
+
+
+def bf16_available() -> bool:
+    """Whether bf16 products run on MKL here (selected, loaded, with its bf16 GEMM and _C's driver)."""
+    return _choice != "numpy" and bool(_load()) and bool(_bf) and _bf16_blocks is not None
+
+
+class _Packs:
+    """Right-hand operands packed once for MKL (cblas_gemm_bf16bf16f32_pack): a weight's bf16 copy,
+    registered by ``packable``, is packed the first time a product reads it (as W or as W.T: two
+    packs) and reused until the copy is let go -- once per optimizer step, not per micro-batch, and
+    without MKL packing it again for every tile of rows it multiplies. Keyed by the array's id while a
+    weak reference says it lives."""
+
+    def __init__(self):
+        self._arrays = {}                # id(base) -> (weakref to base, {trans: packed buffer})
+
+    def register(self, w):
+        import weakref
+        key = id(w)
+        self._arrays[key] = (weakref.ref(w, lambda _r, k=key: self._arrays.pop(k, None)), {})
+
+    def get(self, b):
+        """(packed buffer) for b (K, N) when b is a registered array or its transpose, else None."""
+        base = b if b.base is None else b.base
+        entry = self._arrays.get(id(base))
+        if entry is None or entry[0]() is not base or base.ndim != 2:
+            return None
+        if b.shape == base.shape and b.strides == base.strides:
+            trans = _NO_TRANS
+        elif b.shape == base.shape[::-1] and b.strides == base.strides[::-1]:
+            trans = _TRANS
+        else:
+            return None
+        buf = entry[1].get(trans)
+        if buf is None:
+            K, N = b.shape
+            if not base.flags.c_contiguous or max(K, N) > _INT_MAX:
+                return None
+            buf = np.empty(int(_bf["pack_size"](_B_MATRIX, 1, N, K)), np.uint8)
+            _bf["pack"](_ROW_MAJOR, _B_MATRIX, trans, 1, N, K, base.ctypes.data, base.shape[1], buf.ctypes.data)
+            entry[1][trans] = buf
+        return buf
+
+
+_packs = _Packs()
+
+
+def packable(w) -> None:
+    """Register w, a C-contiguous 2-D bf16 array that stays unchanged while it lives (a weight's
+    compute copy), so that products reading it as their right-hand operand (w or w.T) use one MKL
+    pack of it instead of repacking it in every call."""
+    if bf16_available() and w.ndim == 2 and w.flags.c_contiguous:
+        _packs.register(w)
+
+
+def product_bf16(a, b, out=None, threads: int = 1, accumulate: bool = False, bias=None, gelu_out=None):
+    """a @ b for bfloat16 a (M, K) and b (K, N), float32 accumulation, on MKL where ``bf16_available``
+    and the layouts allow (a and b row- or column-major with unit stride; out row-major with unit
+    stride). ``out`` float32 (required): the product written or, ``accumulate``, added (beta = 1).
+    ``out`` bfloat16 (or None: a new bf16 array): round(a @ b + bias), bias float32 (N,) or None, and
+    with ``gelu_out`` (bf16, like out) also round(GELU(out)). Returns out, or None (nothing written)
+    when the caller should take another path."""
+    if not bf16_available() or a.ndim != 2 or b.ndim != 2:
+        return None
+    M, K = a.shape
+    N = b.shape[1]
+    if b.shape[0] != K or min(M, N, K) < 1 or max(M, N, K) > _INT_MAX:
+        return None
+    if a.dtype.name != "bfloat16" or b.dtype.name != "bfloat16":
+        return None
+    la = _operand(a)
+    if la is None:
+        return None
+    packed = _packs.get(b)
+    lb = (_NO_TRANS, N) if packed is not None else _operand(b)
+    if lb is None:
+        return None
+    c_bf16 = out is None or out.dtype.name == "bfloat16"
+    if out is None:
+        out = np.empty((M, N), a.dtype)
+    elif not _row_major_out(out, (M, N), a, b):
+        return None
+    if c_bf16:
+        if accumulate:
+            return None
+        if bias is not None and not (bias.dtype == np.float32 and bias.shape == (N,) and bias.flags.c_contiguous):
+            return None
+        if gelu_out is not None and not _row_major_out(gelu_out, (M, N), a, b, out.dtype):
+            return None
+    elif out.dtype != np.float32 or bias is not None or gelu_out is not None:
+        return None
+    (ta, lda), (tb, ldb) = la, lb
+    parts = max(1, min(int(threads), M // 16)) if 2.0 * M * N * K >= _SPLIT_FLOPS else 1
+    pb = packed.ctypes.data if packed is not None else b.ctypes.data
+    _bf16_blocks(_bf["compute"] if packed is not None else _bf["gemm"], packed is not None, ta, tb, M, N, K,
+                 a.ctypes.data, lda, pb, ldb, 1.0 if accumulate else 0.0, out.ctypes.data,
+                 out.strides[0] // out.itemsize, c_bf16, 0 if bias is None else bias.ctypes.data,
+                 0 if gelu_out is None else gelu_out.ctypes.data,
+                 0 if gelu_out is None else gelu_out.strides[0] // gelu_out.itemsize, parts)
+    return out
+
+
+def _row_major_out(out, shape, a, b, dtype=None) -> bool:
+    """out may take the product: its shape (and dtype), unit stride along rows, no memory shared with a or b."""
+    item = out.itemsize
+    return (out.shape == shape and (dtype is None or out.dtype == dtype) and out.strides[1] == item
+            and out.strides[0] % item == 0 and out.strides[0] // item >= shape[1]
+            and not np.may_share_memory(out, a) and not np.may_share_memory(out, b))

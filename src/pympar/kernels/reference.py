@@ -26,6 +26,16 @@ def _up(x):
     return x.astype(_acc_dtype(x.dtype), copy=False)
 
 
+def _add_into(x, y):
+    """x += y in place, a low-precision x computed in float32 and rounded once (y of any float dtype:
+    a float32 bias or a bf16 residual); returns x."""
+    if x.dtype.itemsize == 2:
+        x[...] = (_up(x) + _up(y)).astype(x.dtype)
+    else:
+        x += y
+    return x
+
+
 # --- causal softmax -------------------------------------------------------------------
 def softmax_causal_forward(x, out=None):
     """x (..., T, T) attention scores (already scaled) -> probabilities, row i sees columns <= i.
@@ -146,8 +156,7 @@ def layernorm_forward(x, w, b, eps=1e-5):
 def add_layernorm_forward(x, res, w, b, eps=1e-5):
     """x += res (in place: the residual sum, which the caller keeps), then layernorm_forward(x, w,
     b, eps): -> (y, mean, rstd). One pass where the two make two (the fused kernels)."""
-    x += res
-    return layernorm_forward(x, w, b, eps)
+    return layernorm_forward(_add_into(x, res), w, b, eps)
 
 
 def layernorm_backward(dy, x, w, mean, rstd, residual=None):
@@ -164,7 +173,7 @@ def layernorm_backward(dy, x, w, mean, rstd, residual=None):
                             - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
     dx = dx.astype(x.dtype, copy=False)
     if residual is not None:
-        dx += residual
+        _add_into(dx, residual)
     return dx, dw, db
 
 
@@ -178,15 +187,15 @@ def gelu_forward(x):
 
 def bias_gelu_forward(h, b):
     """h += b (in place: the GEMM's output gets its bias, and the caller keeps it), then
-    gelu_forward(h). One pass where the two make two (the fused kernels)."""
-    h += b
-    return gelu_forward(h)
+    gelu_forward(h). One pass where the two make two (the fused kernels). A bf16 h takes a float32
+    b: h = round(h + b), then GELU of the rounded h."""
+    return gelu_forward(_add_into(h, b))
 
 
 def bias_add(y, b):
-    """y += b in place (y (..., F), b (F,): a GEMM's bias); returns y."""
-    y += b
-    return y
+    """y += b in place (y (..., F), b (F,): a GEMM's bias; a bf16 y takes a float32 b, rounded once);
+    returns y."""
+    return _add_into(y, b)
 
 
 def column_sum(x, dtype=None, out=None):

@@ -199,12 +199,18 @@ def apply_environment(environ=None, tuning_default="") -> Environment:
     return e
 
 
-def start_application(prog: str) -> Environment:
+def start_application(prog: str, timed: bool = False) -> Environment:
     """apply_environment for a command-line program: a malformed variable ends it with
-    "prog: error: ..." and status 2 (what argparse does with a bad flag)."""
+    "prog: error: ..." and status 2 (what argparse does with a bad flag). ``timed``: the program
+    reports a speed, so it refuses to run on the reference kernels unless PYMPAR_KERNELS=reference
+    asks for them (kernels.require_native)."""
+    from . import kernels
     try:
-        return apply_environment()
-    except ConfigError as e:
+        env = apply_environment()
+        if timed:
+            kernels.require_native(prog)
+        return env
+    except (ConfigError, kernels.NativeMissingError) as e:
         sys.stderr.write(f"{prog}: error: {e}\n")
         raise SystemExit(2) from None
 

@@ -189,7 +189,7 @@ def _write_json(args, comm, **fields):
 
 
 def main(argv=None):
-    start_application("pympar.bench")
+    start_application("pympar.bench", timed=True)
     args = build_parser().parse_args(argv)
     p2p = _defaults(args)
     if args.backend == "nccl":

@@ -15,7 +15,8 @@ from .attention import CausalSelfAttention
 from .config import GPTConfig
 from .layers import MLP, MLP_ROWS, Embedding, LayerNorm
 from .moe import MoE, MoEBookkeeping
-from .parameter import Module, NoGather, compute_cast, matmul, product_grad, resolve_precision
+from .parameter import (Module, NoGather, compute_cast, compute_copies, compute_weight, matmul, product_grad,
+                        resolve_precision)
 
 
 class Block(Module):
@@ -161,7 +162,19 @@ class Head(Module):
 
     def logits(self, x):                         # x (B, T, C) -> logits (B, T, V)
         h, _ = self.ln_f.forward(x)
-        return matmul(h, compute_cast(self._wte.data, self._cdt).T)
+        return self._logits(h.reshape(-1, h.shape[-1]), self._w()).reshape(*h.shape[:-1], -1)
+
+    def _w(self):
+        return compute_weight(self._wte, self._cdt)
+
+    def _logits(self, h2, w):                   # (r, C) -> (r, V) float32 under mixed precision
+        """The logits: float32 when the compute dtype is lower (the bf16 GEMM's float32 accumulators
+        are kept: cross-entropy reads them unrounded, as autocast runs cross-entropy in float32)."""
+        return matmul(h2, w.T, np.float32 if self._cdt is not None else None)
+
+    def _dlogits(self, dl):
+        """The logits' gradient in the compute dtype, for the two products that read it."""
+        return compute_cast(dl, self._cdt)
 
     def forward(self, inputs):                   # (x (B, T, C), targets (B, T)) -> mean CE
         """Logits and cross-entropy in row chunks of at most CE_CHUNK logits: when the (tokens,
@@ -171,19 +184,19 @@ class Head(Module):
         B, T, C = x.shape
         h, c_ln = self.ln_f.forward(x)
         h2 = h.reshape(B * T, C)
-        w = compute_cast(self._wte.data, self._cdt)
+        w = self._w()
         t = xp_of(h2).asarray(targets).reshape(-1)
         N, V = h2.shape[0], w.shape[0]
         n_valid = int((t >= 0).sum())                 # (on a GPU: the step's host syncs)
         rows = self.chunk_rows(N, V)
         if rows >= N:                                 # one chunk: keep the logits for backward
-            logits = matmul(h2, w.T)                  # (N, V)
+            logits = self._logits(h2, w)              # (N, V)
             loss_rows, lse = kernels.cross_entropy_forward(logits, t)
             return float(loss_rows.sum()) / max(n_valid, 1), (c_ln, h2, logits, lse, t, n_valid, x.shape)
         loss_rows = lse = None
         for r0 in range(0, N, rows):
             r1 = min(r0 + rows, N)
-            lr, lc = kernels.cross_entropy_forward(matmul(h2[r0:r1], w.T), t[r0:r1])   # (r, V) at a time
+            lr, lc = kernels.cross_entropy_forward(self._logits(h2[r0:r1], w), t[r0:r1])   # (r, V) at a time
             if lse is None:
                 loss_rows, lse = xp_of(lr).empty(N, dtype=lr.dtype), xp_of(lc).empty(N, dtype=lc.dtype)
             loss_rows[r0:r1], lse[r0:r1] = lr, lc
@@ -202,7 +215,7 @@ class Head(Module):
             return super().forward_backward(inputs, dloss, kept)
         h, c_ln = self.ln_f.forward(x)
         h2 = h.reshape(B * T, C)
-        w = compute_cast(self._wte.data, self._cdt)
+        w = self._w()
         xpm = xp_of(h2)
         t = xpm.asarray(targets).reshape(-1)
         N, V = h2.shape[0], w.shape[0]
@@ -215,14 +228,14 @@ class Head(Module):
         for r0 in range(0, N, rows):
             r1 = min(r0 + rows, N)
             hc, tc = h2[r0:r1], t[r0:r1]
-            lg = matmul(hc, w.T)                                                      # (r, V)
+            lg = self._logits(hc, w)                                                  # (r, V)
             lr, lc = kernels.cross_entropy_forward(lg, tc)
             if loss_rows is None:
                 loss_rows = xpm.empty(N, dtype=lr.dtype)
                 if kept is not None:
                     kept.append(loss_rows)
             loss_rows[r0:r1] = lr                     # summed once, as forward sums them
-            dl = kernels.cross_entropy_backward(lg, lc, tc, scale, out=lg)         # over the logits
+            dl = self._dlogits(kernels.cross_entropy_backward(lg, lc, tc, scale, out=lg))   # over the logits
             self._chunk_weight_grad(dl, hc)
             dc = matmul(dl, w)                                                        # (r, C)
             if dh is None:                            # the chunk's rows of ln_f's output were read
@@ -262,10 +275,10 @@ class Head(Module):
 
     def backward(self, dloss, ctx):              # dloss: d(total)/d(mean CE) -> dx (B, T, C)
         c_ln, h2, logits, lse, t, n_valid, shape = ctx
-        w = compute_cast(self._wte.data, self._cdt)
+        w = self._w()
         scale = dloss / max(n_valid, 1)
         if logits is not None:
-            dlogits = kernels.cross_entropy_backward(logits, lse, t, scale, out=logits)   # (N, V), over them
+            dlogits = self._dlogits(kernels.cross_entropy_backward(logits, lse, t, scale, out=logits))   # (N, V)
             product_grad(self._wte, dlogits.T, h2)                               # (V, C): the W pass
             dh = matmul(dlogits, w)                                               # (N, C)
             return self.ln_f.backward(dh.reshape(shape), c_ln)
@@ -275,8 +288,8 @@ class Head(Module):
         for r0 in range(0, N, rows):
             r1 = min(r0 + rows, N)
             hc = h2[r0:r1]
-            lg = matmul(hc, w.T)                                                      # (r, V)
-            dl = kernels.cross_entropy_backward(lg, lse[r0:r1], t[r0:r1], scale, out=lg)
+            lg = self._logits(hc, w)                                                  # (r, V)
+            dl = self._dlogits(kernels.cross_entropy_backward(lg, lse[r0:r1], t[r0:r1], scale, out=lg))
             self._chunk_weight_grad(dl, hc)
             dc = matmul(dl, w)                                                    # (r, C)
             if dh is None:
@@ -381,29 +394,30 @@ class GPT(Module, MoEBookkeeping):
         buffer once), the largest over the calls that filled it. trace (optional): label ->
         context manager around each piece's work ("fwd h.3", "fwd+bwd head", "bwd embedding"; the
         runner's profiler passes its recorder's spans)."""
-        idx, targets = self._inputs(idx, targets)
-        g = self.param_gather
-        x, aux, c_emb, ctxs = self._body(idx, trace)
-        with g.use(self.head, backward=True), _span(trace, "fwd+bwd head"):   # forward and backward in one use
-            held = [] if stats is not None else None
-            ce, dx = self.head.forward_backward((x, targets), grad_scale, held)
-            del x
-            if stats is not None:
-                kept = held_bytes(idx, c_emb, ctxs, held)
-                stats["activation_bytes"] = max(stats.get("activation_bytes", 0), kept)
-        self._grad_ready(self.head.ln_f)         # not the tied wte: the embedding adds to it last,
-        self._grad_partial([self.head.wte])      # but a sync that sums per use may take this part now
-        for i in reversed(range(len(self.h))):
-            b, c = self.h[i], ctxs.pop()         # each block's activations go as its backward ends
-            with g.use(b, backward=True), _span(trace, f"bwd h.{i}"):
-                dx = b.backward(dx, c, grad_scale)
-            del c
-            self._grad_ready(b)
-        with g.use(self.embedding, backward=True), _span(trace, "bwd embedding"):
-            self.embedding.backward(dx, c_emb)
-        self._grad_ready(self.embedding)
-        g.settle()
-        return ce + aux
+        with compute_copies():                   # each weight cast to the compute dtype once
+            idx, targets = self._inputs(idx, targets)
+            g = self.param_gather
+            x, aux, c_emb, ctxs = self._body(idx, trace)
+            with g.use(self.head, backward=True), _span(trace, "fwd+bwd head"):   # forward and backward in one use
+                held = [] if stats is not None else None
+                ce, dx = self.head.forward_backward((x, targets), grad_scale, held)
+                del x
+                if stats is not None:
+                    kept = held_bytes(idx, c_emb, ctxs, held)
+                    stats["activation_bytes"] = max(stats.get("activation_bytes", 0), kept)
+            self._grad_ready(self.head.ln_f)         # not the tied wte: the embedding adds to it last,
+            self._grad_partial([self.head.wte])      # but a sync that sums per use may take this part now
+            for i in reversed(range(len(self.h))):
+                b, c = self.h[i], ctxs.pop()         # each block's activations go as its backward ends
+                with g.use(b, backward=True), _span(trace, f"bwd h.{i}"):
+                    dx = b.backward(dx, c, grad_scale)
+                del c
+                self._grad_ready(b)
+            with g.use(self.embedding, backward=True), _span(trace, "bwd embedding"):
+                self.embedding.backward(dx, c_emb)
+            self._grad_ready(self.embedding)
+            g.settle()
+            return ce + aux
 
     def _grad_ready(self, module):
         if self.grad_ready_hooks:

@@ -8,14 +8,14 @@ this core computes exactly the numbers the single process computes for them.
   backward: dya (B, T, nh*hs) -> dqkv (B, T, 3, nh, hs), packed as c_attn's backward reads it
 
 Two implementations of the same math:
-- tiled (the default for float32/float64 NumPy arrays when the C++ kernels are built):
+- tiled (the default for float32/float64/bfloat16 NumPy arrays when the C++ kernels are built):
   kernels.attention_forward/backward, flash-attention style. The forward keeps the row
   log-sum-exp beside qkv and the output; the backward recomputes the probabilities tile by tile.
   No (T, T) array exists, so attention's memory is linear in T; recomputation "selective" has
   nothing left to drop.
 - on CuPy, ``impl = "tiled"`` runs the CUDA twin (csrc/cuda/attention.cu, head size <= 128);
   "auto" keeps the materialized path there until the twin has been run on a GPU.
-- materialized (CuPy arrays, float16/bfloat16, no native build, or ``impl = "materialized"``):
+- materialized (CuPy arrays, float16, no native build, or ``impl = "materialized"``):
   the (B, nh, T, T) probabilities per batch row, GEMMs through nn.parameter.matmul (float32
   accumulation for the half types) and the softmax kernels. It is the reference the tiled
   kernel is tested against (tests/test_attention_kernel.py).
@@ -34,8 +34,10 @@ IMPLS = ("auto", "tiled", "materialized")
 
 
 def tiled_available(dtype, xp=np) -> bool:
-    """True when attention on arrays of this dtype and array module runs the tiled kernel."""
-    return xp is np and kernels.native_available() and np.dtype(dtype) in (np.float32, np.float64)
+    """True when attention on arrays of this dtype and array module runs the tiled kernel (bfloat16:
+    widened to float32 for it, kernels.native)."""
+    dt = np.dtype(dtype)
+    return xp is np and kernels.native_available() and (dt in (np.float32, np.float64) or dt.name == "bfloat16")
 
 
 class CausalAttentionCore(Module):
@@ -61,7 +63,7 @@ class CausalAttentionCore(Module):
         else:
             ok = tiled_available(qkv.dtype, xp) and not kernels._forced_reference()
         if self.impl == "tiled" and not ok:
-            raise ValueError(f"attention impl='tiled' needs float32/float64 NumPy arrays and the C++ kernels (or, on "
+            raise ValueError(f"attention impl='tiled' needs float32/float64/bfloat16 NumPy arrays and the C++ kernels (or, on "
                              f"CuPy, the CUDA kernels and a head size <= 128); got {qkv.dtype} {qkv.shape} on "
                              f"{kernels.backend(qkv)}: use impl='auto' or 'materialized'")
         return ok

@@ -5,29 +5,35 @@ or the pure-xp reference in :mod:`pympar.kernels.reference`.
   dtypes and layouts it does not cover to the reference itself.
 - CuPy arrays go to :mod:`pympar.kernels.cuda` (``pympar._cuda``) when it is built, else to
   the reference (which runs on CuPy unchanged).
-- ``PYMPAR_KERNELS=reference`` in the environment (read at import) or ``use_reference(True)``
-  forces the reference everywhere; ``backend(array)`` says which implementation an array
-  would get.
-- ``set_num_threads(n)`` sets the C++ kernels' threads in this process (default 1): exactly n
-  threads run each kernel call. It also gives the BLAS the same n threads and, where OpenBLAS
+- ``use_reference(True)`` (``PYMPAR_KERNELS=reference`` where an application reads the
+  environment: pympar.config) forces the reference everywhere; ``backend(array)`` says which
+  implementation an array would get, ``describe()`` which kernels run and, when the reference runs
+  because ``pympar._C`` is missing, why; ``require_native(who)`` refuses that silent case.
+- ``set_num_threads(n)`` sets the C++ kernels' threads in this process: exactly n threads run
+  each kernel call. Until it is called, ``library_default_threads()`` (the BLAS's count, which
+  follows OMP_NUM_THREADS, within the process's CPU affinity). It also gives the BLAS the same n threads and, where OpenBLAS
   allows it, runs the BLAS's parallel work on those same threads (``blas.share_kernel_threads``;
   ``PYMPAR_BLAS_THREADS=own`` opts out). Until it is called the BLAS is left as NumPy set it up.
   The trainer calls it at start-up with --threads, $PYMPAR_NUM_THREADS/$OMP_NUM_THREADS, or the
-  node's cores divided by its ranks (pympar.train).
+  node's cores divided by its ranks (pympar.parallel.cores.share_cores).
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
 from . import reference
 from ..backend import is_cupy
 
+_native_missing = ""    # why pympar._C did not import (the ImportError's text)
 try:
     from .. import _C as _native  # C++ kernels (pybind11)
     from . import native as _cpu
-except ImportError:  # no native build: the reference kernels serve
+except ImportError as e:  # no native build: the reference kernels serve (slowly: describe() says so)
     _native = None
     _cpu = None
+    _native_missing = str(e)
 
 try:
     from . import cuda as _gpu  # imports pympar._cuda; fails cleanly without it
@@ -49,6 +55,31 @@ __all__ = [
 def native_available() -> bool:
     """True when the C++ kernels (pympar._C) are built and importable."""
     return _native is not None
+
+
+class NativeMissingError(ValueError):
+    """A speed would be measured (or a run trained) on the reference kernels without being asked."""
+
+
+def describe() -> str:
+    """Which kernels NumPy arrays get, for a start-up line: 'C++ avx512', or 'reference' and why."""
+    if _force_reference:
+        return "reference (PYMPAR_KERNELS=reference)"
+    if _native is None:
+        return f"reference (pympar._C did not import: {_native_missing})"
+    return f"C++ {native_isa()}"
+
+
+def require_native(who: str) -> None:
+    """Raise NativeMissingError (one line: why and what to do) when pympar._C is missing and the
+    reference was not asked for: ``who`` (the trainer, a benchmark) would run 10-100x slower than
+    the package it believes it runs, and report that speed."""
+    if _native is not None or _force_reference:
+        return
+    raise NativeMissingError(
+        f"the C++ kernels (pympar._C) are missing from {Path(__file__).parent.parent} ({_native_missing}), "
+        f"so {who} would run the reference kernels, 10-100x slower; install the package (pip install . in a checkout, pip install -e . to develop) "
+        "and run it from that environment, or set PYMPAR_KERNELS=reference to run the slow reference kernels on purpose")
 
 
 def cuda_available() -> bool:
@@ -182,4 +213,20 @@ cast = _dispatch("cast")
 reduce_inplace = _dispatch("reduce_inplace")
 scale_inplace = _dispatch("scale_inplace")
 
-set_num_threads(1, blas=False)     # the application sets the count (pympar.train: --threads / the node)
+def library_default_threads() -> int:
+    """The kernel threads of a program that imports pympar and sets no count: NumPy's convention --
+    as many as NumPy's BLAS runs (OpenBLAS takes OMP_NUM_THREADS / OPENBLAS_NUM_THREADS when NumPy
+    loads it, else one per CPU), never more than the CPUs this process may run on (its affinity)."""
+    import os
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:                     # not Linux
+        cpus = os.cpu_count() or 1
+    from .blas import blas_threads
+
+    return max(1, min(cpus, blas_threads() or cpus, max_threads()))
+
+
+# a library user's default (set_num_threads wins; the trainer shares the node's cores among its ranks)
+set_num_threads(library_default_threads(), blas=False)

@@ -61,6 +61,8 @@ class Parameter:
     @data.setter
     def data(self, value):
         self._data = value
+        if _COPIES:                              # a replaced array (ZeRO-3's release): its copy goes too
+            _COPIES.pop(id(self), None)
 
     @property
     def materialized(self) -> bool:
@@ -291,6 +293,47 @@ def compute_cast(a, cdt):
     return a if cdt is None or a.dtype == cdt else kernels.cast(a, cdt)
 
 
+# --- the weight cache: one compute-dtype copy of each weight per step --------------------------
+_COPIES = None          # inside a compute_copies() scope: id(Parameter) -> (its data, the copy)
+
+
+@contextlib.contextmanager
+def compute_copies():
+    """A scope in which the weights do not change (the forward and backward passes of one optimizer
+    step, every micro-batch): ``compute_weight`` casts each weight to the compute dtype once and
+    reuses the copy (PyTorch autocast's weight cache), and a bf16 copy is packed once for MKL
+    (kernels.gemm.packable). Leaving the scope lets the copies go; outside one, every call casts.
+    Nested scopes share the outermost's copies."""
+    global _COPIES
+    if _COPIES is not None:
+        yield
+        return
+    _COPIES = {}
+    try:
+        yield
+    finally:
+        _COPIES = None
+
+
+def compute_weight(p: Parameter, cdt):
+    """p's data in the compute dtype ``cdt`` (the data itself when it already is, or cdt is None):
+    inside ``compute_copies``, the same copy for every call until the scope ends (a data array that
+    was replaced -- a ZeRO-3 gather -- is cast again)."""
+    d = p.data
+    if cdt is None or d.dtype == cdt:
+        return d
+    if _COPIES is None:
+        return kernels.cast(d, cdt)
+    hit = _COPIES.get(id(p))
+    if hit is not None and hit[0] is d:
+        return hit[1]
+    w = kernels.cast(d, cdt)
+    if type(w) is np.ndarray and w.ndim == 2:
+        gemm.packable(w)
+    _COPIES[id(p)] = (d, w)
+    return w
+
+
 def matmul(a, b, out_dtype=None, out=None, accumulate=False):
     """a @ b; float16/bfloat16 operands are multiplied with float32 accumulation (like tensor
     cores; on CuPy by cuBLAS on the tensor cores themselves) and the product rounded to
@@ -312,9 +355,15 @@ def matmul(a, b, out_dtype=None, out=None, accumulate=False):
         if type(a) is np.ndarray and out.dtype == a.dtype and \
                 gemm.product(a, b, out, kernels.get_num_threads(), accumulate=True) is not None:
             return out
+        if type(a) is np.ndarray and is_low_precision(a.dtype) and \
+                gemm.product_bf16(a, b, out, kernels.get_num_threads(), accumulate=True) is not None:
+            return out
         out += matmul(a, b, out.dtype)
         return out
     if is_low_precision(a.dtype) and not lowp_gemm(a):   # NumPy: no float16/bf16 GEMM of its own
+        y = _bf16_product(a, b, out_dtype, out)                       # the CPU's matrix engines (MKL)
+        if y is not None:
+            return y
         y = a.astype(np.float32) @ b.astype(np.float32)
         if out is not None:
             out[...] = y
@@ -333,6 +382,27 @@ def matmul(a, b, out_dtype=None, out=None, accumulate=False):
         return out
     y = a @ b
     return y if out_dtype is None else y.astype(out_dtype, copy=False)
+
+
+def _bf16_product(a, b, out_dtype, out, bias=None, gelu_out=None):
+    """a @ b (+ bias, and GELU of it into gelu_out) on MKL's bf16 GEMM for NumPy bf16 operands, into
+    ``out`` or a new array of ``out_dtype`` (bf16 by default, or float32); None when it cannot run
+    there (no MKL, a layout it cannot read): the caller takes another path."""
+    if type(a) is not np.ndarray or type(b) is not np.ndarray or a.ndim != 2 or b.ndim != 2:
+        return None
+    if out is None:
+        dt = np.dtype(out_dtype) if out_dtype is not None else a.dtype
+        if dt == np.float32:
+            out = np.empty((a.shape[0], b.shape[1]), np.float32)
+        elif dt != a.dtype:
+            return None
+    return gemm.product_bf16(a, b, out, kernels.get_num_threads(), bias=bias, gelu_out=gelu_out)
+
+
+def linear_bf16(x2, wt, out=None, bias=None, gelu_out=None):
+    """x2 (N, in) @ wt (in, out) in bf16 with its epilogue fused: round(x2 wt + bias) and, with
+    ``gelu_out``, round(GELU(that)) too; None where MKL's bf16 GEMM cannot run it."""
+    return _bf16_product(x2, wt, None, out, bias, gelu_out)
 
 
 def accumulate(p: Parameter, g):

@@ -8,8 +8,8 @@ import numpy as np
 
 from .. import kernels
 from ..backend import xp_of
-from .parameter import (Module, accumulate, compute_cast, deferrable, deferring, make_param, matmul, product_grad,
-                        weight_grad)
+from .parameter import (Module, accumulate, compute_cast, compute_weight, deferrable, deferring, linear_bf16,
+                        make_param, matmul, product_grad, weight_grad)
 
 _param = make_param
 
@@ -26,15 +26,41 @@ class Linear(Module):
     def forward(self, x, out=None, add_bias=True):   # x (..., in) -> y (..., out)
         """out (optional): a C-contiguous (N, out) array (a block of rows of a larger one) to write y into.
         add_bias=False: x @ W.T only, for a caller that adds the bias in its next pass (bias_value)."""
-        w = compute_cast(self.weight.data, self._cdt)
-        y = matmul(x.reshape(-1, x.shape[-1]), w.T, out=out)   # one GEMM over all tokens: (N, out)
-        if self.bias is not None and add_bias:
-            kernels.bias_add(y, self.bias_value())
+        w = compute_weight(self.weight, self._cdt)
+        x2 = x.reshape(-1, x.shape[-1])
+        bias = self.bias is not None and add_bias
+        y = linear_bf16(x2, w.T, out, self.bias_value() if bias else None) if self._cdt is not None else None
+        if y is None:                            # (the bf16 GEMM adds the bias in its epilogue)
+            y = matmul(x2, w.T, out=out)         # one GEMM over all tokens: (N, out)
+            if bias:
+                kernels.bias_add(y, self.bias_value())
         return y.reshape(*x.shape[:-1], y.shape[-1]), x
 
+    def forward_gelu(self, x, out=None):        # x (..., in) -> h (..., out) = x W^T + b, GELU(h)
+        """h and GELU(h) at once (the MLP's c_fc): the bias add and the GELU in the bf16 GEMM's
+        epilogue where it runs, else one elementwise pass after the GEMM (kernels.bias_gelu_forward).
+        out (optional): a C-contiguous (N, out) array to write h into."""
+        if self._cdt is not None and self.bias is not None:
+            x2 = x.reshape(-1, x.shape[-1])
+            xp = xp_of(x2)
+            h = out if out is not None else xp.empty((x2.shape[0], self.weight.shape[0]), x2.dtype)
+            g = xp.empty(h.shape, h.dtype)
+            if linear_bf16(x2, compute_weight(self.weight, self._cdt).T, h, self.bias_value(), g) is not None:
+                shape = (*x.shape[:-1], h.shape[-1])
+                return h.reshape(shape), g.reshape(shape)
+        if self.bias is None:
+            h, _ = self.forward(x, out=out)
+            return h, kernels.gelu_forward(h)
+        h, _ = self.forward(x, out=out, add_bias=False)
+        return h, kernels.bias_gelu_forward(h, self.bias_value())
+
     def bias_value(self):
-        """The bias as forward adds it (in the compute dtype)."""
-        return compute_cast(self.bias.data, self._cdt)
+        """The bias as forward adds it: the float32 master itself to bf16 activations on NumPy (the
+        kernels add it in float32 and round once), else in the compute dtype."""
+        b = self.bias.data
+        if self._cdt is not None and type(b) is np.ndarray and b.dtype == np.float32:
+            return b
+        return compute_cast(b, self._cdt)
 
     def backward(self, dy, x, out=None):         # dy (..., out) -> dx (..., in)
         """out (optional): an array of dx's shape and dtype to write dx into (it may be x itself
@@ -47,7 +73,7 @@ class Linear(Module):
             weight_grad(b, lambda: kernels.column_sum(dy2, b.dtype),
                         into=lambda o: kernels.column_sum(dy2, o.dtype, out=o))
         o = None if out is None else out.reshape(dy2.shape[0], -1)
-        dx = matmul(dy2, compute_cast(w.data, self._cdt), out=o)   # (N, in): the B pass
+        dx = matmul(dy2, compute_weight(w, self._cdt), out=o)   # (N, in): the B pass
         return dx.reshape(*dy.shape[:-1], dx.shape[-1])
 
 
@@ -123,9 +149,8 @@ class MLP(Module):
         """c_fc's output h (its bias added) and GELU(h): the bias add and the GELU in one pass
         (kernels.bias_gelu_forward) where c_fc is a plain Linear with a bias."""
         fc = self.c_fc
-        if type(fc) is Linear and fc.bias is not None:
-            h, _ = fc.forward(x, out=out, add_bias=False)
-            return h, kernels.bias_gelu_forward(h, fc.bias_value())
+        if type(fc) is Linear:
+            return fc.forward_gelu(x, out)
         h, _ = fc.forward(x) if out is None else fc.forward(x, out=out)
         return h, kernels.gelu_forward(h)
 

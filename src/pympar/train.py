@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import backend
+from . import backend, kernels
 from . import layout as layouts
 from .comm.objects import gather_object
 from .config import ConfigError, apply_environment, describe, parse_args
@@ -76,6 +76,7 @@ def main(argv=None, faults=None) -> int:
         quiet = contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext()
         # the environment, read once, here; auto's choices never change a training run's bits
         env = apply_environment(tuning_default="reproducible")
+        kernels.require_native("pympar.train")   # never train (and report tokens/s) on the reference by mistake
         with quiet:                            # --help is printed by rank 0 only
             model_cfg, run = parse_args(argv, world, env)
         corpus = load_corpus(run.data, cache_dir=env.cache_dir)
@@ -156,6 +157,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
                + (", sequence parallel" if run.seq_parallel else "")) if run.layout == "auto" else \
               ("chosen for the world size" if run.layout_auto else "as given")
         print(f"pympar.train: {world} rank(s), layout {lay} ({how}); {threads} thread(s) per rank ({threads_why}); "
+              f"kernels {kernels.describe() if run.device != 'cuda' else 'CUDA'}; "
               f"GEMM {'cuBLAS' if run.device == 'cuda' else gemm.describe()}; data {corpus.name}: "
               f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens, vocab {model_cfg.vocab_size}")
         print(f"pympar.train: model {run.preset} {runner.n_params:,} params, {fpt / 1e6:.2f} MFLOP/token; "

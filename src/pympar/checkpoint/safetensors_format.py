@@ -17,7 +17,8 @@ import struct
 
 import numpy as np
 
-from ..backend import bfloat16, to_numpy
+from .. import backend
+from ..backend import to_numpy
 from .errors import CheckpointCorrupt
 
 # safetensors dtype code <-> numpy dtype
@@ -27,8 +28,6 @@ _CODES = {
     "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
 }
-if bfloat16 is not None:
-    _CODES["BF16"] = bfloat16
 
 _MAX_HEADER = 100_000_000  # the reference implementation's limit
 
@@ -36,6 +35,8 @@ _MAX_HEADER = 100_000_000  # the reference implementation's limit
 def dtype_code(dt) -> str:
     """'F32', 'BF16', ... for a numpy dtype; ValueError for dtypes safetensors cannot hold."""
     dt = np.dtype(dt)
+    if backend.is_bfloat16(dt):
+        return "BF16"
     for code, known in _CODES.items():
         if dt == known:
             return code
@@ -43,6 +44,8 @@ def dtype_code(dt) -> str:
 
 
 def code_dtype(code: str, path="") -> np.dtype:
+    if code == "BF16" and backend.bfloat16 is not None:     # ml_dtypes, imported when a file holds bf16
+        return backend.bfloat16
     if code not in _CODES:
         raise CheckpointCorrupt(path, f"unknown safetensors dtype {code!r}")
     return _CODES[code]

@@ -46,6 +46,7 @@ from ..backend import to_numpy
 from ..comm.objects import gather_object
 from ..nn import GPT
 from ..nn.gpt import count_params, set_recompute
+from ..nn.parameter import compute_copies
 from ..optim import DynamicLossScaler
 from .cp import install_context_parallel, local_batch
 from .build import build_model
@@ -178,23 +179,24 @@ class ParallelRunner:
         scale = self.scaler.scale if self.scaler else 1.0
         t0 = time.perf_counter()
         pipe = {}
-        if self.executor is not None:
-            sync.begin_micro(last=False)                  # the executor calls sync.begin_final per chunk
-            trace = (lambda label, t, dt, mb: rec.add(label, "layer", t, dt, mb=mb)) if rec.enabled else None
-            pipe = self.executor.train_step(micro_batches, loss_scale=scale, trace=trace)
-            loss, compute = pipe["loss"], pipe["compute_s"]
-            bubble, pp_other = pipe["recv_wait_s"], max(pipe["step_s"] - pipe["compute_s"] - pipe["recv_wait_s"], 0.0)
-            act, recv_bytes = pipe["activation_peak_bytes"], pipe["recv_buffer_bytes"]
-        else:
-            loss, stats = 0.0, {}
-            for j, (idx, targets) in enumerate(micro_batches):
-                sync.begin_micro(last=(j == n - 1))
-                tm = time.perf_counter()
-                trace = (lambda label, j=j: rec.span(label, "layer", mb=j)) if rec.enabled else None
-                loss += model.loss_and_grad(idx, targets, grad_scale=scale / n, stats=stats, trace=trace) / n
-                rec.add(f"micro-batch {j}", "micro", tm, time.perf_counter() - tm, mb=j)
-            compute, bubble, pp_other = time.perf_counter() - t0, 0.0, 0.0
-            act, recv_bytes = stats.get("activation_bytes", 0), 0
+        with compute_copies():                            # each weight cast to the compute dtype once a step
+            if self.executor is not None:
+                sync.begin_micro(last=False)              # the executor calls sync.begin_final per chunk
+                trace = (lambda label, t, dt, mb: rec.add(label, "layer", t, dt, mb=mb)) if rec.enabled else None
+                pipe = self.executor.train_step(micro_batches, loss_scale=scale, trace=trace)
+                loss, compute = pipe["loss"], pipe["compute_s"]
+                bubble, pp_other = pipe["recv_wait_s"], max(pipe["step_s"] - pipe["compute_s"] - pipe["recv_wait_s"], 0.0)
+                act, recv_bytes = pipe["activation_peak_bytes"], pipe["recv_buffer_bytes"]
+            else:
+                loss, stats = 0.0, {}
+                for j, (idx, targets) in enumerate(micro_batches):
+                    sync.begin_micro(last=(j == n - 1))
+                    tm = time.perf_counter()
+                    trace = (lambda label, j=j: rec.span(label, "layer", mb=j)) if rec.enabled else None
+                    loss += model.loss_and_grad(idx, targets, grad_scale=scale / n, stats=stats, trace=trace) / n
+                    rec.add(f"micro-batch {j}", "micro", tm, time.perf_counter() - tm, mb=j)
+                compute, bubble, pp_other = time.perf_counter() - t0, 0.0, 0.0
+                act, recv_bytes = stats.get("activation_bytes", 0), 0
         measured = self.meter.take()                      # this step's communication, by part
         tp_s = seconds(measured, "tp")
         local_moe = {st["layer"]: st for st in model.moe_stats()}
@@ -359,13 +361,14 @@ class ParallelRunner:
             T = self.model_cfg.block_size
             pad = batches[0] if batches else self._local([(np.zeros((1, T), np.int64), np.zeros((1, T), np.int64))])[0]  # host tokens
             total = 0.0
-            for j in range(n_max):
-                x, y = batches[j] if j < len(batches) else pad
-                if self.executor is not None:
-                    loss = self.executor.forward_loss([(x, y)])
-                else:
-                    loss = self.model.forward_loss(x, y)
-                total += loss if j < len(batches) else 0.0
+            with compute_copies():
+                for j in range(n_max):
+                    x, y = batches[j] if j < len(batches) else pad
+                    if self.executor is not None:
+                        loss = self.executor.forward_loss([(x, y)])
+                    else:
+                        loss = self.model.forward_loss(x, y)
+                    total += loss if j < len(batches) else 0.0
             local = np.array([total, len(batches)], np.float64)  # host
             tot = local
             if group.size > 1:

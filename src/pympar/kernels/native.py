@@ -4,7 +4,12 @@ Each function has the signature of its twin in :mod:`pympar.kernels.reference` a
 dtype, contiguity and shape before a pointer crosses. What the C++ side does not cover is
 handed to the reference, so every call is answered:
 - the math kernels (softmax, attention and its blocks, layernorm, GELU, cross-entropy, top-k,
-  unpermute_add) run natively on float32 and float64; float16/bfloat16 inputs go to the reference;
+  unpermute_add) run natively on float32 and float64;
+- bfloat16 activations with float32 parameters run natively in layernorm (and its fused residual
+  add), GELU (and its fused bias), bias_add and column_sum (float32 sums), float32 math inside and
+  each output rounded once (csrc/lowp.cpp); attention widens bf16 q, k, v to float32, runs the
+  float32 kernel and rounds o and dqkv (lse stays float32); other float16/bfloat16 calls go to
+  the reference;
 - AdamW runs natively on float32/float64 parameters with a float32/float64/float16/bfloat16
   gradient;
 - cast, reduce_inplace and scale_inplace run natively on float16 and bfloat16 too (and the
@@ -19,14 +24,24 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _C
-from ..backend import bfloat16
 from . import reference
 
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 _FLOATS = (F32, F64)
-_HALVES = tuple(d for d in (np.dtype(np.float16), bfloat16) if d is not None)
-_CASTABLE = _FLOATS + _HALVES
-_REDUCIBLE = _CASTABLE + (np.dtype(np.int32), np.dtype(np.int64))
+
+
+class _Named(frozenset):
+    """A set of dtypes by name: ``dt in s`` without importing ml_dtypes for bfloat16's dtype."""
+
+    def __contains__(self, dt):
+        return frozenset.__contains__(self, dt.name)
+
+
+_HALVES = _Named(("float16", "bfloat16"))
+_CASTABLE = _Named(("float32", "float64", "float16", "bfloat16"))
+_REDUCIBLE = _Named(_CASTABLE | {"int32", "int64"})
+_BF16 = _Named(("bfloat16",))
+_F32ONLY = (F32,)
 _OPS = {"sum": 0, "max": 1, "min": 2, "prod": 3}
 
 
@@ -41,6 +56,23 @@ def _inplace_ok(a, dtypes):
 
 def _i64(a):
     return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _bf(*arrays):
+    """All bfloat16 NumPy arrays (the bf16 kernels' activations)."""
+    return all(type(a) is np.ndarray and a.dtype.name == "bfloat16" for a in arrays)
+
+
+def _f32(*arrays):
+    """All float32 NumPy arrays (the bf16 kernels' parameters and statistics)."""
+    return all(type(a) is np.ndarray and a.dtype == F32 for a in arrays)
+
+
+def _bf16_cast(a, dtype):
+    """a in ``dtype`` through the native cast (bf16 <-> float32, exact one way, rounded once the other)."""
+    out = np.empty(a.shape, dtype=dtype)
+    _C.cast(_c(a), out)
+    return out
 
 
 # --- causal softmax ------------------------------------------------------------------------
@@ -69,6 +101,9 @@ def softmax_causal_backward(y, dy):
 
 # --- causal attention, tile by tile ---------------------------------------------------------
 def attention_forward(qkv, scale):
+    if _bf(qkv) and qkv.ndim == 5 and qkv.shape[2] == 3:    # float32 inside: widened exactly, o rounded once
+        o, lse = attention_forward(_bf16_cast(qkv, F32), scale)
+        return _bf16_cast(o, qkv.dtype), lse
     if qkv.dtype not in _FLOATS or qkv.ndim != 5 or qkv.shape[2] != 3:
         return reference.attention_forward(qkv, scale)
     B, T, _, H, D = qkv.shape
@@ -80,6 +115,10 @@ def attention_forward(qkv, scale):
 
 
 def attention_backward(qkv, o, lse, dout, scale, overwrite=False):
+    if _bf(qkv, o, dout) and _f32(lse) and qkv.ndim == 5 and qkv.shape[2] == 3:
+        up = _bf16_cast(qkv, F32)
+        g = attention_backward(up, _bf16_cast(o, F32), lse, _bf16_cast(dout, F32), scale, overwrite=True)
+        return _bf16_cast(g, qkv.dtype)
     dt = qkv.dtype
     if dt not in _FLOATS or qkv.ndim != 5 or qkv.shape[2] != 3 or any(a.dtype != dt for a in (o, lse, dout)):
         return reference.attention_backward(qkv, o, lse, dout, scale)
@@ -139,7 +178,20 @@ def attention_block_backward(q, k, v, o, lse, dout, scale, causal):
 
 
 # --- layernorm -----------------------------------------------------------------------------
+def _ln_params_ok(x, w, b):
+    return x.ndim >= 1 and w.shape == x.shape[-1:] and b.shape == w.shape
+
+
+def _stats(x):
+    return np.empty(x.shape[:-1], dtype=F32), np.empty(x.shape[:-1], dtype=F32)
+
+
 def layernorm_forward(x, w, b, eps=1e-5):
+    if _bf(x) and _f32(w, b) and _ln_params_ok(x, w, b):
+        x = _c(x)
+        y, (mean, rstd) = np.empty_like(x), _stats(x)
+        _C.layernorm_forward_bf16(x, _c(w), _c(b), y, mean, rstd, float(eps))
+        return y, mean, rstd
     dt = x.dtype
     if dt not in _FLOATS or w.dtype != dt or b.dtype != dt or x.ndim < 1 or w.shape != x.shape[-1:] \
             or b.shape != w.shape:
@@ -156,6 +208,10 @@ def _layernorm_outputs(x):
 
 
 def add_layernorm_forward(x, res, w, b, eps=1e-5):
+    if _inplace_ok(x, _BF16) and _bf(res) and res.shape == x.shape and _f32(w, b) and _ln_params_ok(x, w, b):
+        y, (mean, rstd) = np.empty_like(x), _stats(x)
+        _C.add_layernorm_forward_bf16(x, _c(res), _c(w), _c(b), y, mean, rstd, float(eps))
+        return y, mean, rstd
     dt = x.dtype
     if not _inplace_ok(x, _FLOATS) or res.dtype != dt or res.shape != x.shape or w.dtype != dt \
             or b.dtype != dt or x.ndim < 1 or w.shape != x.shape[-1:] or b.shape != w.shape:
@@ -168,6 +224,14 @@ def add_layernorm_forward(x, res, w, b, eps=1e-5):
 
 
 def layernorm_backward(dy, x, w, mean, rstd, residual=None):
+    if (_bf(dy, x) and _f32(w, mean, rstd) and dy.shape == x.shape and x.ndim >= 1 and w.shape == x.shape[-1:]
+            and mean.shape == x.shape[:-1] and rstd.shape == mean.shape
+            and (residual is None or (_bf(residual) and residual.shape == x.shape))):
+        dy, x = _c(dy), _c(x)
+        dx, dw, db = np.empty_like(x), np.empty(w.shape, F32), np.empty(w.shape, F32)
+        _C.layernorm_backward_bf16(dy, x, _c(w), _c(mean), _c(rstd), dx, dw, db,
+                                   None if residual is None else _c(residual))
+        return dx, dw, db
     dt = x.dtype
     if dt not in _FLOATS or any(a.dtype != dt for a in (dy, w, mean, rstd)) or dy.shape != x.shape \
             or x.ndim < 1 or w.shape != x.shape[-1:] or mean.shape != x.shape[:-1] or rstd.shape != mean.shape \
@@ -183,6 +247,11 @@ def layernorm_backward(dy, x, w, mean, rstd, residual=None):
 
 # --- GELU ----------------------------------------------------------------------------------
 def gelu_forward(x):
+    if _bf(x):
+        x = _c(x)
+        y = np.empty_like(x)
+        _C.gelu_forward_bf16(x, y)
+        return y
     if x.dtype not in _FLOATS:
         return reference.gelu_forward(x)
     x = _c(x)
@@ -192,6 +261,10 @@ def gelu_forward(x):
 
 
 def bias_gelu_forward(h, b):
+    if _inplace_ok(h, _BF16) and _f32(b) and h.ndim >= 1 and b.shape == h.shape[-1:]:
+        y = np.empty_like(h)
+        _C.bias_gelu_forward_bf16(h, _c(b), y)
+        return y
     if not _inplace_ok(h, _FLOATS) or b.dtype != h.dtype or h.ndim < 1 or b.shape != h.shape[-1:]:
         h += b                                   # unfused: the add, then gelu_forward's own choice
         return gelu_forward(h)
@@ -201,6 +274,9 @@ def bias_gelu_forward(h, b):
 
 
 def bias_add(y, b):
+    if _inplace_ok(y, _BF16) and _f32(b) and y.ndim >= 1 and b.shape == y.shape[-1:]:
+        _C.bias_add_bf16(y, _c(b))
+        return y
     if not (_inplace_ok(y, _FLOATS) and y.ndim >= 1 and isinstance(b, np.ndarray) and b.dtype == y.dtype
             and b.shape == y.shape[-1:]):
         return reference.bias_add(y, b)
@@ -210,6 +286,11 @@ def bias_add(y, b):
 
 def column_sum(x, dtype=None, out=None):
     dt = np.dtype(dtype) if dtype is not None else x.dtype
+    if (_bf(x) and x.ndim == 2 and dt == F32 and x.flags.c_contiguous
+            and (out is None or (_inplace_ok(out, _F32ONLY) and out.shape == x.shape[1:]))):
+        o = np.empty(x.shape[1], dtype=F32) if out is None else out
+        _C.column_sum_bf16(x, o)
+        return o
     if not (isinstance(x, np.ndarray) and x.ndim == 2 and x.dtype in _FLOATS and dt == x.dtype
             and x.flags.c_contiguous and (out is None or (_inplace_ok(out, (dt,)) and out.shape == x.shape[1:]))):
         return reference.column_sum(x, dtype, out)
@@ -228,6 +309,11 @@ def scatter_add(dst, idx, src):
 
 
 def gelu_backward(x, dy, out=None):
+    if _bf(x, dy) and dy.shape == x.shape and (out is None or (_inplace_ok(out, _BF16) and out.shape == x.shape)):
+        x, dy = _c(x), _c(dy)
+        dx = np.empty_like(x) if out is None else out
+        _C.gelu_backward_bf16(x, dy, dx)
+        return dx
     if (x.dtype not in _FLOATS or dy.dtype != x.dtype or dy.shape != x.shape
             or (out is not None and not (_inplace_ok(out, (x.dtype,)) and out.shape == x.shape))):
         return reference.gelu_backward(x, dy, out)

@@ -7,15 +7,29 @@ from __future__ import annotations
 
 import numpy as np
 
-try:  # bfloat16 on NumPy
-    import ml_dtypes
-
-    bfloat16 = np.dtype(ml_dtypes.bfloat16)
-except Exception:  # pragma: no cover - ml_dtypes is a dependency
-    ml_dtypes = None
-    bfloat16 = None
-
 _cupy = None
+_bfloat16 = None        # NumPy's bfloat16 dtype (ml_dtypes), loaded on first use; False: not importable
+
+
+def _load_bfloat16():
+    """The bfloat16 dtype, importing ml_dtypes on first use: a run in float32 never pays its import
+    (0.5-1 s of CPU for ml_dtypes 0.7.0 here, per rank)."""
+    global _bfloat16
+    if _bfloat16 is None:
+        try:
+            import ml_dtypes
+
+            _bfloat16 = np.dtype(ml_dtypes.bfloat16)
+        except Exception:  # pragma: no cover - ml_dtypes is a dependency
+            _bfloat16 = False
+    return _bfloat16 or None
+
+
+def __getattr__(name):
+    """``backend.bfloat16``: the dtype (or None without ml_dtypes), imported when first asked for."""
+    if name == "bfloat16":
+        return _load_bfloat16()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def cupy_or_none():
@@ -112,31 +126,34 @@ _DTYPES = {
     "float16": np.dtype(np.float16), "fp16": np.dtype(np.float16),
     "int32": np.dtype(np.int32), "int64": np.dtype(np.int64),
 }
-if bfloat16 is not None:
-    _DTYPES["bfloat16"] = bfloat16
-    _DTYPES["bf16"] = bfloat16
+_BF16_NAMES = ("bfloat16", "bf16")
 
 
 def dtype(name_or_dtype):
     """Resolve 'float32' | 'float16' | 'bfloat16' | 'float64' | np.dtype to a NumPy dtype."""
     if isinstance(name_or_dtype, str):
+        if name_or_dtype in _BF16_NAMES and _load_bfloat16() is not None:
+            return _load_bfloat16()
         try:
             return _DTYPES[name_or_dtype]
         except KeyError:
-            raise ValueError(f"unknown dtype {name_or_dtype!r}: expected one of {sorted(_DTYPES)}") from None
+            known = sorted(_DTYPES) + (list(_BF16_NAMES) if _load_bfloat16() is not None else [])
+            raise ValueError(f"unknown dtype {name_or_dtype!r}: expected one of {sorted(known)}") from None
     return np.dtype(name_or_dtype)
 
 
 def dtype_name(dt) -> str:
-    dt = np.dtype(dt)
-    if bfloat16 is not None and dt == bfloat16:
-        return "bfloat16"
-    return dt.name
+    return np.dtype(dt).name                     # ml_dtypes' bfloat16 is named "bfloat16"
+
+
+def is_bfloat16(dt) -> bool:
+    """Whether dt is bfloat16 (by name: asking does not import ml_dtypes)."""
+    return np.dtype(dt).name == "bfloat16"
 
 
 def is_low_precision(dt) -> bool:
     dt = np.dtype(dt)
-    return dt == np.float16 or (bfloat16 is not None and dt == bfloat16)
+    return dt == np.float16 or dt.name == "bfloat16"
 
 
 def resident_zeros(shape, dtype, xp=np):

@@ -119,7 +119,7 @@ def prompt_ids(a, V: int) -> list:
 def main(argv=None) -> int:
     from .checkpoint import Checkpoint, CheckpointError
 
-    env = start_application("pympar.generate")
+    env = start_application("pympar.generate", timed=True)
     a = build_parser().parse_args(argv)
     mpi = None
     if env.launched:                          # under an MPI launcher: MPI_Init, no collective yet
