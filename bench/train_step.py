@@ -8,6 +8,13 @@ threads; then a cProfile of pympar's step.
     python bench/train_step.py --preset small --batch 8 --threads 1
     python bench/train_step.py --preset small --set n_embd=256 --batch 8 --threads 2 --repeat 3
     python bench/train_step.py --preset gpt2-124m --batch 1 --threads 2 --peers sdpa
+    python bench/train_step.py --preset small --set n_embd=512 --set n_layer=6 --batch 4 --dtype bfloat16
+
+--dtype bfloat16: pympar's mixed precision (bf16 products on the CPU's matrix engines, float32
+master weights, gradients and AdamW) against the same PyTorch peers under
+torch.autocast("cpu", dtype=torch.bfloat16), plus pympar in float32; MFU then counts against the
+bf16 GEMM rate of the same shape (the faster of pympar's, MKL's cblas_gemm_bf16bf16f32, and
+PyTorch's).
 
 --repeat R measures the round R times (each: the sgemm rates, pympar, every peer, pympar again;
 pympar's best of its two; each round's MFU against that round's sgemm) and reports the medians;
@@ -33,6 +40,8 @@ def parse():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=0, help="sequence length (default: block_size)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="pympar's compute dtype; bfloat16 runs the peers under CPU autocast")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=1, help="paired measurements; medians reported")
@@ -47,6 +56,7 @@ if ARGS is not None:   # before numpy/torch load their thread pools
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "PYMPAR_NUM_THREADS"):
         os.environ[var] = str(ARGS.threads)
 
+import contextlib  # noqa: E402
 import cProfile  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
@@ -91,10 +101,13 @@ def write_json(path, res):
         table = old.get("table", {}) if "shape" in old else {}
     except (OSError, ValueError):
         pass
-    keep = ("shape", "params", "blas_threads", "kernel_threads", "gemm_library", "pympar_step_s", "pympar_tokens_per_s",
-            "sgemm_gflops", "sgemm_numpy_gflops", "sgemm_pympar_gflops", "pympar_mfu_vs_sgemm", "repeats") + tuple(
-        f"{p}_{k}" for p in PEERS for k in ("step_s", "tokens_per_s", "mfu_vs_sgemm", "speed_ratio"))
-    table[f"{res['shape']}/{res['threads']}"] = {k: res[k] for k in keep if k in res}
+    keep = ("shape", "dtype", "params", "blas_threads", "kernel_threads", "gemm_library", "pympar_step_s",
+            "pympar_tokens_per_s", "sgemm_gflops", "sgemm_numpy_gflops", "sgemm_pympar_gflops", "bf16_gemm_gflops",
+            "bf16_gemm_pympar_gflops", "bf16_gemm_torch_gflops", "pympar_mfu_vs_sgemm", "pympar_mfu_vs_bf16_gemm",
+            "repeats") + tuple(f"{p}_{k}" for p in (*PEERS, "pympar_f32")
+                               for k in ("step_s", "tokens_per_s", "mfu_vs_sgemm", "mfu_vs_bf16_gemm", "speed_ratio"))
+    key = f"{res['shape']}/{res['threads']}" + ("/bf16" if res.get("dtype") == "bfloat16" else "")
+    table[key] = {k: res[k] for k in keep if k in res}
     with open(path, "w") as f:
         json.dump(dict(res, table=dict(sorted(table.items()))), f, indent=1)
 
@@ -125,6 +138,35 @@ def sgemm_gflops(M, K, N, reps=5):
     return rates
 
 
+def bf16_gemm_gflops(M, K, N, reps=5, with_torch=True):
+    """The bf16 GEMM rates (bf16 operands, float32 accumulation, bf16 out) of the step's largest GEMM
+    (tokens x C times C x 4C, the weight on the right as Linear reads it): {"pympar": nn.parameter's
+    bf16 product (MKL), "torch": torch.nn.functional.linear}. MFU counts against the faster."""
+    from common import best
+
+    from pympar.backend import bfloat16
+    from pympar.nn.parameter import compute_copies, linear_bf16
+    from pympar.kernels import gemm as g
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    xb, wb = x.astype(bfloat16), w.astype(bfloat16)
+    out = np.empty((M, N), bfloat16)
+    rates = {}
+    with compute_copies():
+        g.packable(wb)
+        if linear_bf16(xb, wb.T, out) is not None:
+            rates["pympar"] = 2 * M * K * N / best(lambda: linear_bf16(xb, wb.T, out), reps) / 1e9
+    if with_torch:
+        try:
+            import torch
+            tx, tw = torch.from_numpy(x).bfloat16(), torch.from_numpy(w).bfloat16()
+            rates["torch"] = 2 * M * K * N / best(lambda: torch.nn.functional.linear(tx, tw), reps) / 1e9
+        except ImportError:
+            pass
+    return rates
+
+
 def torch_peers(a, cfg, model, idx, tg, names):
     """name -> step function, one PyTorch model per peer with pympar's weights."""
     import torch
@@ -145,10 +187,12 @@ def torch_peers(a, cfg, model, idx, tg, names):
              dict(params=[p for n, p in named if not decays(n, p.detach().numpy())], weight_decay=0.0)],
             lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
         fwd = torch.compile(tm) if name == "compile" else tm
+        cast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if a.dtype == "bfloat16" else contextlib.nullcontext
 
-        def step(fwd=fwd, topt=topt):
+        def step(fwd=fwd, topt=topt, cast=cast):
             topt.zero_grad(set_to_none=False)
-            _, loss = fwd(ti, tt)
+            with cast():                         # autocast: the forward only, as PyTorch's recipe has it
+                _, loss = fwd(ti, tt)
             loss.backward()
             topt.step()
         steps[name] = step
@@ -171,17 +215,27 @@ def main(a):
     rng = np.random.default_rng(0)
     idx = rng.integers(0, cfg.vocab_size, (a.batch, T))
     tg = rng.integers(0, cfg.vocab_size, (a.batch, T))
-    model = GPT(cfg, seed=0)
+    lowp = a.dtype == "bfloat16"
+    model = GPT(cfg, seed=0, compute_dtype=a.dtype if lowp else None)
     opt = AdamW(model.named_parameters(), lr=1e-4)
 
-    def pympar_step():
-        model.zero_grad()
-        model.loss_and_grad(idx, tg)
-        opt.step()
+    def make_step(m, o):
+        def step():
+            m.zero_grad()
+            m.loss_and_grad(idx, tg)
+            o.step()
+        return step
+
+    pympar_step = make_step(model, opt)
+    engines = {}                                 # pympar's other runs beside the peers
+    if lowp:                                     # pympar in float32, the same weights
+        m32 = GPT(cfg, seed=0)
+        engines["pympar_f32"] = make_step(m32, AdamW(m32.named_parameters(), lr=1e-4))
 
     n_params = int(sum(p.data.size for p in model.parameters()))
     tokens = a.batch * T
-    res = dict(preset=a.preset, shape=shape_name(cfg, a.batch, T), config=vars(cfg), batch=a.batch, seq=T,
+    res = dict(preset=a.preset, shape=shape_name(cfg, a.batch, T), dtype=a.dtype, config=vars(cfg), batch=a.batch,
+               seq=T,
                threads=a.threads, native_kernels=kernels.native_available(), blas_threads=blas.blas_threads(),
                kernel_threads=kernels.get_num_threads(), malloc_retained=malloc_policy.retained(), params=n_params,
                model_flops_per_step=model_flops_per_token(cfg, n_params, T) * tokens)
@@ -208,40 +262,55 @@ def main(a):
         rates = sgemm_gflops(tokens, cfg.n_embd, 4 * cfg.n_embd)
         rep = {"sgemm_numpy_gflops": rates["numpy"], "sgemm_pympar_gflops": rates["pympar"],
                "sgemm_gflops": max(rates.values())}
+        if lowp:
+            b16 = bf16_gemm_gflops(tokens, cfg.n_embd, 4 * cfg.n_embd, with_torch=not a.no_torch)
+            rep.update({f"bf16_gemm_{k}_gflops": v for k, v in b16.items()})
+            rep["bf16_gemm_gflops"] = max(b16.values())
+        peak = rep["bf16_gemm_gflops" if lowp else "sgemm_gflops"]
         t_p = timed(pympar_step, a.steps, warm, settle)
+        for name, step in engines.items():
+            rep[f"{name}_step_s"] = timed(step, a.steps, warm, settle)
         for name, step in peers.items():
             rep[f"{name}_step_s"] = timed(step, a.steps, warm + (2 if name == "compile" and r == 0 else 0), settle)
         if peers:
             t_p = min(t_p, timed(pympar_step, a.steps, 0, settle))
         rep["pympar_step_s"] = t_p
-        for name in ("pympar", *peers):
-            rep[f"{name}_mfu"] = flops / rep[f"{name}_step_s"] / 1e9 / rep["sgemm_gflops"]
-        for name in peers:
+        for name in ("pympar", *engines, *peers):
+            rep[f"{name}_mfu"] = flops / rep[f"{name}_step_s"] / 1e9 / peak
+        for name in (*engines, *peers):
             rep[f"{name}_ratio"] = rep[f"{name}_step_s"] / t_p
         reps.append(rep)
     res["repeats"] = reps
     med = lambda k: float(np.median([r[k] for r in reps]))  # noqa: E731
-    for k in ("sgemm_numpy_gflops", "sgemm_pympar_gflops", "sgemm_gflops"):
-        res[k] = med(k)
+    for k in ("sgemm_numpy_gflops", "sgemm_pympar_gflops", "sgemm_gflops", "bf16_gemm_pympar_gflops",
+              "bf16_gemm_torch_gflops", "bf16_gemm_gflops"):
+        if k in reps[0]:
+            res[k] = med(k)
     t_p = med("pympar_step_s")
     res["pympar_step_s"], res["pympar_tokens_per_s"] = t_p, tokens / t_p
-    res["pympar_mfu_vs_sgemm"] = med("pympar_mfu")                  # each round's MFU, the median
-    for name in peers:
+    mfu_key = "mfu_vs_bf16_gemm" if lowp else "mfu_vs_sgemm"
+    res[f"pympar_{mfu_key}"] = med("pympar_mfu")                    # each round's MFU, the median
+    for name in (*engines, *peers):
         t = med(f"{name}_step_s")
         res[f"{name}_step_s"], res[f"{name}_tokens_per_s"] = t, tokens / t
-        res[f"{name}_mfu_vs_sgemm"] = med(f"{name}_mfu")
+        res[f"{name}_{mfu_key}"] = med(f"{name}_mfu")
         res[f"{name}_speed_ratio"] = med(f"{name}_ratio")          # pympar's speed / the peer's
 
     print(f"\n{res['shape']} ({a.preset}): {n_params:,} params, {a.threads} thread(s), "
           f"native kernels: {res['native_kernels']}; GEMM {res['gemm_library']}; "
           f"sgemm {res['sgemm_gflops']:.0f} GFLOP/s (NumPy's {res['sgemm_numpy_gflops']:.0f}, "
           f"pympar's {res['sgemm_pympar_gflops']:.0f})")
-    print(f"{'engine':<22}{'step ms':>10}{'tokens/s':>12}{'MFU/sgemm':>11}{'pympar x':>10}")
-    print(f"{'pympar':<22}{1e3 * t_p:>10.1f}{tokens / t_p:>12.0f}{res['pympar_mfu_vs_sgemm']:>11.2f}")
-    label = dict(sdpa="torch eager + SDPA", compile="torch.compile + SDPA", naive="torch eager, naive attn")
-    for name in peers:
-        print(f"{label[name]:<22}{1e3 * res[name + '_step_s']:>10.1f}{res[name + '_tokens_per_s']:>12.0f}"
-              f"{res[name + '_mfu_vs_sgemm']:>11.2f}{res[name + '_speed_ratio']:>10.2f}")
+    if lowp:
+        print(f"bf16 GEMM {res['bf16_gemm_gflops']:.0f} GFLOP/s (pympar's {res.get('bf16_gemm_pympar_gflops', 0):.0f}, "
+              f"PyTorch's {res.get('bf16_gemm_torch_gflops', 0):.0f}); pympar in bfloat16, the peers under autocast")
+    mfu_head = "MFU/bf16" if lowp else "MFU/sgemm"
+    print(f"{'engine':<24}{'step ms':>10}{'tokens/s':>12}{mfu_head:>11}{'pympar x':>10}")
+    print(f"{'pympar ' + a.dtype:<24}{1e3 * t_p:>10.1f}{tokens / t_p:>12.0f}{res['pympar_' + mfu_key]:>11.2f}")
+    label = dict(sdpa="torch eager + SDPA", compile="torch.compile + SDPA", naive="torch eager, naive attn",
+                 pympar_f32="pympar float32")
+    for name in (*engines, *peers):
+        print(f"{label[name]:<24}{1e3 * res[name + '_step_s']:>10.1f}{res[name + '_tokens_per_s']:>12.0f}"
+              f"{res[name + '_' + mfu_key]:>11.2f}{res[name + '_speed_ratio']:>10.2f}")
     if len(reps) > 1:
         print(f"(medians of {len(reps)} rounds)")
     print(f"threads: BLAS {res['blas_threads']}, C++ kernels {res['kernel_threads']}; "

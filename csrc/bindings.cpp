@@ -134,6 +134,17 @@ PYBIND11_MODULE(_C, m) {
   bind_lowp(m);
   m.doc() = "pympar C++ kernels (see pympar.kernels)";
   m.def("isa", [] { return std::string(K->isa); }, "the instruction-set build of the arithmetic kernels in use");
+  m.def("cpu_features", [] {
+    py::dict d;
+#if defined(PYMPAR_X86)
+    __builtin_cpu_init();
+    d["avx2"] = bool(__builtin_cpu_supports("avx2"));
+    d["avx512f"] = bool(__builtin_cpu_supports("avx512f"));
+    d["avx512bf16"] = bool(__builtin_cpu_supports("avx512bf16"));
+    d["amx_bf16"] = bool(__builtin_cpu_supports("amx-bf16"));
+#endif
+    return d;
+  }, "the CPU features the bf16 products are chosen by (x86: avx2, avx512f, avx512bf16, amx_bf16)");
   m.def("use_isa", [](const std::string& name) {
     if (name != "generic" && name != "avx2" && name != "avx512" && !name.empty())
       throw py::value_error("use_isa: '" + name + "' is not one of generic, avx2, avx512 (or '' for the best)");

@@ -6,6 +6,9 @@
 
 #include "pyarrays.h"
 #include "threadpool.h"
+#if defined(PYMPAR_AMX)
+#include "amx.h"
+#endif
 
 namespace pympar::bind {
 namespace {
@@ -150,6 +153,49 @@ void bind_lowp(py::module_& m) {
       for (int64_t p = p0; p < p1; ++p) block(M * p / parts, M * (p + 1) / parts);
     });
   });
+
+  // pympar's own bf16 GEMM on AMX tiles (amx.cpp), where the CPU has AMX-BF16 and the build has it
+#if defined(PYMPAR_AMX)
+  m.def("amx_available", [] { return amx::available(); },
+        "whether this CPU has AMX-BF16 and Linux granted this process the tile state");
+  m.def("amx_packed_b_size", [](int64_t K, int64_t N) { return amx::packed_b_elems(K, N); });
+  // B (K, N), element (k, n) at src[k sk + n sn] (bf16, strides in elements) -> dst, a uint16/bf16
+  // array of amx_packed_b_size(K, N) elements; the caller checked that src spans what it names
+  m.def("amx_pack_b", [](uintptr_t src, int64_t sk, int64_t sn, int64_t K, int64_t N, py::array& dst) {
+    if (K < 0 || N < 0 || dst.itemsize() != 2 || !(dst.flags() & py::array::c_style) ||
+        dst.size() < amx::packed_b_elems(K, N) || !dst.writeable())
+      throw py::value_error("amx_pack_b: dst must be a writeable C-contiguous 2-byte array of amx_packed_b_size elements");
+    if (!amx::available()) throw py::value_error("amx_pack_b: AMX is not available here");
+    auto* d = static_cast<uint16_t*>(dst.mutable_data());
+    py::gil_scoped_release g;
+    amx::pack_b(reinterpret_cast<const uint16_t*>(src), sk, sn, K, N, d);
+  });
+  // C (M, N) = A B with A's element (m, k) at pa[m sam + k sak], B packed (b_packed) or at
+  // pb[k sbk + n sbn] (bf16; strides in elements); C float32 (=, or += with accumulate) or bf16
+  // (round(C + bias), and round(GELU) into pg when set), row strides ldc, ldg. The caller
+  // (kernels/gemm.py) checked every layout and address.
+  m.def("amx_gemm", [](uintptr_t pa, int64_t sam, int64_t sak, uintptr_t pb, int64_t sbk, int64_t sbn, bool b_packed,
+                       int64_t M, int64_t N, int64_t Kd, uintptr_t pc, int64_t ldc, bool c_bf16, bool accumulate,
+                       uintptr_t pbias, uintptr_t pg, int64_t ldg) {
+    if (!amx::available()) throw py::value_error("amx_gemm: AMX is not available here");
+    if (M < 0 || N < 0 || Kd < 0 || pa == 0 || pb == 0 || pc == 0)
+      throw py::value_error("amx_gemm: need operands and non-negative sizes");
+    if (c_bf16 && accumulate) throw py::value_error("amx_gemm: a bf16 output cannot accumulate");
+    amx::Out o;
+    o.mode = c_bf16 ? amx::Out::BF16 : amx::Out::F32;
+    o.c = reinterpret_cast<void*>(pc);
+    o.ldc = ldc;
+    o.accumulate = accumulate;
+    o.bias = reinterpret_cast<const float*>(pbias);
+    o.g = reinterpret_cast<uint16_t*>(pg);
+    o.ldg = ldg;
+    py::gil_scoped_release g;
+    amx::gemm(reinterpret_cast<const uint16_t*>(pa), sam, sak, reinterpret_cast<const uint16_t*>(pb), sbk, sbn,
+              b_packed, M, N, Kd, o);
+  });
+#else
+  m.def("amx_available", [] { return false; }, "this build has no AMX kernels");
+#endif
 }
 
 }  // namespace pympar::bind

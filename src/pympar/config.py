@@ -43,6 +43,9 @@ ENVIRONMENT = {   # variable -> what it sets (docs/engine.md, "Environment varia
     "PYMPAR_BLAS_THREADS": "'own': OpenBLAS keeps its own threads instead of the kernels' pool",
     "PYMPAR_CHUNK_THREADS": "'0': attention's per-slice GEMM stacks run serially",
     "PYMPAR_GEMM": "'numpy': NumPy's BLAS multiplies, 'mkl': Intel MKL must (default 'auto': MKL where installed)",
+    "PYMPAR_BF16_GEMM": "'amx' (pympar's AMX kernel), 'mkl' (MKL's bf16 GEMM) or 'float32' (widened): what "
+                        "multiplies bf16 (default 'auto': AMX where the CPU has it, else MKL where the CPU has "
+                        "AVX512-BF16, else float32)",
     "PYMPAR_MALLOC": "'system': keep glibc's malloc thresholds (freed memory is not retained)",
     "PYMPAR_DEBUG_COLLECTIVES": "'1': check every collective's fingerprint across the ranks",
     "PYMPAR_TUNING": "'measure' (default; pympar.train's: 'reproducible', floating-point reductions over 3+ ranks "
@@ -78,6 +81,7 @@ class Environment:
     chunk_threads: bool = True
     retain_memory: bool = True
     gemm: str = ""
+    bf16_gemm: str = ""
     debug_collectives: bool = False
     tuning: str = ""
     shm_chunk: int | None = None
@@ -147,6 +151,7 @@ def read_environment(environ=None) -> Environment:
         chunk_threads=_choice_var(env, "PYMPAR_CHUNK_THREADS", ("", "0", "1")) != "0",
         retain_memory=_choice_var(env, "PYMPAR_MALLOC", ("", "system", "retain")) != "system",
         gemm=_choice_var(env, "PYMPAR_GEMM", ("", "auto", "numpy", "mkl")),
+        bf16_gemm=_choice_var(env, "PYMPAR_BF16_GEMM", ("", "auto", "amx", "mkl", "float32")),
         debug_collectives=env.get("PYMPAR_DEBUG_COLLECTIVES", "0").strip().lower() not in ("", "0", "false", "no", "off"),
         tuning=env.get("PYMPAR_TUNING", "").strip(),
         shm_chunk=_int_var(env, "PYMPAR_SHM_CHUNK", 64),
@@ -185,6 +190,10 @@ def apply_environment(environ=None, tuning_default="") -> Environment:
         gemm.use(e.gemm or "auto")
     except ValueError as err:
         raise ConfigError(f"PYMPAR_GEMM={e.gemm}: {err}") from None
+    try:
+        gemm.use_bf16(e.bf16_gemm or "auto")
+    except ValueError as err:
+        raise ConfigError(f"PYMPAR_BF16_GEMM={e.bf16_gemm}: {err}") from None
     if e.retain_memory:
         malloc_policy.retain_freed_memory()
     if e.launcher_local_ranks is not None:     # the polling pace before a communicator finds the node's ranks

@@ -220,35 +220,105 @@ def product(a, b, out=None, threads: int = 1, accumulate: bool = False):
     return out
 
 
-# --- bfloat16 products: bf16 operands, float32 accumulation (MKL's cblas_gemm_bf16bf16f32) ---------
-_B_MATRIX, _PACKED = 162, 151        # CBLAS_IDENTIFIER CblasBMatrix, the "packed" transpose flag
+# --- bfloat16 products: bf16 operands, float32 accumulation ---------------------------------------
+# Engines, chosen by CPU feature at run time (``bf16_engine``):
+#   "amx"  pympar's own kernel on AMX tiles (csrc/amx.cpp), where the CPU has AMX-BF16 and the AVX-512
+#          kernels are in use;
+#   "mkl"  MKL's cblas_gemm_bf16bf16f32 (AMX or AVX512-BF16 inside MKL), where MKL is selected and the
+#          CPU multiplies bf16 natively (avx512_bf16 or AMX);
+#   None   no native bf16 products: the operands are widened to float32 and multiplied there (the
+#          caller's fallback; --dtype auto picks float32 on such a CPU).
+# PYMPAR_BF16_GEMM=auto|amx|mkl|float32 (pympar.config) forces one ("amx"/"mkl" fail where they cannot run).
+BF16_CHOICES = ("auto", "amx", "mkl", "float32")
+_bf16_choice = "auto"
+_B_MATRIX, _PACKED = 162, 151        # MKL: CBLAS_IDENTIFIER CblasBMatrix, the "packed" transpose flag
+
+
+def cpu_features() -> dict:
+    """{avx2, avx512f, avx512bf16, amx_bf16: bool} of this CPU (empty without the C++ module)."""
+    return dict(_C.cpu_features()) if _C is not None else {}
+
+
+def _native_bf16_cpu() -> bool:
+    f = cpu_features()
+    return bool(f.get("avx512bf16") or f.get("amx_bf16"))
+
+
+def _avx512_kernels() -> bool:
+    """The AVX-512 build of the C++ kernels is the one in use (PYMPAR_ISA=avx2/generic turns it off,
+    and with it the native bf16 products: that machine is then simulated whole)."""
+    return _C is not None and _C.isa() == "avx512"
+
+
+def _engine(choice):
+    amx = _avx512_kernels() and bool(_C.amx_available())
+    mkl = bool(_load()) and bool(_bf) and _bf16_blocks is not None and _choice != "numpy"
+    if choice == "amx":
+        return "amx" if amx else None
+    if choice == "mkl":
+        return "mkl" if mkl and _avx512_kernels() and _native_bf16_cpu() else None
+    if choice == "auto":
+        return "amx" if amx else ("mkl" if mkl and _avx512_kernels() and _native_bf16_cpu() else None)
+    return None
+
+
+def use_bf16(choice: str) -> None:
+    """Select the bf16 product engine: "auto", "amx", "mkl" or "float32" (ValueError for another name,
+    or for an engine this machine cannot run)."""
+    global _bf16_choice
+    if choice not in BF16_CHOICES:
+        raise ValueError(f"bf16 GEMM {choice!r}: expected one of {', '.join(BF16_CHOICES)}")
+    if choice in ("amx", "mkl") and _engine(choice) is None:
+        raise ValueError(f"bf16 GEMM {choice!r} cannot run here (CPU features {cpu_features()}, "
+                         f"C++ kernels {_C.isa() if _C is not None else 'missing'}, MKL: {active() == 'mkl'})")
+    _bf16_choice = choice
+
+
+def bf16_engine():
+    """"amx", "mkl", or None (bf16 products widened to float32) under the current selection."""
+    return _engine(_bf16_choice)
+
+
+def bf16_native() -> bool:
+    """Whether bf16 products run natively here (what --dtype auto asks)."""
+    return bf16_engine() is not None
+
+
+def describe_bf16() -> str:
+    """One line for a start-up banner: what multiplies bf16 here."""
+    e = bf16_engine()
+    if e == "amx":
+        return "AMX tiles (pympar's kernel)"
+    if e == "mkl":
+        f = cpu_features()
+        return "MKL cblas_gemm_bf16bf16f32 (" + ("AMX" if f.get("amx_bf16") else "AVX512-BF16") + ")"
+    return "emulated (widened to float32, products rounded to bf16)"
 
 
 def bf16_available() -> bool:
-    """Whether bf16 products run on MKL here (selected, loaded, with its bf16 GEMM and _C's driver)."""
-    return _choice != "numpy" and bool(_load()) and bool(_bf) and _bf16_blocks is not None
+    return bf16_engine() is not None
 
 
 class _Packs:
-    """Right-hand operands packed once for MKL (cblas_gemm_bf16bf16f32_pack): a weight's bf16 copy,
-    registered by ``packable``, is packed the first time a product reads it (as W or as W.T: two
-    packs) and reused until the copy is let go -- once per optimizer step, not per micro-batch, and
-    without MKL packing it again for every tile of rows it multiplies. Keyed by the array's id while a
-    weak reference says it lives."""
+    """Right-hand operands packed once: a weight's bf16 copy, registered by ``packable``, is packed the
+    first time a product reads it (as W or as W.T: two packs, in the engine's format: MKL's
+    cblas_gemm_bf16bf16f32_pack, or pympar's AMX panels) and reused until the copy is let go -- once
+    per optimizer step, not per micro-batch, and not once per tile of rows. Keyed by the array's id
+    while a weak reference says it lives."""
 
     def __init__(self):
-        self._arrays = {}                # id(base) -> (weakref to base, {trans: packed buffer})
+        self._arrays = {}                # id(base) -> (weakref to base, {(engine, trans): packed buffer})
 
     def register(self, w):
         import weakref
         key = id(w)
         self._arrays[key] = (weakref.ref(w, lambda _r, k=key: self._arrays.pop(k, None)), {})
 
-    def get(self, b):
-        """(packed buffer) for b (K, N) when b is a registered array or its transpose, else None."""
+    def get(self, b, engine):
+        """The packed buffer of b (K, N) when b is a registered array or its transpose, else None."""
         base = b if b.base is None else b.base
         entry = self._arrays.get(id(base))
-        if entry is None or entry[0]() is not base or base.ndim != 2:
+        if entry is None or entry[0]() is not base or base.ndim != 2 or not base.flags.c_contiguous:
             return None
         if b.shape == base.shape and b.strides == base.strides:
             trans = _NO_TRANS
@@ -256,14 +326,18 @@ class _Packs:
             trans = _TRANS
         else:
             return None
-        buf = entry[1].get(trans)
+        buf = entry[1].get((engine, trans))
         if buf is None:
             K, N = b.shape
-            if not base.flags.c_contiguous or max(K, N) > _INT_MAX:
+            if max(K, N) > _INT_MAX:
                 return None
-            buf = np.empty(int(_bf["pack_size"](_B_MATRIX, 1, N, K)), np.uint8)
-            _bf["pack"](_ROW_MAJOR, _B_MATRIX, trans, 1, N, K, base.ctypes.data, base.shape[1], buf.ctypes.data)
-            entry[1][trans] = buf
+            if engine == "amx":
+                buf = np.empty(int(_C.amx_packed_b_size(K, N)), np.uint16)
+                _C.amx_pack_b(b.ctypes.data, b.strides[0] // 2, b.strides[1] // 2, K, N, buf)
+            else:
+                buf = np.empty(int(_bf["pack_size"](_B_MATRIX, 1, N, K)), np.uint8)
+                _bf["pack"](_ROW_MAJOR, _B_MATRIX, trans, 1, N, K, base.ctypes.data, base.shape[1], buf.ctypes.data)
+            entry[1][(engine, trans)] = buf
         return buf
 
 
@@ -272,33 +346,27 @@ _packs = _Packs()
 
 def packable(w) -> None:
     """Register w, a C-contiguous 2-D bf16 array that stays unchanged while it lives (a weight's
-    compute copy), so that products reading it as their right-hand operand (w or w.T) use one MKL
-    pack of it instead of repacking it in every call."""
-    if bf16_available() and w.ndim == 2 and w.flags.c_contiguous:
+    compute copy), so that products reading it as their right-hand operand (w or w.T) use one pack of
+    it instead of packing it in every call."""
+    if bf16_engine() is not None and w.ndim == 2 and w.flags.c_contiguous:
         _packs.register(w)
 
 
 def product_bf16(a, b, out=None, threads: int = 1, accumulate: bool = False, bias=None, gelu_out=None):
-    """a @ b for bfloat16 a (M, K) and b (K, N), float32 accumulation, on MKL where ``bf16_available``
-    and the layouts allow (a and b row- or column-major with unit stride; out row-major with unit
-    stride). ``out`` float32 (required): the product written or, ``accumulate``, added (beta = 1).
-    ``out`` bfloat16 (or None: a new bf16 array): round(a @ b + bias), bias float32 (N,) or None, and
-    with ``gelu_out`` (bf16, like out) also round(GELU(out)). Returns out, or None (nothing written)
-    when the caller should take another path."""
-    if not bf16_available() or a.ndim != 2 or b.ndim != 2:
+    """a @ b for bfloat16 a (M, K) and b (K, N), float32 accumulation, on the bf16 engine (None:
+    nothing written, the caller takes another path). ``out`` float32: the product written or,
+    ``accumulate``, added (beta = 1). ``out`` bfloat16 (or None: a new bf16 array):
+    round(a @ b + bias), bias float32 (N,) or None, and with ``gelu_out`` (bf16, like out) also
+    round(GELU(out)). out (and gelu_out) row-major with unit stride, sharing no memory with a or b.
+    Returns out, or None."""
+    engine = bf16_engine()
+    if engine is None or a.ndim != 2 or b.ndim != 2:
         return None
     M, K = a.shape
     N = b.shape[1]
     if b.shape[0] != K or min(M, N, K) < 1 or max(M, N, K) > _INT_MAX:
         return None
     if a.dtype.name != "bfloat16" or b.dtype.name != "bfloat16":
-        return None
-    la = _operand(a)
-    if la is None:
-        return None
-    packed = _packs.get(b)
-    lb = (_NO_TRANS, N) if packed is not None else _operand(b)
-    if lb is None:
         return None
     c_bf16 = out is None or out.dtype.name == "bfloat16"
     if out is None:
@@ -314,14 +382,27 @@ def product_bf16(a, b, out=None, threads: int = 1, accumulate: bool = False, bia
             return None
     elif out.dtype != np.float32 or bias is not None or gelu_out is not None:
         return None
+    packed = _packs.get(b, engine)
+    ldc = out.strides[0] // out.itemsize
+    pbias = 0 if bias is None else bias.ctypes.data
+    pg, ldg = (0, 0) if gelu_out is None else (gelu_out.ctypes.data, gelu_out.strides[0] // gelu_out.itemsize)
+    if engine == "amx":                          # any element strides: the kernel packs what it reads
+        if any(s % 2 for s in (*a.strides, *b.strides)):
+            return None
+        _C.amx_gemm(a.ctypes.data, a.strides[0] // 2, a.strides[1] // 2,
+                    packed.ctypes.data if packed is not None else b.ctypes.data,
+                    b.strides[0] // 2, b.strides[1] // 2, packed is not None, M, N, K,
+                    out.ctypes.data, ldc, c_bf16, accumulate, pbias, pg, ldg)
+        return out
+    la = _operand(a)
+    lb = (_NO_TRANS, N) if packed is not None else _operand(b)
+    if la is None or lb is None:
+        return None
     (ta, lda), (tb, ldb) = la, lb
     parts = max(1, min(int(threads), M // 16)) if 2.0 * M * N * K >= _SPLIT_FLOPS else 1
-    pb = packed.ctypes.data if packed is not None else b.ctypes.data
     _bf16_blocks(_bf["compute"] if packed is not None else _bf["gemm"], packed is not None, ta, tb, M, N, K,
-                 a.ctypes.data, lda, pb, ldb, 1.0 if accumulate else 0.0, out.ctypes.data,
-                 out.strides[0] // out.itemsize, c_bf16, 0 if bias is None else bias.ctypes.data,
-                 0 if gelu_out is None else gelu_out.ctypes.data,
-                 0 if gelu_out is None else gelu_out.strides[0] // gelu_out.itemsize, parts)
+                 a.ctypes.data, lda, packed.ctypes.data if packed is not None else b.ctypes.data, ldb,
+                 1.0 if accumulate else 0.0, out.ctypes.data, ldc, c_bf16, pbias, pg, ldg, parts)
     return out
 
 

@@ -1,0 +1,28 @@
+// bf16 GEMM on AMX tiles (amx.cpp): the interface the bindings call. Only where available() is true.
+#pragma once
+#include <cstdint>
+
+namespace pympar {
+namespace amx {
+
+// where a product's C goes: float32 (= or +=) or bf16 (round(C + bias), and round(GELU) into g)
+struct Out {
+  enum Mode { F32, BF16 } mode = F32;
+  void* c = nullptr;         // (M, N) with row stride ldc (elements)
+  int64_t ldc = 0;
+  bool accumulate = false;   // F32 only: C += A B
+  const float* bias = nullptr;  // BF16 only, nullable: (N,)
+  uint16_t* g = nullptr;     // BF16 only, nullable: (M, N) GELU of the rounded C, row stride ldg
+  int64_t ldg = 0;
+};
+
+bool available();                                    // AMX-BF16 on this CPU and the tile state granted
+int64_t packed_b_elems(int64_t K, int64_t N);        // bf16 elements of B's pack
+// B (K, N), element (k, n) at src[k sk + n sn] -> dst (packed_b_elems(K, N))
+void pack_b(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int64_t N, uint16_t* dst);
+// C (M, N) = A (M, K) B: A's element (m, k) at a[m sam + k sak]; B packed (b_packed) or at b[k sbk + n sbn]
+void gemm(const uint16_t* a, int64_t sam, int64_t sak, const uint16_t* b, int64_t sbk, int64_t sbn, bool b_packed,
+          int64_t M, int64_t N, int64_t K, const Out& out);
+
+}  // namespace amx
+}  // namespace pympar
