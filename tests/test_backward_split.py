@@ -21,24 +21,26 @@ C, T, B = 16, 7, 3
 MOE = dict(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=C, n_expert=4, top_k=2, moe_every=1)
 
 
-def _modules(dt):
+def _modules(dt, cdt=None):
+    """Every module kind in master dtype dt (compute dtype cdt: bf16 activations, float32 weights)."""
     cfg = GPTConfig(**MOE)
     dense = GPTConfig(**{**MOE, "n_expert": 0})
-    emb = Embedding(29, 8, C, dtype=dt)
-    yield "linear", Linear(C, 2 * C, name="l", dtype=dt), "x"
-    yield "linear-nobias", Linear(C, C, name="l", dtype=dt, bias=False), "x"
-    yield "layernorm", LayerNorm(C, name="ln", dtype=dt), "x"
-    yield "mlp", MLP(C, name="m", dtype=dt), "x"
-    mlp = MLP(C, name="m", dtype=dt)
+    mk = dict(dtype=dt, compute_dtype=cdt)
+    emb = Embedding(29, 8, C, **mk)
+    yield "linear", Linear(C, 2 * C, name="l", **mk), "x"
+    yield "linear-nobias", Linear(C, C, name="l", bias=False, **mk), "x"
+    yield "layernorm", LayerNorm(C, name="ln", **mk), "x"
+    yield "mlp", MLP(C, name="m", **mk), "x"
+    mlp = MLP(C, name="m", **mk)
     mlp.keep_hidden = False                        # the hidden layer computed again in backward
     yield "mlp-recomputed-hidden", mlp, "x"
-    yield "attention", CausalSelfAttention(C, 2, name="a", dtype=dt), "x"
-    yield "moe", MoE(C, 4, name="e", top_k=2, capacity_factor=1.0, dtype=dt), "x"
-    yield "block-dense", Block(dense, 0, dtype=dt), "x"
-    yield "block-moe", Block(cfg, 0, dtype=dt), "x"
-    yield "tp-block-moe", TPBlock(cfg, 1, SelfComm(), dtype=dt), "x"
+    yield "attention", CausalSelfAttention(C, 2, name="a", **mk), "x"
+    yield "moe", MoE(C, 4, name="e", top_k=2, capacity_factor=1.0, **mk), "x"
+    yield "block-dense", Block(dense, 0, **mk), "x"
+    yield "block-moe", Block(cfg, 0, **mk), "x"
+    yield "tp-block-moe", TPBlock(cfg, 1, SelfComm(), **mk), "x"
     yield "embedding", emb, "idx"
-    yield "head", Head(dense, emb.wte, dtype=dt), "head"
+    yield "head", Head(dense, emb.wte, **mk), "head"
 
 
 def _inputs(kind, dt, rng):
@@ -70,20 +72,24 @@ def _backward(m, dy, ctx, split):
 
 
 @pytest.mark.parametrize("rows", [None, 5], ids=["mlp-one-block", "mlp-blocks-of-5"])
-@pytest.mark.parametrize("dt", [np.float32, np.float64])
+@pytest.mark.parametrize("dt", [np.float32, np.float64, "bfloat16"])
 def test_backward_input_then_weight_is_backward_bitwise(dt, rows, monkeypatch):
-    """(rows=5: the MLPs run the 21 tokens in uneven blocks of 5, the deferred W passes too.)"""
+    """(rows=5: the MLPs run the 21 tokens in uneven blocks of 5, the deferred W passes too;
+    "bfloat16": float32 master weights, bf16 activations and products.)"""
+    from pympar.backend import dtype as resolve
     from pympar.nn import layers
     if rows:
         monkeypatch.setattr(layers, "MLP_ROWS", rows)
-    for name, m, kind in _modules(dt):
+    cdt = resolve(dt) if dt == "bfloat16" else None
+    master, act = (np.float32, cdt) if cdt is not None else (dt, dt)
+    for name, m, kind in _modules(master, cdt):
         outs = []
         for split in (False, True):
             rng = np.random.default_rng(5)
-            x = _inputs(kind, dt, rng)
+            x = _inputs(kind, act, rng)
             m.zero_grad()
             y, ctx = m.forward(x)
-            dy = rng.standard_normal(np.shape(y)).astype(dt) if not np.isscalar(y) else None
+            dy = rng.standard_normal(np.shape(y)).astype(np.float32).astype(act) if not np.isscalar(y) else None
             dx = _backward(m, dy, ctx, split)
             outs.append((dx, _grads(m)))
         (dx0, g0), (dx1, g1) = outs

@@ -364,11 +364,13 @@ def matmul(a, b, out_dtype=None, out=None, accumulate=False):
         y = _bf16_product(a, b, out_dtype, out)                       # the CPU's matrix engines (MKL)
         if y is not None:
             return y
-        y = a.astype(np.float32) @ b.astype(np.float32)
+        # no native bf16 products here: widened exactly to float32, multiplied there, rounded once
+        y = matmul(kernels.cast(a, np.float32), kernels.cast(b, np.float32))
         if out is not None:
-            out[...] = y
+            out[...] = y if out.dtype == y.dtype else kernels.cast(y, out.dtype)
             return out
-        return y.astype(out_dtype or a.dtype, copy=False)
+        dt = np.dtype(out_dtype or a.dtype)
+        return y if dt == y.dtype else kernels.cast(y, dt)
     if out is not None and out_dtype is not None and out.dtype != out_dtype:
         raise ValueError(f"matmul: out has dtype {out.dtype}, out_dtype asks for {out_dtype}")
     if type(a) is np.ndarray and (out_dtype is None or out_dtype == a.dtype):   # MKL, where selected
