@@ -258,7 +258,7 @@ class RunConfig:
     comm_timeout: float = 300.0          # default: $PYMPAR_COMM_TIMEOUT, else 300 s
     # device and numerics
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"                  # bfloat16 where the CPU multiplies it natively (and on GPUs), else float32
     master_dtype: str = "float32"
     threads: int = 0
     bind: str = "none"
@@ -290,6 +290,7 @@ class RunConfig:
     layout_auto: bool = True
     model_overrides: list = field(default_factory=list)   # model fields set by the file or flags
     threads_from: str = ""                # where threads came from ("--threads", an env var, or "" = the node)
+    dtype_from: str = ""                  # why dtype is what it is when --dtype auto chose it
 
 
 _HELP = {
@@ -327,7 +328,8 @@ _HELP = {
     "dp_overlap": "reduce each gradient bucket while backward goes on (--no-dp-overlap: all after backward)",
     "comm_timeout": "seconds before a stalled collective or send/recv aborts the job, naming the ranks that did not "
                     "arrive (default: $PYMPAR_COMM_TIMEOUT, else 300)",
-    "device": "cpu or cuda", "dtype": "compute dtype (the master weights are --master-dtype)",
+    "device": "cpu or cuda", "dtype": "compute dtype (the master weights, gradients and optimizer state are --master-dtype); auto: "
+             "bfloat16 where the CPU multiplies bf16 natively (AMX, AVX512-BF16) or on a GPU, else float32",
     "master_dtype": "dtype of the master weights and optimizer state (float64: for checking numerics)",
     "threads": "kernel/BLAS threads per rank (0 = $PYMPAR_NUM_THREADS or $OMP_NUM_THREADS if set, else the "
                "cores this node's ranks may run on divided by the ranks on the node)",
@@ -354,11 +356,11 @@ _HELP = {
 _CHOICES = {
     "preset": sorted(PRESETS), "schedule": list(layouts.SCHEDULES),
     "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"],
-    "dtype": ["float32", "bfloat16", "float16"], "master_dtype": ["float32", "float64"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
+    "dtype": ["auto", "float32", "bfloat16", "float16"], "master_dtype": ["float32", "float64"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
     "progress": ["auto", "bar", "log"], "pp_channels": ["auto", "tags", "ordered"], "pp_costs": ["unit", "measured"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
 }
 _RUN_FIELDS = [f for f in fields(RunConfig) if f.name not in ("layout_resolved", "layout_auto", "model_overrides",
-                                                              "threads_from")]
+                                                              "threads_from", "dtype_from")]
 _MODEL_FIELDS = list(fields(GPTConfig))
 
 
@@ -448,6 +450,9 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
     for k in ("schedule", "compress", "device", "dtype", "master_dtype", "preset", "zero", "layout", "recompute"):
         if getattr(run, k) not in _CHOICES[k]:
             raise ConfigError(f"{k}={getattr(run, k)!r} is not one of {_CHOICES[k]}")
+    if run.device == "cpu":                               # (on a GPU the trainer asks CuPy: pympar.gpu)
+        from .kernels import gemm
+        resolve_dtype(run, gemm.bf16_native())
     overrides = {k: v for k, v in given.items() if k not in run_names}
     try:
         model = GPTConfig.from_preset(run.preset, **overrides)
@@ -465,6 +470,22 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
                           f"pp={lay.pp} with schedule {lay.schedule}: use --schedule zb-h1 or zb-v with --pp > 1, or "
                           f"drop --pp-costs")
     return model, run
+
+
+def resolve_dtype(run: RunConfig, bf16_ok: bool) -> None:
+    """--dtype auto made concrete: bfloat16 where ``bf16_ok`` (the CPU multiplies bf16 natively, or
+    a GPU holds bf16 arrays), float32 elsewhere and under a float64 master (the numerics oracle);
+    run.dtype_from says which. Every rank decides alone, from its own CPU: a job's nodes should be
+    alike (the start-up line names the choice)."""
+    if run.dtype != "auto":
+        return
+    if run.master_dtype == "float64":
+        run.dtype, run.dtype_from = "float32", "auto: float64 master weights"
+    elif bf16_ok:
+        run.dtype, run.dtype_from = "bfloat16", "auto: " + ("the GPU" if run.device == "cuda"
+                                                             else "this CPU multiplies bf16 natively")
+    else:
+        run.dtype, run.dtype_from = "float32", "auto: no native bf16 products here"
 
 
 def _apply_planner(world: int, model: GPTConfig, run: RunConfig) -> None:

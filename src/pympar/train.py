@@ -46,7 +46,7 @@ import numpy as np
 from . import backend, kernels
 from . import layout as layouts
 from .comm.objects import gather_object
-from .config import ConfigError, apply_environment, describe, parse_args
+from .config import ConfigError, apply_environment, describe, parse_args, resolve_dtype
 from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
 from .kernels import gemm
 from .resilience import (RESUMABLE_STATUS, STOP_STATUS, BadStepGuard, NonFiniteStop, StopRequest,
@@ -84,6 +84,8 @@ def main(argv=None, faults=None) -> int:
         corpus.check_block_size(model_cfg.block_size)
         layouts.check(model_cfg, run.layout_resolved, device=run.device)
         if run.device == "cuda":
+            from . import gpu
+            resolve_dtype(run, gpu.bfloat16_supported())
             _check_gpu(run)
         resume_path = resolve_resume(run)
         if resume_path is not None:
@@ -158,11 +160,15 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
               ("chosen for the world size" if run.layout_auto else "as given")
         print(f"pympar.train: {world} rank(s), layout {lay} ({how}); {threads} thread(s) per rank ({threads_why}); "
               f"kernels {kernels.describe() if run.device != 'cuda' else 'CUDA'}; "
-              f"GEMM {'cuBLAS' if run.device == 'cuda' else gemm.describe()}; data {corpus.name}: "
+              f"GEMM {'cuBLAS' if run.device == 'cuda' else gemm.describe()}; "
+              f"compute {run.dtype}" + (f" ({run.dtype_from})" if run.dtype_from else "")
+              + (f", bf16 products on {gemm.describe_bf16()}" if run.dtype == "bfloat16" and run.device == "cpu" else "")
+              + f"; data {corpus.name}: "
               f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens, vocab {model_cfg.vocab_size}")
         print(f"pympar.train: model {run.preset} {runner.n_params:,} params, {fpt / 1e6:.2f} MFLOP/token; "
               f"global batch {B}x{run.n_micro}x{lay.dp} sequences x {T} = {tokens_per_step:,} tokens; "
-              f"matmul peak {peak / 1e9:.1f} GFLOP/s (all ranks)", flush=True)
+              f"matmul peak {peak / 1e9:.1f} GFLOP/s in {'bf16' if run.dtype == 'bfloat16' or run.device == 'cuda' else 'float32'} "
+              f"(all ranks)", flush=True)
         print(f"pympar.train: memory per rank (ledger, predicted; worst rank): {ledger.describe(predicted)}; "
               f"this process holds {ledger.describe(runner.held())}", flush=True)
         if resume_path:
@@ -300,13 +306,15 @@ def _check_gpu(run):
 def _peak(run, comm) -> float:
     """FLOP/s this rank's MFU is measured against: on a GPU the datasheet's dense bf16 rate of
     the device (pympar.gpu.PEAKS; unknown GPUs: a measured float16 GEMM), on the CPU the
-    measured float32 matmul peak."""
+    measured matmul peak in the compute dtype (bf16 products on the bf16 engine, else float32)."""
     if run.device == "cuda":
         from . import gpu
         p = gpu.peak_flops(gpu.device_name(), "bfloat16")
         if p:
             return p
         return measure_matmul_peak(xp=backend.get_xp("cuda"), dtype=np.float16, barrier=comm.barrier)
+    if run.dtype == "bfloat16":
+        return measure_matmul_peak(dtype=backend.dtype("bfloat16"), n=512, barrier=comm.barrier)
     return measure_matmul_peak(barrier=comm.barrier)
 
 
