@@ -166,6 +166,8 @@ void bind_lowp(py::module_& m) {
         dst.size() < amx::packed_b_elems(K, N) || !dst.writeable())
       throw py::value_error("amx_pack_b: dst must be a writeable C-contiguous 2-byte array of amx_packed_b_size elements");
     if (!amx::available()) throw py::value_error("amx_pack_b: AMX is not available here");
+    if (reinterpret_cast<uintptr_t>(dst.data()) % 64)
+      throw py::value_error("amx_pack_b: dst must start on a 64-byte boundary (tiles load whole lines)");
     auto* d = static_cast<uint16_t*>(dst.mutable_data());
     py::gil_scoped_release g;
     amx::pack_b(reinterpret_cast<const uint16_t*>(src), sk, sn, K, N, d);
@@ -181,6 +183,7 @@ void bind_lowp(py::module_& m) {
     if (M < 0 || N < 0 || Kd < 0 || pa == 0 || pb == 0 || pc == 0)
       throw py::value_error("amx_gemm: need operands and non-negative sizes");
     if (c_bf16 && accumulate) throw py::value_error("amx_gemm: a bf16 output cannot accumulate");
+    if (b_packed && pb % 64) throw py::value_error("amx_gemm: a packed B must start on a 64-byte boundary");
     amx::Out o;
     o.mode = c_bf16 ? amx::Out::BF16 : amx::Out::F32;
     o.c = reinterpret_cast<void*>(pc);

@@ -331,8 +331,8 @@ class _Packs:
             K, N = b.shape
             if max(K, N) > _INT_MAX:
                 return None
-            if engine == "amx":
-                buf = np.empty(int(_C.amx_packed_b_size(K, N)), np.uint16)
+            if engine == "amx":                  # tiles load 64-byte rows: the pack starts on a line
+                buf = aligned_empty(int(_C.amx_packed_b_size(K, N)), np.uint16)
                 _C.amx_pack_b(b.ctypes.data, b.strides[0] // 2, b.strides[1] // 2, K, N, buf)
             else:
                 buf = np.empty(int(_bf["pack_size"](_B_MATRIX, 1, N, K)), np.uint8)
@@ -342,6 +342,14 @@ class _Packs:
 
 
 _packs = _Packs()
+
+
+def aligned_empty(n: int, dtype, align: int = 64):
+    """An uninitialised 1-D array of n elements whose data starts on an ``align``-byte boundary."""
+    item = np.dtype(dtype).itemsize
+    raw = np.empty(n + align // item, dtype)
+    off = (-raw.ctypes.data % align) // item
+    return raw[off:off + n]
 
 
 def packable(w) -> None:
