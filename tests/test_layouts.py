@@ -62,7 +62,7 @@ def test_ci_slice_covers_every_pair_of_dimension_values():
     from layout_cases import _pairs, all_layouts as full
 
     for n in WORLDS:
-        want = set().union(*(_pairs(x) for x in full(n, dtypes=("float64", "float32"))))
+        want = set().union(*(_pairs(x) for x in full(n, dtypes=("float64", "float32", "bfloat16"))))
         got = set().union(*(_pairs(x) for x in ci_layouts(n)))
         assert want == got, (n, sorted(want - got)[:5])
     assert len(all_layouts(8)) > 100
@@ -78,8 +78,11 @@ CLI = ["-m", "pympar.train", "--block-size", "16", "--micro-batch-size", "2", "-
 
 
 def _losses(n, out, *args, timeout=120):
+    """A run's metrics rows; float32 unless the case names a dtype (the default, auto, is bf16 on a
+    CPU with native bf16 products: these cases compare layouts, at float32's tolerance)."""
     from mpirun import run_mpi
 
+    args = [*args] if "--dtype" in args else [*args, "--dtype", "float32"]
     res = run_mpi(n, [*CLI, "--out", out, *map(str, args)], timeout=timeout)
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return res, rows
@@ -105,7 +108,10 @@ def test_cli_layout_matches_one_process(tmp_path, args, n_micro):
     """python -m pympar.train on 4 ranks == on 1 rank with the same global batch (4 micro-batches)
     and compute dtype: losses, grad norms and validation losses per step (rel 1e-5; 1e-4 where
     the compute dtype is float16/bfloat16: its products are rounded to 11 or 8 bits, so another
-    summation order over ranks shows at ~1e-5 after one update -- zero 0 and 1 alike)."""
+    summation order over ranks shows at ~1e-5 after one update -- zero 0 and 1 alike; the grad norm
+    of a bf16 tensor-parallel run to 1e-3: a row-parallel layer's float32 partial sums, added in
+    another order, tip a bf16 rounding (2^-8) here and there, and the norm squares what it sums --
+    measured 1.9e-4 at dp2 tp2 ZeRO-3)."""
     same = [x for k in ("--preset", "--dtype", "--n-layer") if k in args for x in (k, args[args.index(k) + 1])]
     preset = args[args.index("--preset") + 1]
     _, one = _losses(1, tmp_path / "one", *same, "--n-micro", 4)
@@ -117,7 +123,8 @@ def test_cli_layout_matches_one_process(tmp_path, args, n_micro):
     for a, b in zip(one, four):
         for k in ("loss", "grad_norm", "val_loss"):
             if a[k] is not None:
-                assert b[k] == pytest.approx(a[k], rel=tol), (k, a["step"], a[k], b[k])
+                rel = 1e-3 if (k == "grad_norm" and "--tp" in args and "bfloat16" in args) else tol
+                assert b[k] == pytest.approx(a[k], rel=rel), (k, a["step"], a[k], b[k])
         if preset.startswith("moe"):
             assert [m["tokens_per_expert"] for m in a["moe"]] == [m["tokens_per_expert"] for m in b["moe"]]
     split = four[-1]["time_split"]

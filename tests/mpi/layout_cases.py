@@ -98,8 +98,9 @@ def _pairs(layout):
 
 
 def ci_layouts(world: int):
-    """A greedy all-pairs cover of the full matrix with float32 added as a dtype value."""
-    pool = all_layouts(world, dtypes=("float64", "float32"))
+    """A greedy all-pairs cover of the full matrix with float32 and bfloat16 (float32 master weights,
+    bf16 activations and products) added as dtype values."""
+    pool = all_layouts(world, dtypes=("float64", "float32", "bfloat16"))
     random.Random(world).shuffle(pool)            # deterministic, not biased to the first shapes
     want = set().union(*(_pairs(x) for x in pool))
     chosen = []

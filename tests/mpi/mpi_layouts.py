@@ -40,15 +40,34 @@ from pympar.parallel.runner import ParallelRunner
 from pympar.parallel.shard import shard_of
 
 B, T, STEPS, WD, CLIP, SEED = 2, 8, 3, 0.1, 0.5, 5
-TOL = {"float64": 1e-6, "float32": 1e-3}
+# bfloat16 (float32 master weights, bf16 activations and products): layouts round at other points
+# than the single process (tensor and context parallelism split a product's terms, a row-parallel
+# layer rounds each rank's partial product to bf16), and a bf16 ulp is 2^-8 relative, not 2^-24.
+# Losses and gradient norms then agree to about 1e-4 in dense models; in MoE models a token whose two
+# best experts score within an ulp can take the other one, which moved the step-2 gradient norm by
+# up to 4.5e-3 in the CI slices (1-8 ranks): the tolerance is 1e-2. A wrong gradient (sign, shard, a
+# missing micro-batch) changes the norm by O(1).
+TOL = {"float64": 1e-6, "float32": 1e-3, "bfloat16": 1e-2}
+# Parameters after three AdamW steps: an element whose gradient is below bf16's resolution of the
+# terms summed into it holds rounding noise, which AdamW turns into a step of up to lr either way; the
+# bf16 runs take eps = 1e-4 (below) so that noise steps less than signal, and a dense model's
+# parameters then agree to 1.4e-2 of their norm (with the one-step floor) at worst in the CI slices.
+# In an MoE model the token whose routing tipped (above) trains another expert instead: that expert's
+# few rows then differ in kind (up to 0.21 of a bias's norm), so bf16 MoE layouts compare every
+# parameter but the experts' (the float32 and float64 layouts of the same slice compare those), within
+# 0.1: the tipped token's gradient reaches the layers below it too (up to 4.3e-2 measured). A wrong
+# gradient moves parameters by O(lr) per step consistently: O(1) on this scale.
+TOL_PARAMS = {("bfloat16", "dense"): 3e-2, ("bfloat16", "moe"): 0.1}
+MASTER = {"bfloat16": "float32"}        # the "bfloat16" layouts: float32 master weights, bf16 compute
+COMPUTE = {"bfloat16": "bfloat16"}
 # AdamW's first steps move each element by about lr * sign(grad): an element whose gradient is
 # rounding noise in float32 moves by lr either way, so float32 runs take a smaller lr (a wrong
 # gradient still moves parameters by ~lr = 5% of their scale per step)
-LR = {"float64": 1e-2, "float32": 1e-3}
+LR = {"float64": 1e-2, "float32": 1e-3, "bfloat16": 1e-3}
 # ... and a larger AdamW eps: an element whose exact gradient is below float32's resolution of
 # the terms summed into it (e.g. the attention key bias: zero, softmax being shift-invariant)
 # holds rounding noise, which eps = 1e-8 would turn into a step of up to ~lr
-EPS = {"float64": 1e-8, "float32": 1e-6}
+EPS = {"float64": 1e-8, "float32": 1e-6, "bfloat16": 1e-4}
 MODE = os.environ.get("PYMPAR_LAYOUTS", "ci")
 # a developer's selection from the chosen layouts, e.g. "schedule=zb-h1|zb-v;zero=3" (field=values
 # separated by |, conditions by ;); the tests in tests/test_layouts.py never set it
@@ -81,7 +100,7 @@ def reference(model, dtype, _cache={}):
     key = (model, dtype)
     if key not in _cache:
         cfg = cfg_of(model)
-        m = GPT(cfg, seed=SEED, dtype=np.dtype(dtype))
+        m = GPT(cfg, seed=SEED, dtype=np.dtype(MASTER.get(dtype, dtype)), compute_dtype=COMPUTE.get(dtype))
         opt = AdamW(m.named_parameters(), lr=LR[dtype], weight_decay=WD)
         opt.eps = EPS[dtype]
         losses, norms = [], []
@@ -100,7 +119,8 @@ def reference(model, dtype, _cache={}):
 
 
 def opts_of(lay):
-    return SimpleNamespace(seed=SEED, dtype="float32", master_dtype=lay.dtype, n_micro=lay.n_micro,
+    return SimpleNamespace(seed=SEED, dtype=COMPUTE.get(lay.dtype, "float32"), master_dtype=MASTER.get(lay.dtype, lay.dtype),
+                           n_micro=lay.n_micro,
                            schedule=lay.schedule, virtual_stages=lay.virtual_stages,
                            zero=lay.zero, seq_parallel=lay.seq_parallel, compress="none", topk_ratio=0.01,
                            recompute=lay.recompute,
@@ -135,18 +155,24 @@ def first_difference(runner, lay, got):
             if not rel(a, b, lay.dtype) <= tol:
                 return f"{what} at step {s}: {a!r} vs single-process {b!r} (rel {rel(a, b):.2e} > {tol})"
     for name, p in runner.named:
+        if lay.dtype == "bfloat16" and lay.model == "moe" and ".moe.experts." in name:
+            continue
         full = ref["params"][name]
         want = shard_of(p).take(full) if shard_of(p) is not None else full
         got_p = to_numpy(p.data)
         floor = LR[lay.dtype] * np.sqrt(want.size)        # one AdamW step of every element
-        if got_p.shape != want.shape or not rel(got_p, want, lay.dtype, floor) <= tol:
+        if got_p.shape != want.shape or not rel(got_p, want, lay.dtype, floor) <= TOL_PARAMS.get((lay.dtype, lay.model), tol):
             where = f" shard {shard_of(p).index}" if shard_of(p) is not None else ""
-            diff = f"rel diff {rel(got_p, want, floor=floor):.2e} > {tol}" if got_p.shape == want.shape \
+            diff = f"rel diff {rel(got_p, want, floor=floor):.2e} > {TOL_PARAMS.get((lay.dtype, lay.model), tol)}" \
+                if got_p.shape == want.shape \
                 else f"shape {got_p.shape}, expected {want.shape}"
             return f"parameter {name}{where} after {STEPS} steps: {diff}"
     if not rel(got["eval"], ref["eval"], lay.dtype) <= tol:
         return f"eval loss {got['eval']!r} vs single-process {ref['eval']!r}"
-    if got["sample"] is not None and not np.array_equal(got["sample"], ref["sample"]):
+    # a sampled token is a discrete choice: bf16's rounding can tip an MoE routing tie and with it the
+    # next token's distribution, so bf16 MoE layouts' samples are not compared (dense ones are)
+    compare_sample = not (lay.dtype == "bfloat16" and lay.model == "moe")
+    if compare_sample and got["sample"] is not None and not np.array_equal(got["sample"], ref["sample"]):
         return f"sample {got['sample'].tolist()} vs single-process {ref['sample'].tolist()}"
     return None
 

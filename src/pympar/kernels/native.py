@@ -152,6 +152,9 @@ def _native_block(*arrays):
 
 def attention_block_forward(q, k, v, scale, causal):
     B, Tq, Tk, H, D = reference._block_dims("attention_block_forward", q, k, v, causal)
+    if _bf(q, k, v):                             # float32 inside, as attention_forward's bf16 route
+        o, lse = attention_block_forward(*(_bf16_cast(a, F32) for a in (q, k, v)), scale, causal)
+        return _bf16_cast(o, q.dtype), lse
     if not _native_block(q, k, v):
         return reference.attention_block_forward(q, k, v, scale, causal)
     if Tk == 0 and Tq > 0:
@@ -164,6 +167,10 @@ def attention_block_forward(q, k, v, scale, causal):
 
 def attention_block_backward(q, k, v, o, lse, dout, scale, causal):
     B, Tq, Tk, H, D = reference._block_dims("attention_block_backward", q, k, v, causal)
+    if _bf(q, k, v, o, dout) and _f32(lse):
+        g = attention_block_backward(*(_bf16_cast(a, F32) for a in (q, k, v, o)), lse, _bf16_cast(dout, F32),
+                                     scale, causal)
+        return tuple(_bf16_cast(x, q.dtype) for x in g)
     if not _native_block(q, k, v, o, lse, dout):
         return reference.attention_block_backward(q, k, v, o, lse, dout, scale, causal)
     if o.size != B * Tq * H * D or dout.size != o.size or lse.size != B * H * Tq:

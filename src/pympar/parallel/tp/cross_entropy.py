@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ... import kernels
 from ...backend import xp_of
 from ...nn.layers import LayerNorm
-from ...nn.parameter import Module, compute_cast, matmul, product_grad
+from ...nn.parameter import Module, compute_cast, compute_weight, matmul, product_grad
 from .collectives import as_collectives
 
 
@@ -102,9 +103,11 @@ class VocabParallelHead(Module):
         return self.ln_f.parameters() if self._sp else []
 
     def _local_logits(self, h2):                 # h2 (N, C) -> (N, P) padded with -inf
-        w = compute_cast(self.wte.data, self._cdt)
-        out = xp_of(h2).full((h2.shape[0], self._emb.vocab_part), -np.inf, dtype=h2.dtype)
-        out[:, :w.shape[0]] = matmul(h2, w.T)
+        """float32 under mixed precision (the bf16 GEMM's accumulators, as nn.gpt.Head keeps them)."""
+        w = compute_weight(self.wte, self._cdt)
+        dt = np.float32 if self._cdt is not None else h2.dtype
+        out = xp_of(h2).full((h2.shape[0], self._emb.vocab_part), -np.inf, dtype=dt)
+        out[:, :w.shape[0]] = matmul(h2, w.T, dt)
         return out
 
     def _normed_full(self, x):
@@ -135,10 +138,10 @@ class VocabParallelHead(Module):
         dl = vocab_parallel_cross_entropy_backward(logits, lse, t, self._emb.vocab_lo,
                                                    dloss / max(n_valid, 1))
         w = self.wte
-        dl = dl[:, :w.data.shape[0]]             # drop the padding columns (their grads are 0)
-        product_grad(w, dl.T, h2)                # the W pass (deferrable)
-        dh = matmul(dl, compute_cast(w.data, self._cdt), self._pdt).reshape(shape)  # partial over the vocabulary parts
+        dl = compute_cast(dl[:, :w.data.shape[0]], self._cdt)   # without the padding columns (grads 0),
+        product_grad(w, dl.T, h2)                # in the compute dtype for both products; the W pass
+        dh = matmul(dl, compute_weight(w, self._cdt), self._pdt).reshape(shape)  # partial over the vocabulary parts
         dh = self._tp.reduce_scatter_seq(dh) if self._sp else self._tp.allreduce(dh)
         if self._cdt is not None:
-            dh = dh.astype(self._cdt)
+            dh = kernels.cast(dh, self._cdt)
         return self.ln_f.backward(dh, c_ln)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from ... import kernels
-from ...nn.parameter import Module, compute_cast, matmul, product_grad, weight_grad
+from ...nn.parameter import Module, compute_cast, compute_weight, linear_bf16, matmul, product_grad, weight_grad
 from ..shard import even_slice, make_replicated, make_sharded
 from .collectives import as_collectives
 
@@ -41,6 +41,14 @@ def partial_dtype(cdt, master_dtype):
     """The dtype a partial sum over tp is kept in: float32 under mixed precision, else None
     (the operands' own dtype)."""
     return None if cdt is None else (np.float64 if np.dtype(master_dtype) == np.float64 else np.float32)
+
+
+def _fused(x, w, bias):                          # x (..., k) @ w (n, k).T + bias, bf16 epilogue, or None
+    x2 = x.reshape(-1, x.shape[-1])
+    b = bias.data if bias is not None else None
+    y = linear_bf16(x2, w.T, None, b if b is not None and b.dtype == np.float32 else None) \
+        if (bias is None or b.dtype == np.float32) else None
+    return None if y is None else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _gemm(x, w, out_dtype=None, out=None):      # x (..., k) @ w (n, k).T -> (..., n): one GEMM
@@ -67,14 +75,19 @@ class ColumnParallelLinear(Module):
 
     def forward(self, x):                        # x (..., in) [or (B, T/tp, in) gathered] -> (..., out/tp)
         xf = self._tp.allgather_seq(x) if self._mode == "gather_seq" else x
-        y = _gemm(xf, compute_cast(self.weight.data, self._cdt))
-        if self.bias is not None:
-            y += compute_cast(self.bias.data, self._cdt)
+        w = compute_weight(self.weight, self._cdt)
+        # bf16: round(x W^T + b) with the float32 bias, in the GEMM's epilogue -- nn.Linear's numbers
+        # for these output columns, so a column-parallel layer gives the single process's bits
+        y = _fused(xf, w, self.bias) if self._cdt is not None else None
+        if y is None:
+            y = _gemm(xf, w)
+            if self.bias is not None:
+                y += compute_cast(self.bias.data, self._cdt)
         return y, x                              # ctx: the LOCAL input only
 
     def backward(self, dy, x):                   # dy (..., out/tp) -> dx like x
         # partial: this rank's output rows only (float32 under mixed precision)
-        dx = _gemm(dy, compute_cast(self.weight.data, self._cdt).T, self._pdt)
+        dx = _gemm(dy, compute_weight(self.weight, self._cdt).T, self._pdt)
         # "copy": the allreduce of dx runs while the weight gradient is computed (overlap)
         pending = self._tp.allreduce_start(dx) if self._mode == "copy" else None
         xf = self._tp.allgather_seq(x) if self._mode == "gather_seq" else x   # the collective stays in B
@@ -91,7 +104,7 @@ class ColumnParallelLinear(Module):
             dx = self._tp.reduce_scatter_seq(dx)
         elif self._mode == "none":
             return dx                            # the caller reduces the (float32) partial
-        return dx if self._cdt is None else dx.astype(self._cdt)
+        return dx if self._cdt is None else kernels.cast(dx, self._cdt)
 
 
 class RowParallelLinear(Module):
@@ -110,15 +123,18 @@ class RowParallelLinear(Module):
         return [self.bias] if self._mode == "reduce_scatter_seq" and self.bias is not None else []
 
     def forward(self, x):                        # x (..., in/tp) -> y (..., out) [(B, T/tp, out) scattered]
-        y = _gemm(x, compute_cast(self.weight.data, self._cdt), self._pdt)   # partial sum over tp
+        y = _gemm(x, compute_weight(self.weight, self._cdt), self._pdt)   # partial sum over tp
         if self._mode == "none":
             return y, x                          # the caller reduces the (float32) partial
         if self._mode == "allreduce":
             y = self._tp.allreduce(y)
         elif self._mode == "reduce_scatter_seq":
             y = self._tp.reduce_scatter_seq(y)
+        if self.bias is not None and self._cdt is not None and y.dtype == self.bias.dtype:
+            y = y + self.bias.data               # the float32 bias added before the one rounding, as
+            return kernels.cast(y, self._cdt), x  # nn.Linear's bf16 epilogue adds it
         if self._cdt is not None:
-            y = y.astype(self._cdt)              # rounded once, after the float32 reduction
+            y = kernels.cast(y, self._cdt)       # rounded once, after the float32 reduction
         if self.bias is not None:
             y = y + compute_cast(self.bias.data, self._cdt)
         return y, x
@@ -126,9 +142,9 @@ class RowParallelLinear(Module):
     def backward(self, dy, x, out=None):         # dy like y -> dx (..., in/tp); out: as nn.Linear's
         w, b = self.weight, self.bias            # the W pass (deferrable): db, dW
         if b is not None and self._mode != "none":
-            weight_grad(b, lambda: dy.reshape(-1, dy.shape[-1]).sum(axis=0, dtype=b.dtype))
+            weight_grad(b, lambda: kernels.column_sum(dy.reshape(-1, dy.shape[-1]), b.dtype))
         dyf = self._tp.allgather_seq(dy) if self._mode == "reduce_scatter_seq" else dy
         dy2 = dyf.reshape(-1, dyf.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         product_grad(w, dy2.T, x2)
-        return _gemm(dyf, compute_cast(w.data, self._cdt).T, out=out)
+        return _gemm(dyf, compute_weight(w, self._cdt).T, out=out)
