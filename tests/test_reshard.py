@@ -27,7 +27,8 @@ N, K = 6, 3                      # steps in all, checkpoint after K
 GLOBAL_MICRO = 4                 # micro-batches per step over all dp ranks
 SMALL = ["--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--micro-batch-size", "2",
          "--eval-iters", "1", "--eval-every", "0", "--sample-tokens", "0", "--progress", "log",
-         "--lr", "3e-3", "--warmup", "1", "--steps", str(N)]
+         "--lr", "3e-3", "--warmup", "1", "--steps", str(N),
+         "--dtype", "float32"]   # the float32 tolerance below (a model's own --dtype, later in the line, wins)
 DENSE = ["--preset", "tiny"]
 MOE = ["--preset", "moe-tiny", "--bias-update-rate", "0.01"]     # expert_bias moves: it must be carried
 
