@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "amx_tiles.h"
 #include "dtypes.h"
 #include "rows.h"
 #include "threadpool.h"
@@ -38,25 +39,6 @@ constexpr int64_t kTile = 512;      // bf16 elements in one 16 x 64-byte tile
 // 679 GFLOP/s against 573 for one pass over K per C block, (4, 3) 611, (8, 2) 625, (16, 2) 628.
 constexpr int64_t kKcb = 8, kMcp = 3, kAccBytes = 512 << 10;
 constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {  // 0-3: C, 4-5: A, 6-7: B; every tile 16 rows x 64 bytes
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
-
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // --- packing B ------------------------------------------------------------------------------
 // one 32-k block of one 16-column tile: dst row r = pairs (B[k0 + 2r][n], B[k0 + 2r + 1][n]), n in
@@ -185,20 +167,6 @@ void epilogue(const float* s, const Out& o, int64_t m0, int64_t n0, int64_t rows
   }
 }
 
-// Tile loads and stores must start on 64-byte lines: a tile row that straddles two lines costs about
-// twice (measured: an L1-resident 2x2 micro-kernel at 0.2-0.4 of its rate with rows 16 bytes off).
-// So every buffer the tiles touch is 64-byte aligned: these scratch buffers, and B's packs (their
-// callers, kernels/gemm.py, align them).
-struct Aligned {
-  std::vector<char> raw;
-  template <typename T>
-  T* get(int64_t n) {
-    const size_t need = static_cast<size_t>(n) * sizeof(T) + 64;
-    if (raw.size() < need) raw.resize(need);
-    uintptr_t p = reinterpret_cast<uintptr_t>(raw.data());
-    return reinterpret_cast<T*>((p + 63) & ~uintptr_t(63));
-  }
-};
 thread_local Aligned g_apack, g_bpack;   // a caller's packs of A and (unpacked) B, reused
 thread_local Aligned g_acc;              // a worker's parked accumulators
 

@@ -24,5 +24,12 @@ void pack_b(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int64_t N, u
 void gemm(const uint16_t* a, int64_t sam, int64_t sak, const uint16_t* b, int64_t sbk, int64_t sbn, bool b_packed,
           int64_t M, int64_t N, int64_t K, const Out& out);
 
+// causal attention on packed bf16 qkv (B, T, 3, H, D), D % 32 == 0 (amx_attention.cpp): o (B, T, H D)
+// bf16 and lse (B, H, T) float32; backward: dout (B, T, H D) -> dqkv like qkv (may be qkv itself)
+void attention_fwd(const uint16_t* qkv, uint16_t* o, float* lse, int64_t B, int64_t T, int64_t H, int64_t D,
+                   double scale);
+void attention_bwd(const uint16_t* qkv, const uint16_t* o, const float* lse, const uint16_t* dout, uint16_t* dqkv,
+                   int64_t B, int64_t T, int64_t H, int64_t D, double scale);
+
 }  // namespace amx
 }  // namespace pympar

@@ -279,3 +279,46 @@ def test_bf16_recomputation_is_bitwise_the_same(engines, rows, moe, monkeypatch)
             assert got[mode][0] == got["none"][0], (engine, mode)
             for n, g in got["none"][1].items():
                 assert np.array_equal(got[mode][1][n], g), (engine, mode, n)
+
+
+# --- attention --------------------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 32, 1, 32), (2, 45, 2, 64), (1, 100, 3, 32), (2, 130, 2, 64)])
+def test_bf16_attention_against_the_float32_kernel(engines, threads, shape):
+    """bf16 attention (AMX tiles where the engine is amx; else widened to the float32 kernel) against the
+    float32 kernel on the widened inputs. The AMX kernel rounds P and dS to bf16 before their products
+    (bf16 flash attention's rounding points), each a relative 2^-8 per term: o within 2^-7 of max|o|,
+    and the gradients, sums over T of such terms, within 2^-6 of their largest (measured: o 1.2-2.7e-3,
+    dq/dk/dv 1.9-4.8e-3); lse within 2^-7 (l sums the rounded P). The widened path rounds only o and
+    dqkv: within half a bf16 ulp of the float32 kernel's. 1 and 2 threads give the same bits."""
+    B, T, H, D = shape
+    rng = np.random.default_rng(7)
+    qkv = bf(rng.standard_normal((B, T, 3, H, D)))
+    dout = bf(rng.standard_normal((B, T, H * D)))
+    sc = 1 / np.sqrt(D)
+    f = lambda a: a.astype(np.float32)                       # noqa: E731
+    o32, lse32 = NK.attention_forward(f(qkv), sc)
+    g32 = NK.attention_backward(f(qkv), o32, lse32, f(dout), sc)
+    for engine in engines:
+        gemm.use_bf16(engine)
+        amx = engine == "amx" and D % 32 == 0
+        got = []
+        for n in (1, 2):
+            threads(n)
+            o, lse = NK.attention_forward(qkv, sc)
+            g = NK.attention_backward(qkv, o, lse, dout, sc)
+            got.append((o, lse, g))
+        assert all(np.array_equal(x.view(np.uint16) if x.dtype == bfloat16 else x, y.view(np.uint16) if y.dtype == bfloat16 else y)
+                   for x, y in zip(got[0][:2] + (got[0][2],), got[1][:2] + (got[1][2],))), engine
+        o, lse, g = got[0]
+        assert o.dtype == g.dtype == bfloat16 and lse.dtype == np.float32
+        mine = qkv.copy()                                    # dqkv written over qkv (the model's consume)
+        assert same_bits(NK.attention_backward(mine, o, lse, dout, sc, overwrite=True), g), engine
+        if amx:
+            assert np.max(np.abs(f(o) - o32)) <= 2 ** -7 * np.max(np.abs(o32)), engine
+            assert np.max(np.abs(lse - lse32)) <= 2 ** -7, engine
+            for i in range(3):
+                assert np.max(np.abs(f(g[:, :, i]) - g32[:, :, i])) <= 2 ** -6 * np.max(np.abs(g32[:, :, i])), (engine, i)
+        else:                                                # (backward reads the rounded o, as given)
+            assert same_bits(o, rounded(o32)) and np.array_equal(lse, lse32)
+            assert same_bits(g, rounded(NK.attention_backward(f(qkv), f(o), lse, f(dout), sc)))
