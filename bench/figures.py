@@ -47,7 +47,8 @@ def train_step(d, png) -> None:
         ax.barh(ys, vs, height=h, color=c, label=label)
         for y, v in zip(ys, vs):
             ax.text(v, y, f" {v:.2f}x", va="center", fontsize=6)
-    ax.set_yticks(range(len(rows)), [f"{k.rsplit('/', 1)[0]}, {k.rsplit('/', 1)[1]} thr" for k, _ in rows], fontsize=6)
+    ax.set_yticks(range(len(rows)), [f"{k.split('/')[0]}, {k.split('/')[1]} thr" + (", bf16 vs autocast" if k.endswith("/bf16")
+                                                                                    else "") for k, _ in rows], fontsize=6)
     ax.axvline(1.0, color="k", lw=0.6)
     ax.set(xlabel="step speed pympar / PyTorch (same model, weights, threads; > 1: pympar faster)",
            title="training step (fwd + bwd + AdamW), single process")

@@ -142,10 +142,35 @@ def sec_train_step(res, status) -> str:
               f"{_cell(r, 'sgemm_gflops', '.0f')} | {r['pympar_tokens_per_s']:.0f} | {_cell(r, 'pympar_mfu_vs_sgemm', '.2f')} | "
               f"{_cell(r, 'sdpa_speed_ratio', '.2f')} | {_cell(r, 'compile_speed_ratio', '.2f')} | "
               f"{_cell(r, 'naive_speed_ratio', '.2f')} | {_cell(r, 'sdpa_mfu_vs_sgemm', '.2f')} |"
-              for key, r in sorted(table.items())],
+              for key, r in sorted(table.items()) if not key.endswith("/bf16")],
+            *_train_step_bf16(table),
             "", "docs/engine.md has the profile of pympar's step.",
             "", "The data-parallel form of this comparison (pympar DP against torch DDP) is the next section.", ""]
     return "\n".join(out)
+
+
+def _train_step_bf16(table) -> list:
+    """The bf16 rows (issue 43): pympar's mixed precision against the peers under CPU autocast."""
+    rows = sorted((k, r) for k, r in table.items() if k.endswith("/bf16"))
+    if not rows:
+        return []
+    return ["", "### bfloat16: pympar's mixed precision vs PyTorch CPU autocast", "",
+            "`python bench/train_step.py --dtype bfloat16`: pympar with float32 master weights, gradients and AdamW and "
+            "bf16 activations and products (docs/precision.md), against the same PyTorch peers with the forward under "
+            "`torch.autocast(\"cpu\", dtype=torch.bfloat16)`, and against pympar in float32, same weights and threads, "
+            "interleaved. MFU/bf16: model FLOP/s over the faster bf16 GEMM rate (bf16 operands, bf16 out) of the "
+            "step's largest GEMM shape in this process and round: pympar's (`nn.parameter.linear_bf16`) or PyTorch's "
+            "(`F.linear` on bf16 tensors). On this VM the rate of the AMX units moved between about 0.55 and 2.3 "
+            "TFLOP/s from one minute to the next (an L1-resident micro-kernel), so MFU figures move with it; the "
+            "speed ratios are paired within a round.", "",
+            "| shape | threads | bf16 products | bf16 GEMM GFLOP/s (pympar / PyTorch) | pympar tokens/s | MFU/bf16 | "
+            "x autocast SDPA | x autocast compile | x pympar float32 |",
+            "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+            *[f"| {k.split('/')[0]} | {k.split('/')[1]} | {r.get('bf16_engine', '-')} | "
+              f"{_cell(r, 'bf16_gemm_pympar_gflops', '.0f')} / {_cell(r, 'bf16_gemm_torch_gflops', '.0f')} | "
+              f"{r['pympar_tokens_per_s']:.0f} | {_cell(r, 'pympar_mfu_vs_bf16_gemm', '.2f')} | "
+              f"{_cell(r, 'sdpa_speed_ratio', '.2f')} | {_cell(r, 'compile_speed_ratio', '.2f')} | "
+              f"{_cell(r, 'pympar_f32_speed_ratio', '.2f')} |" for k, r in rows]]
 
 
 def sec_attention(res, status) -> str:

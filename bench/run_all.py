@@ -48,6 +48,11 @@ def steps(quick: bool) -> list:
         ("train_step", [[PY, B / "train_step.py", *shape, "--threads", str(t),
                          "--steps", "2" if q else "4", "--repeat", "1" if q else "3", "--profile", "0",
                          *(["--peers", "sdpa,naive"] if q else []), "--json", R / "train_step.json"]
+                        for shape in TRAIN_SHAPES[:1 if q else None] for t in (1, 2)] +
+                       # bf16 (issue 43): pympar's mixed precision against the peers under CPU autocast
+                       [[PY, B / "train_step.py", *shape, "--threads", str(t), "--dtype", "bfloat16",
+                         "--steps", "2" if q else "3", "--repeat", "1" if q else "3", "--profile", "0",
+                         "--peers", "sdpa" if q else "sdpa,compile", "--json", R / "train_step.json"]
                         for shape in TRAIN_SHAPES[:1 if q else None] for t in (1, 2)],
          ["train_step", R / "train_step.json", IMG / "train_step.png"]),
         ("ddp_step", [PY, B / "ddp_step.py", "--presets", "small" if q else "small,moe-small", "--world", "2" if q else "2,4",

@@ -101,7 +101,7 @@ def write_json(path, res):
         table = old.get("table", {}) if "shape" in old else {}
     except (OSError, ValueError):
         pass
-    keep = ("shape", "dtype", "params", "blas_threads", "kernel_threads", "gemm_library", "pympar_step_s",
+    keep = ("shape", "dtype", "params", "blas_threads", "kernel_threads", "gemm_library", "bf16_engine", "pympar_step_s",
             "pympar_tokens_per_s", "sgemm_gflops", "sgemm_numpy_gflops", "sgemm_pympar_gflops", "bf16_gemm_gflops",
             "bf16_gemm_pympar_gflops", "bf16_gemm_torch_gflops", "pympar_mfu_vs_sgemm", "pympar_mfu_vs_bf16_gemm",
             "repeats") + tuple(f"{p}_{k}" for p in (*PEERS, "pympar_f32")
@@ -240,6 +240,8 @@ def main(a):
                kernel_threads=kernels.get_num_threads(), malloc_retained=malloc_policy.retained(), params=n_params,
                model_flops_per_step=model_flops_per_token(cfg, n_params, T) * tokens)
     res["gemm_library"] = gemm.describe()
+    if lowp:
+        res["bf16_engine"] = gemm.describe_bf16()
     names = [] if a.no_torch else [p for p in a.peers.split(",") if p]
     bad = [p for p in names if p not in PEERS]
     if bad:

@@ -447,9 +447,12 @@ PYBIND11_MODULE(_C, m) {
     int pdt = check(p, "p", FLOATS);
     int gdt = check(grad, "g", FLOATS | HALVES, p.size());
     if (pdt == F64 && gdt != F64) throw py::type_error("adamw_step: float64 parameters need a float64 gradient");
-    check(mom, "m", 1u << pdt, p.size()), check(var, "v", 1u << pdt, p.size());
+    // the moments: p's dtype, or bf16 for float32 parameters (bf16 optimizer state)
+    int mdt = check(mom, "m", (1u << pdt) | (pdt == F32 ? (1u << BF16) : 0u), p.size());
+    check(var, "v", 1u << mdt, p.size());
     py::gil_scoped_release g;
-    K->adamw(mp(p), cp(grad), mp(mom), mp(var), pdt, gdt, p.size(), lr, beta1, beta2, eps, weight_decay, bc1, bc2);
+    K->adamw(mp(p), cp(grad), mp(mom), mp(var), pdt, gdt, mdt, p.size(), lr, beta1, beta2, eps, weight_decay, bc1,
+             bc2);
   });
 
   m.def("topk", [](const py::array& scores, int64_t k, py::array& idx, py::array& vals) {

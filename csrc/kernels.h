@@ -66,8 +66,9 @@ struct KernelTable {
                                   RowStrides vs, const double* o, const double* lse, const double* dout, double* dq,
                                   RowStrides dqs, double* dk, RowStrides dks, double* dv, RowStrides dvs, int64_t B,
                                   int64_t Tq, int64_t Tk, int64_t H, int64_t D, bool causal, double scale);
-  // in place on p, m, v (n,) of dtype pdt (F32 or F64); g of dtype gdt (any float)
-  void (*adamw)(void* p, const void* g, void* m, void* v, int pdt, int gdt, int64_t n, double lr,
+  // in place on p (n,) of dtype pdt (F32 or F64), m, v of dtype mdt (pdt, or BF16 with F32 p:
+  // moments stored rounded once, the update computed from the unrounded ones); g of dtype gdt (any float)
+  void (*adamw)(void* p, const void* g, void* m, void* v, int pdt, int gdt, int mdt, int64_t n, double lr,
                 double beta1, double beta2, double eps, double weight_decay, double bc1, double bc2);
   // dst = op(dst, src), op 0 sum, 1 max, 2 min, 3 prod; dtype any DType
   void (*reduce)(void* dst, const void* src, int dt, int op, int64_t n);

@@ -224,9 +224,14 @@ inline float load_f(float v) { return v; }
 inline double load_f(double v) { return v; }
 inline float load_f(Half h) { return f16_to_f32(h.bits); }
 inline float load_f(BHalf h) { return bf16_to_f32(h.bits); }
+inline void store_f(float& d, float x) { d = x; }
+inline void store_f(double& d, double x) { d = x; }
+inline void store_f(BHalf& d, float x) { d.bits = f32_to_bf16(x); }
 
-template <typename P, typename G>
-static void adamw_g(P* p, const G* g, P* m, P* v, int64_t n, double lr, double b1, double b2, double eps,
+// M: the moments' storage, P's own or bf16 (float32 P): loaded exactly, updated and used in P's
+// precision, stored rounded once (the update reads the unrounded values)
+template <typename P, typename G, typename M>
+static void adamw_g(P* p, const G* g, M* m, M* v, int64_t n, double lr, double b1, double b2, double eps,
                     double wd, double bc1, double bc2) {
   const P pb1 = P(b1), pb2 = P(b2), a1 = P(1 - b1), a2 = P(1 - b2), decay = wd != 0 ? P(1 - lr * wd) : P(1);
   const P plr = P(lr), pbc1 = P(bc1), pbc2 = P(bc2), peps = P(eps);
@@ -237,18 +242,18 @@ static void adamw_g(P* p, const G* g, P* m, P* v, int64_t n, double lr, double b
     for (int64_t i = i0; i < i1; ++i) {
       P gi = P(load_f(g[i]));
       // m = b1 m + (1 - b1) g and v = b2 v + (1 - b2) g^2, as the reference's two in-place steps
-      P mi = m[i] * pb1 + a1 * gi;
-      P vi = v[i] * pb2 + a2 * gi * gi;
-      m[i] = mi;
-      v[i] = vi;
+      P mi = P(load_f(m[i])) * pb1 + a1 * gi;
+      P vi = P(load_f(v[i])) * pb2 + a2 * gi * gi;
+      store_f(m[i], mi);
+      store_f(v[i], vi);
       P pi = p[i] * decay;
       p[i] = pi - plr * (mi / pbc1) / (std::sqrt(vi / pbc2) + peps);
     }
   });
 }
 
-template <typename P>
-static void adamw_p(P* p, const void* g, int gdt, P* m, P* v, int64_t n, double lr, double b1, double b2,
+template <typename P, typename M>
+static void adamw_p(P* p, const void* g, int gdt, M* m, M* v, int64_t n, double lr, double b1, double b2,
                     double eps, double wd, double bc1, double bc2) {
   switch (gdt) {
     case F32: return adamw_g(p, static_cast<const float*>(g), m, v, n, lr, b1, b2, eps, wd, bc1, bc2);
@@ -258,9 +263,12 @@ static void adamw_p(P* p, const void* g, int gdt, P* m, P* v, int64_t n, double 
   }
 }
 
-void adamw(void* p, const void* g, void* m, void* v, int pdt, int gdt, int64_t n, double lr, double b1,
+void adamw(void* p, const void* g, void* m, void* v, int pdt, int gdt, int mdt, int64_t n, double lr, double b1,
            double b2, double eps, double wd, double bc1, double bc2) {
-  if (pdt == F32)
+  if (pdt == F32 && mdt == BF16)
+    adamw_p(static_cast<float*>(p), g, gdt, static_cast<BHalf*>(m), static_cast<BHalf*>(v), n, lr, b1, b2, eps,
+            wd, bc1, bc2);
+  else if (pdt == F32)
     adamw_p(static_cast<float*>(p), g, gdt, static_cast<float*>(m), static_cast<float*>(v), n, lr, b1, b2, eps,
             wd, bc1, bc2);
   else

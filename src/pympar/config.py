@@ -260,6 +260,7 @@ class RunConfig:
     device: str = "cpu"
     dtype: str = "auto"                  # bfloat16 where the CPU multiplies it natively (and on GPUs), else float32
     master_dtype: str = "float32"
+    moments_dtype: str = "float32"      # AdamW's m and v: float32 (the master dtype) or bfloat16
     threads: int = 0
     bind: str = "none"
     # optimisation
@@ -331,6 +332,8 @@ _HELP = {
     "device": "cpu or cuda", "dtype": "compute dtype (the master weights, gradients and optimizer state are --master-dtype); auto: "
              "bfloat16 where the CPU multiplies bf16 natively (AMX, AVX512-BF16) or on a GPU, else float32",
     "master_dtype": "dtype of the master weights and optimizer state (float64: for checking numerics)",
+    "moments_dtype": "AdamW's moments m, v: float32 (the master dtype) or bfloat16 (half their bytes; the update "
+                     "still runs in float32, the moments rounded once per step)",
     "threads": "kernel/BLAS threads per rank (0 = $PYMPAR_NUM_THREADS or $OMP_NUM_THREADS if set, else the "
                "cores this node's ranks may run on divided by the ranks on the node)",
     "bind": "'cores': pin each rank's threads to its own disjoint cores of the node's affinity mask (when the "
@@ -356,7 +359,7 @@ _HELP = {
 _CHOICES = {
     "preset": sorted(PRESETS), "schedule": list(layouts.SCHEDULES),
     "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"],
-    "dtype": ["auto", "float32", "bfloat16", "float16"], "master_dtype": ["float32", "float64"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
+    "dtype": ["auto", "float32", "bfloat16", "float16"], "master_dtype": ["float32", "float64"], "moments_dtype": ["float32", "bfloat16"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
     "progress": ["auto", "bar", "log"], "pp_channels": ["auto", "tags", "ordered"], "pp_costs": ["unit", "measured"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
 }
 _RUN_FIELDS = [f for f in fields(RunConfig) if f.name not in ("layout_resolved", "layout_auto", "model_overrides",
@@ -447,7 +450,8 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
         run.virtual_stages = 2                # zb-v's two chunks per rank (the V)
     if not run.threads and env.threads:
         run.threads, run.threads_from = env.threads, env.threads_from
-    for k in ("schedule", "compress", "device", "dtype", "master_dtype", "preset", "zero", "layout", "recompute"):
+    for k in ("schedule", "compress", "device", "dtype", "master_dtype", "moments_dtype", "preset", "zero", "layout",
+              "recompute"):
         if getattr(run, k) not in _CHOICES[k]:
             raise ConfigError(f"{k}={getattr(run, k)!r} is not one of {_CHOICES[k]}")
     if run.device == "cpu":                               # (on a GPU the trainer asks CuPy: pympar.gpu)
@@ -516,6 +520,8 @@ def _check_run(run: RunConfig) -> None:
             raise ConfigError(f"{k}={v} must be a finite number")
     if math.isnan(run.comm_timeout):
         raise ConfigError(f"comm_timeout={run.comm_timeout} must be a number of seconds (inf: never time out)")
+    if run.moments_dtype == "bfloat16" and run.master_dtype != "float32":
+        raise ConfigError(f"moments_dtype=bfloat16 goes with float32 master weights, not master_dtype={run.master_dtype}")
     if run.out:
         _check_out(run.out)
     positive = ("micro_batch_size", "n_micro", "steps", "virtual_stages", "eval_iters", "log_every")

@@ -119,7 +119,7 @@ def reference(model, dtype, _cache={}):
 
 
 def opts_of(lay):
-    return SimpleNamespace(seed=SEED, dtype=COMPUTE.get(lay.dtype, "float32"), master_dtype=MASTER.get(lay.dtype, lay.dtype),
+    return SimpleNamespace(seed=SEED, dtype=COMPUTE.get(lay.dtype, "float32"), master_dtype=MASTER.get(lay.dtype, lay.dtype), moments_dtype="float32",
                            n_micro=lay.n_micro,
                            schedule=lay.schedule, virtual_stages=lay.virtual_stages,
                            zero=lay.zero, seq_parallel=lay.seq_parallel, compress="none", topk_ratio=0.01,

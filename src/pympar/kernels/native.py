@@ -375,7 +375,8 @@ def cross_entropy_backward(logits, lse, targets, dloss, out=None):
 
 # --- AdamW ---------------------------------------------------------------------------------
 def adamw_step(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step):
-    ok = (_inplace_ok(p, _FLOATS) and _inplace_ok(m, (p.dtype,)) and _inplace_ok(v, (p.dtype,))
+    mdt = (p.dtype,) if m.dtype == p.dtype else (_BF16 if p.dtype == F32 else ())   # bf16 moments: float32 p
+    ok = (_inplace_ok(p, _FLOATS) and _inplace_ok(m, mdt) and _inplace_ok(v, mdt) and v.dtype == m.dtype
           and isinstance(g, np.ndarray) and g.shape == p.shape == m.shape == v.shape
           and (g.dtype in _CASTABLE if p.dtype == F32 else g.dtype == F64))
     if not ok:

@@ -262,17 +262,25 @@ def cross_entropy_backward(logits, lse, targets, dloss, out=None):
 
 # --- AdamW ----------------------------------------------------------------------------
 def adamw_step(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step):
-    """In place on p, m, v (float32 or float64); g in any float dtype. step counts from 1."""
+    """In place on p, m, v (float32 or float64); g in any float dtype. step counts from 1. m and v may
+    be bfloat16 beside float32 p (bf16 optimizer state): updated in float32, the step taken from those
+    float32 values, and stored rounded once."""
     gf = g.astype(p.dtype, copy=False)
-    m *= beta1
-    m += (1 - beta1) * gf
-    v *= beta2
-    v += (1 - beta2) * gf * gf
+    low = m.dtype != p.dtype
+    mf = m.astype(p.dtype) if low else m
+    vf = v.astype(p.dtype) if low else v
+    mf *= beta1
+    mf += (1 - beta1) * gf
+    vf *= beta2
+    vf += (1 - beta2) * gf * gf
     bc1 = 1 - beta1 ** step
     bc2 = 1 - beta2 ** step
     if weight_decay:
         p *= 1 - lr * weight_decay
-    p -= lr * (m / bc1) / ((v / bc2) ** 0.5 + eps)
+    p -= lr * (mf / bc1) / ((vf / bc2) ** 0.5 + eps)
+    if low:
+        m[...] = mf.astype(m.dtype)
+        v[...] = vf.astype(v.dtype)
 
 
 # --- MoE routing helpers --------------------------------------------------------------

@@ -140,13 +140,14 @@ class GradSync:
         """Number of synced gradients (or ZeRO rows) held here with an inf or nan."""
         return sum(0 if xp_of(g).isfinite(g).all() else 1 for _, g in self.named_grads() if g.size)
 
-    def make_optimizer(self, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+    def make_optimizer(self, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, moments_dtype=None):
         """AdamW over the full parameters (zero=0), or ZeroAdamW over this rank's rows (ZeRO):
-        optimizer state exists only for what this rank updates."""
+        optimizer state exists only for what this rank updates; moments_dtype 'bfloat16': bf16 moments."""
         if not self.zero:
-            return AdamW(self.named, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+            return AdamW(self.named, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         moments_dtype=moments_dtype)
         pieces = [x for d in self.syncs for x in d.optimizer_pieces()]
-        return ZeroAdamW(pieces, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return ZeroAdamW(pieces, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, moments_dtype=moments_dtype)
 
     def step(self, optimizer, lr, clip, total_sq: float) -> float:
         """Clip every gradient by the global norm sqrt(total_sq) and update; returns the norm."""

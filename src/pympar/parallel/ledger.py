@@ -294,8 +294,9 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
 
 def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, micro_batch_size=1,
             n_micro=1, schedule="1f1b", virtual_stages=1, master_bytes=4, act_bytes=None,
-            bucket_mb=25.0, tiled=None, threads=None, cp=1):
+            bucket_mb=25.0, tiled=None, threads=None, cp=1, moment_bytes=None):
     """The ledger of the worst pipeline rank of a layout, and its rank: (ledger with peak, pp rank).
+    moment_bytes: bytes of one AdamW moment element (default master_bytes; 2 for bf16 moments).
 
     cp: context parallelism keeps block_size / cp positions of each sequence on a rank, shards ZeRO
     over dp x cp, and holds the ring's buffers (two key/value blocks in the forward; in the
@@ -304,6 +305,7 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
     from .pp.partition import partition
 
     act_bytes = act_bytes or master_bytes
+    moment_bytes = moment_bytes or master_bytes
     stat = master_bytes
     B, T = micro_batch_size, cfg.block_size // cp
     dp = dp * cp                                               # the gradient group (Mesh.dpcp)
@@ -357,7 +359,7 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
             comm += ring_bytes(B, T, cfg.n_embd // tp, act_bytes)
         led = dict(parameters=(sh if zero == 3 else n) * master_bytes, gradients=grads * master_bytes + transient,
                    gradients_transient=transient,
-                   optimizer=2 * (sh if zero else n) * master_bytes,
+                   optimizer=2 * (sh if zero else n) * moment_bytes,
                    activations=per_micro * inflight // chunks, communication=comm,
                    workspace=workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat, tiled,
                                              threads, deferred_w=pp > 1 and schedule in S.SPLIT_BACKWARD))

@@ -85,6 +85,7 @@ class ParallelRunner:
         self.seed = opts.seed
         self.master = np.dtype(opts.master_dtype)
         self.compute = None if opts.dtype == "float32" else opts.dtype
+        self.moments_dtype = opts.moments_dtype
         self.recompute, self.sp, self.zero = layout.recompute, bool(layout.seq_parallel), int(layout.zero)
         self.schedule, self.v, self.bucket_mb = layout.schedule, layout.virtual_stages, opts.bucket_mb
         self.meter = Meter()          # the tp collectives, the cp ring and the expert all-to-alls report here
@@ -122,7 +123,8 @@ class ParallelRunner:
                     m.move_buffers(self.device)
         if self.executor is not None:     # buckets start as each chunk's last backward ends
             self.executor.final_backward_hooks.append(self.sync.begin_final)
-        self.opt = self.sync.make_optimizer(lr=opts.lr, weight_decay=opts.weight_decay)
+        self.opt = self.sync.make_optimizer(lr=opts.lr, weight_decay=opts.weight_decay,
+                                            moments_dtype=opts.moments_dtype)
         self.grad_clip = opts.grad_clip
         self.scaler = DynamicLossScaler() if opts.dtype == "float16" else None
         self.moe_ids = [i for i in range(model_cfg.n_layer) if model_cfg.is_moe_block(i)]
@@ -297,7 +299,7 @@ class ParallelRunner:
                                 recompute=self.recompute, sp=self.sp, micro_batch_size=micro_batch_size,
                                 n_micro=n_micro, schedule=self.schedule, virtual_stages=self.v,
                                 master_bytes=self.master.itemsize, act_bytes=item, bucket_mb=self.bucket_mb,
-                                cp=self.cp)
+                                cp=self.cp, moment_bytes=2 if self.moments_dtype == "bfloat16" else None)
         return led
 
     def _world_comm_category(self):

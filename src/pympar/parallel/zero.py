@@ -29,7 +29,8 @@ import math
 import numpy as np
 
 from .. import kernels
-from ..backend import resident_zeros, xp_of
+from ..backend import xp_of
+from ..optim.adamw import moments_like
 from ..nn.parameter import NoGather  # noqa: F401  (the scope ParamGather replaces)
 
 
@@ -129,13 +130,13 @@ class ZeroAdamW:
     ``pieces``: per parameter (name, weight rows view, grad-rows getter, Shard of the rows,
     decays); the buckets own the storage. m and v have the shape of the kept rows."""
 
-    def __init__(self, pieces, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+    def __init__(self, pieces, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, moments_dtype=None):
         self.lr, self.beta1, self.beta2, self.eps, self.weight_decay = lr, betas[0], betas[1], eps, weight_decay
         self.pieces = list(pieces)
         self.m, self.v = {}, {}
-        for name, w, _, _, _ in self.pieces:
-            self.m[name] = resident_zeros(w.shape, w.dtype, xp_of(w))
-            self.v[name] = resident_zeros(w.shape, w.dtype, xp_of(w))
+        for name, w, _, _, _ in self.pieces:            # (moments_like writes the zeros: resident at once)
+            self.m[name] = moments_like(w, moments_dtype)
+            self.v[name] = moments_like(w, moments_dtype)
         self.step_count = 0
 
     def step(self, lr=None):
