@@ -142,7 +142,8 @@ def fill(world: int, model: GPTConfig, *, dp=None, pp=None, tp=None, ep=None, cp
                              f"launch a multiple of {others} ranks or change --{names.replace('*', '/--')}")
         dp = world // others
     if dp * others != world:
-        raise ValueError(f"dp*{names} = {dp}*{others} = {dp * others} does not match the world size {world}; "
+        sizes = "*".join(str(x) for x in ((dp, pp, tp) if cp == 1 else (dp, pp, cp, tp)))
+        raise ValueError(f"dp*{names} = {sizes} = {dp * others} does not match the world size {world}; "
                          f"launch {dp * others} ranks or change the layout")
     if (dp * cp) % ep:
         raise ValueError(f"ep={ep} does not divide dp*cp={dp * cp} (experts are sharded over the data- and "
