@@ -60,7 +60,7 @@ const int64_t* rows_in_bounds(const py::array& rows, int64_t M, int64_t n, const
 // width is out's, so a call with no rows (an expert, or a vocabulary shard, given none) is valid and
 // leaves out as it was.
 void add_rows(const py::array& y, const py::array& rows, py::object weights, py::array& out, const char* kernel) {
-  int dt = check(out, "out", FLOATS);
+  int dt = check(out, "out", FLOATS | (1u << BF16));
   if (out.ndim() != 2) throw py::value_error(std::string(kernel) + ": out must be 2-D (rows, width)");
   int64_t n_rows = out.shape(0), C = out.shape(1), M = rows.size();
   check(rows, "rows", I64ONLY);

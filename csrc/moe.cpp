@@ -73,9 +73,31 @@ static void unpermute_add_t(const T* y, const int64_t* rows, const T* w, T* out,
   });
 }
 
+// bf16 rows: each product y w and each sum rounded to bf16, where the reference (np.add.at on bf16
+// arrays, the weights cast to bf16) rounds
+static void unpermute_add_bf16(const uint16_t* y, const int64_t* rows, const uint16_t* w, uint16_t* out, int64_t M,
+                               int64_t C, int64_t n_rows) {
+  parallel_for(n_rows, 1 + (1 << 16) / (C > 0 ? C : 1), 1, [&](int64_t o0, int64_t o1) {
+    for (int64_t i = 0; i < M; ++i) {
+      int64_t r = rows[i];
+      if (r < o0 || r >= o1) continue;
+      const uint16_t* yi = y + i * C;
+      uint16_t* orow = out + r * C;
+      const float wi = w ? bf16_to_f32(w[i]) : 1.0f;
+      for (int64_t j = 0; j < C; ++j) {
+        const float v = w ? bf16_to_f32(f32_to_bf16(bf16_to_f32(yi[j]) * wi)) : bf16_to_f32(yi[j]);
+        orow[j] = f32_to_bf16(bf16_to_f32(orow[j]) + v);
+      }
+    }
+  });
+}
+
 void unpermute_add(const void* y, const int64_t* rows, const void* w, void* out, int dt, int64_t M, int64_t C,
                    int64_t n_rows) {
-  if (dt == F32)
+  if (dt == BF16)
+    unpermute_add_bf16(static_cast<const uint16_t*>(y), rows, static_cast<const uint16_t*>(w),
+                       static_cast<uint16_t*>(out), M, C, n_rows);
+  else if (dt == F32)
     unpermute_add_t(static_cast<const float*>(y), rows, static_cast<const float*>(w), static_cast<float*>(out), M,
                     C, n_rows);
   else

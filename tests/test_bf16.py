@@ -377,3 +377,15 @@ def test_bf16_moments_halve_the_optimizer_state_and_train_alike():
     n = sum(p.data.size for _, p in named)
     assert abs(held["float32"] - 8 * n) < 0.05 * 8 * n and abs(held["bfloat16"] - 4 * n) < 0.05 * 4 * n, (held, n)
     assert losses["float32"] < 2.5 and abs(losses["bfloat16"] - losses["float32"]) < 1e-3 * losses["float32"], losses
+
+
+@needs_native
+def test_bf16_unpermute_add_is_the_reference():
+    """MoE's combine on bf16 expert outputs: out[rows[i]] += round(y[i] w[i]), each sum rounded, in the
+    order of i -- np.add.at's numbers on bf16 arrays, bit for bit (repeated rows included)."""
+    rng = np.random.default_rng(12)
+    y = bf(rng.standard_normal((40, 24)))
+    rows = rng.integers(0, 10, 40)
+    w = rng.random(40).astype(np.float32)
+    for weights in (w, None):
+        assert same_bits(NK.unpermute_add(y, rows, weights, 10), R.unpermute_add(y, rows, weights, 10))

@@ -128,7 +128,12 @@ def test_seed_determinism():
         np.testing.assert_array_equal(p.data, q.data, err_msg=n)
 
 
-@pytest.mark.parametrize("cdt,tol", [("bfloat16", 5e-2), ("float16", 1e-2)])
+# Mixed precision against float32, bounds from the compute dtype's unit roundoff u (bf16 2^-8 = 3.9e-3,
+# float16 2^-11 = 4.9e-4): the loss is a mean over B T tokens of per-token errors of order u that mostly
+# cancel -- within u; the gradients pass through every layer's rounded activations and products, each
+# a relative u per term, and the norm of their difference measured 1.1 u (bf16: 4.3e-3) and 1.5 u
+# (float16: 7.3e-4) on this model -- within 3 u. A wrong gradient is O(1) off.
+@pytest.mark.parametrize("cdt,tol", [("bfloat16", 2.0 ** -8), ("float16", 2.0 ** -11)])
 def test_mixed_precision_close_to_float32(cdt, tol):
     cfg = GPTConfig(**MOE)
     m32 = GPT(cfg, seed=0)
@@ -141,7 +146,7 @@ def test_mixed_precision_close_to_float32(cdt, tol):
         assert q.data.dtype == np.float32 and q.grad.dtype == np.float32, n
     g32 = np.concatenate([p.grad.ravel() for p in m32.parameters()])
     glp = np.concatenate([p.grad.ravel() for p in mlp.parameters()])
-    assert rel_err(glp, g32) < 10 * tol
+    assert rel_err(glp, g32) < 3 * tol
     assert mlp.logits(idx).dtype == np.float32      # the float32 accumulators, unrounded (autocast's CE input)
 
 

@@ -326,7 +326,7 @@ def column_sum(x, dtype=None, out=None):
 
 def scatter_add(dst, idx, src):
     r = _rows(idx, dst.shape[0]) if isinstance(src, np.ndarray) and src.ndim == 2 else None
-    if (r is None or r.shape[0] != src.shape[0] or not _inplace_ok(dst, _FLOATS) or dst.ndim != 2
+    if (r is None or r.shape[0] != src.shape[0] or not _inplace_ok(dst, (F32, F64)) or dst.ndim != 2
             or src.dtype != dst.dtype or src.shape[1] != dst.shape[1]):
         return reference.scatter_add(dst, idx, src)
     _C.scatter_add(dst, r, _c(src))   # each dst row's additions in the order of i, as np.add.at; no rows: dst as it was
@@ -428,7 +428,7 @@ def permute(x, rows):
 
 
 def unpermute_add(y, rows, weights, n_rows):
-    r = _rows(rows, n_rows) if y.dtype in _FLOATS and y.ndim == 2 else None
+    r = _rows(rows, n_rows) if (y.dtype in _FLOATS or _bf(y)) and y.ndim == 2 else None
     if r is None or r.shape[0] != y.shape[0]:
         return reference.unpermute_add(y, rows, weights, n_rows)
     y = _c(y)
