@@ -13,7 +13,9 @@ from the configuration alone (the planner's model) -- the same categories both w
                    parameters ZeRO-3 has gathered, pipeline receive buffers
     workspace      the largest transient of one operation: the head's backward over the
                    (tokens, vocab) logits, attention's scratch (tiled: O(T * head size) per
-                   kernel thread; materialized: the (B, heads, T, T) scores), a recomputed block
+                   kernel thread; materialized: the (B, heads, T, T) scores), a recomputed block;
+                   and, under bf16 compute, the step's weight cache (a bf16 copy and two packs of
+                   every weight, 6 bytes per element: nn.parameter.compute_copies)
 
 ``peak`` = the sum of the six: the moment backward starts, with everything forward kept, the
 head's backward running, the pieces ZeRO-3 has gathered and the collectives in flight. (A
@@ -35,7 +37,7 @@ def tiled_attention(act_bytes: int) -> bool:
     """Whether attention on activations of this many bytes runs the tiled kernel on this host
     (nn.attention_core: float32/float64 NumPy with the C++ kernels; CuPy is not modelled)."""
     from ..nn.attention_core import tiled_available
-    return act_bytes in (4, 8) and tiled_available({4: "float32", 8: "float64"}[act_bytes])
+    return act_bytes in (2, 4, 8) and tiled_available({2: "bfloat16", 4: "float32", 8: "float64"}[act_bytes])
 
 
 def _threads(threads):
@@ -147,7 +149,7 @@ def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str
             continue
         blk = (2 * N * C // s) * a + 4 * (N // s) * st         # x, x1 (+ LN statistics); h1, h2 recomputed
         if tiled:
-            blk += (3 + 1) * N * (C // tp) * a + B * (H // tp) * T * a   # qkv, attention output, lse
+            blk += (3 + 1) * N * (C // tp) * a + B * (H // tp) * T * st  # qkv, attention output, lse
         else:
             blk += (3 + 1 + 1) * N * (C // tp) * a             # qkv, scaled q, attention output
             if recompute != "selective":
@@ -162,8 +164,8 @@ def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str
         total += (N * C // s) * a + 2 * (N // s) * st          # ln_f's input and statistics
         total += N * C * a + N * st + N * 8                     # its output, lse, targets
         if tp > 1 or Head.chunk_rows(N, vloc) >= N:
-            total += N * vloc * a                              # the logits (kept unless chunked)
-    return int(total)
+            total += N * vloc * max(a, st)                     # the logits (kept unless chunked; float32
+    return int(total)                                          # under mixed precision)
 
 
 def wgrad_hold_per_micro(cfg, B: int, T: int, tp: int, sp: bool, blocks, last: bool, first: bool,
@@ -260,8 +262,12 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
     C, H = cfg.n_embd, cfg.n_head
     N = B * T
     tiled = tiled_attention(act_bytes) if tiled is None else tiled
-    if tiled:       # each thread's backward scratch (csrc/attention.cpp): q scaled, q^T, dout, dout^T,
-        hs, tile = C // H, 64   # k and v packed, dq; a group of 4 key tiles' dk, dv; two (tile, tile)
+    hs = C // H
+    if tiled and act_bytes == 2:    # bf16 on AMX (csrc/amx_attention.cpp), each thread's backward: copies
+        # of q, k, v, dO and K^T and four packs (bf16), dQ^T (float32), Dv and lse, two 32 x 32 tiles
+        att = _threads(threads) * (9 * T * hs * 2 + T * hs * 4 + 2 * T * 4 + 2 * 32 * 32 * 4)
+    elif tiled:     # each thread's backward scratch (csrc/attention.cpp): q scaled, q^T, dout, dout^T,
+        tile = 64               # k and v packed, dq; a group of 4 key tiles' dk, dv; two (tile, tile)
         att = _threads(threads) * (7 * T * hs + T + 2 * 4 * tile * hs + 2 * tile * tile) * act_bytes
     else:
         att = 2 * B * (H // tp) * T * T * act_bytes             # scores/probabilities and their gradient
@@ -362,11 +368,21 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
                    optimizer=2 * (sh if zero else n) * moment_bytes,
                    activations=per_micro * inflight // chunks, communication=comm,
                    workspace=workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat, tiled,
-                                             threads, deferred_w=pp > 1 and schedule in S.SPLIT_BACKWARD))
+                                             threads, deferred_w=pp > 1 and schedule in S.SPLIT_BACKWARD)
+                   + compute_copy_bytes(n, units, zero, act_bytes, master_bytes))
         led = with_peak(led)
         if worst is None or led["peak"] > worst[0]["peak"]:
             worst = (led, r)
     return worst
+
+
+def compute_copy_bytes(n, units, zero, act_bytes, master_bytes) -> int:
+    """The step's weight cache under bf16 compute (nn.parameter.compute_copies): each weight's bf16 copy
+    and its two packs for the products (as W and as W^T), 6 bytes per element, held for the step; under
+    ZeRO-3 only the gathered pieces' (the two largest, in use and prefetched)."""
+    if act_bytes != 2 or master_bytes == 2:
+        return 0
+    return 6 * (n if zero != 3 else units[0] + units[1])
 
 
 def ring_bytes(B, T_local, C_local, act_bytes) -> int:
