@@ -407,3 +407,20 @@ def test_the_start_up_line_names_the_kernels():
     import pympar.kernels as K
     res = train(1, "--steps", 1)
     assert f"kernels {K.describe()};" in res.stdout and (not K.native_available() or "kernels C++ " in res.stdout)
+
+
+def test_dtype_auto_follows_the_cpu():
+    """--dtype auto (the default): bfloat16 where the CPU multiplies bf16 natively, float32 where it
+    does not -- PYMPAR_ISA=avx2 runs the AVX2 kernels, i.e. such a CPU; --dtype float32 insists."""
+    from pympar.kernels import gemm
+    res = train(1, "--steps", 1)
+    native = gemm.bf16_native()
+    assert ("compute bfloat16 (auto: this CPU multiplies bf16 natively)" in res.stdout) == native, res.stdout[:600]
+    if native:
+        assert "bf16 products on AMX tiles" in res.stdout or "bf16 products on MKL" in res.stdout
+    avx2 = gemm.cpu_features().get("avx2")
+    res = run_mpi(1, ["-m", "pympar.train", *TINY, "--steps", "1"], timeout=90,
+                  env={"PYMPAR_ISA": "avx2" if avx2 else "generic"})
+    assert "compute float32 (auto: no native bf16 products here)" in res.stdout
+    res = train(1, "--steps", 1, "--dtype", "float32")
+    assert "compute float32;" in res.stdout

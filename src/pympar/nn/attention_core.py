@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
+from ..backend import dtype as backend_dtype
 from ..backend import xp_of
 from ..kernels.blas import over_chunks
 from .parameter import Module, matmul
@@ -36,7 +37,7 @@ IMPLS = ("auto", "tiled", "materialized")
 def tiled_available(dtype, xp=np) -> bool:
     """True when attention on arrays of this dtype and array module runs the tiled kernel (bfloat16:
     widened to float32 for it, kernels.native)."""
-    dt = np.dtype(dtype)
+    dt = backend_dtype(dtype)                    # (a name: "bfloat16" loads ml_dtypes when first asked)
     return xp is np and kernels.native_available() and (dt in (np.float32, np.float64) or dt.name == "bfloat16")
 
 

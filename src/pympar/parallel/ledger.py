@@ -33,11 +33,12 @@ from ..backend import held_bytes
 from ..nn import gpt, layers
 from ..nn.gpt import Head
 
-def tiled_attention(act_bytes: int) -> bool:
+def tiled_attention(act_bytes: int, compute: str = "bfloat16") -> bool:
     """Whether attention on activations of this many bytes runs the tiled kernel on this host
-    (nn.attention_core: float32/float64 NumPy with the C++ kernels; CuPy is not modelled)."""
+    (nn.attention_core: float32/float64/bfloat16 NumPy with the C++ kernels; CuPy is not modelled).
+    ``compute``: which 2-byte dtype (float16 runs the materialized path)."""
     from ..nn.attention_core import tiled_available
-    return act_bytes in (2, 4, 8) and tiled_available({2: "bfloat16", 4: "float32", 8: "float64"}[act_bytes])
+    return act_bytes in (2, 4, 8) and tiled_available({2: compute, 4: "float32", 8: "float64"}[act_bytes])
 
 
 def _threads(threads):
