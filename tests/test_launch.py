@@ -152,3 +152,25 @@ def test_a_hang_ended_by_the_watchdog_is_restarted(tmp_path):
     recs = _records(out)
     assert len(recs) == 2 and recs[0]["status"] not in (0, 2, 75) and recs[1]["status"] == 0, recs
     assert sorted(_losses(out)) == list(range(STEPS))
+
+
+def test_an_explicit_resume_is_never_turned_into_a_fresh_start(tmp_path):
+    """--resume PATH given to the supervisor, and the first attempt dies before the job saves a checkpoint
+    of its own: the retry resumes from PATH again (it used to retry with --resume auto, find nothing in
+    OUT/checkpoints, train from step 0 and exit 0 -- the run the user asked to continue silently lost).
+    The finished run's steps are the uninterrupted run's, bit for bit."""
+    ref = tmp_path / "ref"
+    want = _reference(2, ref)                                  # saves steps 10, 20 (and 30)
+    start = ref / "checkpoints" / f"step_{2 * SAVE:08d}"
+    assert start.is_dir()
+    out = tmp_path / "run"
+    kill = {"PYMPAR_INJECT_KILL_STEP": 2 * SAVE + 5, "PYMPAR_INJECT_KILL_RANK": 1}   # before its first save
+    res = _launch(["-n", 2, "--max-restarts", 1, "--backoff", 0.2, "--", *TRAIN, "--resume", start, "--out", out],
+                  env=kill)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    recs = _records(out)
+    assert [r["attempt"] for r in recs] == [0, 1] and recs[0]["status"] != 0, recs
+    assert all(r["args"][r["args"].index("--resume") + 1] == str(start) for r in recs), [r["args"] for r in recs]
+    got = _losses(out)
+    assert sorted(got) == list(range(2 * SAVE, STEPS)), sorted(got)
+    assert all(got[s] == want[s] for s in got), [(s, got[s], want[s]) for s in got if got[s] != want[s]][:3]

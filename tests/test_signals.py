@@ -72,8 +72,11 @@ def _signalled_run(n, out, sig, which="all", extra=(), twice=False, timeout=120)
         targets = pids if which == "all" else pids[-1:]
         for pid in targets:
             os.kill(pid, sig)
-        if twice:                                # a second signal while the ranks save
-            time.sleep(0.02)
+        if twice:                                # again, once the checkpoint is published: the ranks are then
+            ck = out / "checkpoints"                 # between their save and their exit, where a default
+            while p.poll() is None and not (ck / "latest").exists():   # handler back in place would kill
+                assert time.monotonic() - t0 < timeout, "no checkpoint after the signal"   # them (status 15)
+                time.sleep(0.01)
             for pid in targets:
                 try:
                     os.kill(pid, sig)

@@ -424,3 +424,17 @@ def test_dtype_auto_follows_the_cpu():
     assert "compute float32 (auto: no native bf16 products here)" in res.stdout
     res = train(1, "--steps", 1, "--dtype", "float32")
     assert "compute float32;" in res.stdout
+
+
+def test_grad_reduce_dtype_is_the_bf16_gradient_sync():
+    """--grad-reduce-dtype bfloat16 runs the bf16 DP reduction of --compress bf16 (the same numbers),
+    and refuses another compression beside it."""
+    env_args = ["--steps", 2, "--dp", 2, "--dtype", "float32"]
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        train(2, *env_args, "--grad-reduce-dtype", "bfloat16", "--out", f"{d}/a")
+        train(2, *env_args, "--compress", "bf16", "--out", f"{d}/b")
+        a, b = metrics(f"{d}/a"), metrics(f"{d}/b")
+        assert [r["loss"] for r in a] == [r["loss"] for r in b] and [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+    res = train(2, *env_args, "--grad-reduce-dtype", "bfloat16", "--compress", "topk", check=False)
+    assert res.returncode == 2 and "grad_reduce_dtype=bfloat16 is --compress bf16" in res.stdout

@@ -250,6 +250,7 @@ class RunConfig:
     recompute: str = "none"
     seq_parallel: bool = False
     compress: str = "none"
+    grad_reduce_dtype: str = "float32"   # bfloat16: the DP gradient reduction in bf16 (= --compress bf16)
     topk_ratio: float = 0.01
     bucket_mb: float = 25.0
     dp_overlap: bool = True
@@ -320,6 +321,8 @@ _HELP = {
                  "(4C per token and layer, one more c_fc GEMM; MoE experts keep theirs); 'none' keeps all",
     "seq_parallel": "sequence parallelism with TP",
     "compress": "gradient compression for the DP allreduce", "topk_ratio": "kept fraction with --compress topk",
+    "grad_reduce_dtype": "dtype of the data-parallel gradient reduction: bfloat16 sends bf16 and accumulates in "
+                         "float32 inside pympar's reduction (the same as --compress bf16)",
     "bucket_mb": "DP gradient bucket size (MiB)",
     "pp_channels": "pipeline sends: 'ordered' two-rank channels (what NCCL needs), 'tags' (MPI tagged messages), "
                    "'auto': channels when the pipeline runs on NCCL (default: $PYMPAR_PP_CHANNELS 0/1, else auto)",
@@ -359,6 +362,7 @@ _HELP = {
 _CHOICES = {
     "preset": sorted(PRESETS), "schedule": list(layouts.SCHEDULES),
     "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"],
+    "grad_reduce_dtype": ["float32", "bfloat16"],
     "dtype": ["auto", "float32", "bfloat16", "float16"], "master_dtype": ["float32", "float64"], "moments_dtype": ["float32", "bfloat16"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
     "progress": ["auto", "bar", "log"], "pp_channels": ["auto", "tags", "ordered"], "pp_costs": ["unit", "measured"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
 }
@@ -451,9 +455,13 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
     if not run.threads and env.threads:
         run.threads, run.threads_from = env.threads, env.threads_from
     for k in ("schedule", "compress", "device", "dtype", "master_dtype", "moments_dtype", "preset", "zero", "layout",
-              "recompute"):
+              "recompute", "grad_reduce_dtype"):
         if getattr(run, k) not in _CHOICES[k]:
             raise ConfigError(f"{k}={getattr(run, k)!r} is not one of {_CHOICES[k]}")
+    if run.grad_reduce_dtype == "bfloat16":                # Megatron's --grad-reduce-in-bf16, spelled as a dtype
+        if run.compress not in ("none", "bf16"):
+            raise ConfigError(f"grad_reduce_dtype=bfloat16 is --compress bf16; it cannot go with --compress {run.compress}")
+        run.compress = "bf16"
     if run.device == "cpu":                               # (on a GPU the trainer asks CuPy: pympar.gpu)
         from .kernels import gemm
         resolve_dtype(run, gemm.bf16_native())

@@ -16,8 +16,9 @@ resumes from live). Each attempt runs the installed ``mpiexec`` (or
     the supervisor signalled   SIGTERM/SIGINT/SIGUSR1 are passed to the job (which saves and exits 75)
                                and the supervisor stops without restarting, with that status
 
-Every attempt runs with ``--resume auto`` (the first one keeps a ``--resume PATH`` it was given), so
-rerunning the supervisor continues a stopped job. A restart comes after ``--backoff`` seconds
+Every attempt runs with ``--resume auto``, so rerunning the supervisor continues a stopped job; a
+``--resume PATH`` the user gave is kept until the job has saved a checkpoint of its own under
+OUT/checkpoints (never replaced by ``auto`` while that would start the run afresh). A restart comes after ``--backoff`` seconds
 (doubling each time, at most a minute), up to ``--max-restarts`` times; then the supervisor exits with the last
 attempt's status and says so. Every attempt and its cause are one line on the terminal and one
 JSON record in OUT/launch.jsonl.
@@ -202,10 +203,32 @@ class Supervisor:
             except ProcessLookupError:
                 pass
 
+    def resume_for(self, attempt: int) -> str:
+        """What an attempt resumes from: the user's --resume PATH on the first attempt, and on a retry
+        until this job has saved a checkpoint of its own; else auto (OUT/checkpoints' newest, or a
+        fresh start when the user asked for none)."""
+        given = _flag(self.train, "--resume")
+        if given in (None, "auto") or (attempt and self._saved()):
+            return "auto"
+        return given
+
+    def _saved(self) -> bool:
+        from .checkpoint import CheckpointError, resolve
+        try:
+            resolve(self.out / "checkpoints")
+            return True
+        except CheckpointError:
+            return False
+
     def _log(self, rec):
-        self.out.mkdir(parents=True, exist_ok=True)
-        with open(self.out / "launch.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        """One JSON record in OUT/launch.jsonl; a full or failing disk costs the record, not the job."""
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            with open(self.out / "launch.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        except OSError as e:
+            print(f"pympar.launch: warning: could not write {self.out / 'launch.jsonl'} ({e.strerror or e}); "
+                  f"the record above is on the terminal only", flush=True)
 
     def ranks(self) -> int:
         n = self.a.np
@@ -224,8 +247,7 @@ class Supervisor:
         for attempt in range(self.a.max_restarts + 1):
             n = self.ranks()
             args, global_batch = layout_for(self.train, n, global_batch)
-            if attempt or _flag(args, "--resume") is None:    # continue from OUT/checkpoints if any
-                args = _without(args, "--resume") + ["--resume", "auto"]
+            args = _without(args, "--resume") + ["--resume", self.resume_for(attempt)]
             cmd = [self.mpiexec, "-n", str(n)] + (["-f", self.a.hostfile] if self.a.hostfile else []) + \
                 [sys.executable, *(["-m", "pympar.train"] if self.a.program is None else [self.a.program]), *args]
             env = dict(os.environ, PYMPAR_LAUNCH_ATTEMPT=str(attempt))   # the job's environment, passed on

@@ -44,7 +44,8 @@ class StopRequest:
     save, say -- changes nothing). The trainer passes ``pending`` into the step, whose one world
     allreduce carries it, so every rank learns that some rank was asked, at the same step, and
     they save and stop together. ``install()`` replaces the handlers; ``restore()`` puts back the
-    previous ones."""
+    previous ones (the trainer does at a normal end); ``ignore_further()``, after a stop on request,
+    makes a repeated signal change nothing until the process has exited with status 75."""
 
     def __init__(self):
         self.signum, self._old = 0, {}
@@ -72,6 +73,13 @@ class StopRequest:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old = {}
+
+    def ignore_further(self):
+        """After a stop on request, on the way out: the stop signals ignored until the process ends. A
+        Python handler would not last (the interpreter's finalization puts back the default action, and
+        MPI_Finalize can wait there for the other ranks); an ignored signal stays ignored."""
+        for sig in self._old:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 class NonFiniteStop(RuntimeError):

@@ -284,7 +284,9 @@ def _stop_on_request(runner, run, next_step, guard, comm, lay, stop, saved, metr
     if rank == 0:
         sys.stdout.flush()
         os.write(1, (msg + "\n").encode())
-    stop.restore()
+    # a second SIGTERM from now on (a scheduler repeating itself) changes nothing, where the default
+    # action would end this rank with status 15 instead of 75
+    stop.ignore_further()
     return RESUMABLE_STATUS
 
 
