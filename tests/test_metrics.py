@@ -54,3 +54,18 @@ def test_measured_peak_is_the_rate_of_the_products_it_times():
 
     ratios = [measure_matmul_peak(seconds=0.05) / independent() for _ in range(3)]
     assert 0.7 < statistics.median(ratios) < 1.4, ratios
+
+
+def test_a_full_disk_costs_the_metrics_log_not_the_run(capsys):
+    """/dev/full answers every write with ENOSPC, as a full disk does: the writer warns once and stops
+    writing; training code calling it goes on."""
+    import os
+    from pympar.metrics import MetricsWriter
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    w = MetricsWriter("/dev/full")
+    w.write({"step": 0, "loss": 1.0})
+    w.write({"step": 1, "loss": 0.9})
+    w.close()
+    err = capsys.readouterr().err
+    assert err.count("cannot write /dev/full") == 1 and "No space left on device" in err, err

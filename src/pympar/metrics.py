@@ -79,16 +79,37 @@ def moe_layer_stats(tokens_per_expert) -> dict:
 
 
 class MetricsWriter:
-    """Appends one JSON object per line to a file (or does nothing when path is None)."""
+    """Appends one JSON object per line to a file (or does nothing when path is None). A write the
+    disk refuses (full, gone) costs the log, not the run: one warning on stderr, and the records stop;
+    the training goes on (its checkpoints say for themselves whether they could be written)."""
 
     def __init__(self, path):
+        self.path = path
         self.f = open(path, "w") if path else None
 
     def write(self, record: dict) -> None:
-        if self.f:
+        if not self.f:
+            return
+        try:
             self.f.write(json.dumps(record) + "\n")
             self.f.flush()
+        except OSError as e:
+            self._give_up(e)
+
+    def _give_up(self, e: OSError) -> None:
+        import sys
+        sys.stderr.write(f"pympar.train: warning: cannot write {self.path} ({e.strerror or e}); "
+                         f"no more metrics records this run\n")
+        sys.stderr.flush()
+        try:
+            self.f.close()
+        except OSError:
+            pass
+        self.f = None
 
     def close(self) -> None:
         if self.f:
-            self.f.close()
+            try:
+                self.f.close()
+            except OSError as e:
+                self._give_up(e)

@@ -86,8 +86,36 @@ def clean_stale(root):
 
 
 def read_latest(root):
-    """The checkpoint directory ``root/latest`` names, or None when there is no pointer."""
+    """The checkpoint directory ``root/latest`` names, or None when there is no pointer. The pointer
+    must name a ``step_N`` directory of ``root`` itself (not a path, not a link out of the folder):
+    ValueError otherwise, which says so without repeating what the file holds."""
     f = Path(root) / LATEST
     if not f.is_file():
         return None
-    return Path(root) / f.read_text().strip()
+    if f.stat().st_size > 256:
+        raise ValueError(f"{f}: not a checkpoint pointer ({f.stat().st_size} bytes; it holds one step_N name)")
+    try:
+        name = f.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{f}: unreadable ({type(e).__name__})") from None
+    target = Path(root) / name
+    if not _STEP_RE.match(name) or not inside(target, root):
+        raise ValueError(f"{f}: does not name a step_N checkpoint of {root} (a pointer may not lead out of its folder)")
+    return target
+
+
+def inside(path, folder) -> bool:
+    """Whether ``path``, with every link followed, lies in ``folder`` (no '..' and no symlink out)."""
+    try:
+        return Path(path).resolve(strict=False).is_relative_to(Path(folder).resolve(strict=False))
+    except (OSError, RuntimeError):          # a link loop
+        return False
+
+
+def safe_member(folder, name: str):
+    """``folder / name`` for a file name a manifest lists, or None when the name is not a plain name of
+    a file in ``folder`` (a path, '..', an absolute name, a link leading out)."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        return None
+    p = Path(folder) / name
+    return p if inside(p, folder) else None

@@ -40,7 +40,10 @@ def resolve(directory) -> Path:
     for root in (p, p / RUN_CHECKPOINTS):
         if (root / L.MANIFEST).is_file():
             return root
-        target = L.read_latest(root)
+        try:
+            target = L.read_latest(root)
+        except ValueError as e:
+            raise CheckpointCorrupt(root / L.LATEST, str(e).split(": ", 1)[-1]) from None
         if target is not None:
             if not (target / L.MANIFEST).is_file():
                 raise CheckpointNotFound(root / L.LATEST, f"points to {target.name}, which has no {L.MANIFEST}")
@@ -52,6 +55,43 @@ def resolve(directory) -> Path:
                                 f"the trainer's --out); found none{hint}")
 
 
+MAX_MANIFEST_BYTES = 256 << 20     # a manifest lists pieces by name and index: far below this for any model
+
+
+def check_manifest(m: dict, mf) -> None:
+    """The manifest's fields, type- and range-checked before any is used: CheckpointCorrupt naming the
+    first wrong one (its name and the expected type, never its content)."""
+    def bad(field, want):
+        raise CheckpointCorrupt(mf, f"field {field!r}: expected {want}")
+
+    def count(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not count(m.get("step")):
+        bad("step", "an integer >= 0")
+    for k in ("meta", "files", "tensors"):
+        if k in m and not isinstance(m[k], dict):
+            bad(k, "an object")
+    for k in ("files", "tensors"):
+        if k not in m:
+            bad(k, "an object (missing)")
+    for name, rec in m["files"].items():
+        if not isinstance(rec, dict) or not count(rec.get("bytes")) or not isinstance(rec.get("sha256"), str):
+            bad(f"files.{name}", "an object with 'bytes' (an integer >= 0) and 'sha256' (a string)")
+    for key, t in m["tensors"].items():
+        if not isinstance(t, dict):
+            bad(f"tensors.{key}", "an object")
+        shape = t.get("full_shape")
+        if not isinstance(shape, list) or not all(count(s) and s < 2 ** 40 for s in shape):
+            bad(f"tensors.{key}.full_shape", "a list of integers in [0, 2^40)")
+        if not isinstance(t.get("dtype"), str):
+            bad(f"tensors.{key}.dtype", "a string")
+        pieces = t.get("pieces")
+        if not isinstance(pieces, list) or not all(isinstance(q, dict) and isinstance(q.get("file"), str)
+                                                   and isinstance(q.get("index"), list) for q in pieces):
+            bad(f"tensors.{key}.pieces", "a list of objects with 'file' (a string) and 'index' (a list)")
+
+
 class Checkpoint:
     """One opened checkpoint: its manifest, and verified read access to its files."""
 
@@ -59,11 +99,17 @@ class Checkpoint:
         self.path = resolve(directory)
         mf = self.path / L.MANIFEST
         try:
+            size = mf.stat().st_size
+            if size > MAX_MANIFEST_BYTES:
+                raise CheckpointCorrupt(mf, f"{size} bytes: larger than any manifest ({MAX_MANIFEST_BYTES} at most)")
             self.manifest = json.loads(mf.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointCorrupt(mf, f"unreadable manifest ({e})") from None
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            if isinstance(e, CheckpointCorrupt):
+                raise
+            raise CheckpointCorrupt(mf, f"unreadable manifest ({type(e).__name__})") from None
         if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
-            raise CheckpointCorrupt(mf, f"not a {FORMAT} manifest (format={self.manifest.get('format') if isinstance(self.manifest, dict) else None!r})")
+            raise CheckpointCorrupt(mf, f"not a {FORMAT} manifest")
+        check_manifest(self.manifest, mf)
         self.verify = verify
         self._open = {}  # file name -> (header, start)
 
@@ -92,7 +138,9 @@ class Checkpoint:
     def _file(self, fname):
         if fname in self._open:
             return self._open[fname]
-        path = self.path / fname
+        path = L.safe_member(self.path, fname)
+        if path is None:          # "../x", "/abs", a link out: nothing outside the checkpoint is read
+            raise CheckpointCorrupt(self.path / L.MANIFEST, "lists a piece in a file outside the checkpoint's folder")
         rec = self.manifest["files"].get(fname)
         if rec is None:
             raise CheckpointCorrupt(self.path / L.MANIFEST, f"lists pieces in {fname} but has no sha256 record for it")
