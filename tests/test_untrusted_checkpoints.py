@@ -122,3 +122,45 @@ def test_a_huge_manifest_is_not_read(good, tmp_path):
         f.truncate(8 << 30)
     with pytest.raises(CheckpointError, match="larger than any manifest"):
         Checkpoint(ck)
+
+
+def _safetensors(path, header_obj=None, raw=None, data=b""):
+    import struct
+    raw = raw if raw is not None else json.dumps(header_obj).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("case", ["nested", "list", "number entry", "string offsets", "float offsets",
+                                  "negative offsets", "shape 2^64", "offsets past the end", "unknown dtype"])
+def test_a_hostile_safetensors_header_is_one_named_error(tmp_path, case):
+    """Every field checked against the file's real size before anything is allocated from it; a header
+    nested 100,000 deep, a list, a number, offsets that are strings, floats or negative, a shape of
+    [2^64] or an unknown dtype: CheckpointCorrupt naming the file, not a RecursionError, TypeError,
+    KeyError or OverflowError."""
+    from pympar.checkpoint import safetensors_format as stf
+    f = tmp_path / "x.safetensors"
+    entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    headers = {"nested": None, "list": [1, 2], "number entry": {"w": 3},
+               "string offsets": {"w": dict(entry, data_offsets=["0", "8"])},
+               "float offsets": {"w": dict(entry, data_offsets=[0.0, 8.0])},
+               "negative offsets": {"w": dict(entry, data_offsets=[-8, 0])},
+               "shape 2^64": {"w": dict(entry, shape=[2 ** 64], data_offsets=[0, 8])},
+               "offsets past the end": {"w": dict(entry, shape=[1000], data_offsets=[0, 4000])},
+               "unknown dtype": {"w": dict(entry, dtype="F128")}}
+    if case == "nested":
+        _safetensors(f, raw=b"[" * 100_000 + b"]" * 100_000, data=bytes(8))
+    else:
+        _safetensors(f, headers[case], data=bytes(8))
+    with pytest.raises(CheckpointError) as e:
+        stf.read_header(f)
+    assert str(f) in str(e.value)
+
+
+def test_a_header_dtype_the_manifest_does_not_say_is_refused(good, tmp_path):
+    """A shard whose header stores a tensor as another dtype than the manifest records: refused, not cast."""
+    ck, step = _copy(good, tmp_path)
+    _edit_manifest(step, lambda m: next(iter(m["tensors"].values())).__setitem__("dtype", "F64"))
+    ck_ = Checkpoint(ck, verify=False)
+    with pytest.raises(CheckpointError, match="the manifest says F64"):
+        ck_.read(next(iter(ck_.tensors)))

@@ -182,6 +182,8 @@ class Checkpoint:
                     path = self.path / piece["file"]
                     if key not in header or tuple(header[key]["shape"]) != have.local_shape:
                         raise CheckpointCorrupt(path, f"does not hold {key!r} with shape {have.local_shape} as the manifest says")
+                    if header[key]["dtype"] != t["dtype"]:        # never cast what the manifest did not say
+                        raise CheckpointCorrupt(path, f"holds {key!r} as {header[key]['dtype']}, the manifest says {t['dtype']}")
                     dst = sub_index(part, w_full, w_local)
                     out[dst] = st.read_slice(path, header, start, key, sub_index(part, h_full, h_local))
                     covered[dst] = True

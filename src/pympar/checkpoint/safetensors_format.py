@@ -103,20 +103,48 @@ def read_header(path):
             raw = f.read(n)
     except FileNotFoundError:
         raise CheckpointCorrupt(path, "missing shard file") from None
+    except OSError as e:                                    # unreadable (permissions, I/O)
+        raise CheckpointCorrupt(path, f"unreadable ({e.strerror or type(e).__name__})") from None
     try:
         header = json.loads(raw.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointCorrupt(path, f"unreadable safetensors header ({e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:   # (RecursionError: nested 100,000 deep)
+        raise CheckpointCorrupt(path, f"unreadable safetensors header ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise CheckpointCorrupt(path, "safetensors header: expected an object of tensors")
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise CheckpointCorrupt(path, "safetensors header: __metadata__ must be an object")
     start = 8 + n
     for name, info in header.items():
-        b, e = info["data_offsets"]
-        want = int(np.prod(info["shape"], dtype=np.int64)) * code_dtype(info["dtype"], path).itemsize
-        if e - b != want:
-            raise CheckpointCorrupt(path, f"tensor {name!r}: data_offsets {b}..{e} hold {e - b} bytes, shape {info['shape']} needs {want}")
-        if start + e > size:
-            raise CheckpointCorrupt(path, f"truncated: tensor {name!r} ends at byte {start + e} but the file has {size} bytes")
+        _check_entry(path, name, info, size - start)
     return header, meta, start
+
+
+def _check_entry(path, name, info, data_bytes):
+    """One header entry, type- and range-checked against the file's real size before anything is
+    allocated from it: dtype a known code, shape non-negative integers, data_offsets two integers
+    0 <= begin <= end <= the data's bytes, holding exactly shape x itemsize bytes."""
+    def ok_int(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(info, dict):
+        raise CheckpointCorrupt(path, f"tensor {name!r}: header entry is not an object")
+    shape, offs, code = info.get("shape"), info.get("data_offsets"), info.get("dtype")
+    if not isinstance(code, str):
+        raise CheckpointCorrupt(path, f"tensor {name!r}: dtype is not a string")
+    dt = code_dtype(code, path)
+    if not isinstance(shape, list) or not all(ok_int(s) for s in shape):
+        raise CheckpointCorrupt(path, f"tensor {name!r}: shape is not a list of integers >= 0")
+    if not isinstance(offs, list) or len(offs) != 2 or not all(ok_int(v) for v in offs) or offs[0] > offs[1]:
+        raise CheckpointCorrupt(path, f"tensor {name!r}: data_offsets are not two integers 0 <= begin <= end")
+    b, e = offs
+    want = dt.itemsize
+    for s in shape:                           # in Python integers: a shape of [2^64] cannot overflow
+        want *= s
+    if e - b != want:
+        raise CheckpointCorrupt(path, f"tensor {name!r}: data_offsets {b}..{e} hold {e - b} bytes, shape {shape} needs {want}")
+    if e > data_bytes:
+        raise CheckpointCorrupt(path, f"truncated: tensor {name!r} ends at byte {e} of the data but the file holds {data_bytes}")
 
 
 def read_slice(path, header, start, name, index=None):
