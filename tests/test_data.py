@@ -139,3 +139,26 @@ def test_dp_ranks_partition_the_single_process_batch():
     split = [mb for r in range(4) for mb in local_micro_batches(toks, 0, 2, r, 2, 2, 8)]
     for (a, _), (b, _) in zip(single, split):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_token_id_beyond_any_vocabulary_is_refused_by_position(tmp_path):
+    """One token id 2^31 - 1 in an llm.c file would grow the vocabulary to 2^31 rows (256 GiB of
+    embedding): the trainer refuses it before allocating anything, naming the file, the split and the
+    position; with --vocab-size given, a token beyond it is named the same way."""
+    import resource
+    import subprocess
+    import sys
+    toks = np.arange(5000, dtype=np.uint32) % 300
+    toks[1234] = 2 ** 31 - 1
+    f = tmp_path / "stray_train.bin"
+    write_llmc(f, toks, version=2)
+    args = [sys.executable, "-m", "pympar.train", "--data", str(f), "--preset", "tiny", "--steps", "1",
+            "--dtype", "float32"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "position 1234 of the train split" in r.stderr and str(f) in r.stderr
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 2 << 20   # KiB: well below 2 GiB
+    toks[1234] = 299
+    write_llmc(f, toks, version=2)
+    r = subprocess.run(args + ["--vocab-size", "256"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "token 256 at position 256 of the train split" in r.stderr, r.stderr[-2000:]

@@ -55,12 +55,39 @@ class DataError(ValueError):
     """A data file or directory that cannot be used: the message names it and says why."""
 
 
+# the largest vocabulary grown to fit a corpus's token ids without --vocab-size (tokenizers in use stay
+# far below: GPT-2 50,257; Llama 3 128,256; the largest public ones about 256k)
+MAX_VOCAB = 1 << 20
+
+
 @dataclass
 class Corpus:
     train: np.ndarray      # (N_train,) integer tokens (uint8/uint16/uint32, maybe a memmap)
     val: np.ndarray        # (N_val,)
     vocab_size: int        # smallest vocabulary that holds every token id (256 for bytes)
     name: str              # what was loaded, for the log
+
+    def first_token_from(self, bound: int):
+        """(split, position, token) of the first token id >= bound (train first), or None."""
+        for split, toks in (("train", self.train), ("val", self.val)):
+            hit = np.flatnonzero(np.asarray(toks) >= bound)
+            if hit.size:
+                return split, int(hit[0]), int(toks[hit[0]])
+        return None
+
+    def check_vocab(self, vocab_size: int, given: bool) -> None:
+        """Raise DataError naming the first token id the model cannot embed: one >= vocab_size when the
+        user gave it (--vocab-size), else one >= MAX_VOCAB (a vocabulary grown to fit the data stops
+        there: one stray id of 2^31 - 1 would ask for a 2^31-row embedding)."""
+        bound = vocab_size if given else MAX_VOCAB
+        if self.vocab_size <= bound:
+            return
+        split, pos, tok = self.first_token_from(bound)
+        fix = (f"use --vocab-size {self.vocab_size} or more" if given else
+               f"the data has token ids up to {self.vocab_size - 1}: check the file, or pass --vocab-size to "
+               f"train a vocabulary that large")
+        raise DataError(f"{self.name}: token {tok} at position {pos} of the {split} split is beyond the vocabulary "
+                        f"({'--vocab-size ' + str(vocab_size) if given else f'{MAX_VOCAB} ids at most unless --vocab-size says more'}); {fix}")
 
     def check_block_size(self, block_size: int) -> None:
         """Raise DataError when a split is too short for one window of block_size+1 tokens."""

@@ -336,12 +336,12 @@ def _metrics_before(path: Path, start: int) -> list:
 
 
 def _fit_vocab(model_cfg, run, corpus: Corpus):
-    """Grow vocab_size to fit the data's token ids unless the user set it (then check it)."""
+    """Grow vocab_size to fit the data's token ids unless the user set it (then check it); the first
+    token the model could not embed is named by its position (data.Corpus.check_vocab)."""
     if corpus.vocab_size <= model_cfg.vocab_size:
         return model_cfg
-    if "vocab_size" in run.model_overrides:
-        raise ConfigError(f"{corpus.name} has token ids up to {corpus.vocab_size - 1} but vocab_size="
-                          f"{model_cfg.vocab_size}; use --vocab-size {corpus.vocab_size} or more")
+    given = "vocab_size" in run.model_overrides
+    corpus.check_vocab(model_cfg.vocab_size, given)
     return replace(model_cfg, vocab_size=corpus.vocab_size).validate()
 
 
