@@ -164,3 +164,17 @@ def test_a_header_dtype_the_manifest_does_not_say_is_refused(good, tmp_path):
     ck_ = Checkpoint(ck, verify=False)
     with pytest.raises(CheckpointError, match="the manifest says F64"):
         ck_.read(next(iter(ck_.tensors)))
+
+
+@pytest.mark.parametrize("field, value, said", [("next_step", "x", "meta.next_step"), ("next_step", -5, "meta.next_step"),
+                                                ("next_step", 10 ** 9, "beyond --steps"),
+                                                ("optimizer", {"step": "x"}, "meta.optimizer.step"),
+                                                ("config", "not an object", "meta.config")])
+def test_the_trainers_fields_are_checked_before_a_resume(good, tmp_path, field, value, said):
+    """A next_step of 10^9 "resumed" and trained nothing with exit 0; "x" and -5 raised deep inside: each is
+    one line and exit 2 before any collective."""
+    ck, step = _copy(good, tmp_path)
+    _edit_manifest(step, lambda m: m["meta"].__setitem__(field, value))
+    name, argv = _tools(ck, tmp_path)[1]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and said in r.stderr, r.stderr[-2000:]

@@ -173,9 +173,10 @@ def resolve_resume(run):
         raise ValueError(f"--resume {run.resume}: {e.problem}") from None
 
 
-def check_resumable(path, model_cfg) -> None:
+def check_resumable(path, model_cfg, steps=None) -> None:
     """Before any collective: the checkpoint's manifest reads and holds this model (same shapes
-    and function, checkpoint.state.ARCH_KEYS); ValueError naming the file and the difference."""
+    and function, checkpoint.state.ARCH_KEYS), and the trainer's fields in it are what a save writes
+    (a step within --steps, integers where integers go); ValueError naming the file and the field."""
     from dataclasses import asdict
 
     from .checkpoint import Checkpoint, CheckpointError
@@ -183,10 +184,22 @@ def check_resumable(path, model_cfg) -> None:
 
     try:
         ck = Checkpoint(path, verify=False)
+        if not isinstance(ck.meta.get("config", {}), dict):
+            raise ValueError(f"{ck.path}/manifest.json: field 'meta.config': expected an object")
         cfg = asdict(model_cfg)
         ck.check_config({k: cfg[k] for k in ARCH_KEYS if k in cfg})
     except CheckpointError as e:
         raise ValueError(f"--resume: {e}") from None
+    mf = f"{ck.path}/manifest.json"
+    nxt = ck.meta.get("next_step", ck.step)
+    if not isinstance(nxt, int) or isinstance(nxt, bool) or nxt < 0:
+        raise ValueError(f"--resume: {mf}: field 'meta.next_step': expected an integer >= 0")
+    opt = ck.meta.get("optimizer", {})
+    if not isinstance(opt, dict) or not isinstance(opt.get("step", 0), int):
+        raise ValueError(f"--resume: {mf}: field 'meta.optimizer.step': expected an integer")
+    if steps is not None and nxt > steps:
+        raise ValueError(f"--resume: {mf}: the checkpoint continues at step {nxt}, beyond --steps {steps}: "
+                         f"nothing to train (give --steps above {nxt}, or another checkpoint)")
 
 
 def save_run(runner, run, next_step, guard, comm, layout, background=False, staging=None):

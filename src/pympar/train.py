@@ -89,7 +89,7 @@ def main(argv=None, faults=None) -> int:
             _check_gpu(run)
         resume_path = resolve_resume(run)
         if resume_path is not None:
-            check_resumable(resume_path, model_cfg)
+            check_resumable(resume_path, model_cfg, run.steps)
     except ValueError as e:                    # ConfigError, DataError, NotSupportedError
         sys.stderr.flush()                     # one write per line: ranks' lines must not interleave
         os.write(2, f"pympar.train: error: {e}\n".encode())
