@@ -178,3 +178,122 @@ def test_the_trainers_fields_are_checked_before_a_resume(good, tmp_path, field, 
     name, argv = _tools(ck, tmp_path)[1]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr and said in r.stderr, r.stderr[-2000:]
+
+
+# --- memory that follows what a file holds, not what it claims -------------------------------------
+
+_PEAK = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+         "sys.stdout.write(r.stdout + r.stderr); "
+         "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+
+
+def _run_peak(argv, cwd):
+    """(exit status, output, peak resident MiB of the command alone): a wrapper process waits for it,
+    so the peak is not the test runner's or an earlier child's."""
+    r = subprocess.run([sys.executable, "-c", _PEAK, *argv], capture_output=True, text=True, timeout=120, cwd=cwd)
+    text, _, peak = r.stdout.rpartition("PEAK_KIB ")
+    return r.returncode, text + r.stderr, int(peak) / 1024
+
+
+PEAK_MIB = 400     # the tools' own footprint is ~100-150 MiB (Python, NumPy, the native kernels); the claims
+#                    below would allocate 1-2 GiB each
+
+
+def test_weight_elements_bounds_the_parameter_count_from_below():
+    """The bound the loaders use: every config's weight matrices are at most its parameters (else a real
+    checkpoint would be refused) and at least 90% of them at these sizes (else the bound guards nothing)."""
+    from pympar.nn.config import weight_elements
+    for cfg in [GPTConfig(**CFG), GPTConfig.from_preset("small"), GPTConfig.from_preset("moe-small"),
+                GPTConfig.from_preset("moe-tiny", shared_expert=True, bias=False, n_embd=64)]:
+        n = sum(int(p.size) for p in GPT(cfg).state_dict().values())
+        assert 0.9 * n <= weight_elements(cfg) <= n, (cfg, weight_elements(cfg), n)
+
+
+def test_a_config_claiming_a_large_model_is_refused_before_it_is_built(good, tmp_path):
+    """A small checkpoint whose config claims a 2^20 x 512 vocabulary: generate allocated 2.1 GB before any
+    check. Refused from what the checkpoint holds, within PEAK_MIB."""
+    ck, step = _copy(good, tmp_path)
+    _edit_manifest(step, lambda m: m["meta"]["config"].update(vocab_size=2 ** 20, n_embd=512, n_head=8))
+    rc, text, peak = _run_peak(_tools(ck, tmp_path)[2][1], tmp_path)
+    assert rc == 2 and "Traceback" not in text and "needs at least" in text, text[-2000:]
+    assert peak < PEAK_MIB, peak
+
+
+def test_tensor_shapes_claiming_more_than_the_files_hold_are_refused(good, tmp_path):
+    """A manifest whose full shapes claim more bytes than its files hold (each element is stored at least
+    once): refused by every tool before anything is allocated from the shapes."""
+    ck, step = _copy(good, tmp_path)
+    _edit_manifest(step, lambda m: m["tensors"]["transformer.wte.weight"].update(full_shape=[2 ** 24, 16]))
+    _refused(ck, tmp_path, "but its files hold")
+    rc, text, peak = _run_peak(_tools(ck, tmp_path)[0][1], tmp_path)    # export allocated the claimed 1 GiB
+    assert rc == 2 and peak < PEAK_MIB, (peak, text[-2000:])
+
+
+def _nanogpt_file(good, tmp_path, metadata=None, extra=None):
+    """A real export of the good checkpoint, its metadata replaced, plus ``extra`` raw tensors."""
+    from pympar.checkpoint import safetensors_format as stf
+    from pympar.checkpoint.convert import export_state_dict
+    f = tmp_path / "m.safetensors"
+    export_state_dict(good, f)
+    tensors, meta = stf.read_all(f)
+    stf.write(f, tensors, metadata if metadata is not None else meta)
+    if extra is not None:                         # appended as a sparse tensor: a header entry, no data written
+        import struct
+        n = struct.unpack("<Q", f.read_bytes()[:8])[0]
+        header = json.loads(f.read_bytes()[8:8 + n])
+        end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+        header["junk"] = {"dtype": "F32", "shape": [extra // 4], "data_offsets": [end, end + extra]}
+        data = f.read_bytes()[8 + n:]
+        _safetensors(f, header, data=data)
+        with open(f, "r+b") as fh:
+            fh.truncate(f.stat().st_size + extra)
+    return f
+
+
+def _import(f, tmp_path, *extra):
+    return [sys.executable, "-m", "pympar.checkpoint", "import", str(f), str(tmp_path / "imported"), *extra]
+
+
+@pytest.mark.parametrize("meta, said", [({"pympar.config": "[1, 2]"}, "metadata 'pympar.config'"),
+                                        ({"pympar.config": "{"}, "metadata 'pympar.config'"),
+                                        ({"pympar.config": json.dumps(dict(CFG, vocab_size=2 ** 20, n_embd=512,
+                                                                           n_head=8))}, "needs at least")])
+def test_import_metadata_is_checked_before_a_model_is_built(good, tmp_path, meta, said):
+    """Import metadata whose config is not an object, or claims a model far larger than the file (a 178 KB
+    file reached 4.2 GB): one line, exit 2, within PEAK_MIB."""
+    f = _nanogpt_file(good, tmp_path, meta)
+    rc, text, peak = _run_peak(_import(f, tmp_path), tmp_path)
+    assert rc == 2 and "Traceback" not in text and said in text, text[-2000:]
+    assert peak < PEAK_MIB, peak
+
+
+def test_import_does_not_copy_a_sparse_tensor(good, tmp_path):
+    """A 1 GiB tensor that is a hole in a sparse file: import read (copied) every tensor before checking the
+    names; now it maps them, refuses the unexpected one, and stays within PEAK_MIB."""
+    f = _nanogpt_file(good, tmp_path, extra=1 << 30)
+    rc, text, peak = _run_peak(_import(f, tmp_path, "--n-head", "2"), tmp_path)
+    assert rc == 2 and "Traceback" not in text and "unexpected ['junk']" in text, text[-2000:]
+    assert peak < PEAK_MIB, peak
+
+
+@pytest.mark.parametrize("config, said", [("[1]", "expected a JSON object"), ('{"model_type": "gpt2"}', "'vocab_size'"),
+                                          ("{", "unreadable"), ('{"model_type": "gpt2", "vocab_size": "x"}', "'vocab_size'")])
+def test_a_hugging_face_config_is_checked(good, tmp_path, config, said):
+    """config.json from untrusted hands: a list, missing or non-integer sizes, broken JSON: one line naming
+    the file and the field (a KeyError, TypeError or AttributeError before)."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_text(config)
+    shutil.copy(_nanogpt_file(good, tmp_path), src / "model.safetensors")
+    r = subprocess.run(_import(src, tmp_path, "--format", "hf"), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and said in r.stderr and "config.json" in r.stderr, r.stderr
+
+
+def test_an_unwritable_import_destination_is_one_line(good, tmp_path):
+    """An output folder that cannot be made (its parent is a file): one line, exit 2, no traceback."""
+    f = _nanogpt_file(good, tmp_path)
+    (tmp_path / "a_file").write_text("")
+    r = subprocess.run([sys.executable, "-m", "pympar.checkpoint", "import", str(f), str(tmp_path / "a_file" / "ck"),
+                        "--n-head", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "a_file" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr

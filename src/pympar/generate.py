@@ -48,13 +48,8 @@ def build_parser():
 
 
 def config_of(ck):
-    """The GPTConfig a checkpoint records."""
-    from .nn.config import GPTConfig
-
-    cfg = ck.meta.get("config")
-    if not cfg:
-        raise ValueError(f"{ck.path}: the checkpoint records no model config")
-    return GPTConfig.from_dict(cfg)
+    """The GPTConfig a checkpoint records, checked against what the checkpoint holds."""
+    return ck.model_config()
 
 
 def load_model(src):

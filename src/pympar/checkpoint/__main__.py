@@ -60,6 +60,8 @@ def main(argv=None) -> int:
             print(f"wrote checkpoint {path}")
         elif a.cmd == "import":
             cfg = json.loads(a.config) if a.config else None
+            if cfg is not None and not isinstance(cfg, dict):
+                raise ValueError("--config must be a JSON object of GPTConfig fields")
             path = import_state_dict(a.file, a.dir, cfg, n_head=a.n_head, step=a.step)
             print(f"wrote checkpoint {path}")
         else:
@@ -69,6 +71,9 @@ def main(argv=None) -> int:
                 return 1
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:                 # the output: a folder that cannot be written, a full disk
+        print(f"error: {e.filename or ''}: {e.strerror or type(e).__name__}", file=sys.stderr)
         return 2
     return 0
 

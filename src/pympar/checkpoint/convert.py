@@ -15,8 +15,8 @@ import numpy as np
 
 from . import layout_io as L
 from . import safetensors_format as st
-from .errors import CheckpointError, CheckpointMismatch
-from .loading import Checkpoint
+from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch
+from .loading import Checkpoint, check_fits
 from .saving import full_shards, save
 
 WTE, LM_HEAD = "transformer.wte.weight", "lm_head.weight"
@@ -59,9 +59,17 @@ def infer_config(tensors: dict, n_head=None) -> dict:
 
 def import_state_dict(in_file, directory, config: dict | None = None, n_head=None, step: int = 0):
     """Write a step-``step`` checkpoint in ``directory`` from a nanoGPT-named safetensors file."""
-    tensors, metadata = st.read_all(in_file)
+    tensors, metadata = st.read_mapped(in_file)       # mapped, not copied: the save streams them
     _untie(tensors, in_file)
-    cfg = json.loads(metadata["pympar.config"]) if "pympar.config" in metadata else infer_config(tensors, n_head)
+    if "pympar.config" in metadata:
+        try:
+            cfg = json.loads(metadata["pympar.config"])
+        except (ValueError, RecursionError):
+            cfg = None
+        if not isinstance(cfg, dict):
+            raise CheckpointCorrupt(in_file, "metadata 'pympar.config': expected a JSON object")
+    else:
+        cfg = infer_config(tensors, n_head)
     cfg.update(config or {})
     return _save_imported(tensors, cfg, in_file, directory, step)
 
@@ -69,8 +77,17 @@ def import_state_dict(in_file, directory, config: dict | None = None, n_head=Non
 def _untie(tensors, source):
     if LM_HEAD in tensors:
         lm = tensors.pop(LM_HEAD)
-        if WTE in tensors and not np.array_equal(lm, tensors[WTE]):
+        if WTE in tensors and not _equal(lm, tensors[WTE]):
             raise CheckpointMismatch(source, f"{LM_HEAD} differs from {WTE}: pympar ties them")
+
+
+def _equal(a, b, rows: int = 4096) -> bool:
+    """np.array_equal in blocks of rows: no temporary the size of a (mapped) tensor."""
+    if a.shape != b.shape:
+        return False
+    if a.ndim == 0:
+        return bool(a == b)
+    return all(np.array_equal(a[i:i + rows], b[i:i + rows]) for i in range(0, len(a), rows))
 
 
 def _save_imported(tensors, cfg, in_file, directory, step):
@@ -81,7 +98,8 @@ def _save_imported(tensors, cfg, in_file, directory, step):
     try:
         gcfg = GPTConfig.from_dict(cfg)
     except (TypeError, ValueError) as e:
-        raise CheckpointMismatch(in_file, f"config {cfg} is not a valid GPTConfig: {e}") from None
+        raise CheckpointMismatch(in_file, f"the config is not a valid GPTConfig: {e}") from None
+    check_fits(gcfg, sum(int(v.size) for v in tensors.values()), in_file)
     want = {k: v.shape for k, v in GPT(gcfg).state_dict().items()}
     missing = sorted(set(want) - set(tensors))
     unexpected = sorted(set(tensors) - set(want))
@@ -170,6 +188,32 @@ def export_hf(directory, out_dir, dtype=None) -> dict:
     return {k: v.shape for k, v in hf.items()}
 
 
+HF_INTS = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd")
+
+
+def _hf_config(path) -> dict:
+    """config.json read and checked: an object, its size fields positive integers (a model is
+    allocated from them), layer_norm_epsilon a number; CheckpointCorrupt naming the field."""
+    try:
+        if path.stat().st_size > 1 << 20:
+            raise CheckpointCorrupt(path, "larger than any config.json (1 MiB at most)")
+        hc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        if isinstance(e, CheckpointCorrupt):
+            raise
+        raise CheckpointCorrupt(path, f"unreadable ({type(e).__name__})") from None
+    if not isinstance(hc, dict):
+        raise CheckpointCorrupt(path, "expected a JSON object")
+    for k in HF_INTS:
+        v = hc.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v < 2 ** 40:
+            raise CheckpointCorrupt(path, f"field {k!r}: expected an integer >= 1")
+    eps = hc.get("layer_norm_epsilon", 1e-5)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise CheckpointCorrupt(path, "field 'layer_norm_epsilon': expected a number")
+    return hc
+
+
 def import_hf(src_dir, directory, step: int = 0):
     """Write a step-``step`` checkpoint in ``directory`` from a Hugging Face GPT-2 directory
     (config.json + model.safetensors): Conv1D weights transposed, the tied head dropped,
@@ -178,7 +222,7 @@ def import_hf(src_dir, directory, step: int = 0):
     if not (src / HF_CONFIG).is_file():
         raise CheckpointMismatch(src, f"no {HF_CONFIG}: expected a Hugging Face model directory "
                                       f"({HF_CONFIG} and {HF_WEIGHTS})")
-    hc = json.loads((src / HF_CONFIG).read_text())
+    hc = _hf_config(src / HF_CONFIG)
     if hc.get("model_type") != "gpt2":
         raise CheckpointMismatch(src / HF_CONFIG, f"model_type {hc.get('model_type')!r}: only GPT-2 ('gpt2') "
                                                    f"maps onto pympar's GPT")
@@ -193,13 +237,13 @@ def import_hf(src_dir, directory, step: int = 0):
         raise CheckpointMismatch(src / HF_CONFIG, f"activation_function {act!r}: pympar's MLP uses GELU in its "
                                                    f"tanh form ({' or '.join(HF_GELU)}); the model would compute "
                                                    f"other numbers")
-    n_embd = int(hc["n_embd"])
+    n_embd = hc["n_embd"]
     if hc.get("n_inner") not in (None, 4 * n_embd):
         raise CheckpointMismatch(src / HF_CONFIG, f"n_inner {hc['n_inner']}: pympar's MLP is 4 x n_embd = {4 * n_embd}")
     if hc.get("scale_attn_by_inverse_layer_idx") or hc.get("reorder_and_upcast_attn"):
         raise CheckpointMismatch(src / HF_CONFIG, "scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn: "
                                                    "pympar's attention has neither")
-    raw, _ = st.read_all(src / HF_WEIGHTS)
+    raw, _ = st.read_mapped(src / HF_WEIGHTS)
     tensors = {}
     for k, v in raw.items():
         name = k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k   # GPT2Model files
@@ -207,7 +251,7 @@ def import_hf(src_dir, directory, step: int = 0):
             continue              # GPT-2's causal-mask buffers, not weights
         tensors[name] = np.ascontiguousarray(v.T) if _is_conv1d(name) else v
     _untie(tensors, src / HF_WEIGHTS)
-    cfg = {"vocab_size": int(hc["vocab_size"]), "block_size": int(hc["n_positions"]), "n_layer": int(hc["n_layer"]),
-           "n_head": int(hc["n_head"]), "n_embd": n_embd, "bias": True,
+    cfg = {"vocab_size": hc["vocab_size"], "block_size": hc["n_positions"], "n_layer": hc["n_layer"],
+           "n_head": hc["n_head"], "n_embd": n_embd, "bias": True,
            "ln_eps": float(hc.get("layer_norm_epsilon", 1e-5))}
     return _save_imported(tensors, cfg, src / HF_WEIGHTS, directory, step)

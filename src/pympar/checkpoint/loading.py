@@ -92,6 +92,18 @@ def check_manifest(m: dict, mf) -> None:
             bad(f"tensors.{key}.pieces", "a list of objects with 'file' (a string) and 'index' (a list)")
 
 
+def check_fits(cfg, held_elements: int, path) -> None:
+    """CheckpointMismatch when GPTConfig ``cfg``'s weight matrices alone have more elements than the
+    ``held_elements`` a file holds: the model would be allocated from a claim, not from data."""
+    from ..nn.config import weight_elements
+
+    need = weight_elements(cfg)
+    if need > held_elements:
+        raise CheckpointMismatch(path, f"its model config (vocab_size={cfg.vocab_size}, block_size={cfg.block_size}, "
+                                       f"n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, n_expert={cfg.n_expert}) needs at "
+                                       f"least {need:,} weights but the file holds {held_elements:,} elements")
+
+
 class Checkpoint:
     """One opened checkpoint: its manifest, and verified read access to its files."""
 
@@ -110,8 +122,68 @@ class Checkpoint:
         if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
             raise CheckpointCorrupt(mf, f"not a {FORMAT} manifest")
         check_manifest(self.manifest, mf)
+        self._check_claims(mf)
         self.verify = verify
         self._open = {}  # file name -> (header, start)
+
+    def _check_claims(self, mf):
+        """Every file the manifest lists is a plain name in the checkpoint's folder, and, as every
+        element of every tensor is stored at least once, the tensors' bytes (full shape x item size)
+        do not exceed the file sizes it records (each file is checked against its record when it is
+        opened; read() bounds a tensor by its files' real sizes before allocating it)."""
+        for fname in self.manifest["files"]:
+            if L.safe_member(self.path, fname) is None:   # "../x", "/abs", a link out: never read
+                raise CheckpointCorrupt(mf, "lists a file outside the checkpoint's folder")
+        claimed = sum(self._nbytes(t, t["full_shape"], mf) for t in self.tensors.values())
+        recorded = sum(rec["bytes"] for rec in self.manifest["files"].values())
+        if claimed > recorded:
+            raise CheckpointCorrupt(mf, f"its tensors' shapes claim {claimed:,} bytes but its files hold {recorded:,}")
+
+    @staticmethod
+    def _nbytes(t, shape, mf) -> int:
+        n = st.code_itemsize(t["dtype"], mf)
+        for s in shape:
+            n *= s
+        return n
+
+    def _real_size(self, fname) -> int:
+        """The size on disk of a file the manifest lists (0 when it is missing or not a member)."""
+        p = L.safe_member(self.path, fname)
+        return p.stat().st_size if p is not None and p.is_file() else 0
+
+    def files_bytes(self) -> int:
+        """The real size, in bytes, of the files the manifest lists."""
+        return sum(self._real_size(f) for f in self.manifest["files"])
+
+    def model_elements(self) -> int:
+        """Elements of the model's tensors (optimiser state not counted), as the manifest's shapes say."""
+        n = 0
+        for key, t in self.tensors.items():
+            if not key.startswith(L.OPT_PREFIX):
+                k = 1
+                for s in t["full_shape"]:
+                    k *= s
+                n += k
+        return n
+
+    def model_config(self):
+        """The GPTConfig the checkpoint records, checked against what it holds before any model is built
+        from it: its weight matrices alone cannot have more elements than the checkpoint's model tensors
+        (a 444 KB checkpoint claiming a 2^20 x 512 vocabulary would allocate 2 GB)."""
+        from ..nn.config import GPTConfig
+
+        mf = self.path / L.MANIFEST
+        cfg = self.meta.get("config")
+        if not cfg:
+            raise CheckpointMismatch(mf, "the checkpoint records no model config")
+        if not isinstance(cfg, dict):
+            raise CheckpointCorrupt(mf, "field 'meta.config': expected an object")
+        try:
+            gcfg = GPTConfig.from_dict(cfg)
+        except (TypeError, ValueError) as e:
+            raise CheckpointCorrupt(mf, f"field 'meta.config': not a valid model config ({e})") from None
+        check_fits(gcfg, min(self.model_elements(), self.files_bytes()), mf)   # >= 1 byte an element
+        return gcfg
 
     @property
     def step(self) -> int:
@@ -169,6 +241,13 @@ class Checkpoint:
         if want.full_shape != saved_shape:
             raise CheckpointMismatch(mf, f"tensor {key!r} has full shape {saved_shape} in the checkpoint, "
                                          f"the model wants {want.full_shape}: checkpoint is of another model")
+        files = {q["file"] for q in t["pieces"]}
+        held = sum(self._real_size(f) for f in files)
+        if self._nbytes(t, want.local_shape, mf) > held:   # before anything is allocated from the shape
+            for f in sorted(files):
+                self._file(f)                                 # a missing or truncated file: named as such
+            raise CheckpointCorrupt(mf, f"tensor {key!r}: its shape claims {self._nbytes(t, want.local_shape, mf):,} "
+                                        f"bytes but the files of its pieces hold {held:,}")
         out = np.empty(want.local_shape, st.code_dtype(t["dtype"], mf))
         covered = np.zeros(out.shape, bool)
         for piece in t["pieces"]:

@@ -51,6 +51,15 @@ def code_dtype(code: str, path="") -> np.dtype:
     return _CODES[code]
 
 
+def code_itemsize(code: str, path="") -> int:
+    """Bytes per element of a safetensors dtype code (without importing ml_dtypes for BF16)."""
+    if code == "BF16":
+        return 2
+    if not isinstance(code, str) or code not in _CODES:
+        raise CheckpointCorrupt(path, f"unknown safetensors dtype {code!r}")
+    return _CODES[code].itemsize
+
+
 def _header_bytes(tensors: dict, metadata: dict | None):
     header, offset = {}, 0
     for name, a in tensors.items():
@@ -168,6 +177,19 @@ def read_all(path):
     """({name: ndarray}, metadata) of a whole safetensors file."""
     header, meta, start = read_header(path)
     return {k: read_slice(path, header, start, k) for k in header}, meta
+
+
+def read_mapped(path):
+    """({name: read-only array mapped from the file}, metadata): nothing is copied; a page is read when
+    it is used (an import streams a file through, however large its tensors claim to be)."""
+    header, meta, start = read_header(path)
+    out = {}
+    for k, info in header.items():
+        dt, shape = code_dtype(info["dtype"], path), tuple(info["shape"])
+        b, e = info["data_offsets"]
+        out[k] = (np.zeros(shape, dt) if e == b else
+                  np.memmap(path, dtype=dt, mode="r", offset=start + b, shape=shape))
+    return out, meta
 
 
 def sha256_file(path, chunk=1 << 22) -> str:

@@ -78,6 +78,20 @@ PRESETS = {
 }
 
 
+def weight_elements(cfg) -> int:
+    """Elements of the model's embeddings and weight matrices (biases and norms not counted): a lower
+    bound of its parameter count, from the config alone, before anything is allocated. Loaders check
+    a config from a file against the elements the file holds with it."""
+    C, n = cfg.n_embd, (cfg.vocab_size + cfg.block_size) * cfg.n_embd
+    for i in range(cfg.n_layer):
+        n += 4 * C * C
+        if cfg.is_moe_block(i):
+            n += cfg.n_expert * (8 * C * C + C) + (8 * C * C if getattr(cfg, "shared_expert", False) else 0)
+        else:
+            n += 8 * C * C
+    return n
+
+
 def matmul_params_per_token(cfg) -> int:
     """N_matmul of pympar/metrics.py's docstring: weights one token multiplies by (active only)."""
     C = cfg.n_embd
