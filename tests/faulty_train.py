@@ -8,6 +8,9 @@ The faults, from the environment:
     PYMPAR_INJECT_NAN_PARAM=NAME       in this parameter (default: the first one backward finishes)
     PYMPAR_INJECT_KILL_STEP=k, PYMPAR_INJECT_KILL_RANK=r   rank r SIGKILLs itself at step k
     PYMPAR_INJECT_HANG_STEP=k, PYMPAR_INJECT_HANG_RANK=r   rank r sleeps (outside MPI) from step k
+    PYMPAR_INJECT_FILL_STEP=k, PYMPAR_INJECT_FILL_PATH=F   at step k rank 0 writes F until the disk is full
+    PYMPAR_INJECT_FSIZE_STEP=k        at step k every rank limits the files it writes to what they hold
+                                      (RLIMIT_FSIZE: a write beyond fails with EFBIG, as on a full disk)
 They fire in the first attempt of a ``pympar.launch`` job only (PYMPAR_LAUNCH_ATTEMPT, which the
 supervisor sets, 0 or unset); ``python -m pympar.launch --program tests/faulty_train.py`` runs it.
 """
@@ -40,6 +43,7 @@ class FaultInjector:
         if os.environ.get("PYMPAR_LAUNCH_ATTEMPT", "0") not in ("", "0"):   # pympar.launch's restarts:
             # the faults fired in the first attempt already
             self.nan_steps, self.nan_here, self.nan_param, self.kill, self.hang = set(), False, None, set(), set()
+            self.fill, self.fsize = set(), set()
             return
         self.nan_steps = _env_steps("PYMPAR_INJECT_NAN_STEP")
         nan_rank = _env_rank("PYMPAR_INJECT_NAN_RANK")
@@ -47,6 +51,9 @@ class FaultInjector:
         self.nan_param = os.environ.get("PYMPAR_INJECT_NAN_PARAM") or None
         self.kill = _env_steps("PYMPAR_INJECT_KILL_STEP") if _env_rank("PYMPAR_INJECT_KILL_RANK") == rank else set()
         self.hang = _env_steps("PYMPAR_INJECT_HANG_STEP") if _env_rank("PYMPAR_INJECT_HANG_RANK") == rank else set()
+        self.fill = _env_steps("PYMPAR_INJECT_FILL_STEP") if rank == 0 else set()
+        self.fill_path = os.environ.get("PYMPAR_INJECT_FILL_PATH")
+        self.fsize = _env_steps("PYMPAR_INJECT_FSIZE_STEP")
         if self.nan_here:
             self._names = {id(p): n for n, p in model.named_parameters()}
             if self.nan_param is not None and self.nan_param not in self._names.values():
@@ -60,6 +67,17 @@ class FaultInjector:
         if step in self.hang:
             while True:
                 time.sleep(3600)
+        if step in self.fill:                 # another user's file takes the disk's last byte
+            with open(self.fill_path, "wb", buffering=0) as f:
+                for chunk in (1 << 16, 1 << 12, 1):
+                    try:
+                        while True:
+                            f.write(b"\0" * chunk)
+                    except OSError:
+                        pass
+        if step in self.fsize:
+            import resource
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
     def _poison(self, params, partial=False):
         if partial or self.step not in self.nan_steps:

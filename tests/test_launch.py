@@ -174,3 +174,104 @@ def test_an_explicit_resume_is_never_turned_into_a_fresh_start(tmp_path):
     got = _losses(out)
     assert sorted(got) == list(range(2 * SAVE, STEPS)), sorted(got)
     assert all(got[s] == want[s] for s in got), [(s, got[s], want[s]) for s in got if got[s] != want[s]][:3]
+
+
+# --- failures the supervisor repairs: a corrupt newest checkpoint, a full disk -------------------------
+
+def _flip(f):
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0x40               # the middle of a shard: tensor data, past the header
+    f.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize("damage", ["a flipped byte in a shard", pytest.param("a torn manifest", marks=pytest.mark.slow),
+                                    "every checkpoint"])
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_newest_that_verifies(tmp_path, damage):
+    """A job killed after saving steps 10 and 20, then the newest checkpoint damaged. Rerunning the supervisor:
+    the resume fails its checksum (status 2), which used to stop the job as a configuration error with a good
+    checkpoint beside it. Now step_20 is moved aside, the job resumes from step_10 and ends with the
+    uninterrupted run's losses, bit for bit. With every checkpoint damaged it stops and says so: no fresh start."""
+    out = tmp_path / "run"
+    res = _launch(["-n", 2, "--max-restarts", 0, "--", *TRAIN, "--out", out],
+                  env={"PYMPAR_INJECT_KILL_STEP": 25, "PYMPAR_INJECT_KILL_RANK": 1})
+    assert res.returncode not in (0, 2), res.stdout[-2000:]
+    ck = out / "checkpoints"
+    s10, s20 = ck / f"step_{SAVE:08d}", ck / f"step_{2 * SAVE:08d}"
+    if damage == "a torn manifest":
+        m = s20 / "manifest.json"
+        m.write_bytes(m.read_bytes()[:m.stat().st_size // 2])
+    else:
+        _flip(s20 / "rank_00000.safetensors")
+    if damage == "every checkpoint":
+        _flip(s10 / "rank_00000.safetensors")
+    before = (out / "metrics.jsonl").read_text()
+    res = _launch(["-n", 2, "--max-restarts", 2, "--backoff", 0.2, "--", *TRAIN, "--out", out])
+    recs = _records(out)[1:]                         # the second supervisor's attempts
+    if damage == "every checkpoint":
+        assert res.returncode == 2, res.stdout[-3000:]
+        assert "no other checkpoint" in res.stdout and len(recs) == 1 and recs[0]["action"] == "stop", res.stdout[-3000:]
+        assert s20.is_dir() and (out / "metrics.jsonl").read_text() == before     # nothing moved, nothing trained
+        return
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert [r["status"] for r in recs] == [2, 0] and "does not verify" in recs[0]["cause"], recs
+    assert s10.name in recs[0]["repair"] and (ck / (s20.name + ".corrupt")).is_dir(), recs[0]
+    got, want = _losses(out), _reference(2, tmp_path / "ref")
+    assert sorted(got) == list(range(STEPS)) and all(got[s] == want[s] for s in range(STEPS))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 8 MiB tmpfs (a disk that fills), where this user may mount one."""
+    d = tmp_path / "disk"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()[:80]}): the RLIMIT_FSIZE case covers the status")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def test_a_full_disk_waits_for_space_and_resumes(tmp_path, small_disk):
+    """Another file takes the disk's last byte at step 17; the save at step 20 fails (ENOSPC). The trainer
+    used to exit 2, which the supervisor never restarts. Now it exits 74; the supervisor removes what
+    --keep allows, waits until a checkpoint fits (the test frees the space when it says it waits), and
+    resumes from step 15: the uninterrupted run's losses, bit for bit."""
+    import threading
+    out, ballast = small_disk / "run", small_disk / "ballast"
+    env = {"PYMPAR_INJECT_FILL_STEP": 17, "PYMPAR_INJECT_FILL_PATH": str(ballast)}
+    cmd = [sys.executable, "-m", "pympar.launch", "--program", FAULTY, "-n", "2", "--max-restarts", "2", "--backoff",
+           "0.2", "--", *TRAIN, "--save-every", "5", "--keep", "2", "--out", str(out)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=mpi_env(env),
+                         cwd=ROOT / "tests")
+    timer = threading.Timer(240, p.kill)
+    timer.start()
+    lines = []
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if "waiting for disk space" in line and ballast.exists():
+                ballast.unlink()                  # an operator frees the space
+        rc = p.wait()
+    finally:
+        timer.cancel()
+    text = "".join(lines)
+    assert rc == 0, text[-4000:]
+    assert "the disk is full" in text and "waiting for disk space" in text and "removed step_00000010" in text, text[-4000:]
+    recs = _records(out)
+    assert [r["status"] for r in recs] == [74, 0] and "removed step_00000010" in recs[0]["repair"], recs
+    got, want = _losses(out), _reference(2, tmp_path / "ref")
+    assert sorted(got) == list(range(STEPS)) and all(got[s] == want[s] for s in range(STEPS))
+
+
+def test_a_file_size_limit_is_a_full_disk_and_is_restarted(tmp_path):
+    """RLIMIT_FSIZE (where no tmpfs can be mounted): the save's write fails with EFBIG, the trainer exits 74
+    with one line, the supervisor restarts from the previous checkpoint at once (the disk has room)."""
+    out = tmp_path / "run"
+    res = _launch(["-n", 2, "--max-restarts", 1, "--backoff", 0.2, "--", *TRAIN, "--out", out],
+                  env={"PYMPAR_INJECT_FSIZE_STEP": 17})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stderr.count("the disk is full") == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    recs = _records(out)
+    assert [r["status"] for r in recs] == [74, 0], recs
+    got, want = _losses(out), _reference(2, tmp_path / "ref")
+    assert sorted(got) == list(range(STEPS)) and all(got[s] == want[s] for s in range(STEPS))

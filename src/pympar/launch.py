@@ -10,7 +10,15 @@ resumes from live). Each attempt runs the installed ``mpiexec`` (or
 ``--mpiexec PATH``) and is watched to its end:
 
     exit 0                     done: the supervisor exits 0
-    exit 2                     a configuration or data error: not restarted (it would fail again)
+    exit 2                     a configuration or data error: not restarted (it would fail again),
+                               unless the job was resuming OUT/checkpoints' newest checkpoint and that
+                               one does not verify (a flipped byte, a truncated file): it is moved aside
+                               (step_N.corrupt), ``latest`` names the newest checkpoint that verifies,
+                               and the job is restarted from there; with none, the supervisor stops
+    exit 74                    a checkpoint could not be written, the disk full: the partial save and
+                               the checkpoints beyond --keep minus one are removed, the supervisor
+                               waits (up to --disk-wait seconds, backing off) until the disk holds
+                               another checkpoint, and restarts from the previous one
     exit 75                    stopped on request (a signal; pympar.train saved): restarted
     anything else              a rank killed, the watchdog's abort, a node gone: restarted
     the supervisor signalled   SIGTERM/SIGINT/SIGUSR1 are passed to the job (which saves and exits 75)
@@ -48,7 +56,9 @@ import sys
 import time
 from pathlib import Path
 
-CONFIG_STATUS, RESUMABLE_STATUS = 2, 75
+from .resilience import DISK_FULL_STATUS, RESUMABLE_STATUS
+
+CONFIG_STATUS = 2
 
 
 class LaunchError(ValueError):
@@ -69,14 +79,16 @@ def parse(argv):
     ap.add_argument("--min-ranks", type=int, default=1, help="refuse to start an attempt with fewer ranks")
     ap.add_argument("--mpiexec", default=None, help="the mpiexec to run (default: the one beside this Python)")
     ap.add_argument("--backoff", type=float, default=2.0, help="seconds before the first restart (doubling)")
+    ap.add_argument("--disk-wait", type=float, default=600.0,
+                    help="on a full disk, seconds to wait for space before giving up (default 600)")
     ap.add_argument("--program", default=None,
                     help="a Python script to run instead of -m pympar.train, with the same arguments (one that "
                          "calls pympar.train.main, e.g. with hooks of its own; default: python -m pympar.train)")
     a = ap.parse_args(own)
     if a.np is None and a.hostfile is None:
         raise LaunchError("give -n N (ranks) or --hostfile FILE")
-    if a.np is not None and a.np < 1 or a.max_restarts < 0 or a.min_ranks < 1 or a.backoff < 0:
-        raise LaunchError("-n, --min-ranks must be >= 1; --max-restarts, --backoff >= 0")
+    if a.np is not None and a.np < 1 or a.max_restarts < 0 or a.min_ranks < 1 or a.backoff < 0 or a.disk_wait < 0:
+        raise LaunchError("-n, --min-ranks must be >= 1; --max-restarts, --backoff, --disk-wait >= 0")
     if a.program is not None and not Path(a.program).is_file():
         raise LaunchError(f"--program {a.program}: no such file")
     if not train:
@@ -178,6 +190,8 @@ def cause_of(status: int) -> str:
         return "configuration or data error"
     if status == RESUMABLE_STATUS:
         return "stopped on request (checkpoint saved)"
+    if status == DISK_FULL_STATUS:
+        return "the disk is full (a checkpoint could not be written; the previous one is kept)"
     if status < 0 or status > 128:
         sig = -status if status < 0 else status - 128
         try:
@@ -220,6 +234,103 @@ class Supervisor:
         except CheckpointError:
             return False
 
+    # --- failures the supervisor can repair ----------------------------------------------------
+    @property
+    def root(self) -> Path:
+        return self.out / "checkpoints"
+
+    def _broken_newest(self):
+        """(path, problem) when the checkpoint a --resume auto loads does not verify, else None (no
+        checkpoint yet, or a sound one: the job's status 2 was a configuration error)."""
+        from .checkpoint import Checkpoint, CheckpointError, resolve
+        from .checkpoint import layout_io as L
+
+        if not (self.root / L.LATEST).exists() and not L.list_steps(self.root):
+            return None
+        try:
+            path = resolve(self.root)
+        except CheckpointError as e:
+            return Path(e.path), e.problem
+        try:
+            Checkpoint(path).verify_all()
+        except CheckpointError as e:
+            return path, f"{Path(e.path).name}: {e.problem}"
+        return None
+
+    def _fall_back(self, broken):
+        """Move the broken newest checkpoint aside and point ``latest`` at the newest one that
+        verifies; what was done, or None (and nothing moved) when none verifies."""
+        from .checkpoint import Checkpoint, CheckpointError
+        from .checkpoint import layout_io as L
+
+        bad, problem = broken
+        good = None
+        for _, p in reversed(L.list_steps(self.root)):
+            if p.resolve() == bad.resolve():
+                continue
+            try:
+                good = Checkpoint(p).verify_all().path
+                break
+            except CheckpointError:
+                continue
+        if good is None:
+            print(f"pympar.launch: the newest checkpoint {bad} does not verify ({problem}) and no other checkpoint "
+                  f"in {self.root} does: not restarting (it would start the run afresh)", flush=True)
+            return None
+        if bad.is_dir() and bad.parent.resolve() == self.root.resolve():
+            aside = bad.with_name(bad.name + ".corrupt")
+            n = 1
+            while aside.exists():
+                aside, n = bad.with_name(f"{bad.name}.corrupt{n}"), n + 1
+            bad.rename(aside)
+            moved = f"moved to {aside.name}"
+        else:
+            moved = "a broken 'latest' pointer"
+        L.write_text_atomic(self.root / L.LATEST, good.name + "\n")
+        said = f"{bad.name} {moved}: resuming from {good.name}, the newest checkpoint that verifies"
+        print(f"pympar.launch: the newest checkpoint {bad.name} does not verify ({problem}); {said}", flush=True)
+        return said
+
+    def _make_room(self):
+        """After a full disk: remove the partial save and the checkpoints beyond --keep minus one (the
+        next save makes --keep again), then wait, backing off, until the disk has room for another
+        checkpoint as large as the newest; what was done, or None when --disk-wait passes first."""
+        from .checkpoint import layout_io as L
+
+        removed = []
+        if self.root.is_dir():
+            L.clean_stale(self.root)
+            keep = _flag(self.train, "--keep")
+            steps = [p for _, p in L.list_steps(self.root)]
+            latest = L.read_latest(self.root) if (self.root / L.LATEST).is_file() else None
+            if keep and int(keep) > 0:
+                for p in steps[:-max(int(keep) - 1, 1)]:
+                    if latest is None or p.resolve() != latest.resolve():
+                        L.remove_tree(p)
+                        removed.append(p.name)
+        newest = L.list_steps(self.root)[-1][1] if L.list_steps(self.root) else None
+        need = (sum(f.stat().st_size for f in newest.iterdir() if f.is_file()) if newest else 0) + (1 << 20)
+        where = self.root if self.root.is_dir() else self.out
+        if removed:
+            print(f"pympar.launch: removed {', '.join(removed)} (beyond --keep {keep} while the next one is written)",
+                  flush=True)
+        waited, pause = 0.0, max(self.a.backoff, 0.5)
+        while True:
+            free = shutil.disk_usage(where).free
+            if free >= need:
+                return (f"removed {', '.join(removed) or 'nothing'}; {free / 2**20:.1f} MiB free after waiting "
+                        f"{waited:.0f} s")
+            if waited >= self.a.disk_wait:
+                print(f"pympar.launch: {free / 2**20:.1f} MiB free on {where} after {waited:.0f} s, a checkpoint "
+                      f"needs {need / 2**20:.1f} MiB: giving up (free space, then run the same command again)",
+                      flush=True)
+                return None
+            print(f"pympar.launch: waiting for disk space: {free / 2**20:.1f} MiB free on {where}, a checkpoint "
+                  f"needs {need / 2**20:.1f} MiB (next look in {pause:.1f} s)", flush=True)
+            time.sleep(pause)
+            waited += pause
+            pause = min(2 * pause, 60.0, max(self.a.disk_wait - waited, 0.5))
+
     def _log(self, rec):
         """One JSON record in OUT/launch.jsonl; a full or failing disk costs the record, not the job."""
         try:
@@ -247,7 +358,8 @@ class Supervisor:
         for attempt in range(self.a.max_restarts + 1):
             n = self.ranks()
             args, global_batch = layout_for(self.train, n, global_batch)
-            args = _without(args, "--resume") + ["--resume", self.resume_for(attempt)]
+            resume = self.resume_for(attempt)
+            args = _without(args, "--resume") + ["--resume", resume]
             cmd = [self.mpiexec, "-n", str(n)] + (["-f", self.a.hostfile] if self.a.hostfile else []) + \
                 [sys.executable, *(["-m", "pympar.train"] if self.a.program is None else [self.a.program]), *args]
             env = dict(os.environ, PYMPAR_LAUNCH_ATTEMPT=str(attempt))   # the job's environment, passed on
@@ -258,14 +370,24 @@ class Supervisor:
             status = self.child.wait()
             self.child = None
             cause = cause_of(status)
-            final = status == 0 or status == CONFIG_STATUS or self.signalled or attempt == self.a.max_restarts
-            action = "stop" if final else f"restart in {backoff:.0f} s"
+            broken = self._broken_newest() if status == CONFIG_STATUS and resume == "auto" else None
+            if broken is not None:
+                cause = f"the newest checkpoint does not verify ({broken[1]})"
+            final = (status == 0 or (status == CONFIG_STATUS and broken is None) or bool(self.signalled)
+                     or attempt == self.a.max_restarts)
+            repair = None
+            if not final and broken is not None:
+                repair = self._fall_back(broken)
+            elif not final and status == DISK_FULL_STATUS:
+                repair = self._make_room()
+            gave_up = not final and repair is None and (broken is not None or status == DISK_FULL_STATUS)
+            action = "stop" if final or gave_up else f"restart in {backoff:.0f} s"
             self._log(dict(attempt=attempt, ranks=n, args=args, started=t0, seconds=round(time.time() - t0, 3),
-                           status=status, cause=cause, action=action))
+                           status=status, cause=cause, action=action, **({"repair": repair} if repair else {})))
             print(f"pympar.launch: attempt {attempt + 1} ended: {cause} (status {status}); {action}", flush=True)
             if status == 0:
                 return 0
-            if status == CONFIG_STATUS:
+            if gave_up or (status == CONFIG_STATUS and broken is None):
                 return status
             if self.signalled:
                 print(f"pympar.launch: stopped by {signal.Signals(self.signalled).name}; run the same command "

@@ -35,6 +35,7 @@ from .backend import xp_of
 
 STOP_STATUS = 4            # exit status when the run stops on non-finite steps
 RESUMABLE_STATUS = 75      # stopped on request (SIGTERM/SIGINT/SIGUSR1): resume it (sysexits' EX_TEMPFAIL)
+DISK_FULL_STATUS = 74      # a checkpoint could not be written for lack of space; the previous one is kept (EX_IOERR)
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 
 

@@ -25,7 +25,8 @@ collective; a bad configuration makes every rank print ``pympar.train: error: ..
 exit with status 2.
 
 Exit status: 0 done; 2 a bad configuration or data; 4 stopped after --max-bad-steps non-finite
-steps; 75 stopped on request -- SIGTERM, SIGINT or SIGUSR1 to any rank (Slurm's preemption,
+steps; 74 a checkpoint could not be written, the disk full (the previous one is kept; free space
+and rerun with ``--resume auto``); 75 stopped on request -- SIGTERM, SIGINT or SIGUSR1 to any rank (Slurm's preemption,
 ``scancel``, ``--signal=USR1@120``, Ctrl-C): at the end of the step the ranks save a checkpoint to
 OUT/checkpoints (with --out) and stop together; rerun the same command with ``--resume auto``.
 """
@@ -49,7 +50,7 @@ from .comm.objects import gather_object
 from .config import ConfigError, apply_environment, describe, parse_args, resolve_dtype
 from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
 from .kernels import gemm
-from .resilience import (RESUMABLE_STATUS, STOP_STATUS, BadStepGuard, NonFiniteStop, StopRequest,
+from .resilience import (DISK_FULL_STATUS, RESUMABLE_STATUS, STOP_STATUS, BadStepGuard, NonFiniteStop, StopRequest,
                      check_resumable, resolve_resume, restore_run, save_run)
 from .metrics import MetricsWriter, measure_matmul_peak, moe_layer_stats
 from .nn.config import flops_per_token
@@ -99,7 +100,7 @@ def main(argv=None, faults=None) -> int:
 
     # 2.-4. no rank may be left waiting: a stalled collective (or one that does not match, with
     # PYMPAR_DEBUG_COLLECTIVES=1) or any other error after this point ends the whole job
-    from .checkpoint import CheckpointError
+    from .checkpoint import CheckpointDiskFull, CheckpointError
     from .comm import CommTimeoutError
     from .comm.debug import CollectiveMismatchError
     from .comm.watchdog import abort_job
@@ -107,6 +108,13 @@ def main(argv=None, faults=None) -> int:
         return _train(mpi, model_cfg, run, corpus, resume_path, env, faults)
     except (CommTimeoutError, CollectiveMismatchError) as e:
         abort_job(e)
+    except CheckpointDiskFull as e:            # agreed on every rank; the previous checkpoint is the latest
+        if rank == 0:
+            sys.stderr.flush()
+            os.write(2, f"pympar.train: error: the disk is full: {e}. The previous checkpoint is kept: free space "
+                        f"and run the same command with --resume auto (pympar.launch waits for space and resumes "
+                        f"by itself)\n".encode())
+        return DISK_FULL_STATUS
     except CheckpointError as e:               # found while loading (a checksum): agreed on every rank
         if rank == 0:
             sys.stderr.flush()
@@ -254,7 +262,9 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
     if run.profile:
         events = gather_object(comm, rec.events, root=0)   # timed by comm.timeout
         if rank == 0 and out:
-            write_chrome_trace(out / "trace.json", events, [f"rank {r} (pp, dp, cp, tp) {tuple(Mesh.coords(r, lay.dp, lay.pp, lay.tp, lay.cp))}" for r in range(world)])
+            names = [f"rank {r} (pp, dp, cp, tp) {tuple(Mesh.coords(r, lay.dp, lay.pp, lay.tp, lay.cp))}"
+                     for r in range(world)]
+            _write_or_warn(out / "trace.json", lambda f: write_chrome_trace(f, events, names))
     if rank == 0 and history:                  # (empty when resumed at the last step)
         summary = _summary(history, val_loss, wall, world, runner.n_params, describe(model_cfg, run))
         summary["memory"] = dict(ledger_predicted=predicted, ledger_rank0=runner.ledger,
@@ -264,9 +274,18 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
                                  ledger_peak_max_rank=history[-1]["ledger_peak_max_rank"])
         _print_summary(summary, sample, out)
         if out:
-            (out / "summary.json").write_text(json.dumps(summary, indent=1))
+            _write_or_warn(out / "summary.json", lambda f: f.write_text(json.dumps(summary, indent=1)))
     metrics.close()
     return 0
+
+
+def _write_or_warn(path, write):
+    """A run's last files (summary, trace): a full or failing disk costs the file, with one warning,
+    never the finished run's exit status."""
+    try:
+        write(path)
+    except OSError as e:
+        print(f"pympar.train: warning: could not write {path} ({e.strerror or e})", file=sys.stderr, flush=True)
 
 
 def _stop_on_request(runner, run, next_step, guard, comm, lay, stop, saved, metrics) -> int:

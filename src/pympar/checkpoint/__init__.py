@@ -8,12 +8,12 @@
 Tensors are stored under their GLOBAL nanoGPT names with the region of the full tensor each
 piece covers, so a checkpoint written by one parallel layout loads into any other.
 """
-from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointNotFound
+from .errors import CheckpointCorrupt, CheckpointDiskFull, CheckpointError, CheckpointMismatch, CheckpointNotFound
 from .loading import Checkpoint, load, resolve
 from .saving import save
 
 __all__ = ["save", "load", "resolve", "Checkpoint", "CheckpointError", "CheckpointCorrupt",
-           "CheckpointMismatch", "CheckpointNotFound"]
+           "CheckpointMismatch", "CheckpointNotFound", "CheckpointDiskFull"]
 from .state import checkpoint_state, restore_into, save_training  # noqa: E402
 
 __all__ += ["checkpoint_state", "restore_into", "save_training"]

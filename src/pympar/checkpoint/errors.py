@@ -21,3 +21,16 @@ class CheckpointCorrupt(CheckpointError):
 
 class CheckpointMismatch(CheckpointError):
     """The checkpoint is of another model (config or tensor shapes) or lacks a wanted tensor range."""
+
+
+class CheckpointDiskFull(CheckpointError):
+    """Writing a checkpoint failed for lack of space (ENOSPC, EDQUOT) or a file-size limit (EFBIG);
+    the previous checkpoint is kept."""
+
+
+def write_error(path, problem: str, e: Exception) -> CheckpointError:
+    """The CheckpointError for a failed write: CheckpointDiskFull when ``e`` says the disk is full."""
+    import errno
+
+    full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    return (CheckpointDiskFull if full else CheckpointError)(path, f"{problem}: {e}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from ..backend import to_numpy
 from . import layout_io as L
 from . import safetensors_format as st
 from .collectives import agree, allgather_json, rank_size
-from .errors import CheckpointError
+from .errors import CheckpointError, write_error
 from .regions import as_shard, index_json
 
 FORMAT = "pympar-checkpoint"
@@ -149,7 +150,7 @@ class PendingSave:
                 L.clean_stale(root)
                 tmp.mkdir()
         except (ValueError, OSError) as e:
-            err = CheckpointError(final, f"rank {rank}: {e}")
+            err = write_error(final, f"rank {rank}", e)
         agree(comm, err, "preparing the checkpoint directory")
         self.owners = owners
         self.mine = {k: (_staged(k, a, staging) if copy else a, sh) for k, (a, sh) in mine.items()
@@ -172,7 +173,7 @@ class PendingSave:
                 self.info = {"file": fname, "sha256": digest, "bytes": (self.tmp / fname).stat().st_size,
                              "keys": sorted(self.mine)}
         except (OSError, ValueError) as e:
-            self.error = CheckpointError(self.tmp / L.rank_filename(self.rank), f"writing shard file failed: {e}")
+            self.error = write_error(self.tmp / L.rank_filename(self.rank), "writing shard file failed", e)
         self.mine = {}                     # the host copies go as soon as they are on disk
         self._written.set()
 
@@ -190,7 +191,12 @@ class PendingSave:
     def finish(self) -> Path:
         if self._thread is not None:
             self._thread.join()
-        agree(self.comm, self.error, "writing shard files")
+        try:
+            agree(self.comm, self.error, "writing shard files")
+        except CheckpointError:
+            if self.rank == 0:        # every rank is done with it: a partial save must not hold the space
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         written = allgather_json(self.comm, self.info)
         err = None
         if self.rank == 0:
@@ -201,7 +207,7 @@ class PendingSave:
                 _write_latest(self.root, self.final)
                 _prune(self.root, self.keep, self.final)
             except (OSError, TypeError, ValueError) as e:   # TypeError: meta that is not JSON-able
-                err = CheckpointError(self.final, f"publishing the checkpoint failed: {e}")
+                err = write_error(self.final, "publishing the checkpoint failed", e)
         agree(self.comm, err, "publishing the checkpoint")
         return self.final
 
