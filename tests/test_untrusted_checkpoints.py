@@ -51,12 +51,34 @@ def _tools(ck, tmp_path):
             ("generate", [py, "-m", "pympar.generate", str(ck), "--tokens", "4", "--prompt-ids", "1,2"])]
 
 
-def _refused(ck, tmp_path, what):
+# Runs a tool's module under an audit hook (PEP 578) that reports every file the process opens below
+# BAIT: the decoys a hostile checkpoint points at must never be opened, not merely refused afterwards.
+_AUDITED = """
+import os, runpy, sys
+bait = os.environ['PYMPAR_TEST_BAIT']
+def hook(event, args):
+    if event == 'open' and isinstance(args[0], (str, bytes, os.PathLike)):
+        p = os.fsdecode(args[0])
+        if os.path.realpath(p).startswith(bait):
+            os.write(2, ('OPENED-BAIT ' + p + '\\n').encode())
+sys.addaudithook(hook)
+mod = sys.argv[1]
+sys.argv = [mod] + sys.argv[2:]
+runpy.run_module(mod, run_name='__main__', alter_sys=True)
+"""
+
+
+def _refused(ck, tmp_path, what, bait=None):
+    """Every tool refuses ``ck``: exit 2, one error line saying ``what``, no traceback; none opens a file
+    under ``bait`` (the decoy folder a hostile checkpoint points at)."""
     for name, argv in _tools(ck, tmp_path):
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        if bait is not None:                   # python -m MOD ARGS -> python -c AUDITED MOD ARGS
+            argv = [argv[0], "-c", _AUDITED, *argv[2:]]
+        env = dict(os.environ, PYMPAR_TEST_BAIT=os.path.realpath(bait) if bait else "")
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
         text = r.stdout + r.stderr
         assert r.returncode == 2, (name, what, text[-2000:])
-        assert "Traceback" not in text, (name, what, text[-2000:])
+        assert "Traceback" not in text and "OPENED-BAIT" not in text, (name, what, text[-2000:])
         errors = [x for x in text.splitlines() if "error" in x]
         assert len(errors) == 1 and what in errors[0], (name, errors)
 
@@ -79,7 +101,7 @@ def test_a_piece_named_outside_the_folder_is_refused(good, tmp_path, name):
     with pytest.raises(CheckpointError, match="outside the checkpoint's folder"):
         ck_ = Checkpoint(ck)
         ck_.read(next(iter(ck_.tensors)))
-    _refused(ck, tmp_path, "outside the checkpoint's folder")
+    _refused(ck, tmp_path, "outside the checkpoint's folder", bait=outside)
 
 
 def test_a_shard_that_links_out_is_not_followed(good, tmp_path):
@@ -87,7 +109,7 @@ def test_a_shard_that_links_out_is_not_followed(good, tmp_path):
     elsewhere = tmp_path / "elsewhere.safetensors"
     shutil.move(step / "rank_00000.safetensors", elsewhere)
     os.symlink(elsewhere, step / "rank_00000.safetensors")
-    _refused(ck, tmp_path, "outside the checkpoint's folder")
+    _refused(ck, tmp_path, "outside the checkpoint's folder", bait=elsewhere)
 
 
 @pytest.mark.parametrize("pointer", ["../other/step_00000003", "ABSOLUTE", "step_00000003/../../other/step_00000003"])
@@ -96,7 +118,7 @@ def test_a_latest_pointer_out_of_its_folder_is_refused(good, tmp_path, pointer):
     other = tmp_path / "other"
     shutil.copytree(good, other)                     # a valid checkpoint, elsewhere: never to be loaded
     (ck / "latest").write_text(str(other / "step_00000003") if pointer == "ABSOLUTE" else pointer)
-    _refused(ck, tmp_path, "does not name a step_N checkpoint")
+    _refused(ck, tmp_path, "does not name a step_N checkpoint", bait=other)
 
 
 @pytest.mark.parametrize("field, value", [("meta", "a string"), ("files", []), ("files", None), ("tensors", []),
@@ -297,3 +319,35 @@ def test_an_unwritable_import_destination_is_one_line(good, tmp_path):
                         "--n-head", "2"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "a_file" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", ["a piece outside", "a field of the wrong type", "a config claiming a large model",
+                                  "a hostile header"])
+def test_on_two_ranks_every_rank_says_the_same_line_and_nothing_aborts(good, tmp_path, case):
+    """Under mpiexec the same refusal on every rank, before any collective: exit 2, one line per rank with
+    the same text, no traceback, no MPI_Abort -- for the trainer's resume and for generate on a layout."""
+    from mpirun import run_mpi
+    ck, step = _copy(good, tmp_path)
+    shard = step / "rank_00000.safetensors"
+    if case == "a piece outside":
+        def edit(m):
+            m["files"]["../x.safetensors"] = m["files"].pop("rank_00000.safetensors")
+            for t in m["tensors"].values():
+                for q in t["pieces"]:
+                    q["file"] = "../x.safetensors"
+        _edit_manifest(step, edit)
+    elif case == "a field of the wrong type":
+        _edit_manifest(step, lambda m: m.__setitem__("tensors", []))
+    elif case == "a config claiming a large model":
+        _edit_manifest(step, lambda m: m["meta"]["config"].update(vocab_size=2 ** 20, n_embd=512, n_head=8))
+    else:
+        raw = shard.read_bytes()
+        _safetensors(shard, raw=b"[" * 100_000 + b"]" * 100_000, data=raw[-64:])
+    for name, argv in _tools(ck, tmp_path)[1:]:
+        r = run_mpi(2, argv[1:], timeout=120, cwd=tmp_path, check=False)
+        errors = [x.split(": error", 1)[1].replace("(rank 1)", "(rank 0)") for x in r.stdout.splitlines()
+                  if ": error" in x]
+        assert r.returncode == 2, (name, case, r.stdout[-3000:])
+        assert len(errors) == 2 and errors[0] == errors[1], (name, case, r.stdout[-3000:])
+        assert "Traceback" not in r.stdout and "MPI_Abort" not in r.stdout and "BAD TERMINATION" not in r.stdout

@@ -111,6 +111,15 @@ def prompt_ids(a, V: int) -> list:
     return ids
 
 
+def _error(e, mpi, rank) -> int:
+    """One line on stderr (one write: the ranks' lines never interleave); exit status 2."""
+    import os
+
+    sys.stderr.flush()
+    os.write(2, f"pympar.generate: error{'' if mpi is None else f' (rank {rank})'}: {e}\n".encode())
+    return 2
+
+
 def main(argv=None) -> int:
     from .checkpoint import Checkpoint, CheckpointError
 
@@ -140,8 +149,7 @@ def main(argv=None) -> int:
             check(cfg, layout)
         ids = prompt_ids(a, cfg.vocab_size)
     except (ValueError, OSError, CheckpointError) as e:
-        print(f"pympar.generate: error{'' if mpi is None else f' (rank {rank})'}: {e}", file=sys.stderr)
-        return 2
+        return _error(e, mpi, rank)
     prompt = np.array([ids], np.int64)
     t0 = time.perf_counter()
     if mpi is None:
@@ -159,7 +167,10 @@ def main(argv=None) -> int:
         comm = MPIComm(mpi, name="world", on_timeout="abort")
         share_cores(comm, env.threads, env.threads_from)     # each rank its share of the node's cores
         model, mesh = build_for_generation(cfg, comm, layout)
-        step = int(restore_into(model, None, ck.path, comm).get("step", ck.step))
+        try:                                  # a damaged file found while loading: agreed on every rank
+            step = int(restore_into(model, None, ck.path, comm).get("step", ck.step))
+        except CheckpointError as e:
+            return _error(e, mpi, rank)
         out = generate_parallel(model, mesh, prompt, a.tokens, top_k=a.top_k, temperature=a.temperature,
                                 rng=np.random.default_rng(a.seed))
         how = f"key/value cache, {mpi.Get_size()} ranks: tp={layout.tp} pp={layout.pp} ep={layout.ep} dp={layout.dp}"

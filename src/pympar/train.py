@@ -115,10 +115,9 @@ def main(argv=None, faults=None) -> int:
                         f"and run the same command with --resume auto (pympar.launch waits for space and resumes "
                         f"by itself)\n".encode())
         return DISK_FULL_STATUS
-    except CheckpointError as e:               # found while loading (a checksum): agreed on every rank
-        if rank == 0:
-            sys.stderr.flush()
-            os.write(2, f"pympar.train: error: {e}\n".encode())
+    except CheckpointError as e:               # found while loading (a checksum): agreed, the same words on every rank
+        sys.stderr.flush()
+        os.write(2, f"pympar.train: error: {e}\n".encode())
         return 2
     except NonFiniteStop as e:                 # agreed on every rank: all stop together
         sys.stderr.flush()

@@ -43,12 +43,13 @@ def agree(comm, error: Exception | None, what: str):
     """Collective: raise on every rank if any rank failed, else return.
 
     The failing rank re-raises its own exception; the others raise the same class of
-    checkpoint error naming the first failing rank, so no rank walks on into a collective
-    the others skip.
+    checkpoint error with the same path and words (``.rank``: the first failing rank), so every
+    rank can say the same line and none walks on into a collective the others skip.
     """
     from . import errors
 
-    mine = None if error is None else {"type": type(error).__name__, "msg": str(error)}
+    mine = None if error is None else {"type": type(error).__name__, "msg": str(error),
+                                       "path": getattr(error, "path", None), "problem": getattr(error, "problem", None)}
     bad = [(r, e) for r, e in enumerate(allgather_json(comm, mine)) if e is not None]
     if not bad:
         return
@@ -58,4 +59,9 @@ def agree(comm, error: Exception | None, what: str):
     cls = getattr(errors, e["type"], errors.CheckpointError)
     if not (isinstance(cls, type) and issubclass(cls, errors.CheckpointError)):
         cls = errors.CheckpointError
-    raise cls(f"rank {r}", f"{what} failed there: {e['msg']}")
+    if e.get("path") is not None and e.get("problem") is not None:   # the same words on every rank
+        err = cls(e["path"], e["problem"])
+    else:
+        err = cls(f"rank {r}", f"{what} failed there: {e['msg']}")
+    err.rank = r
+    raise err
