@@ -12,7 +12,9 @@ The faults, from the environment:
     PYMPAR_INJECT_FSIZE_STEP=k        at step k every rank limits the files it writes to what they hold
                                       (RLIMIT_FSIZE: a write beyond fails with EFBIG, as on a full disk)
 They fire in the first attempt of a ``pympar.launch`` job only (PYMPAR_LAUNCH_ATTEMPT, which the
-supervisor sets, 0 or unset); ``python -m pympar.launch --program tests/faulty_train.py`` runs it.
+supervisor sets, 0 or unset); a variable with the suffix ``_<k>`` (PYMPAR_INJECT_KILL_STEP_2=26)
+fires in attempt k instead, so one job can meet a fault per attempt.
+``python -m pympar.launch --program tests/faulty_train.py`` runs it.
 """
 from __future__ import annotations
 
@@ -24,13 +26,23 @@ import time
 import numpy as np
 
 
+ATTEMPT = int(os.environ.get("PYMPAR_LAUNCH_ATTEMPT") or 0)
+
+
+def _env(name, default=""):
+    """NAME_<attempt>, else NAME in the first attempt only."""
+    v = os.environ.get(f"{name}_{ATTEMPT}")
+    if v is None:
+        v = os.environ.get(name, default) if ATTEMPT == 0 else default
+    return v
+
+
 def _env_steps(name):
-    v = os.environ.get(name, "")
-    return {int(s) for s in v.split(",") if s.strip()}
+    return {int(s) for s in str(_env(name)).split(",") if s.strip()}
 
 
 def _env_rank(name, default=0):
-    return int(os.environ.get(name, default))
+    return int(_env(name, default))
 
 
 class FaultInjector:
@@ -40,19 +52,14 @@ class FaultInjector:
 
     def __init__(self, rank, model):
         self.rank, self.step = rank, -1
-        if os.environ.get("PYMPAR_LAUNCH_ATTEMPT", "0") not in ("", "0"):   # pympar.launch's restarts:
-            # the faults fired in the first attempt already
-            self.nan_steps, self.nan_here, self.nan_param, self.kill, self.hang = set(), False, None, set(), set()
-            self.fill, self.fsize = set(), set()
-            return
         self.nan_steps = _env_steps("PYMPAR_INJECT_NAN_STEP")
         nan_rank = _env_rank("PYMPAR_INJECT_NAN_RANK")
         self.nan_here = bool(self.nan_steps) and nan_rank in (-1, rank)
-        self.nan_param = os.environ.get("PYMPAR_INJECT_NAN_PARAM") or None
+        self.nan_param = _env("PYMPAR_INJECT_NAN_PARAM") or None
         self.kill = _env_steps("PYMPAR_INJECT_KILL_STEP") if _env_rank("PYMPAR_INJECT_KILL_RANK") == rank else set()
         self.hang = _env_steps("PYMPAR_INJECT_HANG_STEP") if _env_rank("PYMPAR_INJECT_HANG_RANK") == rank else set()
         self.fill = _env_steps("PYMPAR_INJECT_FILL_STEP") if rank == 0 else set()
-        self.fill_path = os.environ.get("PYMPAR_INJECT_FILL_PATH")
+        self.fill_path = _env("PYMPAR_INJECT_FILL_PATH")
         self.fsize = _env_steps("PYMPAR_INJECT_FSIZE_STEP")
         if self.nan_here:
             self._names = {id(p): n for n, p in model.named_parameters()}

@@ -275,3 +275,39 @@ def test_a_file_size_limit_is_a_full_disk_and_is_restarted(tmp_path):
     assert [r["status"] for r in recs] == [74, 0], recs
     got, want = _losses(out), _reference(2, tmp_path / "ref")
     assert sorted(got) == list(range(STEPS)) and all(got[s] == want[s] for s in range(STEPS))
+
+
+def test_an_explicit_resume_that_does_not_verify_stops_and_says_so(tmp_path):
+    """--resume PATH naming a damaged checkpoint: the job's status 2 is not repaired by falling back (the user
+    chose that checkpoint) and never becomes a fresh start; the supervisor says the checkpoint does not verify."""
+    ref = tmp_path / "ref"
+    _reference(2, ref)
+    start = ref / "checkpoints" / f"step_{2 * SAVE:08d}"
+    _flip(start / "rank_00000.safetensors")
+    out = tmp_path / "run"
+    res = _launch(["-n", 2, "--max-restarts", 2, "--backoff", 0.2, "--", *TRAIN, "--resume", start, "--out", out])
+    assert res.returncode == 2, res.stdout[-3000:]
+    recs = _records(out)
+    assert len(recs) == 1 and "the checkpoint --resume names does not verify" in recs[0]["cause"], recs
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()   # nothing trained
+
+
+def test_three_kills_and_a_hang_in_one_run(tmp_path):
+    """One job meets a fault in each of four attempts (faulty_train.py's per-attempt variables): rank 1
+    killed at step 17, rank 0 at 23, rank 1 at 21, rank 0 hung at 25 (the watchdog ends it after
+    --comm-timeout 4); the fifth attempt finishes, and every step's loss and gradient norm is the
+    uninterrupted run's, bit for bit."""
+    out = tmp_path / "run"
+    env = {"PYMPAR_INJECT_KILL_STEP_0": 17, "PYMPAR_INJECT_KILL_RANK_0": 1,
+           "PYMPAR_INJECT_KILL_STEP_1": 23, "PYMPAR_INJECT_KILL_RANK_1": 0,
+           "PYMPAR_INJECT_KILL_STEP_2": 21, "PYMPAR_INJECT_KILL_RANK_2": 1,
+           "PYMPAR_INJECT_HANG_STEP_3": 25, "PYMPAR_INJECT_HANG_RANK_3": 0}
+    res = _launch(["-n", 2, "--max-restarts", 4, "--backoff", 0.2, "--", *TRAIN, "--comm-timeout", 4, "--out", out],
+                  env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    recs = _records(out)
+    assert len(recs) == 5 and all(r["status"] not in (0, 2, 75) for r in recs[:4]) and recs[4]["status"] == 0, recs
+    resumed = [line.rsplit(" at step ", 1)[1] for line in res.stdout.splitlines() if "resumed from" in line]
+    assert resumed == ["10", "20", "20", "20"], resumed
+    got, want = _losses(out), _reference(2, tmp_path / "ref")
+    assert sorted(got) == list(range(STEPS)) and all(got[s] == want[s] for s in range(STEPS))

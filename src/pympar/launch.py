@@ -242,7 +242,7 @@ class Supervisor:
     def _broken_newest(self):
         """(path, problem) when the checkpoint a --resume auto loads does not verify, else None (no
         checkpoint yet, or a sound one: the job's status 2 was a configuration error)."""
-        from .checkpoint import Checkpoint, CheckpointError, resolve
+        from .checkpoint import CheckpointError, resolve
         from .checkpoint import layout_io as L
 
         if not (self.root / L.LATEST).exists() and not L.list_steps(self.root):
@@ -251,28 +251,31 @@ class Supervisor:
             path = resolve(self.root)
         except CheckpointError as e:
             return Path(e.path), e.problem
+        problem = self._broken(path)
+        return None if problem is None else (path, problem)
+
+    @staticmethod
+    def _broken(path):
+        """What is wrong with checkpoint ``path``, or None when it verifies."""
+        from .checkpoint import Checkpoint, CheckpointError
+
         try:
             Checkpoint(path).verify_all()
+            return None
         except CheckpointError as e:
-            return path, f"{Path(e.path).name}: {e.problem}"
-        return None
+            return f"{Path(e.path).name}: {e.problem}"
 
     def _fall_back(self, broken):
         """Move the broken newest checkpoint aside and point ``latest`` at the newest one that
         verifies; what was done, or None (and nothing moved) when none verifies."""
-        from .checkpoint import Checkpoint, CheckpointError
         from .checkpoint import layout_io as L
 
         bad, problem = broken
         good = None
         for _, p in reversed(L.list_steps(self.root)):
-            if p.resolve() == bad.resolve():
-                continue
-            try:
-                good = Checkpoint(p).verify_all().path
+            if p.resolve() != bad.resolve() and self._broken(p) is None:
+                good = p
                 break
-            except CheckpointError:
-                continue
         if good is None:
             print(f"pympar.launch: the newest checkpoint {bad} does not verify ({problem}) and no other checkpoint "
                   f"in {self.root} does: not restarting (it would start the run afresh)", flush=True)
@@ -302,7 +305,10 @@ class Supervisor:
             L.clean_stale(self.root)
             keep = _flag(self.train, "--keep")
             steps = [p for _, p in L.list_steps(self.root)]
-            latest = L.read_latest(self.root) if (self.root / L.LATEST).is_file() else None
+            try:
+                latest = L.read_latest(self.root)
+            except ValueError:                  # a damaged pointer: keep the newest (never in the slice)
+                latest = None
             if keep and int(keep) > 0:
                 for p in steps[:-max(int(keep) - 1, 1)]:
                     if latest is None or p.resolve() != latest.resolve():
@@ -373,6 +379,10 @@ class Supervisor:
             broken = self._broken_newest() if status == CONFIG_STATUS and resume == "auto" else None
             if broken is not None:
                 cause = f"the newest checkpoint does not verify ({broken[1]})"
+            elif status == CONFIG_STATUS and resume != "auto":
+                named = self._broken(resume)
+                if named is not None:            # the user's own choice: said, never replaced
+                    cause = f"the checkpoint --resume names does not verify ({named}): not starting afresh"
             final = (status == 0 or (status == CONFIG_STATUS and broken is None) or bool(self.signalled)
                      or attempt == self.a.max_restarts)
             repair = None
