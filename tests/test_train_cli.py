@@ -194,15 +194,16 @@ def saved_run(tmp_path_factory):
     return out / "checkpoints" / "step_00000002"
 
 
-@pytest.mark.parametrize("damage, needle, every_rank", [
-    ("shape", "checkpoint is of another model (n_embd: checkpoint 32, model 64)", True),
-    ("manifest", "manifest.json", True),
-    ("byte", "sha256", False),
+@pytest.mark.parametrize("damage, needle", [
+    ("shape", "checkpoint is of another model (n_embd: checkpoint 32, model 64)"),
+    ("manifest", "manifest.json"),
+    ("byte", "sha256"),
 ], ids=["another-model", "truncated-manifest", "flipped-byte"])
-def test_bad_checkpoint_ends_every_rank_with_one_line(tmp_path, saved_run, damage, needle, every_rank):
+def test_bad_checkpoint_ends_every_rank_with_one_line(tmp_path, saved_run, damage, needle):
     """What the manifest shows is refused on every rank before any collective (status 2, the same
-    line); a shard whose bytes do not match its sha256 is found while loading, agreed by the ranks
-    and reported once, naming the file -- never a traceback or an abort."""
+    line); a shard whose bytes do not match its sha256 is found while loading by the rank that
+    reads it, agreed by the ranks, and every rank says the failing rank's words, naming the file --
+    never a traceback or an abort."""
     import shutil
 
     ck = tmp_path / "ck"
@@ -221,7 +222,7 @@ def test_bad_checkpoint_ends_every_rank_with_one_line(tmp_path, saved_run, damag
     res = train(2, "--steps", 4, "--resume", ck, "--sample-tokens", 0, *extra, check=False, timeout=90)
     assert res.returncode == 2, res.stdout[-3000:]
     lines = error_lines(res)
-    assert len(lines) == (2 if every_rank else 1) and len(set(lines)) == 1, res.stdout[-3000:]
+    assert len(lines) == 2 and len(set(lines)) == 1, res.stdout[-3000:]
     assert needle in lines[0] and "Traceback" not in res.stdout and "MPI_Abort" not in res.stdout, res.stdout[-3000:]
 
 
