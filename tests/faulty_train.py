@@ -8,6 +8,7 @@ The faults, from the environment:
     PYMPAR_INJECT_NAN_PARAM=NAME       in this parameter (default: the first one backward finishes)
     PYMPAR_INJECT_KILL_STEP=k, PYMPAR_INJECT_KILL_RANK=r   rank r SIGKILLs itself at step k
     PYMPAR_INJECT_HANG_STEP=k, PYMPAR_INJECT_HANG_RANK=r   rank r sleeps (outside MPI) from step k
+    PYMPAR_INJECT_FREEZE_STEP=k, PYMPAR_INJECT_FREEZE_RANK=r  rank r SIGSTOPs itself at step k (heartbeat too)
     PYMPAR_INJECT_FILL_STEP=k, PYMPAR_INJECT_FILL_PATH=F   at step k rank 0 writes F until the disk is full
     PYMPAR_INJECT_FSIZE_STEP=k        at step k every rank limits the files it writes to what they hold
                                       (RLIMIT_FSIZE: a write beyond fails with EFBIG, as on a full disk)
@@ -58,6 +59,8 @@ class FaultInjector:
         self.nan_param = _env("PYMPAR_INJECT_NAN_PARAM") or None
         self.kill = _env_steps("PYMPAR_INJECT_KILL_STEP") if _env_rank("PYMPAR_INJECT_KILL_RANK") == rank else set()
         self.hang = _env_steps("PYMPAR_INJECT_HANG_STEP") if _env_rank("PYMPAR_INJECT_HANG_RANK") == rank else set()
+        self.freeze = _env_steps("PYMPAR_INJECT_FREEZE_STEP") if _env_rank("PYMPAR_INJECT_FREEZE_RANK") == rank \
+            else set()
         self.fill = _env_steps("PYMPAR_INJECT_FILL_STEP") if rank == 0 else set()
         self.fill_path = _env("PYMPAR_INJECT_FILL_PATH")
         self.fsize = _env_steps("PYMPAR_INJECT_FSIZE_STEP")
@@ -74,6 +77,8 @@ class FaultInjector:
         if step in self.hang:
             while True:
                 time.sleep(3600)
+        if step in self.freeze:               # the whole process stops, its heartbeat thread too
+            os.kill(os.getpid(), signal.SIGSTOP)
         if step in self.fill:                 # another user's file takes the disk's last byte
             with open(self.fill_path, "wb", buffering=0) as f:
                 for chunk in (1 << 16, 1 << 12, 1):

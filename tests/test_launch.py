@@ -154,6 +154,40 @@ def test_a_hang_ended_by_the_watchdog_is_restarted(tmp_path):
     assert sorted(_losses(out)) == list(range(STEPS))
 
 
+def test_a_frozen_rank_is_ended_by_its_heartbeat_not_the_communicator_timeout(tmp_path):
+    """Rank 1 SIGSTOPs itself at step 17 (a frozen process: its heartbeat thread stops too). With the
+    communicator's default timeout (300 s) and --heartbeat-timeout 5 the supervisor sees the beat stop,
+    kills the frozen rank, says which, and the restart finishes with the uninterrupted run's losses,
+    bit for bit."""
+    out = tmp_path / "run"
+    env = {"PYMPAR_INJECT_FREEZE_STEP": KILL, "PYMPAR_INJECT_FREEZE_RANK": 1}
+    t0 = time.monotonic()
+    res = _launch(["-n", 2, "--max-restarts", 1, "--backoff", 0.2, "--heartbeat-timeout", 5, "--", *TRAIN,
+                   "--out", out], env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    recs = _records(out)
+    assert len(recs) == 2 and recs[1]["status"] == 0, recs
+    assert recs[0]["cause"].startswith("rank 1 (pid ") and "stopped beating for more than 5 s" in recs[0]["cause"], recs
+    assert time.monotonic() - t0 < 200, "the communicator's timeout (300 s) would have ended it later"
+    got, want = _losses(out), _reference(2, tmp_path / "ref")
+    assert sorted(got) == list(range(STEPS)) and all(got[s] == want[s] for s in range(STEPS))
+    assert not list((out / ".heartbeat").iterdir()), "every rank that ends removes its heartbeat"
+
+
+def test_a_busy_rank_keeps_beating(tmp_path):
+    """A rank whose main thread does not return (sleeping outside MPI, as a long computation
+    would) is not frozen: its heartbeat goes on, so --heartbeat-timeout 4 does not fire, and the others'
+    collectives end the attempt at --comm-timeout 12 (the watchdog's status, not the supervisor's kill)."""
+    out = tmp_path / "run"
+    env = {"PYMPAR_INJECT_HANG_STEP": KILL, "PYMPAR_INJECT_HANG_RANK": 0}
+    res = _launch(["-n", 2, "--max-restarts", 0, "--heartbeat-timeout", 4, "--", *TRAIN, "--comm-timeout", 12,
+                   "--out", out], env=env)
+    recs = _records(out)
+    assert len(recs) == 1 and recs[0]["status"] not in (0, 2, 75), recs
+    assert "stopped beating" not in recs[0]["cause"] and recs[0]["seconds"] > 12, recs
+    assert "timed out" in res.stderr + res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
 def test_an_explicit_resume_is_never_turned_into_a_fresh_start(tmp_path):
     """--resume PATH given to the supervisor, and the first attempt dies before the job saves a checkpoint
     of its own: the retry resumes from PATH again (it used to retry with --resume auto, find nothing in

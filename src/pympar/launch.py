@@ -20,6 +20,10 @@ resumes from live). Each attempt runs the installed ``mpiexec`` (or
                                waits (up to --disk-wait seconds, backing off) until the disk holds
                                another checkpoint, and restarts from the previous one
     exit 75                    stopped on request (a signal; pympar.train saved): restarted
+    a rank stops beating       its process frozen (SIGSTOP, stuck holding the interpreter): after
+                               --heartbeat-timeout seconds the supervisor kills it, which ends the
+                               job, and restarts it (the communicator's timeout, 300 s by default,
+                               would catch it too, later; a slow rank or collective keeps beating)
     anything else              a rank killed, the watchdog's abort, a node gone: restarted
     the supervisor signalled   SIGTERM/SIGINT/SIGUSR1 are passed to the job (which saves and exits 75)
                                and the supervisor stops without restarting, with that status
@@ -81,14 +85,19 @@ def parse(argv):
     ap.add_argument("--backoff", type=float, default=2.0, help="seconds before the first restart (doubling)")
     ap.add_argument("--disk-wait", type=float, default=600.0,
                     help="on a full disk, seconds to wait for space before giving up (default 600)")
+    ap.add_argument("--heartbeat-timeout", type=float, default=60.0,
+                    help="end an attempt when a rank's heartbeat (a thread in every rank, beating in "
+                         "OUT/.heartbeat) has stopped this many seconds: a frozen process; 0: off (default 60)")
     ap.add_argument("--program", default=None,
                     help="a Python script to run instead of -m pympar.train, with the same arguments (one that "
                          "calls pympar.train.main, e.g. with hooks of its own; default: python -m pympar.train)")
     a = ap.parse_args(own)
     if a.np is None and a.hostfile is None:
         raise LaunchError("give -n N (ranks) or --hostfile FILE")
-    if a.np is not None and a.np < 1 or a.max_restarts < 0 or a.min_ranks < 1 or a.backoff < 0 or a.disk_wait < 0:
-        raise LaunchError("-n, --min-ranks must be >= 1; --max-restarts, --backoff, --disk-wait >= 0")
+    if a.np is not None and a.np < 1 or a.max_restarts < 0 or a.min_ranks < 1 or a.backoff < 0 or a.disk_wait < 0 \
+            or not a.heartbeat_timeout >= 0:
+        raise LaunchError("-n, --min-ranks must be >= 1; --max-restarts, --backoff, --disk-wait, "
+                          "--heartbeat-timeout >= 0")
     if a.program is not None and not Path(a.program).is_file():
         raise LaunchError(f"--program {a.program}: no such file")
     if not train:
@@ -337,6 +346,75 @@ class Supervisor:
             waited += pause
             pause = min(2 * pause, 60.0, max(self.a.disk_wait - waited, 0.5))
 
+    # --- a frozen rank --------------------------------------------------------------------------
+    def _heartbeat_folder(self, env):
+        """OUT/.heartbeat, emptied, named to the ranks in env; None when off or not writable."""
+        if not self.a.heartbeat_timeout:
+            return None
+        folder = self.out / ".heartbeat"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for f in folder.iterdir():
+                f.unlink()
+        except OSError:
+            return None
+        env["PYMPAR_HEARTBEAT_DIR"] = str(folder)
+        env["PYMPAR_HEARTBEAT_INTERVAL"] = str(min(5.0, max(0.1, self.a.heartbeat_timeout / 10)))
+        return folder
+
+    def _watch(self, folder):
+        """Wait for the attempt; with heartbeats, end it when a rank's beat has not changed for
+        --heartbeat-timeout seconds of the supervisor's own clock (no clock is compared across
+        nodes). Returns (status, the cause when the supervisor ended it, else None)."""
+        from .resilience import read_heartbeat
+        if folder is None:
+            return self.child.wait(), None
+        limit, seen, last_poll = self.a.heartbeat_timeout, {}, time.monotonic()
+        poll = min(1.0, limit / 4)
+        while True:
+            try:
+                return self.child.wait(timeout=poll), None
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if now - last_poll > limit / 2:          # the supervisor itself was not running: start over
+                seen.clear()
+            last_poll = now
+            try:
+                names = sorted(f.name for f in folder.iterdir() if f.suffix != ".tmp")
+            except OSError:
+                names = []
+            for name in names:
+                beat = read_heartbeat(folder / name)
+                if beat is not None and seen.get(name, (None,))[0] != beat:
+                    seen[name] = (beat, now)
+            for name in list(seen):
+                if name not in names:                # the rank ended on its own
+                    del seen[name]
+            stale = [(name, beat) for name, (beat, t) in seen.items() if now - t > limit]
+            if stale:
+                name, (pid, host, _) = stale[0]
+                cause = (f"rank {int(name.split('_')[1])} (pid {pid} on {host}) stopped beating for more than "
+                         f"{limit:g} s: a frozen process")
+                return self._end_attempt(pid, host), cause
+
+    def _end_attempt(self, pid, host):
+        """Kill the frozen rank where it runs here (mpiexec then ends the job as for any killed rank),
+        else end mpiexec; the attempt's status."""
+        import socket
+        if host == socket.gethostname():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        else:
+            self.child.terminate()
+        try:
+            return self.child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.child.kill()
+            return self.child.wait()
+
     def _log(self, rec):
         """One JSON record in OUT/launch.jsonl; a full or failing disk costs the record, not the job."""
         try:
@@ -369,13 +447,14 @@ class Supervisor:
             cmd = [self.mpiexec, "-n", str(n)] + (["-f", self.a.hostfile] if self.a.hostfile else []) + \
                 [sys.executable, *(["-m", "pympar.train"] if self.a.program is None else [self.a.program]), *args]
             env = dict(os.environ, PYMPAR_LAUNCH_ATTEMPT=str(attempt))   # the job's environment, passed on
+            beats = self._heartbeat_folder(env)
             t0 = time.time()
             print(f"pympar.launch: attempt {attempt + 1}/{self.a.max_restarts + 1}: {n} ranks, "
                   f"{' '.join(args)}", flush=True)
             self.child = subprocess.Popen(cmd, env=env)
-            status = self.child.wait()
+            status, stalled = self._watch(beats)
             self.child = None
-            cause = cause_of(status)
+            cause = cause_of(status) if stalled is None else stalled
             broken = self._broken_newest() if status == CONFIG_STATUS and resume == "auto" else None
             if broken is not None:
                 cause = f"the newest checkpoint does not verify ({broken[1]})"

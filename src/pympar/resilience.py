@@ -20,13 +20,23 @@ them) or to one -- stop the run at the end of the step during which some rank go
 --out the ranks write a checkpoint, rank 0 says where and how to resume, and every rank exits with
 status 75 (``RESUMABLE_STATUS``); without --out they say nothing could be saved and exit 75 too.
 
+Heartbeat. Under pympar.launch (which sets ``PYMPAR_HEARTBEAT_DIR``) every rank runs a daemon
+thread that rewrites ``rank_NNNNN`` there every ``PYMPAR_HEARTBEAT_INTERVAL`` seconds with its pid,
+host and a counter (:class:`Heartbeat`). The thread needs nothing but the interpreter: a rank that is
+slow, or waiting in a long collective, keeps beating; a process that is frozen (SIGSTOP, a debugger,
+a call stuck holding the interpreter, a node that stopped scheduling it) does not, and the supervisor
+ends the job after ``--heartbeat-timeout`` seconds instead of the communicator's timeout. A rank that
+ends removes its file first (it is no longer watched).
+
 Faults for the tests (a NaN gradient, a killed or hung rank) are injected by the tests' own
 entry point, tests/faulty_train.py, through ``pympar.train.main(argv, faults=...)``; a normal run
 constructs no injector.
 """
 from __future__ import annotations
 
+import os
 import signal
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +47,65 @@ STOP_STATUS = 4            # exit status when the run stops on non-finite steps
 RESUMABLE_STATUS = 75      # stopped on request (SIGTERM/SIGINT/SIGUSR1): resume it (sysexits' EX_TEMPFAIL)
 DISK_FULL_STATUS = 74      # a checkpoint could not be written for lack of space; the previous one is kept (EX_IOERR)
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+
+
+class Heartbeat:
+    """A rank's heartbeat file (the module docstring), beaten by a daemon thread; ``None`` from
+    :meth:`from_environment` when no supervisor asked for one. ``stop()`` ends the thread and
+    removes the file (the supervisor stops watching a rank that has ended on its own)."""
+
+    def __init__(self, folder, rank: int, interval: float):
+        import socket
+        self.path = Path(folder) / f"rank_{rank:05d}"
+        self._tmp = self.path.with_suffix(".tmp")
+        self._who = f"{os.getpid()} {socket.gethostname()}"
+        self.interval, self.beats = interval, 0
+        self._done = threading.Event()
+        self._beat()                                          # the first beat before any work
+        self._thread = threading.Thread(target=self._run, name="pympar-heartbeat", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_environment(cls, rank: int, environ=None):
+        env = os.environ if environ is None else environ
+        folder = env.get("PYMPAR_HEARTBEAT_DIR")
+        if not folder:
+            return None
+        try:
+            interval = float(env.get("PYMPAR_HEARTBEAT_INTERVAL", "1"))
+            return cls(folder, rank, interval if interval > 0 else 1.0)
+        except (OSError, ValueError):              # an unwritable folder: the job runs unwatched
+            return None
+
+    def _beat(self):
+        self.beats += 1
+        try:
+            self._tmp.write_text(f"{self._who} {self.beats}\n")
+            os.replace(self._tmp, self.path)
+        except OSError:                            # a full disk costs beats, never the run
+            pass
+
+    def _run(self):
+        while not self._done.wait(self.interval):
+            self._beat()
+
+    def stop(self):
+        self._done.set()
+        self._thread.join(timeout=5 * self.interval + 1)
+        for p in (self.path, self._tmp):
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
+
+def read_heartbeat(path):
+    """(pid, host, count) from a heartbeat file, or None while it is being replaced or is garbled."""
+    try:
+        pid, host, count = Path(path).read_text().split()
+        return int(pid), host, int(count)
+    except (OSError, ValueError):
+        return None
 
 
 class StopRequest:

@@ -50,7 +50,7 @@ from .comm.objects import gather_object
 from .config import ConfigError, apply_environment, describe, parse_args, resolve_dtype
 from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
 from .kernels import gemm
-from .resilience import (DISK_FULL_STATUS, RESUMABLE_STATUS, STOP_STATUS, BadStepGuard, NonFiniteStop, StopRequest,
+from .resilience import (DISK_FULL_STATUS, RESUMABLE_STATUS, STOP_STATUS, BadStepGuard, Heartbeat, NonFiniteStop, StopRequest,
                      check_resumable, resolve_resume, restore_run, save_run)
 from .metrics import MetricsWriter, measure_matmul_peak, moe_layer_stats
 from .nn.config import flops_per_token
@@ -69,6 +69,15 @@ def main(argv=None, faults=None) -> int:
     from mpi4py import MPI                     # MPI_Init; no collective yet
 
     mpi = MPI.COMM_WORLD
+    beat = Heartbeat.from_environment(mpi.Get_rank())   # under pympar.launch: the supervisor watches it
+    try:
+        return _main(mpi, argv, faults)
+    finally:
+        if beat is not None:
+            beat.stop()
+
+
+def _main(mpi, argv, faults) -> int:
     rank, world = mpi.Get_rank(), mpi.Get_size()
     argv = sys.argv[1:] if argv is None else list(argv)
 

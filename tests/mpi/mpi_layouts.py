@@ -179,24 +179,45 @@ def first_difference(runner, lay, got):
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "alltoallv", "barrier",
                "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "ialltoall", "ialltoallv", "ibarrier")
+POINT_TO_POINT = ("send", "recv", "isend", "irecv")
 
 
 class CountCalls:
-    """Counts the collective calls made on one communicator inside the ``with`` (instance
-    attributes over its methods, removed on exit)."""
+    """Counts the collective and point-to-point calls made on each of the given communicators inside
+    the ``with`` (instance attributes over their methods, removed on exit): ``calls[i]`` lists the
+    names called on ``comms[i]``, in order."""
 
-    def __init__(self, comm):
-        self.comm, self.calls = comm, []
+    def __init__(self, *comms):
+        self.comms, self.calls = comms, [[] for _ in comms]
 
     def __enter__(self):
-        for name in COLLECTIVES:
-            real = getattr(self.comm, name)
-            setattr(self.comm, name, lambda *a, _n=name, _f=real, **k: (self.calls.append(_n), _f(*a, **k))[1])
+        for c, calls in zip(self.comms, self.calls):
+            for name in COLLECTIVES + POINT_TO_POINT:
+                real = getattr(c, name, None)
+                if real is not None:
+                    setattr(c, name, lambda *a, _n=name, _f=real, _c=calls, **k: (_c.append(_n), _f(*a, **k))[1])
         return self
 
     def __exit__(self, *exc):
-        for name in COLLECTIVES:
-            delattr(self.comm, name)
+        for c in self.comms:
+            for name in COLLECTIVES + POINT_TO_POINT:
+                if name in vars(c):
+                    delattr(c, name)
+
+
+def check_group_calls(comm, calls, where):
+    """One step's calls on one sub-communicator: a group of one makes none; in a larger group every
+    member made the same collectives in the same order (a mismatch would hang or mix buffers on
+    another MPI), and the group's sends and receives pair up."""
+    if comm.size == 1:
+        assert calls == [], (where, comm.name if hasattr(comm, "name") else comm, calls)
+        return
+    seen = comm.mpi_comm.allgather(calls)
+    coll = [[c for c in mine if c in COLLECTIVES] for mine in seen]
+    assert all(x == coll[0] for x in coll), (where, getattr(comm, "name", comm), coll)
+    sends = sum(c in ("send", "isend") for mine in seen for c in mine)
+    recvs = sum(c in ("recv", "irecv") for mine in seen for c in mine)
+    assert sends == recvs, (where, getattr(comm, "name", comm), sends, recvs)
 
 
 def run_layout(world, lay):
@@ -208,11 +229,14 @@ def run_layout(world, lay):
     for s in range(STEPS):
         mbs = global_batch(s, cfg.vocab_size)
         mine = mbs[runner.mesh.dp_rank * lay.n_micro:(runner.mesh.dp_rank + 1) * lay.n_micro]
-        with CountCalls(runner.comm) as counted:
+        subs = [c for c in runner.mesh.communicators() if c is not runner.comm]
+        with CountCalls(runner.comm, *subs) as counted:
             res = runner.train_step(mine, LR[lay.dtype])
         # the whole world meets once per step: loss, norm, non-finite count, MoE loads and
         # all-to-all figures, stop and checkpoint flags, memory -- one allreduce of one vector
-        assert counted.calls == (["allreduce"] if world.size > 1 else []), (str(lay), s, counted.calls)
+        assert counted.calls[0] == (["allreduce"] if world.size > 1 else []), (str(lay), s, counted.calls[0])
+        for c, calls in zip(subs, counted.calls[1:]):           # and every group within it
+            check_group_calls(c, calls, (str(lay), s))
         got["losses"].append(res["loss"])
         got["norms"].append(res["grad_norm"])
     ev = eval_batches(cfg.vocab_size)

@@ -301,8 +301,9 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
 
 def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, micro_batch_size=1,
             n_micro=1, schedule="1f1b", virtual_stages=1, master_bytes=4, act_bytes=None,
-            bucket_mb=25.0, tiled=None, threads=None, cp=1, moment_bytes=None):
-    """The ledger of the worst pipeline rank of a layout, and its rank: (ledger with peak, pp rank).
+            bucket_mb=25.0, tiled=None, threads=None, cp=1, moment_bytes=None, pp_rank=None):
+    """The ledger of the worst pipeline rank of a layout, and its rank: (ledger with peak, pp rank);
+    with ``pp_rank``, that pipeline rank's instead.
     moment_bytes: bytes of one AdamW moment element (default master_bytes; 2 for bf16 moments).
 
     cp: context parallelism keeps block_size / cp positions of each sequence on a rank, shards ZeRO
@@ -318,7 +319,7 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
     dp = dp * cp                                               # the gradient group (Mesh.dpcp)
     part = partition(cfg, pp, virtual_stages, placement=S.placement_of(schedule))
     worst = None
-    for r in range(pp):
+    for r in range(pp) if pp_rank is None else [pp_rank]:
         stages = part.stages_of(r)
         blocks = [i for s_ in stages for i in part.blocks(s_)]
         first, last = 0 in stages, (part.n_stage - 1) in stages
