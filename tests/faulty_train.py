@@ -7,6 +7,7 @@ The faults, from the environment:
     PYMPAR_INJECT_NAN_RANK=0           on this rank (default 0; -1 = every rank)
     PYMPAR_INJECT_NAN_PARAM=NAME       in this parameter (default: the first one backward finishes)
     PYMPAR_INJECT_KILL_STEP=k, PYMPAR_INJECT_KILL_RANK=r   rank r SIGKILLs itself at step k
+    PYMPAR_INJECT_HOSTS_FILE=F, PYMPAR_INJECT_HOSTS_TEXT=T  ... having first written T to F (a hostfile)
     PYMPAR_INJECT_HANG_STEP=k, PYMPAR_INJECT_HANG_RANK=r   rank r sleeps (outside MPI) from step k
     PYMPAR_INJECT_FREEZE_STEP=k, PYMPAR_INJECT_FREEZE_RANK=r  rank r SIGSTOPs itself at step k (heartbeat too)
     PYMPAR_INJECT_FILL_STEP=k, PYMPAR_INJECT_FILL_PATH=F   at step k rank 0 writes F until the disk is full
@@ -23,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -73,6 +75,9 @@ class FaultInjector:
     def begin_step(self, step):
         self.step = step
         if step in self.kill:
+            hosts = _env("PYMPAR_INJECT_HOSTS_FILE")
+            if hosts:                         # the cluster manager's new hostfile, as the node dies
+                Path(hosts).write_text(_env("PYMPAR_INJECT_HOSTS_TEXT").replace("\\n", "\n"))
             os.kill(os.getpid(), signal.SIGKILL)
         if step in self.hang:
             while True:

@@ -16,11 +16,11 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 
-def _model(preset="tiny", **over):
+def _model(preset="tiny", seed=0, **over):
     cfg = GPTConfig.from_preset(preset)
     for k, v in over.items():
         setattr(cfg, k, v)
-    return GPT(cfg.validate())
+    return GPT(cfg.validate(), seed=seed)
 
 
 def _cli(*args):
@@ -61,13 +61,30 @@ def test_export_loads_in_transformers_with_the_same_logits_and_comes_back_bitwis
         np.testing.assert_array_equal(a.read(k), Checkpoint(tmp_path / "back2").read(k), err_msg=k)
 
 
+def _losses(run):
+    return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_an_imported_model_trains_with_resume(tmp_path):
-    save_training(tmp_path / "ck", 0, _model())                  # the tiny preset's model
+    """A model that went through transformers (exported, loaded by GPT2LMHeadModel, saved by its own
+    save_pretrained, imported back) trains exactly as the original checkpoint does: the same loss at
+    every step, bit for bit, and the loss falls. A fresh model of the same shape starts elsewhere, so
+    the imported weights are the ones being trained."""
+    save_training(tmp_path / "ck", 0, _model(seed=123))       # the tiny preset's shape, not the trainer's init
     export_hf(tmp_path / "ck", tmp_path / "hf")
-    import_hf(tmp_path / "hf", tmp_path / "imported")
-    res = run_mpi(1, ["-m", "pympar.train", "--preset", "tiny", "--steps", "3", "--sample-tokens", "0",
-                      "--eval-iters", "1", "--resume", tmp_path / "imported", "--out", tmp_path / "run"], timeout=90)
-    assert "resumed from" in res.stdout and "at step 0" in res.stdout, res.stdout[-2000:]
+    transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").save_pretrained(tmp_path / "saved")
+    import_hf(tmp_path / "saved", tmp_path / "imported")
+    args = ["-m", "pympar.train", "--preset", "tiny", "--steps", "12", "--sample-tokens", "0", "--eval-every", "0",
+            "--dtype", "float32", "--lr", "3e-3", "--warmup", "0"]
+    losses = {}
+    for name, resume in (("original", ["--resume", tmp_path / "ck"]), ("imported", ["--resume", tmp_path / "imported"]),
+                         ("fresh", [])):
+        res = run_mpi(1, [*args, *resume, "--out", tmp_path / name], timeout=90)
+        assert not resume or "at step 0" in res.stdout, res.stdout[-2000:]
+        losses[name] = _losses(tmp_path / name)
+    assert len(losses["imported"]) == 12 and losses["imported"] == losses["original"], losses
+    assert losses["imported"][0] != losses["fresh"][0], losses
+    assert max(losses["imported"][-3:]) < losses["imported"][0] - 0.1, losses["imported"]
 
 
 def test_what_gpt2_cannot_hold_is_refused_with_the_reason(tmp_path):

@@ -22,6 +22,26 @@ def _comm():
     return _agree
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "ranks(fits): the test runs where fits(world size) is true; at other "
+                                       "world sizes it is deselected (never collected as a skip)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``ranks(fits)`` that do not fit this job's world size are deselected, the same
+    on every rank: a skip is kept for what the machine lacks, not for the test's own set-up."""
+    from mpi4py import MPI
+
+    n = MPI.COMM_WORLD.Get_size()
+    keep, drop = [], []
+    for item in items:
+        m = item.get_closest_marker("ranks")
+        (keep if m is None or m.args[0](n) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture(scope="session")
 def mpi_world():
     from mpi4py import MPI

@@ -290,12 +290,11 @@ def test_invalid_layouts_raise_before_communication(mpi_world):
     mpi_world.Barrier()          # every rank got here: nothing above communicated or hung
 
 
+@pytest.mark.ranks(lambda n: n >= 4 and n % 2 == 0)        # pp >= 2 and tp = 2
 @pytest.mark.parametrize("sp", [False, True])
 def test_pipeline_of_tensor_parallel_stages(mpi_world, sp):
     """pp x tp with tp = 2: each stage's modules are TPGPT's (the factory seam), ranks
     rank = pp_rank * tp + tp_rank; every shard's grad equals the slice of the full grad."""
-    if mpi_world.size % 2 or mpi_world.size < 4:
-        pytest.skip("needs pp >= 2 and tp = 2")
     from pympar.comm import MPIComm
     from pympar.parallel.shard import shard_of
     from pympar.parallel.tp import TPGPT

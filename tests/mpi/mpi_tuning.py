@@ -34,10 +34,9 @@ def agreed(comm, value):
     return comm.mpi_comm.allgather(value)
 
 
+@pytest.mark.ranks(lambda n: n > 1)          # size 1: auto is the only call there is
 def test_decision_is_the_same_on_every_rank_when_their_timings_disagree(fresh):
     c = fresh()
-    if c.size == 1:
-        pytest.skip("size 1: auto is the only call there is")
     names = c.candidates("allreduce")
     k, n, r = len(names), c.size, c.rank
 
@@ -71,10 +70,9 @@ def test_decision_is_the_same_on_every_rank_when_their_timings_disagree(fresh):
     rev.free()
 
 
+@pytest.mark.ranks(lambda n: n > 1)          # size 1: auto is the only call there is
 def test_real_calls_measure_each_bucket_once_and_stay_correct(fresh):
     c = fresh()
-    if c.size == 1:
-        pytest.skip("size 1: auto is the only call there is")
     calls = []
     c._timer = lambda name, run: (calls.append(name), tuning._time_it(name, run))[1]
     n, r = c.size, c.rank
@@ -108,10 +106,9 @@ def _shared_path(comm, name):
     return os.path.join(d, f"{name}.json")
 
 
+@pytest.mark.ranks(lambda n: n > 1)          # size 1: auto is the only call there is
 def test_tuning_file_of_this_shape_is_used(fresh, mpi_world, tmp_path):
     probe = fresh()
-    if probe.size == 1:
-        pytest.skip("size 1: auto is the only call there is")
     path = _shared_path(probe, "tune_fit")
     want = "ring"
     if probe.rank == 0:
@@ -131,11 +128,10 @@ def test_tuning_file_of_this_shape_is_used(fresh, mpi_world, tmp_path):
         os.remove(path)
 
 
+@pytest.mark.ranks(lambda n: n > 1)          # size 1: no decisions
 @pytest.mark.parametrize("what", ["shape", "machine"])
 def test_tuning_file_of_another_shape_or_machine_is_ignored_with_a_warning(fresh, mpi_world, what):
     probe = fresh()
-    if probe.size == 1:
-        pytest.skip("size 1: no decisions")
     path = _shared_path(probe, f"tune_{what}")
     shape = probe.shape_key()
     if probe.rank == 0:
@@ -226,10 +222,9 @@ def test_blocking_library_call_needs_abort_mode_and_is_a_choice_there(mpi_world)
     c.free()
 
 
+@pytest.mark.ranks(lambda n: n > 1)          # size 1: auto is the only call there is
 def test_reproducible_mode_measures_only_what_cannot_change_the_bits(fresh):
     c = fresh("reproducible")
-    if c.size == 1:
-        pytest.skip("size 1: auto is the only call there is")
     names = c.candidates("allreduce")
     timed = []
     other = names[-1]                        # a pympar algorithm, made to look 10x faster than the rest
