@@ -5,6 +5,7 @@ Every number in the document is read from the JSON the run wrote; nothing is typ
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -519,6 +520,84 @@ def sec_memory(res, status) -> str:
     return "\n".join(out) + "\n"
 
 
+# the bench script that writes each JSON (for the targets table's command column)
+COMMANDS = {"checkpoint": "python bench/checkpoint.py", "context_parallel": "python bench/context_parallel.py",
+            "memory": "python bench/memory.py",
+            "attention": "python bench/attention.py", "auto_select": "python bench/auto_select.py",
+            "train_step": "python bench/train_step.py --dtype bfloat16"}
+_BOUND = re.compile(r"\(?target (<=|>=) ([\d.]+)[^)]*\)?")
+
+
+def _without_target(key: str) -> str:
+    """'x / y (peak RSS, target <= 0.4)' -> 'x / y (peak RSS)'; 'x (target <= 1.05; notes)' -> 'x'."""
+    def inner(m):
+        kept = re.sub(r",?\s*target (<=|>=) [\d.]+.*$", "", m.group(1)).strip(" ,;")
+        return f"({kept})" if kept else ""
+    return re.sub(r"\(([^()]*target (?:<=|>=)[^()]*)\)", inner, key).strip()
+
+
+def _verdict(value: float, op: str, bound: float) -> str:
+    ok = value <= bound if op == "<=" else value >= bound
+    if ok:
+        return "met"
+    return f"**missed** by {value / bound:.2f}x" if op == "<=" else f"**missed**: {value / bound:.2f} of it"
+
+
+def target_rows(res: Path) -> list:
+    """(what, target, figure, command, verdict) for every target a benchmark JSON records: the
+    ``targets`` dicts (keys carrying '(target <= X)' or '(target >= X)'), the attention peak's growth,
+    auto's points within its factor, and issue 43's bf16 step figures."""
+    rows = []
+    for name in sorted(COMMANDS):
+        d = _load(res, name)
+        if not d:
+            continue
+        cmd = COMMANDS[name]
+        for key, v in (d.get("targets") or {}).items():
+            m = _BOUND.search(key)
+            if m is None or not isinstance(v, (int, float)):
+                continue
+            what = _without_target(key)
+            op, bound = m.group(1), float(m.group(2))
+            verdict = _verdict(v, op, bound)
+            if "model state / ideal" in key:       # the ledger's own account of itself: no evidence
+                verdict = "not a measurement (the ledger's own account; tests/mpi/mpi_memory.py measures it)"
+            rows.append((what, f"{op} {bound:g}", f"{v:.3f}", f"`{cmd}` ({name}.json)", verdict))
+        if name == "attention" and "tiled_peak_growth" in d:
+            g = d["tiled_peak_growth"]
+            rows.append((f"attention: tiled peak at T {g['to_T']} / at T {g['from_T']} (VmHWM)", f"<= {g['target']:g}",
+                         f"{g['ratio']:.2f}", f"`{cmd}`", _verdict(g["ratio"], "<=", g["target"])))
+        if name == "auto_select" and d.get("summary"):
+            tgt, summ = d.get("target", 1.15), d["summary"]
+            ok = sum(1 for x in summ if x["auto_over_best"] <= tgt)
+            worst = max(x["auto_over_best"] for x in summ)
+            rows.append((f'algo="auto" within {tgt}x of the best choice at every (size, ranks, transport) point',
+                         f"{len(summ)} of {len(summ)}", f"{ok} of {len(summ)} (worst {worst:.2f}x)", f"`{cmd}`",
+                         "met" if ok == len(summ) else f"**missed** at {len(summ) - ok} points"))
+        if name == "train_step":
+            bf = {k: r for k, r in d.get("table", {}).items() if k.endswith("/bf16")}
+            for label, key, op, bound, shapes in (
+                    ("bf16 step over PyTorch autocast eager + SDPA", "sdpa_speed_ratio", ">=", 1.25, None),
+                    ("bf16 step over autocast + torch.compile", "compile_speed_ratio", ">=", 1.1, None),
+                    ("bf16 model FLOP/s over the bf16 GEMM rate (two larger shapes)", "pympar_mfu_vs_bf16_gemm", ">=",
+                     0.6, ("L6", "L12"))):
+                vals = [r[key] for k, r in bf.items() if key in r and (shapes is None or k.startswith(shapes))]
+                if vals:
+                    rows.append((label, f"{op} {bound:g}", f"{min(vals):.2f}-{max(vals):.2f} ({len(vals)} rows)",
+                                 f"`{cmd}`", _verdict(min(vals), op, bound)))
+    return rows
+
+
+def sec_targets(res, status) -> str:
+    rows = target_rows(res)
+    out = ["## Targets the project set itself", "",
+           "Every target recorded in the JSON below, its latest figure, the command that measured it, and met or "
+           "missed (by how much). A target missed stays here until it is met.", "",
+           "| what | target | figure | command | verdict |", "| --- | --- | --- | --- | --- |"]
+    out += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows] or ["| (no results yet) | | | | |"]
+    return "\n".join(out) + "\n"
+
+
 def render(res: Path, status: dict) -> str:
     from common import machine
 
@@ -530,6 +609,6 @@ def render(res: Path, status: dict) -> str:
     quick = [n for n, s in status.items() if s.get("quick")]
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
-    secs = [sec_collectives, sec_auto_select, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe,
+    secs = [sec_targets, sec_collectives, sec_auto_select, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe,
             sec_compression, sec_plan, sec_memory, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

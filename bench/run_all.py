@@ -5,6 +5,7 @@ docs/img/, and docs/benchmarks.md presenting them (bench/report_md.py).
     python bench/run_all.py --quick       # a smoke run of every step, a few minutes
     python bench/run_all.py --only strategies,moe_balance     # some steps; the doc is rewritten
                                                                # from whatever JSON is there
+    python bench/run_all.py --report-only  # nothing run: the doc (with its targets table) from the JSON
 
 Each step is one bench script run as a subprocess (so one failing step does not stop the
 others: the doc marks it failed). Every comparison is measured side by side inside one
@@ -101,6 +102,7 @@ def main(argv=None):
     ap.add_argument("--only", default="", help="comma-separated step names")
     ap.add_argument("--doc", default=str(common.ROOT / "docs" / "benchmarks.md"))
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per step")
+    ap.add_argument("--report-only", action="store_true", help="run nothing: rewrite the doc from the JSON there")
     a = ap.parse_args(argv)
     todo = steps(a.quick)
     names = [s[0] for s in todo]
@@ -113,7 +115,7 @@ def main(argv=None):
     status_path = R / "run_all_status.json"
     status = json.loads(status_path.read_text()) if status_path.exists() else {}
     for name, cmd, fig in todo:
-        if only and name not in only:
+        if a.report_only or only and name not in only:
             continue
         t0 = time.time()
         cmds = cmd if isinstance(cmd[0], list) else [cmd]          # a step: one command or several in turn

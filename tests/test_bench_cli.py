@@ -245,3 +245,27 @@ def test_gemm_bench_times_both_blas_on_the_step_products(tmp_path, bench_module)
     assert (tmp_path / "gemm.png").stat().st_size > 1000
     md = bench_module("report_md").sec_gemm(tmp_path, {})
     assert f"| {row['shape']} | 1 | {row['numpy_ms']:.1f} | {row['pympar_ms']:.1f} | {row['torch_ms']:.1f} |" in md
+
+
+def test_the_targets_table_says_met_and_missed_from_the_json(tmp_path, bench_module):
+    """docs/benchmarks.md opens with every target a benchmark JSON records: a figure within its
+    bound is met, one beyond it is missed by the ratio, a ledger's account of itself is not counted as
+    a measurement, and auto's points are counted."""
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "checkpoint.json").write_text(json.dumps({"targets": {"stall / save (target <= 0.2)": 0.3}}))
+    (res / "memory.json").write_text(json.dumps({"targets": {
+        "a: zero3 / dp1 (peak RSS, target <= 0.4)": 0.38, "a: act none / full (ledger, target >= 4)": 2.0,
+        "a: dp4 zero1 model state / ideal (target <= 1.05; transients apart: 0 MiB)": 1.0}}))
+    (res / "auto_select.json").write_text(json.dumps({"target": 1.15, "summary": [
+        {"auto_over_best": 1.0}, {"auto_over_best": 1.5}]}))
+    rows = {r[0]: r for r in bench_module("report_md").target_rows(res)}
+    assert rows["stall / save"][1:3] == ("<= 0.2", "0.300") and rows["stall / save"][4] == "**missed** by 1.50x"
+    assert rows["a: zero3 / dp1 (peak RSS)"][4] == "met"
+    assert rows["a: act none / full (ledger)"][4] == "**missed**: 0.50 of it"
+    assert rows["a: dp4 zero1 model state / ideal"][4].startswith("not a measurement")
+    auto = next(r for k, r in rows.items() if k.startswith('algo="auto"'))
+    assert auto[2] == "1 of 2 (worst 1.50x)" and auto[4] == "**missed** at 1 points"
+    for name in ("auto_select", "memory"):               # (their own sections want a whole run's rows)
+        (res / f"{name}.json").unlink()
+    assert "| stall / save | <= 0.2 | 0.300 |" in bench_module("report_md").render(res, {})
