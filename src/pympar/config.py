@@ -332,7 +332,8 @@ _HELP = {
     "dp_overlap": "reduce each gradient bucket while backward goes on (--no-dp-overlap: all after backward)",
     "comm_timeout": "seconds before a stalled collective or send/recv aborts the job, naming the ranks that did not "
                     "arrive (default: $PYMPAR_COMM_TIMEOUT, else 300)",
-    "device": "cpu or cuda", "dtype": "compute dtype (the master weights, gradients and optimizer state are --master-dtype); auto: "
+    "device": "cpu or cuda (the GPU path: implemented, not yet run on a GPU)",
+    "dtype": "compute dtype (the master weights, gradients and optimizer state are --master-dtype); auto: "
              "bfloat16 where the CPU multiplies bf16 natively (AMX, AVX512-BF16) or on a GPU, else float32",
     "master_dtype": "dtype of the master weights and optimizer state (float64: for checking numerics)",
     "moments_dtype": "AdamW's moments m, v: float32 (the master dtype) or bfloat16 (half their bytes; the update "
