@@ -49,7 +49,7 @@ def test_ci_slice_of_layouts_on_gpus_matches_single_process(n):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(7300)                 # the 8-rank matrix: 1,692 layouts (732 without cp took over 20 minutes on 2 cores)
+@pytest.mark.timeout(7300)                 # the 8-rank matrix: 2,376 layouts
 @pytest.mark.parametrize("n", WORLDS)
 def test_every_layout_matches_single_process(n):
     ran, failed = _run(n, "full", timeout=7200)
