@@ -57,6 +57,8 @@ ENVIRONMENT = {   # variable -> what it sets (docs/engine.md, "Environment varia
                           "channels when the pipeline runs on NCCL)",
     "PYMPAR_NCCL": "'0'/'1': NCCL for GPU collectives (default: when no two ranks share a GPU)",
     "PYMPAR_CACHE": "directory of the tokenised-corpus cache (default ~/.cache/pympar)",
+    "PYMPAR_HEARTBEAT_DIR": "(pympar.launch) the folder where every rank's heartbeat thread beats",
+    "PYMPAR_HEARTBEAT_INTERVAL": "(pympar.launch) seconds between a rank's heartbeats (default 1)",
     "MPI_LOCALNRANKS, OMPI_COMM_WORLD_LOCAL_SIZE, SLURM_NTASKS_PER_NODE":
         "(launchers) ranks on this node: the polling pace before the communicators know it",
     "OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID, LOCAL_RANK, PMI_LOCAL_RANK":
@@ -93,6 +95,8 @@ class Environment:
     local_rank: int | None = None
     launched: bool = False
     cache_dir: str | None = None
+    heartbeat_dir: str | None = None   # set by pympar.launch
+    heartbeat_interval: float = 1.0
 
 
 def _int_var(env, name, low=None):
@@ -163,7 +167,21 @@ def read_environment(environ=None) -> Environment:
         nccl=_choice_var(env, "PYMPAR_NCCL", ("", "0", "1"), "0 (MPI only), 1 (NCCL) or unset (NCCL unless ranks "
                          "share a GPU)"),
         local_rank=local_rank, launched=any(k in env for k in _LAUNCHED),
-        cache_dir=env.get("PYMPAR_CACHE") or None)
+        cache_dir=env.get("PYMPAR_CACHE") or None,
+        heartbeat_dir=env.get("PYMPAR_HEARTBEAT_DIR") or None, heartbeat_interval=_seconds_var(env, "PYMPAR_HEARTBEAT_INTERVAL", 1.0))
+
+
+def _seconds_var(env, name, default):
+    v = env.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        x = float(v)
+    except ValueError:
+        x = math.nan
+    if not x > 0 or math.isinf(x):
+        raise ConfigError(f"{name}={v!r} is not a positive number of seconds")
+    return x
 
 
 def apply_environment(environ=None, tuning_default="") -> Environment:

@@ -21,7 +21,7 @@ them) or to one -- stop the run at the end of the step during which some rank go
 status 75 (``RESUMABLE_STATUS``); without --out they say nothing could be saved and exit 75 too.
 
 Heartbeat. Under pympar.launch (which sets ``PYMPAR_HEARTBEAT_DIR``) every rank runs a daemon
-thread that rewrites ``rank_NNNNN`` there every ``PYMPAR_HEARTBEAT_INTERVAL`` seconds with its pid,
+thread that rewrites ``rank_NNNNN`` there every ``PYMPAR_HEARTBEAT_INTERVAL`` seconds (read by config.py) with its pid,
 host and a counter (:class:`Heartbeat`). The thread needs nothing but the interpreter: a rank that is
 slow, or waiting in a long collective, keeps beating; a process that is frozen (SIGSTOP, a debugger,
 a call stuck holding the interpreter, a node that stopped scheduling it) does not, and the supervisor
@@ -51,7 +51,7 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 
 class Heartbeat:
     """A rank's heartbeat file (the module docstring), beaten by a daemon thread; ``None`` from
-    :meth:`from_environment` when no supervisor asked for one. ``stop()`` ends the thread and
+    :meth:`start` when no supervisor asked for one. ``stop()`` ends the thread and
     removes the file (the supervisor stops watching a rank that has ended on its own)."""
 
     def __init__(self, folder, rank: int, interval: float):
@@ -66,15 +66,13 @@ class Heartbeat:
         self._thread.start()
 
     @classmethod
-    def from_environment(cls, rank: int, environ=None):
-        env = os.environ if environ is None else environ
-        folder = env.get("PYMPAR_HEARTBEAT_DIR")
-        if not folder:
+    def start(cls, env, rank: int):
+        """The heartbeat pympar.launch asked for (``env``: config.Environment), or None."""
+        if not env.heartbeat_dir:
             return None
         try:
-            interval = float(env.get("PYMPAR_HEARTBEAT_INTERVAL", "1"))
-            return cls(folder, rank, interval if interval > 0 else 1.0)
-        except (OSError, ValueError):              # an unwritable folder: the job runs unwatched
+            return cls(env.heartbeat_dir, rank, env.heartbeat_interval)
+        except OSError:                            # an unwritable folder: the job runs unwatched
             return None
 
     def _beat(self):

@@ -69,15 +69,15 @@ def main(argv=None, faults=None) -> int:
     from mpi4py import MPI                     # MPI_Init; no collective yet
 
     mpi = MPI.COMM_WORLD
-    beat = Heartbeat.from_environment(mpi.Get_rank())   # under pympar.launch: the supervisor watches it
+    beats = []                                 # under pympar.launch: the heartbeat the supervisor watches
     try:
-        return _main(mpi, argv, faults)
+        return _main(mpi, argv, faults, beats)
     finally:
-        if beat is not None:
-            beat.stop()
+        for b in beats:
+            b.stop()
 
 
-def _main(mpi, argv, faults) -> int:
+def _main(mpi, argv, faults, beats) -> int:
     rank, world = mpi.Get_rank(), mpi.Get_size()
     argv = sys.argv[1:] if argv is None else list(argv)
 
@@ -86,6 +86,7 @@ def _main(mpi, argv, faults) -> int:
         quiet = contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext()
         # the environment, read once, here; auto's choices never change a training run's bits
         env = apply_environment(tuning_default="reproducible")
+        beats += [b for b in [Heartbeat.start(env, rank)] if b is not None]
         kernels.require_native("pympar.train")   # never train (and report tokens/s) on the reference by mistake
         with quiet:                            # --help is printed by rank 0 only
             model_cfg, run = parse_args(argv, world, env)
