@@ -132,6 +132,7 @@ template <typename T> T* at(py::array& a, int64_t offset) { return mt<T>(a) + of
 PYBIND11_MODULE(_C, m) {
   K = pick_table("");
   bind_lowp(m);
+  bind_exact(m);
   m.doc() = "pympar C++ kernels (see pympar.kernels)";
   m.def("isa", [] { return std::string(K->isa); }, "the instruction-set build of the arithmetic kernels in use");
   m.def("cpu_features", [] {

@@ -58,5 +58,6 @@ static inline std::string shape_of(const py::array& a) {
 }
 
 void bind_lowp(py::module_& m);   // bindings_lowp.cpp
+void bind_exact(py::module_& m);  // exact.cpp
 
 }  // namespace pympar::bind

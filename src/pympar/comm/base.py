@@ -26,11 +26,39 @@ class Communicator:
     timeout: float = math.inf
 
     # --- collectives: defined by each backend --------------------------------------
-    def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True):
+    def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True, reproducible=False):
         raise NotImplementedError
 
-    def reduce_scatter(self, x, op="sum", algo="auto", out=None):
+    def reduce_scatter(self, x, op="sum", algo="auto", out=None, reproducible=False):
         raise NotImplementedError
+
+    def _reproducible(self, verb, x, op, out, inplace=False):
+        """allreduce / reduce_scatter with ``reproducible=True``: the sum of the ranks' float32 or
+        float64 operands through exact integer bins (comm/exact.py), so its bits depend only on the
+        operands, never on the algorithm, the number of ranks or their order. Two integer
+        collectives (the bins' tops, then the bins: 3 int64 per float32 element, 4 per float64)."""
+        from .exact import ExactSum
+
+        if op != "sum":
+            raise ValueError(f"reproducible=True sums (op='sum'); op={op!r} is exact already in any order"
+                             if op in ("max", "min") else f"reproducible=True takes op='sum', not {op!r}")
+        xp = backend.xp_of(x)
+        host = x if xp is np else backend.to_numpy(x)
+        acc = ExactSum(host.shape, host.dtype).add(host)
+        if verb == "allreduce":
+            got = xp.asarray(acc.allreduce(self).value())
+            if out is None and not inplace:
+                return got
+            dst = x if out is None else out
+        else:
+            got = xp.asarray(acc.reduce_scatter(self).value())
+            if out is None:
+                return got
+            dst = out
+        if dst.shape != got.shape:
+            raise ValueError(f"{verb} out has shape {dst.shape}, expected {got.shape}")
+        dst[...] = got
+        return dst
 
     def allgather(self, x, algo="auto", out=None):
         raise NotImplementedError

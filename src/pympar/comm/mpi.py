@@ -285,12 +285,18 @@ class MPIComm(Communicator):
     # for the next call). Both paths then run the collective by the plan: the library's
     # nonblocking call it bound, or the verb's runner of pympar's algorithms (_run; the fast
     # path inlines the library branch).
-    def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True):
-        """op over ranks of x. out=None: in place into x (inplace=True) or a new array."""
+    def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True, reproducible=False):
+        """op over ranks of x. out=None: in place into x (inplace=True) or a new array.
+        reproducible=True: the same bits for the same operands, whatever the algorithm or the
+        number of ranks (base._reproducible, comm/exact.py)."""
+        if reproducible:
+            return self._reproducible("allreduce", x, op, out, inplace)
         return self._blocking("allreduce", x, out, algo, op=op, inplace=inplace)
 
-    def reduce_scatter(self, x, op="sum", algo="auto", out=None):
+    def reduce_scatter(self, x, op="sum", algo="auto", out=None, reproducible=False):
         """x (N, ...) -> this rank's rows [E[r], E[r+1]) of the reduction (see base.py)."""
+        if reproducible:
+            return self._reproducible("reduce_scatter", x, op, out)
         return self._blocking("reduce_scatter", x, out, algo, op=op)
 
     def allgather(self, x, algo="auto", out=None):

@@ -141,7 +141,9 @@ class NCCLComm(Communicator):
             pass
 
     # --- collectives ------------------------------------------------------------------------
-    def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True, blocking=True):
+    def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True, blocking=True, reproducible=False):
+        if reproducible:                           # the bins on the host (not yet run on a GPU)
+            return self._reproducible("allreduce", x, op, out, inplace)
         check_op(op)
         x = self._dev(x, "allreduce operand")
         dst = check_out(out, x.shape, x.dtype, "allreduce") if out is not None else (x if inplace else self._cp.empty_like(x))
@@ -173,7 +175,9 @@ class NCCLComm(Communicator):
     def isendrecv(self, x, dest, buf, source, sendtag=0, recvtag=None):
         return self._nonblocking("sendrecv", x, dest, buf, source, sendtag, recvtag)
 
-    def reduce_scatter(self, x, op="sum", algo="auto", out=None):
+    def reduce_scatter(self, x, op="sum", algo="auto", out=None, reproducible=False):
+        if reproducible:
+            return self._reproducible("reduce_scatter", x, op, out)
         check_op(op)
         x = self._dev(x, "reduce_scatter operand")
         E, R = row_bounds(x, self.size)

@@ -49,7 +49,9 @@ class SelfComm(Communicator):
         if r != 0:
             raise ValueError(f"{what}={r} is not a rank of a size-1 communicator (only 0)")
 
-    def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True):
+    def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True, reproducible=False):
+        if reproducible:
+            return self._reproducible("allreduce", x, op, out, inplace)
         check_op(op)
         x = contiguous(x, "allreduce operand")
         self.seq += 1
@@ -58,7 +60,9 @@ class SelfComm(Communicator):
             return out
         return x if inplace else x.copy()
 
-    def reduce_scatter(self, x, op="sum", algo="auto", out=None):
+    def reduce_scatter(self, x, op="sum", algo="auto", out=None, reproducible=False):
+        if reproducible:
+            return self._reproducible("reduce_scatter", x, op, out)
         check_op(op)
         x = contiguous(x, "reduce_scatter operand")
         self.seq += 1

@@ -44,12 +44,16 @@ class HostStaging(Communicator):
         return self.comm.ibarrier()
 
     # --- blocking verbs ----------------------------------------------------------------------
-    def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True):
+    def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True, reproducible=False):
+        if reproducible:
+            return self._reproducible("allreduce", x, op, out, inplace)
         if not needs_staging(x, out, reduction=True):
             return self.comm.allreduce(x, op, algo, out=out, inplace=inplace)
         return _land(_into(x, out, inplace), x, self.comm.allreduce(to_host(x), op, algo))
 
-    def reduce_scatter(self, x, op="sum", algo="auto", out=None):
+    def reduce_scatter(self, x, op="sum", algo="auto", out=None, reproducible=False):
+        if reproducible:
+            return self._reproducible("reduce_scatter", x, op, out)
         if not needs_staging(x, out, reduction=True):
             return self.comm.reduce_scatter(x, op, algo, out=out)
         return _land(out, x, self.comm.reduce_scatter(to_host(x), op, algo))

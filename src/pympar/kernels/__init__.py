@@ -47,7 +47,7 @@ __all__ = [
     "attention_block_forward", "attention_block_backward",
     "layernorm_forward", "layernorm_backward", "bias_add", "column_sum", "scatter_add",
     "gelu_forward", "gelu_backward", "cross_entropy_forward", "cross_entropy_backward", "adamw_step",
-    "topk", "capacity_positions", "permute", "unpermute_add", "cast", "reduce_inplace", "scale_inplace",
+    "topk", "capacity_positions", "permute", "unpermute_add", "cast", "reduce_inplace", "scale_inplace", "exact_add", "exact_raise", "exact_value",
     "set_num_threads", "set_process_threads", "get_num_threads", "max_threads", "use_isa", "native_available", "cuda_available", "backend", "use_reference",
 ]
 
@@ -211,6 +211,9 @@ permute = _dispatch("permute")
 unpermute_add = _dispatch("unpermute_add")
 cast = _dispatch("cast")
 reduce_inplace = _dispatch("reduce_inplace")
+exact_add = _dispatch("exact_add")
+exact_raise = _dispatch("exact_raise")
+exact_value = _dispatch("exact_value")
 scale_inplace = _dispatch("scale_inplace")
 
 def library_default_threads() -> int:

@@ -465,3 +465,18 @@ def scale_inplace(x, alpha):
         return reference.scale_inplace(x, alpha)
     _C.scale_inplace(x, float(a))
     return x
+
+
+def exact_add(x, top, bins):
+    if (not isinstance(x, np.ndarray) or x.dtype not in (np.float32, np.float64) or not x.flags.c_contiguous
+            or not top.flags.c_contiguous or not bins.flags.c_contiguous):
+        return reference.exact_add(x, top, bins)
+    return int(_C.exact_add(x, top, bins, bins.shape[1]))
+
+
+def exact_raise(top, bins, new_top):
+    _C.exact_raise(top, bins, np.ascontiguousarray(new_top, np.int32))
+
+
+def exact_value(top, bins, out):
+    _C.exact_value(top, bins, out, int(reference.EXACT_NONE))

@@ -354,3 +354,76 @@ def reduce_inplace(dst, src, op="sum"):
 def scale_inplace(x, alpha):
     x *= x.dtype.type(alpha)            # a scalar of x's dtype (CuPy takes no 0-d NumPy array here)
     return x
+
+
+# --- reproducible sums (pympar/comm/exact.py) ------------------------------------------------------
+EXACT_BIN = 32
+EXACT_NONE = np.iinfo(np.int32).min // 2         # an element no term has reached
+
+
+def _exact_parts(x):
+    """(m, e) integer pairs with x = sum(m * 2^e), |m| < 2^27: one for float32, two for float64."""
+    digits = 24 if x.dtype == np.float32 else 53
+    f, E = np.frexp(x)
+    m = (f.astype(np.float64) * float(1 << digits)).astype(np.int64)    # exact: |f| < 1 has `digits` bits
+    e = E.astype(np.int64) - digits
+    if digits == 24:
+        return [(m, e)]
+    a, s = np.abs(m), np.sign(m)
+    return [(s * (a >> 26), e + 26), (s * (a & ((1 << 26) - 1)), e)]
+
+
+def exact_raise(top, bins, new_top):
+    """Move each element's window of bins up to new_top (>= top), dropping the bins that leave it."""
+    K = bins.shape[1]
+    shift = (new_top.astype(np.int64) - top).clip(0, K)
+    if (shift > 0).any():
+        padded = np.concatenate([np.zeros_like(bins), bins], axis=1)
+        bins[...] = np.take_along_axis(padded, np.arange(K)[None, :] + (K - shift)[:, None], axis=1)
+        top[...] = np.maximum(top, new_top)
+
+
+def exact_add(x, top, bins):
+    """Add the terms x (n,) float32 or float64 into the integer bins (n, K) whose highest bin index
+    is top (n,) int32, in place (ExactSum.add). Returns the index of the first non-finite term (then
+    nothing was added), else -1."""
+    bad = np.flatnonzero(~np.isfinite(x))
+    if bad.size:
+        return int(bad[0])
+    pieces = []
+    for m, e in _exact_parts(x):
+        lo_bin = np.floor_divide(e, EXACT_BIN)
+        v = np.abs(m) << (e - lo_bin * EXACT_BIN)        # < 2^59: the part's bits from bin lo_bin up
+        s = np.sign(m)
+        pieces.append((lo_bin, s * (v & ((1 << EXACT_BIN) - 1)), s * (v >> EXACT_BIN)))
+    term_top = np.full(len(x), EXACT_NONE, np.int64)
+    for lo_bin, lo, hi in pieces:
+        term_top = np.maximum(term_top, np.where(hi != 0, lo_bin + 1, np.where(lo != 0, lo_bin, EXACT_NONE)))
+    exact_raise(top, bins, np.maximum(top, term_top))
+    rows = np.arange(len(x))
+    K = bins.shape[1]
+    for lo_bin, lo, hi in pieces:
+        for b, val in ((lo_bin + 1, hi), (lo_bin, lo)):
+            k = top.astype(np.int64) - b                  # the window's index of bin b
+            ok = (val != 0) & (k >= 0) & (k < K)
+            bins[rows[ok], k[ok]] += val[ok]              # one (row, bin) pair per element here
+    return -1
+
+
+def exact_value(top, bins, out):
+    """ExactSum.value: the bins normalised in place (every bin but the top one in [0, 2^32), the
+    integer unchanged) and read into out (n,) float64: Neumaier's compensated sum of each bin's exact
+    float64 value, top bin first."""
+    K = bins.shape[1]
+    for k in range(K - 1, 0, -1):
+        carry = bins[:, k] >> EXACT_BIN                  # floor division: the remainder is >= 0
+        bins[:, k] -= carry << EXACT_BIN
+        bins[:, k - 1] += carry
+    t = top.astype(np.int64)
+    s, c = np.zeros(len(top)), np.zeros(len(top))
+    for k in range(K):
+        v = np.ldexp(bins[:, k].astype(np.float64), np.clip((t - k) * EXACT_BIN, -2000, 2000))
+        u = s + v
+        c += np.where(np.abs(s) >= np.abs(v), (s - u) + v, (v - u) + s)
+        s = u
+    out[...] = np.where(top == EXACT_NONE, 0.0, s + c)

@@ -213,8 +213,14 @@ class DataParallel:
     """
 
     def __init__(self, named_params, dp_comm, bucket_mb=25.0, overlap=True, compress=None,
-                 zero=0, launch_last=(), units=None, device="cpu"):
+                 zero=0, launch_last=(), units=None, device="cpu", exact=False):
         self.named = list(named_params)
+        # exact (the trainer's --deterministic): every micro-batch's gradient is one term of an
+        # ExactSum per bucket (add_micro), reduced over the group by integer collectives in finish();
+        # the terms come pre-scaled by 1/(the global batch), so nothing is averaged afterwards
+        self.exact = bool(exact)
+        if self.exact and compress:
+            raise ValueError("deterministic gradients are exact sums: they cannot also be compressed")
         if not self.named:
             raise ValueError("DataParallel got no parameters")
         self.comm = dp_comm
@@ -274,6 +280,7 @@ class DataParallel:
         self._sync = True
         self._final = set()                         # ids whose next notification is final (begin_final)
         self._finished = False
+        self._sums, self._nonfinite_terms = {}, False   # exact: bucket index -> ExactSum of the step
         self._t_first = None
         # launched_early: buckets started before finish() (during backward)
         self.last = dict(bytes_sent=0, payload_bytes=0, collectives=0, comm_s=0.0, exposed_s=0.0,
@@ -300,6 +307,8 @@ class DataParallel:
         is there and adds the rest later; the others wait for the final notification."""
         if self._finished:
             self.begin_step()
+        if self.exact:                              # nothing moves during backward: add_micro() takes it
+            return
         if partial and self.zero < 2:
             return
         if self.zero >= 2:                          # every completed bucket syncs now
@@ -321,12 +330,86 @@ class DataParallel:
             self._launch(only_ready=True)
         self._poll()
 
+    def add_micro(self):
+        """exact: this micro-batch's gradients (each bucket's, packed as its reduction would send
+        them) become a term of the bucket's ExactSum, and the gradients are cleared for the next one."""
+        from ..comm.exact import ExactSum
+
+        if self._finished:
+            self.begin_step()
+        for b in self.buckets:
+            if b.sharded:
+                lay = b.layout
+                term = lay.pack([p.grad if p.has_grad else None for p in b.params],
+                                b.xp.zeros(self.dp * lay.seg, dtype=b.dtype))
+            else:
+                b.gather_grads()
+                term = b.buf
+            term = np.asarray(term)
+            if not np.isfinite(term).all():          # the step will be skipped: agreed in finish()
+                self._nonfinite_terms = True
+            else:
+                acc = self._sums.get(b.index)
+                if acc is None:
+                    acc = self._sums[b.index] = ExactSum(term.shape, term.dtype)
+                acc.add(term)
+            for p in b.params:
+                if not p.has_grad:
+                    continue
+                if b.sharded and self.zero >= 2:
+                    p.release_grad()
+                else:
+                    p.zero_grad()                       # zeros when next read, or written over
+
+    def _finish_exact(self):
+        """The exact sums over the group (integer collectives: any algorithm, any number of ranks,
+        the same bits), written where the synced gradients live; a non-finite term anywhere makes
+        every rank's gradients NaN (the step is then skipped, as agreed elsewhere)."""
+        from ..comm.exact import ExactSum
+
+        bad = self._nonfinite_terms
+        if self.dp > 1:
+            bad = bool(np.asarray(self.comm.allreduce(np.array([float(bad)]), op="max")).reshape(-1)[0])
+        for b in self.buckets:
+            shape = (self.dp * b.layout.seg,) if b.sharded else b.buf.shape
+            acc = self._sums.get(b.index) or ExactSum(shape, b.dtype)
+            if b.sharded:
+                rows = acc.reduce_scatter(self.comm).value() if self.dp > 1 else acc.value()
+                if bad:
+                    rows[...] = np.nan
+                b.filled = False
+                self._add_rows(b, b.xp.asarray(rows))
+                b.done = True
+            else:
+                for p, v in zip(b.params, b.views):     # the views are the gradients again (not stale)
+                    p.grad = v
+                b.buf[...] = xp_of(b.buf).asarray(acc.allreduce(self.comm).value())
+                if bad:
+                    b.buf[...] = np.nan
+                b.done = True
+        self._sums = {}
+        self._nonfinite_terms = False
+
+    def exact_local_sq(self, counts):
+        """exact: this rank's share of the squared norm as a shape-() ExactSum of float64 squares
+        (each exact) of the synced gradients it holds and counts (``counts(p)``)."""
+        from ..comm.exact import ExactSum
+
+        acc = ExactSum((), np.float64)
+        for p, g in self.held_grads():
+            if counts(p) and g.size:
+                sq = np.asarray(g, np.float64).reshape(-1) ** 2
+                acc.merge(ExactSum(sq.shape, np.float64).add(sq).total())
+        return acc
+
     def finish(self):
         """Start the buckets not started yet, wait for all, average over dp."""
         if self._finished:
             self.begin_step()
         t0 = time.perf_counter()
-        if self.zero >= 2:                          # what backward left unsynced (or never notified)
+        if self.exact:
+            self._finish_exact()
+        elif self.zero >= 2:                          # what backward left unsynced (or never notified)
             for b in self.buckets:
                 if b.ready or not b.fired:
                     self._start(b)
@@ -334,7 +417,7 @@ class DataParallel:
         else:
             self._launch(only_ready=False)
             self._drain()
-        if self.zero and self.compressor is None and self.dp > 1:
+        if self.zero and self.compressor is None and self.dp > 1 and not self.exact:
             for b in self.buckets:
                 for g in b.reduced():                       # sums -> means, once
                     g *= b.dtype.type(1.0 / self.dp)

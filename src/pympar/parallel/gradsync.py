@@ -105,6 +105,21 @@ class GradSync:
         for d in self.syncs:
             d.begin_micro(last)
 
+    def add_micro(self):
+        """exact (--deterministic): this micro-batch's gradients become one term of the exact sums."""
+        for d in self.syncs:
+            d.add_micro()
+
+    def exact_sq(self, world) -> float:
+        """exact: the squared global norm summed exactly over every rank of ``world`` (each counts
+        what counts_in_norm gives it): the same bits however the gradients are sharded."""
+        from ..comm.exact import ExactSum
+
+        acc = ExactSum((), np.float64)
+        for d in self.syncs:
+            acc.merge(d.exact_local_sq(self.counts_in_norm))
+        return float(acc.allreduce(world).value())
+
     def begin_final(self, params):
         """The step's last backward of params begins (PipelineExecutor.final_backward_hooks)."""
         for d in self.syncs:

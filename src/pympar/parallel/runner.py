@@ -88,6 +88,10 @@ class ParallelRunner:
         self.moments_dtype = opts.moments_dtype
         self.recompute, self.sp, self.zero = layout.recompute, bool(layout.seq_parallel), int(layout.zero)
         self.schedule, self.v, self.bucket_mb = layout.schedule, layout.virtual_stages, opts.bucket_mb
+        # --deterministic: every sequence's gradient is a term of exact sums (comm/exact.py), so the
+        # step's bits do not depend on dp, the micro-batches or ZeRO (pympar.layout.check refuses
+        # what it cannot make so: tp, cp, pp, ep, compression)
+        self.deterministic = bool(getattr(opts, "deterministic", False))
         self.meter = Meter()          # the tp collectives, the cp ring and the expert all-to-alls report here
         self.model, self.executor = self._build_model(opts)    # ep > 1: this rank's experts only
         self.pp_costs = opts.pp_costs     # "measured": the zb table is built for step 1's times
@@ -116,7 +120,8 @@ class ParallelRunner:
         self.sync = GradSync(named, mesh, tied_copy, bucket_mb=opts.bucket_mb,
                              overlap=opts.dp_overlap,
                              compress=None if compress in (None, "none") else compress,
-                             zero=self.zero, units=units, device=self.device).attach(self.model)
+                             zero=self.zero, units=units, device=self.device,
+                             exact=self.deterministic).attach(self.model)
         if self.zero == 3 and self.device != "cpu":    # the rows are on the device already
             for top in self.model.modules():
                 for m in top.modules():
@@ -189,6 +194,10 @@ class ParallelRunner:
                 loss, compute = pipe["loss"], pipe["compute_s"]
                 bubble, pp_other = pipe["recv_wait_s"], max(pipe["step_s"] - pipe["compute_s"] - pipe["recv_wait_s"], 0.0)
                 act, recv_bytes = pipe["activation_peak_bytes"], pipe["recv_buffer_bytes"]
+            elif self.deterministic:
+                loss, stats = self._exact_micro_batches(micro_batches, scale, rec)
+                compute, bubble, pp_other = time.perf_counter() - t0, 0.0, 0.0
+                act, recv_bytes = stats.get("activation_bytes", 0), 0
             else:
                 loss, stats = 0.0, {}
                 for j, (idx, targets) in enumerate(micro_batches):
@@ -226,6 +235,9 @@ class ParallelRunner:
             red = self._allreduce(vec)
         loss = float(red[0] / (self.dp * self.cp))
         nonfinite, total_sq = red[1], float(red[2])
+        if self.deterministic:            # the loss and the norm as exact sums over the world too
+            loss = float(self._exact_loss.allreduce(self.comm).value())
+            total_sq = self.sync.exact_sq(self.comm)
         n_moe = len(self.moe_ids) * (self.model_cfg.n_expert + 3)
         moe = self._moe_from(red[3:3 + n_moe])
         stop_any = bool(red[3 + n_moe] > 0)               # the two flag slots of _step_vector
@@ -257,6 +269,24 @@ class ParallelRunner:
                     cp_ring=dict(wait_s=cp_s, busy_s=cp_busy),
                     pipeline={k: pipe[k] for k in ("bubble", "peak_in_flight", "table_costs") if k in pipe},
                     memory=memory)
+
+    def _exact_micro_batches(self, micro_batches, scale, rec):
+        """--deterministic: one sequence at a time, each sequence's gradient scaled by 1 / (the
+        global batch's sequences) and added exactly (GradSync.add_micro), its loss likewise: the
+        terms are then the same for any dp and any split into micro-batches, and so are their sums."""
+        from ..comm.exact import ExactSum
+
+        seqs = [(idx[i:i + 1], tg[i:i + 1]) for idx, tg in micro_batches for i in range(len(idx))]
+        g = len(seqs) * self.dp                           # every dp rank holds as many
+        self._exact_loss, stats = ExactSum((), np.float64), {}
+        for j, (idx, targets) in enumerate(seqs):
+            self.sync.begin_micro(last=j == len(seqs) - 1)
+            tm = time.perf_counter()
+            part = self.model.loss_and_grad(idx, targets, grad_scale=scale / g, stats=stats)
+            self.sync.add_micro()
+            self._exact_loss.add(np.float64(part) / g)
+            rec.add(f"sequence {j}", "micro", tm, time.perf_counter() - tm, mb=j)
+        return float(self._exact_loss.value()) * self.dp, stats
 
     # --- the memory ledger --------------------------------------------------------------------
     def _update_ledger(self, micro_batches, act, recv_bytes):
