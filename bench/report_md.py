@@ -488,6 +488,25 @@ def sec_soak(res, status) -> str:
     return "\n".join(out)
 
 
+def sec_reproducible(res, status) -> str:
+    d, out = _opening(res, status, "reproducible", "## Reproducible sums: their cost")
+    if not d:
+        return "\n".join(out)
+    out += ["`python bench/reproducible.py`: `allreduce(x, reproducible=True)` (exact integer bins, docs/comm.md) "
+            "against the default `allreduce` (auto) and `MPI_Allreduce` through mpi4py, float32 sum, out of place, "
+            "the slowest rank's mean, interleaved per size; and the trainer's `--deterministic` against its default "
+            "(tiny preset, dp = 2, median tokens/s of alternating runs).", "",
+            "| ranks | size | library us | auto us | reproducible us | reproducible / auto |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+            *[f"| {r['ranks']} | {human(r['bytes'])} | {r['library_us']:.1f} | {r['auto_us']:.1f} | "
+              f"{r['reproducible_us']:.1f} | {r['reproducible_over_auto']:.1f}x |" for r in d["collectives"]]]
+    t = d.get("trainer")
+    if t:
+        out += ["", f"Trainer: {t['default_tokens_per_s']:,.0f} tokens/s by default, {t['deterministic_tokens_per_s']:,.0f} "
+                    f"with --deterministic ({t['deterministic_over_default']:.2f}x).", ""]
+    return "\n".join(out)
+
+
 def sec_memory(res, status) -> str:
     d, out = _opening(res, status, "memory", "## Memory per rank: ZeRO, recomputation, dp/tp/pp, against the ledger and the planner")
     if not d:
@@ -610,5 +629,5 @@ def render(res: Path, status: dict) -> str:
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
     secs = [sec_targets, sec_collectives, sec_auto_select, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe,
-            sec_compression, sec_plan, sec_memory, sec_soak]
+            sec_compression, sec_plan, sec_memory, sec_reproducible, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

@@ -269,3 +269,21 @@ def test_the_targets_table_says_met_and_missed_from_the_json(tmp_path, bench_mod
     for name in ("auto_select", "memory"):               # (their own sections want a whole run's rows)
         (res / f"{name}.json").unlink()
     assert "| stall / save | <= 0.2 | 0.300 |" in bench_module("report_md").render(res, {})
+
+
+def test_reproducible_bench_measures_both_paths_and_renders(tmp_path, bench_module):
+    """bench/reproducible.py --quick: the reproducible allreduce beside auto and the library per size
+    on 2 ranks, and the trainer with and without --deterministic; the doc renders the table."""
+    res = tmp_path / "results"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "reproducible.py"), "--quick", "--json",
+                        res / "reproducible.json"], capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads((res / "reproducible.json").read_text())
+    assert [(r["ranks"], r["bytes"]) for r in d["collectives"]] == [(2, 4096), (2, 1 << 20)]
+    for r in d["collectives"]:
+        assert min(r["library_us"], r["auto_us"], r["reproducible_us"]) > 0
+        assert r["reproducible_over_auto"] == pytest.approx(r["reproducible_us"] / r["auto_us"])
+    t = d["trainer"]
+    assert t["default_tokens_per_s"] > 0 and t["deterministic_tokens_per_s"] > 0
+    doc = bench_module("report_md").render(res, {})
+    assert "## Reproducible sums: their cost" in doc and "| 2 | 4 KiB |" in doc
