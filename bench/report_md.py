@@ -507,6 +507,22 @@ def sec_reproducible(res, status) -> str:
     return "\n".join(out)
 
 
+def sec_param_server(res, status) -> str:
+    d, out = _opening(res, status, "param_server", "## The seed's parameter-server comparison")
+    if not d:
+        return "\n".join(out)
+    out += ["`python bench/param_server.py`: one step's gradient synchronisation (float32, the gradient sharded over "
+            "S server ranks: workers push, servers average and update, workers pull) against pympar's allreduce "
+            "among the same W workers and the same update; the slowest rank's median over iterations, the two "
+            "interleaved in one job of W + S ranks. Above 2 ranks the job oversubscribes the 2 cores: a rank "
+            "waiting in MPI spins, so these rows measure the machine's scheduling as much as the traffic.", "",
+            "| transport | workers | servers | size | parameter server ms | allreduce ms | PS / allreduce |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            *[f"| {r['transport']} | {r['workers']} | {r['servers']} | {human(r['bytes'])} | {r['ps_ms']:.2f} | "
+              f"{r['allreduce_ms']:.2f} | {r['ps_over_allreduce']:.2f} |" for r in d["rows"]], ""]
+    return "\n".join(out)
+
+
 def sec_memory(res, status) -> str:
     d, out = _opening(res, status, "memory", "## Memory per rank: ZeRO, recomputation, dp/tp/pp, against the ledger and the planner")
     if not d:
@@ -629,5 +645,5 @@ def render(res: Path, status: dict) -> str:
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
     secs = [sec_targets, sec_collectives, sec_auto_select, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe,
-            sec_compression, sec_plan, sec_memory, sec_reproducible, sec_soak]
+            sec_compression, sec_plan, sec_memory, sec_reproducible, sec_param_server, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

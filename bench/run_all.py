@@ -93,6 +93,8 @@ def steps(quick: bool) -> list:
                     "--png", IMG / "memory.png"], None),
         ("reproducible", [PY, B / "reproducible.py", *(["--quick"] if q else []), "--json", R / "reproducible.json"],
          None),
+        ("param_server", [PY, B / "param_server.py", *(["--quick"] if q else []), "--json", R / "param_server.json"],
+         None),
         ("soak", [PY, B / "soak.py", "--world", "8", "--preset", "tiny" if q else "small", "--steps", "30" if q else "300",
                   "--save-every", "10" if q else "25", "--json", R / "soak.json", "--png", IMG / "soak.png"], None),
     ]

@@ -287,3 +287,16 @@ def test_reproducible_bench_measures_both_paths_and_renders(tmp_path, bench_modu
     assert t["default_tokens_per_s"] > 0 and t["deterministic_tokens_per_s"] > 0
     doc = bench_module("report_md").render(res, {})
     assert "## Reproducible sums: their cost" in doc and "| 2 | 4 KiB |" in doc
+
+
+def test_param_server_bench_runs_both_and_renders(tmp_path, bench_module):
+    """bench/param_server.py --quick: 2 workers and 1 server against the workers' allreduce, one job."""
+    res = tmp_path / "results"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "param_server.py"), "--quick", "--json",
+                        res / "param_server.json"], capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (r,) = json.loads((res / "param_server.json").read_text())["rows"]
+    assert (r["workers"], r["servers"], r["bytes"], r["transport"]) == (2, 1, 1 << 20, "shm")
+    assert r["ps_ms"] > 0 and r["allreduce_ms"] > 0 and r["same_update"]      # both computed the same update
+    assert r["ps_over_allreduce"] == pytest.approx(r["ps_ms"] / r["allreduce_ms"])
+    assert "## The seed's parameter-server comparison" in bench_module("report_md").render(res, {})
