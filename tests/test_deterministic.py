@@ -1,11 +1,14 @@
-"""--deterministic: the same bits for any data-parallel size, split into micro-batches and ZeRO stage.
+"""--deterministic: the same bits for any data-parallel size, split into micro-batches, ZeRO stage
+and pipeline schedule.
 
 Real trainer runs under mpiexec on the same global batch (12 micro-batches of 2 sequences, split
-as dp x n_micro = 1 x 12, 2 x 6, 3 x 4, 4 x 3) with ZeRO 0-3 spread over them, float32: every
+as dp x n_micro = 1 x 12, 2 x 6, 3 x 4, 4 x 3) with ZeRO 0-3 spread over them, and pipelines of 2
+stages under 1F1B, zb-h1, interleaved and zb-v (alone and with dp = 2 and ZeRO), float32: every
 step's loss and gradient norm, and every tensor of the final checkpoint (parameters and AdamW's
-moments, reassembled from the ZeRO rows), must be bitwise the one-process run's. An elastic
-restart from 4 ranks to 2 (resumed from the step-2 checkpoint with n_micro doubled) too. Without
---deterministic the same runs differ in the last bits (checked below), so the comparison can fail.
+moments, reassembled from the ZeRO rows and the stages), must be bitwise the one-process run's.
+An elastic restart from 4 ranks to 2 (resumed from the step-2 checkpoint with n_micro doubled)
+too. Without --deterministic the same runs differ in the last bits (checked below), so the
+comparison can fail.
 """
 import json
 
@@ -18,14 +21,14 @@ from pympar.checkpoint import Checkpoint
 pytestmark = pytest.mark.mpi
 
 STEPS = 4
-ARGS = ["-m", "pympar.train", "--preset", "tiny", "--block-size", "16", "--micro-batch-size", "2", "--steps", str(STEPS),
+ARGS = ["-m", "pympar.train", "--preset", "tiny", "--n-layer", "4", "--block-size", "16", "--micro-batch-size", "2", "--steps", str(STEPS),
         "--eval-every", "0", "--sample-tokens", "0", "--dtype", "float32", "--threads", "1", "--save-every", "2"]
 G = 12                                         # micro-batches in the global batch
 
 
-def _run(out, dp, zero=0, deterministic=True, *extra):
-    args = [*ARGS, "--n-micro", str(G // dp), "--zero", str(zero), "--out", str(out), *extra]
-    run_mpi(dp, args + (["--deterministic"] if deterministic else []), timeout=180)
+def _run(out, dp, zero=0, deterministic=True, *extra, pp=1):
+    args = [*ARGS, "--n-micro", str(G // dp), "--dp", str(dp), "--zero", str(zero), "--out", str(out), *extra]
+    run_mpi(dp * pp, args + (["--deterministic"] if deterministic else []), timeout=180)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: (float(r["loss"]).hex(), float(r["grad_norm"]).hex()) for r in rows}
 
@@ -51,6 +54,17 @@ def one_process(tmp_path_factory):
 def test_every_data_parallel_size_and_zero_stage_gives_the_same_bits(tmp_path, one_process, dp, zero):
     metrics, tensors = one_process
     got = _run(tmp_path / "run", dp, zero)
+    assert got == metrics
+    _same_tensors(_tensors(tmp_path / "run"), tensors)
+
+
+@pytest.mark.parametrize("dp, zero, schedule", [(1, 0, "1f1b"), (1, 0, "zb-h1"), (1, 0, "interleaved"), (1, 0, "zb-v"),
+                                              (2, 1, "1f1b"), (2, 3, "zb-h1")])
+def test_every_pipeline_schedule_gives_the_same_bits(tmp_path, one_process, dp, zero, schedule):
+    """pp = 2: each B and W action's weight gradients are terms, the tied embedding's two stages'
+    sums are merged as integers, the per-sequence losses summed exactly."""
+    metrics, tensors = one_process
+    got = _run(tmp_path / "run", dp, zero, True, "--pp", "2", "--schedule", schedule, pp=2)
     assert got == metrics
     _same_tensors(_tensors(tmp_path / "run"), tensors)
 

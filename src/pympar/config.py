@@ -351,8 +351,8 @@ _HELP = {
     "dp_overlap": "reduce each gradient bucket while backward goes on (--no-dp-overlap: all after backward)",
     "deterministic": "the same bits for any data-parallel size, split into micro-batches and ZeRO stage: every "
                      "sequence's gradient, loss and squared norm is summed exactly (integer bins, comm/exact.py; "
-                     "one sequence at a time, slower); with dp x ZeRO only (tp, cp, pp and experts split a "
-                     "product's terms: docs/comm.md)",
+                     "one sequence at a time, slower); with dp, ZeRO and pp (any schedule) only (tp, cp and "
+                     "experts split a product's terms: docs/comm.md)",
     "comm_timeout": "seconds before a stalled collective or send/recv aborts the job, naming the ranks that did not "
                     "arrive (default: $PYMPAR_COMM_TIMEOUT, else 300)",
     "device": "cpu or cuda (the GPU path: implemented, not yet run on a GPU)",
@@ -502,13 +502,13 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
     run.layout_resolved = choose_layout(world_size, model, run)
     lay = run.layout_resolved
     if run.deterministic:
-        split = [f"{k}={getattr(lay, k)}" for k in ("tp", "cp", "pp", "ep") if getattr(lay, k) > 1]
+        split = [f"{k}={getattr(lay, k)}" for k in ("tp", "cp", "ep") if getattr(lay, k) > 1]
         if model.n_expert:
             split.append(f"n_expert={model.n_expert}")
         if split or run.compress != "none":
             raise ConfigError(f"--deterministic makes the step's bits independent of dp, the micro-batches and ZeRO; "
                               f"{', '.join(split) or '--compress ' + run.compress} would change how the terms of a "
-                              f"product or a reduction are formed: use dp (and --zero) only")
+                              f"product or a reduction are formed: use dp, pp and --zero only")
     if run.pp_costs == "measured" and (lay.pp == 1 or lay.schedule not in ("zb-h1", "zb-v")):
         raise ConfigError(f"--pp-costs measured builds the zb-h1/zb-v table for the measured times, but this run is "
                           f"pp={lay.pp} with schedule {lay.schedule}: use --schedule zb-h1 or zb-v with --pp > 1, or "

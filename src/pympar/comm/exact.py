@@ -105,6 +105,14 @@ class ExactSum:
             out.bins[:] = c.bins.sum(axis=0)
         return out
 
+    @classmethod
+    def from_arrays(cls, dtype, shape, top, bins):
+        """A sum made of its integers (a peer's top and bins, received): not normalised, the same value."""
+        out = cls(shape, dtype)
+        out.top[...] = np.asarray(top, np.int32).reshape(-1)
+        out.bins[...] = np.asarray(bins, np.int64).reshape(out.bins.shape)
+        return out
+
     def copy(self):
         c = ExactSum.__new__(ExactSum)
         c.dtype, c.K, c.shape, c._adds = self.dtype, self.K, self.shape, self._adds

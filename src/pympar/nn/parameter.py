@@ -90,6 +90,11 @@ class Parameter:
             return self._grad
         return None
 
+    def fresh_grad(self):
+        """The gradient array when it holds a contribution since the last zero_grad, else None
+        (released, or zeroed lazily and not written since)."""
+        return None if self._grad is None or self._stale else self._grad
+
     @property
     def has_grad(self) -> bool:
         """False while the gradient is released (it reads as zeros when next used)."""

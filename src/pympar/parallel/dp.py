@@ -307,7 +307,8 @@ class DataParallel:
         is there and adds the rest later; the others wait for the final notification."""
         if self._finished:
             self.begin_step()
-        if self.exact:                              # nothing moves during backward: add_micro() takes it
+        if self.exact:                              # each notified gradient is a term now (the head's share
+            self._collect(params)                   # of a tied weight apart from the embedding's)
             return
         if partial and self.zero < 2:
             return
@@ -331,62 +332,99 @@ class DataParallel:
         self._poll()
 
     def add_micro(self):
-        """exact: this micro-batch's gradients (each bucket's, packed as its reduction would send
-        them) become a term of the bucket's ExactSum, and the gradients are cleared for the next one."""
-        from ..comm.exact import ExactSum
-
+        """exact: whatever gradient the parameters hold since they were last collected (this
+        micro-batch's, or this pipeline action's) becomes a term of each parameter's ExactSum, and
+        the gradients are cleared for the next one."""
         if self._finished:
             self.begin_step()
-        for b in self.buckets:
-            if b.sharded:
-                lay = b.layout
-                term = lay.pack([p.grad if p.has_grad else None for p in b.params],
-                                b.xp.zeros(self.dp * lay.seg, dtype=b.dtype))
-            else:
-                b.gather_grads()
-                term = b.buf
-            term = np.asarray(term)
-            if not np.isfinite(term).all():          # the step will be skipped: agreed in finish()
+        self._collect(p for _, p in self.named)
+
+    def _collect(self, params):
+        from ..comm.exact import ExactSum
+
+        for p in params:
+            if id(p) not in self.bucket_of:
+                continue
+            g = p.fresh_grad()
+            if g is None:
+                continue
+            g = np.asarray(g)
+            if not np.isfinite(g).all():             # the step will be skipped: agreed in finish()
                 self._nonfinite_terms = True
             else:
-                acc = self._sums.get(b.index)
+                acc = self._sums.get(id(p))
                 if acc is None:
-                    acc = self._sums[b.index] = ExactSum(term.shape, term.dtype)
-                acc.add(term)
-            for p in b.params:
-                if not p.has_grad:
-                    continue
-                if b.sharded and self.zero >= 2:
-                    p.release_grad()
-                else:
-                    p.zero_grad()                       # zeros when next read, or written over
+                    acc = self._sums[id(p)] = ExactSum(g.shape, g.dtype)
+                acc.add(g)
+            if self.bucket_of[id(p)].sharded and self.zero >= 2:
+                p.release_grad()
+            else:
+                p.zero_grad()                       # zeros when next read, or written over
+
+    def exact_sum_of(self, p):
+        """exact: parameter p's ExactSum of this step (made empty when it has none yet)."""
+        from ..comm.exact import ExactSum
+
+        if id(p) not in self._sums:
+            shape = tuple(p.grad_shape or p.shape)
+            self._sums[id(p)] = ExactSum(shape, self.buckets[0].dtype if p.dtype is None else p.dtype)
+        return self._sums[id(p)]
+
+    def _bucket_sum(self, b):
+        """The bucket's ExactSum laid out as its reduction sends it: the parameters' sums one after
+        another (zero=0, padded), or rank-major rows (ZeRO: the layout's pack, applied to indices)."""
+        from ..comm.exact import ExactSum
+
+        parts = [self._sums.get(id(p)) for p in b.params]
+        sizes = [int(np.prod(p.grad_shape or p.shape)) for p in b.params]
+        n = int(sum(sizes))
+        acc = ExactSum((n,), b.dtype)
+        o = 0
+        for part, k in zip(parts, sizes):
+            if part is not None:
+                acc.top[o:o + k] = part.top
+                acc.bins[o:o + k] = part.bins
+            o += k
+        if not b.sharded:
+            out = ExactSum(b.buf.shape, b.dtype)
+            out.top[:n], out.bins[:n] = acc.top, acc.bins
+            return out
+        if getattr(b, "_exact_perm", None) is None:  # packed position -> index + 1 (0: padding)
+            idx, o = [], 0
+            for p, k in zip(b.params, sizes):
+                idx.append(np.arange(o + 1, o + k + 1, dtype=np.float64).reshape(p.grad_shape or p.shape))
+                o += k
+            b._exact_perm = b.layout.pack(idx, np.empty(self.dp * b.layout.seg, np.float64)).astype(np.int64)
+        perm = b._exact_perm
+        out = ExactSum(perm.shape, b.dtype)
+        live = perm > 0
+        out.top[live] = acc.top[perm[live] - 1]
+        out.bins[live] = acc.bins[perm[live] - 1]
+        return out
 
     def _finish_exact(self):
         """The exact sums over the group (integer collectives: any algorithm, any number of ranks,
         the same bits), written where the synced gradients live; a non-finite term anywhere makes
         every rank's gradients NaN (the step is then skipped, as agreed elsewhere)."""
-        from ..comm.exact import ExactSum
-
+        self.add_micro()                            # anything not collected yet
         bad = self._nonfinite_terms
         if self.dp > 1:
             bad = bool(np.asarray(self.comm.allreduce(np.array([float(bad)]), op="max")).reshape(-1)[0])
         for b in self.buckets:
-            shape = (self.dp * b.layout.seg,) if b.sharded else b.buf.shape
-            acc = self._sums.get(b.index) or ExactSum(shape, b.dtype)
+            acc = self._bucket_sum(b)
             if b.sharded:
                 rows = acc.reduce_scatter(self.comm).value() if self.dp > 1 else acc.value()
                 if bad:
                     rows[...] = np.nan
                 b.filled = False
                 self._add_rows(b, b.xp.asarray(rows))
-                b.done = True
             else:
                 for p, v in zip(b.params, b.views):     # the views are the gradients again (not stale)
                     p.grad = v
                 b.buf[...] = xp_of(b.buf).asarray(acc.allreduce(self.comm).value())
                 if bad:
                     b.buf[...] = np.nan
-                b.done = True
+            b.done = True
         self._sums = {}
         self._nonfinite_terms = False
 

@@ -110,6 +110,13 @@ class GradSync:
         for d in self.syncs:
             d.add_micro()
 
+    def exact_sum_of(self, p):
+        """exact: p's ExactSum of this step, from the group that reduces it."""
+        for d in self.syncs:
+            if id(p) in d.bucket_of:
+                return d.exact_sum_of(p)
+        raise KeyError(f"{p!r} is in no gradient group")
+
     def exact_sq(self, world) -> float:
         """exact: the squared global norm summed exactly over every rank of ``world`` (each counts
         what counts_in_norm gives it): the same bits however the gradients are sharded."""

@@ -128,6 +128,9 @@ class ParallelRunner:
                     m.move_buffers(self.device)
         if self.executor is not None:     # buckets start as each chunk's last backward ends
             self.executor.final_backward_hooks.append(self.sync.begin_final)
+            if self.deterministic:        # every B and W action's gradients become exact terms
+                self.executor.action_done_hooks.append(self.sync.add_micro)
+                self.executor.exact_tied = self.sync.exact_sum_of
         self.opt = self.sync.make_optimizer(lr=opts.lr, weight_decay=opts.weight_decay,
                                             moments_dtype=opts.moments_dtype)
         self.grad_clip = opts.grad_clip
@@ -190,7 +193,17 @@ class ParallelRunner:
             if self.executor is not None:
                 sync.begin_micro(last=False)              # the executor calls sync.begin_final per chunk
                 trace = (lambda label, t, dt, mb: rec.add(label, "layer", t, dt, mb=mb)) if rec.enabled else None
-                pipe = self.executor.train_step(micro_batches, loss_scale=scale, trace=trace)
+                if self.deterministic:                    # one sequence a micro-batch, scaled by 1/G
+                    from ..comm.exact import ExactSum
+
+                    seqs = self._sequences(micro_batches)
+                    g = len(seqs) * self.dp
+                    pipe = self.executor.train_step(seqs, loss_scale=scale, trace=trace, grad_scale=scale / g)
+                    self._exact_loss = ExactSum((), np.float64)
+                    for part in pipe["losses"]:
+                        self._exact_loss.add(np.float64(part) / g)
+                else:
+                    pipe = self.executor.train_step(micro_batches, loss_scale=scale, trace=trace)
                 loss, compute = pipe["loss"], pipe["compute_s"]
                 bubble, pp_other = pipe["recv_wait_s"], max(pipe["step_s"] - pipe["compute_s"] - pipe["recv_wait_s"], 0.0)
                 act, recv_bytes = pipe["activation_peak_bytes"], pipe["recv_buffer_bytes"]
@@ -236,7 +249,7 @@ class ParallelRunner:
         loss = float(red[0] / (self.dp * self.cp))
         nonfinite, total_sq = red[1], float(red[2])
         if self.deterministic:            # the loss and the norm as exact sums over the world too
-            loss = float(self._exact_loss.allreduce(self.comm).value())
+            loss = float(self._exact_loss.allreduce(self.mesh.dpcp_comm).value())
             total_sq = self.sync.exact_sq(self.comm)
         n_moe = len(self.moe_ids) * (self.model_cfg.n_expert + 3)
         moe = self._moe_from(red[3:3 + n_moe])
@@ -270,13 +283,18 @@ class ParallelRunner:
                     pipeline={k: pipe[k] for k in ("bubble", "peak_in_flight", "table_costs") if k in pipe},
                     memory=memory)
 
+    @staticmethod
+    def _sequences(micro_batches):
+        """--deterministic's micro-batches: one sequence each, in order."""
+        return [(idx[i:i + 1], tg[i:i + 1]) for idx, tg in micro_batches for i in range(len(idx))]
+
     def _exact_micro_batches(self, micro_batches, scale, rec):
         """--deterministic: one sequence at a time, each sequence's gradient scaled by 1 / (the
         global batch's sequences) and added exactly (GradSync.add_micro), its loss likewise: the
         terms are then the same for any dp and any split into micro-batches, and so are their sums."""
         from ..comm.exact import ExactSum
 
-        seqs = [(idx[i:i + 1], tg[i:i + 1]) for idx, tg in micro_batches for i in range(len(idx))]
+        seqs = self._sequences(micro_batches)
         g = len(seqs) * self.dp                           # every dp rank holds as many
         self._exact_loss, stats = ExactSum((), np.float64), {}
         for j, (idx, targets) in enumerate(seqs):

@@ -110,6 +110,11 @@ class PipelineExecutor:
         # the rank's: the tied wte and partial grads are summed then). A data-parallel sync
         # (DataParallel.begin_final) then starts buckets on the next grad_ready: overlap.
         self.final_backward_hooks = []
+        # --deterministic (the runner's): h() after every B and W action (each action's weight
+        # gradients become terms of exact sums, GradSync.add_micro), and exact_tied(param) -> the
+        # ExactSum of the tied wte, merged between the first and last stage instead of summed in float
+        self.action_done_hooks = []
+        self.exact_tied = None
         self.stats = {}
 
     # --- neighbours and tags --------------------------------------------------------------
@@ -132,7 +137,7 @@ class PipelineExecutor:
         return s < self.model.part.n_stage - 1, s + 1
 
     # --- one training step ----------------------------------------------------------------
-    def train_step(self, micro_batches, loss_scale: float = 1.0, trace=None) -> dict:
+    def train_step(self, micro_batches, loss_scale: float = 1.0, trace=None, grad_scale=None) -> dict:
         """Forward and backward of all micro-batches [(idx (B,T), targets (B,T)), ...] on this rank.
 
         Every rank gets the same list (the first stage reads idx, the last targets). Gradients of
@@ -157,7 +162,7 @@ class PipelineExecutor:
                                  f"micro-batch of a pipeline step must be ({B}, {T}) (receive buffers are sized once)")
         act_dtype = model.act_dtype
         shape = model.activation_shape(B, T)
-        grad_scale = loss_scale / m
+        grad_scale = loss_scale / m if grad_scale is None else grad_scale     # (given: --deterministic's 1/G)
         check_tags(m, v)
 
         if self.partial_sync is not None:
@@ -229,6 +234,8 @@ class PipelineExecutor:
                 w.run()
                 live_bytes -= nb
                 model.grad_ready_chunk(chunk)
+                for hook in self.action_done_hooks:
+                    hook()
                 out = None
             else:
                 if last_b[a.chunk] == i_act:
@@ -246,6 +253,8 @@ class PipelineExecutor:
                     out = chunk.backward(inp, ctx, grad_scale,
                                          ready=model.grad_ready_module if model.grad_ready_hooks else None)
                     model.grad_ready_chunk(chunk)
+                for hook in self.action_done_hooks:
+                    hook()
                 live -= 1
                 dest_stage = s - 1
             dt = time.perf_counter() - tc
@@ -292,9 +301,21 @@ class PipelineExecutor:
         model = self.model
         if model.pp == 1 or model.is_first == model.is_last:   # neither, or both (the V: one wte)
             return
+        other = model.part.rank_of(0 if model.is_last else model.part.n_stage - 1)[0]
+        if self.exact_tied is not None:                # --deterministic: the two stages' exact sums merged
+            acc = self.exact_tied(model.tied_weight)
+            got = []
+            for mine in (acc.top, acc.bins):
+                peer = np.empty_like(mine)
+                rr = self.p2p.irecv(peer, other, TIED_TAG)
+                sr = self.p2p.isend(np.ascontiguousarray(mine), other, TIED_TAG)
+                rr.wait()
+                sr.wait()
+                got.append(peer)
+            acc.merge(type(acc).from_arrays(acc.dtype, acc.shape, *got))
+            return
         g = model.tied_weight.grad
         xp = xp_of(g)
-        other = model.part.rank_of(0 if model.is_last else model.part.n_stage - 1)[0]
         peer = xp.empty_like(g)
         if self.p2p.channels is not None:
             self.p2p.channels.exchange_tied(xp.ascontiguousarray(g), peer)
