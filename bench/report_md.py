@@ -496,10 +496,15 @@ def sec_reproducible(res, status) -> str:
             "against the default `allreduce` (auto) and `MPI_Allreduce` through mpi4py, float32 sum, out of place, "
             "the slowest rank's mean, interleaved per size; and the trainer's `--deterministic` against its default "
             "(tiny preset, dp = 2, median tokens/s of alternating runs).", "",
-            "| ranks | size | library us | auto us | reproducible us | reproducible / auto |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| ranks | size | library us | auto us | reproducible us | reproducible / auto | busbw GB/s: ring | "
+            "reproducible |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             *[f"| {r['ranks']} | {human(r['bytes'])} | {r['library_us']:.1f} | {r['auto_us']:.1f} | "
-              f"{r['reproducible_us']:.1f} | {r['reproducible_over_auto']:.1f}x |" for r in d["collectives"]]]
+              f"{r['reproducible_us']:.1f} | {r['reproducible_over_auto']:.1f}x | "
+              f"{r['ring_busbw_gbs']:.2f} | {r['reproducible_busbw_gbs']:.2f} |" if "ring_busbw_gbs" in r else
+              f"| {r['ranks']} | {human(r['bytes'])} | {r['library_us']:.1f} | {r['auto_us']:.1f} | "
+              f"{r['reproducible_us']:.1f} | {r['reproducible_over_auto']:.1f}x | - | {r['reproducible_busbw_gbs']:.2f} |"
+              for r in d["collectives"]]]
     t = d.get("trainer")
     if t:
         out += ["", f"Trainer: {t['default_tokens_per_s']:,.0f} tokens/s by default, {t['deterministic_tokens_per_s']:,.0f} "

@@ -5,8 +5,8 @@ the MPI library's own, and the trainer's --deterministic against its default ste
     python bench/reproducible.py --quick               # a smoke run
 
 Collectives: one ``mpiexec -n N python bench/reproducible.py --rank-job`` per rank count; float32
-sum, out of place, the slowest rank's mean over the iterations after a warm-up, the three calls
-interleaved per size. busbw follows nccl-tests (2 (n-1)/n x size / time). The reproducible call
+sum, out of place, the slowest rank's mean over the iterations after a warm-up, the calls (the
+library's, auto, pympar's ring, reproducible) interleaved per size. busbw follows nccl-tests (2 (n-1)/n x size / time). The reproducible call
 moves 3 int64 per float32 element (6x the bytes) plus the tops, and converts on both ends.
 Trainer: ``python -m pympar.train --preset tiny`` at dp = 2 on the same global batch, median
 tokens/s of the logged steps, with and without --deterministic (one sequence at a time).
@@ -40,6 +40,7 @@ def rank_job(sizes, iters):
         out = np.empty_like(x)
         calls = {"library": lambda: world.Allreduce(x, out, op=MPI.SUM),
                  "auto": lambda: comm.allreduce(x, out=out),
+                 "ring": lambda: comm.allreduce(x, out=out, algo="ring"),
                  "reproducible": lambda: comm.allreduce(x, out=out, reproducible=True)}
         times = {k: [] for k in calls}
         for k, f in calls.items():                          # warm-up (auto measures its choice here)
@@ -56,6 +57,7 @@ def rank_job(sizes, iters):
         rows.append(dict(ranks=n, bytes=nbytes, **{f"{k}_us": 1e6 * v for k, v in mean.items()},
                          reproducible_busbw_gbs=2 * (n - 1) / n * nbytes / mean["reproducible"] / 1e9,
                          auto_busbw_gbs=2 * (n - 1) / n * nbytes / mean["auto"] / 1e9,
+                         ring_busbw_gbs=2 * (n - 1) / n * nbytes / mean["ring"] / 1e9,
                          reproducible_over_auto=mean["reproducible"] / mean["auto"]))
     if world.rank == 0:
         print("ROWS " + json.dumps(rows), flush=True)

@@ -83,3 +83,15 @@ def test_without_it_the_bits_differ_and_what_it_cannot_do_is_refused(tmp_path):
     res = run_mpi(2, [*ARGS, "--tp", "2", "--deterministic", "--out", str(tmp_path / "tp")], timeout=60, check=False)
     assert res.returncode == 2 and "--deterministic makes the step's bits independent of dp" in res.stdout \
         and "tp=2" in res.stdout and "Traceback" not in res.stdout, res.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_eight_ranks_give_the_one_process_bits(tmp_path):
+    """dp = 8 (oversubscribing 2 cores) on a global batch of 24 micro-batches, against one process."""
+    def run(out, dp, *extra):
+        args = [*ARGS, "--n-micro", str(24 // dp), "--dp", str(dp), "--out", str(out), "--deterministic", *extra]
+        run_mpi(dp, args, timeout=600)
+        return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    one, eight = run(tmp_path / "one", 1), run(tmp_path / "eight", 8, "--zero", "2")
+    assert [(r["loss"], r["grad_norm"]) for r in one] == [(r["loss"], r["grad_norm"]) for r in eight]
+    _same_tensors(_tensors(tmp_path / "eight"), _tensors(tmp_path / "one"))
