@@ -170,6 +170,7 @@ def test_bad_data_fails_every_rank_naming_the_file(tmp_path, case):
     (["--steps", "0"], "steps=0 must be >= 1"),
     (["--block-size", "100000", "--data", "__SMALL__"], "fewer than block_size+1"),
     (["--cp", "2", "--block-size", "30"], "cp=2 needs a sequence length divisible by 2*cp = 4"),
+    (["--cp", "2", "--cp-comm", "a2a", "--n-head", "1"], "--cp-comm a2a gives each of the cp=2 ranks"),
     (["--lr", "nan"], "lr=nan must be a finite number"),
     (["--grad-clip", "inf"], "grad_clip=inf must be a finite number"),
     (["--out", "/etc/passwd"], "--out /etc/passwd: exists and is not a directory"),
@@ -439,3 +440,17 @@ def test_grad_reduce_dtype_is_the_bf16_gradient_sync():
         assert [r["loss"] for r in a] == [r["loss"] for r in b] and [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
     res = train(2, *env_args, "--grad-reduce-dtype", "bfloat16", "--compress", "topk", check=False)
     assert res.returncode == 2 and "grad_reduce_dtype=bfloat16 is --compress bf16" in res.stdout
+
+
+def test_ulysses_context_parallelism_trains_the_ring_and_the_one_process_run(tmp_path):
+    """--cp 2 --cp-comm a2a (two all-to-alls around whole-sequence attention of half the heads) and
+    --cp 2 with the ring train the single process's losses (float32; the layouts' tolerance, tests/mpi/
+    mpi_layouts.py: 1e-3 relative, the orders of the sums differing)."""
+    args = ["--steps", "4", "--sample-tokens", "0", "--eval-every", "0", "--dtype", "float32", "--n-micro", "2"]
+    got = {}
+    for name, n, extra in (("one", 1, []), ("ring", 2, ["--cp", "2"]), ("a2a", 2, ["--cp", "2", "--cp-comm", "a2a"])):
+        train(n, *args, *extra, "--out", tmp_path / name)
+        got[name] = [json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert len(got["a2a"]) == 4
+    for name in ("ring", "a2a"):
+        assert got[name] == pytest.approx(got["one"], rel=1e-3), got

@@ -260,6 +260,7 @@ class RunConfig:
     ep: int | None = None
     cp: int | None = None
     layout: str = "rule"
+    cp_comm: str = "ring"                # context parallelism: ring attention, or Ulysses' all-to-alls ("a2a")
     schedule: str = "1f1b"
     virtual_stages: int = 1
     micro_batch_size: int = 8
@@ -339,6 +340,9 @@ _HELP = {
                  "attention kernel, the default on CPU, never keeps) and, without --tp, each dense block's MLP hidden layer "
                  "(4C per token and layer, one more c_fc GEMM; MoE experts keep theirs); 'none' keeps all",
     "seq_parallel": "sequence parallelism with TP",
+    "cp_comm": "context parallelism's attention: 'ring' (key/value blocks around the cp ring) or 'a2a' "
+               "(DeepSpeed-Ulysses: an all-to-all to whole sequences of n_head/cp heads and back; needs cp | the "
+               "heads of a tp rank)",
     "compress": "gradient compression for the DP allreduce", "topk_ratio": "kept fraction with --compress topk",
     "grad_reduce_dtype": "dtype of the data-parallel gradient reduction: bfloat16 sends bf16 and accumulates in "
                          "float32 inside pympar's reduction (the same as --compress bf16)",
@@ -385,7 +389,7 @@ _HELP = {
 }
 _CHOICES = {
     "preset": sorted(PRESETS), "schedule": list(layouts.SCHEDULES),
-    "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"],
+    "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"], "cp_comm": ["ring", "a2a"],
     "grad_reduce_dtype": ["float32", "bfloat16"],
     "dtype": ["auto", "float32", "bfloat16", "float16"], "master_dtype": ["float32", "float64"], "moments_dtype": ["float32", "bfloat16"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
     "progress": ["auto", "bar", "log"], "pp_channels": ["auto", "tags", "ordered"], "pp_costs": ["unit", "measured"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
@@ -479,7 +483,7 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
     if not run.threads and env.threads:
         run.threads, run.threads_from = env.threads, env.threads_from
     for k in ("schedule", "compress", "device", "dtype", "master_dtype", "moments_dtype", "preset", "zero", "layout",
-              "recompute", "grad_reduce_dtype"):
+              "recompute", "grad_reduce_dtype", "cp_comm"):
         if getattr(run, k) not in _CHOICES[k]:
             raise ConfigError(f"{k}={getattr(run, k)!r} is not one of {_CHOICES[k]}")
     if run.grad_reduce_dtype == "bfloat16":                # Megatron's --grad-reduce-in-bf16, spelled as a dtype
@@ -613,7 +617,7 @@ def choose_layout(world: int, model: GPTConfig, run: RunConfig) -> Layout:
         return layouts.fill(world, model, dp=run.dp, pp=run.pp, tp=run.tp, ep=run.ep, cp=run.cp,
                             seq_parallel=run.seq_parallel, micro_batch_size=run.micro_batch_size,
                             n_micro=run.n_micro, schedule=run.schedule, virtual_stages=run.virtual_stages,
-                            zero=run.zero, recompute=run.recompute)
+                            zero=run.zero, recompute=run.recompute, cp_comm=run.cp_comm)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -38,8 +38,8 @@ class Layout(pympar.layout.Layout):
     dtype: str = "float64"
 
     def __str__(self):
-        s = f"dp{self.dp}.pp{self.pp}.tp{self.tp}.ep{self.ep}" + (f".cp{self.cp}" if self.cp > 1 else "") + \
-            f" {self.model}"
+        s = f"dp{self.dp}.pp{self.pp}.tp{self.tp}.ep{self.ep}" + \
+            (f".cp{self.cp}" + ("-a2a" if self.cp_comm == "a2a" else "") if self.cp > 1 else "") + f" {self.model}"
         if self.pp > 1:
             s += f" {self.schedule}" + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
         return s + (" sp" if self.seq_parallel else "") + (f" zero{self.zero}" if self.zero else "") + \
@@ -49,7 +49,7 @@ class Layout(pympar.layout.Layout):
         """(dimension, value) items whose pairs the CI slice must cover."""
         return [("shape", (self.dp, self.pp, self.tp, self.cp)), ("ep", self.ep), ("model", self.model),
                 ("schedule", self.schedule if self.pp > 1 else "-"), ("sp", self.seq_parallel), ("zero", self.zero),
-                ("dtype", self.dtype), ("recompute", self.recompute)]
+                ("dtype", self.dtype), ("recompute", self.recompute), ("cp_comm", self.cp_comm if self.cp > 1 else "-")]
 
 
 def _config(model):
@@ -79,11 +79,12 @@ def all_layouts(world: int, dtypes=("float64",)):
                 sps = [False, True] if tp > 1 and (T // cp) % tp == 0 else [False]
                 for model in ("dense", "moe"):
                     eps = [1] if model == "dense" else [e for e in _divisors(dp * cp) if N_EXPERT % e == 0]
-                    for ep, (sched, v), sp, zero, dt, rc in itertools.product(
-                            eps, scheds, sps, [0, 1, 2, 3] if dp * cp > 1 else [0], dtypes, RECOMPUTE):
+                    comms = ["ring"] + (["a2a"] if cp > 1 and (N_HEAD // tp) % cp == 0 else [])
+                    for ep, (sched, v), sp, zero, dt, rc, cc in itertools.product(
+                            eps, scheds, sps, [0, 1, 2, 3] if dp * cp > 1 else [0], dtypes, RECOMPUTE, comms):
                         lay = Layout(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, micro_batch_size=2, n_micro=G // dp,
                                      schedule=sched, virtual_stages=v, zero=zero, seq_parallel=sp, recompute=rc,
-                                     model=model, dtype=dt)
+                                     model=model, dtype=dt, cp_comm=cc)
                         try:                       # what pympar refuses as not supported is not a case
                             pympar.layout.check(_config(model), lay)
                         except pympar.layout.NotSupportedError:

@@ -43,10 +43,22 @@ from .meter import Meter
 _KV_TAG, _DKV_TAG = 0x6370, 0x6371          # ring messages (tags apart from the pipeline's)
 
 
-def validate_cp(model_cfg, cp: int, tp: int = 1, seq_parallel: bool = False, seq_len: int | None = None) -> None:
-    """Raise ValueError unless the model's sequences split into 2*cp equal chunks (no communication)."""
+CP_COMMS = ("ring", "a2a")
+
+
+def validate_cp(model_cfg, cp: int, tp: int = 1, seq_parallel: bool = False, seq_len: int | None = None,
+                comm: str = "ring") -> None:
+    """Raise ValueError unless the model's sequences split into 2*cp equal chunks (no communication),
+    and, for Ulysses (comm 'a2a'), unless each tp rank's heads split over cp."""
+    if comm not in CP_COMMS:
+        raise ValueError(f"--cp-comm {comm!r}: expected one of {', '.join(CP_COMMS)}")
     if cp == 1:
         return
+    heads = model_cfg.n_head // tp
+    if comm == "a2a" and heads % cp:
+        raise ValueError(f"--cp-comm a2a gives each of the cp={cp} ranks n_head/(tp*cp) heads of whole sequences, "
+                         f"but this tp rank has {heads} heads (n_head={model_cfg.n_head}, tp={tp}): use a cp that "
+                         f"divides {heads}, or --cp-comm ring")
     T = seq_len or model_cfg.block_size
     if T < 2 * cp or T % (2 * cp):
         ok = [d for d in range(2, T + 1) if T % (2 * d) == 0][:6]
@@ -212,6 +224,71 @@ class RingAttentionCore(CausalAttentionCore):
         return dqkv
 
 
+class UlyssesAttentionCore(CausalAttentionCore):
+    """DeepSpeed-Ulysses attention: one all-to-all turns this rank's 2c positions of every head into
+    all T positions of nh/cp heads, the causal core (the one process's, unchanged) runs on whole
+    sequences, and a second all-to-all turns the output back; the backward is the same two
+    all-to-alls around the core's backward. A head's attention is then the one process's
+    computation, so its numbers are too. Same face as CausalAttentionCore; the meter gets the
+    all-to-alls' seconds ("cp wait") and the core's ("cp compute")."""
+
+    def __init__(self, cp_comm, T: int, meter: Meter | None = None):
+        self.comm = cp_comm
+        self.cp, self.rank, self.T = cp_comm.size, cp_comm.rank, int(T)
+        self.meter = Meter() if meter is None else meter
+        self.pos = [positions(self.T, self.cp, r) for r in range(self.cp)]
+        self.peak_bytes = 0
+
+    def _all_to_all(self, x):
+        """x (cp, ...) contiguous, block r for rank r -> (cp, ...), block r from rank r."""
+        t0 = time.perf_counter()
+        got = self.comm.alltoall(x.reshape(self.cp, -1)).reshape(x.shape)
+        self.meter.add("cp wait", time.perf_counter() - t0)
+        self.peak_bytes = max(self.peak_bytes, 2 * x.nbytes)
+        return got
+
+    def _to_heads(self, a, nh):
+        """a (B, 2c, ..., nh, hs) of this rank's positions -> (B, T, ..., nh/cp, hs): all positions,
+        this rank's heads."""
+        xp = xp_of(a)
+        B, n = a.shape[:2]
+        mid, hs, h = a.shape[2:-2], a.shape[-1], nh // self.cp
+        send = xp.ascontiguousarray(xp.moveaxis(a.reshape(B, n, *mid, self.cp, h, hs), -3, 0))
+        got = self._all_to_all(send)                        # (cp, B, 2c, ..., h, hs): rank r's positions
+        full = xp.empty((B, self.T) + tuple(mid) + (h, hs), a.dtype)
+        for r in range(self.cp):
+            full[:, self.pos[r]] = got[r]
+        return full
+
+    def _to_positions(self, full, nh):
+        """(B, T, ..., nh/cp, hs) of this rank's heads -> (B, 2c, ..., nh, hs): this rank's positions, all heads."""
+        xp = xp_of(full)
+        send = xp.stack([full[:, self.pos[r]] for r in range(self.cp)])   # (cp, B, 2c, ..., h, hs)
+        got = self._all_to_all(send)                        # block r: rank r's heads of my positions
+        B, n = got.shape[1:3]
+        return xp.ascontiguousarray(xp.moveaxis(got, 0, -3)).reshape(B, n, *got.shape[3:-2], nh, got.shape[-1])
+
+    def forward(self, qkv):                      # qkv (B, 2c, 3, nh, hs) -> ya (B, 2c, nh*hs), ctx
+        B, n, three, nh, hs = qkv.shape
+        if three != 3:
+            raise ValueError(f"qkv has shape {qkv.shape}: expected (B, T, 3, n_head, head_size)")
+        full = self._to_heads(qkv, nh)                      # (B, T, 3, nh/cp, hs)
+        t0 = time.perf_counter()
+        ya, ctx = super().forward(full)                      # (B, T, nh/cp * hs)
+        self.meter.add("cp compute", time.perf_counter() - t0)
+        out = self._to_positions(ya.reshape(B, self.T, nh // self.cp, hs), nh)
+        return out.reshape(B, n, nh * hs), ("ulysses", ctx, nh, hs)
+
+    def backward(self, dya, ctx, consume=False):  # dya (B, 2c, nh*hs) -> dqkv (B, 2c, 3, nh, hs)
+        _, inner, nh, hs = ctx
+        B, n = dya.shape[:2]
+        dfull = self._to_heads(dya.reshape(B, n, nh, hs), nh).reshape(B, self.T, (nh // self.cp) * hs)
+        t0 = time.perf_counter()
+        dqkv = super().backward(dfull, inner, consume=True)   # (B, T, 3, nh/cp, hs)
+        self.meter.add("cp compute", time.perf_counter() - t0)
+        return self._to_positions(dqkv, nh)
+
+
 def _merge(o, lse, ob, lb, rows, heads, hs):
     """Fold a block's (ob (B, r, h*hs), lb (B, h, r)) of the heads ``heads`` into (o, lse) on the
     query rows ``rows``: the online softmax's merge by log-sum-exp."""
@@ -255,9 +332,10 @@ class CPRouting:
         return pos.reshape(k, B, self.T)[:, :, self.pos].reshape(-1), counts
 
 
-def install_context_parallel(model, cp_comm, T: int, meter: Meter | None = None):
+def install_context_parallel(model, cp_comm, T: int, meter: Meter | None = None, comm: str = "ring"):
     """Make ``model`` (nn.GPT, TPGPT or pipeline chunks: anything whose modules() reach its pieces)
-    run this cp rank's positions of sequences of length T: ring attention in every attention,
+    run this cp rank's positions of sequences of length T: ring attention (comm 'ring') or
+    Ulysses' all-to-alls (comm 'a2a') in every attention,
     the embedding's positions, the MoE layers' routing over the micro-batch. The ring attentions
     report their seconds to ``meter`` (one new Meter shared by them when None)."""
     meter = Meter() if meter is None else meter
@@ -269,7 +347,8 @@ def install_context_parallel(model, cp_comm, T: int, meter: Meter | None = None)
         for m in top.modules():
             for name, child in list(vars(m).items()):
                 if type(child) is CausalAttentionCore:
-                    ring = RingAttentionCore(cp_comm, meter)
+                    ring = RingAttentionCore(cp_comm, meter) if comm == "ring" else \
+                        UlyssesAttentionCore(cp_comm, T, meter)
                     ring.keep_probs, ring.impl = child.keep_probs, child.impl
                     setattr(m, name, ring)
                     cores.append(ring)
