@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
+#include <limits>
 #include <string>
 
 #include "pyarrays.h"
@@ -80,31 +82,36 @@ inline double pow2(int64_t e) {
   return d;
 }
 
-// the bins normalised in place (each but the top one in [0, 2^32), the integer unchanged) and read
-// as one float64: Neumaier's compensated sum of the exact float64 value of each bin, top first
+// the bins read as one float64 (bins unchanged): a normalised copy (each but the top one in
+// [0, 2^32), the integer unchanged), Neumaier's compensated sum of each bin's exact value relative to
+// the top bin, scaled by 2^(32 top) once; NaN where a non-finite term was added (top == bad)
 template <int K>
-void value_all(const int32_t* top, int64_t* bins, double* out, int64_t n, int32_t none) {
+void value_all(const int32_t* top, const int64_t* bins, double* out, int64_t n, int32_t none, int32_t bad) {
   for (int64_t i = 0; i < n; ++i) {
-    int64_t* b = bins + i * K;
+    if (top[i] == none) {
+      out[i] = 0.0;
+      continue;
+    }
+    if (top[i] == bad) {
+      out[i] = std::numeric_limits<double>::quiet_NaN();
+      continue;
+    }
+    int64_t b[K];
+    for (int k = 0; k < K; ++k) b[k] = bins[i * K + k];
     for (int k = K - 1; k > 0; --k) {
       const int64_t carry = b[k] >> BIN;             // arithmetic shift: floor division
       b[k] -= carry * (int64_t(1) << BIN);
       b[k - 1] += carry;
     }
-    if (top[i] == none) {
-      out[i] = 0.0;
-      continue;
-    }
     double s = 0.0, c = 0.0;
     for (int k = 0; k < K; ++k) {
-      const int64_t e = (int64_t(top[i]) - k) * BIN;
-      const double v = e >= -1022 && e <= 1023 ? double(b[k]) * pow2(e)     // exact: a power of two
-                                               : std::ldexp(double(b[k]), int(e));
+      const double v = double(b[k]) * pow2(-int64_t(k) * BIN);              // exact: a power of two
       const double u = s + v;
       c += std::fabs(s) >= std::fabs(v) ? (s - u) + v : (v - u) + s;
       s = u;
     }
-    out[i] = s + c;
+    const int64_t e = int64_t(top[i]) * BIN;
+    out[i] = e >= -1022 && e <= 1023 ? (s + c) * pow2(e) : std::ldexp(s + c, int(std::max<int64_t>(-3000, std::min<int64_t>(3000, e))));
   }
 }
 
@@ -144,7 +151,7 @@ void bind_exact(py::module_& m) {
     py::gil_scoped_release g;
     if (kept == 3) raise_all<3>(t, b, nt, n); else raise_all<4>(t, b, nt, n);
   }, "ExactSum's windows raised to new_top (pympar/comm/exact.py)");
-  m.def("exact_value", [](const py::array& top, py::array& bins, py::array& out, int none) {
+  m.def("exact_value", [](const py::array& top, const py::array& bins, py::array& out, int none, int bad) {
     const int64_t n = top.size();
     check(top, "exact_value top", 1u << I32);
     check(out, "exact_value out", 1u << F64, n);
@@ -152,11 +159,11 @@ void bind_exact(py::module_& m) {
     check(bins, "exact_value bins", 1u << I64, n * kept);
     if (kept != 3 && kept != 4) throw py::value_error("exact_value: 3 or 4 bins per element");
     const auto* t = static_cast<const int32_t*>(top.data());
-    auto* b = static_cast<int64_t*>(bins.mutable_data());
+    const auto* b = static_cast<const int64_t*>(bins.data());
     auto* o = static_cast<double*>(out.mutable_data());
     py::gil_scoped_release g;
-    if (kept == 3) value_all<3>(t, b, o, n, none); else value_all<4>(t, b, o, n, none);
-  }, "ExactSum.value: the bins normalised in place and read as float64 (pympar/comm/exact.py)");
+    if (kept == 3) value_all<3>(t, b, o, n, none, bad); else value_all<4>(t, b, o, n, none, bad);
+  }, "ExactSum.value: the bins read as float64, unchanged (pympar/comm/exact.py)");
 }
 
 }  // namespace pympar::bind

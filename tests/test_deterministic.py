@@ -95,3 +95,15 @@ def test_eight_ranks_give_the_one_process_bits(tmp_path):
     one, eight = run(tmp_path / "one", 1), run(tmp_path / "eight", 8, "--zero", "2")
     assert [(r["loss"], r["grad_norm"]) for r in one] == [(r["loss"], r["grad_norm"]) for r in eight]
     _same_tensors(_tensors(tmp_path / "eight"), _tensors(tmp_path / "one"))
+
+
+def test_a_non_finite_step_is_skipped_and_stops_as_without_it(tmp_path):
+    """A learning rate of 1e30 makes the weights, then the losses, non-finite: the exact sums carry
+    NaN (no rank raises), the steps are skipped and the run stops with the trainer's usual status 4
+    and message on every rank, as it does without --deterministic."""
+    res = run_mpi(2, ["-m", "pympar.train", "--preset", "tiny", "--steps", "8", "--eval-every", "0", "--sample-tokens",
+                      "0", "--dtype", "float32", "--lr", "1e30", "--warmup", "0", "--deterministic"],
+                  timeout=120, check=False)
+    assert res.returncode == 4, res.stdout[-3000:]
+    assert res.stdout.count("consecutive steps with non-finite loss or gradients") == 2, res.stdout[-3000:]
+    assert "Traceback" not in res.stdout and "MPI_Abort" not in res.stdout, res.stdout[-3000:]

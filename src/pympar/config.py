@@ -509,6 +509,9 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
         split = [f"{k}={getattr(lay, k)}" for k in ("tp", "cp", "ep") if getattr(lay, k) > 1]
         if model.n_expert:
             split.append(f"n_expert={model.n_expert}")
+        if run.device == "cuda":
+            raise ConfigError("--deterministic sums on the host (integer bins over MPI); with --device cuda it is "
+                              "not built: drop one of them")
         if split or run.compress != "none":
             raise ConfigError(f"--deterministic makes the step's bits independent of dp, the micro-batches and ZeRO; "
                               f"{', '.join(split) or '--compress ' + run.compress} would change how the terms of a "

@@ -95,9 +95,9 @@ def parse(argv):
     if a.np is None and a.hostfile is None:
         raise LaunchError("give -n N (ranks) or --hostfile FILE")
     if a.np is not None and a.np < 1 or a.max_restarts < 0 or a.min_ranks < 1 or a.backoff < 0 or a.disk_wait < 0 \
-            or not a.heartbeat_timeout >= 0:
-        raise LaunchError("-n, --min-ranks must be >= 1; --max-restarts, --backoff, --disk-wait, "
-                          "--heartbeat-timeout >= 0")
+            or not (a.heartbeat_timeout == 0 or a.heartbeat_timeout >= 1):
+        raise LaunchError("-n, --min-ranks must be >= 1; --max-restarts, --backoff, --disk-wait >= 0; "
+                          "--heartbeat-timeout 0 (off) or at least 1 second")
     if a.program is not None and not Path(a.program).is_file():
         raise LaunchError(f"--program {a.program}: no such file")
     if not train:
@@ -398,17 +398,31 @@ class Supervisor:
                          f"{limit:g} s: a frozen process")
                 return self._end_attempt(pid, host), cause
 
+    def _ours(self, pid) -> bool:
+        """Is pid a process of this attempt (a descendant of its mpiexec), on this host?"""
+        for _ in range(16):
+            if pid == self.child.pid:
+                return True
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                pid = int(stat[stat.rindex(")") + 2:].split()[1])
+            except (OSError, ValueError, IndexError):
+                return False
+            if pid <= 1:
+                return False
+        return False
+
     def _end_attempt(self, pid, host):
-        """Kill the frozen rank where it runs here (mpiexec then ends the job as for any killed rank),
-        else end mpiexec; the attempt's status."""
+        """Kill the frozen rank where it runs here and is this attempt's (mpiexec then ends the job as
+        for any killed rank), else end mpiexec; the attempt's status."""
         import socket
-        if host == socket.gethostname():
+        if host == socket.gethostname() and self._ours(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
         else:
-            self.child.terminate()
+            self.child.kill()                   # hydra's proxies take the ranks with them
         try:
             return self.child.wait(timeout=30)
         except subprocess.TimeoutExpired:

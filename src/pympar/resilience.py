@@ -54,13 +54,18 @@ class Heartbeat:
     :meth:`start` when no supervisor asked for one. ``stop()`` ends the thread and
     removes the file (the supervisor stops watching a rank that has ended on its own)."""
 
+    WIDTH = 96                                   # the record's fixed size: rewritten in place
+
     def __init__(self, folder, rank: int, interval: float):
         import socket
         self.path = Path(folder) / f"rank_{rank:05d}"
-        self._tmp = self.path.with_suffix(".tmp")
         self._who = f"{os.getpid()} {socket.gethostname()}"
         self.interval, self.beats = interval, 0
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        # one file, made once and then overwritten in place: a beat needs no new block, so a full
+        # disk or a quota does not stop a healthy rank's heartbeat (a replaced file would)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._beat()                                          # the first beat before any work
         self._thread = threading.Thread(target=self._run, name="pympar-heartbeat", daemon=True)
         self._thread.start()
@@ -76,12 +81,15 @@ class Heartbeat:
             return None
 
     def _beat(self):
-        self.beats += 1
-        try:
-            self._tmp.write_text(f"{self._who} {self.beats}\n")
-            os.replace(self._tmp, self.path)
-        except OSError:                            # a full disk costs beats, never the run
-            pass
+        with self._lock:
+            if self._fd is None:                         # stopped: the file is gone, never write it back
+                return
+            self.beats += 1
+            rec = f"{self._who} {self.beats}".ljust(self.WIDTH - 1)[:self.WIDTH - 1] + "\n"
+            try:
+                os.pwrite(self._fd, rec.encode(), 0)
+            except OSError:                              # an I/O error costs beats, never the run
+                pass
 
     def _run(self):
         while not self._done.wait(self.interval):
@@ -89,12 +97,14 @@ class Heartbeat:
 
     def stop(self):
         self._done.set()
-        self._thread.join(timeout=5 * self.interval + 1)
-        for p in (self.path, self._tmp):
-            try:
-                p.unlink()
-            except OSError:
-                pass
+        with self._lock:                                 # no beat after this (a late one would re-create
+            fd, self._fd = self._fd, None                # nothing: the descriptor is closed first)
+        if fd is not None:
+            os.close(fd)
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
 
 
 def read_heartbeat(path):

@@ -55,3 +55,17 @@ def test_a_reproducible_call_sums_the_ranks_operands_exactly(comm, dtype):
     rows = comm.reduce_scatter(ts[comm.rank].reshape(60, 10), reproducible=True)
     lo = sum(60 // comm.size + (i < 60 % comm.size) for i in range(comm.rank))
     assert np.array_equal(rows, want.reshape(60, 10)[lo:lo + rows.shape[0]])
+
+
+def test_a_nan_on_one_rank_is_nan_everywhere_and_nobody_waits(comm):
+    """A non-finite operand on one rank: that element is NaN on every rank, the rest exact, and no
+    rank raises before the reductions (the others would wait there for it)."""
+    ts = terms(np.float32)
+    x = ts[comm.rank].copy()
+    if comm.rank == comm.size - 1:
+        x[5] = np.nan
+    got = comm.allreduce(x, reproducible=True, inplace=False)
+    want = exact_sum(ts[:comm.size])
+    assert np.isnan(got[5]) == (True if comm.size >= 1 else False)
+    keep = np.arange(600) != 5
+    assert np.array_equal(got[keep], want[keep])

@@ -20,8 +20,11 @@ the dtype: within an ulp of the sum (measured: the correctly rounded sum, math.f
 and float64 on terms spanning 40 decades), plus at most N * 2^-64 of the largest term for the
 parts dropped below the window.
 
-Bins hold int64 sums of 32-bit pieces: 2^31 terms can be added before a bin could overflow
-(``ExactSum`` normalises its carries long before that). The integers travel through any
+Bins hold int64 sums of 32-bit pieces: 2^31 contributions per element can be added before a bin
+could overflow, and ``ExactSum`` counts them (adds, merges, sums over elements and ranks) and
+refuses more. Carries are never moved between bins except in a copy read by ``value()``: a carry
+moved early would survive a bin that a later, larger term pushes out of the window, and the bits
+would then depend on the order. A non-finite term makes its element NaN, in any order. The integers travel through any
 pympar communicator's integer allreduce or reduce_scatter (every algorithm is exact on
 integers): :meth:`ExactSum.allreduce`, and ``allreduce(x, reproducible=True)`` on the
 communicators.
@@ -30,10 +33,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.reference import EXACT_BIN as BIN, EXACT_NONE as _NONE
+from ..kernels.reference import EXACT_BAD as _BAD, EXACT_BIN as BIN, EXACT_NONE as _NONE
 
 _SPEC = {np.dtype(np.float32): (24, 3), np.dtype(np.float64): (53, 4)}   # mantissa bits, bins kept
-_NORMALISE_EVERY = 1 << 20
+_MAX_TERMS = 1 << 31                  # contributions a bin can take before an int64 could overflow
 
 
 def spec(dtype):
@@ -67,6 +70,9 @@ class ExactSum:
         kernels.exact_raise(self.top, self.bins, np.ascontiguousarray(new_top, np.int32))
 
     def add(self, x):
+        """Add the term x (this sum's dtype and shape). A non-finite element makes that element's
+        sum NaN (its top becomes a sentinel above every bin, which merges and reductions carry as
+        they carry any top), so no rank raises while the others wait in a reduction."""
         from .. import kernels
 
         x = np.asarray(x)
@@ -74,12 +80,22 @@ class ExactSum:
             x = np.ascontiguousarray(x)
         if x.dtype != self.dtype or x.shape != self.shape:
             raise ValueError(f"term {x.dtype} {x.shape} does not match the sum's {self.dtype} {self.shape}")
-        if kernels.exact_add(x.reshape(-1), self.top, self.bins) >= 0:
-            raise FloatingPointError("a reproducible sum takes finite terms only")
-        self._adds += 1
-        if self._adds % _NORMALISE_EVERY == 0:
-            self._normalise()
+        flat = x.reshape(-1)
+        bad = ~np.isfinite(flat)
+        if bad.any():
+            flat = np.where(bad, 0, flat)
+        self._count(self._adds + 1)
+        kernels.exact_add(flat, self.top, self.bins)
+        if bad.any():
+            self.top[bad] = _BAD
         return self
+
+    def _count(self, adds):
+        """Each bin takes less than 2^32 per contribution into an int64: refuse what could overflow."""
+        if adds >= _MAX_TERMS:
+            raise OverflowError(f"a reproducible sum of {adds} contributions per element could overflow its int64 "
+                                f"bins (at most 2^31 - 1): sum in parts and reduce fewer at once")
+        self._adds = adds
 
     def merge(self, other):
         if other.dtype != self.dtype or other.shape != self.shape:
@@ -88,15 +104,15 @@ class ExactSum:
         top = np.maximum(self.top, other.top)
         self._raise_top(top)
         other._raise_top(top)
+        self._count(self._adds + other._adds)
         self.bins += other.bins
-        self._adds += other._adds
         return self
 
     def total(self):
         """A shape-() sum of every element of this one (the sum over elements, as exact as the rest:
         the bins of every element aligned to the largest top and added as integers)."""
         out = ExactSum((), self.dtype)
-        out._adds = self._adds
+        out._count(self._adds * len(self.top))
         if len(self.top):
             top = np.full(len(self.top), self.top.max(), np.int32)
             c = self.copy()
@@ -123,6 +139,7 @@ class ExactSum:
         """Every rank of comm holds the sum of all ranks' partial sums (two integer allreduces:
         the largest top, then the bins aligned to it); exact whatever the communicator's algorithm."""
         if comm.size > 1:
+            self._count(self._adds * comm.size)
             top = comm.allreduce(self.top.copy(), op="max", algo=algo)
             self._raise_top(top)
             got = comm.allreduce(self.bins, op="sum", algo=algo)      # in place where the algorithm can
@@ -138,6 +155,7 @@ class ExactSum:
         from .algorithms.p2p import bounds
 
         N, rest = self.shape[0], int(np.prod(self.shape[1:], dtype=np.int64))
+        self._count(self._adds * comm.size)
         top = comm.allreduce(self.top.copy(), op="max") if comm.size > 1 else self.top.copy()
         self._raise_top(top)
         E = bounds(N, comm.size)
@@ -151,19 +169,12 @@ class ExactSum:
         part.bins = got.reshape(-1, self.K)
         return part
 
-    def _normalise(self):
-        """Carry each bin's excess into the one above (the integer value is unchanged), lowest first,
-        so every bin but the top one lies in [0, 2^32)."""
-        for k in range(self.K - 1, 0, -1):
-            carry = self.bins[:, k] >> BIN                 # floor division: the remainder is >= 0
-            self.bins[:, k] -= carry << BIN
-            self.bins[:, k - 1] += carry
-
     # --- reading -----------------------------------------------------------------------------
     def value(self):
-        """The sum in the terms' dtype: the exact integers, normalised (a canonical form of their
-        value), summed top bin first in float64 and rounded to the dtype. The same integers give
-        the same bits."""
+        """The sum in the terms' dtype: the exact integers, normalised in a copy (a canonical form of
+        their value; the bins themselves keep every carry where it was made, so a later rise of the
+        window drops whole bins in any order), summed top bin first in float64 and rounded to the
+        dtype; NaN where a term was not finite. The same integers give the same bits."""
         from .. import kernels
 
         out = np.empty(len(self.top), np.float64)

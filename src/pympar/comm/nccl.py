@@ -142,8 +142,9 @@ class NCCLComm(Communicator):
 
     # --- collectives ------------------------------------------------------------------------
     def allreduce(self, x, op="sum", algo="auto", out=None, inplace=True, blocking=True, reproducible=False):
-        if reproducible:                           # the bins on the host (not yet run on a GPU)
-            return self._reproducible("allreduce", x, op, out, inplace)
+        if reproducible:
+            raise ValueError("reproducible=True runs on the host MPI communicator (integer bins): call it there "
+                             "with host arrays; the NCCL communicator does not build it")
         check_op(op)
         x = self._dev(x, "allreduce operand")
         dst = check_out(out, x.shape, x.dtype, "allreduce") if out is not None else (x if inplace else self._cp.empty_like(x))
@@ -177,7 +178,8 @@ class NCCLComm(Communicator):
 
     def reduce_scatter(self, x, op="sum", algo="auto", out=None, reproducible=False):
         if reproducible:
-            return self._reproducible("reduce_scatter", x, op, out)
+            raise ValueError("reproducible=True runs on the host MPI communicator (integer bins): call it there "
+                             "with host arrays; the NCCL communicator does not build it")
         check_op(op)
         x = self._dev(x, "reduce_scatter operand")
         E, R = row_bounds(x, self.size)

@@ -479,4 +479,4 @@ def exact_raise(top, bins, new_top):
 
 
 def exact_value(top, bins, out):
-    _C.exact_value(top, bins, out, int(reference.EXACT_NONE))
+    _C.exact_value(top, bins, out, int(reference.EXACT_NONE), int(reference.EXACT_BAD))

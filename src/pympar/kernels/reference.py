@@ -359,6 +359,7 @@ def scale_inplace(x, alpha):
 # --- reproducible sums (pympar/comm/exact.py) ------------------------------------------------------
 EXACT_BIN = 32
 EXACT_NONE = np.iinfo(np.int32).min // 2         # an element no term has reached
+EXACT_BAD = np.iinfo(np.int32).max // 2          # an element a non-finite term reached: its sum is NaN
 
 
 def _exact_parts(x):
@@ -411,19 +412,24 @@ def exact_add(x, top, bins):
 
 
 def exact_value(top, bins, out):
-    """ExactSum.value: the bins normalised in place (every bin but the top one in [0, 2^32), the
-    integer unchanged) and read into out (n,) float64: Neumaier's compensated sum of each bin's exact
-    float64 value, top bin first."""
+    """ExactSum.value: the bins read into out (n,) float64 (the bins are not changed): a copy is
+    normalised (every bin but the top one in [0, 2^32), the integer unchanged), then Neumaier's
+    compensated sum of each bin's exact value relative to the top bin, scaled by 2^(32 top) once.
+    NaN where a non-finite term was added (top == EXACT_BAD), 0 where none was."""
     K = bins.shape[1]
+    b = bins.copy()
     for k in range(K - 1, 0, -1):
-        carry = bins[:, k] >> EXACT_BIN                  # floor division: the remainder is >= 0
-        bins[:, k] -= carry << EXACT_BIN
-        bins[:, k - 1] += carry
-    t = top.astype(np.int64)
+        carry = b[:, k] >> EXACT_BIN                     # floor division: the remainder is >= 0
+        b[:, k] -= carry << EXACT_BIN
+        b[:, k - 1] += carry
     s, c = np.zeros(len(top)), np.zeros(len(top))
     for k in range(K):
-        v = np.ldexp(bins[:, k].astype(np.float64), np.clip((t - k) * EXACT_BIN, -2000, 2000))
+        v = np.ldexp(b[:, k].astype(np.float64), -k * EXACT_BIN)
         u = s + v
         c += np.where(np.abs(s) >= np.abs(v), (s - u) + v, (v - u) + s)
         s = u
-    out[...] = np.where(top == EXACT_NONE, 0.0, s + c)
+    live = (top != EXACT_NONE) & (top != EXACT_BAD)
+    e = np.where(live, top.astype(np.int64) * EXACT_BIN, 0)
+    with np.errstate(over="ignore"):
+        r = np.ldexp(s + c, np.clip(e, -3000, 3000))
+    out[...] = np.where(top == EXACT_BAD, np.nan, np.where(live, r, 0.0))

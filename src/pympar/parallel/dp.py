@@ -280,7 +280,7 @@ class DataParallel:
         self._sync = True
         self._final = set()                         # ids whose next notification is final (begin_final)
         self._finished = False
-        self._sums, self._nonfinite_terms = {}, False   # exact: bucket index -> ExactSum of the step
+        self._sums = {}                             # exact: id(parameter) -> its ExactSum of the step
         self._t_first = None
         # launched_early: buckets started before finish() (during backward)
         self.last = dict(bytes_sent=0, payload_bytes=0, collectives=0, comm_s=0.0, exposed_s=0.0,
@@ -349,13 +349,10 @@ class DataParallel:
             if g is None:
                 continue
             g = np.asarray(g)
-            if not np.isfinite(g).all():             # the step will be skipped: agreed in finish()
-                self._nonfinite_terms = True
-            else:
-                acc = self._sums.get(id(p))
-                if acc is None:
-                    acc = self._sums[id(p)] = ExactSum(g.shape, g.dtype)
-                acc.add(g)
+            acc = self._sums.get(id(p))
+            if acc is None:
+                acc = self._sums[id(p)] = ExactSum(g.shape, g.dtype)
+            acc.add(g)                               # a non-finite element sums to NaN on every rank
             if self.bucket_of[id(p)].sharded and self.zero >= 2:
                 p.release_grad()
             else:
@@ -405,28 +402,20 @@ class DataParallel:
     def _finish_exact(self):
         """The exact sums over the group (integer collectives: any algorithm, any number of ranks,
         the same bits), written where the synced gradients live; a non-finite term anywhere makes
-        every rank's gradients NaN (the step is then skipped, as agreed elsewhere)."""
+        that element NaN on every rank (the step is then skipped, as agreed elsewhere)."""
         self.add_micro()                            # anything not collected yet
-        bad = self._nonfinite_terms
-        if self.dp > 1:
-            bad = bool(np.asarray(self.comm.allreduce(np.array([float(bad)]), op="max")).reshape(-1)[0])
         for b in self.buckets:
             acc = self._bucket_sum(b)
             if b.sharded:
                 rows = acc.reduce_scatter(self.comm).value() if self.dp > 1 else acc.value()
-                if bad:
-                    rows[...] = np.nan
                 b.filled = False
                 self._add_rows(b, b.xp.asarray(rows))
             else:
                 for p, v in zip(b.params, b.views):     # the views are the gradients again (not stale)
                     p.grad = v
                 b.buf[...] = xp_of(b.buf).asarray(acc.allreduce(self.comm).value())
-                if bad:
-                    b.buf[...] = np.nan
             b.done = True
         self._sums = {}
-        self._nonfinite_terms = False
 
     def exact_local_sq(self, counts):
         """exact: this rank's share of the squared norm as a shape-() ExactSum of float64 squares
