@@ -400,17 +400,9 @@ class Supervisor:
 
     def _ours(self, pid) -> bool:
         """Is pid a process of this attempt (a descendant of its mpiexec), on this host?"""
-        for _ in range(16):
-            if pid == self.child.pid:
-                return True
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                pid = int(stat[stat.rindex(")") + 2:].split()[1])
-            except (OSError, ValueError, IndexError):
-                return False
-            if pid <= 1:
-                return False
-        return False
+        from .metrics import process_ancestors
+
+        return any(p == self.child.pid for p, _ in process_ancestors(pid))
 
     def _end_attempt(self, pid, host):
         """Kill the frozen rank where it runs here and is this attempt's (mpiexec then ends the job as

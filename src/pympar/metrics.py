@@ -67,6 +67,22 @@ def rss_bytes(field: str = "VmRSS") -> int:
     return 0
 
 
+def process_ancestors(pid: int, levels: int = 16):
+    """(pid, command name) of pid and its parents, from /proc, up to ``levels`` of them; stops early
+    at init or where /proc cannot be read (another user's process, a system without /proc)."""
+    for _ in range(levels):
+        if pid <= 1:
+            return
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            yield pid, name
+            pid = int(rest[1])
+        except (OSError, ValueError, IndexError):
+            return
+
+
 def moe_layer_stats(tokens_per_expert) -> dict:
     """Load statistics of one MoE layer from its per-expert token counts."""
     t = np.asarray(tokens_per_expert, dtype=np.float64)

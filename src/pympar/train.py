@@ -400,20 +400,15 @@ def _launcher_on_terminal(levels=4) -> bool:
     pipe (``mpirun ... | tee``), a socket -> False. No launcher found within ``levels``
     parents (srun: the ranks' parent is slurmstepd and srun may be on another node), or /proc
     unreadable -> False: log lines are the safe choice when it cannot be known."""
-    pid = os.getppid()
-    for _ in range(levels):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-            name = stat[stat.index("(") + 1:stat.rindex(")")]
-            if name in _LAUNCHERS:
+    from .metrics import process_ancestors
+
+    for pid, name in process_ancestors(os.getppid(), levels):
+        if name in _LAUNCHERS:
+            try:
                 target = os.readlink(f"/proc/{pid}/fd/1")
-                return target.startswith(("/dev/pts/", "/dev/tty")) and target != "/dev/tty"
-            pid = int(stat[stat.rindex(")") + 2:].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-        if pid <= 1:
-            return False
+            except OSError:
+                return False
+            return target.startswith(("/dev/pts/", "/dev/tty")) and target != "/dev/tty"
     return False
 
 
