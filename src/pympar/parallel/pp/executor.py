@@ -306,9 +306,9 @@ class PipelineExecutor:
             acc = self.exact_tied(model.tied_weight)
             got = []
             for mine in (acc.top, acc.bins):
-                peer = np.empty_like(mine)
+                peer = np.empty_like(mine)                  # host: the exact sum's integer bins
                 rr = self.p2p.irecv(peer, other, TIED_TAG)
-                sr = self.p2p.isend(np.ascontiguousarray(mine), other, TIED_TAG)
+                sr = self.p2p.isend(np.ascontiguousarray(mine), other, TIED_TAG)   # host bins
                 rr.wait()
                 sr.wait()
                 got.append(peer)
