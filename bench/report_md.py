@@ -528,6 +528,22 @@ def sec_param_server(res, status) -> str:
     return "\n".join(out)
 
 
+def sec_cp_comm(res, status) -> str:
+    d, out = _opening(res, status, "cp_comm", "## Context parallelism's attention: the ring against Ulysses")
+    if not d:
+        return "\n".join(out)
+    out += ["`python bench/cp_comm.py`: the attention core alone (batch 1, "
+            f"{d['heads']} heads of {d['head_size']}, float32, 1 thread per rank), forward and backward of this rank's "
+            "T/cp positions; bytes each rank hands MPI to send to other ranks (counted around isend and alltoall) "
+            "against the closed forms in u = this rank's share of one activation (ring (6 cp - 4) u, Ulysses "
+            "8 (cp - 1)/cp u); time: the median of the slowest rank's.", "",
+            "| cp | T | attention | MiB sent per rank | measured u | closed form u | fwd+bwd ms |",
+            "| ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+            *[f"| {r['cp']} | {r['T']} | {r['comm']} | {r['bytes_per_rank'] / 2**20:.2f} | {r['measured_units']:.2f} | "
+              f"{r['closed_form_units']:.2f} | {1e3 * r['seconds']:.1f} |" for r in d["rows"]], ""]
+    return "\n".join(out)
+
+
 def sec_memory(res, status) -> str:
     d, out = _opening(res, status, "memory", "## Memory per rank: ZeRO, recomputation, dp/tp/pp, against the ledger and the planner")
     if not d:
@@ -650,5 +666,5 @@ def render(res: Path, status: dict) -> str:
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
     secs = [sec_targets, sec_collectives, sec_auto_select, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe,
-            sec_compression, sec_plan, sec_memory, sec_reproducible, sec_param_server, sec_soak]
+            sec_compression, sec_plan, sec_memory, sec_reproducible, sec_param_server, sec_cp_comm, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

@@ -95,6 +95,7 @@ def steps(quick: bool) -> list:
          None),
         ("param_server", [PY, B / "param_server.py", *(["--quick"] if q else []), "--json", R / "param_server.json"],
          None),
+        ("cp_comm", [PY, B / "cp_comm.py", *(["--quick"] if q else []), "--json", R / "cp_comm.json"], None),
         ("soak", [PY, B / "soak.py", "--world", "8", "--preset", "tiny" if q else "small", "--steps", "30" if q else "300",
                   "--save-every", "10" if q else "25", "--json", R / "soak.json", "--png", IMG / "soak.png"], None),
     ]

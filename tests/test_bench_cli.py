@@ -300,3 +300,18 @@ def test_param_server_bench_runs_both_and_renders(tmp_path, bench_module):
     assert r["ps_ms"] > 0 and r["allreduce_ms"] > 0 and r["same_update"]      # both computed the same update
     assert r["ps_over_allreduce"] == pytest.approx(r["ps_ms"] / r["allreduce_ms"])
     assert "## The seed's parameter-server comparison" in bench_module("report_md").render(res, {})
+
+
+def test_cp_comm_bench_measures_the_closed_forms(tmp_path, bench_module):
+    """bench/cp_comm.py --quick (cp 2, T 512): the bytes each rank sends are the closed forms exactly
+    (ring 8u, Ulysses 4u at cp 2), on every rank; the doc renders the table."""
+    res = tmp_path / "results"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "cp_comm.py"), "--quick", "--json", res / "cp_comm.json"],
+                       capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads((res / "cp_comm.json").read_text())["rows"]
+    assert [(r["comm"], r["cp"], r["T"]) for r in rows] == [("ring", 2, 512), ("a2a", 2, 512)]
+    for r in rows:
+        assert r["bytes_per_rank"] == r["bytes_min_rank"] == r["closed_form_units"] * r["unit_bytes"], r
+        assert r["seconds"] > 0
+    assert "## Context parallelism's attention: the ring against Ulysses" in bench_module("report_md").render(res, {})
