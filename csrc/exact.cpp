@@ -119,6 +119,16 @@ void value_all(const int32_t* top, const int64_t* bins, double* out, int64_t n, 
 
 namespace pympar::bind {
 
+// a sum's top (int32, n) and bins (int64, n x kept) checked; kept (3 or 4)
+static int checked_sum(const py::array& top, const py::array& bins, const char* kernel) {
+  const int64_t n = top.size();
+  check(top, (std::string(kernel) + " top").c_str(), 1u << I32);
+  const int kept = n ? int(bins.size() / n) : 3;
+  check(bins, (std::string(kernel) + " bins").c_str(), 1u << I64, n * kept);
+  if (kept != 3 && kept != 4) throw py::value_error(std::string(kernel) + ": 3 or 4 bins per element");
+  return kept;
+}
+
 void bind_exact(py::module_& m) {
   m.def("exact_add", [](const py::array& x, py::array& top, py::array& bins, int kept) {
     const int dt = check(x, "exact_add x", (1u << F32) | (1u << F64));
@@ -139,28 +149,22 @@ void bind_exact(py::module_& m) {
   }, "ExactSum.add's pass over one term array (pympar/comm/exact.py); returns the index of the first "
      "non-finite element (then nothing was added), or -1");
   m.def("exact_raise", [](py::array& top, py::array& bins, const py::array& new_top) {
-    const int64_t n = top.size();
-    check(top, "exact_raise top", 1u << I32);
-    check(new_top, "exact_raise new_top", 1u << I32, n);
-    const int kept = n ? int(bins.size() / n) : 3;
-    check(bins, "exact_raise bins", 1u << I64, n * kept);
-    if (kept != 3 && kept != 4) throw py::value_error("exact_raise: 3 or 4 bins per element");
+    const int kept = checked_sum(top, bins, "exact_raise");
+    check(new_top, "exact_raise new_top", 1u << I32, top.size());
     auto* t = static_cast<int32_t*>(top.mutable_data());
     auto* b = static_cast<int64_t*>(bins.mutable_data());
     const auto* nt = static_cast<const int32_t*>(new_top.data());
+    const int64_t n = top.size();
     py::gil_scoped_release g;
     if (kept == 3) raise_all<3>(t, b, nt, n); else raise_all<4>(t, b, nt, n);
   }, "ExactSum's windows raised to new_top (pympar/comm/exact.py)");
   m.def("exact_value", [](const py::array& top, const py::array& bins, py::array& out, int none, int bad) {
-    const int64_t n = top.size();
-    check(top, "exact_value top", 1u << I32);
-    check(out, "exact_value out", 1u << F64, n);
-    const int kept = n ? int(bins.size() / n) : 3;
-    check(bins, "exact_value bins", 1u << I64, n * kept);
-    if (kept != 3 && kept != 4) throw py::value_error("exact_value: 3 or 4 bins per element");
+    const int kept = checked_sum(top, bins, "exact_value");
+    check(out, "exact_value out", 1u << F64, top.size());
     const auto* t = static_cast<const int32_t*>(top.data());
     const auto* b = static_cast<const int64_t*>(bins.data());
     auto* o = static_cast<double*>(out.mutable_data());
+    const int64_t n = top.size();
     py::gil_scoped_release g;
     if (kept == 3) value_all<3>(t, b, o, n, none, bad); else value_all<4>(t, b, o, n, none, bad);
   }, "ExactSum.value: the bins read as float64, unchanged (pympar/comm/exact.py)");

@@ -50,25 +50,32 @@ void permute_rows(const char* x, const int64_t* rows, char* out, int64_t M, int6
 }
 
 // Each thread owns a range of output rows and walks all M sources in order, so every output
-// element receives its additions in the order of i (the reference's order) at any thread count.
+// element receives its additions in the order of i (the reference's order) at any thread count:
+// f(i, r) adds source row i into output row r.
+template <typename F>
+static void for_owned_rows(const int64_t* rows, int64_t M, int64_t C, int64_t n_rows, F f) {
+  parallel_for(n_rows, 1 + (1 << 16) / (C > 0 ? C : 1), 1, [&](int64_t o0, int64_t o1) {
+    for (int64_t i = 0; i < M; ++i) {
+      const int64_t r = rows[i];
+      if (r >= o0 && r < o1) f(i, r);
+    }
+  });
+}
+
 template <typename T>
 static void unpermute_add_t(const T* y, const int64_t* rows, const T* w, T* out, int64_t M, int64_t C,
                             int64_t n_rows) {
-  parallel_for(n_rows, 1 + (1 << 16) / (C > 0 ? C : 1), 1, [&](int64_t o0, int64_t o1) {
-    for (int64_t i = 0; i < M; ++i) {
-      int64_t r = rows[i];
-      if (r < o0 || r >= o1) continue;
-      const T* yi = y + i * C;
-      T* orow = out + r * C;
-      if (w) {
-        const T wi = w[i];
-        for (int64_t j = 0; j < C; ++j) {
-          T v = yi[j] * wi;  // rounded product first, as the reference forms y * w then adds
-          orow[j] += v;
-        }
-      } else {
-        for (int64_t j = 0; j < C; ++j) orow[j] += yi[j];
+  for_owned_rows(rows, M, C, n_rows, [&](int64_t i, int64_t r) {
+    const T* yi = y + i * C;
+    T* orow = out + r * C;
+    if (w) {
+      const T wi = w[i];
+      for (int64_t j = 0; j < C; ++j) {
+        T v = yi[j] * wi;  // rounded product first, as the reference forms y * w then adds
+        orow[j] += v;
       }
+    } else {
+      for (int64_t j = 0; j < C; ++j) orow[j] += yi[j];
     }
   });
 }
@@ -77,17 +84,13 @@ static void unpermute_add_t(const T* y, const int64_t* rows, const T* w, T* out,
 // arrays, the weights cast to bf16) rounds
 static void unpermute_add_bf16(const uint16_t* y, const int64_t* rows, const uint16_t* w, uint16_t* out, int64_t M,
                                int64_t C, int64_t n_rows) {
-  parallel_for(n_rows, 1 + (1 << 16) / (C > 0 ? C : 1), 1, [&](int64_t o0, int64_t o1) {
-    for (int64_t i = 0; i < M; ++i) {
-      int64_t r = rows[i];
-      if (r < o0 || r >= o1) continue;
-      const uint16_t* yi = y + i * C;
-      uint16_t* orow = out + r * C;
-      const float wi = w ? bf16_to_f32(w[i]) : 1.0f;
-      for (int64_t j = 0; j < C; ++j) {
-        const float v = w ? bf16_to_f32(f32_to_bf16(bf16_to_f32(yi[j]) * wi)) : bf16_to_f32(yi[j]);
-        orow[j] = f32_to_bf16(bf16_to_f32(orow[j]) + v);
-      }
+  for_owned_rows(rows, M, C, n_rows, [&](int64_t i, int64_t r) {
+    const uint16_t* yi = y + i * C;
+    uint16_t* orow = out + r * C;
+    const float wi = w ? bf16_to_f32(w[i]) : 1.0f;
+    for (int64_t j = 0; j < C; ++j) {
+      const float v = w ? bf16_to_f32(f32_to_bf16(bf16_to_f32(yi[j]) * wi)) : bf16_to_f32(yi[j]);
+      orow[j] = f32_to_bf16(bf16_to_f32(orow[j]) + v);
     }
   });
 }

@@ -107,3 +107,22 @@ _SKIPPED = re.compile(r"SKIPPED \[\d+\] ([^\n]+)")
 # one rank's pytest summary, e.g. "3 passed, 1 skipped in 0.52s" (ranks' lines may interleave)
 _SUMMARY = re.compile(r"((?:\d+ (?:passed|failed|skipped|xfailed|xpassed|errors?|warnings?|deselected)(?:, )?)+)"
                       r" in [\d.]+s")
+
+
+# A wrapper that runs a command as its child (with the wrapper's descriptors: an MPI rank's PMI
+# connection is one) and prints the child's peak resident memory, VmHWM from getrusage of the
+# finished child: the kernel's count, not the test runner's or an earlier child's.
+PEAK_WRAPPER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], close_fds=False); "
+                "print('\\nPEAK_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, flush=True); "
+                "sys.exit(r.returncode)")
+
+
+def peaks_kib(text):
+    """(the output without the wrappers' lines, [each wrapper's peak in KiB])."""
+    kept, peaks = [], []
+    for line in text.splitlines(keepends=True):
+        if line.startswith("PEAK_KIB "):
+            peaks.append(int(line.split()[1]))
+        else:
+            kept.append(line)
+    return "".join(kept), peaks

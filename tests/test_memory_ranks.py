@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from mpirun import run_mpi, run_pytest_mpi
+from mpirun import PEAK_WRAPPER, peaks_kib, run_mpi, run_pytest_mpi
 
 from pympar.nn.config import GPTConfig
 from pympar.parallel import ledger
@@ -27,10 +27,6 @@ MODEL = dict(n_layer=4, n_embd=384, n_head=6, vocab_size=256, block_size=32)
 TINY = dict(n_layer=1, n_embd=16, n_head=2, vocab_size=256, block_size=32)
 COMMON = ["--preset", "tiny", "--micro-batch-size", "1", "--steps", "2", "--eval-every", "0", "--sample-tokens", "0",
           "--dtype", "float32", "--threads", "1", "--dp", "2"]
-# the rank runs as the wrapper's child with the wrapper's descriptors (MPICH's PMI connection is one)
-WRAP = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], close_fds=False); "
-        "print('\\nPEAK_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, flush=True); "
-        "sys.exit(r.returncode)")
 MiB = 2 ** 20
 
 
@@ -41,10 +37,10 @@ def test_a_rank_holds_the_ledgers_state_traced(n):
 
 def peak(model, *extra):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in model.items()]
-    res = run_mpi(2, ["-c", WRAP, sys.executable, "-m", "pympar.train", *COMMON, *flags, *extra], timeout=240)
-    got = [int(line.split()[1]) * 1024 for line in res.stdout.splitlines() if line.startswith("PEAK_KIB")]
+    res = run_mpi(2, ["-c", PEAK_WRAPPER, sys.executable, "-m", "pympar.train", *COMMON, *flags, *extra], timeout=240)
+    got = peaks_kib(res.stdout)[1]
     assert len(got) == 2, res.stdout[-3000:]
-    return max(got)
+    return 1024 * max(got)
 
 
 @pytest.mark.timeout(600)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from mpirun import PEAK_WRAPPER, peaks_kib
+
 from pympar.checkpoint import Checkpoint, CheckpointError
 from pympar.checkpoint.state import save_training
 from pympar.nn import GPT, GPTConfig
@@ -204,17 +206,12 @@ def test_the_trainers_fields_are_checked_before_a_resume(good, tmp_path, field, 
 
 # --- memory that follows what a file holds, not what it claims -------------------------------------
 
-_PEAK = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-         "sys.stdout.write(r.stdout + r.stderr); "
-         "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
-
-
 def _run_peak(argv, cwd):
-    """(exit status, output, peak resident MiB of the command alone): a wrapper process waits for it,
-    so the peak is not the test runner's or an earlier child's."""
-    r = subprocess.run([sys.executable, "-c", _PEAK, *argv], capture_output=True, text=True, timeout=120, cwd=cwd)
-    text, _, peak = r.stdout.rpartition("PEAK_KIB ")
-    return r.returncode, text + r.stderr, int(peak) / 1024
+    """(exit status, output, peak resident MiB of the command alone), through mpirun's PEAK_WRAPPER."""
+    r = subprocess.run([sys.executable, "-c", PEAK_WRAPPER, *argv], capture_output=True, text=True, timeout=120,
+                       cwd=cwd)
+    text, (peak,) = peaks_kib(r.stdout)
+    return r.returncode, text + r.stderr, peak / 1024
 
 
 PEAK_MIB = 400     # the tools' own footprint is ~100-150 MiB (Python, NumPy, the native kernels); the claims

@@ -35,15 +35,15 @@ import numpy as np
 
 from ..kernels.reference import EXACT_BAD as _BAD, EXACT_BIN as BIN, EXACT_NONE as _NONE
 
-_SPEC = {np.dtype(np.float32): (24, 3), np.dtype(np.float64): (53, 4)}   # mantissa bits, bins kept
+_KEPT = {np.dtype(np.float32): 3, np.dtype(np.float64): 4}    # bins kept per element (96 or 128 bits)
 _MAX_TERMS = 1 << 31                  # contributions a bin can take before an int64 could overflow
 
 
-def spec(dtype):
+def kept(dtype) -> int:
     d = np.dtype(dtype)
-    if d not in _SPEC:
+    if d not in _KEPT:
         raise TypeError(f"reproducible sums take float32 or float64 terms, not {d}")
-    return _SPEC[d]
+    return _KEPT[d]
 
 
 class ExactSum:
@@ -55,12 +55,22 @@ class ExactSum:
 
     def __init__(self, shape, dtype=np.float32):
         self.dtype = np.dtype(dtype)
-        _, self.K = spec(self.dtype)
+        self.K = kept(self.dtype)
         self.shape = tuple(np.empty(shape, np.int8).shape)
         n = int(np.prod(self.shape)) if self.shape else 1
         self.top = np.full(n, _NONE, np.int32)            # the bin of each element's largest term
         self.bins = np.zeros((n, self.K), np.int64)      # bins top, top-1, ..., top-K+1
         self._adds = 0
+
+    @classmethod
+    def _of(cls, dtype, shape, top, bins, adds=0):
+        """A sum made of the given integers (taken, not copied)."""
+        out = cls.__new__(cls)
+        out.dtype, out.shape, out._adds = np.dtype(dtype), tuple(shape), adds
+        out.K = kept(out.dtype)
+        out.top = np.ascontiguousarray(top, np.int32).reshape(-1)
+        out.bins = np.ascontiguousarray(bins, np.int64).reshape(len(out.top), out.K)
+        return out
 
     # --- building ----------------------------------------------------------------------------
     def _raise_top(self, new_top):
@@ -111,29 +121,21 @@ class ExactSum:
     def total(self):
         """A shape-() sum of every element of this one (the sum over elements, as exact as the rest:
         the bins of every element aligned to the largest top and added as integers)."""
-        out = ExactSum((), self.dtype)
+        if not len(self.top):
+            return ExactSum((), self.dtype)
+        aligned = self.copy()
+        aligned._raise_top(np.full(len(self.top), self.top.max(), np.int32))
+        out = ExactSum._of(self.dtype, (), aligned.top[:1], aligned.bins.sum(axis=0))
         out._count(self._adds * len(self.top))
-        if len(self.top):
-            top = np.full(len(self.top), self.top.max(), np.int32)
-            c = self.copy()
-            c._raise_top(top)
-            out.top[:] = top[0]
-            out.bins[:] = c.bins.sum(axis=0)
         return out
 
     @classmethod
     def from_arrays(cls, dtype, shape, top, bins):
-        """A sum made of its integers (a peer's top and bins, received): not normalised, the same value."""
-        out = cls(shape, dtype)
-        out.top[...] = np.asarray(top, np.int32).reshape(-1)
-        out.bins[...] = np.asarray(bins, np.int64).reshape(out.bins.shape)
-        return out
+        """A sum made of its integers (a peer's top and bins, received; taken, not copied)."""
+        return cls._of(dtype, shape, top, bins)
 
     def copy(self):
-        c = ExactSum.__new__(ExactSum)
-        c.dtype, c.K, c.shape, c._adds = self.dtype, self.K, self.shape, self._adds
-        c.top, c.bins = self.top.copy(), self.bins.copy()
-        return c
+        return ExactSum._of(self.dtype, self.shape, self.top.copy(), self.bins.copy(), self._adds)
 
     def allreduce(self, comm, algo="auto"):
         """Every rank of comm holds the sum of all ranks' partial sums (two integer allreduces:
@@ -160,14 +162,10 @@ class ExactSum:
         self._raise_top(top)
         E = bounds(N, comm.size)
         lo, hi = E[comm.rank], E[comm.rank + 1]
-        part = ExactSum.__new__(ExactSum)
-        part.dtype, part.K, part._adds = self.dtype, self.K, self._adds
-        part.shape = (hi - lo,) + self.shape[1:]
-        part.top = self.top[lo * rest:hi * rest].copy()
         bins = self.bins.reshape(N, rest * self.K)
-        got = comm.reduce_scatter(bins.copy(), op="sum", algo=algo) if comm.size > 1 else bins.copy()
-        part.bins = got.reshape(-1, self.K)
-        return part
+        got = comm.reduce_scatter(bins, op="sum", algo=algo) if comm.size > 1 else bins[lo:hi].copy()
+        return ExactSum._of(self.dtype, (hi - lo,) + self.shape[1:], self.top[lo * rest:hi * rest].copy(), got,
+                            self._adds)
 
     # --- reading -----------------------------------------------------------------------------
     def value(self):

@@ -44,6 +44,7 @@ import time
 import numpy as np
 
 from ..backend import get_xp, resident_zeros, xp_of
+from ..comm.exact import ExactSum
 from ..optim import clip_grad_norm
 from ..optim.adamw import decays
 from .compress import dense_allreduce_bytes, make_compressor
@@ -340,19 +341,13 @@ class DataParallel:
         self._collect(p for _, p in self.named)
 
     def _collect(self, params):
-        from ..comm.exact import ExactSum
-
         for p in params:
             if id(p) not in self.bucket_of:
                 continue
             g = p.fresh_grad()
             if g is None:
                 continue
-            g = np.asarray(g)
-            acc = self._sums.get(id(p))
-            if acc is None:
-                acc = self._sums[id(p)] = ExactSum(g.shape, g.dtype)
-            acc.add(g)                               # a non-finite element sums to NaN on every rank
+            self.exact_sum_of(p).add(np.asarray(g))  # a non-finite element sums to NaN on every rank
             if self.bucket_of[id(p)].sharded and self.zero >= 2:
                 p.release_grad()
             else:
@@ -360,32 +355,24 @@ class DataParallel:
 
     def exact_sum_of(self, p):
         """exact: parameter p's ExactSum of this step (made empty when it has none yet)."""
-        from ..comm.exact import ExactSum
-
         if id(p) not in self._sums:
-            shape = tuple(p.grad_shape or p.shape)
-            self._sums[id(p)] = ExactSum(shape, self.buckets[0].dtype if p.dtype is None else p.dtype)
+            self._sums[id(p)] = ExactSum(tuple(p.grad_shape or p.shape), p.dtype)
         return self._sums[id(p)]
 
     def _bucket_sum(self, b):
         """The bucket's ExactSum laid out as its reduction sends it: the parameters' sums one after
         another (zero=0, padded), or rank-major rows (ZeRO: the layout's pack, applied to indices)."""
-        from ..comm.exact import ExactSum
-
-        parts = [self._sums.get(id(p)) for p in b.params]
         sizes = [int(np.prod(p.grad_shape or p.shape)) for p in b.params]
-        n = int(sum(sizes))
-        acc = ExactSum((n,), b.dtype)
+        acc = ExactSum(b.buf.shape if not b.sharded else (sum(sizes),), b.dtype)   # zero=0: the padded buffer
         o = 0
-        for part, k in zip(parts, sizes):
+        for p, k in zip(b.params, sizes):
+            part = self._sums.get(id(p))
             if part is not None:
                 acc.top[o:o + k] = part.top
                 acc.bins[o:o + k] = part.bins
             o += k
         if not b.sharded:
-            out = ExactSum(b.buf.shape, b.dtype)
-            out.top[:n], out.bins[:n] = acc.top, acc.bins
-            return out
+            return acc
         if getattr(b, "_exact_perm", None) is None:  # packed position -> index + 1 (0: padding)
             idx, o = [], 0
             for p, k in zip(b.params, sizes):
@@ -420,8 +407,6 @@ class DataParallel:
     def exact_local_sq(self, counts):
         """exact: this rank's share of the squared norm as a shape-() ExactSum of float64 squares
         (each exact) of the synced gradients it holds and counts (``counts(p)``)."""
-        from ..comm.exact import ExactSum
-
         acc = ExactSum((), np.float64)
         for p, g in self.held_grads():
             if counts(p) and g.size:

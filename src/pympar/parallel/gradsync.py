@@ -30,6 +30,7 @@ import math
 import numpy as np
 
 from ..backend import xp_of
+from ..comm.exact import ExactSum
 from ..optim import AdamW
 from ..optim.clip import host_scalars, sum_sq
 from .dp import DataParallel
@@ -120,8 +121,6 @@ class GradSync:
     def exact_sq(self, world) -> float:
         """exact: the squared global norm summed exactly over every rank of ``world`` (each counts
         what counts_in_norm gives it): the same bits however the gradients are sharded."""
-        from ..comm.exact import ExactSum
-
         acc = ExactSum((), np.float64)
         for d in self.syncs:
             acc.merge(d.exact_local_sq(self.counts_in_norm))

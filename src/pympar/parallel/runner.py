@@ -43,6 +43,7 @@ import time
 import numpy as np
 
 from ..backend import to_numpy
+from ..comm.exact import ExactSum
 from ..comm.objects import gather_object
 from ..nn import GPT
 from ..nn.gpt import count_params, set_recompute
@@ -195,14 +196,10 @@ class ParallelRunner:
                 sync.begin_micro(last=False)              # the executor calls sync.begin_final per chunk
                 trace = (lambda label, t, dt, mb: rec.add(label, "layer", t, dt, mb=mb)) if rec.enabled else None
                 if self.deterministic:                    # one sequence a micro-batch, scaled by 1/G
-                    from ..comm.exact import ExactSum
-
                     seqs = self._sequences(micro_batches)
                     g = len(seqs) * self.dp
                     pipe = self.executor.train_step(seqs, loss_scale=scale, trace=trace, grad_scale=scale / g)
-                    self._exact_loss = ExactSum((), np.float64)
-                    for part in pipe["losses"]:
-                        self._exact_loss.add(np.float64(part) / g)
+                    self._exact_loss = self._loss_terms(pipe["losses"], g)
                 else:
                     pipe = self.executor.train_step(micro_batches, loss_scale=scale, trace=trace)
                 loss, compute = pipe["loss"], pipe["compute_s"]
@@ -293,19 +290,25 @@ class ParallelRunner:
         """--deterministic: one sequence at a time, each sequence's gradient scaled by 1 / (the
         global batch's sequences) and added exactly (GradSync.add_micro), its loss likewise: the
         terms are then the same for any dp and any split into micro-batches, and so are their sums."""
-        from ..comm.exact import ExactSum
-
         seqs = self._sequences(micro_batches)
         g = len(seqs) * self.dp                           # every dp rank holds as many
-        self._exact_loss, stats = ExactSum((), np.float64), {}
+        parts, stats = [], {}
         for j, (idx, targets) in enumerate(seqs):
             self.sync.begin_micro(last=j == len(seqs) - 1)
             tm = time.perf_counter()
-            part = self.model.loss_and_grad(idx, targets, grad_scale=scale / g, stats=stats)
+            parts.append(self.model.loss_and_grad(idx, targets, grad_scale=scale / g, stats=stats))
             self.sync.add_micro()
-            self._exact_loss.add(np.float64(part) / g)
             rec.add(f"sequence {j}", "micro", tm, time.perf_counter() - tm, mb=j)
-        return float(self._exact_loss.value()) * self.dp, stats
+        self._exact_loss = self._loss_terms(parts, g)
+        return float(np.mean(parts)), stats              # (the step vector's slot; the loss is the exact sum's)
+
+    @staticmethod
+    def _loss_terms(parts, g):
+        """The step's per-sequence losses over g as the terms of one exact sum (reduced over dp later)."""
+        acc = ExactSum((), np.float64)
+        for part in parts:
+            acc.add(np.float64(part) / g)
+        return acc
 
     # --- the memory ledger --------------------------------------------------------------------
     def _update_ledger(self, micro_batches, act, recv_bytes):
