@@ -544,6 +544,25 @@ def sec_cp_comm(res, status) -> str:
     return "\n".join(out)
 
 
+def sec_call_overhead(res, status) -> str:
+    d, out = _opening(res, status, "call_overhead", "## Per-call cost: MPIComm against the library called through mpi4py")
+    if not d:
+        return "\n".join(out)
+    out += ["`python bench/call_overhead.py`: `MPIComm(world).allreduce(x, out=y)` (algo auto; `abort` = the default "
+            "communicator, `raise` = `on_timeout=\"raise\"`) against `world.Dup().Allreduce(x, y)` (`library`), "
+            "float32 out of place; the best round of back-to-back calls per row, rounds alternating, the slowest "
+            "rank's mean per call. ratio = time / library's (< 1: faster than calling the library directly; target "
+            f"<= {d.get('target', 1.15)} at 8 B and 4 KiB). Ranks beyond 2 oversubscribe the 2 cores.", "",
+            _img("call_overhead", "per-call cost against mpi4py"), "",
+            "| transport | ranks | size | library us | abort us (chosen) | abort / library | raise us (chosen) | raise / library |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in d["rows"]:
+        u, c, q = r["us"], r["chosen"], r["ratio"]
+        out.append(f"| {r['transport']} | {r['nranks']} | {human(r['bytes'])} | {u['library']:.2f} | {u['abort']:.2f} "
+                   f"({c['abort']}) | {q['abort']:.2f} | {u['raise']:.2f} ({c['raise']}) | {q['raise']:.2f} |")
+    return "\n".join(out) + "\n"
+
+
 def sec_memory(res, status) -> str:
     d, out = _opening(res, status, "memory", "## Memory per rank: ZeRO, recomputation, dp/tp/pp, against the ledger and the planner")
     if not d:
@@ -580,6 +599,7 @@ def sec_memory(res, status) -> str:
 COMMANDS = {"checkpoint": "python bench/checkpoint.py", "context_parallel": "python bench/context_parallel.py",
             "memory": "python bench/memory.py",
             "attention": "python bench/attention.py", "auto_select": "python bench/auto_select.py",
+            "call_overhead": "python bench/call_overhead.py",
             "train_step": "python bench/train_step.py --dtype bfloat16"}
 _BOUND = re.compile(r"\(?target (<=|>=) ([\d.]+)[^)]*\)?")
 
@@ -630,6 +650,16 @@ def target_rows(res: Path) -> list:
             rows.append((f'algo="auto" within {tgt}x of the best choice at every (size, ranks, transport) point',
                          f"{len(summ)} of {len(summ)}", f"{ok} of {len(summ)} (worst {worst:.2f}x)", f"`{cmd}`",
                          "met" if ok == len(summ) else f"**missed** at {len(summ) - ok} points"))
+        if name == "call_overhead" and d.get("rows"):
+            tgt = d.get("target", 1.15)
+            for mode, label in (("abort", "MPIComm(world)"), ("raise", 'MPIComm(world, on_timeout="raise")')):
+                pts = [r for r in d["rows"] if r["bytes"] in (8, 4096)]
+                vals = [r["ratio"][mode] for r in pts]
+                ok = sum(v <= tgt for v in vals)
+                rows.append((f"{label}.allreduce per call / mpi4py's Allreduce at 8 B and 4 KiB (every transport, ranks)",
+                             f"<= {tgt:g} at {len(vals)} of {len(vals)}", f"{min(vals):.2f}-{max(vals):.2f}; {ok} of {len(vals)}",
+                             f"`{cmd}`", "met" if ok == len(vals) else f"**missed** at {len(vals) - ok} points "
+                             f"(worst {max(vals):.2f}x)"))
         if name == "train_step":
             bf = {k: r for k, r in d.get("table", {}).items() if k.endswith("/bf16")}
             for label, key, op, bound, shapes in (
@@ -665,6 +695,6 @@ def render(res: Path, status: dict) -> str:
     quick = [n for n, s in status.items() if s.get("quick")]
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
-    secs = [sec_targets, sec_collectives, sec_auto_select, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe,
+    secs = [sec_targets, sec_collectives, sec_auto_select, sec_call_overhead, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe,
             sec_compression, sec_plan, sec_memory, sec_reproducible, sec_param_server, sec_cp_comm, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

@@ -66,6 +66,8 @@ def steps(quick: bool) -> list:
         ("auto_select", [PY, B / "auto_select.py", *(["--ranks", "2", "--max", "1M", "--iters", "50",
                                                       "--transports", "shm,network"] if q else []),
                          "--json", R / "auto_select.json", "--png-dir", IMG], None),
+        ("call_overhead", [PY, B / "call_overhead.py", *(["--ranks", "2", "--rounds", "3", "--calls", "200"] if q else []),
+                           "--json", R / "call_overhead.json", "--png", IMG / "call_overhead.png"], None),
         ("pipeline", [PY, B / "pipeline.py", "--launch", "--pp", "2" if q else "2,4", "--m", "2,4" if q else "1,2,4,8,16",
                       "--steps", "2" if q else "4", "--work", "spin", "--block-ms", "1" if q else "2",
                       "--json", R / "pipeline.json"], ["pipeline", R / "pipeline.json", IMG / "pipeline.png"]),

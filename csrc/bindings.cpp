@@ -133,6 +133,7 @@ PYBIND11_MODULE(_C, m) {
   K = pick_table("");
   bind_lowp(m);
   bind_exact(m);
+  bind_fastcoll(m);
   m.doc() = "pympar C++ kernels (see pympar.kernels)";
   m.def("isa", [] { return std::string(K->isa); }, "the instruction-set build of the arithmetic kernels in use");
   m.def("cpu_features", [] {

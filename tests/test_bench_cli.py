@@ -315,3 +315,23 @@ def test_cp_comm_bench_measures_the_closed_forms(tmp_path, bench_module):
         assert r["bytes_per_rank"] == r["bytes_min_rank"] == r["closed_form_units"] * r["unit_bytes"], r
         assert r["seconds"] > 0
     assert "## Context parallelism's attention: the ring against Ulysses" in bench_module("report_md").render(res, {})
+
+
+def test_call_overhead_bench_times_every_row_and_renders(tmp_path, bench_module):
+    """bench/call_overhead.py at 2 ranks, shared memory, a few rounds: the three rows at every size,
+    the ratios their quotients, the choices named; the doc's section and the targets table render."""
+    res = tmp_path / "results"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "call_overhead.py"), "--ranks", "2", "--transports", "shm",
+                        "--rounds", "2", "--calls", "50", "--json", res / "call_overhead.json", "--png",
+                        tmp_path / "co.png"], capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads((res / "call_overhead.json").read_text())["rows"]
+    assert [r["bytes"] for r in rows] == [8, 4096, 65536]
+    for r in rows:
+        assert set(r["us"]) == {"library", "abort", "raise"} and min(r["us"].values()) > 0, r
+        for mode in ("abort", "raise"):
+            assert r["ratio"][mode] == pytest.approx(r["us"][mode] / r["us"]["library"])
+        assert r["chosen"]["raise"] != "blocking", r        # the raising communicator never blocks in MPI
+    md = bench_module("report_md").render(res, {})
+    assert "## Per-call cost: MPIComm against the library called through mpi4py" in md
+    assert "MPIComm(world).allreduce per call / mpi4py's Allreduce at 8 B and 4 KiB" in md

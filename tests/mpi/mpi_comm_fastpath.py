@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pympar import backend
-from pympar.comm import CommTimeoutError, MPIComm
+from pympar.comm import CommTimeoutError, MPIComm, fastcoll
 from pympar.comm.algorithms import shm
 from pympar.comm.dtypes import DTYPES, reference_reduce
 from pympar.comm.mpi import ALGOS
@@ -297,7 +297,7 @@ def test_a_hung_peer_times_out_a_planned_call(mpi_world, monkeypatch):
     # a timeout marks the process so that its exit frees no window (the peers may be gone); here
     # every abandoned call completes, so the flag goes back afterwards and all ranks free alike
     monkeypatch.setattr(watchdog, "_TAINTED", watchdog._TAINTED)
-    c = MPIComm(mpi_world, name="hang", timeout=1.0)
+    c = MPIComm(mpi_world, name="hang", timeout=1.0, on_timeout="raise")
     failures = []
     for verb in VERBS:
         x = operand(verb, r, n, "float32")
@@ -326,3 +326,77 @@ def test_a_hung_peer_times_out_a_planned_call(mpi_world, monkeypatch):
         mpi_world.Barrier()                  # every rank here: the next verb starts in step
     c.free()
     assert not failures, failures
+
+
+# --- the C path of planned library calls (comm/fastcoll.py, csrc/fastcoll.cpp) --------------
+C_VERBS = tuple(fastcoll.VERBS)
+
+
+@pytest.fixture(scope="module")
+def aborting(mpi_world):
+    c = MPIComm(mpi_world, name="aborting", timeout=60, on_timeout="abort")
+    yield c
+    c.free()
+
+
+@pytest.mark.ranks(lambda n: n > 1)
+@pytest.mark.parametrize("algo", ("mpi", "blocking"))
+@pytest.mark.parametrize("verb", C_VERBS)
+def test_planned_library_calls_run_in_c(comm, aborting, monkeypatch, verb, algo):
+    # with the native module and the loaded MPI library's functions found (Linux), a planned call
+    # of the library's collective -- nonblocking and polled ("mpi"), or blocking under the deadline
+    # guard -- runs in C: it never reaches the Python path, counts the call, shows it on the board
+    # and gives the general path's bits
+    assert fastcoll.library(), "no C path: the MPI library's functions were not found"
+    c = aborting if algo == "blocking" else comm
+    n, r = c.size, c.rank
+    for dt in DTYPES:
+        if verb == "allreduce" and backend.dtype(dt).itemsize == 2:
+            continue    # 2-byte float reductions run pympar's user op: the Python path
+        x = operand(verb, r, n, dt)
+        want = expected(verb, n, r, dt, "sum", 0)
+        out = None if verb in ("allreduce", "broadcast") else np.empty(want.shape, x.dtype)
+        first = call(c, verb, x.copy(), algo, "sum", 0, out).copy()     # the general path makes the plan
+        with monkeypatch.context() as m:
+            m.setattr(c, "_blocking", lambda *a, **k: pytest.fail(f"{verb} {algo} {dt}: left the C path"))
+            for _ in range(3):
+                seq, y = c.seq, x.copy()
+                got = call(c, verb, y, algo, "sum", 0, out)
+                assert got is (y if out is None else out), (verb, algo, dt)
+                np.testing.assert_array_equal(got, first, err_msg=f"{verb} {algo} {dt}: C path != general path")
+                np.testing.assert_allclose(got.astype(np.float64), want, atol=tol(dt))
+                assert c.seq == seq + 1 and c._board.slots.tolist() == [c.seq, op_code(verb)], (verb, algo, dt)
+                assert watchdog.SLOT[0] == 0, "the deadline guard must be disarmed after the call"
+        # what the plan does not fit goes back to the Python path, which checks as always
+        with pytest.raises(ValueError, match="C-contiguous"):
+            call(c, verb, np.repeat(x, 2, axis=1)[:, ::2], algo, "sum", 0, out)
+
+
+@pytest.mark.ranks(lambda n: n > 1)
+def test_a_late_peer_is_waited_for_after_the_c_burst(comm, monkeypatch):
+    # the C path tests a nonblocking call in a short burst; a peer that arrives later hands the
+    # request to the deadline's Waiter (MPIComm._c_finish), which finishes it
+    n, r = comm.size, comm.rank
+    handed = []
+    finish = comm._c_finish
+    monkeypatch.setattr(comm, "_c_finish", lambda res, verb, dst: handed.append(res[0]) or finish(res, verb, dst))
+    comm.allreduce(np.ones(7, np.float32), algo="mpi")                # the plan
+    for late in range(n):
+        x = np.full(7, r + 1.0, np.float32)
+        before = len(handed)
+        if r == late:
+            time.sleep(0.2)
+        assert comm.allreduce(x, algo="mpi") is x
+        np.testing.assert_array_equal(x, n * (n + 1) / 2)
+        if r != late:       # waited 0.2 s for the late rank: past the burst, handed over pending
+            assert handed[before:] == [1], (late, handed)
+
+
+def test_freeing_a_communicator_drops_its_c_plans(mpi_world):
+    c = MPIComm(mpi_world, name="freed", timeout=60)
+    for _ in range(2):
+        c.allreduce(np.ones(3), algo="mpi")
+    if c.size > 1:
+        assert c._fast_allreduce is not None
+    c.free()    # the board's memory goes: nothing may keep its address
+    assert c._fast_allreduce is None and all(p.native is None for p in c._plans.values())

@@ -7,6 +7,7 @@ messages nor the messages of the program that owns the original communicator.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -30,8 +31,9 @@ from .progress import P2PRequest, Request, StagedRequest, Waiter, default_timeou
 from .topology import Topology
 from .tuning import Decision, Tuner, measure, read_setting, shape_key
 from .verbs import ALGOS, VERBS
-from .watchdog import ArrivalBoard, deadline_guard, op_code
+from .watchdog import SLOT, ArrivalBoard, deadline_guard, op_code
 from . import debug as _debug
+from . import fastcoll
 
 _P2P_ALLREDUCE = {"ring": ring_allreduce, "recursive_doubling": recursive_doubling_allreduce,
                   "rabenseifner": rabenseifner_allreduce}
@@ -43,20 +45,28 @@ _REDUCING = tuple(v for v in ALGOS if VERBS[v].reducing)
 _READ = object()      # MPIComm(_tuning=...) not given: read $PYMPAR_TUNING
 _KEEP_ARENA = 1 << 20  # a window the measurement made is kept up to this size (making one is collective and slow)
 _ndarray = np.ndarray
+_run_c = fastcoll.run
+_U64 = (1 << 64) - 1           # a handle as mpi4py takes it (unsigned)
+_TOKENS = itertools.count(1)   # a communicator's token on the deadline guard's slot
+_FAST = {v: f"_fast_{v}" for v in fastcoll.VERBS}   # verb -> the attribute holding its last C plan
 
 
 class MPIComm(Communicator):
     """``MPIComm(comm)`` wraps an mpi4py communicator (COMM_WORLD when None).
 
-    timeout: seconds any blocking wait may take before CommTimeoutError (default
-    $PYMPAR_COMM_TIMEOUT or 300; math.inf disables).
-    on_timeout: "raise" (a CommTimeoutError in the caller) or "abort" (the report on stderr and
-    MPI_Abort, as the trainer does with an uncaught timeout). "abort" also lets auto choose the
-    library's *blocking* collective ("blocking"), whose deadline a watchdog thread keeps: a
-    blocking MPI call cannot raise in the middle, only the job can be ended.
+    timeout: seconds a collective or a point-to-point wait may take (default
+    $PYMPAR_COMM_TIMEOUT or 300; math.inf disables); a point-to-point wait past it raises
+    CommTimeoutError.
+    on_timeout: "abort" (the default, as torch's and NCCL's watchdogs end a stalled job): past
+    its deadline a collective's report (who did not arrive) goes to stderr and MPI_Abort ends every
+    rank. It lets auto choose the library's *blocking* collective ("blocking"), whose deadline
+    a watchdog thread keeps (a blocking MPI call cannot return early; only the job can end).
+    "raise": a CommTimeoutError in the caller instead; every call is then polled, never the
+    library's blocking one (the same speed with ranks <= cores; slower when the node's ranks
+    outnumber its cores, where the library's blocking wait yields the core better).
     """
 
-    def __init__(self, comm=None, name=None, timeout=None, _owned=False, _tuning=_READ, on_timeout="raise"):
+    def __init__(self, comm=None, name=None, timeout=None, _owned=False, _tuning=_READ, on_timeout="abort"):
         if on_timeout not in ("raise", "abort"):
             raise ValueError(f"on_timeout={on_timeout!r}: expected 'raise' or 'abort'")
         self.on_timeout = on_timeout
@@ -66,7 +76,8 @@ class MPIComm(Communicator):
         self.rank, self.size = self._p2p.Get_rank(), self._p2p.Get_size()
         self.name = name or comm.Get_name() or "comm"
         self.timeout = default_timeout() if timeout is None else float(timeout)
-        self.seq = 0          # collectives issued on this communicator (same on every rank)
+        self._count = memoryview(bytearray(8)).cast("q")   # [seq]: Python and the C path count here
+        self._token = next(_TOKENS)
         self._inflight = []   # unfinished nonblocking operations run by pympar (progress.StagedRequest)
         # the tags pympar's nonblocking algorithms draw from: 1..TAG_UB (MPI guarantees >= 32767;
         # MPICH 5 gives 2^29 - 1), one per call, so calls in flight together never share one
@@ -78,11 +89,33 @@ class MPIComm(Communicator):
         self._setting = _tuning if _tuning is not _READ else self._p2p.bcast(read_setting() if self.rank == 0 else None, 0)
         self._tuner = None    # tuning.Tuner, made with the topology on the first auto call
         self._guard = deadline_guard() if on_timeout == "abort" else None   # keeps "blocking" calls' deadlines
+        if self._guard is not None:
+            self._guard.watch(self._token, self)
         self._timer = None    # tuning.measure's timer(name, run) -> seconds (None: perf_counter)
         # watchdog side channels (shadow communicators): who entered which call; debug fingerprints
         self._board = ArrivalBoard(self._coll, self.name, self.timeout)
+        self._board.abort = on_timeout == "abort"
         self._fp = _debug.FingerprintChecker(self._coll, self.name) if _debug.enabled() else None
         self._plans = {}      # (verb, dtype, shape, op|root, algo) -> plans.Plan: the per-call fast path
+        self._drop_native()   # _fast_<verb>: the C form of the verb's last planned call (fastcoll.py)
+        fastcoll.library()    # found once per process, when the first communicator is made
+        self._board.on_free.append(self._drop_native)
+
+    @property
+    def seq(self) -> int:
+        """Collectives issued on this communicator (the same on every rank)."""
+        return self._count[0]
+
+    @seq.setter
+    def seq(self, v):
+        self._count[0] = v
+
+    def _drop_native(self):
+        """Forget the C forms of the plans (they hold the arrival board's memory address)."""
+        for a in _FAST.values():
+            setattr(self, a, None)
+        for p in self._plans.values():
+            p.native = None
 
     @property
     def mpi_comm(self):
@@ -291,6 +324,9 @@ class MPIComm(Communicator):
         number of ranks (base._reproducible, comm/exact.py)."""
         if reproducible:
             return self._reproducible("allreduce", x, op, out, inplace)
+        r = _run_c(self._fast_allreduce, x, out, op, algo, inplace)     # the C path (fastcoll.py)
+        if r is not None:
+            return r if r.__class__ is _ndarray else self._c_finish(r, "allreduce", x if out is None else out)
         return self._blocking("allreduce", x, out, algo, op=op, inplace=inplace)
 
     def reduce_scatter(self, x, op="sum", algo="auto", out=None, reproducible=False):
@@ -301,15 +337,33 @@ class MPIComm(Communicator):
 
     def allgather(self, x, algo="auto", out=None):
         """x (m, ...) on every rank -> (size*m, ...), rank k's rows at [k*m, (k+1)*m)."""
+        r = _run_c(self._fast_allgather, x, out, None, algo, False)
+        if r is not None:
+            return r if r.__class__ is _ndarray else self._c_finish(r, "allgather", out)
         return self._blocking("allgather", x, out, algo)
 
     def broadcast(self, x, root=0, algo="auto"):
         """x of rank root copied into x on every rank (in place); returns x."""
+        r = _run_c(self._fast_broadcast, x, None, root, algo, True)
+        if r is not None:
+            return r if r.__class__ is _ndarray else self._c_finish(r, "broadcast", x)
         return self._blocking("broadcast", x, None, algo, root=root, inplace=True)
 
     def alltoall(self, x, out=None, algo="auto"):
         """x (size*m, ...): rows [i*m, (i+1)*m) go to rank i; out[j*m:(j+1)*m] came from j."""
+        r = _run_c(self._fast_alltoall, x, out, None, algo, False)
+        if r is not None:
+            return r if r.__class__ is _ndarray else self._c_finish(r, "alltoall", out)
         return self._blocking("alltoall", x, out, algo)
+
+    def _c_finish(self, r, verb, dst):
+        """The C path's other answers (fastcoll.cpp): (1, request) started and still running --
+        waited for against the call's deadline; (0, code) the library's error."""
+        kind, v = r
+        if kind == 0:
+            raise MPI.Exception(v)
+        Waiter(verb, self.name, self.seq, self.timeout, self._board).wait([MPI.Request.fromhandle(v & _U64)], [None])
+        return dst
 
     def _blocking(self, verb, x, out, algo, op=None, root=None, inplace=False):
         """The blocking path of every verb (see above). root: broadcast's, else None; the call
@@ -382,6 +436,9 @@ class MPIComm(Communicator):
         plan = Plan(verb, chosen, x.dtype, out_shape, _OWN[verb], self._coll, op, root, E)
         if type(x) is _ndarray and self._fp is None and len(self._plans) < MAX_PLANS:
             self._plans[key] = plan
+            plan.native = fastcoll.make(self, plan, x, key)
+            if plan.native is not None:
+                setattr(self, _FAST[verb], plan.native)
         return plan
 
     def _planned(self, key, x, out=None, inplace=False):
@@ -395,6 +452,8 @@ class MPIComm(Communicator):
         plan = self._plans.get(key)
         if plan is None or not x.flags.c_contiguous:
             return None
+        if plan.native is not None:    # the next call of this key takes the C path
+            setattr(self, _FAST[plan.verb], plan.native)
         if out is None:
             dst = x if inplace and plan.in_place else np.empty(plan.out_shape, x.dtype)
         elif (type(out) is _ndarray and out.dtype is x.dtype and out.shape == plan.out_shape
@@ -402,15 +461,16 @@ class MPIComm(Communicator):
             dst = out
         else:
             return None
-        self.seq += 1
+        count = self._count
+        seq = count[0] = count[0] + 1
         slots = self._board.slots     # ArrivalBoard.enter(seq, verb), inlined
         slots[1] = plan.code
-        seq = slots[0] = self.seq
+        slots[0] = seq
         if plan.algo == "blocking":      # _run's blocking branch, inlined
-            g = self._guard
-            g.armed = (time.monotonic() + self.timeout, lambda: Waiter(plan.verb, self.name, seq, self.timeout, self._board))
+            SLOT[1] = seq             # the deadline guard's slot (watchdog.DeadlineGuard)
+            SLOT[0] = self._token
             plan.call(x, dst)
-            g.armed = None
+            SLOT[0] = 0
             if plan.avg:
                 finish_avg(dst.reshape(-1), self.size)
             return dst
@@ -433,10 +493,10 @@ class MPIComm(Communicator):
                 finish_avg(flat(dst), self.size)
         elif plan.algo == "blocking":
             sync_stream(x)
-            g = self._guard
-            g.armed = (w.deadline, lambda: w)
+            SLOT[1] = w.seq
+            SLOT[0] = self._token
             plan.call(x, dst)
-            g.armed = None
+            SLOT[0] = 0
             if plan.avg:
                 finish_avg(flat(dst), self.size)
         else:

@@ -36,13 +36,14 @@ class Plan:
     """
 
     __slots__ = ("verb", "code", "algo", "op", "root", "avg", "out_shape", "in_place", "E",
-                 "start", "call", "own")
+                 "start", "call", "own", "native")
 
     def __init__(self, verb, algo, dtype, out_shape, own, coll, op=None, root=0, E=None):
         self.verb, self.code, self.algo, self.own = verb, op_code(verb), algo, own
         self.op, self.root, self.avg = op, root, op == "avg"
         self.out_shape, self.in_place = tuple(out_shape), verb in ("allreduce", "broadcast")
         self.E = E
+        self.native = None    # the C form of the library's call (fastcoll.make), set by MPIComm._plan
         counts = [E[i + 1] - E[i] for i in range(len(E) - 1)] if E is not None else None
         mop = mpi_op(op, dtype) if op is not None else None
         self.start = library_start(verb, coll, mpi_type(dtype), mop, counts, root, dtype.itemsize == 2)

@@ -53,6 +53,11 @@ def job_local_ranks() -> int:
     return _job_local
 
 
+def spins() -> int:
+    """Tight tests before a wait yields the core (the pace note_local_ranks set)."""
+    return _spins
+
+
 def oversubscribed() -> bool:
     return _spins == SPINS_OVERSUBSCRIBED
 
@@ -136,7 +141,9 @@ class Waiter:
             if now is not None and now > self.deadline:
                 self.expire(reqs, peers)
 
-    def expire(self, reqs, peers, detail=""):
+    def expire(self, reqs, peers, detail="", act=True):
+        """The deadline passed: the CommTimeoutError naming who did not arrive, handed to fail()
+        (act=False: raised as it is, for the deadline guard, which decides itself)."""
         pending = [p for r, p in zip(reqs, peers) if r != MPI.REQUEST_NULL and not r.Test()]
         for r, p in zip(reqs, peers):  # withdraw point-to-point requests (collectives cannot be)
             if r != MPI.REQUEST_NULL and p is not None:
@@ -151,7 +158,17 @@ class Waiter:
                 notes.append("waiting on rank(s) " + ", ".join(map(str, peers_left)))
             pending = missing or pending
             detail = "; ".join(([detail] if detail else []) + notes)
-        raise CommTimeoutError(self.op, self.comm_name, self.seq, pending, self.timeout, detail)
+        err = CommTimeoutError(self.op, self.comm_name, self.seq, pending, self.timeout, detail)
+        if act:
+            self.fail(err)
+        raise err
+
+    def fail(self, err):
+        """Act on this wait's timeout: raise err in the caller, or -- a communicator made with
+        on_timeout="abort" (its board says so) -- end the job with the report (watchdog.abort_job)."""
+        if self.board is not None:
+            self.board.timed_out(err)
+        raise err
 
 
 class Request:

@@ -19,12 +19,13 @@ import os
 import sys
 import threading
 import time
+import weakref
 import zlib
 
 import numpy as np
 
 from .errors import CommTimeoutError
-from .progress import Backoff, default_timeout
+from .progress import Backoff, Waiter, default_timeout
 
 ABORT_STATUS = 3          # exit status of a job ended by the watchdog (2 = bad configuration)
 READ_SECONDS = 2.0        # how long a timed-out rank waits for the peers' slots
@@ -83,6 +84,8 @@ class ArrivalBoard:
         self.names = {op_code(n): n for n in KNOWN_OPS}     # op code -> name (for reports)
         self._codes = {n: c for c, n in self.names.items()}
         self.win = None
+        self.on_free = []     # called when the board's memory goes (holders of its address let go)
+        self.abort = False    # a timed-out wait ends the job (MPIComm on_timeout="abort"; Waiter.fail)
         if self.size > 1:   # memory the library allocates (user memory left registered warns at exit)
             self.win = MPI.Win.Allocate(16, 8, comm=self.comm)
             # [seq, op code] as a memoryview: a store costs ~40 ns, a NumPy item store ~100
@@ -91,6 +94,12 @@ class ArrivalBoard:
         else:
             self.slots = _local_slots()
         _LIVE.append(self)
+
+    def timed_out(self, err: CommTimeoutError):
+        """A wait on this communicator passed its deadline: end the job with the report when the
+        communicator says so (abort), else return (the caller raises err)."""
+        if self.abort:
+            abort_job(err)
 
     def enter(self, seq: int, op: str):
         code = self._codes.get(op)
@@ -188,6 +197,9 @@ class ArrivalBoard:
                 check = now + self.timeout
 
     def free(self):
+        for f in self.on_free:
+            f()
+        self.on_free = []
         if self in _LIVE:
             _LIVE.remove(self)
         if self.win is not None:
@@ -254,37 +266,58 @@ def abort_job(err: BaseException, status: int = ABORT_STATUS):
 
 class DeadlineGuard:
     """The deadline of a blocking library call, which cannot be polled: one daemon thread per
-    process (started on first use) wakes every WATCH_SECONDS and, when the armed call is past
-    its deadline, builds the call's CommTimeoutError (who did not arrive, from the arrival
-    board) and hands it to ``on_expiry`` -- abort_job below: the report on stderr and
-    MPI_Abort for every rank (mpi4py releases the GIL inside MPI calls, so the thread runs).
+    process (started on first use) wakes every WATCH_SECONDS and, when one armed call has been
+    in progress for longer than its communicator's timeout, builds the call's CommTimeoutError
+    (who did not arrive, from the arrival board) and hands it to ``on_expiry`` -- abort_job
+    below: the report on stderr and MPI_Abort for every rank (mpi4py and pympar's C path
+    release the GIL inside MPI calls, so the thread runs).
 
-    ``armed``: None, or (deadline, make_waiter) of the call in progress; arming and disarming
-    are one attribute store each."""
+    Arming is two stores into ``SLOT`` (``[token, seq]``: the communicator's token and the
+    call's count), disarming one (token 0) -- Python (MPIComm) and C (csrc/fastcoll.cpp) write
+    the same words. The clock is read here, not by the caller: the deadline counts from the
+    first wake that sees the call, so it passes between timeout and timeout + WATCH_SECONDS
+    after the call began, never before. ``watch(token, comm)`` names a token's communicator
+    (held weakly)."""
 
     WATCH_SECONDS = 0.05
 
     def __init__(self, on_expiry):
-        self.armed, self._on_expiry, self._thread = None, on_expiry, None
+        self._on_expiry, self._thread = on_expiry, None
+        self._comms = weakref.WeakValueDictionary()   # token -> MPIComm
+
+    def watch(self, token: int, comm):
+        self._comms[token] = comm
 
     def start(self):
         if self._thread is None:
-            import threading
-
             self._thread = threading.Thread(target=self._watch, name="pympar-deadline", daemon=True)
             self._thread.start()
 
     def _watch(self):
+        seen, since = None, 0.0
         while True:
-            a = self.armed
-            if a is not None and time.monotonic() > a[0]:
-                w = a[1]()
-                try:
-                    w.expire([], [])
-                except CommTimeoutError as e:
-                    if self.armed is a:       # still the same call, still stuck
-                        self._on_expiry(e)
+            token = SLOT[0]
+            call = (token, SLOT[1]) if token else None
+            if call is None or call != seen:
+                seen, since = call, time.monotonic()
+            else:
+                c = self._comms.get(token)
+                if c is not None and time.monotonic() - since > c.timeout:
+                    self._expire(c, call)
+                    seen = None
             time.sleep(self.WATCH_SECONDS)
+
+    def _expire(self, c, call):
+        board = c._board
+        op = board.names.get(board.slots[1], "collective")
+        try:
+            Waiter(op, c.name, call[1], c.timeout, board).expire([], [], act=False)
+        except CommTimeoutError as e:
+            if (SLOT[0], SLOT[1]) == call:       # still the same call, still stuck
+                self._on_expiry(e)
+
+
+SLOT = memoryview(bytearray(16)).cast("q")   # [token, seq] of the blocking call in progress (0: none)
 
 
 _guard = None

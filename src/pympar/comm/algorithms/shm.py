@@ -87,8 +87,8 @@ class ShmArena:
             now = pace.pause()
             if now is not None and now > waiter.deadline:
                 missing = [self.parent_ranks[k] for k, f in enumerate(flags) if f[0] < e]
-                raise CommTimeoutError(waiter.op, waiter.comm_name, waiter.seq, missing, waiter.timeout,
-                                       "shared-memory barrier")
+                waiter.fail(CommTimeoutError(waiter.op, waiter.comm_name, waiter.seq, missing, waiter.timeout,
+                                             "shared-memory barrier"))
         self.win.Sync()          # and we see everyone's writes
 
     def free(self):
@@ -134,8 +134,8 @@ def _wait_counters(arena, word, value, waiter, what):
                 now = pace.pause()
                 if now is not None and now > waiter.deadline:
                     missing = [arena.parent_ranks[k] for k, g in enumerate(flags) if g[word] < value]
-                    raise CommTimeoutError(waiter.op, waiter.comm_name, waiter.seq, missing, waiter.timeout,
-                                           f"shared-memory allreduce, {what} of chunk {value}")
+                    waiter.fail(CommTimeoutError(waiter.op, waiter.comm_name, waiter.seq, missing, waiter.timeout,
+                                                 f"shared-memory allreduce, {what} of chunk {value}"))
     arena.win.Sync()              # and we see what they wrote before raising it
 
 
