@@ -39,7 +39,7 @@ def parse(argv=None):
     ap.add_argument("--launch", action="store_true", help="run mpiexec -n p for every --pp and merge")
     ap.add_argument("--pp", default="2,4", help="pipeline sizes for --launch")
     ap.add_argument("--m", default="4,8,16", help="micro-batch counts")
-    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb-h1,zb-v")
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb-h1,zb-v,dualpipev")
     ap.add_argument("--v", type=int, default=2, help="chunks per rank for interleaved")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--work", choices=("spin", "sleep", "flops", "model"), default="spin")
@@ -169,18 +169,18 @@ def run_rank(args):
     rng = np.random.default_rng(0)
     lat = neighbour_latency(world, (2, 32, C), np.float32)
     rows = []
-    from pympar.parallel.pp.schedules import SPLIT_BACKWARD, measured_costs
+    from pympar.parallel.pp.schedules import SPLIT_BACKWARD, V_PLACED, measured_costs, placement_of
     runs = [(sched, c) for sched in args.schedules.split(",")
-            for c in (args.costs.split(",") if sched in SPLIT_BACKWARD else ["unit"])]
+            for c in (args.costs.split(",") if sched in ("zb-h1", "zb-v") else ["unit"])]
     for sched, costs in runs:
-        v = args.v if sched == "interleaved" else (2 if sched == "zb-v" else 1)
+        v = args.v if sched == "interleaved" else (2 if sched in V_PLACED else 1)
         for m in ints(args.m):
             try:
                 validate_schedule(sched, p, m, v)
             except ValueError:
                 continue
             model = PipelineGPT(cfg, seed=0, pp=p, rank=r, v=v, factory=BenchFactory(args),
-                                placement="v" if sched == "zb-v" else "interleaved")
+                                placement=placement_of(sched))
             ex = PipelineExecutor(model, world, sched)
             mbs = [(rng.integers(0, 64, (2, 32)), rng.integers(0, 64, (2, 32))) for _ in range(m)]
             per_step = []
@@ -199,15 +199,16 @@ def run_rank(args):
             if r == 0:
                 a = np.array(allr)
                 fbw = a[:, 3:6].mean(axis=0)                        # per micro-batch and stage, mean rank
-                # zb-h1: the paper's formula with the measured F, B, W; the others' formulas hold
+                # zb-h1, dualpipev: the formula with the measured F, B, W; the others' formulas hold
                 # whatever the times (B there is the whole backward)
-                formula = bubble_formula(sched, p, m, v, *fbw) if sched == "zb-h1" else bubble_formula(sched, p, m, v)
+                formula = bubble_formula(sched, p, m, v, *fbw) if sched in ("zb-h1", "dualpipev") else \
+                    bubble_formula(sched, p, m, v)
                 # the same schedule on the discrete-event model with the nominal block cost and
                 # the measured one-way message latency: what a perfect executor would show here
                 f = args.block_ms / 1e3 * args.layers / p if args.work in ("spin", "sleep") else 0.0
                 sim = simulate([build_schedule(sched, p, m, v, q, ex.costs) for q in range(p)], p, v,
                                f_cost=f, b_cost=2 * f, comm_cost=lat, w_cost=f,
-                               placement="v" if sched == "zb-v" else "interleaved") if f else None
+                               placement=placement_of(sched)) if f else None
                 rows.append(dict(schedule=sched, p=p, m=m, v=v, work=args.work, costs=costs,
                                  table_costs=[list(c) for c in ex.costs] if ex.costs else None,
                                  formula=formula,
@@ -257,9 +258,16 @@ def table(rows):
     by = {(x["schedule"], x["p"], x["m"]): x for x in rows if x["schedule"] == "1f1b"}
     for x in rows:
         one = by.get(("1f1b", x["p"], x["m"]))
-        if x["schedule"] in ("zb-h1", "zb-v") and one and one["bubble_mean"] > 0:
+        if x["schedule"] in ("zb-h1", "zb-v", "dualpipev") and one and one["bubble_mean"] > 0:
             lines.append(f"p={x['p']} m={x['m']}: {_label(x)} / 1f1b bubble {x['bubble_mean'] / one['bubble_mean']:.2f}, "
                          f"step time {x['step_ms'] / one['step_ms']:.2f}")
+    zbv = {(x["p"], x["m"]): x for x in rows if x["schedule"] == "zb-v" and x.get("costs") != "measured"}
+    for x in rows:
+        z = zbv.get((x["p"], x["m"]))
+        if x["schedule"] == "dualpipev" and z and z["bubble_mean"] > 0:
+            lines.append(f"p={x['p']} m={x['m']}: dualpipev / zb-v bubble {x['bubble_mean'] / z['bubble_mean']:.2f}, "
+                         f"step time {x['step_ms'] / z['step_ms']:.2f}, peak in flight {max(x['peak_in_flight'])} "
+                         f"vs {max(z['peak_in_flight'])}")
     lat = sorted({round(x['latency_ms'], 3) for x in rows if x['p'] > 1})
     lines.append(f"measured one-way neighbour latency (ms): {lat}; +latency = the discrete-event model "
                  f"of the same schedule with that latency (0 latency = formula)")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mpirun import run_pytest_mpi
+from mpirun import ROOT, run_pytest_mpi
 from pympar.backend import gpu_available
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
@@ -49,11 +49,30 @@ def test_ci_slice_of_layouts_on_gpus_matches_single_process(n):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(7300)                 # the 8-rank matrix: 2,376 layouts
+@pytest.mark.timeout(7300)                 # the 8-rank matrix: 4,128 layouts
 @pytest.mark.parametrize("n", WORLDS)
 def test_every_layout_matches_single_process(n):
     ran, failed = _run(n, "full", timeout=7200)
     assert (ran, failed) == (len(all_layouts(n)), 0)
+
+
+def test_the_documented_layout_counts_are_the_enumerated_ones():
+    """README.md and docs/parallel.md say how many layouts CI and the full matrix run: the counts
+    the code enumerates (a new dimension value changes them, and the pages with them)."""
+    ci = [len(ci_layouts(n)) for n in WORLDS]
+    full = [len(all_layouts(n)) for n in WORLDS]
+
+    def num(s):
+        return int(s.replace(",", ""))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"of ([\d,]+) layouts \(([\d,]+), ([\d,]+), ([\d,]+) and ([\d,]+) at 1, 2, 4 and 8 ranks\)", readme)
+    assert m and [num(x) for x in m.groups()] == [sum(ci), *ci], (m and m.groups(), ci)
+    m = re.search(r"matrix of ([\d,]+) layouts \(([\d,]+), ([\d,]+), ([\d,]+) and ([\d,]+)\)", readme)
+    assert m and [num(x) for x in m.groups()] == [sum(full), *full], (m and m.groups(), full)
+    table = (ROOT / "docs" / "parallel.md").read_text()
+    rows = [(str(n), c, f) for n, c, f in zip(WORLDS, ci, full)] + [("all", sum(ci), sum(full))]
+    for w, c, f in rows:
+        assert f"| {w} | {c} | {f:,} |" in table, (w, c, f)
 
 
 def test_ci_slice_covers_every_pair_of_dimension_values():
@@ -66,7 +85,7 @@ def test_ci_slice_covers_every_pair_of_dimension_values():
         got = set().union(*(_pairs(x) for x in ci_layouts(n)))
         assert want == got, (n, sorted(want - got)[:5])
     assert len(all_layouts(8)) > 100
-    assert {x.schedule for x in all_layouts(8) if x.pp > 1} == {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"}
+    assert {x.schedule for x in all_layouts(8) if x.pp > 1} == {"gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"}
     assert {x.schedule for x in all_layouts(8) if x.pp == 1} == {"1f1b"}
     assert {x.cp for x in all_layouts(8)} == {1, 2, 4}
 

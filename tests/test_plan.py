@@ -56,7 +56,7 @@ def test_enumerator_covers_the_dimensions():
     got = {(lay.dp, lay.pp, lay.tp) for lay in valid}
     assert {(8, 1, 1), (1, 8 // 2, 2), (2, 2, 2), (2, 1, 4), (1, 2, 4)} <= got
     assert {lay.ep for lay in valid} == {1, 2, 4, 8}
-    assert {lay.schedule for lay in valid} == {"1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"}
+    assert {lay.schedule for lay in valid} == {"1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev"}
     assert {lay.cp for lay in valid} == {1, 2, 4, 8}
     assert any(lay.zero for lay in valid) and any(lay.seq_parallel for lay in valid)
 

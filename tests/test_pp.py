@@ -12,7 +12,7 @@ from mpirun import run_pytest_mpi
 from pympar.nn import GPTConfig
 from pympar.parallel.pp import (SCHEDULES, Action, bubble_formula, build_schedule, partition,
                                 peak_in_flight, simulate, validate_pipeline, validate_schedule)
-from pympar.parallel.pp.schedules import SPLIT_BACKWARD, placement_of, rank_of, stage_of
+from pympar.parallel.pp.schedules import SPLIT_BACKWARD, peak_held, placement_of, rank_of, stage_of
 
 GRID = [(s, p, m, v) for s in SCHEDULES for p in range(1, 5) for m in range(1, 9) for v in (1, 2)]
 
@@ -53,6 +53,11 @@ def test_schedule_properties(s, p, m, v):
     if s == "zb-v":                           # the paper's ideal is 0; the list schedule's is below zb-h1's
         zb = simulate([build_schedule("zb-h1", p, m, 1, r) for r in range(p)], p, 1, 1.0, 2.0, w_cost=1.0)
         assert max(res["bubble"]) <= max(zb["bubble"]) + 1e-12 and max(res["bubble"]) <= max(one["bubble"])
+    elif s == "dualpipev":                    # p-1 half-stage F+B-W per rank; below zb-v's list table
+        zv = simulate([build_schedule("zb-v", p, m, 2, r) for r in range(p)], p, 2, 1.0, 2.0, w_cost=1.0,
+                      placement="v")
+        assert max(res["bubble"]) == pytest.approx(bubble_formula(s, p, m, v), abs=1e-12)
+        assert max(res["bubble"]) <= max(zv["bubble"]) + 1e-12
     elif s == "zb-h1" and m < p:              # the formula assumes a steady state (m >= p)
         assert max(res["bubble"]) <= max(one["bubble"]) + 1e-12
     else:
@@ -60,6 +65,8 @@ def test_schedule_properties(s, p, m, v):
     peaks = [peak_in_flight(a) for a in sch]
     if s == "zb-v":                           # 2p half-stage chunks: p stages, 1F1B's first-stage bound
         assert max(peaks) <= 2 * p and all(_most_between(a, "F", "W") <= 4 * p - 1 for a in sch)
+    elif s == "dualpipev":                    # DualPipe's PP+1: 2p+1 half-stage chunks on every rank
+        assert peaks == [2 * p + 1] * p
     elif s == "zb-h1":                        # 1F1B's bound between F and B; W's deferred at most p-r-1
         assert peaks == [min(p - r, m) for r in range(p)]
         for r, acts in enumerate(sch):
@@ -120,6 +127,34 @@ def test_zb_v_tables_for_every_depth(p):
     zv = max(simulate([build_schedule("zb-v", 2, 8, 2, r) for r in range(2)], 2, 2, 1.0, 2.0, w_cost=1.0,
                       placement="v")["bubble"])
     assert zv / one == pytest.approx(0.18, abs=0.01)
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_dualpipev_tables_for_every_depth(p):
+    """DualPipeV for p = 2..8, m = 2p..4p: every chunk's F, B and W once and in micro-batch order, a
+    B that is not split followed by its own W at once, 2p+1 chunk micro-batches held (DualPipe's
+    PP+1), and the bubble: the formula's with F = B = W and whenever B <= F, never above it by more
+    than (p-1)(B-F) chunk-times when B > F, and (B <= F) not above the zb-v table built for the same
+    times (with B > F that table can be the shorter one)."""
+    for m in range(2 * p, 4 * p + 1):
+        sch = [build_schedule("dualpipev", p, m, 2, r) for r in range(p)]
+        for acts in sch:
+            for c, k in itertools.product((0, 1), "FBW"):
+                assert [a.micro for a in acts if a.kind == k and a.chunk == c] == list(range(m))
+            assert peak_held(acts) == 2 * p + 1
+        for f, b, w in ((1.0, 1.0, 1.0), (2.0, 1.0, 1.0), (1.0, 0.5, 0.5), (1.0, 1.5, 0.5), (1.0, 2.0, 1.0)):
+            res = simulate(sch, p, 2, f, b + w, w_cost=w, placement="v")
+            idle = res["makespan"] - res["busy"][0]
+            want = (p - 1) * (f + b - w) / 2                       # per chunk: half a stage's times
+            if b <= f:
+                assert idle == pytest.approx(want, abs=1e-9), (m, f, b, w)
+            else:
+                assert want - 1e-9 <= idle <= want + (p - 1) * (b - f) / 2 + 1e-9, (m, f, b, w, idle)
+            costs = ((f, b, w),) * (2 * p)
+            zv = simulate([build_schedule("zb-v", p, m, 2, r, costs) for r in range(p)], p, 2, f, b + w, w_cost=w,
+                          placement="v")
+            if b <= f:                # with B > F the zb-v table built for those times can be shorter
+                assert res["makespan"] <= zv["makespan"] + 1e-9, (m, f, b, w)
 
 
 @pytest.mark.parametrize("s", ["zb-h1", "zb-v"])
@@ -209,6 +244,8 @@ def test_simulate_detects_deadlock():
     (("zb", 2, 4, 1), "unknown pipeline schedule"),
     (("zb-h1", 2, 4, 2), "use schedule 'interleaved'"),
     (("zb-v", 2, 4, 1), "zb-v runs two model chunks per rank"),
+    (("dualpipev", 2, 4, 1), "dualpipev runs two model chunks per rank"),
+    (("dualpipev", 3, 5, 2), "dualpipev needs n_micro >= 2\\*pp"),
     (("1f1b", 2, 4, 2), "use schedule 'interleaved'"),
     (("interleaved", 4, 6, 2), "n_micro divisible by pp"),
     (("gpipe", 0, 4, 1), "pp=0"),

@@ -329,8 +329,8 @@ _HELP = {
               "'auto': the planner (python -m pympar.plan) picks dp, pp, tp, ep, cp, micro-batches, schedule, "
               "ZeRO and sequence parallelism for the same global batch (micro_batch_size*n_micro*world)",
     "schedule": "pipeline schedule (zb-h1, zb-v: zero bubble, the backward split into input and weight passes; "
-                "docs/pipeline.md)",
-    "virtual_stages": "model chunks per rank (interleaved schedule; zb-v: 2, set for it)",
+                "dualpipev: DeepSeek's DualPipeV table on zb-v's V, n_micro >= 2*pp; docs/pipeline.md)",
+    "virtual_stages": "model chunks per rank (interleaved schedule; zb-v, dualpipev: 2, set for them)",
     "micro_batch_size": "sequences per micro-batch",
     "n_micro": "micro-batches per DP rank per step (global batch = micro_batch_size*n_micro*dp)",
     "zero": "ZeRO stage over the data-parallel group: 1 shards the optimizer state, 2 also the gradients, "
@@ -478,8 +478,8 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
     run_names = {f.name for f in _RUN_FIELDS}
     run = RunConfig(**{k: v for k, v in given.items() if k in run_names})
     run.threads_from = "--threads" if run.threads else ""
-    if run.schedule == "zb-v" and run.virtual_stages == 1 and (run.pp or 1) > 1:
-        run.virtual_stages = 2                # zb-v's two chunks per rank (the V)
+    if run.schedule in ("zb-v", "dualpipev") and run.virtual_stages == 1 and (run.pp or 1) > 1:
+        run.virtual_stages = 2                # zb-v's and dualpipev's two chunks per rank (the V)
     if not run.threads and env.threads:
         run.threads, run.threads_from = env.threads, env.threads_from
     for k in ("schedule", "compress", "device", "dtype", "master_dtype", "moments_dtype", "preset", "zero", "layout",

@@ -41,7 +41,7 @@ from .parallel.pp.partition import partition, validate_pipeline
 from .parallel.tp.validate import validate_tp
 from .nn.gpt import RECOMPUTE
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+SCHEDULES = S.SCHEDULES   # the one list (parallel/pp/schedules.py); the CLI offers it
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -130,7 +130,7 @@ def check(model_cfg: GPTConfig, lay: Layout, *, device: str = "cpu") -> None:
     if pp > 1:
         validate_pipeline(model_cfg, pp, lay.n_micro, lay.schedule, v)
     elif v != 1:
-        raise ValueError(f"virtual_stages={v} needs a pipeline: use --pp > 1 with --schedule interleaved or zb-v, or 1")
+        raise ValueError(f"virtual_stages={v} needs a pipeline: use --pp > 1 with --schedule interleaved, zb-v or dualpipev, or 1")
 
 
 def fill(world: int, model: GPTConfig, *, dp=None, pp=None, tp=None, ep=None, cp=None, seq_parallel=False,
@@ -395,6 +395,8 @@ def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_n
                         scheds.append(("interleaved", 2))
                     if pp > 1 and cfg.n_layer >= 2 * pp:
                         scheds.append(("zb-v", 2))
+                        if nm >= 2 * pp:
+                            scheds.append(("dualpipev", 2))
                     for sched, v in scheds:
                         lay0 = Layout(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, micro_batch_size=mbs, n_micro=nm, schedule=sched,
                                       virtual_stages=v)

@@ -4,7 +4,8 @@ A case is a pympar.layout.Layout (dp, pp, tp, ep, cp, schedule, virtual stages, 
 parallelism, ZeRO, recomputation) with the test's model and dtype, dp*pp*cp*tp = world.
 ``all_layouts(world)`` is every layout the test models admit (pp <= n_layer,
 tp | n_head, ep | dp*cp and ep | n_expert, 2*cp | block_size (cp 1, 2, 4 with block_size 8),
-interleaved only where n_layer divides into pp*2 chunks, zb-v where n_layer >= 2*pp, what
+interleaved only where n_layer divides into pp*2 chunks, zb-v where n_layer >= 2*pp (dualpipev
+also needs n_micro >= 2*pp), what
 pympar.layout.check refuses as not supported left out (none at present; any other refusal
 is an error of this enumeration), sequence parallelism only with tp > 1
 and tp | block_size/cp, ZeRO stages 1-3 only with dp*cp > 1), each with activation
@@ -75,7 +76,8 @@ def all_layouts(world: int, dtypes=("float64",)):
                 dp = world // (pp * tp * cp)
                 scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)] + \
                     ([("interleaved", 2)] if N_LAYER % (2 * pp) == 0 else []) + \
-                    ([("zb-v", 2)] if N_LAYER >= 2 * pp else [])
+                    ([("zb-v", 2)] if N_LAYER >= 2 * pp else []) + \
+                    ([("dualpipev", 2)] if N_LAYER >= 2 * pp and G // dp >= 2 * pp else [])
                 sps = [False, True] if tp > 1 and (T // cp) % tp == 0 else [False]
                 for model in ("dense", "moe"):
                     eps = [1] if model == "dense" else [e for e in _divisors(dp * cp) if N_EXPERT % e == 0]

@@ -13,7 +13,7 @@ import pytest
 from pympar.nn import GPT, GPTConfig
 from pympar.optim import AdamW
 from pympar.parallel.pp import PipelineExecutor, PipelineGPT, validate_pipeline
-from pympar.parallel.pp.schedules import measured_costs
+from pympar.parallel.pp.schedules import SPLIT_BACKWARD, measured_costs, placement_of
 
 FULL = os.environ.get("PYMPAR_PP_FULL") == "1"
 # tests/test_pp.py runs this file once more with PYMPAR_PP_CHANNELS=1: every executor on ordered channels
@@ -80,10 +80,11 @@ def train_against_one_process(world, model, ex, cfg, m, steps, seed):
     compare(world, model, ref, ("data",))
 
 
-CASES = [("gpipe", 1, 3), ("1f1b", 1, 5), ("interleaved", 2, None), ("zb-h1", 1, 5), ("zb-v", 2, 5)]
+CASES = [("gpipe", 1, 3), ("1f1b", 1, 5), ("interleaved", 2, None), ("zb-h1", 1, 5), ("zb-v", 2, 5),
+         ("dualpipev", 2, None)]
 if FULL:
-    CASES = [(s, v, m) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
-             for m in (1, 2, 3, 4, 5, 8)]
+    CASES = [(s, v, m) for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2),
+                                    ("dualpipev", 2)) for m in (1, 2, 3, 4, 5, 8)]
 
 
 @pytest.mark.parametrize("schedule,v,m", CASES)
@@ -92,9 +93,11 @@ def test_pipeline_matches_single_process(mpi_world, schedule, v, m):
     m = m or 2 * p
     if schedule == "interleaved" and m % p:
         pytest.skip("interleaved needs n_micro % pp == 0")
+    if schedule == "dualpipev" and m < 2 * p:
+        pytest.skip("dualpipev needs n_micro >= 2*pp")
     cfg = config(p, v)
     model = PipelineGPT(cfg, seed=3, pp=p, rank=mpi_world.rank, v=v, dtype=np.float64,
-                        placement="v" if schedule == "zb-v" else "interleaved")
+                        placement=placement_of(schedule))
     ex = Executor(model, pp_comm(mpi_world), schedule)
     for st, _ in train_against_one_process(mpi_world, model, ex, cfg, m, 3 if not FULL else 2, seed=10):
         pass
@@ -103,8 +106,10 @@ def test_pipeline_matches_single_process(mpi_world, schedule, v, m):
         assert st["peak_in_flight"] == m
     elif schedule in ("1f1b", "zb-h1"):
         assert st["peak_in_flight"] == min(p - mpi_world.rank, m) <= p
+    elif schedule == "dualpipev":             # DualPipe's PP+1: 2p+1 half-stage chunks
+        assert st["peak_in_flight"] == 2 * p + 1
     assert 0.0 <= st["bubble"] < 1.0
-    assert st["f_s"] > 0 and st["b_s"] > 0 and (st["w_s"] > 0) == (schedule in ("zb-h1", "zb-v"))
+    assert st["f_s"] > 0 and st["b_s"] > 0 and (st["w_s"] > 0) == (schedule in SPLIT_BACKWARD)
     assert st["f_s"] + st["b_s"] + st["w_s"] == pytest.approx(st["compute_s"], rel=1e-9)
     assert st["compute_s"] < st["pipeline_s"] <= st["step_s"]
 
@@ -164,7 +169,7 @@ def test_tables_for_the_measured_times(mpi_world, schedule, v):
     p = mpi_world.size
     cfg = config(p, v)
     model = PipelineGPT(cfg, seed=3, pp=p, rank=mpi_world.rank, v=v, dtype=np.float64,
-                        placement="v" if schedule == "zb-v" else "interleaved")
+                        placement=placement_of(schedule))
     comm = pp_comm(mpi_world)
     ex = Executor(model, comm, schedule)
     for step, (st, mbs) in enumerate(train_against_one_process(mpi_world, model, ex, cfg, 2 * p + 1, 3, seed=30)):
@@ -209,7 +214,7 @@ def test_chunked_head_computes_its_logits_once(mpi_world, monkeypatch, schedule,
         if not fused:
             monkeypatch.setattr(StageChunk, "head_fuses", lambda self, n: False)
         model = PipelineGPT(cfg, seed=3, pp=p, rank=mpi_world.rank, v=v, dtype=np.float64,
-                            placement="v" if schedule == "zb-v" else "interleaved")
+                            placement=placement_of(schedule))
         calls = {"forward_backward": 0, "backward": 0}
         for c in model.chunks:
             if c.head is not None:

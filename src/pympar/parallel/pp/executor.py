@@ -10,7 +10,7 @@ Per step (m micro-batches, loss = mean over micro-batches, as single-process acc
     zb-v's steady state) and the head is chunked (its logits never held whole), F runs the
     head's forward and backward in one pass, so each chunk's logits are computed once, as one
     process computes them (``Head.forward_backward``), instead of again in B;
-  * zero-bubble schedules (zb-h1, zb-v): a B action is ``StageChunk.backward_input`` (the input
+  * zero-bubble schedules (zb-h1, zb-v, dualpipev): a B action is ``StageChunk.backward_input`` (the input
     gradient, sent on at once) and keeps the deferred weight gradients (``WeightGrads``) until
     its W action runs them; the chunk's parameters are reported final (grad_ready) after W;
   * after the last action the tied wte/lm_head gradient is summed between the first and last
@@ -77,7 +77,7 @@ class _P2P:
 
 
 class PipelineExecutor:
-    """Runs ``schedule`` ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v") for a PipelineGPT over the pipeline
+    """Runs ``schedule`` (one of schedules.SCHEDULES) for a PipelineGPT over the pipeline
     communicator ``comm`` (rank i = pipeline stage i; a pympar Communicator).
 
     ``recv_window``: how many upcoming receives are kept posted ahead of the action that needs
@@ -97,7 +97,7 @@ class PipelineExecutor:
         if self.p2p.size != model.pp or self.p2p.rank != model.rank:
             raise ValueError(f"pipeline communicator has rank {self.p2p.rank} of {self.p2p.size}, "
                              f"but the model was built for rank {model.rank} of pp={model.pp}")
-        validate_schedule(schedule, model.pp, model.pp, model.v)   # name and v (n_micro is checked per step)
+        validate_schedule(schedule, model.pp, 2 * model.pp, model.v)   # name and v (n_micro is checked per step)
         if model.part.placement != placement_of(schedule):
             raise ValueError(f"schedule {schedule!r} runs chunks placed {placement_of(schedule)!r}, but the model was "
                              f"built {model.part.placement!r}: build it with placement={placement_of(schedule)!r} "

@@ -144,8 +144,8 @@ def validate_pipeline(config, pp: int, n_micro: int, schedule: str = "1f1b", v: 
     check_tags(n_micro, v)
     if seq_len is not None and not 1 <= seq_len <= config.block_size:
         raise ValueError(f"sequence length {seq_len} must be in 1..block_size={config.block_size}")
-    from .schedules import placement_of
-    if schedule == "zb-v" and config.n_layer < 2 * pp:
-        raise ValueError(f"zb-v places 2 chunks per rank (2*pp = {2 * pp} stages) but n_layer={config.n_layer}: "
-                         f"use pp <= {config.n_layer // 2} with zb-v, or zb-h1")
+    from .schedules import V_PLACED, placement_of
+    if schedule in V_PLACED and config.n_layer < 2 * pp:
+        raise ValueError(f"{schedule} places 2 chunks per rank (2*pp = {2 * pp} stages) but n_layer={config.n_layer}: "
+                         f"use pp <= {config.n_layer // 2} with {schedule}, or zb-h1")
     return partition(config, pp, v, seq_len, placement_of(schedule))

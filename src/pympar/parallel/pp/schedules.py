@@ -28,6 +28,13 @@ runs without deadlock exactly when ``simulate`` finishes it.
                same list schedule over them, at 1F1B's activation memory (2p half-stage chunks);
                zero bubble in the paper's ideal timing, and 1-2.5% of the makespan in this list
                schedule with unit times at m >= 2p
+  dualpipev    DualPipeV (DeepSeek's DualPipe cut in half; torchtitan's ScheduleDualPipeV): the V
+               placement of zb-v run as a fixed pattern (``dualpipe_v``, needs m >= 2p): chunk-0
+               forwards fill the pipe, then in the main phase each rank pairs one micro-batch's
+               forward with another's backward (F0 B1, F1 B0), and zero-bubble splits (B now, W
+               later) fill the warm-up and the drain. Its point in DualPipe is to overlap the paired
+               F and B (one's all-to-all behind the other's compute); here the pair runs one after
+               the other and the table's bubble is what it saves
 """
 from __future__ import annotations
 
@@ -37,8 +44,9 @@ import functools
 
 import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
-SPLIT_BACKWARD = ("zb-h1", "zb-v")   # schedules whose B is the input gradient only, W the rest
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")   # schedules whose B is the input gradient only, W the rest
+V_PLACED = ("zb-v", "dualpipev")                  # two chunks per rank, placed in a V
 
 
 @dataclass(frozen=True)
@@ -58,10 +66,13 @@ def validate_schedule(name: str, p: int, m: int, v: int = 1) -> None:
     for key, val in (("pp", p), ("n_micro", m), ("virtual chunks v", v)):
         if int(val) != val or val < 1:
             raise ValueError(f"{key}={val} must be an integer >= 1")
-    if name == "zb-v" and v != 2:
-        raise ValueError(f"zb-v runs two model chunks per rank (placed in a V) but v={v}: use --virtual-stages 2 "
-                         f"(the trainer sets it for zb-v when it is left at 1)")
-    if name not in ("interleaved", "zb-v") and v != 1:
+    if name in V_PLACED and v != 2:
+        raise ValueError(f"{name} runs two model chunks per rank (placed in a V) but v={v}: use --virtual-stages 2 "
+                         f"(the trainer sets it for {name} when it is left at 1)")
+    if name == "dualpipev" and m < 2 * p:
+        raise ValueError(f"dualpipev needs n_micro >= 2*pp (its main phase pairs micro-batches across the V): "
+                         f"n_micro={m}, pp={p}; use n_micro >= {2 * p}, or schedule 'zb-v'")
+    if name not in ("interleaved",) + V_PLACED and v != 1:
         raise ValueError(f"schedule {name!r} runs one model chunk per rank but v={v}: "
                          f"use schedule 'interleaved' for v > 1, or v=1")
     if name == "interleaved" and v > 1 and m % p:
@@ -127,8 +138,8 @@ def rank_of(stage: int, p: int, placement: str = "interleaved") -> tuple:
 
 
 def placement_of(name: str) -> str:
-    """How schedule ``name`` places its chunks: "v" for zb-v, else "interleaved"."""
-    return "v" if name == "zb-v" else "interleaved"
+    """How schedule ``name`` places its chunks: "v" for zb-v and dualpipev, else "interleaved"."""
+    return "v" if name in V_PLACED else "interleaved"
 
 
 @functools.lru_cache(maxsize=64)
@@ -222,6 +233,66 @@ def zb_v(p: int, m: int, rank: int, costs: tuple | None = None) -> list:
     return list(list_schedule(p, m, 2, "v", costs)[rank])
 
 
+def dualpipe_v(p: int, m: int, rank: int) -> list:
+    """DualPipeV's actions on ``rank`` (V placement: chunk 0 is stage rank, chunk 1 stage 2p-1-rank),
+    m >= 2p. Eight phases, per rank r (DeepSeek's DualPipeV):
+      1. 2(p-r-1) forwards of chunk 0               5. p-r-1 times: B1; F1 B0
+      2. r+1 times: F0 F1                           6. r+1 times: B1 B0, split (B now, W later) from
+      3. p-r-1 times: B1 (split), its W, F1            the middle on (r odd: from that B1; even: B0)
+      4. m-2p+r+1 times: F0 B1; F1 B0 (the pairs)   7. p-r-1 times: a deferred W; B0 (split)
+                                                    8. the r+1 deferred W's left
+    Each chunk's F's, B's and W's go in micro-batch order; a B that is not split is followed by its
+    own W at once (the executor's B is the input gradient only, W the rest)."""
+    out, nf, nb, deferred = [], [0, 0], [0, 0], []
+
+    def f(c):
+        out.append(Action("F", nf[c], c))
+        nf[c] += 1
+
+    def b(c, split=False):
+        out.append(Action("B", nb[c], c))
+        if split:
+            deferred.append(Action("W", nb[c], c))
+        else:
+            out.append(Action("W", nb[c], c))
+        nb[c] += 1
+
+    def w():
+        out.append(deferred.pop(0))
+
+    r = rank
+    for _ in range(2 * (p - r - 1)):
+        f(0)
+    for _ in range(r + 1):
+        f(0)
+        f(1)
+    for _ in range(p - r - 1):
+        b(1, split=True)
+        w()
+        f(1)
+    for _ in range(m - 2 * p + r + 1):
+        f(0)
+        b(1)
+        f(1)
+        b(0)
+    for _ in range(p - r - 1):
+        b(1)
+        f(1)
+        b(0)
+    split, half = False, (r + 1) // 2
+    for i in range(r + 1):
+        split = split or (i == half and r % 2 == 1)
+        b(1, split)
+        split = split or (i == half and r % 2 == 0)
+        b(0, split)
+    for _ in range(p - r - 1):
+        w()
+        b(0, split=True)
+    while deferred:
+        w()
+    return out
+
+
 def build_schedule(name: str, p: int, m: int, v: int = 1, rank: int = 0, costs: tuple | None = None) -> list:
     """The action list of ``rank`` for schedule ``name`` (validated first). costs: the split
     schedules' (F, B, W) per global stage to build the table for (list_schedule; None: unit times);
@@ -237,6 +308,8 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, rank: int = 0, costs: 
         return zb_h1(p, m, rank, costs)
     if name == "zb-v":
         return zb_v(p, m, rank, costs)
+    if name == "dualpipev":
+        return dualpipe_v(p, m, rank)
     return interleaved_1f1b(p, m, v, rank)
 
 
@@ -321,11 +394,15 @@ def simulate(schedules, p: int, v: int = 1, f_cost: float = 1.0, b_cost: float =
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
     """The textbook bubble fraction: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1); zb-h1 (Qi et al.,
-    with the F, B (input gradient) and W times f, b, w) (p-1)(f+b-w) / (m(f+b+w) + (p-1)(f+b-w))."""
+    with the F, B (input gradient) and W times f, b, w) (p-1)(f+b-w) / (m(f+b+w) + (p-1)(f+b-w));
+    dualpipev (p-1)(f+b-w) / (2m(f+b+w) + (p-1)(f+b-w)): half-stage chunks idle p-1 times."""
     if name == "zb-h1":
         idle = (p - 1) * max(f + b - w, 0.0)
         return idle / (m * (f + b + w) + idle)
     if name == "zb-v":                     # the paper's ideal (F = B = W, m >= 2p)
         return 0.0
+    if name == "dualpipev":                # p-1 chunk-times of F+B-W idle per rank (exact for F = B = W
+        idle = (p - 1) * max(f + b - w, 0.0)   # and whenever B <= F; more when B > F: test_pp.py)
+        return idle / (2 * m * (f + b + w) + idle)
     vv = v if name == "interleaved" else 1
     return (p - 1) / (vv * m + p - 1)
