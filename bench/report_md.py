@@ -94,7 +94,7 @@ def sec_auto_select(res, status) -> str:
             "the noise between two rows of one algorithm). Out of place, the slowest rank's mean. Transports: "
             "`shm` MPICH's default (shared memory); `network` `MPIR_CVAR_NOLOCAL=1` (every message through the "
             "network module, each rank its own node); `2nodes` `MPIR_CVAR_NUM_CLIQUES=2` (two nodes sharing memory "
-            "inside, network between). 4 and 8 ranks oversubscribe the 2 cores.", ""]
+            "inside, network between). Ranks beyond 2 oversubscribe the 2 cores.", ""]
     summ = d["summary"]
     for tr in dict.fromkeys(s["transport"] for s in summ):
         out += [f"### {tr}", "", _img(f"auto_allreduce_{tr}", f"auto on {tr}"), ""]

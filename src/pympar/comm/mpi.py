@@ -220,14 +220,36 @@ class MPIComm(Communicator):
         if dst is x and verb == "allreduce":
             dst = np.empty_like(x)
         had_arena = self._arena is not None
-        runs = {a: (lambda p=Plan(verb, a, x.dtype, out_shape, _OWN[verb], self._coll, op, root, E):
-                    self._run(p, x, dst, w)) for a in cands}
-        d = tuner.record(verb, x.dtype, nbytes, measure(cands, runs, self._coll, nbytes, self._timer))
+        sel = op if verb in _REDUCING else (root if verb == "broadcast" else None)
+        runs = {a: self._measured(Plan(verb, a, x.dtype, out_shape, _OWN[verb], self._coll, op, root, E), x, dst, w, sel)
+                for a in cands}
+        count, slots = self._count, self._board.slots
+        before = (count[0], slots[0], slots[1])
+        times = measure(cands, runs, self._coll, nbytes, self._timer)
+        count[0], slots[0], slots[1] = before      # the measured calls (C path) counted: this call is one
+        d = tuner.record(verb, x.dtype, nbytes, times)
         if (not had_arena and self._arena is not None and d.algo not in _SHM
                 and self._arena.cap > _KEEP_ARENA):
             self._arena.free()    # the measurement made a large shared window that nothing uses
             self._arena = None
         return d
+
+    def _measured(self, plan, x, dst, w, sel):
+        """One call of a candidate as auto times it: as the real call will run -- the library's
+        call through the C path where a planned call takes it (fastcoll.py), else by _run."""
+        verb, algo = plan.verb, plan.algo
+        nat = fastcoll.make(self, plan, x, (verb, x.dtype, x.shape, sel, algo)) if type(x) is _ndarray else None
+        if nat is None:
+            return lambda: self._run(plan, x, dst, w)
+        out, inplace = (None, True) if verb == "broadcast" else (dst, False)
+
+        def go():
+            r = _run_c(nat, x, out, sel, algo, inplace)
+            if r is None:
+                self._run(plan, x, dst, w)
+            elif r.__class__ is not _ndarray:
+                self._c_finish(r, verb, dst)
+        return go
 
     def _same_call(self, w, verb, x, nbytes, root):
         """Whether every rank is in this call (verb, dtype, size, root): one small library

@@ -31,7 +31,11 @@ class Topology:
     def __init__(self, comm):
         self.node = node_split(comm)
         self.node_rank, self.node_size = self.node.Get_rank(), self.node.Get_size()
-        progress.note_local_ranks(max(self.node_size, progress.job_local_ranks()))  # polling pace
+        # ranks of comm on this host whatever the transport (MPIR_CVAR_NOLOCAL makes every rank its own
+        # shared-memory "node", yet they still share the host's cores): the polling pace counts these
+        names = comm.allgather(MPI.Get_processor_name())
+        self.host_size = names.count(names[comm.Get_rank()])
+        progress.note_local_ranks(max(self.node_size, self.host_size, progress.job_local_ranks()))  # polling pace
         is_leader = self.node_rank == 0
         self.leaders = comm.Split(0 if is_leader else MPI.UNDEFINED, key=comm.Get_rank())
         if self.leaders == MPI.COMM_NULL:

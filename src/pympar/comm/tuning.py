@@ -123,8 +123,13 @@ class Decision:
         return head + rows
 
 
-def pick(times: dict, library: str = "mpi") -> str:
-    """The candidate to run from {name: seconds}: the library unless beaten by > MARGIN."""
+def pick(times: dict, library: str | None = None) -> str:
+    """The candidate to run from {name: seconds}: the library unless beaten by > MARGIN. The
+    library's call is its blocking one where it is a candidate (on_timeout="abort"), else its
+    nonblocking one ("mpi"): the plain call, the one that waits best when ranks outnumber cores,
+    where a burst of back-to-back calls can make a polled one look faster than it runs."""
+    if library is None:
+        library = "blocking" if "blocking" in times else "mpi"
     best = min(times, key=lambda a: (times[a], a != library, a))
     if library in times and times[library] <= MARGIN * times[best]:
         return library
