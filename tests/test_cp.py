@@ -49,6 +49,19 @@ def test_unsplittable_sequences_are_refused_with_what_would_work():
     validate_cp(GPTConfig(block_size=8), 4)
 
 
+def test_a2a_ring_groups_are_refused_with_what_would_work():
+    cfg = GPTConfig(block_size=16, n_head=4, n_embd=32)
+    validate_cp(cfg, 4, comm="a2a+ring", a2a=2)
+    with pytest.raises(ValueError, match=r"--cp-a2a must divide cp=4 .* got 4 \(use one of \[2\]\)"):
+        validate_cp(cfg, 4, comm="a2a+ring", a2a=4)
+    with pytest.raises(ValueError, match=r"cp=2 has no such divisor"):
+        validate_cp(cfg, 2, comm="a2a+ring", a2a=2)
+    with pytest.raises(ValueError, match=r"this tp rank has 3 heads: use a --cp-a2a that divides 3"):
+        validate_cp(GPTConfig(block_size=16, n_head=6, n_embd=48), 4, tp=2, comm="a2a+ring", a2a=2)
+    with pytest.raises(ValueError, match=r"--cp-a2a 2 sizes the Ulysses groups of --cp-comm a2a\+ring"):
+        validate_cp(cfg, 4, comm="ring", a2a=2)
+
+
 def test_trainer_flag_validation():
     _, run = parse_args(["--cp", "2", "--block-size", "32"], 4)
     assert (run.layout_resolved.dp, run.layout_resolved.cp) == (2, 2) and "cp=2" in str(run.layout_resolved)

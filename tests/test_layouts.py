@@ -49,7 +49,7 @@ def test_ci_slice_of_layouts_on_gpus_matches_single_process(n):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(7300)                 # the 8-rank matrix: 4,128 layouts
+@pytest.mark.timeout(7300)                 # the 8-rank matrix: 4,572 layouts
 @pytest.mark.parametrize("n", WORLDS)
 def test_every_layout_matches_single_process(n):
     ran, failed = _run(n, "full", timeout=7200)
@@ -120,9 +120,11 @@ def _losses(n, out, *args, timeout=120):
     (["--preset", "moe-tiny", "--pp", 2, "--cp", 2, "--ep", 2, "--schedule", "zb-h1", "--zero", 1], 4),
     (["--preset", "tiny", "--n-layer", 5, "--dp", 2, "--pp", 2, "--schedule", "zb-v", "--zero", 3,
       "--pp-channels", "ordered", "--pp-costs", "measured"], 2),
+    (["--preset", "moe-tiny", "--cp", 4, "--cp-comm", "a2a+ring", "--cp-a2a", 2, "--ep", 2], 4),
 ], ids=["pp2-tp2", "dp2-tp2-sp-zero1", "dp2-pp2-ep2-gpipe", "dp4-ep2-zero1", "dp2-pp2-ep2-zero1-float16",
         "dp2-pp2-interleaved-bf16sync-bfloat16", "dp2-tp2-zero3-bfloat16", "dp2-pp2-ep2-zero2-recompute",
-        "pp2-cp2-ep2-zb-h1-zero1", "dp2-pp2-zb-v-zero3-ordered-measured-5-layers"])
+        "pp2-cp2-ep2-zb-h1-zero1", "dp2-pp2-zb-v-zero3-ordered-measured-5-layers",
+        "cp4-a2a2+ring-ep2"])
 def test_cli_layout_matches_one_process(tmp_path, args, n_micro):
     """python -m pympar.train on 4 ranks == on 1 rank with the same global batch (4 micro-batches)
     and compute dtype: losses, grad norms and validation losses per step (rel 1e-5; 1e-4 where

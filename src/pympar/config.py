@@ -261,6 +261,7 @@ class RunConfig:
     cp: int | None = None
     layout: str = "rule"
     cp_comm: str = "ring"                # context parallelism: ring attention, or Ulysses' all-to-alls ("a2a")
+    cp_a2a: int = 0                      # a2a+ring: ranks of a Ulysses group (consecutive cp ranks)
     schedule: str = "1f1b"
     virtual_stages: int = 1
     micro_batch_size: int = 8
@@ -342,7 +343,10 @@ _HELP = {
     "seq_parallel": "sequence parallelism with TP",
     "cp_comm": "context parallelism's attention: 'ring' (key/value blocks around the cp ring) or 'a2a' "
                "(DeepSpeed-Ulysses: an all-to-all to whole sequences of n_head/cp heads and back; needs cp | the "
-               "heads of a tp rank)",
+               "heads of a tp rank) or 'a2a+ring' (Ulysses inside groups of --cp-a2a consecutive cp ranks, the ring "
+               "across the groups: Megatron's a2a+p2p)",
+    "cp_a2a": "with --cp-comm a2a+ring: ranks per Ulysses group (divides cp, strictly between 1 and cp, divides "
+              "the heads of a tp rank)",
     "compress": "gradient compression for the DP allreduce", "topk_ratio": "kept fraction with --compress topk",
     "grad_reduce_dtype": "dtype of the data-parallel gradient reduction: bfloat16 sends bf16 and accumulates in "
                          "float32 inside pympar's reduction (the same as --compress bf16)",
@@ -389,7 +393,7 @@ _HELP = {
 }
 _CHOICES = {
     "preset": sorted(PRESETS), "schedule": list(layouts.SCHEDULES),
-    "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"], "cp_comm": ["ring", "a2a"],
+    "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"], "cp_comm": ["ring", "a2a", "a2a+ring"],
     "grad_reduce_dtype": ["float32", "bfloat16"],
     "dtype": ["auto", "float32", "bfloat16", "float16"], "master_dtype": ["float32", "float64"], "moments_dtype": ["float32", "bfloat16"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
     "progress": ["auto", "bar", "log"], "pp_channels": ["auto", "tags", "ordered"], "pp_costs": ["unit", "measured"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
@@ -620,7 +624,7 @@ def choose_layout(world: int, model: GPTConfig, run: RunConfig) -> Layout:
         return layouts.fill(world, model, dp=run.dp, pp=run.pp, tp=run.tp, ep=run.ep, cp=run.cp,
                             seq_parallel=run.seq_parallel, micro_batch_size=run.micro_batch_size,
                             n_micro=run.n_micro, schedule=run.schedule, virtual_stages=run.virtual_stages,
-                            zero=run.zero, recompute=run.recompute, cp_comm=run.cp_comm)
+                            zero=run.zero, recompute=run.recompute, cp_comm=run.cp_comm, cp_a2a=run.cp_a2a)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -66,6 +66,7 @@ class Layout:
     seq_parallel: bool = False
     recompute: str = "none"
     cp_comm: str = "ring"               # context parallelism's attention: the ring, or Ulysses' all-to-alls
+    cp_a2a: int = 0                     # a2a+ring: ranks of a Ulysses group (parallel/cp.py)
 
     @property
     def world(self) -> int:
@@ -78,7 +79,8 @@ class Layout:
     def key(self) -> str:
         """Everything, compactly (the planner's table)."""
         s = f"dp{self.dp} pp{self.pp} tp{self.tp} ep{self.ep}" + \
-            (f" cp{self.cp}" + (f"-{self.cp_comm}" if self.cp_comm != "ring" else "") if self.cp > 1 else "") + \
+            (f" cp{self.cp}" + (f"-{self.cp_comm}" if self.cp_comm != "ring" else "") +
+             (f"{self.cp_a2a}" if self.cp_comm == "a2a+ring" else "") if self.cp > 1 else "") + \
             f" mbs{self.micro_batch_size} m{self.n_micro} {self.schedule}"
         if self.virtual_stages > 1:
             s += f"(v{self.virtual_stages})"
@@ -90,6 +92,8 @@ class Layout:
         a = ["--dp", self.dp, "--pp", self.pp, "--tp", self.tp, "--ep", self.ep] + (["--cp", self.cp] if self.cp > 1 else [])
         if self.cp > 1 and self.cp_comm != "ring":
             a += ["--cp-comm", self.cp_comm]
+        if self.cp_comm == "a2a+ring":
+            a += ["--cp-a2a", self.cp_a2a]
         a += ["--micro-batch-size", self.micro_batch_size, "--n-micro", self.n_micro, "--schedule", self.schedule]
         if self.virtual_stages > 1:
             a += ["--virtual-stages", self.virtual_stages]
@@ -125,7 +129,7 @@ def check(model_cfg: GPTConfig, lay: Layout, *, device: str = "cpu") -> None:
         raise ValueError(f"ep={ep} needs a MoE model (n_expert > 0)")
     if tp > 1:
         validate_tp(model_cfg, tp, lay.seq_parallel, seq_len=model_cfg.block_size // cp)
-    validate_cp(model_cfg, cp, tp, lay.seq_parallel, comm=lay.cp_comm)
+    validate_cp(model_cfg, cp, tp, lay.seq_parallel, comm=lay.cp_comm, a2a=lay.cp_a2a)
     v = lay.virtual_stages
     if pp > 1:
         validate_pipeline(model_cfg, pp, lay.n_micro, lay.schedule, v)

@@ -40,7 +40,8 @@ class Layout(pympar.layout.Layout):
 
     def __str__(self):
         s = f"dp{self.dp}.pp{self.pp}.tp{self.tp}.ep{self.ep}" + \
-            (f".cp{self.cp}" + ("-a2a" if self.cp_comm == "a2a" else "") if self.cp > 1 else "") + f" {self.model}"
+            (f".cp{self.cp}" + ({"ring": ""}.get(self.cp_comm, f"-{self.cp_comm}")) +
+             (f"{self.cp_a2a}" if self.cp_comm == "a2a+ring" else "") if self.cp > 1 else "") + f" {self.model}"
         if self.pp > 1:
             s += f" {self.schedule}" + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
         return s + (" sp" if self.seq_parallel else "") + (f" zero{self.zero}" if self.zero else "") + \
@@ -81,12 +82,14 @@ def all_layouts(world: int, dtypes=("float64",)):
                 sps = [False, True] if tp > 1 and (T // cp) % tp == 0 else [False]
                 for model in ("dense", "moe"):
                     eps = [1] if model == "dense" else [e for e in _divisors(dp * cp) if N_EXPERT % e == 0]
-                    comms = ["ring"] + (["a2a"] if cp > 1 and (N_HEAD // tp) % cp == 0 else [])
-                    for ep, (sched, v), sp, zero, dt, rc, cc in itertools.product(
+                    heads = N_HEAD // tp       # Ulysses over all cp ranks, and in groups of 2 with the ring across
+                    comms = [("ring", 0)] + ([("a2a", 0)] if cp > 1 and heads % cp == 0 else []) + \
+                        ([("a2a+ring", 2)] if cp > 2 and cp % 2 == 0 and heads % 2 == 0 else [])
+                    for ep, (sched, v), sp, zero, dt, rc, (cc, a2a) in itertools.product(
                             eps, scheds, sps, [0, 1, 2, 3] if dp * cp > 1 else [0], dtypes, RECOMPUTE, comms):
                         lay = Layout(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, micro_batch_size=2, n_micro=G // dp,
                                      schedule=sched, virtual_stages=v, zero=zero, seq_parallel=sp, recompute=rc,
-                                     model=model, dtype=dt, cp_comm=cc)
+                                     model=model, dtype=dt, cp_comm=cc, cp_a2a=a2a)
                         try:                       # what pympar refuses as not supported is not a case
                             pympar.layout.check(_config(model), lay)
                         except pympar.layout.NotSupportedError:

@@ -18,7 +18,7 @@ from pympar.kernels import reference as R
 from pympar.nn import GPT
 from pympar.nn.config import GPTConfig
 from pympar.optim import AdamW, clip_grad_norm
-from pympar.parallel.cp import RingAttentionCore, positions
+from pympar.parallel.cp import RingAttentionCore, UlyssesAttentionCore, positions
 import pympar.layout
 from pympar.parallel.runner import ParallelRunner
 
@@ -52,6 +52,47 @@ def test_ring_attention_equals_full_attention(comm, mpi_world, dt, tol, c, B, H,
     e_bwd = _rel(dqkv, dqkv_ref[:, pos])
     errs = mpi_world.allgather((e_fwd, e_bwd))
     assert all(f < tol and b < tol for f, b in errs), f"forward, backward rel errors per rank: {errs}"
+
+
+def _cores(comm, T, H):
+    """(name, core) of every context-parallel attention this cp and these heads admit: the ring,
+    Ulysses over all cp ranks, and Ulysses inside groups of every proper divisor u of cp with the
+    ring across the groups (install_context_parallel's a2a+ring, built the same way here)."""
+    cp, r = comm.size, comm.rank
+    out = [("ring", RingAttentionCore(comm))]
+    if H % cp == 0:
+        out.append(("a2a", UlyssesAttentionCore(comm, T)))
+    for u in range(2, cp):
+        if cp % u == 0 and H % u == 0:
+            j, i = divmod(r, u)
+            group, across = comm.split(j, key=i), comm.split(i, key=j)
+            out.append((f"a2a{u}+ring", UlyssesAttentionCore(group, T // across.size, ring_comm=across)))
+    return out
+
+
+@pytest.mark.parametrize("dt,tol", [(np.float64, 1e-12), (np.float32, 1e-5)])
+@pytest.mark.parametrize("c,B,H,D", [(1, 1, 4, 4), (3, 2, 4, 8), (9, 1, 12, 16)])
+def test_every_cp_attention_equals_full_attention(comm, mpi_world, dt, tol, c, B, H, D):
+    # ring, Ulysses and Ulysses x ring: this rank's positions of the whole-sequence attention,
+    # forward and backward (a2a+ring exists from cp = 4: groups of 2, a ring of 2)
+    cp, r = comm.size, comm.rank
+    T = 2 * cp * c
+    rng = np.random.default_rng([T, B, H, D, 7])
+    qkv = rng.standard_normal((B, T, 3, H, D)).astype(dt)
+    dout = rng.standard_normal((B, T, H * D)).astype(dt)
+    sc = 1 / np.sqrt(D)
+    o_ref, lse_ref = R.attention_forward(qkv, sc)
+    dqkv_ref = R.attention_backward(qkv, o_ref, lse_ref.astype(dt), dout, sc)
+    pos = positions(T, cp, r)
+    errs = {}
+    for name, core in _cores(comm, T, H):
+        o, ctx = core.forward(np.ascontiguousarray(qkv[:, pos]))
+        dqkv = core.backward(np.ascontiguousarray(dout[:, pos]), ctx)
+        errs[name] = (_rel(o, o_ref[:, pos]), _rel(dqkv, dqkv_ref[:, pos]))
+    every = mpi_world.allgather(errs)
+    assert all(f < tol and b < tol for e in every for f, b in e.values()), every
+    if cp == 4:
+        assert "a2a2+ring" in errs
 
 
 def test_positions_cover_every_position_once(comm):

@@ -43,17 +43,34 @@ from .meter import Meter
 _KV_TAG, _DKV_TAG = 0x6370, 0x6371          # ring messages (tags apart from the pipeline's)
 
 
-CP_COMMS = ("ring", "a2a")
+CP_COMMS = ("ring", "a2a", "a2a+ring")
 
 
 def validate_cp(model_cfg, cp: int, tp: int = 1, seq_parallel: bool = False, seq_len: int | None = None,
-                comm: str = "ring") -> None:
+                comm: str = "ring", a2a: int = 0) -> None:
     """Raise ValueError unless the model's sequences split into 2*cp equal chunks (no communication),
-    and, for Ulysses (comm 'a2a'), unless each tp rank's heads split over cp."""
+    and, for Ulysses (comm 'a2a'), unless each tp rank's heads split over cp; for 'a2a+ring'
+    (Ulysses inside groups of ``a2a`` consecutive cp ranks, the ring across the groups), unless
+    1 < a2a < cp, a2a divides cp and each tp rank's heads split over a2a."""
     if comm not in CP_COMMS:
         raise ValueError(f"--cp-comm {comm!r}: expected one of {', '.join(CP_COMMS)}")
+    if comm != "a2a+ring" and a2a:
+        raise ValueError(f"--cp-a2a {a2a} sizes the Ulysses groups of --cp-comm a2a+ring, but --cp-comm is {comm}")
     if cp == 1:
+        if comm == "a2a+ring":
+            raise ValueError("--cp-comm a2a+ring needs context parallelism: use --cp > 2")
         return
+    heads = model_cfg.n_head // tp
+    if comm == "a2a+ring":
+        if not (1 < a2a < cp and cp % a2a == 0):
+            ok = [d for d in range(2, cp) if cp % d == 0]
+            raise ValueError(f"--cp-comm a2a+ring runs Ulysses inside groups of --cp-a2a ranks and the ring across "
+                             f"them: --cp-a2a must divide cp={cp} and lie strictly between 1 and cp, got {a2a}"
+                             + (f" (use one of {ok})" if ok else f" (cp={cp} has no such divisor: use ring or a2a)"))
+        if heads % a2a:
+            raise ValueError(f"--cp-comm a2a+ring gives each of the --cp-a2a {a2a} ranks of a group "
+                             f"n_head/(tp*{a2a}) heads, but this tp rank has {heads} heads: use a --cp-a2a that "
+                             f"divides {heads}")
     heads = model_cfg.n_head // tp
     if comm == "a2a" and heads % cp:
         raise ValueError(f"--cp-comm a2a gives each of the cp={cp} ranks n_head/(tp*cp) heads of whole sequences, "
@@ -230,14 +247,42 @@ class UlyssesAttentionCore(CausalAttentionCore):
     sequences, and a second all-to-all turns the output back; the backward is the same two
     all-to-alls around the core's backward. A head's attention is then the one process's
     computation, so its numbers are too. Same face as CausalAttentionCore; the meter gets the
-    all-to-alls' seconds ("cp wait") and the core's ("cp compute")."""
+    all-to-alls' seconds ("cp wait") and the core's ("cp compute").
 
-    def __init__(self, cp_comm, T: int, meter: Meter | None = None):
+    ring_comm (a2a+ring, Megatron's a2a+p2p): cp_comm is then a group of u consecutive cp ranks and
+    T the rows the group holds together; the ring of the groups (ring_comm, r = cp/u ranks)
+    replaces the causal core. Group j's ranks hold chunks j*u+i and 2cp-1-j*u-i of the 2cp chunks:
+    together chunk j and chunk 2r-1-j of 2r, the ring's own split, so member i's first chunk goes
+    to rows [i c, (i+1) c) and its second to [T-(i+1) c, T-i c) (c = T/2u) -- the same rows as
+    positions() gives a whole sequence when there is no ring."""
+
+    def __init__(self, cp_comm, T: int, meter: Meter | None = None, ring_comm=None):
         self.comm = cp_comm
         self.cp, self.rank, self.T = cp_comm.size, cp_comm.rank, int(T)
         self.meter = Meter() if meter is None else meter
         self.pos = [positions(self.T, self.cp, r) for r in range(self.cp)]
+        self.ring = RingAttentionCore(ring_comm, self.meter) if ring_comm is not None else None
         self.peak_bytes = 0
+
+    def _core_forward(self, full):
+        if self.ring is not None:                # the ring meters its own waits and blocks
+            got = self.ring.forward(full)
+            self.peak_bytes = max(self.peak_bytes, self.ring.peak_bytes)
+            return got
+        t0 = time.perf_counter()
+        got = super().forward(full)
+        self.meter.add("cp compute", time.perf_counter() - t0)
+        return got
+
+    def _core_backward(self, dfull, inner):
+        if self.ring is not None:
+            got = self.ring.backward(dfull, inner, consume=True)
+            self.peak_bytes = max(self.peak_bytes, self.ring.peak_bytes)
+            return got
+        t0 = time.perf_counter()
+        got = super().backward(dfull, inner, consume=True)
+        self.meter.add("cp compute", time.perf_counter() - t0)
+        return got
 
     def _all_to_all(self, x):
         """x (cp, ...) contiguous, block r for rank r -> (cp, ...), block r from rank r."""
@@ -273,9 +318,7 @@ class UlyssesAttentionCore(CausalAttentionCore):
         if three != 3:
             raise ValueError(f"qkv has shape {qkv.shape}: expected (B, T, 3, n_head, head_size)")
         full = self._to_heads(qkv, nh)                      # (B, T, 3, nh/cp, hs)
-        t0 = time.perf_counter()
-        ya, ctx = super().forward(full)                      # (B, T, nh/cp * hs)
-        self.meter.add("cp compute", time.perf_counter() - t0)
+        ya, ctx = self._core_forward(full)                   # (B, T, nh/cp * hs)
         out = self._to_positions(ya.reshape(B, self.T, nh // self.cp, hs), nh)
         return out.reshape(B, n, nh * hs), ("ulysses", ctx, nh, hs)
 
@@ -283,9 +326,7 @@ class UlyssesAttentionCore(CausalAttentionCore):
         _, inner, nh, hs = ctx
         B, n = dya.shape[:2]
         dfull = self._to_heads(dya.reshape(B, n, nh, hs), nh).reshape(B, self.T, (nh // self.cp) * hs)
-        t0 = time.perf_counter()
-        dqkv = super().backward(dfull, inner, consume=True)   # (B, T, 3, nh/cp, hs)
-        self.meter.add("cp compute", time.perf_counter() - t0)
+        dqkv = self._core_backward(dfull, inner)             # (B, T, 3, nh/cp, hs)
         return self._to_positions(dqkv, nh)
 
 
@@ -332,24 +373,37 @@ class CPRouting:
         return pos.reshape(k, B, self.T)[:, :, self.pos].reshape(-1), counts
 
 
-def install_context_parallel(model, cp_comm, T: int, meter: Meter | None = None, comm: str = "ring"):
+def install_context_parallel(model, cp_comm, T: int, meter: Meter | None = None, comm: str = "ring", a2a: int = 0):
     """Make ``model`` (nn.GPT, TPGPT or pipeline chunks: anything whose modules() reach its pieces)
-    run this cp rank's positions of sequences of length T: ring attention (comm 'ring') or
-    Ulysses' all-to-alls (comm 'a2a') in every attention,
-    the embedding's positions, the MoE layers' routing over the micro-batch. The ring attentions
-    report their seconds to ``meter`` (one new Meter shared by them when None)."""
+    run this cp rank's positions of sequences of length T: ring attention (comm 'ring'),
+    Ulysses' all-to-alls (comm 'a2a'), or Ulysses inside groups of ``a2a`` consecutive cp ranks and
+    the ring across the groups ('a2a+ring') in every attention, the embedding's positions, the MoE
+    layers' routing over the micro-batch. The attentions report their seconds to ``meter`` (one new
+    Meter shared by them when None). Collective over cp_comm ('a2a+ring' splits it in two)."""
     meter = Meter() if meter is None else meter
     from ..nn.moe import MoE
 
     pos = positions(T, cp_comm.size, cp_comm.rank)
+    if comm == "a2a+ring":                       # group j = cp ranks [j a2a, (j+1) a2a): Ulysses inside,
+        j, i = divmod(cp_comm.rank, a2a)          # the ring across the groups' members of equal index i
+        group = cp_comm.split(j, key=i, name=f"{cp_comm.name}/a2a{j}")
+        across = cp_comm.split(i, key=j, name=f"{cp_comm.name}/ring{i}")
+
+    def core():
+        if comm == "ring":
+            return RingAttentionCore(cp_comm, meter)
+        if comm == "a2a":
+            return UlyssesAttentionCore(cp_comm, T, meter)
+        return UlyssesAttentionCore(group, T // across.size, meter, ring_comm=across)
     cores = []
     for top in model.modules():
         for m in top.modules():
             for name, child in list(vars(m).items()):
                 if type(child) is CausalAttentionCore:
-                    ring = RingAttentionCore(cp_comm, meter) if comm == "ring" else \
-                        UlyssesAttentionCore(cp_comm, T, meter)
+                    ring = core()
                     ring.keep_probs, ring.impl = child.keep_probs, child.impl
+                    if getattr(ring, "ring", None) is not None:
+                        ring.ring.keep_probs, ring.ring.impl = child.keep_probs, child.impl
                     setattr(m, name, ring)
                     cores.append(ring)
             if hasattr(m, "wpe") and hasattr(m, "wte"):

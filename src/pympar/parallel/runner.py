@@ -100,7 +100,7 @@ class ParallelRunner:
         self.cp_positions = None
         if self.cp > 1:               # this rank's positions; K, V travel around the cp ring
             install_context_parallel(self.model, mesh.cp_comm, model_cfg.block_size, self.meter,
-                                     comm=getattr(layout, "cp_comm", "ring"))
+                                     comm=getattr(layout, "cp_comm", "ring"), a2a=getattr(layout, "cp_a2a", 0))
             self.cp_positions = self.model.cp_positions
         set_recompute(self.model, self.recompute)
         # nothing is allocated yet (parameters are made on first use): ZeRO-3 makes only its rows,
