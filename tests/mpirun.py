@@ -50,6 +50,41 @@ def _abs(a) -> str:
     return a
 
 
+def _descendants(pid: int) -> list:
+    """Every live process below pid (read from /proc): the launcher's ranks may sit in process groups
+    of their own, which killing the launcher's group misses -- and a rank left alive keeps the
+    output pipe open, so reading it would wait for good."""
+    children = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _kill_job(p):
+    """SIGKILL the launcher's process group and every process below it."""
+    procs = _descendants(p.pid)
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in procs:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_mpi(n: int, args, timeout: float = 120, env=None, cwd=None, check=True):
     """Run ``mpiexec -n n python <args>``; return CompletedProcess (stdout+stderr merged).
 
@@ -64,11 +99,11 @@ def run_mpi(n: int, args, timeout: float = 120, env=None, cwd=None, check=True):
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
+        _kill_job(p)
         out, _ = p.communicate()
         raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n--- output tail ---\n{out[-4000:]}")
     except BaseException:                       # pytest-timeout, Ctrl-C: the job must not outlive the test
-        os.killpg(p.pid, signal.SIGKILL)
+        _kill_job(p)
         p.communicate()
         raise
     res = subprocess.CompletedProcess(cmd, p.returncode, out, "")

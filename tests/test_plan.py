@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -222,6 +223,33 @@ def test_tp_and_dp_communication_grow_with_size():
     assert 0 < tp2.time["tp_comm"] < tp4.time["tp_comm"]
     dp = predict(cfg, Layout(dp=4, pp=1, tp=1, ep=1, micro_batch_size=4, n_micro=1, schedule="1f1b"), slow)
     assert dp.time["dp_comm"] > 0 and tp2.time["dp_comm"] < dp.time["dp_comm"]
+
+
+def test_the_planner_chooses_the_cp_attention_by_topology():
+    """cp = 4, a long sequence, the network 10x slower than shared memory. Per block the ring sends
+    2u k,v blocks 3cp-2 times, hidden behind compute as far as the machine overlaps; Ulysses sends
+    4u twice through all-to-alls that nothing hides. Over 2 nodes of 2 ranks with the ring 3/4
+    hidden, Ulysses inside each node and the ring across (a2a+ring, groups of 2) is predicted
+    fastest; on one node without overlap plain Ulysses (the fewest bytes); on one node with it, the
+    ring. plan() ranks the three by these times, so its first cp=4 layout is the one chosen."""
+    cfg = GPTConfig(vocab_size=256, block_size=4096, n_layer=2, n_head=8, n_embd=256)
+    lay = Layout(cp=4, micro_batch_size=1, n_micro=1)
+    variants = {("ring", 0): lay, ("a2a", 0): replace(lay, cp_comm="a2a"),
+                ("a2a+ring", 2): replace(lay, cp_comm="a2a+ring", cp_a2a=2)}
+
+    def fastest(m):
+        t = {k: predict(cfg, v, m).time["cp_comm"] for k, v in variants.items()}
+        assert all(x > 0 for x in t.values()), t
+        return min(t, key=t.get)
+    two_nodes = machine(ranks_per_node=2, intra_bw=1e10, inter_bw=1e9, overlap=0.75)
+    assert fastest(two_nodes) == ("a2a+ring", 2)
+    assert fastest(machine(ranks_per_node=4, intra_bw=1e10, inter_bw=1e9, overlap=0.0)) == ("a2a", 0)
+    assert fastest(machine(ranks_per_node=4, intra_bw=1e10, inter_bw=1e9, overlap=0.75)) == ("ring", 0)
+    # the enumerator offers all three to plan(), which ranks them by these times
+    got = {(x.cp_comm, x.cp_a2a) for x, why in enumerate_layouts(cfg, 4, 1, 2) if why is None and x.cp == 4}
+    assert got == set(variants), got
+    ranked = [p.layout for p in plan(cfg, 4, 1, two_nodes)[0] if p.layout.cp == 4 and p.layout.recompute == "none"]
+    assert (ranked[0].cp_comm, ranked[0].cp_a2a) == ("a2a+ring", 2), [x.key() for x in ranked[:3]]
 
 
 def test_fit_alpha_beta(tmp_path):

@@ -27,6 +27,7 @@ bubble from the schedule simulator of pympar.parallel.pp.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
@@ -284,6 +285,44 @@ def _schedules(lay: Layout):
     return [S.build_schedule(lay.schedule, lay.pp, lay.n_micro, lay.virtual_stages, r) for r in range(lay.pp)]
 
 
+def cp_attention_time(lay: Layout, m: Machine, u: float) -> float:
+    """Seconds of one block's context-parallel attention traffic per micro-batch (forward and
+    backward) not hidden behind compute; u = the bytes of this rank's share of one activation
+    (its positions' q, k or v of its tp heads).
+
+    ring: per block cp-1 key/value hops forward, cp-1 more and cp dK/dV hops backward (2u each),
+    each hidden behind the block in hand as far as the machine's overlap allows; crosses nodes when
+    the cp group does. a2a: q, k, v (3u) and the output (u) through an all-to-all forward, the same
+    backward, none of it hidden (attention waits for it). a2a+ring: those all-to-alls inside
+    groups of cp_a2a consecutive ranks (crossing nodes only when a group does), then the ring of
+    the cp/cp_a2a groups on k, v blocks of the same size (the group's positions, its heads)."""
+    if lay.cp <= 1:
+        return 0.0
+    tp_span = lay.tp * lay.cp > m.ranks_per_node
+
+    def ring(r, cross):
+        return (3 * r - 2) * m.coll("sendrecv", 2 * u, 2, cross) * (1 - m.overlap) if r > 1 else 0.0
+
+    def a2a(k, cross):
+        return 2 * (m.coll("alltoall", 3 * u, k, cross) + m.coll("alltoall", u, k, cross))
+    if lay.cp_comm == "a2a":
+        return a2a(lay.cp, tp_span)
+    if lay.cp_comm == "a2a+ring":
+        k = lay.cp_a2a
+        return a2a(k, lay.tp * k > m.ranks_per_node) + ring(lay.cp // k, tp_span)
+    return ring(lay.cp, tp_span)
+
+
+def cp_comms(cfg: GPTConfig, cp: int, tp: int) -> list:
+    """(cp_comm, cp_a2a) the planner considers: the ring, Ulysses where each tp rank's heads split
+    over cp, and Ulysses in groups of every proper divisor of cp with the ring across them."""
+    if cp <= 1:
+        return [("ring", 0)]
+    heads = cfg.n_head // tp
+    return [("ring", 0)] + ([("a2a", 0)] if heads % cp == 0 else []) + \
+        [("a2a+ring", u) for u in range(2, cp) if cp % u == 0 and heads % u == 0]
+
+
 # --- prediction ---------------------------------------------------------------------------
 def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     part = partition(cfg, lay.pp, lay.virtual_stages, placement=S.placement_of(lay.schedule))
@@ -331,11 +370,7 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     tp_t = (4 * blocks_per_rank + 3 / lay.pp) * m.coll("allreduce", act_b, lay.tp, tp_cross)
     ep_t = 4 * moe_per_rank * m.coll("alltoall", act_b * cfg.top_k, lay.ep, dp_cross)
     pp_t = m.coll("sendrecv", act_b, 2, pp_cross) if lay.pp > 1 else 0.0
-    # the ring: per block cp-1 key/value hops forward, cp-1 more and cp dK/dV hops backward, each
-    # hidden behind the block in hand as far as the machine's overlap allows
-    kv_b = 2 * tokens * C / lay.tp * m.act_bytes
-    cp_t = (3 * lay.cp - 2) * blocks_per_rank * m.coll("sendrecv", kv_b, 2, cp_cross) * (1 - m.overlap) \
-        if lay.cp > 1 else 0.0
+    cp_t = blocks_per_rank * cp_attention_time(lay, m, tokens * C / lay.tp * m.act_bytes)
     f_cost = comp / 3 + (tp_t + ep_t) / 2 + cp_t / 3
     b_cost = 2 * comp / 3 + (tp_t + ep_t) / 2 + 2 * cp_t / 3
     # simulate() charges each of a rank's v chunks cost/v; every chunk boundary sends the full B*T*C
@@ -411,14 +446,15 @@ def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_n
                             continue
                         for zero in ([0, 1, 2, 3] if dp * cp > 1 else [0]):
                             sps = [False, True] if tp > 1 and (cfg.block_size // cp) % tp == 0 else [False]
-                            for sp in sps:
+                            for sp, (cc, a2a) in itertools.product(sps, cp_comms(cfg, cp, tp)):
+                                base = replace(lay0, zero=zero, seq_parallel=sp, cp_comm=cc, cp_a2a=a2a)
                                 try:                  # once: recomputation changes no rule but its name
-                                    check(cfg, replace(lay0, zero=zero, seq_parallel=sp))
+                                    check(cfg, base)
                                     why = None
                                 except ValueError as e:
                                     why = f"invalid: {e}"
                                 for rc in RECOMPUTE:
-                                    yield replace(lay0, zero=zero, seq_parallel=sp, recompute=rc), why
+                                    yield replace(base, recompute=rc), why
 
 
 def plan(cfg: GPTConfig, world: int, global_batch: int, machine: Machine):
