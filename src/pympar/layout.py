@@ -36,7 +36,7 @@ from .nn.config import GPTConfig, flops_per_token
 from .parallel import ledger
 from .parallel.cp import validate_cp
 from .parallel.ep import validate_ep
-from .parallel.mesh import Mesh
+from .parallel.mesh import Mesh, divisors
 from .parallel.pp import schedules as S
 from .parallel.pp.partition import partition, validate_pipeline
 from .parallel.tp.validate import validate_tp
@@ -191,10 +191,6 @@ MFU_ASSUMED = {"cpu": 1.0, "gpu": 0.45}
 
 def is_moe_layer(cfg: GPTConfig, i: int) -> bool:
     return cfg.is_moe_block(i)
-
-
-def divisors(n: int) -> list:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def parse_bytes(s) -> int:

@@ -39,6 +39,7 @@ import time
 import numpy as np
 
 from ..backend import to_numpy, xp_of
+from .mesh import divisors as divisors_of
 from .meter import Meter, Tally
 
 _EXPERT = re.compile(r"\.moe\.experts\.(\d+)\.")
@@ -74,7 +75,7 @@ def validate_ep(config, ep: int) -> None:
     if not isinstance(ep, (int, np.integer)) or ep < 1:
         raise ValueError(f"ep={ep!r} must be a positive integer")
     if ep > 1 and config.n_expert and config.n_expert % ep:
-        divisors = [d for d in range(1, config.n_expert + 1) if config.n_expert % d == 0]
+        divisors = divisors_of(config.n_expert)
         raise ValueError(f"n_expert={config.n_expert} is not divisible by ep={ep}: each ep rank holds "
                          f"n_expert/ep whole experts, so ep must be one of {divisors}")
 

@@ -38,7 +38,8 @@ class Coords(NamedTuple):
     tp: int
 
 
-def _divisors(n):
+def divisors(n: int) -> list:
+    """The divisors of n, ascending (the sizes a mesh axis of n ranks can take)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -59,7 +60,7 @@ class Mesh:
             over = f"dp={dp}" if cp == 1 else f"dp*cp={dp * cp}"
             raise ValueError(f"ep={ep} does not divide {over}: experts are sharded over the data-"
                              f"{'parallel' if cp == 1 else ' and context-parallel'} ranks, so ep must be one of "
-                             f"{_divisors(dp * cp)}")
+                             f"{divisors(dp * cp)}")
 
     @staticmethod
     def coords(rank: int, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1) -> Coords:
