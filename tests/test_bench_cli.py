@@ -335,3 +335,18 @@ def test_call_overhead_bench_times_every_row_and_renders(tmp_path, bench_module)
     md = bench_module("report_md").render(res, {})
     assert "## Per-call cost: MPIComm against the library called through mpi4py" in md
     assert "MPIComm(world).allreduce per call / mpi4py's Allreduce at 8 B and 4 KiB" in md
+
+
+def test_cp_weak_bench_runs_every_configuration(tmp_path, bench_module):
+    """bench/cp_weak.py with one short length: one rank on L and cp = 2 (ring, a2a) on 2L train, the
+    efficiency is the quotient of their step times and the ceiling 1/(1 + attention's FLOP share)."""
+    res = tmp_path / "cp_weak.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "cp_weak.py"), "--per-rank", "64", "--rounds", "1",
+                        "--steps", "3", "--json", res, "--png", tmp_path / "w.png"], capture_output=True, text=True,
+                       env=mpi_env(), cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads(res.read_text())["rows"]
+    assert [(r["per_rank"], r["cp"], r["comm"]) for r in rows] == [(64, 2, "ring"), (64, 2, "a2a")]
+    for r in rows:
+        assert r["efficiency"] == pytest.approx(r["one_rank_s"] / r["cp_s"])
+        assert 0 < r["attention_share"] < 1 and r["ceiling"] == pytest.approx(1 / (1 + r["attention_share"]))
