@@ -73,10 +73,10 @@ def plot(res, png):
     ceil = [next(r["ceiling"] for r in res["rows"] if r["per_rank"] == L) for L in Ls]
     ax.plot(range(len(Ls)), ceil, "k_", ms=30, label="ceiling (attention's FLOP share)")
     ax.axhline(TARGET, color="tab:red", lw=0.8, ls="--")
-    ax.set(xticks=range(len(Ls)), ylabel="one rank on L / cp=2 on 2L", ylim=(0, 1.1),
-           title=f"CP weak scaling, cp = 2 ({res['machine']})")
+    ax.set(xticks=range(len(Ls)), ylabel="one rank on L / cp=2 on 2L", ylim=(0, 1.25))
+    ax.set_title(f"CP weak scaling, cp = 2 (dashed: {TARGET} target)\n{res['machine']}", fontsize=7)
     ax.set_xticklabels([f"L = {L}" for L in Ls])
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, loc="upper right", ncol=3)
     common.save(fig, png)
 
 
