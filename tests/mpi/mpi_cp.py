@@ -32,18 +32,23 @@ def _rel(a, b):
     return float(np.abs(a - b).max() / max(1.0, float(np.abs(b).max())))
 
 
-@pytest.mark.parametrize("dt,tol", [(np.float64, 1e-12), (np.float32, 1e-5)])
-@pytest.mark.parametrize("c,B,H,D", [(1, 1, 1, 4), (3, 3, 2, 8), (37, 1, 4, 16), (70, 2, 1, 32)])
-def test_ring_attention_equals_full_attention(comm, mpi_world, dt, tol, c, B, H, D):
-    cp, r = comm.size, comm.rank
-    T = 2 * cp * c
-    rng = np.random.default_rng([T, B, H, D])          # every rank: the same whole sequence
+def _whole_sequence(comm, dt, T, B, H, D, seed):
+    """(qkv, dout) of one whole sequence (the same on every rank), one process's attention output and
+    input gradient of it, and this rank's positions."""
+    rng = np.random.default_rng(seed)
     qkv = rng.standard_normal((B, T, 3, H, D)).astype(dt)
     dout = rng.standard_normal((B, T, H * D)).astype(dt)
     sc = 1 / np.sqrt(D)
     o_ref, lse_ref = R.attention_forward(qkv, sc)
     dqkv_ref = R.attention_backward(qkv, o_ref, lse_ref.astype(dt), dout, sc)
-    pos = positions(T, cp, r)
+    return qkv, dout, o_ref, dqkv_ref, positions(T, comm.size, comm.rank)
+
+
+@pytest.mark.parametrize("dt,tol", [(np.float64, 1e-12), (np.float32, 1e-5)])
+@pytest.mark.parametrize("c,B,H,D", [(1, 1, 1, 4), (3, 3, 2, 8), (37, 1, 4, 16), (70, 2, 1, 32)])
+def test_ring_attention_equals_full_attention(comm, mpi_world, dt, tol, c, B, H, D):
+    T = 2 * comm.size * c
+    qkv, dout, o_ref, dqkv_ref, pos = _whole_sequence(comm, dt, T, B, H, D, [T, B, H, D])
     ring = RingAttentionCore(comm)
     o, ctx = ring.forward(np.ascontiguousarray(qkv[:, pos]))
     assert o.shape == (B, 2 * c, H * D) and o.dtype == np.dtype(dt)
@@ -75,15 +80,9 @@ def _cores(comm, T, H):
 def test_every_cp_attention_equals_full_attention(comm, mpi_world, dt, tol, c, B, H, D):
     # ring, Ulysses and Ulysses x ring: this rank's positions of the whole-sequence attention,
     # forward and backward (a2a+ring exists from cp = 4: groups of 2, a ring of 2)
-    cp, r = comm.size, comm.rank
+    cp = comm.size
     T = 2 * cp * c
-    rng = np.random.default_rng([T, B, H, D, 7])
-    qkv = rng.standard_normal((B, T, 3, H, D)).astype(dt)
-    dout = rng.standard_normal((B, T, H * D)).astype(dt)
-    sc = 1 / np.sqrt(D)
-    o_ref, lse_ref = R.attention_forward(qkv, sc)
-    dqkv_ref = R.attention_backward(qkv, o_ref, lse_ref.astype(dt), dout, sc)
-    pos = positions(T, cp, r)
+    qkv, dout, o_ref, dqkv_ref, pos = _whole_sequence(comm, dt, T, B, H, D, [T, B, H, D, 7])
     errs = {}
     for name, core in _cores(comm, T, H):
         o, ctx = core.forward(np.ascontiguousarray(qkv[:, pos]))
