@@ -365,6 +365,23 @@ def sec_moe(res, status) -> str:
     return "\n".join(out) + "\n"
 
 
+def sec_moe_experts(res, status) -> str:
+    d, out = _opening(res, status, "moe_experts", "## Grouped expert products")
+    if not d:
+        return "\n".join(out)
+    out += [f"`python bench/moe_experts.py`: a rank's local experts (C {d['width']}, hidden {d['hidden']}), forward and "
+            f"backward of every expert MLP over rows split by a Zipf law (exponent {d['zipf']}), the per-expert loop "
+            "against the grouped call (csrc/grouped.cpp, the same products: bitwise the same results), and PyTorch "
+            "eager's per-expert loop under autograd on the same rows.", "", _img("moe_experts", "grouped experts"), "",
+            "| dtype | rows | experts | threads | loop ms | grouped ms | grouped speed-up | PyTorch loop ms |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in d["rows"]:
+        t = f"{r['torch_ms']:.2f}" if r.get("torch_ms") is not None else "-"
+        out.append(f"| {r.get('dtype', d.get('dtype'))} | {r['rows']} | {r['n_expert']} | {r['threads']} | {r['loop_ms']:.2f} | "
+                   f"{r['grouped_ms']:.2f} | {r['speedup']:.2f}x | {t} |")
+    return "\n".join(out) + "\n"
+
+
 def sec_compression(res, status) -> str:
     d, out = _opening(res, status, "compression", "## Gradient compression")
     if not d:
@@ -599,7 +616,7 @@ def sec_memory(res, status) -> str:
 COMMANDS = {"checkpoint": "python bench/checkpoint.py", "context_parallel": "python bench/context_parallel.py",
             "memory": "python bench/memory.py",
             "attention": "python bench/attention.py", "auto_select": "python bench/auto_select.py",
-            "call_overhead": "python bench/call_overhead.py",
+            "call_overhead": "python bench/call_overhead.py", "moe_experts": "python bench/moe_experts.py",
             "train_step": "python bench/train_step.py --dtype bfloat16"}
 _BOUND = re.compile(r"\(?target (<=|>=) ([\d.]+)[^)]*\)?")
 
@@ -695,6 +712,6 @@ def render(res: Path, status: dict) -> str:
     quick = [n for n, s in status.items() if s.get("quick")]
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
-    secs = [sec_targets, sec_collectives, sec_auto_select, sec_call_overhead, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe,
+    secs = [sec_targets, sec_collectives, sec_auto_select, sec_call_overhead, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe, sec_moe_experts,
             sec_compression, sec_plan, sec_memory, sec_reproducible, sec_param_server, sec_cp_comm, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

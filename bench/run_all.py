@@ -81,6 +81,9 @@ def steps(quick: bool) -> list:
                         "--png", IMG / "strategies.png"], None),
         ("moe_balance", [PY, B / "moe_balance.py", "--steps", "20" if q else "300", "--json", R / "moe_balance.json",
                          "--png", IMG / "moe_balance.png"], None),
+        ("moe_experts", [PY, B / "moe_experts.py", *(["--experts", "8,32", "--rows", "1024", "--reps", "2", "--rounds", "1"]
+                                                      if q else []),
+                         "--json", R / "moe_experts.json", "--png", IMG / "moe_experts.png"], None),
         ("plan_accuracy", [PY, B / "plan_accuracy.py", "--world", "4" if q else "4,8", "--rounds", "1" if q else "3",
                            "--steps", "2" if q else "4", "--calibrate", "--timeout", "120",
                            "--json", R / "plan_accuracy.json", "--png", IMG / "plan_accuracy.png"], None),

@@ -134,6 +134,7 @@ PYBIND11_MODULE(_C, m) {
   bind_lowp(m);
   bind_exact(m);
   bind_fastcoll(m);
+  bind_grouped(m);
   m.doc() = "pympar C++ kernels (see pympar.kernels)";
   m.def("isa", [] { return std::string(K->isa); }, "the instruction-set build of the arithmetic kernels in use");
   m.def("cpu_features", [] {

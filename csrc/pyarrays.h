@@ -58,6 +58,7 @@ static inline std::string shape_of(const py::array& a) {
 }
 
 void bind_lowp(py::module_& m);   // bindings_lowp.cpp
+void bind_grouped(py::module_& m);   // grouped.cpp
 void bind_exact(py::module_& m);  // exact.cpp
 void bind_fastcoll(py::module_& m);  // fastcoll.cpp
 

@@ -350,3 +350,20 @@ def test_cp_weak_bench_runs_every_configuration(tmp_path, bench_module):
     for r in rows:
         assert r["efficiency"] == pytest.approx(r["one_rank_s"] / r["cp_s"])
         assert 0 < r["attention_share"] < 1 and r["ceiling"] == pytest.approx(1 / (1 + r["attention_share"]))
+
+
+def test_moe_experts_bench_times_both_ways_and_reports(tmp_path, bench_module):
+    """bench/moe_experts.py at one size: both ways timed on the same uneven rows (the grouped call
+    really ran: the script checks the ctx), the speed-up their quotient, the report's section."""
+    res = tmp_path / "moe_experts.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_experts.py"), "--experts", "8", "--threads", "1",
+                        "--rows", "256", "--reps", "1", "--rounds", "1", "--json", res, "--png", tmp_path / "m.png"],
+                       capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads(res.read_text())
+    [r] = d["rows"]
+    assert sum(r["counts"]) == 256 and len(r["counts"]) == 8 and r["max_over_mean"] > 1.5   # uneven
+    assert r["speedup"] == pytest.approx(r["loop_ms"] / r["grouped_ms"])
+    report = bench_module("report_md")
+    md = report.sec_moe_experts(tmp_path, {})
+    assert "## Grouped expert products" in md and f"{r['speedup']:.2f}x" in md

@@ -158,6 +158,14 @@ def describe() -> str:
     return "NumPy's BLAS" + (" (PYMPAR_GEMM=numpy)" if _choice == "numpy" else " (no MKL found)")
 
 
+def gemm_address(dtype):
+    """The address of MKL's sequential cblas_sgemm/dgemm for ``dtype`` when MKL is selected (for C++
+    callers that run many small products themselves: nn.moe's grouped experts), else None."""
+    if _choice == "numpy" or not _load():
+        return None
+    return _addr.get(np.dtype(dtype))
+
+
 def _operand(x):
     """(trans flag, leading dimension) of a 2-D operand MKL can read as it lies, else None."""
     item = x.itemsize

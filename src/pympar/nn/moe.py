@@ -29,8 +29,11 @@ import numpy as np
 from .. import kernels
 from ..backend import to_device, xp_of
 from ..kernels.blas import over_chunks
+from ..kernels import gemm
+from ..kernels.native import _C
+from . import layers
 from .layers import MLP
-from .parameter import Module, make_param, weight_grad
+from .parameter import Module, deferring, make_param, weight_grad
 
 
 def _stable_argsort(a):
@@ -80,9 +83,69 @@ class MoE(Module):
         return math.ceil(self.top_k * n_tokens * self.capacity_factor / self.n_expert)
 
     # --- experts: the seam expert parallelism replaces ---------------------------------------
+    # Local experts run as one grouped call (csrc/grouped.cpp: every expert's MLP over its rows,
+    # the products MLP makes, spread over the kernel threads) where it applies: NumPy float32 or
+    # float64 experts that are plain MLPs (no compute dtype, no tensor parallelism), MKL selected,
+    # the C++ module built, and no zero-bubble W pass deferring weight gradients. Else (and with
+    # ``grouped = False``) one MLP call per expert, side by side over the threads.
+    grouped = True
+
+    def _grouped_fn(self, xs):
+        if not (self.grouped and _C is not None and type(xs) is np.ndarray and xs.ndim == 2
+                and xs.dtype in (np.float32, np.float64) and xs.flags.c_contiguous and not deferring()
+                and not kernels.backend(xs) == "reference"):
+            return None
+        e = self.experts[0] if self.experts else None
+        if e is None or type(e) is not MLP or e.c_fc._cdt is not None or e.c_fc.weight.data.dtype != xs.dtype:
+            return None
+        return gemm.gemm_address(xs.dtype)
+
+    @staticmethod
+    def _params_of(experts):
+        out = []
+        for m in experts:
+            fc, pr = m.c_fc, m.c_proj
+            out += [fc.weight.data, None if fc.bias is None else fc.bias.data,
+                    pr.weight.data, None if pr.bias is None else pr.bias.data]
+        return out
+
+    def _run_grouped(self, fn, xs, n):
+        used = [j for j, c in enumerate(n) if c]
+        ex = [self.experts[j] for j in used]
+        keep = all(m.keep_hidden for m in ex)
+        counts = np.array([n[j] for j in used], np.int64)  # host
+        ys = np.empty_like(xs)
+        h = np.empty((xs.shape[0], ex[0].c_fc.weight.data.shape[0]), xs.dtype) if keep and ex else None
+        if ex:
+            _C.grouped_mlp_forward(fn, xs, counts, self._params_of(ex), h, ys, layers.MLP_ROWS)
+        return ys, ("grouped", used, counts, xs, h)
+
+    def _run_grouped_backward(self, fn, dys, ctx):
+        _, used, counts, xs, h = ctx
+        dxs = np.empty_like(dys)
+        if not used:
+            return dxs
+        ex = [self.experts[j] for j in used]
+        grads, fresh = [], []
+        for m in ex:                                     # the first contribution written, later ones added
+            for p in (m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias):
+                if p is None:
+                    grads.append(None)
+                    fresh.append(False)
+                    continue
+                dst = p.write_grad()
+                grads.append(p.grad if dst is None else dst)
+                fresh.append(dst is not None)
+        _C.grouped_mlp_backward(fn, xs, np.ascontiguousarray(dys), counts, self._params_of(ex), grads,
+                                np.array(fresh, bool), h, dxs, layers.MLP_ROWS)   # host
+        return dxs
+
     def run_experts(self, xs, counts):
         """xs (M, C) rows grouped by expert (counts (E,) rows each) -> (ys (M, C), ctx)."""
         xp = xp_of(xs)
+        fn = self._grouped_fn(xs)
+        if fn is not None:
+            return self._run_grouped(fn, xs, counts.tolist())
         ys = xp.empty_like(xs)
         n = counts.tolist()                              # slice bounds: one host sync on a GPU
         lo = [0, *itertools.accumulate(n)]                # row offsets of each expert (host ints)
@@ -99,6 +162,11 @@ class MoE(Module):
 
     def run_experts_backward(self, dys, ctxs):
         """dys (M, C) -> dxs (M, C); expert parameter grads accumulate."""
+        if isinstance(ctxs, tuple) and ctxs and ctxs[0] == "grouped":
+            fn = self._grouped_fn(dys)
+            if fn is not None:
+                return self._run_grouped_backward(fn, dys, ctxs)
+            ctxs = self._loop_ctx(ctxs)              # a W pass defers now: the per-expert backward
         dxs = xp_of(dys).zeros_like(dys)
 
         def experts(i0, i1):                             # ctxs [i0, i1): distinct experts and rows
@@ -107,6 +175,15 @@ class MoE(Module):
 
         self._over_experts(len(ctxs), experts, xp_of(dys), [c[2] for c in ctxs])
         return dxs
+
+    def _loop_ctx(self, ctx):
+        """The per-expert loop's ctx from a grouped forward's."""
+        _, used, counts, xs, h = ctx
+        out, lo = [], 0
+        for j, c in zip(used, counts.tolist()):
+            out.append((j, lo, c, (xs[lo:lo + c], None if h is None else h[lo:lo + c])))
+            lo += c
+        return out
 
     @staticmethod
     def _over_experts(n, fn, xp, rows):

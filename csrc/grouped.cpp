@@ -1,0 +1,305 @@
+// Grouped expert MLPs (nn/moe.py): a rank's local experts, each c_fc (C -> H), GELU, c_proj (H -> C),
+// run over their token groups in ONE call instead of one Python MLP per expert. Groups are the
+// expert-major rows of xs; each group runs in blocks of at most `block` rows, and every block makes
+// exactly the products and elementwise passes nn.layers.MLP makes on it (the same cblas_?gemm with
+// the same operands and transposes, the same bias/GELU/column-sum kernels, a first gradient written
+// and later ones added by the GEMM), so the numbers are the per-expert loop's. Groups are spread over
+// the kernel threads in ranges of about equal rows; a range runs its groups' products sequentially
+// (the gemm function is MKL's sequential cblas_?gemm, located by kernels/gemm.py).
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "pyarrays.h"
+#include "threadpool.h"
+
+namespace pympar::bind {
+namespace {
+
+constexpr int ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112;
+
+template <typename T>
+using Gemm = void (*)(int, int, int, int, int, int, T, const void*, int, const void*, int, T, void*, int);
+
+template <typename T>
+struct Ops;
+template <>
+struct Ops<float> {
+  static void bias_gelu(float* h, const float* b, float* y, int64_t n, int64_t f) { K->bias_gelu_fwd_f32(h, b, y, n, f); }
+  static void gelu(const float* x, float* y, int64_t n) { K->gelu_fwd_f32(x, y, n); }
+  static void gelu_bwd(const float* x, const float* dy, float* dx, int64_t n) { K->gelu_bwd_f32(x, dy, dx, n); }
+  static void bias_add(float* y, const float* b, int64_t n, int64_t f) { K->bias_add_f32(y, b, n, f); }
+  static void column_sum(const float* x, float* o, int64_t n, int64_t f) { K->column_sum_f32(x, o, n, f); }
+};
+template <>
+struct Ops<double> {
+  static void bias_gelu(double* h, const double* b, double* y, int64_t n, int64_t f) { K->bias_gelu_fwd_f64(h, b, y, n, f); }
+  static void gelu(const double* x, double* y, int64_t n) { K->gelu_fwd_f64(x, y, n); }
+  static void gelu_bwd(const double* x, const double* dy, double* dx, int64_t n) { K->gelu_bwd_f64(x, dy, dx, n); }
+  static void bias_add(double* y, const double* b, int64_t n, int64_t f) { K->bias_add_f64(y, b, n, f); }
+  static void column_sum(const double* x, double* o, int64_t n, int64_t f) { K->column_sum_f64(x, o, n, f); }
+};
+
+// One expert's parameters (and, in backward, their gradients and whether each gradient is written
+// fresh by its first contribution or added to).
+template <typename T>
+struct Expert {
+  const T *wfc = nullptr, *bfc = nullptr, *wproj = nullptr, *bproj = nullptr;
+  T *gwfc = nullptr, *gbfc = nullptr, *gwproj = nullptr, *gbproj = nullptr;
+  bool fresh[4] = {false, false, false, false};
+};
+
+// the data pointer of list[i], checked: dtype dt, C-contiguous, n elements (a None bias: nullptr)
+template <typename T>
+T* ptr_of(const py::list& l, size_t i, int dt, int64_t n, const char* what, bool none_ok) {
+  py::handle h = l[i];
+  if (h.is_none()) {
+    if (!none_ok) throw py::value_error(std::string(what) + ": None where an array is needed");
+    return nullptr;
+  }
+  py::array a = py::reinterpret_borrow<py::array>(h);
+  check(a, what, 1u << dt, n);
+  return static_cast<T*>(const_cast<void*>(a.data()));
+}
+
+// ranges of groups of about equal rows, one per part (a part may be empty)
+std::vector<int64_t> balanced(const std::vector<int64_t>& rows, int parts) {
+  int64_t total = 0;
+  for (int64_t r : rows) total += r;
+  std::vector<int64_t> b(parts + 1, static_cast<int64_t>(rows.size()));
+  b[0] = 0;
+  int64_t acc = 0, g = 0;
+  for (int p = 1; p < parts; ++p) {
+    const int64_t target = total * p / parts;
+    while (g < static_cast<int64_t>(rows.size()) && acc + rows[g] / 2 < target) acc += rows[g++];
+    b[p] = g;
+  }
+  return b;
+}
+
+template <typename T>
+void over_groups(const std::vector<int64_t>& rows, const std::function<void(int64_t)>& group) {
+  const int parts = static_cast<int>(std::min<int64_t>(get_num_threads(), static_cast<int64_t>(rows.size())));
+  if (parts <= 1) {
+    for (size_t g = 0; g < rows.size(); ++g) group(static_cast<int64_t>(g));
+    return;
+  }
+  const std::vector<int64_t> b = balanced(rows, parts);
+  parallel_for(parts, 1, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t g = b[p]; g < b[p + 1]; ++g) group(g);
+  });
+}
+
+// per-thread scratch of n elements (slot 0: a block's GELU output, slot 1: its hidden layer when
+// the caller keeps none)
+template <typename T>
+T* scratch(int slot, int64_t n) {
+  thread_local std::vector<T> buf[2];
+  if (static_cast<int64_t>(buf[slot].size()) < n) buf[slot].resize(static_cast<size_t>(n));
+  return buf[slot].data();
+}
+
+struct Groups {
+  std::vector<int64_t> rows, lo;   // rows of each group and its first row in xs
+};
+
+Groups groups_of(const py::array& counts, int64_t M) {
+  check(counts, "counts", I64ONLY);
+  Groups g;
+  const int64_t* c = static_cast<const int64_t*>(counts.data());
+  int64_t at = 0;
+  for (py::ssize_t i = 0; i < counts.size(); ++i) {
+    if (c[i] < 0) throw py::value_error("grouped_mlp: a negative group size");
+    g.rows.push_back(c[i]);
+    g.lo.push_back(at);
+    at += c[i];
+  }
+  if (at != M)
+    throw py::value_error("grouped_mlp: the groups cover " + std::to_string(at) + " rows, xs has " +
+                          std::to_string(M));
+  return g;
+}
+
+// params: 4 per group (c_fc weight (H, C), c_fc bias (H,) or None, c_proj weight (C, H), c_proj bias
+// (C,) or None); grads likewise (None for none) when given
+template <typename T>
+std::vector<Expert<T>> experts_of(const py::list& params, const py::list* grads, const bool* fresh, size_t G,
+                                  int dt, int64_t C, int64_t H) {
+  if (params.size() != 4 * G || (grads && grads->size() != 4 * G))
+    throw py::value_error("grouped_mlp: 4 parameters (and 4 gradients) per group");
+  std::vector<Expert<T>> ex(G);
+  for (size_t g = 0; g < G; ++g) {
+    Expert<T>& e = ex[g];
+    e.wfc = ptr_of<T>(params, 4 * g, dt, H * C, "c_fc.weight", false);
+    e.bfc = ptr_of<T>(params, 4 * g + 1, dt, H, "c_fc.bias", true);
+    e.wproj = ptr_of<T>(params, 4 * g + 2, dt, C * H, "c_proj.weight", false);
+    e.bproj = ptr_of<T>(params, 4 * g + 3, dt, C, "c_proj.bias", true);
+    if (grads) {
+      e.gwfc = ptr_of<T>(*grads, 4 * g, dt, H * C, "c_fc.weight grad", false);
+      e.gbfc = ptr_of<T>(*grads, 4 * g + 1, dt, H, "c_fc.bias grad", true);
+      e.gwproj = ptr_of<T>(*grads, 4 * g + 2, dt, C * H, "c_proj.weight grad", false);
+      e.gbproj = ptr_of<T>(*grads, 4 * g + 3, dt, C, "c_proj.bias grad", true);
+      if ((e.gbfc == nullptr) != (e.bfc == nullptr) || (e.gbproj == nullptr) != (e.bproj == nullptr))
+        throw py::value_error("grouped_mlp: a bias and its gradient must both be given or both None");
+      for (int k = 0; k < 4; ++k) e.fresh[k] = fresh[4 * g + k];
+    }
+  }
+  return ex;
+}
+
+// h (m, H) = x W_fc^T (+ b_fc), g (m, H) = GELU(h): MLP._hidden's products and pass
+template <typename T>
+void hidden(Gemm<T> gemm, const Expert<T>& e, const T* x, T* h, T* g, int64_t m, int64_t C, int64_t H) {
+  gemm(ROW_MAJOR, NO_TRANS, TRANS, int(m), int(H), int(C), T(1), x, int(C), e.wfc, int(C), T(0), h, int(H));
+  if (e.bfc) Ops<T>::bias_gelu(h, e.bfc, g, m, H);
+  else Ops<T>::gelu(h, g, m * H);
+}
+
+// grad (n,) of a bias += column sums of d (m, n): written when first, else summed apart and added
+template <typename T>
+void bias_grad(T* grad, const T* d, int64_t m, int64_t n, bool first) {
+  if (first) {
+    Ops<T>::column_sum(d, grad, m, n);
+    return;
+  }
+  std::vector<T> s(static_cast<size_t>(n));
+  Ops<T>::column_sum(d, s.data(), m, n);
+  for (int64_t j = 0; j < n; ++j) grad[j] += s[j];
+}
+
+template <typename T>
+void forward(Gemm<T> gemm, const T* xs, const Groups& G, const std::vector<Expert<T>>& ex, int64_t C, int64_t H,
+             T* h_all, T* ys, int64_t block) {
+  over_groups<T>(G.rows, [&](int64_t g) {
+    const Expert<T>& e = ex[g];
+    for (int64_t r0 = 0; r0 < G.rows[g]; r0 += block) {
+      const int64_t m = std::min(block, G.rows[g] - r0), at = G.lo[g] + r0;
+      T* h = h_all ? h_all + at * H : scratch<T>(1, m * H);
+      T* gb = scratch<T>(0, m * H);
+      hidden(gemm, e, xs + at * C, h, gb, m, C, H);
+      T* y = ys + at * C;
+      gemm(ROW_MAJOR, NO_TRANS, TRANS, int(m), int(C), int(H), T(1), gb, int(H), e.wproj, int(H), T(0), y, int(C));
+      if (e.bproj) Ops<T>::bias_add(y, e.bproj, m, C);
+    }
+  });
+}
+
+template <typename T>
+void backward(Gemm<T> gemm, const T* xs, const T* dys, const Groups& G, const std::vector<Expert<T>>& ex, int64_t C,
+              int64_t H, const T* h_all, T* dxs, int64_t block) {
+  over_groups<T>(G.rows, [&](int64_t g) {
+    const Expert<T>& e = ex[g];
+    for (int64_t r0 = 0; r0 < G.rows[g]; r0 += block) {
+      const int64_t m = std::min(block, G.rows[g] - r0), at = G.lo[g] + r0;
+      const bool first = r0 == 0;
+      const T* x = xs + at * C;
+      const T* dy = dys + at * C;
+      T* gb = scratch<T>(0, m * H);
+      const T* h;
+      if (h_all) {
+        h = h_all + at * H;
+        Ops<T>::gelu(h, gb, m * H);
+      } else {                                      // recomputed, as MLP._backward_rows does
+        T* hb = scratch<T>(1, m * H);
+        hidden(gemm, e, x, hb, gb, m, C, H);
+        h = hb;
+      }
+      // c_proj: dW = dy^T g, db = column sums of dy, dg = dy W (written over g)
+      gemm(ROW_MAJOR, TRANS, NO_TRANS, int(C), int(H), int(m), T(1), dy, int(C), gb, int(H),
+           T(first && e.fresh[2] ? 0 : 1), e.gwproj, int(H));
+      if (e.gbproj) bias_grad(e.gbproj, dy, m, C, first && e.fresh[3]);
+      gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, int(m), int(H), int(C), T(1), dy, int(C), e.wproj, int(H), T(0), gb, int(H));
+      Ops<T>::gelu_bwd(h, gb, gb, m * H);          // dh, over dg
+      // c_fc: dW = dh^T x, db = column sums of dh, dx = dh W
+      gemm(ROW_MAJOR, TRANS, NO_TRANS, int(H), int(C), int(m), T(1), gb, int(H), x, int(C),
+           T(first && e.fresh[0] ? 0 : 1), e.gwfc, int(C));
+      if (e.gbfc) bias_grad(e.gbfc, gb, m, H, first && e.fresh[1]);
+      gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, int(m), int(C), int(H), T(1), gb, int(H), e.wfc, int(C), T(0),
+           dxs + at * C, int(C));
+    }
+  });
+}
+
+int64_t dims(const py::array& xs, const py::list& params, int64_t* C, int64_t* H) {
+  if (xs.ndim() != 2) throw py::value_error("grouped_mlp: xs must be 2-D (rows, C)");
+  *C = xs.shape(1);
+  if (params.size() == 0) {
+    *H = 0;
+    return xs.shape(0);
+  }
+  py::array w = py::reinterpret_borrow<py::array>(params[0]);
+  if (w.ndim() != 2 || w.shape(1) != *C) throw py::value_error("grouped_mlp: c_fc.weight must be (H, C)");
+  *H = w.shape(0);
+  return xs.shape(0);
+}
+
+void need(uintptr_t fn, int64_t block) {
+  if (fn == 0 || block < 1) throw py::value_error("grouped_mlp: need a gemm function and block >= 1");
+}
+
+}  // namespace
+
+void bind_grouped(py::module_& m) {
+  m.def("grouped_mlp_forward", [](uintptr_t fn, const py::array& xs, const py::array& counts, const py::list& params,
+                                  py::object h, py::array& ys, int64_t block) {
+    need(fn, block);
+    int64_t C, H;
+    const int64_t M = dims(xs, params, &C, &H);
+    const int dt = check(xs, "xs", FLOATS, M * C);
+    check(ys, "ys", 1u << dt, M * C);
+    Groups G = groups_of(counts, M);
+    void* hp = nullptr;
+    if (!h.is_none()) {
+      py::array ha = py::reinterpret_borrow<py::array>(h);
+      check(ha, "h", 1u << dt, M * H);
+      hp = ha.mutable_data();
+    }
+    if (dt == F32) {
+      auto ex = experts_of<float>(params, nullptr, nullptr, G.rows.size(), dt, C, H);
+      py::gil_scoped_release r;
+      forward<float>(reinterpret_cast<Gemm<float>>(fn), ct<float>(xs), G, ex, C, H, static_cast<float*>(hp),
+                     mt<float>(ys), block);
+    } else {
+      auto ex = experts_of<double>(params, nullptr, nullptr, G.rows.size(), dt, C, H);
+      py::gil_scoped_release r;
+      forward<double>(reinterpret_cast<Gemm<double>>(fn), ct<double>(xs), G, ex, C, H, static_cast<double*>(hp),
+                      mt<double>(ys), block);
+    }
+  }, "ys = the groups' MLPs of xs (groups of `counts` rows, 4 parameters each); h (or None) keeps c_fc's output");
+
+  m.def("grouped_mlp_backward", [](uintptr_t fn, const py::array& xs, const py::array& dys, const py::array& counts,
+                                   const py::list& params, const py::list& grads, const py::array& fresh, py::object h,
+                                   py::array& dxs, int64_t block) {
+    need(fn, block);
+    int64_t C, H;
+    const int64_t M = dims(xs, params, &C, &H);
+    const int dt = check(xs, "xs", FLOATS, M * C);
+    check(dys, "dys", 1u << dt, M * C), check(dxs, "dxs", 1u << dt, M * C);
+    Groups G = groups_of(counts, M);
+    if (fresh.dtype().kind() != 'b' || fresh.size() != static_cast<py::ssize_t>(4 * G.rows.size()) ||
+        !(fresh.flags() & py::array::c_style))
+      throw py::value_error("grouped_mlp_backward: fresh must be a contiguous bool array, 4 per group");
+    const bool* fr = static_cast<const bool*>(fresh.data());
+    const void* hp = nullptr;
+    if (!h.is_none()) {
+      py::array ha = py::reinterpret_borrow<py::array>(h);
+      check(ha, "h", 1u << dt, M * H);
+      hp = ha.data();
+    }
+    if (dt == F32) {
+      auto ex = experts_of<float>(params, &grads, fr, G.rows.size(), dt, C, H);
+      py::gil_scoped_release r;
+      backward<float>(reinterpret_cast<Gemm<float>>(fn), ct<float>(xs), ct<float>(dys), G, ex, C, H,
+                      static_cast<const float*>(hp), mt<float>(dxs), block);
+    } else {
+      auto ex = experts_of<double>(params, &grads, fr, G.rows.size(), dt, C, H);
+      py::gil_scoped_release r;
+      backward<double>(reinterpret_cast<Gemm<double>>(fn), ct<double>(xs), ct<double>(dys), G, ex, C, H,
+                       static_cast<const double*>(hp), mt<double>(dxs), block);
+    }
+  }, "dxs and the groups' parameter gradients (written where fresh, else added) from dys");
+}
+
+}  // namespace pympar::bind
