@@ -13,6 +13,9 @@
 
 #include "pyarrays.h"
 #include "threadpool.h"
+#if defined(PYMPAR_AMX)
+#include "amx.h"
+#endif
 
 namespace pympar::bind {
 namespace {
@@ -239,9 +242,157 @@ void need(uintptr_t fn, int64_t block) {
   if (fn == 0 || block < 1) throw py::value_error("grouped_mlp: need a gemm function and block >= 1");
 }
 
+#if defined(PYMPAR_AMX)
+// bf16 experts on AMX tiles: the products nn.layers.Linear makes through kernels/gemm.product_bf16
+// (amx engine) with the same arguments -- each weight's bf16 compute copy, packed where the caller
+// found its pack -- and lowp.cpp's elementwise passes. Per group, 12 addresses (0: none):
+//   0 Wfc (H, C) bf16   1 pack of Wfc^T (C -> H)   2 pack of Wfc (H -> C)   3 b_fc float32 (H,)
+//   4 Wp (C, H) bf16    5 pack of Wp^T (H -> C)    6 pack of Wp (C -> H)    7 b_p float32 (C,)
+//   8..11 the float32 gradients of Wfc, b_fc, Wp, b_p (backward only)
+constexpr int SLOTS = 12;
+using u16 = uint16_t;
+
+// C (m, n) = A (m, k) B: A row-major (lda); B the weight w (its (k, n) view given by sk, sn) or its pack
+void amx_product(const u16* a, int64_t sam, int64_t sak, const int64_t* e, int w, int pack, int64_t sk, int64_t sn,
+                 int64_t m, int64_t n, int64_t k, const amx::Out& o) {
+  const u16* b = reinterpret_cast<const u16*>(e[pack] ? e[pack] : e[w]);
+  amx::gemm(a, sam, sak, b, sk, sn, e[pack] != 0, m, n, k, o);
+}
+
+amx::Out bf16_out(u16* c, int64_t ldc, const float* bias, u16* g) {
+  amx::Out o;
+  o.mode = amx::Out::BF16;
+  o.c = c;
+  o.ldc = ldc;
+  o.bias = bias;
+  o.g = g;
+  o.ldg = ldc;
+  return o;
+}
+
+amx::Out f32_out(float* c, int64_t ldc, bool accumulate) {
+  amx::Out o;
+  o.c = c;
+  o.ldc = ldc;
+  o.accumulate = accumulate;
+  return o;
+}
+
+// h (m, H) = round(x Wfc^T + b), g = round(GELU(h)) (with a bias: one epilogue; without: the GELU pass after)
+void hidden_bf16(const int64_t* e, const u16* x, u16* h, u16* g, int64_t m, int64_t C, int64_t H) {
+  const float* b = reinterpret_cast<const float*>(e[3]);
+  amx_product(x, C, 1, e, 0, 1, 1, C, m, H, C, bf16_out(h, H, b, b ? g : nullptr));
+  if (!b) K->gelu_fwd_bf16(h, g, m * H);
+}
+
+void bias_grad_bf16(float* grad, const u16* d, int64_t m, int64_t n, bool first) {
+  if (first) {
+    K->column_sum_bf16(d, grad, m, n);
+    return;
+  }
+  std::vector<float> s(static_cast<size_t>(n));
+  K->column_sum_bf16(d, s.data(), m, n);
+  for (int64_t j = 0; j < n; ++j) grad[j] += s[j];
+}
+
+void forward_bf16(const u16* xs, const Groups& G, const int64_t* ad, int64_t C, int64_t H, u16* h_all, u16* ys,
+                  int64_t block) {
+  over_groups<u16>(G.rows, [&](int64_t g) {
+    const int64_t* e = ad + g * SLOTS;
+    for (int64_t r0 = 0; r0 < G.rows[g]; r0 += block) {
+      const int64_t m = std::min(block, G.rows[g] - r0), at = G.lo[g] + r0;
+      u16* h = h_all ? h_all + at * H : scratch<u16>(1, m * H);
+      u16* gb = scratch<u16>(0, m * H);
+      hidden_bf16(e, xs + at * C, h, gb, m, C, H);
+      amx_product(gb, H, 1, e, 4, 5, 1, H, m, C, H, bf16_out(ys + at * C, C, reinterpret_cast<const float*>(e[7]), nullptr));
+    }
+  });
+}
+
+void backward_bf16(const u16* xs, const u16* dys, const Groups& G, const int64_t* ad, const bool* fresh, int64_t C,
+                   int64_t H, const u16* h_all, u16* dxs, int64_t block) {
+  over_groups<u16>(G.rows, [&](int64_t g) {
+    const int64_t* e = ad + g * SLOTS;
+    const bool* fr = fresh + 4 * g;
+    for (int64_t r0 = 0; r0 < G.rows[g]; r0 += block) {
+      const int64_t m = std::min(block, G.rows[g] - r0), at = G.lo[g] + r0;
+      const bool first = r0 == 0;
+      const u16* x = xs + at * C;
+      const u16* dy = dys + at * C;
+      u16* gb = scratch<u16>(0, m * H);
+      const u16* h;
+      if (h_all) {
+        h = h_all + at * H;
+        K->gelu_fwd_bf16(h, gb, m * H);
+      } else {
+        u16* hb = scratch<u16>(1, m * H);
+        hidden_bf16(e, x, hb, gb, m, C, H);
+        h = hb;
+      }
+      // c_proj: dW (C, H) = dy^T g (float32), db, dg = dy Wp (bf16, over g)
+      amx::gemm(dy, 1, C, gb, H, 1, false, C, H, m, f32_out(reinterpret_cast<float*>(e[10]), H, !(first && fr[2])));
+      if (e[11]) bias_grad_bf16(reinterpret_cast<float*>(e[11]), dy, m, C, first && fr[3]);
+      amx_product(dy, C, 1, e, 4, 6, H, 1, m, H, C, bf16_out(gb, H, nullptr, nullptr));
+      K->gelu_bwd_bf16(h, gb, gb, m * H);
+      // c_fc: dW (H, C) = dh^T x, db, dx = dh Wfc
+      amx::gemm(gb, 1, H, x, C, 1, false, H, C, m, f32_out(reinterpret_cast<float*>(e[8]), C, !(first && fr[0])));
+      if (e[9]) bias_grad_bf16(reinterpret_cast<float*>(e[9]), gb, m, H, first && fr[1]);
+      amx_product(gb, H, 1, e, 0, 2, C, 1, m, C, H, bf16_out(dxs + at * C, C, nullptr, nullptr));
+    }
+  });
+}
+#endif
+
+const int64_t* addresses(const py::array& a, size_t G) {
+  check(a, "addresses", I64ONLY, static_cast<int64_t>(G) * 12);
+  return static_cast<const int64_t*>(a.data());
+}
+
 }  // namespace
 
 void bind_grouped(py::module_& m) {
+#if defined(PYMPAR_AMX)
+  // bf16 experts on AMX (the amx engine of kernels/gemm.py); the caller (nn/moe.py) gives each group's
+  // 12 addresses (see SLOTS above) and has checked their arrays; xs, ys, h, dys, dxs bf16 (M, C|H)
+  m.def("grouped_mlp_forward_bf16", [](const py::array& xs, const py::array& counts, const py::array& addrs,
+                                       int64_t H, py::object h, py::array& ys, int64_t block) {
+    if (!amx::available() || block < 1) throw py::value_error("grouped_mlp_forward_bf16: needs AMX and block >= 1");
+    const int64_t M = xs.ndim() == 2 ? xs.shape(0) : -1, C = xs.ndim() == 2 ? xs.shape(1) : 0;
+    check(xs, "xs", 1u << BF16, M * C), check(ys, "ys", 1u << BF16, M * C);
+    Groups G = groups_of(counts, M);
+    const int64_t* ad = addresses(addrs, G.rows.size());
+    u16* hp = nullptr;
+    if (!h.is_none()) {
+      py::array ha = py::reinterpret_borrow<py::array>(h);
+      check(ha, "h", 1u << BF16, M * H);
+      hp = static_cast<u16*>(ha.mutable_data());
+    }
+    py::gil_scoped_release r;
+    forward_bf16(static_cast<const u16*>(xs.data()), G, ad, C, H, hp, static_cast<u16*>(ys.mutable_data()), block);
+  });
+  m.def("grouped_mlp_backward_bf16", [](const py::array& xs, const py::array& dys, const py::array& counts,
+                                        const py::array& addrs, const py::array& fresh, int64_t H, py::object h,
+                                        py::array& dxs, int64_t block) {
+    if (!amx::available() || block < 1) throw py::value_error("grouped_mlp_backward_bf16: needs AMX and block >= 1");
+    const int64_t M = xs.ndim() == 2 ? xs.shape(0) : -1, C = xs.ndim() == 2 ? xs.shape(1) : 0;
+    check(xs, "xs", 1u << BF16, M * C), check(dys, "dys", 1u << BF16, M * C), check(dxs, "dxs", 1u << BF16, M * C);
+    Groups G = groups_of(counts, M);
+    const int64_t* ad = addresses(addrs, G.rows.size());
+    if (fresh.dtype().kind() != 'b' || fresh.size() != static_cast<py::ssize_t>(4 * G.rows.size()))
+      throw py::value_error("grouped_mlp_backward_bf16: fresh must be a bool array, 4 per group");
+    const u16* hp = nullptr;
+    if (!h.is_none()) {
+      py::array ha = py::reinterpret_borrow<py::array>(h);
+      check(ha, "h", 1u << BF16, M * H);
+      hp = static_cast<const u16*>(ha.data());
+    }
+    const bool* fr = static_cast<const bool*>(fresh.data());
+    py::gil_scoped_release r;
+    backward_bf16(static_cast<const u16*>(xs.data()), static_cast<const u16*>(dys.data()), G, ad, fr, C, H, hp,
+                  static_cast<u16*>(dxs.mutable_data()), block);
+  });
+#endif
+
   m.def("grouped_mlp_forward", [](uintptr_t fn, const py::array& xs, const py::array& counts, const py::list& params,
                                   py::object h, py::array& ys, int64_t block) {
     need(fn, block);

@@ -357,7 +357,8 @@ def test_moe_experts_bench_times_both_ways_and_reports(tmp_path, bench_module):
     really ran: the script checks the ctx), the speed-up their quotient, the report's section."""
     res = tmp_path / "moe_experts.json"
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_experts.py"), "--experts", "8", "--threads", "1",
-                        "--rows", "256", "--reps", "1", "--rounds", "1", "--json", res, "--png", tmp_path / "m.png"],
+                        "--rows", "256", "--dtypes", "float32", "--reps", "1", "--rounds", "1", "--json", res,
+                        "--png", tmp_path / "m.png"],
                        capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     d = json.loads(res.read_text())

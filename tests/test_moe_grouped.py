@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from pympar import kernels
+from pympar.backend import bfloat16
 from pympar.kernels import gemm
 from pympar.nn import layers
 from pympar.nn.moe import MoE
-from pympar.nn.parameter import WeightGrads
+from pympar.nn.parameter import WeightGrads, compute_copies
 
 pytestmark = pytest.mark.skipif(not kernels.native_available() or gemm.gemm_address(np.float32) is None,
                                 reason="the grouped call needs the C++ module and MKL (the loop runs otherwise)")
@@ -19,10 +20,14 @@ COUNTS = [5, 0, 37, 2, 16, 3, 2, 9]
 
 
 def _moe(dtype, grouped, bias=True, C=12):
-    m = MoE(C, len(COUNTS), name="moe", top_k=2, seed=4, dtype=dtype, bias=bias)
+    """dtype bfloat16: float32 parameters, bf16 compute (the trainer's --dtype bfloat16)."""
+    lowp = dtype == "bfloat16"
+    pdt = np.float32 if lowp else dtype
+    m = MoE(C, len(COUNTS), name="moe", top_k=2, seed=4, dtype=pdt, bias=bias,
+            compute_dtype=bfloat16 if lowp else None)
     rng = np.random.default_rng(1)
     for _, p in m.named_parameters():                # away from the zero biases of the init
-        p.data[...] += (0.05 * rng.standard_normal(p.data.shape)).astype(dtype)
+        p.data[...] += (0.05 * rng.standard_normal(p.data.shape)).astype(pdt)
     m.grouped = grouped
     return m
 
@@ -33,9 +38,10 @@ def _run(dtype, grouped, threads, counts=COUNTS, bias=True, defer=False):
     rng = np.random.default_rng(2)
     M, C = sum(counts), m.experts[0].c_fc.weight.shape[1]
     outs = []
+    adt = bfloat16 if dtype == "bfloat16" else dtype
     for mb in range(2):                              # two micro-batches: the second adds to the gradients
-        xs = rng.standard_normal((M, C)).astype(dtype)
-        dys = rng.standard_normal((M, C)).astype(dtype)
+        xs = rng.standard_normal((M, C)).astype(adt)
+        dys = rng.standard_normal((M, C)).astype(adt)
         ys, ctx = m.run_experts(xs, np.array(counts))
         assert (ctx[0] == "grouped") == grouped
         if defer:
@@ -55,7 +61,12 @@ def _small_blocks(monkeypatch):
     kernels.set_num_threads(1)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+AMX = gemm.bf16_engine() == "amx"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64,
+                                   pytest.param("bfloat16", marks=pytest.mark.skipif(
+                                       not AMX, reason="bf16 experts run grouped on AMX tiles only (the loop elsewhere)"))])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bias", [True, False])
 def test_grouped_experts_are_the_loop_bit_for_bit(dtype, threads, bias):
@@ -64,6 +75,18 @@ def test_grouped_experts_are_the_loop_bit_for_bit(dtype, threads, bias):
     for a, b in zip(loop, grouped):
         np.testing.assert_array_equal(a, b)
     assert np.any(loop[-1] != 0)                     # gradients were made (the last expert has rows)
+
+
+@pytest.mark.skipif(not AMX, reason="bf16 experts run grouped on AMX tiles only")
+def test_bf16_grouped_reads_the_packed_weights_the_loop_reads():
+    """Inside a step's weight-cache scope the bf16 copies are packed once (kernels/gemm.py) and both
+    ways multiply by the packs: still the loop's bits."""
+    with compute_copies():
+        loop = _run("bfloat16", False, 2)
+    with compute_copies():
+        grouped = _run("bfloat16", True, 2)
+    for a, b in zip(loop, grouped):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_deferred_weight_gradients_take_the_loop_and_agree():

@@ -360,6 +360,14 @@ def aligned_empty(n: int, dtype, align: int = 64):
     return raw[off:off + n]
 
 
+def bf16_pack(b):
+    """The pack products on the bf16 engine use for b (a registered weight copy or its transpose,
+    ``packable``), else None: for C++ callers that run the products themselves (nn.moe's grouped
+    experts), so that they read the same operand the per-call path reads."""
+    engine = bf16_engine()
+    return None if engine is None else _packs.get(b, engine)
+
+
 def packable(w) -> None:
     """Register w, a C-contiguous 2-D bf16 array that stays unchanged while it lives (a weight's
     compute copy), so that products reading it as their right-hand operand (w or w.T) use one pack of

@@ -33,7 +33,7 @@ from ..kernels import gemm
 from ..kernels.native import _C
 from . import layers
 from .layers import MLP
-from .parameter import Module, deferring, make_param, weight_grad
+from .parameter import Module, compute_weight, deferring, make_param, weight_grad
 
 
 def _stable_argsort(a):
@@ -91,14 +91,54 @@ class MoE(Module):
     grouped = True
 
     def _grouped_fn(self, xs):
+        """How the grouped call runs here: the cblas_?gemm address (float32/float64), "amx" (bf16
+        experts on AMX tiles), or None (the per-expert loop)."""
         if not (self.grouped and _C is not None and type(xs) is np.ndarray and xs.ndim == 2
-                and xs.dtype in (np.float32, np.float64) and xs.flags.c_contiguous and not deferring()
-                and not kernels.backend(xs) == "reference"):
+                and xs.flags.c_contiguous and not deferring() and kernels.backend(xs) != "reference"):
             return None
         e = self.experts[0] if self.experts else None
-        if e is None or type(e) is not MLP or e.c_fc._cdt is not None or e.c_fc.weight.data.dtype != xs.dtype:
+        if e is None or type(e) is not MLP:
             return None
-        return gemm.gemm_address(xs.dtype)
+        cdt = e.c_fc._cdt
+        if cdt is None and xs.dtype in (np.float32, np.float64) and e.c_fc.weight.data.dtype == xs.dtype:
+            return gemm.gemm_address(xs.dtype)
+        if (cdt is not None and xs.dtype == cdt and cdt.name == "bfloat16" and e.c_fc.weight.data.dtype == np.float32
+                and gemm.bf16_engine() == "amx" and hasattr(_C, "grouped_mlp_forward_bf16")):
+            return "amx"
+        return None
+
+    @staticmethod
+    def _addresses_bf16(experts, grads=False):
+        """Each expert's 12 addresses for the bf16 grouped call (csrc/grouped.cpp, SLOTS): the bf16
+        compute copies of its weights, their AMX packs where registered (kernels/gemm.py), the float32
+        biases and (backward) the gradients; and the arrays, kept alive for the call."""
+        rows, keep, fresh = [], [], []
+        for m in experts:
+            row = []
+            for lin in (m.c_fc, m.c_proj):
+                w = compute_weight(lin.weight, lin._cdt)
+                pt, pn = gemm.bf16_pack(w.T), gemm.bf16_pack(w)
+                b = None if lin.bias is None else lin.bias_value()
+                keep += [w, pt, pn, b]
+                row += [w.ctypes.data, 0 if pt is None else pt.ctypes.data, 0 if pn is None else pn.ctypes.data,
+                        0 if b is None else b.ctypes.data]
+            if grads:
+                for p in (m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias):
+                    if p is None:
+                        row.append(0)
+                        fresh.append(False)
+                        continue
+                    dst = p.write_grad()
+                    g = p.grad if dst is None else dst
+                    if g.dtype != np.float32 or not g.flags.c_contiguous:
+                        raise ValueError(f"{p.name}: the grouped bf16 call needs a contiguous float32 gradient")
+                    keep.append(g)
+                    row.append(g.ctypes.data)
+                    fresh.append(dst is not None)
+            else:
+                row += [0, 0, 0, 0]
+            rows.append(row)
+        return np.array(rows, np.int64).reshape(-1, 12), keep, np.array(fresh, bool)  # host
 
     @staticmethod
     def _params_of(experts):
@@ -116,7 +156,12 @@ class MoE(Module):
         counts = np.array([n[j] for j in used], np.int64)  # host
         ys = np.empty_like(xs)
         h = np.empty((xs.shape[0], ex[0].c_fc.weight.data.shape[0]), xs.dtype) if keep and ex else None
-        if ex:
+        if ex and fn == "amx":
+            addrs, keep, _ = self._addresses_bf16(ex)
+            _C.grouped_mlp_forward_bf16(xs, counts, addrs, ex[0].c_fc.weight.data.shape[0], h, ys,
+                                        layers.MLP_ROWS)
+            del keep
+        elif ex:
             _C.grouped_mlp_forward(fn, xs, counts, self._params_of(ex), h, ys, layers.MLP_ROWS)
         return ys, ("grouped", used, counts, xs, h)
 
@@ -126,6 +171,13 @@ class MoE(Module):
         if not used:
             return dxs
         ex = [self.experts[j] for j in used]
+        if fn == "amx":
+            addrs, keep, fresh = self._addresses_bf16(ex, grads=True)
+            H = ex[0].c_fc.weight.data.shape[0]
+            _C.grouped_mlp_backward_bf16(xs, np.ascontiguousarray(dys), counts, addrs, fresh, H, h, dxs,
+                                         layers.MLP_ROWS)
+            del keep
+            return dxs
         grads, fresh = [], []
         for m in ex:                                     # the first contribution written, later ones added
             for p in (m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias):
