@@ -3,7 +3,7 @@ against the single-process run; plus the pure helpers in this process."""
 import numpy as np
 import pytest
 
-from mpirun import run_pytest_mpi
+from mpirun import run_mpi, run_pytest_mpi
 from pympar.nn.config import GPTConfig
 from pympar.parallel.ep import expert_grad_scale, expert_range, is_expert_param, validate_ep
 
@@ -19,6 +19,35 @@ def test_ep_matches_single_process(n):
 @pytest.mark.parametrize("n", [1, 3, 8])
 def test_ep_matches_single_process_other_sizes(n):
     run_pytest_mpi(n, "mpi_ep.py", timeout=240)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("env", [{"PYMPAR_RANKS_PER_NODE": 2}, {"MPIR_CVAR_NUM_CLIQUES": 2}],
+                         ids=["2x2-shm", "2x2-cliques"])
+def test_node_aware_dispatch(env):
+    """The two-hop route and the model with it (tests/mpi/mpi_ep_node.py): 2 nodes of 2 ranks,
+    simulated by pympar (all shared memory) and by MPICH's cliques (network between them)."""
+    run_pytest_mpi(4, "mpi_ep_node.py", timeout=90, env=env)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("n,env", [(6, {"PYMPAR_RANKS_PER_NODE": 2}),
+                                   (4, {"PYMPAR_RANKS_PER_NODE": 2, "MPIR_CVAR_NOLOCAL": 1}),
+                                   (8, {"PYMPAR_RANKS_PER_NODE": 4}), (3, {"PYMPAR_RANKS_PER_NODE": 1})])
+def test_node_aware_dispatch_other_topologies(n, env):
+    run_pytest_mpi(n, "mpi_ep_node.py", timeout=240, env=env)
+
+
+@pytest.mark.mpi
+def test_trainer_node_dispatch_on_one_node_is_an_error_on_every_rank(tmp_path):
+    """--ep-dispatch node where the ep group is on one node: the same one-line error on every rank,
+    exit 2, no traceback (the ranks agree on it after building their routes)."""
+    p = run_mpi(2, ["-m", "pympar.train", "--preset", "moe-tiny", "--ep", "2", "--ep-dispatch", "node",
+                    "--steps", "1", "--out", tmp_path], timeout=90, check=False)
+    assert p.returncode == 2, p.stdout[-3000:]
+    assert p.stdout.count("pympar.train: error: ep_dispatch='node' needs every ep group over several nodes") == 2
+    assert "Traceback" not in p.stdout
 
 
 def test_expert_param_names():

@@ -262,6 +262,7 @@ class RunConfig:
     layout: str = "rule"
     cp_comm: str = "ring"                # context parallelism: ring attention, or Ulysses' all-to-alls ("a2a")
     cp_a2a: int = 0                      # a2a+ring: ranks of a Ulysses group (consecutive cp ranks)
+    ep_dispatch: str = "auto"            # expert parallelism's token exchange: flat alltoallv, or node-aware
     schedule: str = "1f1b"
     virtual_stages: int = 1
     micro_batch_size: int = 8
@@ -326,6 +327,10 @@ _HELP = {
           "ring attention); block_size must be divisible by 2*cp (default 1)",
     "pp": "pipeline-parallel stages", "tp": "tensor-parallel size",
     "ep": "expert-parallel size (divides dp*cp and n_expert)",
+    "ep_dispatch": "expert parallelism's token exchange: 'flat' (one alltoallv row per token and expert rank), "
+                   "'node' (each token crosses to a node once and fans out inside it; needs an ep group over "
+                   "several nodes with equally many ranks each), 'auto' = node where that holds and top_k > 1, "
+                   "else flat (docs/parallel.md)",
     "layout": "'rule': dp/pp/tp/ep/cp not given are filled in (pp=tp=ep=cp=1, dp takes the rest); "
               "'auto': the planner (python -m pympar.plan) picks dp, pp, tp, ep, cp, micro-batches, schedule, "
               "ZeRO and sequence parallelism for the same global batch (micro_batch_size*n_micro*world)",
@@ -394,6 +399,7 @@ _HELP = {
 _CHOICES = {
     "preset": sorted(PRESETS), "schedule": list(layouts.SCHEDULES),
     "compress": ["none", "fp16", "bf16", "topk"], "device": ["cpu", "cuda"], "cp_comm": ["ring", "a2a", "a2a+ring"],
+    "ep_dispatch": ["auto", "flat", "node"],
     "grad_reduce_dtype": ["float32", "bfloat16"],
     "dtype": ["auto", "float32", "bfloat16", "float16"], "master_dtype": ["float32", "float64"], "moments_dtype": ["float32", "bfloat16"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
     "progress": ["auto", "bar", "log"], "pp_channels": ["auto", "tags", "ordered"], "pp_costs": ["unit", "measured"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
@@ -487,7 +493,7 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
     if not run.threads and env.threads:
         run.threads, run.threads_from = env.threads, env.threads_from
     for k in ("schedule", "compress", "device", "dtype", "master_dtype", "moments_dtype", "preset", "zero", "layout",
-              "recompute", "grad_reduce_dtype", "cp_comm"):
+              "recompute", "grad_reduce_dtype", "cp_comm", "ep_dispatch"):
         if getattr(run, k) not in _CHOICES[k]:
             raise ConfigError(f"{k}={getattr(run, k)!r} is not one of {_CHOICES[k]}")
     if run.grad_reduce_dtype == "bfloat16":                # Megatron's --grad-reduce-in-bf16, spelled as a dtype

@@ -112,6 +112,7 @@ def _main(mpi, argv, faults, beats) -> int:
     # PYMPAR_DEBUG_COLLECTIVES=1) or any other error after this point ends the whole job
     from .checkpoint import CheckpointDiskFull, CheckpointError
     from .comm import CommTimeoutError
+    from .parallel.ep import NodeRouteError
     from .comm.debug import CollectiveMismatchError
     from .comm.watchdog import abort_job
     try:
@@ -125,6 +126,10 @@ def _main(mpi, argv, faults, beats) -> int:
                         f"and run the same command with --resume auto (pympar.launch waits for space and resumes "
                         f"by itself)\n".encode())
         return DISK_FULL_STATUS
+    except NodeRouteError as e:                # found by the ranks together (their nodes): agreed, on every rank
+        sys.stderr.flush()
+        os.write(2, f"pympar.train: error: {e}\n".encode())
+        return 2
     except CheckpointError as e:               # found while loading (a checksum): agreed, the same words on every rank
         sys.stderr.flush()
         os.write(2, f"pympar.train: error: {e}\n".encode())

@@ -30,7 +30,7 @@ from .. import kernels
 from ..backend import to_device, xp_of
 from ..kernels.blas import over_chunks
 from ..kernels import gemm
-from ..kernels.native import _C
+from ..kernels.blas import _C
 from . import layers
 from .layers import MLP
 from .parameter import Module, compute_weight, deferring, make_param, weight_grad
@@ -247,6 +247,25 @@ class MoE(Module):
         else:
             fn(0, n)
 
+    # --- the experts between routing and combination (expert parallelism's second seam) -------
+    def experts_forward(self, xf, rows, gate_rows, counts):
+        """xf (N, C) tokens; the kept assignments grouped by expert (counts (E,)): rows (M,) the
+        token of each, gate_rows (M,) its gate -> (y (N, C) = the gated sum of each token's expert
+        outputs, ctx). Node-aware expert parallelism replaces this pair (it combines in place)."""
+        xs = kernels.permute(xf, rows)                                     # (M, C)
+        ys, ectx = self.run_experts(xs, counts)
+        return kernels.unpermute_add(ys, rows, gate_rows, xf.shape[0]), (ys, ectx)
+
+    def experts_backward(self, dyf, ctx, rows, gate_rows):
+        """dyf (N, C) -> (dxf (N, C), dgate_rows (M,): d loss / d gate of each assignment)."""
+        ys, ectx = ctx
+        dys_raw = kernels.permute(dyf, rows)                               # (M, C)
+        dgate_rows = xp_of(dyf).einsum("mc,mc->m", dys_raw.astype(self._acc, copy=False),
+                                       ys.astype(self._acc, copy=False))   # (M,)
+        dys = dys_raw * gate_rows[:, None].astype(dys_raw.dtype)
+        dxs = self.run_experts_backward(dys, ectx)
+        return kernels.unpermute_add(dxs, rows, None, dyf.shape[0]), dgate_rows
+
     # --- forward / backward ------------------------------------------------------------------
     def forward(self, x):                        # x (B, T, C) -> y (B, T, C)
         B, T, C = x.shape
@@ -285,9 +304,7 @@ class MoE(Module):
         rows = a_token[order]                                              # (M,) token of each row
         gate_rows = gates.T.reshape(-1)[order]                             # (M,)
         kept_counts = xp.bincount(a_expert[order], minlength=E)
-        xs = kernels.permute(xf, rows)                                     # (M, C)
-        ys, ectx = self.run_experts(xs, kept_counts)
-        y = kernels.unpermute_add(ys, rows, gate_rows, N)                  # (N, C)
+        y, ectx = self.experts_forward(xf, rows, gate_rows, kept_counts)  # (N, C)
         shctx = None
         if self.shared is not None:
             ysh, shctx = self.shared.forward(xf)
@@ -300,7 +317,7 @@ class MoE(Module):
             self._stats = load + counts, dropped + (k * N - len(order)), total + k * N
             self._load_since_update += counts
         ctx = dict(shape=x.shape, xf=xf, probs=probs, lse=lse, idx=idx, gates=gates, ssum=ssum,
-                   order=order, rows=rows, gate_rows=gate_rows, ys=ys, ectx=ectx, shctx=shctx,
+                   order=order, rows=rows, gate_rows=gate_rows, ectx=ectx, shctx=shctx,
                    f=f, counts=counts, aux_loss=aux + z, aux=aux, z=z)
         return y.reshape(B, T, C), ctx
 
@@ -309,13 +326,7 @@ class MoE(Module):
         N, E, k, acc = B * T, self.n_expert, self.top_k, self._acc
         xp = xp_of(dy)
         dyf = dy.reshape(N, C)
-        rows, ys = ctx["rows"], ctx["ys"]
-        dys_raw = kernels.permute(dyf, rows)                               # (M, C)
-        dgate_rows = xp.einsum("mc,mc->m", dys_raw.astype(acc, copy=False),
-                               ys.astype(acc, copy=False))                 # (M,)
-        dys = dys_raw * ctx["gate_rows"][:, None].astype(dys_raw.dtype)
-        dxs = self.run_experts_backward(dys, ctx["ectx"])
-        dxf = kernels.unpermute_add(dxs, rows, None, N)                    # (N, C)
+        dxf, dgate_rows = self.experts_backward(dyf, ctx["ectx"], ctx["rows"], ctx["gate_rows"])
         if self.shared is not None:
             dxf += self.shared.backward(dyf, ctx["shctx"])
         # gates -> chosen probabilities -> all probabilities

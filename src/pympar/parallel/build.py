@@ -19,12 +19,13 @@ from .meter import Meter
 
 
 def build_model(cfg, mesh, layout, *, seed: int = 0, dtype=np.float32, compute_dtype=None,
-                sequence_parallel: bool = False, meter: Meter | None = None):
+                sequence_parallel: bool = False, meter: Meter | None = None, ep_dispatch: str = "flat"):
     """The model of this rank of ``mesh`` (a pympar.parallel.mesh.Mesh of the layout's dp, pp, tp,
     ep) for ``layout`` (a pympar.layout.Layout that passed pympar.layout.check: its pp, tp, ep,
     virtual stages and schedule are used). dtype / compute_dtype: master and compute precision
     (nn.GPT's); sequence_parallel: TPGPT's; meter: where the tp collectives and the expert
-    all-to-alls report their seconds (pympar.parallel.meter)."""
+    all-to-alls report their seconds (pympar.parallel.meter); ep_dispatch: the experts' token exchange
+    (parallel.ep.node_route)."""
     make_tp = None
     if layout.tp > 1:
         from .tp import TPGPT, TPCollectives
@@ -45,5 +46,5 @@ def build_model(cfg, mesh, layout, *, seed: int = 0, dtype=np.float32, compute_d
         from ..nn.gpt import GPT
         model = GPT(cfg, seed=seed, dtype=dtype, compute_dtype=compute_dtype)
     if layout.ep > 1:                    # keep n_expert/ep experts; tokens move by alltoallv
-        install_expert_parallel(model, mesh.ep_comm, meter)
+        install_expert_parallel(model, mesh.ep_comm, meter, dispatch=ep_dispatch)
     return model

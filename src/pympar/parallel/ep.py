@@ -38,7 +38,9 @@ import time
 
 import numpy as np
 
+from .. import kernels
 from ..backend import to_numpy, xp_of
+from ..comm.algorithms.node_a2a import NodeRoute, Plan
 from .mesh import divisors as divisors_of
 from .meter import Meter, Tally
 
@@ -169,6 +171,60 @@ class ExpertParallelMixin:
             a["assignments"] += n_assign
         return y, ctx
 
+    # --- node-aware dispatch (comm/algorithms/node_a2a.py): tokens cross to a node once -------
+    _ep_route = None                             # a NodeRoute when the layer dispatches node-aware
+
+    def experts_forward(self, xf, rows, gate_rows, counts):
+        route = self._ep_route
+        if route is None or type(xf) is not np.ndarray:
+            return super().experts_forward(xf, rows, gate_rows, counts)
+        nl = self._n_local
+        c = np.asarray(counts, np.int64)  # host: NumPy arrays only on this path
+        expert = np.repeat(np.arange(len(c)), c)              # host: global expert of each kept assignment
+        dest = expert // nl
+        gates = np.ascontiguousarray(gate_rows, np.float64)   # host: float32 gates widen exactly
+        t0 = time.perf_counter()
+        plan = route.plan(np.asarray(rows), dest, np.stack([expert - dest * nl, gates.view(np.int64)], axis=1))  # host
+        xr = plan.dispatch(xf)                                # (R, C): a row per (token, rank)
+        self._ep_meter.add(self._ep_key, time.perf_counter() - t0, self._hop_bytes(plan, xf, True))
+        j = plan.meta[:, 0]
+        perm = np.argsort(j, kind="stable")                   # host: arriving assignments, expert-major
+        arow = plan.arow[perm]
+        g = plan.meta[perm, 1].copy().view(np.float64).astype(gate_rows.dtype)
+        local_counts = np.bincount(j, minlength=nl)  # host
+        ys, inner = super(ExpertParallelMixin, self).run_experts(kernels.permute(xr, arow), local_counts)
+        z = kernels.unpermute_add(ys, arow, g, plan.n_rows)   # this rank's gated sum per row
+        t0 = time.perf_counter()
+        y = plan.combine(z, xf.shape[0])
+        self._ep_meter.add(self._ep_key, time.perf_counter() - t0, self._hop_bytes(plan, z, False))
+        if self.recording:
+            self._ep_acc["processed"] += local_counts
+        return y, (plan, perm, arow, g, ys, inner)
+
+    def experts_backward(self, dyf, ctx, rows, gate_rows):
+        if not (isinstance(ctx, tuple) and ctx and isinstance(ctx[0], Plan)):
+            return super().experts_backward(dyf, ctx, rows, gate_rows)
+        plan, perm, arow, g, ys, inner = ctx
+        t0 = time.perf_counter()
+        dr = plan.dispatch(dyf)
+        self._ep_meter.add(self._ep_key, time.perf_counter() - t0, self._hop_bytes(plan, dyf, True))
+        dys_raw = kernels.permute(dr, arow)
+        dgate = np.einsum("mc,mc->m", dys_raw.astype(self._acc, copy=False), ys.astype(self._acc, copy=False))  # host
+        dxs = super(ExpertParallelMixin, self).run_experts_backward(dys_raw * g[:, None].astype(dys_raw.dtype), inner)
+        t0 = time.perf_counter()
+        dxf = plan.combine(kernels.unpermute_add(dxs, arow, None, plan.n_rows), dyf.shape[0])
+        v = np.empty(len(perm), np.float64)  # host
+        v[perm] = dgate
+        back = plan.reverse(v.view(np.int64)[:, None])        # each assignment's value, the source's order
+        self._ep_meter.add(self._ep_key, time.perf_counter() - t0, self._hop_bytes(plan, dyf, False))
+        return dxf, back[:, 0].copy().view(np.float64).astype(self._acc)
+
+    @staticmethod
+    def _hop_bytes(plan, x, out):
+        """Row bytes this rank sends in both hops: dispatch (out) or combine."""
+        rows = (plan.c1.sum() + plan.c2.sum()) if out else (plan.rc1.sum() + plan.rc2.sum())
+        return int(rows) * x.shape[-1] * x.itemsize
+
     def take_ep_stats(self):
         """This rank's raw counters since the last call (resets them)."""
         a = self._ep_acc
@@ -192,7 +248,32 @@ def moe_layers_of(model):
     return list(model.moe_layers())
 
 
-def install_expert_parallel(model, ep_comm, meter: Meter | None = None):
+DISPATCH = ("auto", "flat", "node")
+
+
+class NodeRouteError(ValueError):
+    """ep_dispatch='node' where the ep group cannot take the two-hop route (every rank of the group
+    raises it: the check is collective)."""
+    MESSAGE = ("ep_dispatch='node' needs every ep group over several nodes with equally many of its ranks on "
+               "each (set PYMPAR_RANKS_PER_NODE to simulate nodes on one machine, or use --ep-dispatch auto)")
+
+
+def node_route(ep_comm, dispatch: str = "auto", top_k: int = 2):
+    """The NodeRoute the MoE layers share for ``dispatch`` over ep_comm, or None (flat alltoallv).
+    "flat": None; "node": the two-hop route (an error when the ep group is on one node or its nodes
+    are uneven); "auto": the route where it can cut network bytes -- the group spans nodes of equal
+    size and a token has several experts (top_k > 1) -- else None. Collective over ep_comm."""
+    if dispatch not in DISPATCH:
+        raise ValueError(f"ep_dispatch={dispatch!r}: expected one of {DISPATCH}")
+    if dispatch == "flat" or ep_comm.size == 1 or (dispatch == "auto" and top_k < 2):
+        return None
+    route = NodeRoute.build(ep_comm)
+    if route is None and dispatch == "node":
+        raise NodeRouteError(NodeRouteError.MESSAGE)
+    return route
+
+
+def install_expert_parallel(model, ep_comm, meter: Meter | None = None, dispatch: str = "flat"):
     """Keep only this ep rank's experts in every MoE layer of ``model`` and route tokens over ep_comm.
 
     The model must have been built from (config, seed) like every other rank's: the kept experts are
@@ -201,7 +282,9 @@ def install_expert_parallel(model, ep_comm, meter: Meter | None = None):
     seconds and bytes to ``meter`` under ("ep", i) (pympar.parallel.meter; a new Meter when None).
     Returns the model."""
     meter = Meter() if meter is None else meter
-    for i, layer in moe_layers_of(model):
+    layers = moe_layers_of(model)
+    route = node_route(ep_comm, dispatch, max((m.top_k for _, m in layers), default=1))
+    for i, layer in layers:
         validate_ep(layer, ep_comm.size)
         lo, hi = expert_range(layer.n_expert, ep_comm.size, ep_comm.rank)
         if len(layer.experts) != layer.n_expert:
@@ -209,7 +292,9 @@ def install_expert_parallel(model, ep_comm, meter: Meter | None = None):
                              "before installing expert parallelism")
         layer.__class__ = _ep_class(type(layer))
         layer._ep_setup(ep_comm, lo, hi, meter, ("ep", i))
+        layer._ep_route = route
     model.ep_comm = ep_comm
+    model.ep_route = route
     return model
 
 

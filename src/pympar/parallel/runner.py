@@ -51,6 +51,7 @@ from ..nn.parameter import compute_copies
 from ..optim import DynamicLossScaler
 from .cp import install_context_parallel, local_batch
 from .build import build_model
+from .ep import NodeRouteError
 from . import ledger
 from .gradsync import GradSync
 from .recorder import Recorder
@@ -149,9 +150,21 @@ class ParallelRunner:
 
     def _build_model(self, opts):
         """(model, pipeline executor or None): pympar.parallel.build's model, and the executor of
-        the layout's schedule when pp > 1."""
-        model = build_model(self.model_cfg, self.mesh, self.layout, seed=self.seed, dtype=self.master,
-                            compute_dtype=self.compute, sequence_parallel=self.sp, meter=self.meter)
+        the layout's schedule when pp > 1. A layout the ranks' nodes cannot run (--ep-dispatch node
+        on one node) fails on every rank alike (NodeRouteError), after one allreduce."""
+        err = None
+        try:
+            model = build_model(self.model_cfg, self.mesh, self.layout, seed=self.seed, dtype=self.master,
+                                compute_dtype=self.compute, sequence_parallel=self.sp, meter=self.meter,
+                                ep_dispatch=opts.ep_dispatch)
+        except NodeRouteError as e:           # agreed inside its ep group; the job agrees below
+            err = e
+        if opts.ep_dispatch == "node" and self.layout.ep > 1:
+            bad = self.comm.allreduce(np.array([0 if err is None else 1], np.int64), op="max")  # host
+            if int(np.asarray(bad).reshape(-1)[0]):
+                raise NodeRouteError(str(err or NodeRouteError.MESSAGE))
+        elif err is not None:
+            raise err
         if self.pp == 1:
             return model, None
         from .pp import PipelineExecutor
