@@ -161,7 +161,7 @@ class ParallelRunner:
             err = e
         if opts.ep_dispatch == "node" and self.layout.ep > 1:
             bad = self.comm.allreduce(np.array([0 if err is None else 1], np.int64), op="max")  # host
-            if int(np.asarray(bad).reshape(-1)[0]):
+            if int(np.asarray(bad).reshape(-1)[0]):  # host
                 raise NodeRouteError(str(err or NodeRouteError.MESSAGE))
         elif err is not None:
             raise err
