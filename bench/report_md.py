@@ -382,6 +382,25 @@ def sec_moe_experts(res, status) -> str:
     return "\n".join(out) + "\n"
 
 
+def sec_moe_dispatch(res, status) -> str:
+    d, out = _opening(res, status, "moe_dispatch", "## Expert dispatch: flat alltoallv against the node-aware route")
+    if not d:
+        return "\n".join(out)
+    out += [f"`python bench/moe_dispatch.py`: one MoE layer's token exchange (dispatch and combine, identity "
+            f"experts) of {d['tokens']} tokens x {d['width']} float32 per rank over {d['experts']} experts, top-k to "
+            "distinct experts drawn uniformly; `shm`: nodes simulated by PYMPAR_RANKS_PER_NODE (all shared memory); "
+            "`network`: MPIR_CVAR_NUM_CLIQUES (MPICH's network module between the cliques). Bytes across nodes: both "
+            "directions, all ranks. Time: the slowest rank's, median over rounds; more than 2 ranks oversubscribe "
+            "the 2 cores.", "", _img("moe_dispatch", "moe dispatch"), "",
+            "| transport | nodes x ranks | top-k | MiB across nodes, flat | node-aware / flat | flat ms | node ms | speed-up |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in d["rows"]:
+        out.append(f"| {r['transport']} | {r['nodes']} x {r['ranks_per_node']} | {r['top_k']} | "
+                   f"{r['flat_bytes_across'] / 2**20:.1f} | {r['bytes_ratio']:.2f}x | {1e3 * r['flat_s']:.2f} | "
+                   f"{1e3 * r['node_s']:.2f} | {r['speedup']:.2f}x |")
+    return "\n".join(out) + "\n"
+
+
 def sec_compression(res, status) -> str:
     d, out = _opening(res, status, "compression", "## Gradient compression")
     if not d:
@@ -617,6 +636,7 @@ COMMANDS = {"checkpoint": "python bench/checkpoint.py", "context_parallel": "pyt
             "memory": "python bench/memory.py",
             "attention": "python bench/attention.py", "auto_select": "python bench/auto_select.py",
             "call_overhead": "python bench/call_overhead.py", "moe_experts": "python bench/moe_experts.py",
+            "moe_dispatch": "python bench/moe_dispatch.py",
             "train_step": "python bench/train_step.py --dtype bfloat16"}
 _BOUND = re.compile(r"\(?target (<=|>=) ([\d.]+)[^)]*\)?")
 
@@ -712,6 +732,6 @@ def render(res: Path, status: dict) -> str:
     quick = [n for n, s in status.items() if s.get("quick")]
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
-    secs = [sec_targets, sec_collectives, sec_auto_select, sec_call_overhead, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe, sec_moe_experts,
+    secs = [sec_targets, sec_collectives, sec_auto_select, sec_call_overhead, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe, sec_moe_experts, sec_moe_dispatch,
             sec_compression, sec_plan, sec_memory, sec_reproducible, sec_param_server, sec_cp_comm, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

@@ -84,6 +84,8 @@ def steps(quick: bool) -> list:
         ("moe_experts", [PY, B / "moe_experts.py", *(["--experts", "8,32", "--rows", "1024", "--reps", "2", "--rounds", "1"]
                                                       if q else []),
                          "--json", R / "moe_experts.json", "--png", IMG / "moe_experts.png"], None),
+        ("moe_dispatch", [PY, B / "moe_dispatch.py", *(["--quick"] if q else []),
+                          "--json", R / "moe_dispatch.json", "--png", IMG / "moe_dispatch.png"], None),
         ("plan_accuracy", [PY, B / "plan_accuracy.py", "--world", "4" if q else "4,8", "--rounds", "1" if q else "3",
                            "--steps", "2" if q else "4", "--calibrate", "--timeout", "120",
                            "--json", R / "plan_accuracy.json", "--png", IMG / "plan_accuracy.png"], None),

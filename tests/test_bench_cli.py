@@ -368,3 +368,23 @@ def test_moe_experts_bench_times_both_ways_and_reports(tmp_path, bench_module):
     report = bench_module("report_md")
     md = report.sec_moe_experts(tmp_path, {})
     assert "## Grouped expert products" in md and f"{r['speedup']:.2f}x" in md
+
+
+def test_moe_dispatch_bench_measures_both_exchanges(tmp_path, bench_module):
+    """bench/moe_dispatch.py --quick: 2 nodes x 2 ranks on both transports, top-2 and 4; the worker
+    checks that both exchanges give the same y; the bytes across nodes fall with top-k (the route
+    sends a token to a node once) and the speed-up is the quotient of the two times."""
+    res = tmp_path / "moe_dispatch.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_dispatch.py"), "--quick", "--json", res,
+                        "--png", tmp_path / "d.png"], capture_output=True, text=True, env=mpi_env(), cwd=ROOT,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads(res.read_text())
+    assert [(r["transport"], r["nodes"], r["ranks_per_node"], r["top_k"]) for r in d["rows"]] == \
+        [(t, 2, 2, k) for t in ("shm", "network") for k in (2, 4)]
+    for r in d["rows"]:
+        assert 0 < r["bytes_ratio"] < 1 and r["speedup"] == pytest.approx(r["flat_s"] / r["node_s"])
+    by_k = {r["top_k"]: r["bytes_ratio"] for r in d["rows"] if r["transport"] == "shm"}
+    assert by_k[4] < by_k[2]
+    md = bench_module("report_md").sec_moe_dispatch(tmp_path, {})
+    assert "## Expert dispatch: flat alltoallv against the node-aware route" in md

@@ -22,12 +22,13 @@ def test_ep_matches_single_process_other_sizes(n):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("env", [{"PYMPAR_RANKS_PER_NODE": 2}, {"MPIR_CVAR_NUM_CLIQUES": 2}],
-                         ids=["2x2-shm", "2x2-cliques"])
-def test_node_aware_dispatch(env):
+@pytest.mark.parametrize("n,env", [(4, {"PYMPAR_RANKS_PER_NODE": 2}), (4, {"MPIR_CVAR_NUM_CLIQUES": 2}),
+                                   (2, {"PYMPAR_RANKS_PER_NODE": 1})], ids=["2x2-shm", "2x2-cliques", "2x1"])
+def test_node_aware_dispatch(n, env):
     """The two-hop route and the model with it (tests/mpi/mpi_ep_node.py): 2 nodes of 2 ranks,
-    simulated by pympar (all shared memory) and by MPICH's cliques (network between them)."""
-    run_pytest_mpi(4, "mpi_ep_node.py", timeout=90, env=env)
+    simulated by pympar (all shared memory) and by MPICH's cliques (network between them), and 2
+    nodes of one rank (the second hop is the rank itself)."""
+    run_pytest_mpi(n, "mpi_ep_node.py", timeout=90, env=env)
 
 
 @pytest.mark.mpi

@@ -148,6 +148,8 @@ class Plan:
         """x (N, C): token rows at the source -> (n_rows, C) at the destination (one per token and rank)."""
         r = self.route
         h1, _ = r.rail.alltoallv(kernels.permute(x, self.tok1), self.c1, self.rc1)
+        if r.node.size == 1:                     # nodes of one rank: hop 2 hands every row to itself, in order
+            return h1
         h2, _ = r.node.alltoallv(kernels.permute(h1, self.row2), self.c2, self.rc2)
         return h2
 
@@ -155,8 +157,11 @@ class Plan:
         """z (n_rows, C) at the destination (one row per received row) -> (n_tokens, C) at the source:
         every row summed into its token, per node at the gateway first."""
         r = self.route
-        back2, _ = r.node.alltoallv(z, self.rc2, self.c2)                   # in the hop-2 send order
-        s1 = kernels.unpermute_add(back2, self.row2, None, self.n_rows1)    # one row per hop-1 row
+        if r.node.size == 1:                     # (row2 is every hop-1 row once, in order)
+            s1 = z
+        else:
+            back2, _ = r.node.alltoallv(z, self.rc2, self.c2)               # in the hop-2 send order
+            s1 = kernels.unpermute_add(back2, self.row2, None, self.n_rows1)   # one row per hop-1 row
         back1, _ = r.rail.alltoallv(s1, self.rc1, self.c1)                  # in the hop-1 send order
         return kernels.unpermute_add(back1, self.tok1, None, n_tokens)
 
