@@ -74,6 +74,29 @@ def launch(n: int, args: list, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=timeout, cwd=ROOT)
 
 
+def worker_parser(doc: str):
+    """The parser of a bench script that launches itself as an MPI worker: its own flags, plus
+    --worker (hidden: this process is a rank) and --quick (the smoke run)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true")
+    return ap
+
+
+def run_worker(n: int, script, args: list, timeout: float, env_extra=None):
+    """``mpiexec -n n python script --worker args`` with one kernel thread per rank; the JSON its rank 0
+    printed on a line starting "ROWS ". Exits with the command and its output's tail if it failed."""
+    e = env()
+    e.update({k: str(v) for k, v in (env_extra or {}).items()})
+    cmd = [mpiexec(), "-n", str(n), sys.executable, str(script), "--worker", *map(str, args)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=e, cwd=ROOT, timeout=timeout)
+    if p.returncode != 0:
+        raise SystemExit(f"error: {' '.join(cmd)} failed:\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
+    return json.loads(next(x for x in p.stdout.splitlines() if x.startswith("ROWS "))[5:])
+
+
 def read_jsonl(path) -> list:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -22,11 +22,9 @@ median over rounds. 8 ranks oversubscribe the 2 cores: the times are ratios of o
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -119,15 +117,9 @@ def run(a):
     shapes = ((4, 2),) if a.quick else ((2, 1), (4, 2), (8, 4), (8, 2))        # (ranks, ranks per node)
     cases = [(t, n, k) for t in ("shm", "network") for (n, k) in shapes]
     for transport, n, per_node in cases:
-        env = common.env()
-        env[TOPOLOGIES[transport]] = str(per_node if transport == "shm" else n // per_node)
-        cmd = [common.mpiexec(), "-n", str(n), sys.executable, __file__, "--worker", "--experts", str(a.experts),
-               "--tokens", str(a.tokens), "--width", str(a.width), "--rounds", str(a.rounds),
-               "--topk", ",".join(map(str, a.topk))]
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=common.ROOT, timeout=a.timeout)
-        if p.returncode != 0:
-            raise SystemExit(f"error: {' '.join(cmd)} failed:\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
-        got = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("ROWS "))[5:])
+        got = common.run_worker(n, __file__, ["--experts", a.experts, "--tokens", a.tokens, "--width", a.width,
+                                              "--rounds", a.rounds, "--topk", ",".join(map(str, a.topk))], a.timeout,
+                                {TOPOLOGIES[transport]: per_node if transport == "shm" else n // per_node})
         for r in got:
             r.update(transport=transport, ranks=n)
             print(f"  {transport:<8} {n} ranks = {r['nodes']} x {r['ranks_per_node']}  top-{r['top_k']}: bytes across "
@@ -177,9 +169,7 @@ def plot(res, path):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--quick", action="store_true")
+    ap = common.worker_parser(__doc__)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--width", type=int, default=512)

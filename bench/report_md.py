@@ -401,6 +401,24 @@ def sec_moe_dispatch(res, status) -> str:
     return "\n".join(out) + "\n"
 
 
+def sec_moe_replicas(res, status) -> str:
+    d, out = _opening(res, status, "moe_replicas", "## Replicated hot experts")
+    if not d:
+        return "\n".join(out)
+    out += [f"`python bench/moe_replicas.py`: a MoE GPT with 4 experts per rank, expert parallelism over all ranks, "
+            f"a router skewed by a selection bias of {d['skew']} per log popularity rank, {d['steps']} training steps "
+            "without replicas (the loads), then the same steps from the same model with replicas placed from those "
+            "loads. Rows per rank: the rows each rank's experts ran, max over mean, the worst step and layer.", "",
+            _img("moe_replicas", "moe replicas"), "",
+            "| ep | expert max/mean (no replicas) | replica slots per rank | rows per rank max/mean | step ms | "
+            "speed-up | losses' largest relative difference |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for g in d["runs"]:
+        for r in g["rows"]:
+            out.append(f"| {g['ep']} | {max(g['expert_max_over_mean']):.2f} | {r['slots']} | {r['rank_max_over_mean']:.2f} | "
+                       f"{1e3 * r['step_s']:.1f} | {r['speedup']:.2f}x | {r['loss_rel_diff']:.1e} |")
+    return "\n".join(out) + "\n"
+
+
 def sec_compression(res, status) -> str:
     d, out = _opening(res, status, "compression", "## Gradient compression")
     if not d:
@@ -636,7 +654,7 @@ COMMANDS = {"checkpoint": "python bench/checkpoint.py", "context_parallel": "pyt
             "memory": "python bench/memory.py",
             "attention": "python bench/attention.py", "auto_select": "python bench/auto_select.py",
             "call_overhead": "python bench/call_overhead.py", "moe_experts": "python bench/moe_experts.py",
-            "moe_dispatch": "python bench/moe_dispatch.py",
+            "moe_dispatch": "python bench/moe_dispatch.py", "moe_replicas": "python bench/moe_replicas.py",
             "train_step": "python bench/train_step.py --dtype bfloat16"}
 _BOUND = re.compile(r"\(?target (<=|>=) ([\d.]+)[^)]*\)?")
 
@@ -732,6 +750,6 @@ def render(res: Path, status: dict) -> str:
     quick = [n for n, s in status.items() if s.get("quick")]
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
-    secs = [sec_targets, sec_collectives, sec_auto_select, sec_call_overhead, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe, sec_moe_experts, sec_moe_dispatch,
+    secs = [sec_targets, sec_collectives, sec_auto_select, sec_call_overhead, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe, sec_moe_experts, sec_moe_dispatch, sec_moe_replicas,
             sec_compression, sec_plan, sec_memory, sec_reproducible, sec_param_server, sec_cp_comm, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

@@ -86,6 +86,8 @@ def steps(quick: bool) -> list:
                          "--json", R / "moe_experts.json", "--png", IMG / "moe_experts.png"], None),
         ("moe_dispatch", [PY, B / "moe_dispatch.py", *(["--quick"] if q else []),
                           "--json", R / "moe_dispatch.json", "--png", IMG / "moe_dispatch.png"], None),
+        ("moe_replicas", [PY, B / "moe_replicas.py", *(["--quick"] if q else []),
+                          "--json", R / "moe_replicas.json", "--png", IMG / "moe_replicas.png"], None),
         ("plan_accuracy", [PY, B / "plan_accuracy.py", "--world", "4" if q else "4,8", "--rounds", "1" if q else "3",
                            "--steps", "2" if q else "4", "--calibrate", "--timeout", "120",
                            "--json", R / "plan_accuracy.json", "--png", IMG / "plan_accuracy.png"], None),

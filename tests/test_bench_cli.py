@@ -388,3 +388,20 @@ def test_moe_dispatch_bench_measures_both_exchanges(tmp_path, bench_module):
     assert by_k[4] < by_k[2]
     md = bench_module("report_md").sec_moe_dispatch(tmp_path, {})
     assert "## Expert dispatch: flat alltoallv against the node-aware route" in md
+
+
+def test_moe_replicas_bench_runs_with_and_without(tmp_path, bench_module):
+    """bench/moe_replicas.py --quick: ep 2 without replicas and with one slot per rank, the same
+    losses to float32 rounding, the rows per rank evened out, the report's section."""
+    res = tmp_path / "moe_replicas.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_replicas.py"), "--quick", "--json", res,
+                        "--png", tmp_path / "r.png"], capture_output=True, text=True, env=mpi_env(), cwd=ROOT,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    [g] = json.loads(res.read_text())["runs"]
+    base, rep = g["rows"]
+    assert (base["slots"], rep["slots"]) == (0, 1)
+    assert sum(len(c) - 1 for c in rep["copies"][0]) == g["ep"]          # one replica per rank, every layer
+    assert rep["loss_rel_diff"] < 1e-5 and rep["rank_max_over_mean"] < base["rank_max_over_mean"]
+    md = bench_module("report_md").sec_moe_replicas(tmp_path, {})
+    assert "## Replicated hot experts" in md

@@ -117,4 +117,4 @@ def test_grouped_is_not_taken_where_it_does_not_apply():
     assert m.run_experts(xs, np.array(COUNTS))[1][0] != "grouped"
     m = _moe(np.float32, True)
     m.experts[0].c_fc._cdt = np.dtype("float32")    # any compute dtype: the loop (bf16 products)
-    assert m._grouped_fn(xs) is None
+    assert m._grouped_fn(xs, m.experts) is None

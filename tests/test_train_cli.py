@@ -454,3 +454,21 @@ def test_ulysses_context_parallelism_trains_the_ring_and_the_one_process_run(tmp
     assert len(got["a2a"]) == 4
     for name in ("ring", "a2a"):
         assert got[name] == pytest.approx(got["one"], rel=1e-3), got
+
+
+def test_expert_replicas_train_the_run_without_them_and_even_the_ranks(tmp_path):
+    """--expert-replicas 2 --replan-every 2 on ep 4 with the balancing losses off (the router then
+    favours a few experts): the losses are the run's without replicas (float32, the orders of the
+    sums differing: 1e-5 relative), and once the replicas are placed the busiest rank's rows over
+    the mean fall below the run's without them (the same steps, the same routing)."""
+    args = ["--preset", "moe-small", "--ep", "4", "--n-expert", "8", "--aux-coef", "0", "--z-coef", "0",
+            "--steps", "6", "--sample-tokens", "0", "--eval-every", "0", "--dtype", "float32", "--threads", "1"]
+    got = {}
+    for name, extra in (("none", []), ("replicas", ["--expert-replicas", "2", "--replan-every", "2"])):
+        train(4, *args, *extra, "--out", tmp_path / name, timeout=180)
+        got[name] = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in got["replicas"]] == pytest.approx([r["loss"] for r in got["none"]], rel=1e-5)
+    worst = {k: max(m["rank_max_over_mean"] for r in v[2:] for m in r["moe"]) for k, v in got.items()}
+    assert worst["replicas"] < worst["none"], worst
+    bad = train(4, *args, "--expert-replicas", "2", "--zero", "3", "--out", tmp_path / "bad", check=False)
+    assert bad.returncode == 2 and bad.stdout.count("--expert-replicas: ZeRO-3 shards the experts' weights") == 4

@@ -263,6 +263,8 @@ class RunConfig:
     cp_comm: str = "ring"                # context parallelism: ring attention, or Ulysses' all-to-alls ("a2a")
     cp_a2a: int = 0                      # a2a+ring: ranks of a Ulysses group (consecutive cp ranks)
     ep_dispatch: str = "auto"            # expert parallelism's token exchange: flat alltoallv, or node-aware
+    expert_replicas: int = 0             # replica slots per ep rank for the busiest experts
+    replan_every: int = 20               # steps between placements of the replicas
     schedule: str = "1f1b"
     virtual_stages: int = 1
     micro_batch_size: int = 8
@@ -327,6 +329,12 @@ _HELP = {
           "ring attention); block_size must be divisible by 2*cp (default 1)",
     "pp": "pipeline-parallel stages", "tp": "tensor-parallel size",
     "ep": "expert-parallel size (divides dp*cp and n_expert)",
+    "expert_replicas": "replica slots per ep rank: every --replan-every steps the busiest experts (by the "
+                       "tokens they received since the last placement) get copies on the least-loaded ranks and "
+                       "their tokens are split among the copies; replicas' gradients are summed into their home "
+                       "expert, so the run stays the same run (flat dispatch, tp 1, ZeRO 0-2, no zero-bubble "
+                       "schedule; docs/parallel.md)",
+    "replan_every": "with --expert-replicas: steps between placements (the first after this many steps)",
     "ep_dispatch": "expert parallelism's token exchange: 'flat' (one alltoallv row per token and expert rank), "
                    "'node' (each token crosses to a node once and fans out inside it; needs an ep group over "
                    "several nodes with equally many ranks each), 'auto' = node where that holds and top_k > 1, "
@@ -526,11 +534,37 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
             raise ConfigError(f"--deterministic makes the step's bits independent of dp, the micro-batches and ZeRO; "
                               f"{', '.join(split) or '--compress ' + run.compress} would change how the terms of a "
                               f"product or a reduction are formed: use dp, pp and --zero only")
+    if run.expert_replicas:
+        _check_replicas(model, run, lay)
     if run.pp_costs == "measured" and (lay.pp == 1 or lay.schedule not in ("zb-h1", "zb-v")):
         raise ConfigError(f"--pp-costs measured builds the zb-h1/zb-v table for the measured times, but this run is "
                           f"pp={lay.pp} with schedule {lay.schedule}: use --schedule zb-h1 or zb-v with --pp > 1, or "
                           f"drop --pp-costs")
     return model, run
+
+
+def _check_replicas(model: GPTConfig, run: RunConfig, lay: Layout) -> None:
+    """--expert-replicas: what the replicas need (parallel/ep.py), said before any rank communicates."""
+    from .parallel.pp.schedules import SPLIT_BACKWARD
+
+    why = []
+    if run.expert_replicas < 0 or run.replan_every < 1:
+        why.append(f"--expert-replicas {run.expert_replicas} must be >= 0 and --replan-every {run.replan_every} >= 1")
+    if not model.n_expert or lay.ep < 2:
+        why.append("replicas spread experts over an ep group: give a MoE model and --ep 2 or more")
+    elif run.expert_replicas > model.n_expert - model.n_expert // lay.ep:
+        why.append(f"a rank can hold one copy of each of the other ranks' {model.n_expert - model.n_expert // lay.ep} "
+                   f"experts: --expert-replicas {run.expert_replicas} is more")
+    if lay.tp > 1:
+        why.append("replicated experts are whole experts: not with --tp")
+    if lay.zero == 3:
+        why.append("ZeRO-3 shards the experts' weights: use --zero 2 or less")
+    if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:
+        why.append(f"{lay.schedule} defers the weight gradients the replicas hand to their homes: use 1f1b or interleaved")
+    if run.ep_dispatch == "node":
+        why.append("--ep-dispatch node: replicas run on the flat dispatch (use auto or flat)")
+    if why:
+        raise ConfigError("--expert-replicas: " + "; ".join(why))
 
 
 def resolve_dtype(run: RunConfig, bf16_ok: bool) -> None:

@@ -233,7 +233,8 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
             "peak_rss_bytes": mem["peak_rss"]["rank0"], "peak_rss_max_bytes": mem["peak_rss"]["max"],
             "peak_rss_max_rank": mem["peak_rss"]["max_rank"], "ledger_peak_bytes": mem["ledger_peak"]["rank0"],
             "ledger_peak_max_bytes": mem["ledger_peak"]["max"], "ledger_peak_max_rank": mem["ledger_peak"]["max_rank"],
-            "moe": [dict(layer=s["layer"], dropped_fraction=s["dropped_fraction"], **moe_layer_stats(s["tokens_per_expert"]))
+            "moe": [dict(layer=s["layer"], dropped_fraction=s["dropped_fraction"], **moe_layer_stats(s["tokens_per_expert"]),
+                         **{k: s[k] for k in ("rows_per_ep_rank", "rank_max_over_mean") if k in s})
                     for s in res["moe"]],
         }
         if res["pipeline"].get("table_costs"):        # --pp-costs measured: what this step's table was built for

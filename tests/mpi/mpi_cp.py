@@ -132,7 +132,7 @@ def test_cp_trains_the_single_process_run(comm, model):
     lay = pympar.layout.Layout(cp=comm.size, n_micro=n_micro)
     opts = SimpleNamespace(seed=SEED, dtype="float32", master_dtype="float64", moments_dtype="float32", n_micro=n_micro, schedule="1f1b",
                            virtual_stages=1, zero=0, seq_parallel=False, compress="none", topk_ratio=0.01,
-                           recompute="none", bucket_mb=0.01, dp_overlap=True, pp_channels="auto", ep_dispatch="auto", pp_costs="unit", device="cpu", lr=LR, weight_decay=0.1, grad_clip=1.0)
+                           recompute="none", bucket_mb=0.01, dp_overlap=True, pp_channels="auto", ep_dispatch="auto", expert_replicas=0, replan_every=20, pp_costs="unit", device="cpu", lr=LR, weight_decay=0.1, grad_clip=1.0)
     pympar.layout.check(cfg, lay)
     runner = ParallelRunner(cfg, lay, comm, opts)
     got = []

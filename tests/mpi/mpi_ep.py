@@ -46,10 +46,12 @@ def _cfg(routing, **kw):
     return GPTConfig(**dict(MOE, capacity_factor=ROUTING[routing], **kw))
 
 
-def run_single(cfg, n_global, steps):
+def run_single(cfg, n_global, steps, prepare=None):
     """One process, gradient accumulation over the whole global batch: grads of step 0, losses,
-    norms, params after the steps."""
+    norms, params after the steps. prepare(model): a change made to the model before training."""
     model = GPT(cfg, seed=SEED, dtype=np.float64)
+    if prepare is not None:
+        prepare(model)
     opt = AdamW(model.named_parameters(), lr=LR)
     out = dict(losses=[], norms=[])
     for s in range(steps):
@@ -64,16 +66,24 @@ def run_single(cfg, n_global, steps):
     return out
 
 
-def run_ep(world, cfg, ep, n_micro, steps, tp=1, sp=False, dispatch="flat", **dp_kw):
+def run_ep(world, cfg, ep, n_micro, steps, tp=1, sp=False, dispatch="flat", prepare=None, replicas=None, **dp_kw):
     """The same steps on dp = world.size / tp ranks with expert parallelism ep (and tensor
-    parallelism tp); dp rank r runs the global micro-batches r*n_micro .. (r+1)*n_micro - 1."""
+    parallelism tp); dp rank r runs the global micro-batches r*n_micro .. (r+1)*n_micro - 1.
+    replicas: the copies (parallel.replicas.place_replicas) every MoE layer runs with, refreshed
+    after each optimizer step as the trainer does."""
     dp = world.size // tp
     mesh = Mesh(world, dp=dp, tp=tp, ep=ep)
     if tp == 1:
         model = GPT(cfg, seed=SEED, dtype=np.float64)
     else:
         model = TPGPT(cfg, mesh.tp_comm, seed=SEED, dtype=np.float64, sequence_parallel=sp)
+    if prepare is not None:
+        prepare(model)
     model = install_expert_parallel(model, mesh.ep_comm, dispatch=dispatch)
+    layers = [m for _, m in model.moe_layers()]
+    if replicas is not None:
+        for m in layers:
+            m.set_replicas(replicas)
     named = list(model.named_parameters())
     sync = GradSync(named, mesh, **dp_kw).attach(model)        # the trainer's gradient path
     opt = sync.make_optimizer(lr=LR)
@@ -94,6 +104,9 @@ def run_ep(world, cfg, ep, n_micro, steps, tp=1, sp=False, dispatch="flat", **dp
             out["grads"] = {n: p.grad.copy() for n, p in model.named_parameters()}
         total_sq = float(np.asarray(world.allreduce(np.array([sync.local_sq()]))).reshape(-1)[0])
         out["norms"].append(sync.step(opt, LR, CLIP, total_sq))
+        if replicas is not None:
+            for m in layers:
+                m.refresh_replicas()
     out["params"] = {n: p.data.copy() for n, p in model.named_parameters()}
     out["shards"] = {n: shard_of(p) for n, p in model.named_parameters()}
     return out

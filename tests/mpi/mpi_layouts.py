@@ -131,7 +131,7 @@ def opts_of(lay):
                            schedule=lay.schedule, virtual_stages=lay.virtual_stages,
                            zero=lay.zero, seq_parallel=lay.seq_parallel, compress="none", topk_ratio=0.01,
                            recompute=lay.recompute,
-                           bucket_mb=0.01, dp_overlap=True, pp_channels="auto", ep_dispatch="auto",
+                           bucket_mb=0.01, dp_overlap=True, pp_channels="auto", ep_dispatch="auto", expert_replicas=0, replan_every=20,
                            pp_costs="measured" if lay.pp > 1 and lay.schedule in ("zb-h1", "zb-v") else "unit", device=DEVICE, lr=LR[lay.dtype], weight_decay=WD, grad_clip=CLIP)
 
 

@@ -62,7 +62,7 @@ def batches(step, lay, dp_rank):
 
 def measure(world, lay):
     opts = SimpleNamespace(seed=1, dtype="float32", master_dtype="float32", moments_dtype="float32",
-                           compress="none", topk_ratio=0.01, bucket_mb=25.0, dp_overlap=True, pp_channels="auto", ep_dispatch="auto",
+                           compress="none", topk_ratio=0.01, bucket_mb=25.0, dp_overlap=True, pp_channels="auto", ep_dispatch="auto", expert_replicas=0, replan_every=20,
                            pp_costs="unit", device="cpu", lr=1e-3, weight_decay=0.1, grad_clip=1.0)
     gc.collect()
     tracemalloc.start()

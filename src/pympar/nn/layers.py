@@ -141,6 +141,12 @@ class MLP(Module):
         self.c_proj = Linear(4 * n_embd, n_embd, name=f"{name}.c_proj", seed=seed, dtype=dtype,
                              bias=bias, std=0.02 / (2 * n_layer) ** 0.5, compute_dtype=compute_dtype)
 
+    def empty_like(self, name):
+        """An MLP of this one's shapes, dtypes, bias and compute dtype whose values the caller writes
+        (a replicated expert: parallel/ep.py); made on first use like any parameter's."""
+        return MLP(self.c_fc.weight.shape[1], name=name, dtype=self.c_fc.weight.dtype,
+                   bias=self.c_fc.bias is not None, compute_dtype=self.c_fc._cdt)
+
     def block_rows(self, N: int) -> int:
         """Rows per block: all N for a tensor-parallel MLP or when N <= MLP_ROWS."""
         return N if not self.rowwise else min(N, MLP_ROWS)

@@ -90,13 +90,13 @@ class MoE(Module):
     # ``grouped = False``) one MLP call per expert, side by side over the threads.
     grouped = True
 
-    def _grouped_fn(self, xs):
+    def _grouped_fn(self, xs, experts):
         """How the grouped call runs here: the cblas_?gemm address (float32/float64), "amx" (bf16
         experts on AMX tiles), or None (the per-expert loop)."""
         if not (self.grouped and _C is not None and type(xs) is np.ndarray and xs.ndim == 2
                 and xs.flags.c_contiguous and not deferring() and kernels.backend(xs) != "reference"):
             return None
-        e = self.experts[0] if self.experts else None
+        e = experts[0] if experts else None
         if e is None or type(e) is not MLP:
             return None
         cdt = e.c_fc._cdt
@@ -149,9 +149,9 @@ class MoE(Module):
                     pr.weight.data, None if pr.bias is None else pr.bias.data]
         return out
 
-    def _run_grouped(self, fn, xs, n):
+    def _run_grouped(self, fn, xs, n, experts):
         used = [j for j, c in enumerate(n) if c]
-        ex = [self.experts[j] for j in used]
+        ex = [experts[j] for j in used]
         keep = all(m.keep_hidden for m in ex)
         counts = np.array([n[j] for j in used], np.int64)  # host
         ys = np.empty_like(xs)
@@ -163,14 +163,13 @@ class MoE(Module):
             del keep
         elif ex:
             _C.grouped_mlp_forward(fn, xs, counts, self._params_of(ex), h, ys, layers.MLP_ROWS)
-        return ys, ("grouped", used, counts, xs, h)
+        return ys, ("grouped", ex, counts, xs, h)
 
     def _run_grouped_backward(self, fn, dys, ctx):
-        _, used, counts, xs, h = ctx
+        _, ex, counts, xs, h = ctx
         dxs = np.empty_like(dys)
-        if not used:
+        if not ex:
             return dxs
-        ex = [self.experts[j] for j in used]
         if fn == "amx":
             addrs, keep, fresh = self._addresses_bf16(ex, grads=True)
             H = ex[0].c_fc.weight.data.shape[0]
@@ -192,12 +191,14 @@ class MoE(Module):
                                 np.array(fresh, bool), h, dxs, layers.MLP_ROWS)   # host
         return dxs
 
-    def run_experts(self, xs, counts):
-        """xs (M, C) rows grouped by expert (counts (E,) rows each) -> (ys (M, C), ctx)."""
+    def run_experts(self, xs, counts, experts=None):
+        """xs (M, C) rows grouped by expert (counts (E,) rows each) -> (ys (M, C), ctx). experts:
+        the modules the groups run through (default this layer's own, in order)."""
         xp = xp_of(xs)
-        fn = self._grouped_fn(xs)
+        mods = self.experts if experts is None else experts
+        fn = self._grouped_fn(xs, mods)
         if fn is not None:
-            return self._run_grouped(fn, xs, counts.tolist())
+            return self._run_grouped(fn, xs, counts.tolist(), mods)
         ys = xp.empty_like(xs)
         n = counts.tolist()                              # slice bounds: one host sync on a GPU
         lo = [0, *itertools.accumulate(n)]                # row offsets of each expert (host ints)
@@ -206,8 +207,8 @@ class MoE(Module):
         def experts(e0, e1):                             # experts [e0, e1): their rows of ys only
             for e in range(e0, e1):
                 if n[e]:
-                    ys[lo[e]:lo[e + 1]], c = self.experts[e].forward(xs[lo[e]:lo[e + 1]])
-                    ctxs[e] = (e, lo[e], n[e], c)
+                    ys[lo[e]:lo[e + 1]], c = mods[e].forward(xs[lo[e]:lo[e + 1]])
+                    ctxs[e] = (mods[e], lo[e], n[e], c)
 
         self._over_experts(len(n), experts, xp, n)
         return ys, [c for c in ctxs if c is not None]
@@ -215,25 +216,25 @@ class MoE(Module):
     def run_experts_backward(self, dys, ctxs):
         """dys (M, C) -> dxs (M, C); expert parameter grads accumulate."""
         if isinstance(ctxs, tuple) and ctxs and ctxs[0] == "grouped":
-            fn = self._grouped_fn(dys)
+            fn = self._grouped_fn(dys, ctxs[1])
             if fn is not None:
                 return self._run_grouped_backward(fn, dys, ctxs)
             ctxs = self._loop_ctx(ctxs)              # a W pass defers now: the per-expert backward
         dxs = xp_of(dys).zeros_like(dys)
 
         def experts(i0, i1):                             # ctxs [i0, i1): distinct experts and rows
-            for e, lo, n, c in ctxs[i0:i1]:
-                dxs[lo:lo + n] = self.experts[e].backward(dys[lo:lo + n], c)
+            for m, lo, n, c in ctxs[i0:i1]:
+                dxs[lo:lo + n] = m.backward(dys[lo:lo + n], c)
 
         self._over_experts(len(ctxs), experts, xp_of(dys), [c[2] for c in ctxs])
         return dxs
 
     def _loop_ctx(self, ctx):
         """The per-expert loop's ctx from a grouped forward's."""
-        _, used, counts, xs, h = ctx
+        _, ex, counts, xs, h = ctx
         out, lo = [], 0
-        for j, c in zip(used, counts.tolist()):
-            out.append((j, lo, c, (xs[lo:lo + c], None if h is None else h[lo:lo + c])))
+        for m, c in zip(ex, counts.tolist()):
+            out.append((m, lo, c, (xs[lo:lo + c], None if h is None else h[lo:lo + c])))
             lo += c
         return out
 

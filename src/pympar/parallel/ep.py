@@ -33,6 +33,7 @@ once; expert grads are identical over edp and distinct over ep, so every ep rank
 """
 from __future__ import annotations
 
+import itertools
 import re
 import time
 
@@ -42,7 +43,10 @@ from .. import kernels
 from ..backend import to_numpy, xp_of
 from ..comm.algorithms.node_a2a import NodeRoute, Plan
 from .mesh import divisors as divisors_of
+from ..nn.layers import MLP
+from ..nn.parameter import accumulate
 from .meter import Meter, Tally
+from .replicas import max_over_mean, split
 
 _EXPERT = re.compile(r"\.moe\.experts\.(\d+)\.")
 
@@ -114,9 +118,11 @@ class ExpertParallelMixin:
         self._ep_reset()
 
     def _ep_reset(self):
-        # host counters: the counts behind them are on the host already (they travel over MPI)
-        self._ep_acc = dict(processed=np.zeros(self._n_local, np.int64), routed=np.zeros(self.n_expert, np.int64),  # host
-                            kept=0, assignments=0)
+        # host counters: the counts behind them are on the host already (they travel over MPI).
+        # processed: rows this rank ran per global expert (replicas count for their expert);
+        # rank_rows: all rows it ran (its load, replicas included)
+        self._ep_acc = dict(processed=np.zeros(self.n_expert, np.int64), routed=np.zeros(self.n_expert, np.int64),  # host
+                            kept=0, assignments=0, rank_rows=0)
 
     def _named_parameters(self, prefix):
         pre = f"{prefix}.experts." if prefix else "experts."
@@ -132,34 +138,164 @@ class ExpertParallelMixin:
         self._ep_meter.add(self._ep_key, time.perf_counter() - t0, x.nbytes)
         return out
 
+    # --- replicated hot experts (parallel/replicas.py) ------------------------------------------
+    _rep_copies = None                           # E lists of ranks holding each expert (home first)
+    _rep_modules = ()                            # this rank's replica MLPs, in slot order (not parameters)
+
+    def _slots(self, r):
+        """The global experts rank r runs, in slot order: its home experts, then its replicas."""
+        nl = self._n_local
+        home = list(range(r * nl, (r + 1) * nl))
+        if self._rep_copies is None:
+            return home
+        return home + [e for e, cps in enumerate(self._rep_copies) if r in cps[1:]]
+
+    def set_replicas(self, copies):
+        """Run with these copies (parallel.replicas.place_replicas; None: home experts only), the same
+        on every rank of the ep group. Collective over it: the replicas get their home's weights."""
+        nl = self._n_local
+        if copies is not None:
+            if len(copies) != self.n_expert or any(c[0] != e // nl for e, c in enumerate(copies)):
+                raise ValueError("set_replicas: every expert's copies must start with its home rank")
+            if any(type(m) is not MLP for m in self.experts):
+                raise ValueError("replicated experts need plain MLP experts (no tensor parallelism)")
+        self._rep_copies = [list(c) for c in copies] if copies is not None else None
+        mine = self._slots(self._ep.rank)[nl:]
+        proto = self.experts[0]
+        self._rep_modules = [proto.empty_like(f"replica.{e}") for e in mine]
+        self.refresh_replicas()
+
+    def _rep_pairs(self, src, dst):
+        """Experts homed on src that have a replica on dst, ascending (the order their weights travel)."""
+        nl = self._n_local
+        return [e for e in range(src * nl, (src + 1) * nl) if dst in self._rep_copies[e][1:]]
+
+    @staticmethod
+    def _params(m):
+        return [p for p in (m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias) if p is not None]
+
+    def _exchange(self, blocks_for, size_of):
+        """One alltoallv over the ep group of float vectors: blocks_for(dst) -> arrays to send there;
+        size_of(src) -> elements arriving from src. Returns the received flat vector's blocks by source."""
+        ep = self._ep
+        w = self.experts[0].c_fc.weight.data
+        xp, dt = xp_of(w), w.dtype
+        out = [[b.reshape(-1) for b in blocks_for(d)] for d in range(ep.size)]
+        buf = xp.concatenate([v for o in out for v in o] or [xp.zeros(0, dt)]).astype(dt, copy=False)
+        send = np.array([sum(v.size for v in o) for o in out], np.int64)  # host
+        recv = np.array([size_of(s) for s in range(ep.size)], np.int64)  # host
+        got, _ = ep.alltoallv(buf, send, recv)
+        starts = [0, *itertools.accumulate(recv.tolist())]
+        return [got[starts[s]:starts[s + 1]] for s in range(ep.size)]
+
+    def refresh_replicas(self):
+        """The replicas take their home experts' current weights (after every optimizer step)."""
+        if self._rep_copies is not None:
+            self._replica_move(to_replicas=True)
+
+    def _fold_replica_grads(self):
+        """The replicas' gradients of this backward added to their home experts' (in source-rank
+        order), and the replicas' cleared: only home experts are parameters."""
+        self._replica_move(to_replicas=False)
+        for m in self._rep_modules:
+            m.zero_grad()
+
+    def _replica_move(self, to_replicas: bool):
+        """One alltoallv between each home expert and its replicas: the home's weights to the replicas
+        (to_replicas), or the replicas' gradients to the home, added there."""
+        me, nl = self._ep.rank, self._n_local
+        home = {self._ep_lo + j: m for j, m in enumerate(self.experts)}
+        mine = dict(zip(self._slots(me)[nl:], self._rep_modules))
+        n_w = sum(p.data.size for p in self._params(self.experts[0]))
+        if to_replicas:                              # (sent by src=me, held on dst) / arriving from s
+            out, into = lambda d: self._rep_pairs(me, d), lambda s: self._rep_pairs(s, me)
+            src, dst, what = home, mine, (lambda p: p.data)
+        else:
+            out, into = lambda d: self._rep_pairs(d, me), lambda s: self._rep_pairs(me, s)
+            src, dst, what = mine, home, (lambda p: p.grad)
+        got = self._exchange(lambda d: [what(p) for e in out(d) for p in self._params(src[e])],
+                             lambda s: n_w * len(into(s)))
+        for s in range(self._ep.size):
+            at = 0
+            for e in into(s):
+                for p in self._params(dst[e]):
+                    g = got[s][at:at + p.data.size].reshape(p.data.shape)
+                    if to_replicas:
+                        p.data[...] = g
+                    else:
+                        accumulate(p, g)
+                    at += p.data.size
+
+    def _routes(self, counts):
+        """(per_dest (ep, slots) rows each rank's slots get from here, the order of xs's rows as they
+        leave, or None when that is xs's own order). Each expert's rows split evenly over its copies."""
+        ep, nl = self._ep.size, self._n_local
+        c = np.asarray(to_numpy(counts), np.int64)  # host
+        if self._rep_copies is None:
+            return np.ascontiguousarray(c.reshape(ep, nl)), None  # host
+        slot_of = {}
+        for r in range(ep):
+            for j, e in enumerate(self._slots(r)):
+                slot_of[e, r] = j
+        n_slots = max(len(self._slots(r)) for r in range(ep))
+        starts = np.concatenate([[0], np.cumsum(c)])  # host
+        segs = []
+        for e, cps in enumerate(self._rep_copies):
+            for (a, b), r in zip(split(int(c[e]), len(cps)), cps):
+                if b > a:
+                    segs.append((r, slot_of[e, r], int(starts[e]) + a, b - a))
+        segs.sort()
+        per_dest = np.zeros((ep, n_slots), np.int64)  # host
+        for r, j, a, n in segs:
+            per_dest[r, j] += n
+        order = np.concatenate([np.arange(a, a + n) for _, _, a, n in segs]) if segs else np.zeros(0, np.int64)  # host
+        return per_dest, order
+
     def run_experts(self, xs, counts):           # xs (M, C) grouped by global expert, counts (E,)
         # The counts decide the message sizes: they come to the host once (one device sync on a GPU)
         # and every count below is a host int64 vector (alltoall of a host vector goes over MPI).
         xp = xp_of(xs)
-        ep, nl = self._ep.size, self._n_local
-        per_dest = np.ascontiguousarray(np.asarray(to_numpy(counts), np.int64).reshape(ep, nl))  # host (ep, n_local)
+        ep = self._ep.size
+        per_dest, order = self._routes(counts)               # host (ep, slots); rows' leaving order
         t0 = time.perf_counter()
-        recv_by = np.asarray(self._ep.alltoall(per_dest)).reshape(ep, nl)             # host (ep, n_local)
+        recv_by = np.asarray(self._ep.alltoall(per_dest)).reshape(per_dest.shape)     # host
         self._ep_meter.add(self._ep_key, time.perf_counter() - t0, calls=0)   # the counts: not a2a_bytes
         send, recv = per_dest.sum(axis=1), recv_by.sum(axis=1)                        # (ep,) rows, host
-        xr = self._a2a(xs, send, recv)                       # (R, C) source-major
+        order = None if order is None else xp.asarray(order)
+        xr = self._a2a(xs if order is None else xs[order], send, recv)   # (R, C) source-major
         perm = xp.asarray(_expert_major(recv_by))            # (R,) built on the host, moved once
-        local_counts = recv_by.sum(axis=0)                   # (n_local,) host
-        yg, inner = super().run_experts(xr[perm], local_counts)   # (R, C) expert-major
+        local_counts = recv_by.sum(axis=0)                   # (slots,) host
+        if self._rep_copies is None:
+            yg, inner = super().run_experts(xr[perm], local_counts)   # (R, C) expert-major
+        else:
+            yg, inner = super().run_experts(xr[perm], local_counts, experts=[*self.experts, *self._rep_modules])
         yr = xp.empty_like(yg)
         yr[perm] = yg
-        ys = self._a2a(yr, recv, send)                       # (M, C) in xs's order
+        ys = self._a2a(yr, recv, send)                       # (M, C) in the leaving order
+        if order is not None:
+            back = xp.empty_like(ys)
+            back[order] = ys
+            ys = back
         if self.recording:
-            self._ep_acc["processed"] += local_counts
-        return ys, (send, recv, perm, inner)
+            a = self._ep_acc
+            np.add.at(a["processed"], self._slots(self._ep.rank), local_counts[:len(self._slots(self._ep.rank))])  # host
+            a["rank_rows"] += int(local_counts.sum())
+        return ys, (send, recv, perm, inner, order)
 
     def run_experts_backward(self, dys, ctx):    # dys (M, C) -> dxs (M, C)
-        send, recv, perm, inner = ctx
-        dr = self._a2a(dys, send, recv)                      # (R, C) source-major
+        send, recv, perm, inner, order = ctx
+        dr = self._a2a(dys if order is None else dys[order], send, recv)   # (R, C) source-major
         dxg = super().run_experts_backward(dr[perm], inner)
         dxr = xp_of(dxg).empty_like(dxg)
         dxr[perm] = dxg
-        return self._a2a(dxr, recv, send)
+        dxs = self._a2a(dxr, recv, send)
+        if order is not None:
+            back = xp_of(dxs).empty_like(dxs)
+            back[order] = dxs
+            dxs = back
+        if self._rep_copies is not None:
+            self._fold_replica_grads()
+        return dxs
 
     def forward(self, x):
         y, ctx = super().forward(x)
@@ -198,7 +334,8 @@ class ExpertParallelMixin:
         y = plan.combine(z, xf.shape[0])
         self._ep_meter.add(self._ep_key, time.perf_counter() - t0, self._hop_bytes(plan, z, False))
         if self.recording:
-            self._ep_acc["processed"] += local_counts
+            self._ep_acc["processed"][self._ep_lo:self._ep_lo + nl] += local_counts
+            self._ep_acc["rank_rows"] += int(local_counts.sum())
         return y, (plan, perm, arow, g, ys, inner)
 
     def experts_backward(self, dyf, ctx, rows, gate_rows):
@@ -329,17 +466,20 @@ def ep_step_stats(model, meter, dp_comm=None):
     """Per MoE layer, over all dp ranks since the last call: tokens_per_expert (kept tokens each
     expert processed), load_cv and max_over_mean of that load, routed_per_expert (assignments
     before dropping), dropped_fraction, a2a_seconds (mean over dp ranks of the time inside the
-    alltoall/alltoallv calls), a2a_bytes (sent, summed over ranks). ``meter``: the one the layers
+    alltoall/alltoallv calls), a2a_bytes (sent, summed over ranks), rows_per_rank (the rows each dp rank's
+    experts ran, replicas included) and rank_max_over_mean of it. ``meter``: the one the layers
     were installed with; its ("ep", layer) tallies are taken (reset), the rest left. One allreduce per call."""
     layers = moe_layers_of(model)
     if not layers:
         return []
+    n_dp, dp_rank = (1, 0) if dp_comm is None else (dp_comm.size, dp_comm.rank)
     rows, tallies = [], meter.take(lambda k: isinstance(k, tuple) and k[0] == "ep")
     for i, m in layers:
         a, t = m.take_ep_stats(), tallies.get(("ep", i), Tally())
-        proc = np.zeros(m.n_expert, np.float64)  # host: the counters are host vectors
-        proc[m._ep_lo:m._ep_lo + m._n_local] = a["processed"]
-        rows.append(np.concatenate([proc, a["routed"], [a["kept"], a["assignments"], t.bytes, t.seconds]]))  # host
+        per_rank = np.zeros(n_dp, np.float64)  # host: the counters are host vectors
+        per_rank[dp_rank] = a["rank_rows"]
+        counters = [a["processed"], a["routed"], [a["kept"], a["assignments"], t.bytes, t.seconds], per_rank]
+        rows.append(np.concatenate(counters))  # host
     vec = np.concatenate(rows).astype(np.float64)  # host
     n = 1
     if dp_comm is not None and dp_comm.size > 1:
@@ -352,8 +492,10 @@ def ep_step_stats(model, meter, dp_comm=None):
         E = m.n_expert
         load = v[:E]
         mean = load.mean()
-        kept, assign, nbytes, secs = v[2 * E:]
+        kept, assign, nbytes, secs = v[2 * E:2 * E + 4]
+        per_rank = v[2 * E + 4:]
         out.append(dict(layer=i, tokens_per_expert=[int(round(t)) for t in load],
+                        rows_per_rank=[int(round(t)) for t in per_rank], rank_max_over_mean=max_over_mean(per_rank),
                         load_cv=float(load.std() / mean) if mean > 0 else 0.0,
                         max_over_mean=float(load.max() / mean) if mean > 0 else 0.0,
                         routed_per_expert=[int(round(t)) for t in v[E:2 * E]],

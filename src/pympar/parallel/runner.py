@@ -51,6 +51,7 @@ from ..nn.parameter import compute_copies
 from ..optim import DynamicLossScaler
 from .cp import install_context_parallel, local_batch
 from .build import build_model
+from .replicas import max_over_mean, place_replicas
 from .ep import NodeRouteError
 from . import ledger
 from .gradsync import GradSync
@@ -95,6 +96,9 @@ class ParallelRunner:
         # what it cannot make so: tp, cp, pp, ep, compression)
         self.deterministic = bool(getattr(opts, "deterministic", False))
         self.meter = Meter()          # the tp collectives, the cp ring and the expert all-to-alls report here
+        # --expert-replicas: replica slots per ep rank, placed every replan_every steps (parallel/replicas.py)
+        self.replicas, self.replan_every = int(opts.expert_replicas), int(opts.replan_every)
+        self._rep_window, self._rep_steps = {}, 0
         self.model, self.executor = self._build_model(opts)    # ep > 1: this rank's experts only
         self.pp_costs = opts.pp_costs     # "measured": the zb table is built for step 1's times
         self.device = opts.device
@@ -139,6 +143,8 @@ class ParallelRunner:
         self.grad_clip = opts.grad_clip
         self.scaler = DynamicLossScaler() if opts.dtype == "float16" else None
         self.moe_ids = [i for i in range(model_cfg.n_layer) if model_cfg.is_moe_block(i)]
+        # per MoE layer in the step vector: load (E), dropped, a2a s, a2a bytes, rows each ep rank ran
+        self._moe_width = model_cfg.n_expert + 3 + self.ep
         self.n_params = count_params(model_cfg)
         self.ledger, self._workspace = None, None
 
@@ -156,7 +162,7 @@ class ParallelRunner:
         try:
             model = build_model(self.model_cfg, self.mesh, self.layout, seed=self.seed, dtype=self.master,
                                 compute_dtype=self.compute, sequence_parallel=self.sp, meter=self.meter,
-                                ep_dispatch=opts.ep_dispatch)
+                                ep_dispatch="flat" if self.replicas and opts.ep_dispatch == "auto" else opts.ep_dispatch)
         except NodeRouteError as e:           # agreed inside its ep group; the job agrees below
             err = e
         if opts.ep_dispatch == "node" and self.layout.ep > 1:
@@ -235,6 +241,9 @@ class ParallelRunner:
         measured = self.meter.take()                      # this step's communication, by part
         tp_s = seconds(measured, "tp")
         local_moe = {st["layer"]: st for st in model.moe_stats()}
+        if self.ep > 1:                   # the rows each ep rank's experts ran (replicas included)
+            for i, m in model.moe_layers():
+                local_moe[i]["rank_rows"] = m.take_ep_stats()["rank_rows"]
         a2a = {k[1]: t for k, t in measured.items() if k[0] == "ep"}   # this rank's: summed by the step vector
         ep_s = sum(t.seconds for t in a2a.values())
         cp_s, cp_busy = seconds(measured, "cp wait"), seconds(measured, "cp compute")
@@ -262,7 +271,7 @@ class ParallelRunner:
         if self.deterministic:            # the loss and the norm as exact sums over the world too
             loss = float(self._exact_loss.allreduce(self.mesh.dpcp_comm).value())
             total_sq = self.sync.exact_sq(self.comm)
-        n_moe = len(self.moe_ids) * (self.model_cfg.n_expert + 3)
+        n_moe = len(self.moe_ids) * self._moe_width
         moe = self._moe_from(red[3:3 + n_moe])
         stop_any = bool(red[3 + n_moe] > 0)               # the two flag slots of _step_vector
         all_written = bool(red[4 + n_moe] >= self.comm.size)
@@ -287,6 +296,7 @@ class ParallelRunner:
                 # aux-loss-free balancing must see the global loads, or replicas drift apart
                 model.update_expert_bias({i: moe[self.moe_ids.index(i)]["tokens_per_expert"]
                                           for i, _ in model.moe_layers()})
+                self._replicas_after_step(model, moe)
         split = rec.take_totals()
         return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, nonfinite=nonfinite, moe=moe,
                     time_split=split, stop=stop_any, all_written=all_written,
@@ -383,7 +393,7 @@ class ParallelRunner:
         E, m = self.model_cfg.n_expert, self.mesh
         head = m.tp_rank == 0 and m.pp_rank == 0           # the loss is the same over tp and pp
         mem = ledger.memory_vector(self.comm.size, self.comm.rank, self.ledger["peak"])
-        flag = 3 + len(self.moe_ids) * (E + 3)                 # the two flag slots, the times, the memory figures
+        flag = 3 + len(self.moe_ids) * self._moe_width         # the two flag slots, the times, the memory figures
         nt = 0 if times is None else times.size
         vec = np.zeros(flag + 2 + nt + mem.size, np.float64)  # host: for the world MPI allreduce
         vec[flag:flag + 2] = [1.0 if f else 0.0 for f in flags]
@@ -395,22 +405,43 @@ class ParallelRunner:
         vec[2] = self.sync.local_sq()
         for k, i in enumerate(self.moe_ids):
             if i in local_moe and m.tp_rank == 0:          # routing is replicated over tp
-                o = 3 + k * (E + 3)
+                o = 3 + k * self._moe_width
                 vec[o:o + E] = local_moe[i]["tokens_per_expert"]
                 vec[o + E] = local_moe[i]["dropped_fraction"]
                 if i in a2a:                               # the world sum: the mean over dp x cp, the bytes' sum
                     vec[o + E + 1] = a2a[i].seconds / (self.dp * self.cp)
                     vec[o + E + 2] = a2a[i].bytes
+                if "rank_rows" in local_moe[i]:            # summed over the ep groups
+                    vec[o + E + 3 + m.ep_rank] = local_moe[i]["rank_rows"]
         return vec
+
+    def _replicas_after_step(self, model, moe):
+        """--expert-replicas: every --replan-every steps each MoE layer's replicas are placed anew
+        from the window's global loads (the same numbers on every rank: the world allreduce's), and
+        after every optimizer step the replicas take their homes' new weights. Collective over ep."""
+        if not self.replicas:
+            return
+        for i, _ in model.moe_layers():
+            load = np.asarray(moe[self.moe_ids.index(i)]["tokens_per_expert"], np.float64)  # host
+            self._rep_window[i] = self._rep_window.get(i, 0) + load
+        self._rep_steps += 1
+        replan = self._rep_steps % self.replan_every == 0
+        for i, m in model.moe_layers():
+            if replan:
+                m.set_replicas(place_replicas(self._rep_window.pop(i), self.ep, self.replicas))
+            else:
+                m.refresh_replicas()
 
     def _moe_from(self, v):
         E, out = self.model_cfg.n_expert, []
         for k, i in enumerate(self.moe_ids):
-            o = k * (E + 3)
+            o = k * self._moe_width
             st = dict(layer=i, tokens_per_expert=[int(round(t)) for t in v[o:o + E]],
                       dropped_fraction=float(v[o + E] / (self.dp * self.cp)))
             if self.ep > 1:
-                st.update(a2a_seconds=float(v[o + E + 1]), a2a_bytes=int(round(v[o + E + 2])))
+                rows = v[o + E + 3:o + E + 3 + self.ep]
+                st.update(a2a_seconds=float(v[o + E + 1]), a2a_bytes=int(round(v[o + E + 2])),
+                          rows_per_ep_rank=[int(round(t)) for t in rows], rank_max_over_mean=max_over_mean(rows))
             out.append(st)
         return out
 
