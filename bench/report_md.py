@@ -354,14 +354,21 @@ def sec_moe(res, status) -> str:
     d, out = _opening(res, status, "moe_balance", "## MoE load balance")
     if not d:
         return "\n".join(out)
+    ranks = f"ep = {d['ep']} ranks" if d.get("ep") else f"{d['world']} DP ranks"
     out += [f"`python bench/moe_balance.py`: `{d['preset']}` with {d['n_expert']} experts, top-{d['top_k']}, "
-            f"{d['world']} DP ranks, {d['steps']} steps, same data and seed; loads are the trainer's global "
+            f"{ranks}, {d['steps']} steps, same data and seed; loads are the trainer's global "
             f"tokens-per-expert per step. Aux loss: aux_coef {d['aux_coef']}; aux-loss-free: bias_update_rate "
-            f"{d['bias_update_rate']} (sign update after every step), aux_coef 0. Std and CV are means over the "
-            "second half of the run.", "", _img("moe_balance", "moe balance"), "",
-            "| balancing | std of tokens/expert | CV | CV vs none | training loss (last 10) |", "| --- | ---: | ---: | ---: | ---: |"]
+            f"{d['bias_update_rate']} (sign update after every step), aux_coef 0"
+            + (f"; replicas: {d['replicas']} slot(s) per rank placed every {d['replan_every']} steps, aux_coef 0"
+               if d.get("replicas") else "") + ". Std and CV are means over the second half of the run; rank "
+            "max/mean: the rows each ep rank ran over their mean.", "",
+            _img("experts" if d.get("ep") else "moe_balance", "moe balance"), "",
+            "| balancing | std of tokens/expert | CV | CV vs none | rank max/mean | training loss (last 10) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for o in d["results"]:
-        out.append(f"| {o['variant']} | {o['std_second_half']:.1f} | {o['cv_second_half']:.3f} | {o['cv_vs_none']:.2f}x | {o['loss_last10']:.4f} |")
+        rk = f"{o['rank_second_half']:.2f}" if "rank_second_half" in o else "-"
+        out.append(f"| {o['variant']} | {o['std_second_half']:.1f} | {o['cv_second_half']:.3f} | {o['cv_vs_none']:.2f}x | "
+                   f"{rk} | {o['loss_last10']:.4f} |")
     return "\n".join(out) + "\n"
 
 

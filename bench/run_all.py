@@ -80,7 +80,7 @@ def steps(quick: bool) -> list:
                         "--warmup", "1" if q else "2", "--rounds", "1" if q else "2", "--json", R / "strategies.json",
                         "--png", IMG / "strategies.png"], None),
         ("moe_balance", [PY, B / "moe_balance.py", "--steps", "20" if q else "300", "--json", R / "moe_balance.json",
-                         "--png", IMG / "moe_balance.png"], None),
+                         "--png", IMG / "experts.png"], None),
         ("moe_experts", [PY, B / "moe_experts.py", *(["--experts", "8,32", "--rows", "1024", "--reps", "2", "--rounds", "1"]
                                                       if q else []),
                          "--json", R / "moe_experts.json", "--png", IMG / "moe_experts.png"], None),

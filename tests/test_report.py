@@ -100,3 +100,14 @@ def test_expert_heat_map_over_training_and_the_per_rank_view(tmp_path):
         heights[ep] = Image.open(d / "experts.png").size[1]
     assert heights[2] > heights[1]                # the per-rank row is drawn only with expert parallelism
     assert not plot_experts([dict(step=0, moe=[])], tmp_path, plt)
+
+
+def test_rank_rows_are_the_rows_each_rank_ran_where_recorded():
+    """With replicas the rows each ep rank ran (rows_per_ep_rank) are the ranks' load, not their
+    home experts' share: the per-rank row reads them, layers averaged, each step's own shares."""
+    from pympar.report import _rows_per_rank
+
+    m = [dict(step=s, moe=[dict(layer=0, tokens_per_expert=[9, 1, 1, 1], rows_per_ep_rank=[6, 6]),
+                           dict(layer=1, tokens_per_expert=[9, 1, 1, 1], rows_per_ep_rank=[3, 9])]) for s in range(3)]
+    np.testing.assert_allclose(_rows_per_rank(m, 2), [[0.375, 0.625]] * 3)
+    assert _rows_per_rank([dict(step=0, moe=[dict(layer=0, tokens_per_expert=[1, 1])])], 2) is None

@@ -81,6 +81,19 @@ def expert_series(m):
     return out
 
 
+def _rows_per_rank(m, ranks):
+    """(S, ranks) share of the rows each ep rank ran per step (layers averaged), or None when the
+    records do not carry them."""
+    out = []
+    for r in m:
+        rows = [st["rows_per_ep_rank"] for st in r.get("moe") or [] if len(st.get("rows_per_ep_rank") or []) == ranks]
+        if not rows:
+            return None
+        v = np.asarray(rows, np.float64)
+        out.append((v / np.maximum(v.sum(axis=1, keepdims=True), 1)).mean(axis=0))
+    return np.array(out) if out else None
+
+
 def plot_experts(m, out, plt, ep: int = 1) -> bool:
     """Expert utilisation over training; False when not an MoE run.
 
@@ -88,7 +101,8 @@ def plot_experts(m, out, plt, ep: int = 1) -> bool:
     (x: step, y: expert; 1/E is an even split) and, beside it, the fraction of token
     assignments dropped by the capacity limit. With expert parallelism (ep > 1) a last row shows
     the share of each EP rank (rank r holds experts [r E/ep, (r+1) E/ep)), layers summed: which
-    rank's experts are hot."""
+    rank's experts are hot; where the records carry the rows each rank ran (``rows_per_ep_rank``:
+    replicated experts move rows off their home rank) it plots those, the ranks' actual load."""
     series = expert_series(m)
     if not series:
         return False
@@ -117,10 +131,13 @@ def plot_experts(m, out, plt, ep: int = 1) -> bool:
         steps = series[keys[0]][0]
         per = E // ranks
         total = sum(series[k][1] for k in keys) / len(keys)               # (S, E), layers averaged
+        ran = _rows_per_rank(m, ranks)
         for r in range(ranks):
-            ax.plot(steps, total[:, r * per:(r + 1) * per].sum(axis=1), label=f"ep rank {r} (experts {r * per}-{(r + 1) * per - 1})")
+            share = ran[:, r] if ran is not None else total[:, r * per:(r + 1) * per].sum(axis=1)
+            ax.plot(steps[:len(share)], share, label=f"ep rank {r} (experts {r * per}-{(r + 1) * per - 1})")
         ax.axhline(1 / ranks, color="k", lw=0.6, ls="--")
-        ax.set(ylabel="share per EP rank", title="which rank's experts are hot (layers averaged; dashed: even)")
+        what = "rows each rank ran (replicas included)" if ran is not None else "which rank's experts are hot"
+        ax.set(ylabel="share per EP rank", title=f"{what} (layers averaged; dashed: even)")
         ax.legend(fontsize=6, ncol=min(4, ranks))
         axes[-1][1].axis("off")
     axes[-1][0].set_xlabel("step")
