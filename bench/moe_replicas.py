@@ -37,6 +37,7 @@ def worker(a):
     from pympar.nn import GPT
     from pympar.nn.config import GPTConfig
     from pympar.parallel.ep import ep_step_stats, install_expert_parallel
+    from pympar.parallel.generate import generate_parallel
     from pympar.parallel.gradsync import GradSync
     from pympar.parallel.mesh import Mesh
     from pympar.parallel.meter import Meter
@@ -90,7 +91,14 @@ def worker(a):
                 ratios.append(row["rank_max_over_mean"])
             losses.append(float(np.asarray(world.allreduce(np.array([loss]))).reshape(-1)[0]) / P)
             times.append(dt)
-        return dict(step_s=statistics.median(times[1:]), rank_max_over_mean=max(ratios),
+        # generation on the trained model (the same replicas): a prompt of --block positions for
+        # --micro-batch sequences, then --gen-tokens greedy tokens, the slowest rank's time
+        prompt = np.random.default_rng([99]).integers(0, cfg.vocab_size, size=(a.micro_batch, a.block // 2))
+        world.barrier()
+        t0 = time.perf_counter()
+        generate_parallel(model, mesh, prompt, a.gen_tokens, top_k=1)
+        gen = float(np.asarray(world.allreduce(np.array([time.perf_counter() - t0]), op="max")).reshape(-1)[0])
+        return dict(step_s=statistics.median(times[1:]), rank_max_over_mean=max(ratios), generate_s=gen,
                     rank_max_over_mean_mean=statistics.mean(ratios), loss=losses, loads=[l.tolist() for l in loads])
 
     out = []
@@ -109,15 +117,18 @@ def run(a):
     res = []
     for ep in a.ep:
         got = common.run_worker(ep, __file__, ["--steps", a.steps, "--skew", a.skew, "--router-scale", a.router_scale,
+                                               "--gen-tokens", a.gen_tokens,
                                                "--block", a.block, "--micro-batch", a.micro_batch,
                                                "--slots", ",".join(map(str, a.slots))], a.timeout)
         base = got["rows"][0]
         for r in got["rows"]:
             r["speedup"] = base["step_s"] / r["step_s"]
+            r["generate_speedup"] = base["generate_s"] / r["generate_s"]
             r["loss_rel_diff"] = max(abs(x - y) / abs(y) for x, y in zip(r["loss"], base["loss"]))
             print(f"  ep {ep}  slots {r['slots']}: rows per rank max/mean {r['rank_max_over_mean']:.2f} "
                   f"(mean over steps {r['rank_max_over_mean_mean']:.2f}), step {1e3 * r['step_s']:.1f} ms "
-                  f"({r['speedup']:.2f}x), losses within {r['loss_rel_diff']:.1e}", file=sys.stderr, flush=True)
+                  f"({r['speedup']:.2f}x), generate {r['generate_s']:.2f} s ({r['generate_speedup']:.2f}x), "
+                  f"losses within {r['loss_rel_diff']:.1e}", file=sys.stderr, flush=True)
         res.append(got)
     targets = {}
     best = [min(r["rank_max_over_mean"] for r in g["rows"] if r["slots"]) for g in res if len(g["rows"]) > 1]
@@ -154,6 +165,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--skew", type=float, default=0.1)
     ap.add_argument("--router-scale", type=float, default=6.0)
+    ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--block", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=1200)
@@ -163,7 +175,7 @@ def main(argv=None):
     common.add_output_args(ap, "moe_replicas")
     a = ap.parse_args(argv)
     if a.quick:
-        a.ep, a.slots, a.steps, a.block, a.micro_batch = [2], [1], 3, 32, 2
+        a.ep, a.slots, a.steps, a.block, a.micro_batch, a.gen_tokens = [2], [1], 3, 32, 2, 4
     common.write_outputs(a, run(a), plot)
     return 0
 
