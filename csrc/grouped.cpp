@@ -189,17 +189,36 @@ void forward(Gemm<T> gemm, const T* xs, const Groups& G, const std::vector<Exper
   });
 }
 
+// the weight gradients of one block: c_proj's from dy and g, c_fc's from dh and x (first: the
+// group's first block -- a fresh gradient is written there, added to after)
+template <typename T>
+void proj_grads(Gemm<T> gemm, const Expert<T>& e, const T* dy, const T* g, int64_t m, int64_t C, int64_t H, bool first) {
+  gemm(ROW_MAJOR, TRANS, NO_TRANS, int(C), int(H), int(m), T(1), dy, int(C), g, int(H),
+       T(first && e.fresh[2] ? 0 : 1), e.gwproj, int(H));
+  if (e.gbproj) bias_grad(e.gbproj, dy, m, C, first && e.fresh[3]);
+}
+
+template <typename T>
+void fc_grads(Gemm<T> gemm, const Expert<T>& e, const T* dh, const T* x, int64_t m, int64_t C, int64_t H, bool first) {
+  gemm(ROW_MAJOR, TRANS, NO_TRANS, int(H), int(C), int(m), T(1), dh, int(H), x, int(C),
+       T(first && e.fresh[0] ? 0 : 1), e.gwfc, int(C));
+  if (e.gbfc) bias_grad(e.gbfc, dh, m, H, first && e.fresh[1]);
+}
+
+// Backward of every group. g_keep == nullptr: the weight gradients too (MLP.backward's order: c_proj's
+// before dg is written over g). Else the input gradient only (a zero-bubble B pass): each block's g
+// and dh are kept in g_keep and dh_keep (M, H) for weight_grads (the W pass).
 template <typename T>
 void backward(Gemm<T> gemm, const T* xs, const T* dys, const Groups& G, const std::vector<Expert<T>>& ex, int64_t C,
-              int64_t H, const T* h_all, T* dxs, int64_t block) {
+              int64_t H, const T* h_all, T* dxs, int64_t block, T* g_keep, T* dh_keep) {
+  const bool weights = g_keep == nullptr;
   over_groups<T>(G.rows, [&](int64_t g) {
     const Expert<T>& e = ex[g];
     for (int64_t r0 = 0; r0 < G.rows[g]; r0 += block) {
       const int64_t m = std::min(block, G.rows[g] - r0), at = G.lo[g] + r0;
-      const bool first = r0 == 0;
       const T* x = xs + at * C;
       const T* dy = dys + at * C;
-      T* gb = scratch<T>(0, m * H);
+      T* gb = weights ? scratch<T>(0, m * H) : g_keep + at * H;
       const T* h;
       if (h_all) {
         h = h_all + at * H;
@@ -209,18 +228,26 @@ void backward(Gemm<T> gemm, const T* xs, const T* dys, const Groups& G, const st
         hidden(gemm, e, x, hb, gb, m, C, H);
         h = hb;
       }
-      // c_proj: dW = dy^T g, db = column sums of dy, dg = dy W (written over g)
-      gemm(ROW_MAJOR, TRANS, NO_TRANS, int(C), int(H), int(m), T(1), dy, int(C), gb, int(H),
-           T(first && e.fresh[2] ? 0 : 1), e.gwproj, int(H));
-      if (e.gbproj) bias_grad(e.gbproj, dy, m, C, first && e.fresh[3]);
-      gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, int(m), int(H), int(C), T(1), dy, int(C), e.wproj, int(H), T(0), gb, int(H));
-      Ops<T>::gelu_bwd(h, gb, gb, m * H);          // dh, over dg
-      // c_fc: dW = dh^T x, db = column sums of dh, dx = dh W
-      gemm(ROW_MAJOR, TRANS, NO_TRANS, int(H), int(C), int(m), T(1), gb, int(H), x, int(C),
-           T(first && e.fresh[0] ? 0 : 1), e.gwfc, int(C));
-      if (e.gbfc) bias_grad(e.gbfc, gb, m, H, first && e.fresh[1]);
-      gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, int(m), int(C), int(H), T(1), gb, int(H), e.wfc, int(C), T(0),
+      if (weights) proj_grads(gemm, e, dy, gb, m, C, H, r0 == 0);
+      T* dg = weights ? gb : dh_keep + at * H;      // dg = dy W (over g when nothing keeps it)
+      gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, int(m), int(H), int(C), T(1), dy, int(C), e.wproj, int(H), T(0), dg, int(H));
+      Ops<T>::gelu_bwd(h, dg, dg, m * H);          // dh, over dg
+      if (weights) fc_grads(gemm, e, dg, x, m, C, H, r0 == 0);
+      gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, int(m), int(C), int(H), T(1), dg, int(H), e.wfc, int(C), T(0),
            dxs + at * C, int(C));
+    }
+  });
+}
+
+// The W pass of a backward that kept g and dh: the same products on the same operands
+template <typename T>
+void weight_grads(Gemm<T> gemm, const T* xs, const T* dys, const Groups& G, const std::vector<Expert<T>>& ex,
+                  int64_t C, int64_t H, const T* g_keep, const T* dh_keep, int64_t block) {
+  over_groups<T>(G.rows, [&](int64_t g) {
+    for (int64_t r0 = 0; r0 < G.rows[g]; r0 += block) {
+      const int64_t m = std::min(block, G.rows[g] - r0), at = G.lo[g] + r0;
+      proj_grads(gemm, ex[g], dys + at * C, g_keep + at * H, m, C, H, r0 == 0);
+      fc_grads(gemm, ex[g], dh_keep + at * H, xs + at * C, m, C, H, r0 == 0);
     }
   });
 }
@@ -236,6 +263,30 @@ int64_t dims(const py::array& xs, const py::list& params, int64_t* C, int64_t* H
   if (w.ndim() != 2 || w.shape(1) != *C) throw py::value_error("grouped_mlp: c_fc.weight must be (H, C)");
   *H = w.shape(0);
   return xs.shape(0);
+}
+
+// an optional array argument: its data (checked: dtype dt, C-contiguous, n elements), or nullptr for None
+void* optional(const py::object& o, int dt, int64_t n, const char* what) {
+  if (o.is_none()) return nullptr;
+  py::array a = py::reinterpret_borrow<py::array>(o);
+  check(a, what, 1u << dt, n);
+  return a.mutable_data();
+}
+
+const bool* fresh_of(const py::object& o, size_t G) {
+  if (o.is_none()) return nullptr;
+  py::array a = py::reinterpret_borrow<py::array>(o);
+  if (a.dtype().kind() != 'b' || a.size() != static_cast<py::ssize_t>(4 * G) || !(a.flags() & py::array::c_style))
+    throw py::value_error("grouped_mlp_backward: fresh must be a contiguous bool array, 4 per group");
+  return static_cast<const bool*>(a.data());
+}
+
+// the three modes of a backward call: everything (fresh), the input gradient (keeps), the weights (all three,
+// no dxs)
+void mode_check(bool fresh, bool keeps, bool dx) {
+  if ((fresh && !keeps && dx) || (!fresh && keeps && dx) || (fresh && keeps && !dx)) return;
+  throw py::value_error("grouped_mlp_backward: give (grads, fresh, dxs), (g_keep, dh_keep, dxs) or "
+                        "(grads, fresh, g_keep, dh_keep)");
 }
 
 void need(uintptr_t fn, int64_t block) {
@@ -309,17 +360,30 @@ void forward_bf16(const u16* xs, const Groups& G, const int64_t* ad, int64_t C, 
   });
 }
 
+void proj_grads_bf16(const int64_t* e, const bool* fr, const u16* dy, const u16* g, int64_t m, int64_t C, int64_t H,
+                     bool first) {
+  amx::gemm(dy, 1, C, g, H, 1, false, C, H, m, f32_out(reinterpret_cast<float*>(e[10]), H, !(first && fr[2])));
+  if (e[11]) bias_grad_bf16(reinterpret_cast<float*>(e[11]), dy, m, C, first && fr[3]);
+}
+
+void fc_grads_bf16(const int64_t* e, const bool* fr, const u16* dh, const u16* x, int64_t m, int64_t C, int64_t H,
+                   bool first) {
+  amx::gemm(dh, 1, H, x, C, 1, false, H, C, m, f32_out(reinterpret_cast<float*>(e[8]), C, !(first && fr[0])));
+  if (e[9]) bias_grad_bf16(reinterpret_cast<float*>(e[9]), dh, m, H, first && fr[1]);
+}
+
+// as backward<T>: g_keep == nullptr: the weight gradients too; else the input gradient only, g and dh kept
 void backward_bf16(const u16* xs, const u16* dys, const Groups& G, const int64_t* ad, const bool* fresh, int64_t C,
-                   int64_t H, const u16* h_all, u16* dxs, int64_t block) {
+                   int64_t H, const u16* h_all, u16* dxs, int64_t block, u16* g_keep, u16* dh_keep) {
+  const bool weights = g_keep == nullptr;
   over_groups<u16>(G.rows, [&](int64_t g) {
     const int64_t* e = ad + g * SLOTS;
-    const bool* fr = fresh + 4 * g;
+    const bool* fr = fresh ? fresh + 4 * g : nullptr;
     for (int64_t r0 = 0; r0 < G.rows[g]; r0 += block) {
       const int64_t m = std::min(block, G.rows[g] - r0), at = G.lo[g] + r0;
-      const bool first = r0 == 0;
       const u16* x = xs + at * C;
       const u16* dy = dys + at * C;
-      u16* gb = scratch<u16>(0, m * H);
+      u16* gb = weights ? scratch<u16>(0, m * H) : g_keep + at * H;
       const u16* h;
       if (h_all) {
         h = h_all + at * H;
@@ -329,15 +393,24 @@ void backward_bf16(const u16* xs, const u16* dys, const Groups& G, const int64_t
         hidden_bf16(e, x, hb, gb, m, C, H);
         h = hb;
       }
-      // c_proj: dW (C, H) = dy^T g (float32), db, dg = dy Wp (bf16, over g)
-      amx::gemm(dy, 1, C, gb, H, 1, false, C, H, m, f32_out(reinterpret_cast<float*>(e[10]), H, !(first && fr[2])));
-      if (e[11]) bias_grad_bf16(reinterpret_cast<float*>(e[11]), dy, m, C, first && fr[3]);
-      amx_product(dy, C, 1, e, 4, 6, H, 1, m, H, C, bf16_out(gb, H, nullptr, nullptr));
-      K->gelu_bwd_bf16(h, gb, gb, m * H);
-      // c_fc: dW (H, C) = dh^T x, db, dx = dh Wfc
-      amx::gemm(gb, 1, H, x, C, 1, false, H, C, m, f32_out(reinterpret_cast<float*>(e[8]), C, !(first && fr[0])));
-      if (e[9]) bias_grad_bf16(reinterpret_cast<float*>(e[9]), gb, m, H, first && fr[1]);
-      amx_product(gb, H, 1, e, 0, 2, C, 1, m, C, H, bf16_out(dxs + at * C, C, nullptr, nullptr));
+      if (weights) proj_grads_bf16(e, fr, dy, gb, m, C, H, r0 == 0);
+      u16* dg = weights ? gb : dh_keep + at * H;
+      amx_product(dy, C, 1, e, 4, 6, H, 1, m, H, C, bf16_out(dg, H, nullptr, nullptr));
+      K->gelu_bwd_bf16(h, dg, dg, m * H);
+      if (weights) fc_grads_bf16(e, fr, dg, x, m, C, H, r0 == 0);
+      amx_product(dg, H, 1, e, 0, 2, C, 1, m, C, H, bf16_out(dxs + at * C, C, nullptr, nullptr));
+    }
+  });
+}
+
+void weight_grads_bf16(const u16* xs, const u16* dys, const Groups& G, const int64_t* ad, const bool* fresh,
+                       int64_t C, int64_t H, const u16* g_keep, const u16* dh_keep, int64_t block) {
+  over_groups<u16>(G.rows, [&](int64_t g) {
+    const int64_t* e = ad + g * SLOTS;
+    for (int64_t r0 = 0; r0 < G.rows[g]; r0 += block) {
+      const int64_t m = std::min(block, G.rows[g] - r0), at = G.lo[g] + r0;
+      proj_grads_bf16(e, fresh + 4 * g, dys + at * C, g_keep + at * H, m, C, H, r0 == 0);
+      fc_grads_bf16(e, fresh + 4 * g, dh_keep + at * H, xs + at * C, m, C, H, r0 == 0);
     }
   });
 }
@@ -370,26 +443,27 @@ void bind_grouped(py::module_& m) {
     py::gil_scoped_release r;
     forward_bf16(static_cast<const u16*>(xs.data()), G, ad, C, H, hp, static_cast<u16*>(ys.mutable_data()), block);
   });
+  // backward in three modes: (fresh, no keeps) everything; (no fresh, keeps) the input gradient with
+  // each block's g and dh kept in g_keep, dh_keep (M, H) (a zero-bubble B pass); (fresh, keeps, no dxs)
+  // the weight gradients from them (its W pass)
   m.def("grouped_mlp_backward_bf16", [](const py::array& xs, const py::array& dys, const py::array& counts,
-                                        const py::array& addrs, const py::array& fresh, int64_t H, py::object h,
-                                        py::array& dxs, int64_t block) {
+                                        const py::array& addrs, py::object fresh, int64_t H, py::object h,
+                                        py::object dxs, int64_t block, py::object g_keep, py::object dh_keep) {
     if (!amx::available() || block < 1) throw py::value_error("grouped_mlp_backward_bf16: needs AMX and block >= 1");
     const int64_t M = xs.ndim() == 2 ? xs.shape(0) : -1, C = xs.ndim() == 2 ? xs.shape(1) : 0;
-    check(xs, "xs", 1u << BF16, M * C), check(dys, "dys", 1u << BF16, M * C), check(dxs, "dxs", 1u << BF16, M * C);
+    check(xs, "xs", 1u << BF16, M * C), check(dys, "dys", 1u << BF16, M * C);
     Groups G = groups_of(counts, M);
     const int64_t* ad = addresses(addrs, G.rows.size());
-    if (fresh.dtype().kind() != 'b' || fresh.size() != static_cast<py::ssize_t>(4 * G.rows.size()))
-      throw py::value_error("grouped_mlp_backward_bf16: fresh must be a bool array, 4 per group");
-    const u16* hp = nullptr;
-    if (!h.is_none()) {
-      py::array ha = py::reinterpret_borrow<py::array>(h);
-      check(ha, "h", 1u << BF16, M * H);
-      hp = static_cast<const u16*>(ha.data());
-    }
-    const bool* fr = static_cast<const bool*>(fresh.data());
+    const bool* fr = fresh_of(fresh, G.rows.size());
+    const u16* hp = static_cast<const u16*>(optional(h, BF16, M * H, "h"));
+    u16* gk = static_cast<u16*>(optional(g_keep, BF16, M * H, "g_keep"));
+    u16* dk = static_cast<u16*>(optional(dh_keep, BF16, M * H, "dh_keep"));
+    u16* dx = static_cast<u16*>(optional(dxs, BF16, M * C, "dxs"));
+    mode_check(fr != nullptr, gk != nullptr && dk != nullptr, dx != nullptr);
     py::gil_scoped_release r;
-    backward_bf16(static_cast<const u16*>(xs.data()), static_cast<const u16*>(dys.data()), G, ad, fr, C, H, hp,
-                  static_cast<u16*>(dxs.mutable_data()), block);
+    const u16 *x = static_cast<const u16*>(xs.data()), *dy = static_cast<const u16*>(dys.data());
+    if (dx) backward_bf16(x, dy, G, ad, fr, C, H, hp, dx, block, fr ? nullptr : gk, fr ? nullptr : dk);
+    else weight_grads_bf16(x, dy, G, ad, fr, C, H, gk, dk, block);
   });
 #endif
 
@@ -421,36 +495,37 @@ void bind_grouped(py::module_& m) {
   }, "ys = the groups' MLPs of xs (groups of `counts` rows, 4 parameters each); h (or None) keeps c_fc's output");
 
   m.def("grouped_mlp_backward", [](uintptr_t fn, const py::array& xs, const py::array& dys, const py::array& counts,
-                                   const py::list& params, const py::list& grads, const py::array& fresh, py::object h,
-                                   py::array& dxs, int64_t block) {
+                                   const py::list& params, py::object grads, py::object fresh, py::object h,
+                                   py::object dxs, int64_t block, py::object g_keep, py::object dh_keep) {
     need(fn, block);
     int64_t C, H;
     const int64_t M = dims(xs, params, &C, &H);
     const int dt = check(xs, "xs", FLOATS, M * C);
-    check(dys, "dys", 1u << dt, M * C), check(dxs, "dxs", 1u << dt, M * C);
+    check(dys, "dys", 1u << dt, M * C);
     Groups G = groups_of(counts, M);
-    if (fresh.dtype().kind() != 'b' || fresh.size() != static_cast<py::ssize_t>(4 * G.rows.size()) ||
-        !(fresh.flags() & py::array::c_style))
-      throw py::value_error("grouped_mlp_backward: fresh must be a contiguous bool array, 4 per group");
-    const bool* fr = static_cast<const bool*>(fresh.data());
-    const void* hp = nullptr;
-    if (!h.is_none()) {
-      py::array ha = py::reinterpret_borrow<py::array>(h);
-      check(ha, "h", 1u << dt, M * H);
-      hp = ha.data();
-    }
-    if (dt == F32) {
-      auto ex = experts_of<float>(params, &grads, fr, G.rows.size(), dt, C, H);
+    const bool* fr = fresh_of(fresh, G.rows.size());
+    const void* hp = optional(h, dt, M * H, "h");
+    void* gk = optional(g_keep, dt, M * H, "g_keep");
+    void* dk = optional(dh_keep, dt, M * H, "dh_keep");
+    void* dx = optional(dxs, dt, M * C, "dxs");
+    mode_check(fr != nullptr, gk != nullptr && dk != nullptr, dx != nullptr);
+    py::list gl = fr ? py::reinterpret_borrow<py::list>(grads) : py::list();
+    auto run = [&](auto zero) {
+      using T = decltype(zero);
+      auto ex = experts_of<T>(params, fr ? &gl : nullptr, fr, G.rows.size(), dt, C, H);
+      auto gemm = reinterpret_cast<Gemm<T>>(fn);
       py::gil_scoped_release r;
-      backward<float>(reinterpret_cast<Gemm<float>>(fn), ct<float>(xs), ct<float>(dys), G, ex, C, H,
-                      static_cast<const float*>(hp), mt<float>(dxs), block);
-    } else {
-      auto ex = experts_of<double>(params, &grads, fr, G.rows.size(), dt, C, H);
-      py::gil_scoped_release r;
-      backward<double>(reinterpret_cast<Gemm<double>>(fn), ct<double>(xs), ct<double>(dys), G, ex, C, H,
-                       static_cast<const double*>(hp), mt<double>(dxs), block);
-    }
-  }, "dxs and the groups' parameter gradients (written where fresh, else added) from dys");
+      if (dx)
+        backward<T>(gemm, ct<T>(xs), ct<T>(dys), G, ex, C, H, static_cast<const T*>(hp), static_cast<T*>(dx), block,
+                    fr ? nullptr : static_cast<T*>(gk), fr ? nullptr : static_cast<T*>(dk));
+      else
+        weight_grads<T>(gemm, ct<T>(xs), ct<T>(dys), G, ex, C, H, static_cast<const T*>(gk), static_cast<const T*>(dk),
+                        block);
+    };
+    if (dt == F32) run(0.0f);
+    else run(0.0);
+  }, "the groups' backward: (grads, fresh) everything; (g_keep, dh_keep) the input gradient only, keeping "
+     "what the weight gradients need; (grads, fresh, keeps, dxs None) those weight gradients");
 }
 
 }  // namespace pympar::bind

@@ -33,7 +33,7 @@ from ..kernels import gemm
 from ..kernels.blas import _C
 from . import layers
 from .layers import MLP
-from .parameter import Module, compute_weight, deferring, make_param, weight_grad
+from .parameter import Module, compute_weight, deferrable, deferring, make_param, weight_grad
 
 
 def _stable_argsort(a):
@@ -85,16 +85,18 @@ class MoE(Module):
     # --- experts: the seam expert parallelism replaces ---------------------------------------
     # Local experts run as one grouped call (csrc/grouped.cpp: every expert's MLP over its rows,
     # the products MLP makes, spread over the kernel threads) where it applies: NumPy float32 or
-    # float64 experts that are plain MLPs (no compute dtype, no tensor parallelism), MKL selected,
-    # the C++ module built, and no zero-bubble W pass deferring weight gradients. Else (and with
-    # ``grouped = False``) one MLP call per expert, side by side over the threads.
+    # float64 experts that are plain MLPs (bf16 compute on AMX tiles), MKL selected, the C++ module
+    # built. Else (and with ``grouped = False``) one MLP call per expert, side by side over the
+    # threads. Under a zero-bubble split (nn.parameter.deferring) the grouped B pass makes the input
+    # gradient and keeps each row's GELU output and hidden gradient, and the W pass makes the weight
+    # gradients from them, as MLP does.
     grouped = True
 
     def _grouped_fn(self, xs, experts):
         """How the grouped call runs here: the cblas_?gemm address (float32/float64), "amx" (bf16
         experts on AMX tiles), or None (the per-expert loop)."""
         if not (self.grouped and _C is not None and type(xs) is np.ndarray and xs.ndim == 2
-                and xs.flags.c_contiguous and not deferring() and kernels.backend(xs) != "reference"):
+                and xs.flags.c_contiguous and kernels.backend(xs) != "reference"):
             return None
         e = experts[0] if experts else None
         if e is None or type(e) is not MLP:
@@ -170,13 +172,22 @@ class MoE(Module):
         dxs = np.empty_like(dys)
         if not ex:
             return dxs
-        if fn == "amx":
-            addrs, keep, fresh = self._addresses_bf16(ex, grads=True)
-            H = ex[0].c_fc.weight.data.shape[0]
-            _C.grouped_mlp_backward_bf16(xs, np.ascontiguousarray(dys), counts, addrs, fresh, H, h, dxs,
-                                         layers.MLP_ROWS)
-            del keep
+        dys = np.ascontiguousarray(dys)
+        H = ex[0].c_fc.weight.data.shape[0]
+        if deferring():                                  # B now (keeping g and dh), W when it is asked for
+            g_keep, dh_keep = np.empty((xs.shape[0], H), xs.dtype), np.empty((xs.shape[0], H), xs.dtype)
+            self._grouped_backward_call(fn, ex, counts, xs, dys, h, dxs, None, (g_keep, dh_keep))
+            deferrable(lambda: self._grouped_backward_call(fn, ex, counts, xs, dys, None, None, self._grads_of(ex, fn),
+                                                           (g_keep, dh_keep)))
             return dxs
+        self._grouped_backward_call(fn, ex, counts, xs, dys, h, dxs, self._grads_of(ex, fn), (None, None))
+        return dxs
+
+    def _grads_of(self, ex, fn):
+        """The experts' gradient buffers for a grouped backward and whether each is written fresh (the
+        step's first contribution) or added to: the bf16 call's addresses, or (grads, fresh)."""
+        if fn == "amx":
+            return self._addresses_bf16(ex, grads=True)
         grads, fresh = [], []
         for m in ex:                                     # the first contribution written, later ones added
             for p in (m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias):
@@ -187,9 +198,20 @@ class MoE(Module):
                 dst = p.write_grad()
                 grads.append(p.grad if dst is None else dst)
                 fresh.append(dst is not None)
-        _C.grouped_mlp_backward(fn, xs, np.ascontiguousarray(dys), counts, self._params_of(ex), grads,
-                                np.array(fresh, bool), h, dxs, layers.MLP_ROWS)   # host
-        return dxs
+        return grads, np.array(fresh, bool)  # host
+
+    def _grouped_backward_call(self, fn, ex, counts, xs, dys, h, dxs, grads, keeps):
+        """csrc/grouped.cpp's backward: everything (grads, no keeps), the input gradient keeping g and
+        dh (keeps, no grads), or the weight gradients from them (grads and keeps, dxs None)."""
+        H = ex[0].c_fc.weight.data.shape[0]
+        if fn == "amx":
+            addrs, keep, fresh = grads if grads is not None else self._addresses_bf16(ex)
+            _C.grouped_mlp_backward_bf16(xs, dys, counts, addrs, fresh if grads is not None else None, H, h, dxs,
+                                         layers.MLP_ROWS, *keeps)
+            del keep
+            return
+        g, fresh = grads if grads is not None else (None, None)
+        _C.grouped_mlp_backward(fn, xs, dys, counts, self._params_of(ex), g, fresh, h, dxs, layers.MLP_ROWS, *keeps)
 
     def run_experts(self, xs, counts, experts=None):
         """xs (M, C) rows grouped by expert (counts (E,) rows each) -> (ys (M, C), ctx). experts:
@@ -219,7 +241,7 @@ class MoE(Module):
             fn = self._grouped_fn(dys, ctxs[1])
             if fn is not None:
                 return self._run_grouped_backward(fn, dys, ctxs)
-            ctxs = self._loop_ctx(ctxs)              # a W pass defers now: the per-expert backward
+            ctxs = self._loop_ctx(ctxs)              # (a forward grouped, a backward that cannot be)
         dxs = xp_of(dys).zeros_like(dys)
 
         def experts(i0, i1):                             # ctxs [i0, i1): distinct experts and rows
