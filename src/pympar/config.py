@@ -563,6 +563,8 @@ def _check_replicas(model: GPTConfig, run: RunConfig, lay: Layout) -> None:
         why.append(f"{lay.schedule} defers the weight gradients the replicas hand to their homes: use 1f1b or interleaved")
     if run.ep_dispatch == "node":
         why.append("--ep-dispatch node: replicas run on the flat dispatch (use auto or flat)")
+    if run.device != "cpu":
+        why.append("replicas are built for the CPU path only (--device cpu)")
     if why:
         raise ConfigError("--expert-replicas: " + "; ".join(why))
 

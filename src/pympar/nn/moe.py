@@ -110,20 +110,23 @@ class MoE(Module):
         return None
 
     @staticmethod
-    def _addresses_bf16(experts, grads=False):
+    def _addresses_bf16(experts, grads=False, weights=True):
         """Each expert's 12 addresses for the bf16 grouped call (csrc/grouped.cpp, SLOTS): the bf16
         compute copies of its weights, their AMX packs where registered (kernels/gemm.py), the float32
-        biases and (backward) the gradients; and the arrays, kept alive for the call."""
+        biases and (backward) the gradients; and the arrays, kept alive for the call. weights=False:
+        zeros in the weights' slots (a W pass reads none)."""
         rows, keep, fresh = [], [], []
         for m in experts:
             row = []
-            for lin in (m.c_fc, m.c_proj):
+            for lin in (m.c_fc, m.c_proj) if weights else ():
                 w = compute_weight(lin.weight, lin._cdt)
                 pt, pn = gemm.bf16_pack(w.T), gemm.bf16_pack(w)
                 b = None if lin.bias is None else lin.bias_value()
                 keep += [w, pt, pn, b]
                 row += [w.ctypes.data, 0 if pt is None else pt.ctypes.data, 0 if pn is None else pn.ctypes.data,
                         0 if b is None else b.ctypes.data]
+            if not weights:
+                row += [0] * 8
             if grads:
                 for p in (m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias):
                     if p is None:
@@ -173,23 +176,21 @@ class MoE(Module):
         if not ex:
             return dxs
         dys = np.ascontiguousarray(dys)
-        H = ex[0].c_fc.weight.data.shape[0]
+        H = ex[0].c_fc.weight.data.shape[0]              # (gathered here under ZeRO-3, maybe not in the W pass)
         if deferring():                                  # B now (keeping g and dh), W when it is asked for
             g_keep, dh_keep = np.empty((xs.shape[0], H), xs.dtype), np.empty((xs.shape[0], H), xs.dtype)
-            self._grouped_backward_call(fn, ex, counts, xs, dys, h, dxs, None, (g_keep, dh_keep))
-            deferrable(lambda: self._grouped_backward_call(fn, ex, counts, xs, dys, None, None, self._grads_of(ex, fn),
-                                                           (g_keep, dh_keep)))
+            self._grouped_backward_call(fn, ex, counts, xs, dys, h, dxs, False, (g_keep, dh_keep))
+            deferrable(lambda: self._grouped_backward_call(fn, ex, counts, xs, dys, None, None, True, (g_keep, dh_keep)))
             return dxs
-        self._grouped_backward_call(fn, ex, counts, xs, dys, h, dxs, self._grads_of(ex, fn), (None, None))
+        self._grouped_backward_call(fn, ex, counts, xs, dys, h, dxs, True, (None, None))
         return dxs
 
-    def _grads_of(self, ex, fn):
-        """The experts' gradient buffers for a grouped backward and whether each is written fresh (the
-        step's first contribution) or added to: the bf16 call's addresses, or (grads, fresh)."""
-        if fn == "amx":
-            return self._addresses_bf16(ex, grads=True)
+    @staticmethod
+    def _grads_of(ex):
+        """The experts' gradient buffers for a grouped backward (4 per expert, None for no bias) and
+        whether each is written fresh (the step's first contribution) or added to."""
         grads, fresh = [], []
-        for m in ex:                                     # the first contribution written, later ones added
+        for m in ex:
             for p in (m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias):
                 if p is None:
                     grads.append(None)
@@ -202,16 +203,19 @@ class MoE(Module):
 
     def _grouped_backward_call(self, fn, ex, counts, xs, dys, h, dxs, grads, keeps):
         """csrc/grouped.cpp's backward: everything (grads, no keeps), the input gradient keeping g and
-        dh (keeps, no grads), or the weight gradients from them (grads and keeps, dxs None)."""
-        H = ex[0].c_fc.weight.data.shape[0]
+        dh (keeps, no grads), or the weight gradients from them (grads and keeps, dxs None: a W pass,
+        which reads no weight -- under ZeRO-3 they may be released by then)."""
+        w_pass = dxs is None
+        H = keeps[0].shape[1] if w_pass else ex[0].c_fc.weight.data.shape[0]
         if fn == "amx":
-            addrs, keep, fresh = grads if grads is not None else self._addresses_bf16(ex)
-            _C.grouped_mlp_backward_bf16(xs, dys, counts, addrs, fresh if grads is not None else None, H, h, dxs,
+            addrs, keep, fresh = self._addresses_bf16(ex, grads=grads, weights=not w_pass)
+            _C.grouped_mlp_backward_bf16(xs, dys, counts, addrs, fresh if grads else None, H, h, dxs,
                                          layers.MLP_ROWS, *keeps)
             del keep
             return
-        g, fresh = grads if grads is not None else (None, None)
-        _C.grouped_mlp_backward(fn, xs, dys, counts, self._params_of(ex), g, fresh, h, dxs, layers.MLP_ROWS, *keeps)
+        g, fresh = self._grads_of(ex) if grads else (None, None)
+        params = g if w_pass else self._params_of(ex)    # (the W pass reads the gradients' shapes only)
+        _C.grouped_mlp_backward(fn, xs, dys, counts, params, g, fresh, h, dxs, layers.MLP_ROWS, *keeps)
 
     def run_experts(self, xs, counts, experts=None):
         """xs (M, C) rows grouped by expert (counts (E,) rows each) -> (ys (M, C), ctx). experts:
