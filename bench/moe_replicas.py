@@ -130,12 +130,22 @@ def run(a):
                   f"({r['speedup']:.2f}x), generate {r['generate_s']:.2f} s ({r['generate_speedup']:.2f}x), "
                   f"losses within {r['loss_rel_diff']:.1e}", file=sys.stderr, flush=True)
         res.append(got)
-    targets = {}
-    best = [min(r["rank_max_over_mean"] for r in g["rows"] if r["slots"]) for g in res if len(g["rows"]) > 1]
-    if best:
-        targets[f"rows per rank max/mean with replicas, Zipf {a.skew} router, worst over ep of the best slot "
-                f"count (target <= {TARGET})"] = max(best)
+    targets = targets_of(res, a.skew)
     return dict(machine=common.machine(), skew=a.skew, steps=a.steps, runs=res, targets=targets)
+
+
+def targets_of(runs, skew):
+    """The issue's figure: rows per rank max/mean with replicas, the mean over the steps (a steady
+    state's), for the best slot count of each ep, the worst ep; and beside it (no target) the worst
+    single step's."""
+    out = {}
+    best = [min(r["rank_max_over_mean_mean"] for r in g["rows"] if r["slots"]) for g in runs if len(g["rows"]) > 1]
+    if best:
+        out[f"rows per rank max/mean with replicas (mean over steps), router skew {skew}, worst over ep of the "
+            f"best slot count (target <= {TARGET})"] = max(best)
+        out["rows per rank max/mean with replicas, the worst single step (no target)"] = max(
+            min(r["rank_max_over_mean"] for r in g["rows"] if r["slots"]) for g in runs if len(g["rows"]) > 1)
+    return out
 
 
 def plot(res, path):
@@ -145,7 +155,8 @@ def plot(res, path):
     fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.4))
     for g in res["runs"]:
         slots = [r["slots"] for r in g["rows"]]
-        axes[0].plot(slots, [r["rank_max_over_mean"] for r in g["rows"]], "o-", label=f"ep {g['ep']}")
+        axes[0].plot(slots, [r["rank_max_over_mean_mean"] for r in g["rows"]], "o-", label=f"ep {g['ep']}: mean over steps")
+        axes[0].plot(slots, [r["rank_max_over_mean"] for r in g["rows"]], "x:", label=f"ep {g['ep']}: worst step")
         axes[1].plot(slots, [1e3 * r["step_s"] for r in g["rows"]], "o-", label=f"ep {g['ep']}")
     axes[0].axhline(TARGET, color="k", ls="--", lw=0.8)
     axes[0].set_ylabel("rows per rank, max / mean")
@@ -153,7 +164,7 @@ def plot(res, path):
     for ax in axes:
         ax.set_xlabel("replica slots per rank")
         ax.legend(fontsize=8)
-    fig.suptitle(f"Replicated hot experts, Zipf {res['skew']} router", fontsize=10)
+    fig.suptitle(f"Replicated hot experts: router skewed by a selection bias of {res['skew']} per log popularity rank", fontsize=10)
     common.save(fig, path)
 
 

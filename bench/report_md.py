@@ -417,12 +417,14 @@ def sec_moe_replicas(res, status) -> str:
             "without replicas (the loads), then the same steps from the same model with replicas placed from those "
             "loads. Rows per rank: the rows each rank's experts ran, max over mean, the worst step and layer.", "",
             _img("moe_replicas", "moe replicas"), "",
-            "| ep | expert max/mean (no replicas) | replica slots per rank | rows per rank max/mean | step ms | "
+            "| ep | expert max/mean (no replicas) | replica slots per rank | rows per rank max/mean: mean over steps, "
+            "worst step | step ms | "
             "speed-up | generate s | speed-up | losses' largest relative difference |",
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for g in d["runs"]:
         for r in g["rows"]:
-            out.append(f"| {g['ep']} | {max(g['expert_max_over_mean']):.2f} | {r['slots']} | {r['rank_max_over_mean']:.2f} | "
+            out.append(f"| {g['ep']} | {max(g['expert_max_over_mean']):.2f} | {r['slots']} | "
+                       f"{r['rank_max_over_mean_mean']:.2f}, {r['rank_max_over_mean']:.2f} | "
                        f"{1e3 * r['step_s']:.1f} | {r['speedup']:.2f}x | {r['generate_s']:.2f} | "
                        f"{r['generate_speedup']:.2f}x | {r['loss_rel_diff']:.1e} |")
     return "\n".join(out) + "\n"
