@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpirun import run_pytest_mpi
-from pympar.parallel.replicas import max_over_mean, place_replicas, rank_loads, split
+from pympar.parallel.replicas import max_over_mean, place_replicas, rank_loads, split, valid_copies
 
 
 def zipf(E, s=1.2):
@@ -32,6 +32,16 @@ def test_placement_refuses_what_cannot_be_held():
     with pytest.raises(ValueError, match="replica slots per rank"):
         place_replicas(np.ones(8), 4, 7)                                     # 6 other experts at most
     assert place_replicas(np.ones(8), 4, 0) == [[e // 2] for e in range(8)]
+
+
+def test_a_checkpoints_placement_is_checked_before_use():
+    good = place_replicas(zipf(8), 4, 1)
+    assert valid_copies(good, 8, 4, 1) and valid_copies([[e // 2] for e in range(8)], 8, 4, 1)
+    assert not valid_copies(good, 8, 2, 1)                                   # another ep: the homes differ
+    assert not valid_copies(place_replicas(zipf(8), 4, 2), 8, 4, 1)         # more slots than this run has
+    assert not valid_copies([[0, 0]] + good[1:], 8, 4, 1)                   # a rank holding two copies
+    assert not valid_copies([[0, 9]] + good[1:], 8, 4, 1)                   # no such rank
+    assert not valid_copies(good[:7], 8, 4, 1) and not valid_copies("x", 8, 4, 1)
 
 
 def test_split_is_even_and_covers_every_row():

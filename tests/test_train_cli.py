@@ -472,3 +472,12 @@ def test_expert_replicas_train_the_run_without_them_and_even_the_ranks(tmp_path)
     assert worst["replicas"] < worst["none"], worst
     bad = train(4, *args, "--expert-replicas", "2", "--zero", "3", "--out", tmp_path / "bad", check=False)
     assert bad.returncode == 2 and bad.stdout.count("--expert-replicas: ZeRO-3 shards the experts' weights") == 4
+    # a resumed run carries on with the checkpoint's placement, window and step count: the same bits
+    # as the run that went on (placed at steps 2 and 4; saved at step 3, between them)
+    rep = ["--expert-replicas", "2", "--replan-every", "2"]
+    train(4, *args, *rep, "--save-every", "3", "--out", tmp_path / "saved", timeout=180)
+    at3 = next(p for p in (tmp_path / "saved" / "checkpoints").glob("step_*") if p.name.lstrip("step_0") == "3")
+    train(4, *args, *rep, "--resume", at3, "--out", tmp_path / "resumed", timeout=180)
+    whole = [json.loads(x)["loss"] for x in (tmp_path / "saved" / "metrics.jsonl").read_text().splitlines()]
+    again = [json.loads(x)["loss"] for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert len(again) == 3 and again == whole[3:], (whole, again)

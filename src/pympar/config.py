@@ -536,6 +536,9 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
                               f"product or a reduction are formed: use dp, pp and --zero only")
     if run.expert_replicas:
         _check_replicas(model, run, lay)
+    if run.ep_dispatch == "node" and run.device != "cpu":
+        raise ConfigError("--ep-dispatch node runs on the CPU path (host arrays over MPI); with --device cuda "
+                          "use auto or flat")
     if run.pp_costs == "measured" and (lay.pp == 1 or lay.schedule not in ("zb-h1", "zb-v")):
         raise ConfigError(f"--pp-costs measured builds the zb-h1/zb-v table for the measured times, but this run is "
                           f"pp={lay.pp} with schedule {lay.schedule}: use --schedule zb-h1 or zb-v with --pp > 1, or "

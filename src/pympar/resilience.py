@@ -303,6 +303,9 @@ def save_run(runner, run, next_step, guard, comm, layout, background=False, stag
     meta = {"next_step": int(next_step), "seed": run.seed, "layout": vars(layout) if hasattr(layout, "__dict__") else str(layout),
             "loss_scaler": scaler.state_dict() if scaler else None, "guard": guard.state_dict(),
             "data": {"seed": run.seed, "next_step": int(next_step)}}
+    rep = runner.replica_state()
+    if rep is not None:
+        meta["replicas"] = rep
     return save_training(checkpoint_root(run), next_step, model, opt, comm, meta=meta, keep=run.keep or None,
                          background=background, staging=staging)
 
@@ -317,4 +320,5 @@ def restore_run(runner, path, guard, comm) -> int:
     if scaler is not None and meta.get("loss_scaler"):
         scaler.load_state_dict(meta["loss_scaler"])
     guard.load_state_dict(meta.get("guard") or {})
+    runner.load_replica_state(meta.get("replicas"))
     return int(meta.get("next_step", manifest.get("step", 0)))

@@ -10,6 +10,8 @@ shared memory and on the network transport):
   remote node) pairs, never more than the flat exchange's remote assignments;
 - the MoE model with expert parallelism dispatched node-aware trains to the single-process run
   (float64: gradients rel 1e-10, parameters rel 1e-6, as tests/mpi/mpi_ep.py)."""
+import os
+
 import numpy as np
 import pytest
 
@@ -114,3 +116,19 @@ def test_node_dispatch_trains_like_single_process(world, routing):
     np.testing.assert_allclose(got["losses"][0], ref["losses"][0], rtol=1e-12, err_msg=layout)
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-6, err_msg=layout)
     _assert_tensors(got["params"], ref["params"], 1e-6, f"parameter after {steps} AdamW steps", layout, got["shards"])
+
+
+def test_node_dispatch_with_tensor_parallel_experts(world):
+    """tp = 2 (adjacent ranks, so each tp pair shares a node and the ep group of the two dp ranks
+    spans two nodes): the tp ranks plan identical routes and their experts' partial products are
+    summed over tp inside the experts; the single-process run again."""
+    if world.size != 4 or os.environ.get("MPIR_CVAR_NUM_CLIQUES"):
+        pytest.skip("tp = 2 with each tp pair on one of 2 nodes: 4 ranks, nodes of consecutive ranks "
+                    "(MPICH's cliques deal ranks round-robin)")
+    cfg = _cfg("dropless")
+    ref = run_single(cfg, 2 * 2, 2)
+    got = run_ep(world, cfg, 2, 2, 2, tp=2, sp=True, dispatch="node")
+    assert got["model"].ep_route is not None                  # the ep group spans the two nodes
+    layout = "dp=2 tp=2 sp ep=2 node-aware"
+    _assert_tensors(got["grads"], ref["grads"], 1e-10, "gradient (step 0, after sync)", layout, got["shards"])
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-6, err_msg=layout)

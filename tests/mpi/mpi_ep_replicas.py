@@ -75,3 +75,18 @@ def test_replicas_train_like_single_process(world, slots):
     _assert_tensors(got["params"], ref["params"], 1e-6, f"parameter after {steps} AdamW steps", layout, got["shards"])
     for _, m in got["model"].moe_layers():                      # the replicas hold their homes' weights
         assert len(m._rep_modules) == slots
+
+
+def test_a_deferred_w_pass_is_refused(world):
+    """Under a zero-bubble W pass the replicas' weight gradients come after the fold: refused, on
+    every rank alike (after the exchange every rank runs)."""
+    from pympar.nn.parameter import WeightGrads
+
+    cfg = _cfg("dropless", n_expert=2 * world.size)
+    model, *_ , stats = _loads(world, cfg)
+    for _, m in model.moe_layers():
+        m.set_replicas(place_replicas(stats[0]["tokens_per_expert"], world.size, 1))
+    x, y = global_batch(1, world.size, cfg.vocab_size)[world.rank]
+    with pytest.raises(ValueError, match="deferred W pass"):
+        with WeightGrads():
+            model.loss_and_grad(x, y)

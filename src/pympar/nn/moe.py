@@ -101,6 +101,8 @@ class MoE(Module):
         e = experts[0] if experts else None
         if e is None or type(e) is not MLP:
             return None
+        if len(experts) == 1 and kernels.get_num_threads() > 1:
+            return None                                  # one expert: the loop splits its products over the threads
         cdt = e.c_fc._cdt
         if cdt is None and xs.dtype in (np.float32, np.float64) and e.c_fc.weight.data.dtype == xs.dtype:
             return gemm.gemm_address(xs.dtype)
@@ -128,15 +130,17 @@ class MoE(Module):
             if not weights:
                 row += [0] * 8
             if grads:
-                for p in (m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias):
+                ps = (m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias)
+                for p in ps:                             # checked before write_grad marks any gradient written
+                    if p is not None and p.dtype != np.float32:
+                        raise ValueError(f"{p.name}: the grouped bf16 call needs float32 master weights")
+                for p in ps:
                     if p is None:
                         row.append(0)
                         fresh.append(False)
                         continue
                     dst = p.write_grad()
                     g = p.grad if dst is None else dst
-                    if g.dtype != np.float32 or not g.flags.c_contiguous:
-                        raise ValueError(f"{p.name}: the grouped bf16 call needs a contiguous float32 gradient")
                     keep.append(g)
                     row.append(g.ctypes.data)
                     fresh.append(dst is not None)

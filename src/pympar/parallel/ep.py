@@ -44,7 +44,7 @@ from ..backend import to_numpy, xp_of
 from ..comm.algorithms.node_a2a import NodeRoute, Plan
 from .mesh import divisors as divisors_of
 from ..nn.layers import MLP
-from ..nn.parameter import accumulate
+from ..nn.parameter import accumulate, deferring
 from .meter import Meter, Tally
 from .replicas import max_over_mean, split
 
@@ -159,10 +159,16 @@ class ExpertParallelMixin:
                 raise ValueError("set_replicas: every expert's copies must start with its home rank")
             if any(type(m) is not MLP for m in self.experts):
                 raise ValueError("replicated experts need plain MLP experts (no tensor parallelism)")
+            if any(p.shard is not None or p.grad_shape is not None for p in self._params(self.experts[0])):
+                raise ValueError("replicated experts need whole expert weights on their home rank (not ZeRO-3)")
         self._rep_copies = [list(c) for c in copies] if copies is not None else None
         mine = self._slots(self._ep.rank)[nl:]
         proto = self.experts[0]
         self._rep_modules = [proto.empty_like(f"replica.{e}") for e in mine]
+        xp = xp_of(proto.c_fc.weight.data)
+        for m in self._rep_modules:                  # storage only: refresh_replicas writes every value
+            for p in self._params(m):
+                p.data = xp.empty(p.shape, p.dtype)
         self.refresh_replicas()
 
     def _rep_pairs(self, src, dst):
@@ -294,6 +300,8 @@ class ExpertParallelMixin:
             back[order] = dxs
             dxs = back
         if self._rep_copies is not None:
+            if deferring():                          # the replicas' weight gradients would come later
+                raise ValueError("replicated experts cannot run under a deferred W pass (zero-bubble schedules)")
             self._fold_replica_grads()
         return dxs
 

@@ -49,6 +49,20 @@ def place_replicas(loads, ep: int, slots: int):
     return copies
 
 
+def valid_copies(copies, E: int, ep: int, slots: int) -> bool:
+    """Whether ``copies`` is a placement of E experts over ep ranks with at most ``slots`` replicas per
+    rank, as place_replicas makes (a checkpoint's, checked before use)."""
+    if not isinstance(copies, list) or len(copies) != E or E % ep:
+        return False
+    nl, held = E // ep, [0] * ep
+    for e, c in enumerate(copies):
+        if not c or c[0] != e // nl or len(set(c)) != len(c) or any(not 0 <= r < ep for r in c):
+            return False
+        for r in c[1:]:
+            held[r] += 1
+    return max(held) <= slots
+
+
 def rank_loads(loads, copies, ep: int):
     """Tokens each rank processes when every expert's tokens split evenly over its copies."""
     out = np.zeros(ep)  # host

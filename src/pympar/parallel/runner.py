@@ -51,7 +51,7 @@ from ..nn.parameter import compute_copies
 from ..optim import DynamicLossScaler
 from .cp import install_context_parallel, local_batch
 from .build import build_model
-from .replicas import max_over_mean, place_replicas
+from .replicas import max_over_mean, place_replicas, valid_copies
 from .ep import NodeRouteError
 from . import ledger
 from .gradsync import GradSync
@@ -98,7 +98,7 @@ class ParallelRunner:
         self.meter = Meter()          # the tp collectives, the cp ring and the expert all-to-alls report here
         # --expert-replicas: replica slots per ep rank, placed every replan_every steps (parallel/replicas.py)
         self.replicas, self.replan_every = int(opts.expert_replicas), int(opts.replan_every)
-        self._rep_window, self._rep_steps = {}, 0
+        self._rep_window, self._rep_steps, self._rep_copies = {}, 0, {}
         self.model, self.executor = self._build_model(opts)    # ep > 1: this rank's experts only
         self.pp_costs = opts.pp_costs     # "measured": the zb table is built for step 1's times
         self.device = opts.device
@@ -162,7 +162,8 @@ class ParallelRunner:
         try:
             model = build_model(self.model_cfg, self.mesh, self.layout, seed=self.seed, dtype=self.master,
                                 compute_dtype=self.compute, sequence_parallel=self.sp, meter=self.meter,
-                                ep_dispatch="flat" if self.replicas and opts.ep_dispatch == "auto" else opts.ep_dispatch)
+                                ep_dispatch="flat" if (self.replicas or opts.device != "cpu") and opts.ep_dispatch == "auto"
+                                else opts.ep_dispatch)
         except NodeRouteError as e:           # agreed inside its ep group; the job agrees below
             err = e
         if opts.ep_dispatch == "node" and self.layout.ep > 1:
@@ -417,20 +418,56 @@ class ParallelRunner:
 
     def _replicas_after_step(self, model, moe):
         """--expert-replicas: every --replan-every steps each MoE layer's replicas are placed anew
-        from the window's global loads (the same numbers on every rank: the world allreduce's), and
-        after every optimizer step the replicas take their homes' new weights. Collective over ep."""
+        from the window's global loads (the same numbers on every rank: the world allreduce's; every
+        rank places every layer's, so rank 0's state is the job's), and after every optimizer step
+        the replicas take their homes' new weights. Collective over ep."""
         if not self.replicas:
             return
-        for i, _ in model.moe_layers():
-            load = np.asarray(moe[self.moe_ids.index(i)]["tokens_per_expert"], np.float64)  # host
+        for k, i in enumerate(self.moe_ids):
+            load = np.asarray(moe[k]["tokens_per_expert"], np.float64)  # host
             self._rep_window[i] = self._rep_window.get(i, 0) + load
         self._rep_steps += 1
-        replan = self._rep_steps % self.replan_every == 0
-        for i, m in model.moe_layers():
-            if replan:
-                m.set_replicas(place_replicas(self._rep_window.pop(i), self.ep, self.replicas))
-            else:
+        if self._rep_steps % self.replan_every == 0:
+            self._rep_copies = {i: place_replicas(self._rep_window.pop(i), self.ep, self.replicas)
+                                for i in self.moe_ids}
+            for i, m in model.moe_layers():
+                m.set_replicas(self._rep_copies[i])
+        else:
+            for _, m in model.moe_layers():
                 m.refresh_replicas()
+
+    def replica_state(self):
+        """What a checkpoint keeps of the replicas (JSON; the same on every rank): the steps counted,
+        the loads of the open window, the placement in use."""
+        if not self.replicas:
+            return None
+        window = {str(i): np.asarray(w).tolist() for i, w in self._rep_window.items()}  # host: the step allreduce's
+        return dict(steps=self._rep_steps, window=window, copies={str(i): c for i, c in self._rep_copies.items()})
+
+    def load_replica_state(self, state):
+        """Collective over ep: the replicas as a checkpoint left them, so a resumed run places and
+        refreshes them as the uninterrupted run does. A state that does not fit this run (another
+        ep or slot count: an elastic restart, a file from elsewhere) is dropped: the run starts
+        without replicas and places them after --replan-every steps (every rank decides alike: the
+        same file)."""
+        if not self.replicas or not state:
+            return
+        E = self.model_cfg.n_expert
+        try:
+            steps = state["steps"]
+            window = {int(k): np.asarray(v, np.float64) for k, v in state["window"].items()}  # host
+            copies = {int(k): [[int(r) for r in c] for c in v] for k, v in state["copies"].items()}
+            ok = (isinstance(steps, int) and steps >= 0 and set(copies) <= set(self.moe_ids)
+                  and set(window) <= set(self.moe_ids) and all(w.shape == (E,) for w in window.values())
+                  and all(valid_copies(c, E, self.ep, self.replicas) for c in copies.values()))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            ok = False
+        if not ok:
+            return
+        self._rep_steps, self._rep_window, self._rep_copies = steps, window, copies
+        for i, m in self.model.moe_layers():
+            if i in copies:
+                m.set_replicas(copies[i])
 
     def _moe_from(self, v):
         E, out = self.model_cfg.n_expert, []
