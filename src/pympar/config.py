@@ -335,7 +335,7 @@ _HELP = {
                        "expert, so the run stays the same run (flat dispatch, tp 1, ZeRO 0-2, no zero-bubble "
                        "schedule; docs/parallel.md)",
     "replan_every": "with --expert-replicas: steps between placements (the first after this many steps)",
-    "ep_dispatch": "expert parallelism's token exchange: 'flat' (one alltoallv row per token and expert rank), "
+    "ep_dispatch": "expert parallelism's token exchange: 'flat' (one alltoallv row per token and chosen expert), "
                    "'node' (each token crosses to a node once and fans out inside it; needs an ep group over "
                    "several nodes with equally many ranks each), 'auto' = node where that holds and top_k > 1, "
                    "else flat (docs/parallel.md)",
