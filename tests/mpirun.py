@@ -146,9 +146,11 @@ _SUMMARY = re.compile(r"((?:\d+ (?:passed|failed|skipped|xfailed|xpassed|errors?
 
 # A wrapper that runs a command as its child (with the wrapper's descriptors: an MPI rank's PMI
 # connection is one) and prints the child's peak resident memory, VmHWM from getrusage of the
-# finished child: the kernel's count, not the test runner's or an earlier child's.
-PEAK_WRAPPER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], close_fds=False); "
-                "print('\\nPEAK_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, flush=True); "
+# finished child: the kernel's count, not the test runner's or an earlier child's. One write(2) of
+# the whole line (shorter than PIPE_BUF: atomic on the shared pipe), so that two ranks' lines cannot
+# interleave (print's pieces, unbuffered under PYTHONUNBUFFERED, did: "PEAK_KIB PEAK_KIB 224432\n 224068").
+PEAK_WRAPPER = ("import os, resource, subprocess, sys; r = subprocess.run(sys.argv[1:], close_fds=False); "
+                "os.write(1, ('\\nPEAK_KIB %d\\n' % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss).encode()); "
                 "sys.exit(r.returncode)")
 
 

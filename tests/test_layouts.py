@@ -21,14 +21,16 @@ from layout_cases import WORLDS, all_layouts, ci_layouts  # noqa: E402
 pytestmark = pytest.mark.mpi
 
 
-def _run(n, mode, timeout, device="cpu"):
+def _run(n, mode, timeout, device="cpu", env=None):
     res = run_pytest_mpi(n, "mpi_layouts.py", timeout=timeout, extra_args=("-s",),
-                         env={"PYMPAR_LAYOUTS": mode, "PYMPAR_LAYOUTS_DEVICE": device})
+                         env={"PYMPAR_LAYOUTS": mode, "PYMPAR_LAYOUTS_DEVICE": device, **(env or {})})
     m = re.search(r"LAYOUTS world=(\d+) mode=(\w+) device=(\w+) ran=(\d+) failed=(\d+) seconds=([\d.]+)(.*)",
                   res.stdout)
     assert m, f"no LAYOUTS summary line in the output:\n{res.stdout[-3000:]}"
     print(m.group(0))
     assert m.group(3) == device
+    routes = re.search(r"node_routes=(\d+)", m.group(7))
+    _run.node_routes = int(routes.group(1)) if routes else 0
     return int(m.group(4)), int(m.group(5))
 
 
@@ -36,6 +38,18 @@ def _run(n, mode, timeout, device="cpu"):
 def test_ci_slice_of_layouts_matches_single_process(n):
     ran, failed = _run(n, "ci", timeout=300 if n == 8 else 120)
     assert (ran, failed) == (len(ci_layouts(n)), 0)
+
+
+def test_ci_slice_of_expert_layouts_over_simulated_nodes_dispatches_node_aware():
+    """The slice's expert-parallel layouts at 4 ranks on 2 simulated nodes of 2: where an ep group
+    spans both nodes the trainer's --ep-dispatch auto takes the node-aware route (composed with
+    tp, pp, cp, ZeRO and recomputation as the slice has them), and every layout still matches the
+    single process."""
+    n = 4
+    want = [lay for lay in ci_layouts(n) if lay.ep > 1]
+    ran, failed = _run(n, "ci", timeout=180, env={"PYMPAR_RANKS_PER_NODE": 2, "PYMPAR_LAYOUTS_WHERE": "ep=2|4"})
+    assert (ran, failed) == (len(want), 0)
+    assert _run.node_routes > 0, "no layout of the slice dispatched node-aware"
 
 
 @pytest.mark.gpu
@@ -174,6 +188,18 @@ def test_cli_tensor_parallel_mixed_precision_matches_one_process(tmp_path, dtype
             if a[k] is not None:
                 assert b[k] == pytest.approx(a[k], rel=rel), (k, a["step"], a[k], b[k])
     assert two[-1]["time_split"]["tp_comm"] > 0
+
+
+def test_ci_slice_of_expert_layouts_over_simulated_nodes_dispatches_node_aware():
+    """The slice's expert-parallel layouts at 4 ranks on 2 simulated nodes of 2: where an ep group
+    spans both nodes the trainer's --ep-dispatch auto takes the node-aware route (composed with
+    tp, pp, cp, ZeRO and recomputation as the slice has them), and every layout still matches the
+    single process."""
+    n = 4
+    want = [lay for lay in ci_layouts(n) if lay.ep > 1]
+    ran, failed = _run(n, "ci", timeout=180, env={"PYMPAR_RANKS_PER_NODE": 2, "PYMPAR_LAYOUTS_WHERE": "ep=2|4"})
+    assert (ran, failed) == (len(want), 0)
+    assert _run.node_routes > 0, "no layout of the slice dispatched node-aware"
 
 
 @pytest.mark.gpu

@@ -136,6 +136,7 @@ def opts_of(lay):
 
 
 WORST = {}                     # dtype -> the largest relative difference seen (reported)
+NODE_ROUTES = []               # layouts whose experts dispatched node-aware (PYMPAR_RANKS_PER_NODE set)
 
 
 def rel(a, b, dtype=None, floor=1e-30):
@@ -296,6 +297,10 @@ def test_every_layout_matches_single_process(world, mpi_world):
             with head_rows(5 if chunked else None):
                 runner, got = run_layout(world, lay)
             msg, costs = first_difference(runner, lay, got), got["costs"]
+            route = getattr(runner.model, "ep_route", None)
+            if route is not None:                              # (--ep-dispatch auto across simulated nodes)
+                NODE_ROUTES.append(str(lay))
+                route.free()
             free_mesh(runner.mesh)
         except Exception as e:                 # noqa: BLE001 -- reported with the layout, below
             msg = f"raised {type(e).__name__}: {e}"
@@ -309,6 +314,6 @@ def test_every_layout_matches_single_process(world, mpi_world):
     secs = time.perf_counter() - t0
     if world.rank == 0:
         print(f"\nLAYOUTS world={world.size} mode={MODE} device={DEVICE} ran={len(layouts)} "
-              f"failed={len(failures)} seconds={secs:.1f} worst_rel={WORST}", flush=True)
+              f"failed={len(failures)} seconds={secs:.1f} worst_rel={WORST} node_routes={len(NODE_ROUTES)}", flush=True)
     assert not failures, f"{len(failures)} of {len(layouts)} layouts differ from the single process:\n" + \
         "\n".join(failures[:20])
