@@ -190,18 +190,6 @@ def test_cli_tensor_parallel_mixed_precision_matches_one_process(tmp_path, dtype
     assert two[-1]["time_split"]["tp_comm"] > 0
 
 
-def test_ci_slice_of_expert_layouts_over_simulated_nodes_dispatches_node_aware():
-    """The slice's expert-parallel layouts at 4 ranks on 2 simulated nodes of 2: where an ep group
-    spans both nodes the trainer's --ep-dispatch auto takes the node-aware route (composed with
-    tp, pp, cp, ZeRO and recomputation as the slice has them), and every layout still matches the
-    single process."""
-    n = 4
-    want = [lay for lay in ci_layouts(n) if lay.ep > 1]
-    ran, failed = _run(n, "ci", timeout=180, env={"PYMPAR_RANKS_PER_NODE": 2, "PYMPAR_LAYOUTS_WHERE": "ep=2|4"})
-    assert (ran, failed) == (len(want), 0)
-    assert _run.node_routes > 0, "no layout of the slice dispatched node-aware"
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a visible GPU")
 @pytest.mark.parametrize("args, n_micro", [

@@ -141,6 +141,11 @@ class MLP(Module):
         self.c_proj = Linear(4 * n_embd, n_embd, name=f"{name}.c_proj", seed=seed, dtype=dtype,
                              bias=bias, std=0.02 / (2 * n_layer) ** 0.5, compute_dtype=compute_dtype)
 
+    def weights_and_biases(self):
+        """(c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias), a bias None where there is none: the
+        order the grouped expert call (nn/moe.py, csrc/grouped.cpp) and the replicas exchange them."""
+        return self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias
+
     def empty_like(self, name):
         """An MLP of this one's shapes, dtypes, bias and compute dtype whose values the caller writes
         (a replicated expert: parallel/ep.py); made on first use like any parameter's."""

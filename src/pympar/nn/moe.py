@@ -130,7 +130,7 @@ class MoE(Module):
             if not weights:
                 row += [0] * 8
             if grads:
-                ps = (m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias)
+                ps = m.weights_and_biases()
                 for p in ps:                             # checked before write_grad marks any gradient written
                     if p is not None and p.dtype != np.float32:
                         raise ValueError(f"{p.name}: the grouped bf16 call needs float32 master weights")
@@ -151,12 +151,7 @@ class MoE(Module):
 
     @staticmethod
     def _params_of(experts):
-        out = []
-        for m in experts:
-            fc, pr = m.c_fc, m.c_proj
-            out += [fc.weight.data, None if fc.bias is None else fc.bias.data,
-                    pr.weight.data, None if pr.bias is None else pr.bias.data]
-        return out
+        return [None if p is None else p.data for m in experts for p in m.weights_and_biases()]
 
     def _run_grouped(self, fn, xs, n, experts):
         used = [j for j, c in enumerate(n) if c]
@@ -195,7 +190,7 @@ class MoE(Module):
         whether each is written fresh (the step's first contribution) or added to."""
         grads, fresh = [], []
         for m in ex:
-            for p in (m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias):
+            for p in m.weights_and_biases():
                 if p is None:
                     grads.append(None)
                     fresh.append(False)

@@ -141,14 +141,14 @@ class ExpertParallelMixin:
     # --- replicated hot experts (parallel/replicas.py) ------------------------------------------
     _rep_copies = None                           # E lists of ranks holding each expert (home first)
     _rep_modules = ()                            # this rank's replica MLPs, in slot order (not parameters)
+    _rep_slots = None                            # per rank the global experts it runs: home, then replicas
+    _rep_slot_of = None                          # (expert, rank) -> that copy's slot on the rank
 
     def _slots(self, r):
         """The global experts rank r runs, in slot order: its home experts, then its replicas."""
-        nl = self._n_local
-        home = list(range(r * nl, (r + 1) * nl))
-        if self._rep_copies is None:
-            return home
-        return home + [e for e, cps in enumerate(self._rep_copies) if r in cps[1:]]
+        if self._rep_slots is None:
+            return list(range(r * self._n_local, (r + 1) * self._n_local))
+        return self._rep_slots[r]
 
     def set_replicas(self, copies):
         """Run with these copies (parallel.replicas.place_replicas; None: home experts only), the same
@@ -162,6 +162,11 @@ class ExpertParallelMixin:
             if any(p.shard is not None or p.grad_shape is not None for p in self._params(self.experts[0])):
                 raise ValueError("replicated experts need whole expert weights on their home rank (not ZeRO-3)")
         self._rep_copies = [list(c) for c in copies] if copies is not None else None
+        self._rep_slots = self._rep_slot_of = None
+        if copies is not None:                       # derived once: every forward routes by them
+            self._rep_slots = [list(range(r * nl, (r + 1) * nl)) + [e for e, c in enumerate(copies) if r in c[1:]]
+                               for r in range(self._ep.size)]
+            self._rep_slot_of = {(e, r): j for r, es in enumerate(self._rep_slots) for j, e in enumerate(es)}
         mine = self._slots(self._ep.rank)[nl:]
         proto = self.experts[0]
         self._rep_modules = [proto.empty_like(f"replica.{e}") for e in mine]
@@ -178,7 +183,7 @@ class ExpertParallelMixin:
 
     @staticmethod
     def _params(m):
-        return [p for p in (m.c_fc.weight, m.c_fc.bias, m.c_proj.weight, m.c_proj.bias) if p is not None]
+        return [p for p in m.weights_and_biases() if p is not None]
 
     def _exchange(self, blocks_for, size_of):
         """One alltoallv over the ep group of float vectors: blocks_for(dst) -> arrays to send there;
@@ -239,11 +244,8 @@ class ExpertParallelMixin:
         c = np.asarray(to_numpy(counts), np.int64)  # host
         if self._rep_copies is None:
             return np.ascontiguousarray(c.reshape(ep, nl)), None  # host
-        slot_of = {}
-        for r in range(ep):
-            for j, e in enumerate(self._slots(r)):
-                slot_of[e, r] = j
-        n_slots = max(len(self._slots(r)) for r in range(ep))
+        slot_of = self._rep_slot_of
+        n_slots = max(len(es) for es in self._rep_slots)
         starts = np.concatenate([[0], np.cumsum(c)])  # host
         segs = []
         for e, cps in enumerate(self._rep_copies):
@@ -284,7 +286,8 @@ class ExpertParallelMixin:
             ys = back
         if self.recording:
             a = self._ep_acc
-            np.add.at(a["processed"], self._slots(self._ep.rank), local_counts[:len(self._slots(self._ep.rank))])  # host
+            mine = self._slots(self._ep.rank)
+            np.add.at(a["processed"], mine, local_counts[:len(mine)])  # host
             a["rank_rows"] += int(local_counts.sum())
         return ys, (send, recv, perm, inner, order)
 
