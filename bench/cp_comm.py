@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, env, machine, mpiexec  # noqa: E402
+from common import ROOT, machine, run_worker  # noqa: E402
 
 H, HS = 8, 64
 
@@ -108,10 +107,7 @@ def main(argv=None):
     cases = [(2, 512)] if a.quick else [(cp, T) for cp in (2, 4) for T in (2048, 4096, 8192)]
     rows = []
     for cp, T in cases:
-        p = subprocess.run([mpiexec(), "-n", str(cp), sys.executable, __file__, "--worker", str(T),
-                            "1" if a.quick else "3"], capture_output=True, text=True, env=env(), cwd=ROOT,
-                           timeout=1800, check=True)
-        got = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("ROWS "))[5:])
+        got = run_worker(cp, __file__, [T, 1 if a.quick else 3], timeout=1800)
         rows += got
         for r in got:
             print(f"cp={cp} T={T:>5} {r['comm']:>4}: {r['bytes_per_rank'] / 2**20:8.2f} MiB per rank "

@@ -81,7 +81,6 @@ std::vector<int64_t> balanced(const std::vector<int64_t>& rows, int parts) {
   return b;
 }
 
-template <typename T>
 void over_groups(const std::vector<int64_t>& rows, const std::function<void(int64_t)>& group) {
   const int parts = static_cast<int>(std::min<int64_t>(get_num_threads(), static_cast<int64_t>(rows.size())));
   if (parts <= 1) {
@@ -152,68 +151,83 @@ std::vector<Expert<T>> experts_of(const py::list& params, const py::list* grads,
   return ex;
 }
 
-// h (m, H) = x W_fc^T (+ b_fc), g (m, H) = GELU(h): MLP._hidden's products and pass
-template <typename T>
-void hidden(Gemm<T> gemm, const Expert<T>& e, const T* x, T* h, T* g, int64_t m, int64_t C, int64_t H) {
-  gemm(ROW_MAJOR, NO_TRANS, TRANS, int(m), int(H), int(C), T(1), x, int(C), e.wfc, int(C), T(0), h, int(H));
-  if (e.bfc) Ops<T>::bias_gelu(h, e.bfc, g, m, H);
-  else Ops<T>::gelu(h, g, m * H);
-}
-
 // grad (n,) of a bias += column sums of d (m, n): written when first, else summed apart and added
-template <typename T>
-void bias_grad(T* grad, const T* d, int64_t m, int64_t n, bool first) {
+template <typename G, typename In, typename F>
+void bias_grad(G* grad, const In* d, int64_t m, int64_t n, bool first, F column_sum) {
   if (first) {
-    Ops<T>::column_sum(d, grad, m, n);
+    column_sum(d, grad, m, n);
     return;
   }
-  std::vector<T> s(static_cast<size_t>(n));
-  Ops<T>::column_sum(d, s.data(), m, n);
+  std::vector<G> s(static_cast<size_t>(n));
+  column_sum(d, s.data(), m, n);
   for (int64_t j = 0; j < n; ++j) grad[j] += s[j];
 }
 
+// One expert on cblas_?gemm (float32/float64). Every engine offers the same steps of MLP's forward and
+// backward on a block of m rows; the drivers below run them over the groups and blocks.
 template <typename T>
-void forward(Gemm<T> gemm, const T* xs, const Groups& G, const std::vector<Expert<T>>& ex, int64_t C, int64_t H,
-             T* h_all, T* ys, int64_t block) {
-  over_groups<T>(G.rows, [&](int64_t g) {
-    const Expert<T>& e = ex[g];
+struct BlasExpert {
+  using Elem = T;
+  Gemm<T> gemm;
+  const Expert<T>& e;
+  int64_t C, H;
+
+  // h (m, H) = x W_fc^T (+ b_fc), g = GELU(h): MLP._hidden's product and pass
+  void hidden(const T* x, T* h, T* g, int64_t m) const {
+    gemm(ROW_MAJOR, NO_TRANS, TRANS, int(m), int(H), int(C), T(1), x, int(C), e.wfc, int(C), T(0), h, int(H));
+    if (e.bfc) Ops<T>::bias_gelu(h, e.bfc, g, m, H);
+    else Ops<T>::gelu(h, g, m * H);
+  }
+  void out(const T* g, T* y, int64_t m) const {          // y (m, C) = g W_p^T (+ b_p)
+    gemm(ROW_MAJOR, NO_TRANS, TRANS, int(m), int(C), int(H), T(1), g, int(H), e.wproj, int(H), T(0), y, int(C));
+    if (e.bproj) Ops<T>::bias_add(y, e.bproj, m, C);
+  }
+  void gelu(const T* h, T* g, int64_t n) const { Ops<T>::gelu(h, g, n); }
+  void gelu_bwd(const T* h, T* dg, int64_t n) const { Ops<T>::gelu_bwd(h, dg, dg, n); }
+  void dg(const T* dy, T* out, int64_t m) const {        // dg (m, H) = dy W_p
+    gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, int(m), int(H), int(C), T(1), dy, int(C), e.wproj, int(H), T(0), out, int(H));
+  }
+  void dx(const T* dh, T* out, int64_t m) const {        // dx (m, C) = dh W_fc
+    gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, int(m), int(C), int(H), T(1), dh, int(H), e.wfc, int(C), T(0), out, int(C));
+  }
+  // the weight gradients of one block (first: the group's first block -- a fresh gradient is
+  // written there, added to after): c_proj's from dy and g, c_fc's from dh and x
+  void proj_grads(const T* dy, const T* g, int64_t m, bool first) const {
+    gemm(ROW_MAJOR, TRANS, NO_TRANS, int(C), int(H), int(m), T(1), dy, int(C), g, int(H),
+         T(first && e.fresh[2] ? 0 : 1), e.gwproj, int(H));
+    if (e.gbproj) bias_grad(e.gbproj, dy, m, C, first && e.fresh[3], Ops<T>::column_sum);
+  }
+  void fc_grads(const T* dh, const T* x, int64_t m, bool first) const {
+    gemm(ROW_MAJOR, TRANS, NO_TRANS, int(H), int(C), int(m), T(1), dh, int(H), x, int(C),
+         T(first && e.fresh[0] ? 0 : 1), e.gwfc, int(C));
+    if (e.gbfc) bias_grad(e.gbfc, dh, m, H, first && e.fresh[1], Ops<T>::column_sum);
+  }
+};
+
+// The drivers: every group (expert_of(g) -> its engine) in blocks of `block` rows.
+template <typename T, typename Make>
+void forward(const Groups& G, Make expert_of, const T* xs, T* h_all, T* ys, int64_t C, int64_t H, int64_t block) {
+  over_groups(G.rows, [&](int64_t g) {
+    const auto ex = expert_of(g);
     for (int64_t r0 = 0; r0 < G.rows[g]; r0 += block) {
       const int64_t m = std::min(block, G.rows[g] - r0), at = G.lo[g] + r0;
       T* h = h_all ? h_all + at * H : scratch<T>(1, m * H);
       T* gb = scratch<T>(0, m * H);
-      hidden(gemm, e, xs + at * C, h, gb, m, C, H);
-      T* y = ys + at * C;
-      gemm(ROW_MAJOR, NO_TRANS, TRANS, int(m), int(C), int(H), T(1), gb, int(H), e.wproj, int(H), T(0), y, int(C));
-      if (e.bproj) Ops<T>::bias_add(y, e.bproj, m, C);
+      ex.hidden(xs + at * C, h, gb, m);
+      ex.out(gb, ys + at * C, m);
     }
   });
 }
 
-// the weight gradients of one block: c_proj's from dy and g, c_fc's from dh and x (first: the
-// group's first block -- a fresh gradient is written there, added to after)
-template <typename T>
-void proj_grads(Gemm<T> gemm, const Expert<T>& e, const T* dy, const T* g, int64_t m, int64_t C, int64_t H, bool first) {
-  gemm(ROW_MAJOR, TRANS, NO_TRANS, int(C), int(H), int(m), T(1), dy, int(C), g, int(H),
-       T(first && e.fresh[2] ? 0 : 1), e.gwproj, int(H));
-  if (e.gbproj) bias_grad(e.gbproj, dy, m, C, first && e.fresh[3]);
-}
-
-template <typename T>
-void fc_grads(Gemm<T> gemm, const Expert<T>& e, const T* dh, const T* x, int64_t m, int64_t C, int64_t H, bool first) {
-  gemm(ROW_MAJOR, TRANS, NO_TRANS, int(H), int(C), int(m), T(1), dh, int(H), x, int(C),
-       T(first && e.fresh[0] ? 0 : 1), e.gwfc, int(C));
-  if (e.gbfc) bias_grad(e.gbfc, dh, m, H, first && e.fresh[1]);
-}
-
-// Backward of every group. g_keep == nullptr: the weight gradients too (MLP.backward's order: c_proj's
-// before dg is written over g). Else the input gradient only (a zero-bubble B pass): each block's g
-// and dh are kept in g_keep and dh_keep (M, H) for weight_grads (the W pass).
-template <typename T>
-void backward(Gemm<T> gemm, const T* xs, const T* dys, const Groups& G, const std::vector<Expert<T>>& ex, int64_t C,
-              int64_t H, const T* h_all, T* dxs, int64_t block, T* g_keep, T* dh_keep) {
+// Backward. g_keep == nullptr: the weight gradients too (MLP.backward's order: c_proj's before dg
+// is written over g). Else the input gradient only (a zero-bubble B pass): each block's g and dh
+// are kept in g_keep and dh_keep (M, H) for weight_grads (the W pass).
+template <typename T, typename Make>
+void backward(const Groups& G, Make expert_of, const T* xs, const T* dys, const T* h_all, T* dxs, int64_t C, int64_t H,
+              int64_t block, T* g_keep, T* dh_keep) {
   const bool weights = g_keep == nullptr;
-  over_groups<T>(G.rows, [&](int64_t g) {
-    const Expert<T>& e = ex[g];
+  over_groups(G.rows, [&](int64_t g) {
+    const auto ex = expert_of(g);
     for (int64_t r0 = 0; r0 < G.rows[g]; r0 += block) {
       const int64_t m = std::min(block, G.rows[g] - r0), at = G.lo[g] + r0;
       const T* x = xs + at * C;
@@ -222,32 +236,32 @@ void backward(Gemm<T> gemm, const T* xs, const T* dys, const Groups& G, const st
       const T* h;
       if (h_all) {
         h = h_all + at * H;
-        Ops<T>::gelu(h, gb, m * H);
+        ex.gelu(h, gb, m * H);
       } else {                                      // recomputed, as MLP._backward_rows does
         T* hb = scratch<T>(1, m * H);
-        hidden(gemm, e, x, hb, gb, m, C, H);
+        ex.hidden(x, hb, gb, m);
         h = hb;
       }
-      if (weights) proj_grads(gemm, e, dy, gb, m, C, H, r0 == 0);
-      T* dg = weights ? gb : dh_keep + at * H;      // dg = dy W (over g when nothing keeps it)
-      gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, int(m), int(H), int(C), T(1), dy, int(C), e.wproj, int(H), T(0), dg, int(H));
-      Ops<T>::gelu_bwd(h, dg, dg, m * H);          // dh, over dg
-      if (weights) fc_grads(gemm, e, dg, x, m, C, H, r0 == 0);
-      gemm(ROW_MAJOR, NO_TRANS, NO_TRANS, int(m), int(C), int(H), T(1), dg, int(H), e.wfc, int(C), T(0),
-           dxs + at * C, int(C));
+      if (weights) ex.proj_grads(dy, gb, m, r0 == 0);
+      T* dg = weights ? gb : dh_keep + at * H;      // (over g when nothing keeps it)
+      ex.dg(dy, dg, m);
+      ex.gelu_bwd(h, dg, m * H);                    // dh, over dg
+      if (weights) ex.fc_grads(dg, x, m, r0 == 0);
+      ex.dx(dg, dxs + at * C, m);
     }
   });
 }
 
 // The W pass of a backward that kept g and dh: the same products on the same operands
-template <typename T>
-void weight_grads(Gemm<T> gemm, const T* xs, const T* dys, const Groups& G, const std::vector<Expert<T>>& ex,
-                  int64_t C, int64_t H, const T* g_keep, const T* dh_keep, int64_t block) {
-  over_groups<T>(G.rows, [&](int64_t g) {
+template <typename T, typename Make>
+void weight_grads(const Groups& G, Make expert_of, const T* xs, const T* dys, const T* g_keep, const T* dh_keep,
+                  int64_t C, int64_t H, int64_t block) {
+  over_groups(G.rows, [&](int64_t g) {
+    const auto ex = expert_of(g);
     for (int64_t r0 = 0; r0 < G.rows[g]; r0 += block) {
       const int64_t m = std::min(block, G.rows[g] - r0), at = G.lo[g] + r0;
-      proj_grads(gemm, ex[g], dys + at * C, g_keep + at * H, m, C, H, r0 == 0);
-      fc_grads(gemm, ex[g], dh_keep + at * H, xs + at * C, m, C, H, r0 == 0);
+      ex.proj_grads(dys + at * C, g_keep + at * H, m, r0 == 0);
+      ex.fc_grads(dh_keep + at * H, xs + at * C, m, r0 == 0);
     }
   });
 }
@@ -329,91 +343,34 @@ amx::Out f32_out(float* c, int64_t ldc, bool accumulate) {
   return o;
 }
 
-// h (m, H) = round(x Wfc^T + b), g = round(GELU(h)) (with a bias: one epilogue; without: the GELU pass after)
-void hidden_bf16(const int64_t* e, const u16* x, u16* h, u16* g, int64_t m, int64_t C, int64_t H) {
-  const float* b = reinterpret_cast<const float*>(e[3]);
-  amx_product(x, C, 1, e, 0, 1, 1, C, m, H, C, bf16_out(h, H, b, b ? g : nullptr));
-  if (!b) K->gelu_fwd_bf16(h, g, m * H);
-}
+// One expert on AMX tiles: e its 12 addresses (SLOTS), fr its 4 fresh flags (backward)
+struct AmxExpert {
+  using Elem = u16;
+  const int64_t* e;
+  const bool* fr;
+  int64_t C, H;
 
-void bias_grad_bf16(float* grad, const u16* d, int64_t m, int64_t n, bool first) {
-  if (first) {
-    K->column_sum_bf16(d, grad, m, n);
-    return;
+  const float* f(int slot) const { return reinterpret_cast<const float*>(e[slot]); }
+  float* grad(int slot) const { return reinterpret_cast<float*>(e[slot]); }
+  // h = round(x Wfc^T + b), g = round(GELU(h)) (with a bias: one epilogue; without: the GELU pass after)
+  void hidden(const u16* x, u16* h, u16* g, int64_t m) const {
+    amx_product(x, C, 1, e, 0, 1, 1, C, m, H, C, bf16_out(h, H, f(3), f(3) ? g : nullptr));
+    if (!f(3)) K->gelu_fwd_bf16(h, g, m * H);
   }
-  std::vector<float> s(static_cast<size_t>(n));
-  K->column_sum_bf16(d, s.data(), m, n);
-  for (int64_t j = 0; j < n; ++j) grad[j] += s[j];
-}
-
-void forward_bf16(const u16* xs, const Groups& G, const int64_t* ad, int64_t C, int64_t H, u16* h_all, u16* ys,
-                  int64_t block) {
-  over_groups<u16>(G.rows, [&](int64_t g) {
-    const int64_t* e = ad + g * SLOTS;
-    for (int64_t r0 = 0; r0 < G.rows[g]; r0 += block) {
-      const int64_t m = std::min(block, G.rows[g] - r0), at = G.lo[g] + r0;
-      u16* h = h_all ? h_all + at * H : scratch<u16>(1, m * H);
-      u16* gb = scratch<u16>(0, m * H);
-      hidden_bf16(e, xs + at * C, h, gb, m, C, H);
-      amx_product(gb, H, 1, e, 4, 5, 1, H, m, C, H, bf16_out(ys + at * C, C, reinterpret_cast<const float*>(e[7]), nullptr));
-    }
-  });
-}
-
-void proj_grads_bf16(const int64_t* e, const bool* fr, const u16* dy, const u16* g, int64_t m, int64_t C, int64_t H,
-                     bool first) {
-  amx::gemm(dy, 1, C, g, H, 1, false, C, H, m, f32_out(reinterpret_cast<float*>(e[10]), H, !(first && fr[2])));
-  if (e[11]) bias_grad_bf16(reinterpret_cast<float*>(e[11]), dy, m, C, first && fr[3]);
-}
-
-void fc_grads_bf16(const int64_t* e, const bool* fr, const u16* dh, const u16* x, int64_t m, int64_t C, int64_t H,
-                   bool first) {
-  amx::gemm(dh, 1, H, x, C, 1, false, H, C, m, f32_out(reinterpret_cast<float*>(e[8]), C, !(first && fr[0])));
-  if (e[9]) bias_grad_bf16(reinterpret_cast<float*>(e[9]), dh, m, H, first && fr[1]);
-}
-
-// as backward<T>: g_keep == nullptr: the weight gradients too; else the input gradient only, g and dh kept
-void backward_bf16(const u16* xs, const u16* dys, const Groups& G, const int64_t* ad, const bool* fresh, int64_t C,
-                   int64_t H, const u16* h_all, u16* dxs, int64_t block, u16* g_keep, u16* dh_keep) {
-  const bool weights = g_keep == nullptr;
-  over_groups<u16>(G.rows, [&](int64_t g) {
-    const int64_t* e = ad + g * SLOTS;
-    const bool* fr = fresh ? fresh + 4 * g : nullptr;
-    for (int64_t r0 = 0; r0 < G.rows[g]; r0 += block) {
-      const int64_t m = std::min(block, G.rows[g] - r0), at = G.lo[g] + r0;
-      const u16* x = xs + at * C;
-      const u16* dy = dys + at * C;
-      u16* gb = weights ? scratch<u16>(0, m * H) : g_keep + at * H;
-      const u16* h;
-      if (h_all) {
-        h = h_all + at * H;
-        K->gelu_fwd_bf16(h, gb, m * H);
-      } else {
-        u16* hb = scratch<u16>(1, m * H);
-        hidden_bf16(e, x, hb, gb, m, C, H);
-        h = hb;
-      }
-      if (weights) proj_grads_bf16(e, fr, dy, gb, m, C, H, r0 == 0);
-      u16* dg = weights ? gb : dh_keep + at * H;
-      amx_product(dy, C, 1, e, 4, 6, H, 1, m, H, C, bf16_out(dg, H, nullptr, nullptr));
-      K->gelu_bwd_bf16(h, dg, dg, m * H);
-      if (weights) fc_grads_bf16(e, fr, dg, x, m, C, H, r0 == 0);
-      amx_product(dg, H, 1, e, 0, 2, C, 1, m, C, H, bf16_out(dxs + at * C, C, nullptr, nullptr));
-    }
-  });
-}
-
-void weight_grads_bf16(const u16* xs, const u16* dys, const Groups& G, const int64_t* ad, const bool* fresh,
-                       int64_t C, int64_t H, const u16* g_keep, const u16* dh_keep, int64_t block) {
-  over_groups<u16>(G.rows, [&](int64_t g) {
-    const int64_t* e = ad + g * SLOTS;
-    for (int64_t r0 = 0; r0 < G.rows[g]; r0 += block) {
-      const int64_t m = std::min(block, G.rows[g] - r0), at = G.lo[g] + r0;
-      proj_grads_bf16(e, fresh + 4 * g, dys + at * C, g_keep + at * H, m, C, H, r0 == 0);
-      fc_grads_bf16(e, fresh + 4 * g, dh_keep + at * H, xs + at * C, m, C, H, r0 == 0);
-    }
-  });
-}
+  void out(const u16* g, u16* y, int64_t m) const { amx_product(g, H, 1, e, 4, 5, 1, H, m, C, H, bf16_out(y, C, f(7), nullptr)); }
+  void gelu(const u16* h, u16* g, int64_t n) const { K->gelu_fwd_bf16(h, g, n); }
+  void gelu_bwd(const u16* h, u16* dg, int64_t n) const { K->gelu_bwd_bf16(h, dg, dg, n); }
+  void dg(const u16* dy, u16* out, int64_t m) const { amx_product(dy, C, 1, e, 4, 6, H, 1, m, H, C, bf16_out(out, H, nullptr, nullptr)); }
+  void dx(const u16* dh, u16* out, int64_t m) const { amx_product(dh, H, 1, e, 0, 2, C, 1, m, C, H, bf16_out(out, C, nullptr, nullptr)); }
+  void proj_grads(const u16* dy, const u16* g, int64_t m, bool first) const {   // dW (C, H) = dy^T g, float32
+    amx::gemm(dy, 1, C, g, H, 1, false, C, H, m, f32_out(grad(10), H, !(first && fr[2])));
+    if (e[11]) bias_grad(grad(11), dy, m, C, first && fr[3], K->column_sum_bf16);
+  }
+  void fc_grads(const u16* dh, const u16* x, int64_t m, bool first) const {     // dW (H, C) = dh^T x
+    amx::gemm(dh, 1, H, x, C, 1, false, H, C, m, f32_out(grad(8), C, !(first && fr[0])));
+    if (e[9]) bias_grad(grad(9), dh, m, H, first && fr[1], K->column_sum_bf16);
+  }
+};
 #endif
 
 const int64_t* addresses(const py::array& a, size_t G) {
@@ -434,14 +391,10 @@ void bind_grouped(py::module_& m) {
     check(xs, "xs", 1u << BF16, M * C), check(ys, "ys", 1u << BF16, M * C);
     Groups G = groups_of(counts, M);
     const int64_t* ad = addresses(addrs, G.rows.size());
-    u16* hp = nullptr;
-    if (!h.is_none()) {
-      py::array ha = py::reinterpret_borrow<py::array>(h);
-      check(ha, "h", 1u << BF16, M * H);
-      hp = static_cast<u16*>(ha.mutable_data());
-    }
+    u16* hp = static_cast<u16*>(optional(h, BF16, M * H, "h"));
     py::gil_scoped_release r;
-    forward_bf16(static_cast<const u16*>(xs.data()), G, ad, C, H, hp, static_cast<u16*>(ys.mutable_data()), block);
+    forward<u16>(G, [&](int64_t g) { return AmxExpert{ad + g * SLOTS, nullptr, C, H}; },
+                 static_cast<const u16*>(xs.data()), hp, static_cast<u16*>(ys.mutable_data()), C, H, block);
   });
   // backward in three modes: (fresh, no keeps) everything; (no fresh, keeps) the input gradient with
   // each block's g and dh kept in g_keep, dh_keep (M, H) (a zero-bubble B pass); (fresh, keeps, no dxs)
@@ -462,8 +415,9 @@ void bind_grouped(py::module_& m) {
     mode_check(fr != nullptr, gk != nullptr && dk != nullptr, dx != nullptr);
     py::gil_scoped_release r;
     const u16 *x = static_cast<const u16*>(xs.data()), *dy = static_cast<const u16*>(dys.data());
-    if (dx) backward_bf16(x, dy, G, ad, fr, C, H, hp, dx, block, fr ? nullptr : gk, fr ? nullptr : dk);
-    else weight_grads_bf16(x, dy, G, ad, fr, C, H, gk, dk, block);
+    auto expert_of = [&](int64_t g) { return AmxExpert{ad + g * SLOTS, fr ? fr + 4 * g : nullptr, C, H}; };
+    if (dx) backward<u16>(G, expert_of, x, dy, hp, dx, C, H, block, fr ? nullptr : gk, fr ? nullptr : dk);
+    else weight_grads<u16>(G, expert_of, x, dy, gk, dk, C, H, block);
   });
 #endif
 
@@ -475,23 +429,17 @@ void bind_grouped(py::module_& m) {
     const int dt = check(xs, "xs", FLOATS, M * C);
     check(ys, "ys", 1u << dt, M * C);
     Groups G = groups_of(counts, M);
-    void* hp = nullptr;
-    if (!h.is_none()) {
-      py::array ha = py::reinterpret_borrow<py::array>(h);
-      check(ha, "h", 1u << dt, M * H);
-      hp = ha.mutable_data();
-    }
-    if (dt == F32) {
-      auto ex = experts_of<float>(params, nullptr, nullptr, G.rows.size(), dt, C, H);
+    void* hp = optional(h, dt, M * H, "h");
+    auto run = [&](auto zero) {
+      using T = decltype(zero);
+      auto ex = experts_of<T>(params, nullptr, nullptr, G.rows.size(), dt, C, H);
+      auto gemm = reinterpret_cast<Gemm<T>>(fn);
       py::gil_scoped_release r;
-      forward<float>(reinterpret_cast<Gemm<float>>(fn), ct<float>(xs), G, ex, C, H, static_cast<float*>(hp),
-                     mt<float>(ys), block);
-    } else {
-      auto ex = experts_of<double>(params, nullptr, nullptr, G.rows.size(), dt, C, H);
-      py::gil_scoped_release r;
-      forward<double>(reinterpret_cast<Gemm<double>>(fn), ct<double>(xs), G, ex, C, H, static_cast<double*>(hp),
-                      mt<double>(ys), block);
-    }
+      forward<T>(G, [&](int64_t g) { return BlasExpert<T>{gemm, ex[g], C, H}; }, ct<T>(xs), static_cast<T*>(hp),
+                 mt<T>(ys), C, H, block);
+    };
+    if (dt == F32) run(0.0f);
+    else run(0.0);
   }, "ys = the groups' MLPs of xs (groups of `counts` rows, 4 parameters each); h (or None) keeps c_fc's output");
 
   m.def("grouped_mlp_backward", [](uintptr_t fn, const py::array& xs, const py::array& dys, const py::array& counts,
@@ -515,11 +463,12 @@ void bind_grouped(py::module_& m) {
       auto ex = experts_of<T>(params, fr ? &gl : nullptr, fr, G.rows.size(), dt, C, H);
       auto gemm = reinterpret_cast<Gemm<T>>(fn);
       py::gil_scoped_release r;
+      auto expert_of = [&](int64_t g) { return BlasExpert<T>{gemm, ex[g], C, H}; };
       if (dx)
-        backward<T>(gemm, ct<T>(xs), ct<T>(dys), G, ex, C, H, static_cast<const T*>(hp), static_cast<T*>(dx), block,
+        backward<T>(G, expert_of, ct<T>(xs), ct<T>(dys), static_cast<const T*>(hp), static_cast<T*>(dx), C, H, block,
                     fr ? nullptr : static_cast<T*>(gk), fr ? nullptr : static_cast<T*>(dk));
       else
-        weight_grads<T>(gemm, ct<T>(xs), ct<T>(dys), G, ex, C, H, static_cast<const T*>(gk), static_cast<const T*>(dk),
+        weight_grads<T>(G, expert_of, ct<T>(xs), ct<T>(dys), static_cast<const T*>(gk), static_cast<const T*>(dk), C, H,
                         block);
     };
     if (dt == F32) run(0.0f);
