@@ -258,6 +258,7 @@ class RunConfig:
     pp: int | None = None
     tp: int | None = None
     ep: int | None = None
+    etp: int | None = None               # the experts' tensor parallelism (None: tp; less folds them apart)
     cp: int | None = None
     layout: str = "rule"
     cp_comm: str = "ring"                # context parallelism: ring attention, or Ulysses' all-to-alls ("a2a")
@@ -328,7 +329,11 @@ _HELP = {
     "cp": "context-parallel size: each sequence's positions split over cp ranks (two of 2*cp equal chunks each, "
           "ring attention); block_size must be divisible by 2*cp (default 1)",
     "pp": "pipeline-parallel stages", "tp": "tensor-parallel size",
-    "ep": "expert-parallel size (divides dp*cp and n_expert)",
+    "ep": "expert-parallel size (divides n_expert, and dp*cp, or dp*cp*tp/etp with --etp below tp)",
+    "etp": "the experts' tensor-parallel size, a divisor of --tp (default: tp, each expert split like the dense MLP). "
+           "Below tp the experts are folded apart from attention's grid: each tp rank runs a 1/(tp/etp) share of its "
+           "tokens' expert rows, and --ep may reach over the tp ranks (e.g. 8 ranks: --tp 2 --ep 8 --etp 1, whole "
+           "experts, 1/8 of them on each rank; docs/parallel.md)",
     "expert_replicas": "replica slots per ep rank: every --replan-every steps the busiest experts (by the "
                        "tokens they received since the last placement) get copies on the least-loaded ranks and "
                        "their tokens are split among the copies; replicas' gradients are summed into their home "
@@ -518,7 +523,7 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
         raise ConfigError(str(e)) from None
     run.model_overrides = sorted(overrides)
     _check_run(run)
-    run.layout_auto = all(getattr(run, k) is None for k in ("dp", "pp", "tp", "ep", "cp"))
+    run.layout_auto = all(getattr(run, k) is None for k in ("dp", "pp", "tp", "ep", "cp", "etp"))
     if run.layout == "auto":
         _apply_planner(world_size, model, run)
     run.layout_resolved = choose_layout(world_size, model, run)
@@ -539,6 +544,9 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
     if run.ep_dispatch == "node" and run.device != "cpu":
         raise ConfigError("--ep-dispatch node runs on the CPU path (host arrays over MPI); with --device cuda "
                           "use auto or flat")
+    if run.ep_dispatch == "node" and lay.folded:
+        raise ConfigError(f"--ep-dispatch node does not run with the experts folded apart from tp (--etp {lay.etp} < "
+                          f"--tp {lay.tp}): use auto or flat")
     if run.pp_costs == "measured" and (lay.pp == 1 or lay.schedule not in ("zb-h1", "zb-v")):
         raise ConfigError(f"--pp-costs measured builds the zb-h1/zb-v table for the measured times, but this run is "
                           f"pp={lay.pp} with schedule {lay.schedule}: use --schedule zb-h1 or zb-v with --pp > 1, or "
@@ -591,9 +599,9 @@ def resolve_dtype(run: RunConfig, bf16_ok: bool) -> None:
 def _apply_planner(world: int, model: GPTConfig, run: RunConfig) -> None:
     """--layout auto: the planner's best layout for the same global batch (no communication;
     the planner's constants are fixed, so every rank picks the same layout)."""
-    given = [k for k in ("dp", "pp", "tp", "ep", "cp") if getattr(run, k) is not None]
+    given = [k for k in ("dp", "pp", "tp", "ep", "etp", "cp") if getattr(run, k) is not None]
     if given:
-        raise ConfigError(f"--layout auto chooses dp, pp, tp, ep and cp itself, but {', '.join('--' + k for k in given)} "
+        raise ConfigError(f"--layout auto chooses dp, pp, tp, ep, etp and cp itself, but {', '.join('--' + k for k in given)} "
                           f"was given: drop it, or drop --layout auto")
     gb = run.micro_batch_size * run.n_micro * world
     try:
@@ -634,7 +642,7 @@ def _check_run(run: RunConfig) -> None:
         raise ConfigError(f"topk_ratio={run.topk_ratio} must be in (0, 1]")
     if run.comm_timeout <= 0:
         raise ConfigError(f"comm_timeout={run.comm_timeout} must be > 0 seconds")
-    for k in ("dp", "pp", "tp", "ep", "cp"):
+    for k in ("dp", "pp", "tp", "ep", "etp", "cp"):
         v = getattr(run, k)
         if v is not None and v < 1:
             raise ConfigError(f"{k}={v} must be >= 1")
@@ -666,7 +674,7 @@ def choose_layout(world: int, model: GPTConfig, run: RunConfig) -> Layout:
     before), with the run's schedule, ZeRO stage, sequence parallelism, recomputation and
     micro-batches. Every rank computes the same answer."""
     try:
-        return layouts.fill(world, model, dp=run.dp, pp=run.pp, tp=run.tp, ep=run.ep, cp=run.cp,
+        return layouts.fill(world, model, dp=run.dp, pp=run.pp, tp=run.tp, ep=run.ep, cp=run.cp, etp=run.etp,
                             seq_parallel=run.seq_parallel, micro_batch_size=run.micro_batch_size,
                             n_micro=run.n_micro, schedule=run.schedule, virtual_stages=run.virtual_stages,
                             zero=run.zero, recompute=run.recompute, cp_comm=run.cp_comm, cp_a2a=run.cp_a2a)

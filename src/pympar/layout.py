@@ -1,7 +1,8 @@
 """Layouts: how a run is spread over its ranks, whether it can run, and which one to run.
 
 One module owns them (docs/design.md: the configuration layer). A ``Layout`` is the mesh (dp, pp,
-tp, ep, cp: ``world = dp * pp * cp * tp``; ep divides dp * cp) and what is chosen with it: the
+tp, ep, cp: ``world = dp * pp * cp * tp``; ep divides dp * cp, or dp * cp * tp / etp with the
+experts folded apart from tp, etp < tp: parallel/mesh.py) and what is chosen with it: the
 micro-batch size and count, the pipeline schedule and its virtual stages, the ZeRO stage,
 sequence parallelism and activation recomputation. Three things are done with layouts, all
 here, and the trainer's configuration, the planner (``python -m pympar.plan``) and the tests
@@ -68,18 +69,25 @@ class Layout:
     recompute: str = "none"
     cp_comm: str = "ring"               # context parallelism's attention: the ring, or Ulysses' all-to-alls
     cp_a2a: int = 0                     # a2a+ring: ranks of a Ulysses group (parallel/cp.py)
+    etp: int | None = None              # the experts' tensor parallelism (a divisor of tp; None: tp, unfolded)
 
     @property
     def world(self) -> int:
         return self.dp * self.pp * self.cp * self.tp
 
+    @property
+    def folded(self) -> bool:
+        """The experts folded apart from tp: their own tensor parallelism etp < tp (parallel/mesh.py)."""
+        return self.etp is not None and self.etp < self.tp
+
     def __str__(self):
         """The mesh, as the trainer's start-up line prints it."""
-        return f"dp={self.dp} pp={self.pp} tp={self.tp} ep={self.ep}" + (f" cp={self.cp}" if self.cp > 1 else "")
+        return f"dp={self.dp} pp={self.pp} tp={self.tp} ep={self.ep}" + (f" etp={self.etp}" if self.folded else "") + \
+            (f" cp={self.cp}" if self.cp > 1 else "")
 
     def key(self) -> str:
         """Everything, compactly (the planner's table)."""
-        s = f"dp{self.dp} pp{self.pp} tp{self.tp} ep{self.ep}" + \
+        s = f"dp{self.dp} pp{self.pp} tp{self.tp} ep{self.ep}" + (f" etp{self.etp}" if self.folded else "") + \
             (f" cp{self.cp}" + (f"-{self.cp_comm}" if self.cp_comm != "ring" else "") +
              (f"{self.cp_a2a}" if self.cp_comm == "a2a+ring" else "") if self.cp > 1 else "") + \
             f" mbs{self.micro_batch_size} m{self.n_micro} {self.schedule}"
@@ -90,7 +98,8 @@ class Layout:
 
     def train_args(self) -> list:
         """The ``python -m pympar.train`` flags that run this layout."""
-        a = ["--dp", self.dp, "--pp", self.pp, "--tp", self.tp, "--ep", self.ep] + (["--cp", self.cp] if self.cp > 1 else [])
+        a = ["--dp", self.dp, "--pp", self.pp, "--tp", self.tp, "--ep", self.ep] + (["--etp", self.etp] if self.folded else []) + \
+            (["--cp", self.cp] if self.cp > 1 else [])
         if self.cp > 1 and self.cp_comm != "ring":
             a += ["--cp-comm", self.cp_comm]
         if self.cp_comm == "a2a+ring":
@@ -124,10 +133,12 @@ def check(model_cfg: GPTConfig, lay: Layout, *, device: str = "cpu") -> None:
         raise ValueError(f"micro_batch_size={lay.micro_batch_size} and n_micro={lay.n_micro} must be >= 1")
     if lay.seq_parallel and tp == 1:
         raise NotSupportedError("--seq-parallel splits activations over the tensor-parallel group: it needs --tp > 1")
-    Mesh.validate(lay.world, dp, pp, tp, ep, cp)
+    Mesh.validate(lay.world, dp, pp, tp, ep, cp, lay.etp)
     validate_ep(model_cfg, ep)
     if ep > 1 and not model_cfg.n_expert:
         raise ValueError(f"ep={ep} needs a MoE model (n_expert > 0)")
+    if lay.folded and not model_cfg.n_expert:
+        raise ValueError(f"etp={lay.etp} folds experts apart from tp: it needs a MoE model (n_expert > 0)")
     if tp > 1:
         validate_tp(model_cfg, tp, lay.seq_parallel, seq_len=model_cfg.block_size // cp)
     validate_cp(model_cfg, cp, tp, lay.seq_parallel, comm=lay.cp_comm, a2a=lay.cp_a2a)
@@ -139,7 +150,7 @@ def check(model_cfg: GPTConfig, lay: Layout, *, device: str = "cpu") -> None:
 
 
 def fill(world: int, model: GPTConfig, *, dp=None, pp=None, tp=None, ep=None, cp=None, seq_parallel=False,
-         **rest) -> Layout:
+         etp=None, **rest) -> Layout:
     """The layout of ``world`` ranks with the sizes given kept and the missing ones filled in:
     pp = tp = ep = cp = 1 unless given, dp the rest of the world. ``rest``: the other Layout
     fields, taken as they are. Raises ValueError for sizes that do not fit the world or the model."""
@@ -154,10 +165,7 @@ def fill(world: int, model: GPTConfig, *, dp=None, pp=None, tp=None, ep=None, cp
         sizes = "*".join(str(x) for x in ((dp, pp, tp) if cp == 1 else (dp, pp, cp, tp)))
         raise ValueError(f"dp*{names} = {sizes} = {dp * others} does not match the world size {world}; "
                          f"launch {dp * others} ranks or change the layout")
-    if (dp * cp) % ep:
-        raise ValueError(f"ep={ep} does not divide dp*cp={dp * cp} (experts are sharded over the data- and "
-                         f"context-parallel ranks)" if cp > 1 else
-                         f"ep={ep} does not divide dp={dp} (experts are sharded over data-parallel ranks)")
+    Mesh.validate(world, dp, pp, tp, ep, cp, etp)      # ep (and etp) against the mesh
     if cp > 1:
         validate_cp(model, cp, tp, seq_parallel)
     if ep > 1 and (model.n_expert == 0 or model.n_expert % ep):
@@ -166,7 +174,7 @@ def fill(world: int, model: GPTConfig, *, dp=None, pp=None, tp=None, ep=None, cp
         raise ValueError(f"n_head={model.n_head} is not divisible by tp={tp}")
     if pp > model.n_layer:
         raise ValueError(f"pp={pp} is more than n_layer={model.n_layer}: every stage needs at least one block")
-    return Layout(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, seq_parallel=seq_parallel, **rest)
+    return Layout(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, seq_parallel=seq_parallel, etp=etp, **rest)
 
 
 # --- the planner's cost model -----------------------------------------------------------------
@@ -255,7 +263,7 @@ class Machine:
 # --- the model's parameter and activation counts per rank ------------------------------
 def params_per_rank(cfg: GPTConfig, lay: Layout, stage_blocks, first: bool, last: bool) -> int:
     """Parameter elements of a rank (the ledger's count, pympar.parallel.ledger)."""
-    return ledger.params_per_rank(cfg, lay.tp, lay.ep, stage_blocks, first, last)
+    return ledger.params_per_rank(cfg, lay.tp, lay.ep, stage_blocks, first, last, lay.etp)
 
 
 def activations_per_micro(cfg: GPTConfig, lay: Layout, stage_blocks, last: bool) -> float:
@@ -329,7 +337,7 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     pp_cross = lay.tp * lay.cp * lay.pp > m.ranks_per_node
     dp_cross = lay.tp * lay.cp * lay.pp * lay.dp > m.ranks_per_node
     dpcp = lay.dp * lay.cp                             # the gradient group
-    mem, worst_rank = ledger.predict(cfg, dp=lay.dp, pp=lay.pp, tp=lay.tp, ep=lay.ep, zero=lay.zero,
+    mem, worst_rank = ledger.predict(cfg, dp=lay.dp, pp=lay.pp, tp=lay.tp, ep=lay.ep, etp=lay.etp, zero=lay.zero,
                                      recompute=lay.recompute, sp=lay.seq_parallel, micro_batch_size=B,
                                      n_micro=lay.n_micro, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
                                      act_bytes=m.act_bytes, cp=lay.cp)
@@ -365,6 +373,12 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     # 4 per block, + embedding (first stage) and cross-entropy's 2 (last stage): 3 spread over the stages
     tp_t = (4 * blocks_per_rank + 3 / lay.pp) * m.coll("allreduce", act_b, lay.tp, tp_cross)
     ep_t = 4 * moe_per_rank * m.coll("alltoall", act_b * cfg.top_k, lay.ep, dp_cross)
+    if lay.folded:     # a share of the rows each (fold = tp/etp shares); the experts' sums over etp, not
+        fold, etp = lay.tp // lay.etp, lay.etp        # tp; one allgather of the rows each way
+        tp_t -= 2 * moe_per_rank * m.coll("allreduce", act_b, lay.tp, tp_cross)
+        tp_t += 2 * moe_per_rank * m.coll("allreduce", act_b * cfg.top_k / fold, etp, tp_cross)
+        ep_t = moe_per_rank * (4 * m.coll("alltoall", act_b * cfg.top_k / fold, lay.ep, dp_cross)
+                               + 2 * m.coll("allgather", act_b * cfg.top_k, fold, tp_cross))
     pp_t = m.coll("sendrecv", act_b, 2, pp_cross) if lay.pp > 1 else 0.0
     cp_t = blocks_per_rank * cp_attention_time(lay, m, tokens * C / lay.tp * m.act_bytes)
     f_cost = comp / 3 + (tp_t + ep_t) / 2 + cp_t / 3
@@ -418,9 +432,11 @@ def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_n
             if global_batch % dp:
                 yield {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, f"global batch {global_batch} not divisible by dp={dp}"
                 continue
-            eps = [e for e in divisors(dp * cp) if cfg.n_expert % e == 0] if cfg.n_expert else [1]
+            # experts: ep over the dp x cp ranks with etp = tp, or folded apart (etp < tp) over tp's too
+            eps = [(e, None if etp == tp else etp) for etp in (divisors(tp)[::-1] if cfg.n_expert else [tp])
+                   for e in divisors(dp * cp * tp // etp) if cfg.n_expert % e == 0] if cfg.n_expert else [(1, None)]
             per_dp = global_batch // dp
-            for ep in eps:
+            for ep, etp in eps:
                 for mbs in divisors(per_dp):
                     nm = per_dp // mbs
                     if nm > max_micro:
@@ -434,7 +450,7 @@ def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_n
                             scheds.append(("dualpipev", 2))
                     for sched, v in scheds:
                         lay0 = Layout(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, micro_batch_size=mbs, n_micro=nm, schedule=sched,
-                                      virtual_stages=v)
+                                      virtual_stages=v, etp=etp)
                         try:
                             validate_pipeline(cfg, pp, nm, sched, v)
                         except ValueError as e:

@@ -1,4 +1,5 @@
-"""Mesh groups for every valid layout (dp, pp, cp, tp, ep) of this world size, and the error for invalid ones."""
+"""Mesh groups for every valid layout (dp, pp, cp, tp, ep, etp: the experts folded apart or not) of this world
+size, and the error for invalid ones."""
 import numpy as np
 import pytest
 
@@ -12,9 +13,10 @@ def layouts(world):
             for pp in range(1, world + 1):
                 if world % (tp * pp * cp) == 0:
                     dp = world // (tp * pp * cp)
-                    for ep in range(1, dp * cp + 1):
-                        if dp * cp % ep == 0:
-                            yield dict(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp)
+                    for etp in (e for e in range(1, tp + 1) if tp % e == 0):
+                        reach = dp * cp * tp // etp
+                        for ep in (e for e in range(1, reach + 1) if reach % e == 0):
+                            yield dict(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, etp=etp)
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +31,20 @@ def test_every_valid_layout(comm):
         m = Mesh(comm, **lay)
         want = Mesh.groups(n, **lay)
         me = np.array([r])
-        for kind in ("tp", "dp", "pp", "cp", "dpcp", "ep", "edp"):
+        for kind in ("tp", "dp", "pp", "cp", "dpcp", "ep", "edp", "etp", "fold"):
             sub = getattr(m, f"{kind}_comm")
             got = sub.allgather(me, algo="mpi").tolist()
             assert got in want[kind], f"{lay} {kind}: {got} not in {want[kind]}"
             assert r in got and got.index(r) == sub.rank
         assert (m.pp_rank, m.dp_rank, m.cp_rank, m.tp_rank) == Mesh.coords(r, lay["dp"], lay["pp"], lay["tp"], lay["cp"])
-        assert m.tp_comm.size == lay["tp"] and m.edp_comm.size == lay["dp"] * lay["cp"] // lay["ep"]
+        fold = lay["tp"] // lay["etp"]
+        assert m.tp_comm.size == lay["tp"] and m.edp_comm.size == lay["dp"] * lay["cp"] * fold // lay["ep"]
+        assert m.fold_comm.size == fold and m.fold_rank == m.fold_comm.rank and m.etp_rank == m.etp_comm.rank
+        assert m.ep_rank == m.ep_comm.rank and m.edp_rank == m.edp_comm.rank
+        # the experts' grid covers the stage: etp x ep x edp = dp*cp*tp, one rank per coordinate
+        cell = np.array([m.etp_rank, m.ep_rank, m.edp_rank, m.pp_rank])
+        cells = {tuple(c) for c in comm.allgather(cell, algo="mpi").reshape(n, 4).tolist()}
+        assert len(cells) == n
         block = lay["dp"] * lay["cp"] * lay["tp"]
         assert m.prev_stage == (r - block if m.pp_rank > 0 else None)
         assert m.next_stage == (r + block if m.pp_rank < lay["pp"] - 1 else None)
@@ -51,7 +60,8 @@ def test_every_valid_layout(comm):
 def test_invalid_layouts_raise_before_any_collective(comm):
     n = comm.size
     for bad, msg in [(dict(dp=n + 1), "world size"), (dict(dp=n, ep=n + 1), "does not divide"),
-                     (dict(dp=n, tp=0), "positive integer")]:
+                     (dict(dp=n, tp=0), "positive integer"), (dict(dp=1, tp=n, etp=n + 1), "etp=.* does not divide tp"),
+                     (dict(dp=1, tp=n, ep=2 * n, etp=1), "ep=.* does not divide")]:
         with pytest.raises(ValueError, match=msg):
             Mesh(comm, **bad)
     comm.barrier()  # every rank raised and is still in step

@@ -273,13 +273,23 @@ class MoE(Module):
         else:
             fn(0, n)
 
+    def run_assignments(self, xs, counts):
+        """The kept assignments' rows xs (M, C), grouped by expert (counts (E,)) -> (ys (M, C), ctx):
+        run_experts here; a layer whose ranks route the same tokens and split the rows among
+        themselves (folded expert layouts, parallel/tp/moe.py) runs its share and gathers the rest."""
+        return self.run_experts(xs, counts)
+
+    def run_assignments_backward(self, dys, ctx):
+        """dys (M, C) -> dxs (M, C): run_assignments' backward."""
+        return self.run_experts_backward(dys, ctx)
+
     # --- the experts between routing and combination (expert parallelism's second seam) -------
     def experts_forward(self, xf, rows, gate_rows, counts):
         """xf (N, C) tokens; the kept assignments grouped by expert (counts (E,)): rows (M,) the
         token of each, gate_rows (M,) its gate -> (y (N, C) = the gated sum of each token's expert
         outputs, ctx). Node-aware expert parallelism replaces this pair (it combines in place)."""
         xs = kernels.permute(xf, rows)                                     # (M, C)
-        ys, ectx = self.run_experts(xs, counts)
+        ys, ectx = self.run_assignments(xs, counts)
         return kernels.unpermute_add(ys, rows, gate_rows, xf.shape[0]), (ys, ectx)
 
     def experts_backward(self, dyf, ctx, rows, gate_rows):
@@ -289,7 +299,7 @@ class MoE(Module):
         dgate_rows = xp_of(dyf).einsum("mc,mc->m", dys_raw.astype(self._acc, copy=False),
                                        ys.astype(self._acc, copy=False))   # (M,)
         dys = dys_raw * gate_rows[:, None].astype(dys_raw.dtype)
-        dxs = self.run_experts_backward(dys, ectx)
+        dxs = self.run_assignments_backward(dys, ectx)
         return kernels.unpermute_add(dxs, rows, None, dyf.shape[0]), dgate_rows
 
     # --- forward / backward ------------------------------------------------------------------

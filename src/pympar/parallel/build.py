@@ -5,6 +5,8 @@
     pp > 1            PipelineGPT: this rank's chunks (TPGPT slices when tp > 1), placed as the
                       layout's schedule places them (the V of zb-v, else interleaved)
     ep > 1            every MoE layer keeps this ep rank's experts (install_expert_parallel)
+    etp < tp          the experts folded apart from the tp group (parallel.mesh, parallel.tp.moe):
+                      split over the mesh's etp group, the tp group's rows shared over its fold group
 
 Parameters are made on first use (nn.init), so a rank allocates only its own pieces; restore a
 checkpoint into the result, or train it from (config, seed). Context parallelism, the gradient
@@ -30,10 +32,13 @@ def build_model(cfg, mesh, layout, *, seed: int = 0, dtype=np.float32, compute_d
     if layout.tp > 1:
         from .tp import TPGPT, TPCollectives
         tpc = TPCollectives(mesh.tp_comm, meter=meter)         # one for every chunk: one meter
+        etpc = foldc = None
+        if mesh.fold > 1:                                      # folded: the experts' own groups
+            etpc, foldc = TPCollectives(mesh.etp_comm, meter=meter), TPCollectives(mesh.fold_comm, meter=meter)
 
         def make_tp(c, s):
             return TPGPT(c, tpc, seed=s, dtype=dtype, sequence_parallel=sequence_parallel,
-                         compute_dtype=compute_dtype)
+                         compute_dtype=compute_dtype, etp_comm=etpc, fold_comm=foldc)
     if layout.pp > 1:
         from .pp import PipelineGPT, SlicedModelFactory
         from .pp.schedules import placement_of

@@ -4,6 +4,8 @@ Layout. ``ep`` divides ``dp``; the ep group is ``ep`` data-parallel ranks (pympa
 ep_rank = dp_rank % ep). Rank ``r`` of the ep group holds the ``n_local = n_expert / ep`` whole
 experts ``[r*n_local, (r+1)*n_local)``; under tensor parallelism each of them is further split
 along its hidden width over tp (TPMoE), so EP and TP compose without knowing of each other.
+Folded (mesh etp < tp): the ep group may take tp ranks too, each bringing its share of the rows
+its tp group routed (parallel/tp/moe.py); the dispatch below is the same.
 Expert parameters keep their GLOBAL names ``transformer.h.{i}.moe.experts.{e}.*``.
 
 Dispatch, per MoE layer and micro-batch (``install_expert_parallel`` swaps the layer's
@@ -27,7 +29,8 @@ that hold the same expert, one per ep group) covers every micro-batch once, so
     expert grad = sum over edp / dp  =  (mean over edp) / ep
 
 which is what the trainer's gradient path does (pympar.parallel.gradsync: an expert's
-placement puts it in the edp group with the factor 1/ep; ``expert_grad_scale`` states it).
+placement puts it in the edp group with the factor edp / (dp*cp), mesh.expert_grad_scale: 1/ep
+unfolded; ``expert_grad_scale`` below states the unfolded case).
 Global-norm clipping: after the sync dense grads are identical on every dp rank and count
 once; expert grads are identical over edp and distinct over ep, so every ep rank counts its own.
 """
@@ -431,7 +434,13 @@ def install_expert_parallel(model, ep_comm, meter: Meter | None = None, dispatch
     Returns the model."""
     meter = Meter() if meter is None else meter
     layers = moe_layers_of(model)
-    route = node_route(ep_comm, dispatch, max((m.top_k for _, m in layers), default=1))
+    if any(getattr(m, "_fold", None) is not None for _, m in layers):   # the same on every rank: the layout's
+        if dispatch == "node":                   # the two-hop route combines in place of the shares' gather
+            raise ValueError("ep_dispatch='node' does not run with the experts folded apart from tp (etp < tp): "
+                             "use --ep-dispatch auto or flat")
+        route = None
+    else:
+        route = node_route(ep_comm, dispatch, max((m.top_k for _, m in layers), default=1))
     for i, layer in layers:
         validate_ep(layer, ep_comm.size)
         lo, hi = expert_range(layer.n_expert, ep_comm.size, ep_comm.rank)

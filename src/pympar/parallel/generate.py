@@ -81,6 +81,6 @@ def build_for_generation(cfg, comm, layout):
     from .build import build_model
     from .mesh import Mesh
 
-    mesh = Mesh(comm, dp=layout.dp * layout.cp, pp=layout.pp, tp=layout.tp, ep=layout.ep)
+    mesh = Mesh(comm, dp=layout.dp * layout.cp, pp=layout.pp, tp=layout.tp, ep=layout.ep, etp=layout.etp)
     model = build_model(cfg, mesh, layout)
     return model, mesh

@@ -4,7 +4,8 @@ What each rank holds after backward (the pipeline executor has already summed th
 wte between the first and last stage, and the sequence-parallel partial grads over tp):
 
     dense params   (1/n_micro) * sum over THIS rank's micro-batches     -> mean over dp
-    expert params  (1/n_micro) * sum over its ep group's micro-batches  -> mean over edp, x 1/ep
+    expert params  (1/n_micro) * sum over its ep group's micro-batches  -> mean over edp, x edp/(dp*cp)
+                   (1/ep unless the experts are folded apart from tp: mesh.expert_grad_scale)
 
 (see pympar.parallel.ep for the 1/ep). Each kind is one ``DataParallel`` (buckets overlapped
 with backward, optional ZeRO-1/2/3 and compression) over its group: dense over ``mesh.dpcp_comm``
@@ -54,7 +55,7 @@ class GradSync:
     def __init__(self, named, mesh, tied_copy=None, **dp_kw):
         self.zero = int(dp_kw.get("zero", 0))
         self.mesh = mesh
-        split = mesh.ep > 1
+        split = mesh.ep > 1 or mesh.fold > 1           # experts apart from the dense parameters
         named = list(named)
         tied = id(tied_copy) if tied_copy is not None else None
         for n, p in named:
@@ -68,7 +69,7 @@ class GradSync:
         late = [tied_copy] if tied_copy is not None else []     # final after the tied sum only
         self.groups = [(DataParallel(dense, mesh.dpcp_comm, launch_last=late, **dp_kw), 1.0, mesh.dpcp_rank)]
         if expert:
-            self.groups.append((DataParallel(expert, mesh.edp_comm, **dp_kw), 1.0 / mesh.ep, mesh.edp_rank))
+            self.groups.append((DataParallel(expert, mesh.edp_comm, **dp_kw), mesh.expert_grad_scale, mesh.edp_rank))
         if self.zero:
             for d, _, _ in self.groups:
                 for b in d.buckets:
@@ -76,7 +77,9 @@ class GradSync:
                         pl = p.placement
                         p.placement = Placement(pl.tp, pl.group, pl.tied_copy, self.zero, b.layout.rows(i))
         self.grad_bytes = sum(d.grad_bytes for d, _, _ in self.groups)
-        self._counts = {id(p): p.placement.counts_in_norm(mesh.tp_rank, grank)
+        # an expert's tensor-parallel rank is its etp rank (the tp rank unless folded: parallel.mesh)
+        self._counts = {id(p): p.placement.counts_in_norm(mesh.etp_rank if p.placement.group == "edp" else mesh.tp_rank,
+                                                          grank)
                         for d, _, grank in self.groups for p in (q for _, q in d.named)}
         self.gather = NoGather()
 

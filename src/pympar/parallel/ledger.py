@@ -107,9 +107,11 @@ def is_moe_layer(cfg, i: int) -> bool:
     return bool(cfg.n_expert) and cfg.is_moe_block(i)
 
 
-def params_per_rank(cfg, tp: int, ep: int, stage_blocks, first: bool, last: bool) -> int:
-    """Parameter elements a rank holds: its stages' blocks (tp shard, its experts), the embeddings
-    on the first stage, ln_f and the tied head copy on the last (before ZeRO-3)."""
+def params_per_rank(cfg, tp: int, ep: int, stage_blocks, first: bool, last: bool, etp=None) -> int:
+    """Parameter elements a rank holds: its stages' blocks (tp shard, its experts: n_expert/ep of them,
+    each split over etp, default tp), the embeddings on the first stage, ln_f and the tied head copy
+    on the last (before ZeRO-3)."""
+    etp = tp if etp is None else etp
     C = cfg.n_embd
     b = C if cfg.bias else 0
     n = 0
@@ -119,7 +121,7 @@ def params_per_rank(cfg, tp: int, ep: int, stage_blocks, first: bool, last: bool
         mlp = (4 * C * C + 4 * b) // tp + 4 * C * C // tp + b
         if is_moe_layer(cfg, i):
             n += cfg.n_expert * C                              # the router, replicated
-            n += (cfg.n_expert // ep) * mlp
+            n += (cfg.n_expert // ep) * ((4 * C * C + 4 * b) // etp + 4 * C * C // etp + b)
             if cfg.shared_expert:
                 n += mlp
         else:
@@ -243,10 +245,10 @@ def _moe_ctx(cfg, N, tp, a, st):
     return out
 
 
-def unit_sizes(cfg, tp: int, ep: int, blocks, first: bool, last: bool):
+def unit_sizes(cfg, tp: int, ep: int, blocks, first: bool, last: bool, etp=None):
     """Parameter elements of each piece ZeRO-3 gathers alone: wte and wpe apart, each block, ln_f."""
     C = cfg.n_embd
-    out = [params_per_rank(cfg, tp, ep, [i], False, False) for i in blocks]
+    out = [params_per_rank(cfg, tp, ep, [i], False, False, etp) for i in blocks]
     rows = min(-(-cfg.vocab_size // tp), cfg.vocab_size)
     if first:
         out += [rows * C, cfg.block_size * C]
@@ -299,7 +301,7 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
     return int(max(cands))
 
 
-def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, micro_batch_size=1,
+def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, etp=None, zero=0, recompute="none", sp=False, micro_batch_size=1,
             n_micro=1, schedule="1f1b", virtual_stages=1, master_bytes=4, act_bytes=None,
             bucket_mb=25.0, tiled=None, threads=None, cp=1, moment_bytes=None, pp_rank=None):
     """The ledger of the worst pipeline rank of a layout, and its rank: (ledger with peak, pp rank);
@@ -323,7 +325,7 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
         stages = part.stages_of(r)
         blocks = [i for s_ in stages for i in part.blocks(s_)]
         first, last = 0 in stages, (part.n_stage - 1) in stages
-        n = params_per_rank(cfg, tp, ep, blocks, first, last)
+        n = params_per_rank(cfg, tp, ep, blocks, first, last, etp)
         sh = -(-n // dp)                                       # this rank's rows (padding aside)
         grads = {0: n, 1: n, 2: sh, 3: sh}[zero]                 # ZeRO-1 reduces into the full gradient
         sched = S.build_schedule(schedule, pp, n_micro, virtual_stages, r) if pp > 1 else None
@@ -334,8 +336,8 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, zero=0, recompute="none", sp=False, 
             per_micro = max(per_micro, wgrad_hold_per_micro(cfg, B, T, tp, sp, blocks, last, first, act_bytes, stat))
         chunks = max(1, len(stages))
         bucket = min(n, int(bucket_mb * 2**20) // master_bytes)
-        units = sorted(unit_sizes(cfg, tp, ep, blocks, first, last), reverse=True) + [0, 0]
-        blocks_only = sorted(unit_sizes(cfg, tp, ep, blocks, False, False), reverse=True) + [0]
+        units = sorted(unit_sizes(cfg, tp, ep, blocks, first, last, etp), reverse=True) + [0, 0]
+        blocks_only = sorted(unit_sizes(cfg, tp, ep, blocks, False, False, etp), reverse=True) + [0]
         comm = transient = 0
         # collectives in flight (parallel.dp bounds them to MAX_INFLIGHT_BUCKETS): a tensor larger
         # than a bucket is a bucket of its own and its own buffer (no packed copy); the MPI

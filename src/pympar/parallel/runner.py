@@ -83,7 +83,8 @@ class ParallelRunner:
         self.model_cfg, self.layout, self.comm = model_cfg, layout, comm
         self.rec = Recorder() if rec is None else rec      # the trainer passes its own (events, trace)
         self.cp = layout.cp
-        self.mesh = mesh = Mesh(comm, dp=layout.dp, pp=layout.pp, tp=layout.tp, ep=layout.ep, cp=self.cp)
+        self.mesh = mesh = Mesh(comm, dp=layout.dp, pp=layout.pp, tp=layout.tp, ep=layout.ep, cp=self.cp,
+                                etp=getattr(layout, "etp", None))
         self.dp, self.pp, self.tp, self.ep = layout.dp, layout.pp, layout.tp, layout.ep
         self.seed = opts.seed
         self.master = np.dtype(opts.master_dtype)
@@ -371,7 +372,8 @@ class ParallelRunner:
     def predicted_ledger(self, micro_batch_size, n_micro):
         """The planner's ledger of this layout (the worst pipeline rank), for the same options."""
         item = np.dtype(self.compute or self.master).itemsize
-        led, _ = ledger.predict(self.model_cfg, dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, zero=self.zero,
+        led, _ = ledger.predict(self.model_cfg, dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, etp=self.mesh.etp,
+                                zero=self.zero,
                                 recompute=self.recompute, sp=self.sp, micro_batch_size=micro_batch_size,
                                 n_micro=n_micro, schedule=self.schedule, virtual_stages=self.v,
                                 master_bytes=self.master.itemsize, act_bytes=item, bucket_mb=self.bucket_mb,
@@ -405,12 +407,15 @@ class ParallelRunner:
         vec[1] = self.sync.nonfinite()
         vec[2] = self.sync.local_sq()
         for k, i in enumerate(self.moe_ids):
-            if i in local_moe and m.tp_rank == 0:          # routing is replicated over tp
-                o = 3 + k * self._moe_width
+            if i not in local_moe:
+                continue
+            o = 3 + k * self._moe_width
+            if m.tp_rank == 0:                             # routing is replicated over tp
                 vec[o:o + E] = local_moe[i]["tokens_per_expert"]
                 vec[o + E] = local_moe[i]["dropped_fraction"]
-                if i in a2a:                               # the world sum: the mean over dp x cp, the bytes' sum
-                    vec[o + E + 1] = a2a[i].seconds / (self.dp * self.cp)
+            if m.etp_rank == 0:                            # the experts' side: each share of the rows (folded) counts
+                if i in a2a:                               # the world sum: the mean over the senders, the bytes' sum
+                    vec[o + E + 1] = a2a[i].seconds / (self.dp * self.cp * m.fold)
                     vec[o + E + 2] = a2a[i].bytes
                 if "rank_rows" in local_moe[i]:            # summed over the ep groups
                     vec[o + E + 3 + m.ep_rank] = local_moe[i]["rank_rows"]
@@ -526,11 +531,12 @@ class ParallelRunner:
 
     def full_state_dict(self):
         """Collective over the world: the full nn.GPT state dict on world rank 0, None elsewhere.
-        Only the dp ranks 0..ep-1 (together all experts) send their pieces, as host copies (under
-        ZeRO-3 every rank: each holds its rows)."""
+        Only the ranks of the first edp replica (together all experts) and of the first dp x cp
+        replica (all dense shards) send their pieces, as host copies (under ZeRO-3 every rank: each
+        holds its rows)."""
         m = self.mesh
         mine = None
-        if m.edp_rank == 0 or self.zero == 3:
+        if m.edp_rank == 0 or m.dpcp_rank == 0 or self.zero == 3:
             mine = [(n, to_numpy(p.data), shard_of(p)) for n, p in self.model.named_parameters()]
             mine += [(f"transformer.h.{i}.moe.expert_bias", to_numpy(layer.expert_bias), None)
                      for i, layer in self.model.moe_layers()]

@@ -22,7 +22,7 @@ from .moe import TPMoE
 
 class TPBlock(Block):
     def __init__(self, config: GPTConfig, i: int, tp, *, seed=0, dtype=np.float32,
-                 sequence_parallel=False, compute_dtype=None):
+                 sequence_parallel=False, compute_dtype=None, etp=None, fold=None):
         c = config
         tpc = as_collectives(tp)
         name = f"transformer.h.{i}"
@@ -35,7 +35,8 @@ class TPBlock(Block):
         if c.is_moe_block(i):
             self.moe = TPMoE(c.n_embd, c.n_expert, tpc, name=f"{name}.moe", top_k=c.top_k,
                              capacity_factor=c.capacity_factor, aux_coef=c.aux_coef, z_coef=c.z_coef,
-                             shared_expert=c.shared_expert, bias_update_rate=c.bias_update_rate, **mk)
+                             shared_expert=c.shared_expert, bias_update_rate=c.bias_update_rate, etp=etp, fold=fold,
+                             **mk)
         else:
             self.mlp = TPMLP(c.n_embd, tpc, name=f"{name}.mlp", **mk)
 

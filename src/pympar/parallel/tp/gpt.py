@@ -57,9 +57,12 @@ class SPGradSync:
 
 class TPGPT(GPT):
     def __init__(self, config: GPTConfig, tp_comm, seed: int = 0, dtype=np.float32,
-                 sequence_parallel: bool = False, compute_dtype=None):
+                 sequence_parallel: bool = False, compute_dtype=None, etp_comm=None, fold_comm=None):
         """tp_comm: the tp group's Communicator, or a TPCollectives over it (its meter then gets
         the TP collectives' seconds: see pympar.parallel.meter).
+        etp_comm, fold_comm: the experts folded apart from the tp group (parallel.mesh: etp < tp):
+        each expert split over etp_comm (its ranks' experts whole when it has one rank), and the
+        tp group's expert rows shared out over fold_comm; None: the experts split over tp.
         compute_dtype: None, 'float16' or 'bfloat16': mixed precision exactly as nn.GPT (float32
         master weights and grads, low-precision GEMMs accumulating in float32, softmax and
         LayerNorm statistics in float32); partial sums over tp are reduced in float32."""
@@ -72,7 +75,8 @@ class TPGPT(GPT):
         c = config
         self.embedding = VocabParallelEmbedding(c.vocab_size, c.block_size, c.n_embd, tpc, seed=seed,
                                                 dtype=dtype, sequence_parallel=sequence_parallel, compute_dtype=cdt)
-        self.h = [TPBlock(c, i, tpc, seed=seed, dtype=dtype, sequence_parallel=sequence_parallel, compute_dtype=cdt)
+        self.h = [TPBlock(c, i, tpc, seed=seed, dtype=dtype, sequence_parallel=sequence_parallel, compute_dtype=cdt,
+                          etp=etp_comm, fold=fold_comm)
                   for i in range(c.n_layer)]
         self.head = VocabParallelHead(c, self.embedding, tpc, dtype=dtype, sequence_parallel=sequence_parallel,
                                       compute_dtype=cdt)
