@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -95,6 +96,19 @@ def run_worker(n: int, script, args: list, timeout: float, env_extra=None):
     if p.returncode != 0:
         raise SystemExit(f"error: {' '.join(cmd)} failed:\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
     return json.loads(next(x for x in p.stdout.splitlines() if x.startswith("ROWS "))[5:])
+
+
+def run_with_peaks(n: int, args: list, timeout: float, environ=None):
+    """mpiexec -n n python args, each rank under /usr/bin/time writing its peak RSS (VmHWM as the
+    kernel counts it, read after the rank exits) to a file: (completed process, {rank: peak bytes});
+    environ: the ranks' environment (default env())."""
+    with tempfile.TemporaryDirectory() as d:
+        inner = " ".join(["exec", "/usr/bin/time", "-o", shlex.quote(d) + "/peak_$PMI_RANK", "-f", "%M",
+                          *[shlex.quote(str(a)) for a in (sys.executable, *args)]])
+        p = subprocess.run([mpiexec(), "-n", str(n), "sh", "-c", inner], capture_output=True, text=True,
+                           env=environ or env(), timeout=timeout, cwd=ROOT)
+        peaks = {int(f.name.split("_")[1]): int(f.read_text().split()[-1]) * 1024 for f in Path(d).glob("peak_*")}
+    return p, peaks
 
 
 def read_jsonl(path) -> list:

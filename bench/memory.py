@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, env, machine, mpiexec, pyplot, run_and_write, save  # noqa: E402
+from common import ROOT, machine, pyplot, run_and_write, run_with_peaks, save  # noqa: E402
 
 from pympar.nn.config import GPTConfig  # noqa: E402
 from pympar.nn.gpt import count_params  # noqa: E402
@@ -68,23 +66,11 @@ def _flags(layout: str) -> dict:
     return {k.lstrip("-"): int(v) for k, v in zip(t[::2], t[1::2])}
 
 
-def _wrapped(n: int, args: list, timeout: float, environ=None):
-    """mpiexec -n n python args, each rank under /usr/bin/time writing its peak RSS to a file:
-    (completed process, {rank: peak bytes}); environ: the ranks' environment (default common.env())."""
-    with tempfile.TemporaryDirectory() as d:
-        inner = " ".join(["exec", "/usr/bin/time", "-o", shlex.quote(d) + "/peak_$PMI_RANK", "-f", "%M",
-                          *[shlex.quote(str(a)) for a in (sys.executable, *args)]])
-        p = subprocess.run([mpiexec(), "-n", str(n), "sh", "-c", inner], capture_output=True, text=True,
-                           env=environ or env(), timeout=timeout, cwd=ROOT)
-        peaks = {int(f.name.split("_")[1]): int(f.read_text().split()[-1]) * 1024 for f in Path(d).glob("peak_*")}
-    return p, peaks
-
-
 def baseline() -> int:
     """Peak RSS of one rank of the trainer itself with a model of a few KB (1 layer, 8 wide, 2
     steps): the interpreter, the libraries, MPI and the trainer's own overhead."""
     with tempfile.TemporaryDirectory() as out:
-        _, peaks = _wrapped(1, ["-m", "pympar.train", "--preset", "tiny", "--n-layer", 1, "--n-embd", 8,
+        _, peaks = run_with_peaks(1, ["-m", "pympar.train", "--preset", "tiny", "--n-layer", 1, "--n-embd", 8,
                                 "--n-head", 1, "--block-size", 8, "--micro-batch-size", 1, "--steps", 2,
                                 "--eval-every", 0, "--sample-tokens", 0, "--progress", "log", "--out", out], 120)
     return max(peaks.values())
@@ -119,7 +105,7 @@ def run(a):
                     "--dp", dp, "--pp", pp, "--tp", tp, "--zero", zero, "--recompute", rc, "--micro-batch-size", 1,
                     "--n-micro", n_micro, "--steps", 2, "--warmup", 1, "--eval-every", 0, "--sample-tokens", 0,
                     "--progress", "log", "--out", out]
-            p, peaks = _wrapped(n, args, a.timeout)
+            p, peaks = run_with_peaks(n, args, a.timeout)
             if p.returncode != 0 or len(peaks) != n:
                 raise RuntimeError(f"{label} failed ({p.returncode}, {len(peaks)} of {n} peaks):\n"
                                    f"{p.stdout[-2000:]}\n{p.stderr[-2000:]}")

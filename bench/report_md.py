@@ -430,6 +430,26 @@ def sec_moe_replicas(res, status) -> str:
     return "\n".join(out) + "\n"
 
 
+def sec_moe_fold(res, status) -> str:
+    d, out = _opening(res, status, "moe_fold", "## Experts folded apart from tensor parallelism")
+    if not d:
+        return "\n".join(out)
+    one = d["single_process"]
+    out += [f"`python bench/moe_fold.py`: `python -m pympar.train {' '.join(d['model'])}` (float32, AdamW, "
+            f"{d['steps']} steps), attention on tp 2 x dp {d['rows'][0]['world'] // 2}, the experts on the grids below; "
+            "peak resident memory per rank measured from outside (VmHWM), expert parameters per rank by arithmetic, "
+            "step time the median after the first step (ranks share 2 cores: compare rows with each other). The single "
+            f"process on the same batch peaks at {one['peak'] / 2**30:.2f} GiB.", "", _img("moe_fold", "moe fold"), "",
+            "| experts | flags | expert params / rank | peak max (GiB) | peak min | vs ep 1 | step ms | vs ep 1 | "
+            "losses vs 1 process |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in d["rows"]:
+        out.append(f"| {r['label']} | `{r['flags']}` | {r['expert_params_per_rank'] / 1e6:.2f} M | "
+                   f"{r['peak_max'] / 2**30:.3f} | {r['peak_min'] / 2**30:.3f} | {r['peak_vs_ep1']:.2f}x | "
+                   f"{1e3 * r['step_s']:.0f} | {r['step_vs_ep1']:.2f}x | {r['max_rel_loss_diff']:.1e} |")
+    return "\n".join(out) + "\n"
+
+
 def sec_compression(res, status) -> str:
     d, out = _opening(res, status, "compression", "## Gradient compression")
     if not d:
@@ -761,6 +781,6 @@ def render(res: Path, status: dict) -> str:
     quick = [n for n, s in status.items() if s.get("quick")]
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
-    secs = [sec_targets, sec_collectives, sec_auto_select, sec_call_overhead, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe, sec_moe_experts, sec_moe_dispatch, sec_moe_replicas,
+    secs = [sec_targets, sec_collectives, sec_auto_select, sec_call_overhead, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe, sec_moe_experts, sec_moe_dispatch, sec_moe_replicas, sec_moe_fold,
             sec_compression, sec_plan, sec_memory, sec_reproducible, sec_param_server, sec_cp_comm, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

@@ -88,6 +88,8 @@ def steps(quick: bool) -> list:
                           "--json", R / "moe_dispatch.json", "--png", IMG / "moe_dispatch.png"], None),
         ("moe_replicas", [PY, B / "moe_replicas.py", *(["--quick"] if q else []),
                           "--json", R / "moe_replicas.json", "--png", IMG / "moe_replicas.png"], None),
+        ("moe_fold", [PY, B / "moe_fold.py", *(["--quick"] if q else []),
+                      "--json", R / "moe_fold.json", "--png", IMG / "moe_fold.png"], None),
         ("plan_accuracy", [PY, B / "plan_accuracy.py", "--world", "4" if q else "4,8", "--rounds", "1" if q else "3",
                            "--steps", "2" if q else "4", "--calibrate", "--timeout", "120",
                            "--json", R / "plan_accuracy.json", "--png", IMG / "plan_accuracy.png"], None),

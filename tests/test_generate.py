@@ -79,22 +79,40 @@ def test_generation_on_a_layout_equals_one_process(n, tmp_path):
 
 
 @pytest.mark.mpi
+def _decodes_as_one_process(tmp_path, train, tokens, cases):
+    """Train 2 steps on 4 ranks with ``train``'s flags (a checkpoint at step 2); for each (ranks,
+    extra flags, layout words) `python -m pympar.generate` on that many ranks prints the text one
+    process samples and names the layout. -> the generate arguments."""
+    run = tmp_path / "run"
+    run_mpi(4, ["-m", "pympar.train", *train, "--steps", "2", "--save-every", "2", "--sample-tokens", "0",
+                "--eval-iters", "1", "--out", run], timeout=120)
+    args = ["-m", "pympar.generate", run, "--prompt", "def ", "--tokens", str(tokens), "--seed", "3"]
+    one = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=mpi_env(),
+                         cwd=ROOT / "tests", timeout=60)
+    assert one.returncode == 0, one.stderr
+    for n, extra, where in cases:
+        r = run_mpi(n, [*args, *extra], timeout=120)
+        assert r.stdout.startswith(one.stdout), (n, extra, r.stdout[:300], one.stdout[:300])
+        assert f"{tokens} tokens from step 2" in r.stdout and where in r.stdout, r.stdout[-500:]
+    return args
+
+
+def test_cli_decodes_a_folded_expert_layout(tmp_path):
+    """A MoE run with its experts folded apart from tp (tp 2 x dp 2 for attention, ep 4 with whole
+    experts): `python -m pympar.generate` decodes on the saved folded layout, on a smaller folded one
+    (2 ranks: --tp 2 --ep 2 --etp 1) and unfolded (--tp 2 --ep 1) the text one process samples."""
+    _decodes_as_one_process(tmp_path, ["--preset", "moe-tiny", "--tp", "2", "--ep", "4", "--etp", "1"], 30,
+                            [(4, [], "tp=2 pp=1 ep=4 dp=2 etp=1"), (2, ["--ep", "2", "--etp", "1"], "ep=2 dp=1 etp=1"),
+                             (2, ["--tp", "2", "--ep", "1"], "tp=2 pp=1 ep=1 dp=1")])
+
+
 def test_cli_decodes_on_the_saved_layout_and_refuses_what_does_not_fit(tmp_path):
     """A tp 2 x pp 2 run's checkpoint: `mpiexec -n 4 python -m pympar.generate` decodes on that
     layout (and -n 8 with two replicas, -n 2 with --pp 1) the text one process samples; 3 ranks
     are refused on every rank with what would fit, before any collective."""
-    run = tmp_path / "run"
-    run_mpi(4, ["-m", "pympar.train", "--preset", "tiny", "--tp", "2", "--pp", "2", "--n-micro", "2", "--steps", "2",
-                "--save-every", "2", "--sample-tokens", "0", "--eval-iters", "1", "--out", run], timeout=120)
-    args = ["-m", "pympar.generate", run, "--prompt", "def ", "--tokens", "40", "--seed", "3"]
-    one = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=mpi_env(),
-                         cwd=ROOT / "tests", timeout=60)
-    assert one.returncode == 0, one.stderr
-    for n, extra, where in ((4, [], "tp=2 pp=2 ep=1 dp=1"), (8, [], "tp=2 pp=2 ep=1 dp=2"),
-                            (2, ["--pp", "1"], "tp=2 pp=1 ep=1 dp=1")):
-        r = run_mpi(n, [*args, *extra], timeout=120)
-        assert r.stdout.startswith(one.stdout), (n, r.stdout[:300], one.stdout[:300])
-        assert "40 tokens from step 2" in r.stdout and where in r.stdout, r.stdout[-500:]
+    args = _decodes_as_one_process(tmp_path, ["--preset", "tiny", "--tp", "2", "--pp", "2", "--n-micro", "2"], 40,
+                                   [(4, [], "tp=2 pp=2 ep=1 dp=1"), (8, [], "tp=2 pp=2 ep=1 dp=2"),
+                                    (2, ["--pp", "1"], "tp=2 pp=1 ep=1 dp=1")])
     r = run_mpi(3, args, timeout=60, check=False)
     assert r.returncode != 0
     for rank in range(3):

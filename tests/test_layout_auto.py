@@ -33,7 +33,7 @@ def _fixed_machine(world):
 
 
 def test_auto_refuses_explicit_sizes():
-    with pytest.raises(ConfigError, match="--layout auto chooses dp, pp, tp, ep and cp itself"):
+    with pytest.raises(ConfigError, match="--layout auto chooses dp, pp, tp, ep, etp and cp itself"):
         parse_args([*TINY, "--layout", "auto", "--tp", "2"], world_size=4)
 
 

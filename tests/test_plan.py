@@ -44,7 +44,10 @@ def test_every_enumerated_layout_is_valid(preset, world):
         assert lay.dp * lay.pp * lay.cp * lay.tp == world
         assert lay.micro_batch_size * lay.n_micro * lay.dp == gb
         assert cfg.n_head % lay.tp == 0 and lay.pp <= cfg.n_layer
-        assert (lay.dp * lay.cp) % lay.ep == 0 and (lay.ep == 1 or cfg.n_expert % lay.ep == 0)
+        etp = lay.etp if lay.folded else lay.tp           # folded experts: ep may reach over tp's ranks
+        assert lay.tp % etp == 0 and (lay.dp * lay.cp * lay.tp // etp) % lay.ep == 0
+        assert lay.ep == 1 or cfg.n_expert % lay.ep == 0
+        assert not lay.folded or cfg.n_expert
         assert cfg.block_size % (2 * lay.cp) == 0 or lay.cp == 1
         assert not (lay.seq_parallel and lay.tp == 1) and not (lay.zero and lay.dp * lay.cp == 1)
     keys = [lay.key() for lay in valid]
@@ -57,6 +60,8 @@ def test_enumerator_covers_the_dimensions():
     got = {(lay.dp, lay.pp, lay.tp) for lay in valid}
     assert {(8, 1, 1), (1, 8 // 2, 2), (2, 2, 2), (2, 1, 4), (1, 2, 4)} <= got
     assert {lay.ep for lay in valid} == {1, 2, 4, 8}
+    assert {lay.etp for lay in valid if lay.folded} == {1, 2}        # folded apart from tp 2 and 4
+    assert any(lay.ep > lay.dp * lay.cp for lay in valid)            # the case: ep over tp ranks
     assert {lay.schedule for lay in valid} == {"1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev"}
     assert {lay.cp for lay in valid} == {1, 2, 4, 8}
     assert any(lay.zero for lay in valid) and any(lay.seq_parallel for lay in valid)

@@ -45,6 +45,8 @@ PAIRS = [
     ("dense-pp2zero2-to-dp2tp2zero3", DENSE, "--dp 2 --pp 2 --zero 2", "--dp 2 --tp 2 --zero 3 --seq-parallel"),
     ("dense-dp2cp2zero1-to-tp2", DENSE, "--dp 2 --cp 2 --zero 1", "--dp 1 --tp 2"),
     ("moe-1-to-cp2ep2zero2", MOE, "--dp 1", "--dp 1 --cp 2 --ep 2 --zero 2"),
+    # experts folded apart from tp (whole experts, ep over the tp ranks) -> split over tp, ep over dp
+    ("moe-folded-dp2tp2ep4etp1zero1-to-dp2tp2ep2", MOE, "--dp 2 --tp 2 --ep 4 --etp 1 --zero 1", "--dp 2 --tp 2 --ep 2"),
 ]
 SLOW_PAIRS = [
     ("dense-dp2tp2zero1-to-pp2tp2", DENSE, "--dp 2 --tp 2 --zero 1", "--dp 1 --pp 2 --tp 2"),
@@ -58,6 +60,7 @@ SLOW_PAIRS = [
     ("moe-dp4ep2zero3-to-dp2pp2ep2zero3", MOE, "--dp 4 --ep 2 --zero 3", "--dp 2 --pp 2 --ep 2 --zero 3"),
     ("dense-dp4zero3-to-dp4zero1", DENSE, "--dp 4 --zero 3 --recompute selective", "--dp 4 --zero 1"),
     ("dense-cp4-to-pp2cp2", DENSE, "--dp 1 --cp 4", "--dp 1 --pp 2 --cp 2"),
+    ("moe-dp2tp2ep2-to-folded-tp2ep2etp1zero2", MOE, "--dp 2 --tp 2 --ep 2", "--dp 1 --tp 2 --ep 2 --etp 1 --zero 2"),
 ]
 
 

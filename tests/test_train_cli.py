@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mpirun import run_mpi
+from pympar import layout as layouts
 from pympar.config import ConfigError, parse_args
 
 TINY = ["--preset", "tiny", "--block-size", "16", "--micro-batch-size", "2", "--sample-tokens", "8",
@@ -307,6 +308,20 @@ def test_layout_rule_and_errors(tmp_path):
         parse_args(["--pp", "3"], world_size=8)
     with pytest.raises(ConfigError, match="ep=3 does not divide dp=8"):
         parse_args(["--ep", "3", "--preset", "moe-tiny"], world_size=8)
+    # the experts folded apart from tp: ep over tp's ranks needs --etp below tp, and says so
+    moe = ["--preset", "moe-tiny", "--tp", "2"]
+    with pytest.raises(ConfigError, match="ep=4 does not divide dp=2.*--etp 1 lets ep reach over tp"):
+        parse_args([*moe, "--ep", "4"], world_size=4)
+    lay = parse_args([*moe, "--ep", "4", "--etp", "1"], world_size=4)[1].layout_resolved
+    assert (lay.dp, lay.tp, lay.ep, lay.etp, lay.folded) == (2, 2, 4, 1, True) and "etp=1" in str(lay)
+    assert "--etp" in lay.train_args() and not parse_args([*moe, "--etp", "2"], world_size=4)[1].layout_resolved.folded
+    with pytest.raises(ConfigError, match="etp=3 does not divide tp=2"):
+        parse_args([*moe, "--etp", "3"], world_size=4)
+    with pytest.raises(ConfigError, match="--ep-dispatch node does not run with the experts folded"):
+        parse_args([*moe, "--ep", "4", "--etp", "1", "--ep-dispatch", "node"], world_size=4)
+    dense, run = parse_args(["--tp", "2", "--etp", "1"], world_size=4)
+    with pytest.raises(ValueError, match="etp=1 folds experts apart from tp: it needs a MoE model"):
+        layouts.check(dense, run.layout_resolved)         # the trainer's check, on every rank
     with pytest.raises(ConfigError, match="unknown keys \\['nope'\\]"):
         p = tmp_path / "nope.toml"
         p.write_text("nope = 1\n")

@@ -7,7 +7,7 @@
 SRC: a run directory (the trainer's --out), its checkpoints/ folder or one step_N checkpoint,
 of any layout. On one process the model is assembled whole (pympar.checkpoint resharding).
 Under an MPI launcher with more than one rank the model is built on a tp x pp (x ep) layout --
-the one the checkpoint was saved with, or --tp/--pp/--ep -- with dp = ranks / (tp * pp)
+the one the checkpoint was saved with, or --tp/--pp/--ep/--etp -- with dp = ranks / (tp * pp)
 replicas, and the ranks decode together (pympar.parallel.generate: each rank holds its shards
 and its own heads' key/value cache; a pipeline passes each step's activations from stage to
 stage); every rank gets the tokens one process would sample. The byte vocabulary (256 tokens)
@@ -44,6 +44,10 @@ def build_parser():
     for k in ("tp", "pp", "ep"):
         p.add_argument(f"--{k}", type=int, default=None,
                        help=f"{k} of the layout to decode on, under an MPI launcher (default: the checkpoint's)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="the experts' tensor parallelism, a divisor of --tp: below tp the experts are folded apart "
+                        "and --ep may reach over the tp ranks (default: the checkpoint's when no --tp/--ep is given, "
+                        "else tp)")
     return p
 
 
@@ -64,10 +68,12 @@ def load_model(src):
 
 
 def saved_layout(meta) -> dict:
-    """tp, pp, ep, virtual_stages and schedule of the layout a checkpoint was saved with (1, 1, 1,
-    1, 1f1b where it records none: an import)."""
+    """tp, pp, ep, etp, virtual_stages and schedule of the layout a checkpoint was saved with (1, 1, 1,
+    None, 1, 1f1b where it records none: an import)."""
     lay = meta.get("layout") if isinstance(meta.get("layout"), dict) else {}
+    etp = lay.get("etp")
     return dict(tp=int(lay.get("tp", 1)), pp=int(lay.get("pp", 1)), ep=int(lay.get("ep", 1)),
+                etp=None if etp is None else int(etp),
                 virtual_stages=int(lay.get("virtual_stages", 1)), schedule=str(lay.get("schedule", "1f1b")))
 
 
@@ -78,9 +84,11 @@ def decode_layout(a, meta, world: int):
 
     saved = saved_layout(meta)
     lay = dict(saved)
-    given = {k: getattr(a, k) for k in ("tp", "pp", "ep") if getattr(a, k) is not None}
+    given = {k: getattr(a, k) for k in ("tp", "pp", "ep", "etp") if getattr(a, k, None) is not None}
     if any(v < 1 for v in given.values()):
-        raise ValueError("--tp, --pp and --ep must be >= 1")
+        raise ValueError("--tp, --pp, --ep and --etp must be >= 1")
+    if "etp" not in given and ("tp" in given or "ep" in given):
+        lay["etp"] = None                             # another expert grid: unfolded unless --etp says
     lay.update(given)
     if lay["pp"] == 1 or lay["pp"] != saved["pp"]:   # no pipeline, or another one: plain stages
         lay.update(virtual_stages=1, schedule="1f1b")
@@ -90,10 +98,17 @@ def decode_layout(a, meta, world: int):
         raise ValueError(f"{world} ranks do not divide into tp={tp} x pp={pp}{why}: run on a multiple of "
                          f"{tp * pp} ranks, or give --tp/--pp whose product divides {world}")
     dp = world // (tp * pp)
-    if dp % ep:
-        raise ValueError(f"ep={ep} must divide the {dp} data-parallel replica(s) of {world} ranks at tp={tp} x "
-                         f"pp={pp}: give an --ep that divides {dp}")
-    return Layout(dp=dp, pp=pp, tp=tp, ep=ep, n_micro=pp, virtual_stages=lay["virtual_stages"],
+    etp = lay["etp"]
+    if etp is not None and tp % etp:
+        raise ValueError(f"etp={etp} must divide tp={tp}: give an --etp that divides {tp}")
+    if etp is None or etp == tp:
+        if dp % ep:
+            raise ValueError(f"ep={ep} must divide the {dp} data-parallel replica(s) of {world} ranks at tp={tp} x "
+                             f"pp={pp}: give an --ep that divides {dp}" + (" (or --etp 1, experts folded apart from tp)"
+                                                                          if tp > 1 else ""))
+    elif (dp * tp // etp) % ep:
+        raise ValueError(f"ep={ep} must divide dp*tp/etp = {dp * tp // etp} at {world} ranks, tp={tp}, etp={etp}")
+    return Layout(dp=dp, pp=pp, tp=tp, ep=ep, etp=etp, n_micro=pp, virtual_stages=lay["virtual_stages"],
                   schedule=lay["schedule"])
 
 
@@ -173,7 +188,8 @@ def main(argv=None) -> int:
             return _error(e, mpi, rank)
         out = generate_parallel(model, mesh, prompt, a.tokens, top_k=a.top_k, temperature=a.temperature,
                                 rng=np.random.default_rng(a.seed))
-        how = f"key/value cache, {mpi.Get_size()} ranks: tp={layout.tp} pp={layout.pp} ep={layout.ep} dp={layout.dp}"
+        how = f"key/value cache, {mpi.Get_size()} ranks: tp={layout.tp} pp={layout.pp} ep={layout.ep} dp={layout.dp}" + \
+            (f" etp={layout.etp}" if layout.folded else "")
     dt = time.perf_counter() - t0
     if rank == 0:
         new = out[0, len(ids):].tolist()

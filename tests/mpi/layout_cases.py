@@ -1,9 +1,10 @@
 """The layouts of the equivalence test (tests/mpi/mpi_layouts.py): pure enumeration, no MPI.
 
-A case is a pympar.layout.Layout (dp, pp, tp, ep, cp, schedule, virtual stages, sequence
+A case is a pympar.layout.Layout (dp, pp, tp, ep, etp, cp, schedule, virtual stages, sequence
 parallelism, ZeRO, recomputation) with the test's model and dtype, dp*pp*cp*tp = world.
 ``all_layouts(world)`` is every layout the test models admit (pp <= n_layer,
-tp | n_head, ep | dp*cp and ep | n_expert, 2*cp | block_size (cp 1, 2, 4 with block_size 8),
+tp | n_head, ep | n_expert and ep | dp*cp, or with the experts folded apart from tp (etp a
+proper divisor of tp) ep | dp*cp*tp/etp, 2*cp | block_size (cp 1, 2, 4 with block_size 8),
 interleaved only where n_layer divides into pp*2 chunks, zb-v where n_layer >= 2*pp (dualpipev
 also needs n_micro >= 2*pp), what
 pympar.layout.check refuses as not supported left out (none at present; any other refusal
@@ -39,7 +40,7 @@ class Layout(pympar.layout.Layout):
     dtype: str = "float64"
 
     def __str__(self):
-        s = f"dp{self.dp}.pp{self.pp}.tp{self.tp}.ep{self.ep}" + \
+        s = f"dp{self.dp}.pp{self.pp}.tp{self.tp}.ep{self.ep}" + (f".etp{self.etp}" if self.folded else "") + \
             (f".cp{self.cp}" + ({"ring": ""}.get(self.cp_comm, f"-{self.cp_comm}")) +
              (f"{self.cp_a2a}" if self.cp_comm == "a2a+ring" else "") if self.cp > 1 else "") + f" {self.model}"
         if self.pp > 1:
@@ -50,6 +51,7 @@ class Layout(pympar.layout.Layout):
     def features(self):
         """(dimension, value) items whose pairs the CI slice must cover."""
         return [("shape", (self.dp, self.pp, self.tp, self.cp)), ("ep", self.ep), ("model", self.model),
+                ("etp", self.etp if self.folded else "-"),
                 ("schedule", self.schedule if self.pp > 1 else "-"), ("sp", self.seq_parallel), ("zero", self.zero),
                 ("dtype", self.dtype), ("recompute", self.recompute), ("cp_comm", self.cp_comm if self.cp > 1 else "-")]
 
@@ -81,13 +83,15 @@ def all_layouts(world: int, dtypes=("float64",)):
                     ([("dualpipev", 2)] if N_LAYER >= 2 * pp and G // dp >= 2 * pp else [])
                 sps = [False, True] if tp > 1 and (T // cp) % tp == 0 else [False]
                 for model in ("dense", "moe"):
-                    eps = [1] if model == "dense" else [e for e in _divisors(dp * cp) if N_EXPERT % e == 0]
+                    eps = [(1, None)] if model == "dense" else \
+                        [(e, None if etp == tp else etp) for etp in _divisors(tp)
+                         for e in _divisors(dp * cp * tp // etp) if N_EXPERT % e == 0]
                     heads = N_HEAD // tp       # Ulysses over all cp ranks, and in groups of 2 with the ring across
                     comms = [("ring", 0)] + ([("a2a", 0)] if cp > 1 and heads % cp == 0 else []) + \
                         ([("a2a+ring", 2)] if cp > 2 and cp % 2 == 0 and heads % 2 == 0 else [])
-                    for ep, (sched, v), sp, zero, dt, rc, (cc, a2a) in itertools.product(
+                    for (ep, etp), (sched, v), sp, zero, dt, rc, (cc, a2a) in itertools.product(
                             eps, scheds, sps, [0, 1, 2, 3] if dp * cp > 1 else [0], dtypes, RECOMPUTE, comms):
-                        lay = Layout(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp, micro_batch_size=2, n_micro=G // dp,
+                        lay = Layout(dp=dp, pp=pp, tp=tp, ep=ep, etp=etp, cp=cp, micro_batch_size=2, n_micro=G // dp,
                                      schedule=sched, virtual_stages=v, zero=zero, seq_parallel=sp, recompute=rc,
                                      model=model, dtype=dt, cp_comm=cc, cp_a2a=a2a)
                         try:                       # what pympar refuses as not supported is not a case

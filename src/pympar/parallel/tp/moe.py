@@ -101,7 +101,7 @@ class TPMoE(MoE):
         L = -(-M // F)
         a, b = min(M, f * L), min(M, (f + 1) * L)
         ends = np.cumsum(c)  # host
-        return a, b, L, np.clip(np.minimum(ends, b) - np.maximum(ends - c, a), 0, None)
+        return a, b, L, np.clip(np.minimum(ends, b) - np.maximum(ends - c, a), 0, None)  # host
 
     def _gather_rows(self, part, L, M):
         """Every share's rows (at most L each, in share order) -> the (M, C) rows on every rank."""
