@@ -24,7 +24,7 @@ EVERY_FUNCTION = sorted((ROOT / "parallel" / "tp").glob("*.py")) + sorted((ROOT 
     [ROOT / "parallel" / f for f in ("ep.py", "runner.py", "compress.py")]
 HOT = {"forward", "backward", "step", "run_experts", "run_experts_backward", "loss_and_grad", "forward_loss",
        "logits", "matmul", "accumulate", "compute_cast", "clip_grad_norm", "found_inf", "update_expert_bias",
-       "take_stats", "local_sq", "nonfinite", "grads_finite", "scale_grads", "gather_grads", "_complete",
+       "take_stats", "local_sq", "nonfinite", "scale_grads", "gather_grads", "_complete",
        "_start", "_head_forward", "_forward", "_inputs", "sum_sq", "host_scalars", "zero_grad", "__init__"}
 ARRAY_FUNCS = {"zeros", "zeros_like", "empty", "empty_like", "ones", "ones_like", "full", "full_like", "asarray",
                "array", "ascontiguousarray", "add", "put_along_axis", "take_along_axis", "einsum", "exp", "log",

@@ -514,16 +514,6 @@ class DataParallel:
             for i, p in enumerate(b.params):
                 yield p, (b.grad_rows(i) if b.sharded else p.grad)
 
-    def grads_finite(self) -> bool:
-        """After finish(): are all synced gradients finite (the same answer on every rank)?"""
-        if not self.zero:
-            return all(bool(xp_of(b.buf).isfinite(b.buf).all()) for b in self.buckets)
-        bad = np.array([sum(0 if all(bool(xp_of(g).isfinite(g).all()) for g in b.reduced()) else 1  # host count
-                            for b in self.buckets)], np.float64)
-        if self.dp > 1:                                  # rows differ per rank: agree
-            bad = np.asarray(self.comm.allreduce(bad)).reshape(-1)   # host vector over MPI
-        return bool(bad[0] == 0)
-
     def scale_grads(self, alpha):
         """After finish(): multiply the synced gradients by alpha (loss-scale unscaling)."""
         for b in self.buckets:

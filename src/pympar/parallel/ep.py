@@ -60,14 +60,6 @@ def is_expert_param(name: str) -> bool:
     return _EXPERT.search(name) is not None
 
 
-def split_expert_params(named_params):
-    """[(name, p)] -> (dense [(name, p)], expert [(name, p)]) in the given order."""
-    dense, expert = [], []
-    for n, p in named_params:
-        (expert if is_expert_param(n) else dense).append((n, p))
-    return dense, expert
-
-
 def expert_grad_scale(dp: int, ep: int, edp_size: int) -> float:
     """Factor applied to the edp-SUM of an expert gradient so it equals the single-process one: 1/dp.
 
@@ -456,32 +448,6 @@ def install_expert_parallel(model, ep_comm, meter: Meter | None = None, dispatch
 
 
 # --- gradients, clipping, statistics -------------------------------------------------------------
-def _sum_over(comm, values):
-    """Sum a short host vector (python floats) over comm (MPI)."""
-    v = np.asarray(values, np.float64)  # host
-    if comm is None or comm.size == 1:
-        return v
-    out = comm.allreduce(v.copy())
-    return np.asarray(v if out is None else out, np.float64)  # host
-
-
-def lockstep_forward_losses(model, batches, ep_comm):
-    """[model.forward_loss(x, y) for x, y in batches], with every rank of the ep group running the
-    same number of forward passes (MoE layers exchange tokens in each): ranks with fewer batches
-    run padding passes whose losses are discarded. One allreduce (max) of the count."""
-    n = len(batches)
-    n_max = n
-    if ep_comm is not None and ep_comm.size > 1:
-        got = ep_comm.allreduce(np.array([n], np.int64), op="max")  # host
-        n_max = int(np.asarray(got).reshape(-1)[0])  # host
-    # batches are host int64 (idx, targets); the model moves them to its device
-    pad = batches[0] if batches else (np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64))  # host
-    losses = [model.forward_loss(x, y) for x, y in batches]
-    for _ in range(n_max - n):
-        model.forward_loss(*pad)
-    return losses
-
-
 def ep_step_stats(model, meter, dp_comm=None):
     """Per MoE layer, over all dp ranks since the last call: tokens_per_expert (kept tokens each
     expert processed), load_cv and max_over_mean of that load, routed_per_expert (assignments

@@ -61,6 +61,7 @@ from .mesh import Mesh
 from .meter import Meter, seconds
 from .pp.schedules import SPLIT_BACKWARD, measured_costs
 from .shard import shard_of
+from .stepvec import Slots
 
 
 def build_runner(model_cfg, layout, comm, opts, rec=None):
@@ -144,8 +145,6 @@ class ParallelRunner:
         self.grad_clip = opts.grad_clip
         self.scaler = DynamicLossScaler() if opts.dtype == "float16" else None
         self.moe_ids = [i for i in range(model_cfg.n_layer) if model_cfg.is_moe_block(i)]
-        # per MoE layer in the step vector: load (E), dropped, a2a s, a2a bytes, rows each ep rank ran
-        self._moe_width = model_cfg.n_expert + 3 + self.ep
         self.n_params = count_params(model_cfg)
         self.ledger, self._workspace = None, None
 
@@ -265,22 +264,20 @@ class ParallelRunner:
         measuring = self.executor is not None and self.pp_costs == "measured" and self.schedule in SPLIT_BACKWARD \
             and self.executor.costs is None
         times = pipe["stage_times"] if measuring else None
-        vec = self._step_vector(loss, local_moe, a2a, (stop, written), times)
+        slots, vec = self._step_vector(loss, local_moe, a2a, (stop, written), times)
         with rec.span("step allreduce", self._world_comm_category(), bytes=int(vec.nbytes)):
             red = self._allreduce(vec)
-        loss = float(red[0] / (self.dp * self.cp))
-        nonfinite, total_sq = red[1], float(red[2])
+        loss = slots.scalar(red, "loss") / (self.dp * self.cp)
+        nonfinite, total_sq = slots.scalar(red, "nonfinite"), slots.scalar(red, "norm_sq")
         if self.deterministic:            # the loss and the norm as exact sums over the world too
             loss = float(self._exact_loss.allreduce(self.mesh.dpcp_comm).value())
             total_sq = self.sync.exact_sq(self.comm)
-        n_moe = len(self.moe_ids) * self._moe_width
-        moe = self._moe_from(red[3:3 + n_moe])
-        stop_any = bool(red[3 + n_moe] > 0)               # the two flag slots of _step_vector
-        all_written = bool(red[4 + n_moe] >= self.comm.size)
-        n_times = 0 if times is None else times.size
+        moe = self._moe_from(slots, red)
+        stop_any = slots.scalar(red, "stop") > 0
+        all_written = slots.scalar(red, "written") >= self.comm.size
         if measuring:
-            self.executor.costs = measured_costs(red[5 + n_moe:5 + n_moe + n_times].reshape(times.shape))
-        memory = memory_summary(red[5 + n_moe + n_times:], self.comm.size)
+            self.executor.costs = measured_costs(slots.get(red, "stage_times").reshape(times.shape))
+        memory = memory_summary(slots.get(red, "memory"), self.comm.size)
 
         with rec.span("optimizer", "optimizer"):
             # a non-finite loss or gradient never reaches the weights (agreed: red is reduced over
@@ -388,38 +385,47 @@ class ParallelRunner:
                 return key
         return "optimizer"
 
+    def _slots(self, n_times, n_memory):
+        """The step vector's layout (parallel/stepvec.py): the loss x dp x cp, the non-finite count,
+        the norm^2; per MoE layer i its routing ("moe{i}.load" E, ".dropped"), its all-to-alls
+        (".a2a_s", ".a2a_bytes") and the rows each ep rank ran (".rows"); the stop and written flags;
+        when measuring, the pipeline's stage times; every rank's memory figures."""
+        moe = [(f"moe{i}.{k}", n) for i in self.moe_ids
+               for k, n in (("load", self.model_cfg.n_expert), ("dropped", 1), ("a2a_s", 1), ("a2a_bytes", 1),
+                            ("rows", self.ep))]
+        return Slots([("loss", 1), ("nonfinite", 1), ("norm_sq", 1), *moe, ("stop", 1), ("written", 1),
+                      ("stage_times", n_times), ("memory", n_memory)])
+
     def _step_vector(self, loss, local_moe, a2a, flags=(False, False), times=None):
-        """This rank's share of [loss*dp*cp, non-finite, norm^2, per MoE layer: load (E), dropped, a2a s,
-        a2a bytes, this rank asked to stop (0/1), its checkpoint part written (0/1), when measuring
-        the pipeline's stage times (S x 3: the first replica's, each stage from its rank), then every
-        rank's memory figures (ledger.memory_vector)]."""
-        E, m = self.model_cfg.n_expert, self.mesh
-        head = m.tp_rank == 0 and m.pp_rank == 0           # the loss is the same over tp and pp
+        """(layout, this rank's share of the step vector, see _slots): each slot has the ranks
+        that contribute to it, so the world's sum is the figure."""
+        m = self.mesh
         mem = ledger.memory_vector(self.comm.size, self.comm.rank, self.ledger["peak"])
-        flag = 3 + len(self.moe_ids) * self._moe_width         # the two flag slots, the times, the memory figures
-        nt = 0 if times is None else times.size
-        vec = np.zeros(flag + 2 + nt + mem.size, np.float64)  # host: for the world MPI allreduce
-        vec[flag:flag + 2] = [1.0 if f else 0.0 for f in flags]
-        if nt and m.dp_rank == 0 and m.cp_rank == 0 and m.tp_rank == 0:
-            vec[flag + 2:flag + 2 + nt] = times.reshape(-1)   # zero outside this rank's stages
-        vec[flag + 2 + nt:] = mem
-        vec[0] = loss if head else 0.0
-        vec[1] = self.sync.nonfinite()
-        vec[2] = self.sync.local_sq()
-        for k, i in enumerate(self.moe_ids):
+        slots = self._slots(0 if times is None else times.size, mem.size)
+        vec = slots.zeros()
+        if m.tp_rank == 0 and m.pp_rank == 0:              # the loss is the same over tp and pp
+            slots.put(vec, "loss", loss)
+        slots.put(vec, "nonfinite", self.sync.nonfinite())
+        slots.put(vec, "norm_sq", self.sync.local_sq())
+        for i in self.moe_ids:
             if i not in local_moe:
                 continue
-            o = 3 + k * self._moe_width
+            st = local_moe[i]
             if m.tp_rank == 0:                             # routing is replicated over tp
-                vec[o:o + E] = local_moe[i]["tokens_per_expert"]
-                vec[o + E] = local_moe[i]["dropped_fraction"]
+                slots.put(vec, f"moe{i}.load", st["tokens_per_expert"])
+                slots.put(vec, f"moe{i}.dropped", st["dropped_fraction"])
             if m.etp_rank == 0:                            # the experts' side: each share of the rows (folded) counts
                 if i in a2a:                               # the world sum: the mean over the senders, the bytes' sum
-                    vec[o + E + 1] = a2a[i].seconds / (self.dp * self.cp * m.fold)
-                    vec[o + E + 2] = a2a[i].bytes
-                if "rank_rows" in local_moe[i]:            # summed over the ep groups
-                    vec[o + E + 3 + m.ep_rank] = local_moe[i]["rank_rows"]
-        return vec
+                    slots.put(vec, f"moe{i}.a2a_s", a2a[i].seconds / (self.dp * self.cp * m.fold))
+                    slots.put(vec, f"moe{i}.a2a_bytes", a2a[i].bytes)
+                if "rank_rows" in st:                      # summed over the ep groups
+                    slots.get(vec, f"moe{i}.rows")[m.ep_rank] = st["rank_rows"]
+        slots.put(vec, "stop", 1.0 if flags[0] else 0.0)
+        slots.put(vec, "written", 1.0 if flags[1] else 0.0)
+        if times is not None and m.dp_rank == 0 and m.cp_rank == 0 and m.tp_rank == 0:
+            slots.put(vec, "stage_times", times)           # zero outside this rank's stages
+        slots.put(vec, "memory", mem)
+        return slots, vec
 
     def _replicas_after_step(self, model, moe):
         """--expert-replicas: every --replan-every steps each MoE layer's replicas are placed anew
@@ -474,15 +480,16 @@ class ParallelRunner:
             if i in copies:
                 m.set_replicas(copies[i])
 
-    def _moe_from(self, v):
-        E, out = self.model_cfg.n_expert, []
-        for k, i in enumerate(self.moe_ids):
-            o = k * self._moe_width
-            st = dict(layer=i, tokens_per_expert=[int(round(t)) for t in v[o:o + E]],
-                      dropped_fraction=float(v[o + E] / (self.dp * self.cp)))
+    def _moe_from(self, slots, red):
+        out = []
+        for i in self.moe_ids:
+            def get(k, i=i):
+                return slots.get(red, f"moe{i}.{k}")
+            st = dict(layer=i, tokens_per_expert=[int(round(t)) for t in get("load")],
+                      dropped_fraction=float(get("dropped")[0] / (self.dp * self.cp)))
             if self.ep > 1:
-                rows = v[o + E + 3:o + E + 3 + self.ep]
-                st.update(a2a_seconds=float(v[o + E + 1]), a2a_bytes=int(round(v[o + E + 2])),
+                rows = get("rows")
+                st.update(a2a_seconds=float(get("a2a_s")[0]), a2a_bytes=int(round(get("a2a_bytes")[0])),
                           rows_per_ep_rank=[int(round(t)) for t in rows], rank_max_over_mean=max_over_mean(rows))
             out.append(st)
         return out
