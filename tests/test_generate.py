@@ -1,5 +1,6 @@
 """Generation with a key/value cache: equal to the uncached path token for token, to transformers'
 greedy decoding of an exported model, and the CLI on each checkpoint form."""
+import re
 import subprocess
 import sys
 
@@ -82,7 +83,7 @@ def test_generation_on_a_layout_equals_one_process(n, tmp_path):
 def _decodes_as_one_process(tmp_path, train, tokens, cases):
     """Train 2 steps on 4 ranks with ``train``'s flags (a checkpoint at step 2); for each (ranks,
     extra flags, layout words) `python -m pympar.generate` on that many ranks prints the text one
-    process samples and names the layout. -> the generate arguments."""
+    process samples and names the layout. -> (the generate arguments, each case's output)."""
     run = tmp_path / "run"
     run_mpi(4, ["-m", "pympar.train", *train, "--steps", "2", "--save-every", "2", "--sample-tokens", "0",
                 "--eval-iters", "1", "--out", run], timeout=120)
@@ -90,11 +91,13 @@ def _decodes_as_one_process(tmp_path, train, tokens, cases):
     one = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, env=mpi_env(),
                          cwd=ROOT / "tests", timeout=60)
     assert one.returncode == 0, one.stderr
+    outs = []
     for n, extra, where in cases:
         r = run_mpi(n, [*args, *extra], timeout=120)
         assert r.stdout.startswith(one.stdout), (n, extra, r.stdout[:300], one.stdout[:300])
         assert f"{tokens} tokens from step 2" in r.stdout and where in r.stdout, r.stdout[-500:]
-    return args
+        outs.append(r.stdout)
+    return args, outs
 
 
 def test_cli_decodes_a_folded_expert_layout(tmp_path):
@@ -106,11 +109,24 @@ def test_cli_decodes_a_folded_expert_layout(tmp_path):
                              (2, ["--tp", "2", "--ep", "1"], "tp=2 pp=1 ep=1 dp=1")])
 
 
+def test_cli_places_expert_replicas_once_from_the_prompt(tmp_path):
+    """--expert-replicas R on an ep 4 layout: the prompt's prefill measures the expert loads, the
+    replicas are placed once from them (the busiest experts copied to the least-loaded ranks), and the
+    text is still the one process's; on a layout replicas cannot serve (tp 2) every rank refuses."""
+    args, outs = _decodes_as_one_process(tmp_path, ["--preset", "moe-tiny", "--ep", "4"], 30,
+                                         [(4, ["--expert-replicas", "2"], "ep=4 dp=4")])
+    line = next(x for x in outs[0].splitlines() if "replicas placed once from the prompt's loads" in x)
+    pairs = [(float(b), float(r)) for b, r in re.findall(r"layer \d+ ([\d.]+) -> ([\d.]+)", line)]
+    assert len(pairs) == 2 and all(r <= b for b, r in pairs) and any(r < b for b, r in pairs), line
+    r = run_mpi(4, [*args, "--tp", "2", "--ep", "2", "--expert-replicas", "1"], timeout=60, check=False)
+    assert r.returncode != 0 and r.stdout.count("--expert-replicas 1: replicas copy whole experts") == 4, r.stdout
+
+
 def test_cli_decodes_on_the_saved_layout_and_refuses_what_does_not_fit(tmp_path):
     """A tp 2 x pp 2 run's checkpoint: `mpiexec -n 4 python -m pympar.generate` decodes on that
     layout (and -n 8 with two replicas, -n 2 with --pp 1) the text one process samples; 3 ranks
     are refused on every rank with what would fit, before any collective."""
-    args = _decodes_as_one_process(tmp_path, ["--preset", "tiny", "--tp", "2", "--pp", "2", "--n-micro", "2"], 40,
+    args, _ = _decodes_as_one_process(tmp_path, ["--preset", "tiny", "--tp", "2", "--pp", "2", "--n-micro", "2"], 40,
                                    [(4, [], "tp=2 pp=2 ep=1 dp=1"), (8, [], "tp=2 pp=2 ep=1 dp=2"),
                                     (2, ["--pp", "1"], "tp=2 pp=1 ep=1 dp=1")])
     r = run_mpi(3, args, timeout=60, check=False)

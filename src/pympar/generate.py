@@ -44,6 +44,10 @@ def build_parser():
     for k in ("tp", "pp", "ep"):
         p.add_argument(f"--{k}", type=int, default=None,
                        help=f"{k} of the layout to decode on, under an MPI launcher (default: the checkpoint's)")
+    p.add_argument("--expert-replicas", type=int, default=0, metavar="R",
+                   help="MoE on a layout with --ep > 1 (tp 1): R replica slots per ep rank, placed once before "
+                        "decoding from the expert loads the prompt's prefill measures (the busiest experts get "
+                        "copies on the least-loaded ranks, as in training; docs/parallel.md); default 0")
     p.add_argument("--etp", type=int, default=None,
                    help="the experts' tensor parallelism, a divisor of --tp: below tp the experts are folded apart "
                         "and --ep may reach over the tp ranks (default: the checkpoint's when no --tp/--ep is given, "
@@ -112,6 +116,47 @@ def decode_layout(a, meta, world: int):
                   schedule=lay["schedule"])
 
 
+def check_replicas(slots: int, cfg, layout) -> None:
+    """--expert-replicas on this layout, or ValueError (every rank alike, before any collective)."""
+    if not slots:
+        return
+    E = cfg.n_expert
+    if slots < 0 or not E or layout.ep < 2 or layout.tp > 1 or slots > E - E // layout.ep:
+        raise ValueError(f"--expert-replicas {slots}: replicas copy whole experts over an ep group, so they need a MoE "
+                         f"checkpoint, --ep 2 or more, --tp 1 and at most {E - E // max(layout.ep, 1)} slots "
+                         f"(here n_expert={E}, ep={layout.ep}, tp={layout.tp})")
+
+
+def place_once(model, mesh, comm, prompt, slots: int) -> list:
+    """Collective: the prompt's prefill with the MoE layers counting their loads, the loads agreed over
+    the world (every rank routed the same prompt: the mean is exact), and every MoE layer's replicas
+    placed from them (parallel/replicas.py) -- once, for the whole generation. -> [(layer, the prompt's
+    rows per rank max/mean without replicas, with them)] of this rank's layers."""
+    from .nn.generate import decode
+    from .parallel.generate import decoder_for
+    from .parallel.replicas import max_over_mean, place_replicas, rank_loads
+
+    layers = list(model.moe_layers())
+    for _, m in layers:
+        m.take_stats()                                   # counts since the checkpoint: none, but start clean
+    decode(decoder_for(model, mesh, prompt.shape[0]), prompt, 0)
+    E = layers[0][1].n_expert if layers else 0
+    mine = {i: m.take_stats()["tokens_per_expert"] for i, m in layers}
+    vec = np.zeros(model.config.n_layer * E, np.float64)  # host: over MPI; a pipeline rank fills its layers
+    for i, load in mine.items():
+        vec[i * E:(i + 1) * E] = load
+    total = np.asarray(comm.allreduce(vec)).reshape(model.config.n_layer, E)  # host
+    holders = np.asarray(comm.allreduce((vec.reshape(-1, E).sum(axis=1) > 0).astype(np.float64)))  # host
+    out = []
+    for i, m in layers:
+        load = total[i] / max(holders[i], 1.0)
+        copies = place_replicas(load, mesh.ep, slots)
+        m.set_replicas(copies)
+        out.append((i, max_over_mean(rank_loads(load, [[c[0]] for c in copies], mesh.ep)),
+                    max_over_mean(rank_loads(load, copies, mesh.ep))))
+    return out
+
+
 def prompt_ids(a, V: int) -> list:
     """The prompt's token ids: --prompt-ids, or --prompt's UTF-8 bytes for the byte vocabulary."""
     if a.prompt_ids is not None:
@@ -149,8 +194,9 @@ def main(argv=None) -> int:
         if a.tokens < 0 or a.temperature <= 0 or (a.top_k is not None and a.top_k < 1):
             raise ValueError("--tokens must be >= 0, --temperature > 0 and --top-k >= 1")
         if mpi is None:
-            if any(getattr(a, k) not in (None, 1) for k in ("tp", "pp", "ep")):
-                raise ValueError("--tp/--pp/--ep above 1 need that many ranks: launch with mpirun -n N")
+            if any(getattr(a, k) not in (None, 1) for k in ("tp", "pp", "ep")) or a.expert_replicas:
+                raise ValueError("--tp/--pp/--ep above 1 and --expert-replicas need that many ranks: launch with "
+                                 "mpirun -n N")
             model, step = load_model(a.src)
             cfg = model.config
         else:
@@ -162,10 +208,12 @@ def main(argv=None) -> int:
             cfg = config_of(ck)
             layout = decode_layout(a, ck.meta, mpi.Get_size())
             check(cfg, layout)
+            check_replicas(a.expert_replicas, cfg, layout)
         ids = prompt_ids(a, cfg.vocab_size)
     except (ValueError, OSError, CheckpointError) as e:
         return _error(e, mpi, rank)
     prompt = np.array([ids], np.int64)
+    placed = None
     t0 = time.perf_counter()
     if mpi is None:
         from .nn.generate import generate
@@ -186,6 +234,8 @@ def main(argv=None) -> int:
             step = int(restore_into(model, None, ck.path, comm).get("step", ck.step))
         except CheckpointError as e:
             return _error(e, mpi, rank)
+        if a.expert_replicas:
+            placed = place_once(model, mesh, comm, prompt, a.expert_replicas)
         out = generate_parallel(model, mesh, prompt, a.tokens, top_k=a.top_k, temperature=a.temperature,
                                 rng=np.random.default_rng(a.seed))
         how = f"key/value cache, {mpi.Get_size()} ranks: tp={layout.tp} pp={layout.pp} ep={layout.ep} dp={layout.dp}" + \
@@ -199,6 +249,9 @@ def main(argv=None) -> int:
             print(",".join(map(str, ids + new)))
         print(f"pympar.generate: {len(new)} tokens from step {step} in {dt:.2f} s ({len(new) / max(dt, 1e-9):,.0f} "
               f"tokens/s, {how})", file=sys.stderr)
+        if placed:
+            print("pympar.generate: replicas placed once from the prompt's loads, rows per ep rank max/mean "
+                  + ", ".join(f"layer {i} {b:.2f} -> {r:.2f}" for i, b, r in placed), file=sys.stderr)
     return 0
 
 
