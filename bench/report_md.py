@@ -629,6 +629,23 @@ def sec_cp_comm(res, status) -> str:
     return "\n".join(out)
 
 
+def sec_cp_hybrid(res, status) -> str:
+    d, out = _opening(res, status, "cp_hybrid", "## Context parallelism on two simulated nodes: ring, Ulysses, a2a+ring")
+    if not d:
+        return "\n".join(out)
+    out += ["`python bench/cp_comm.py --two-nodes`: the attention core alone at cp 4 as 2 nodes of 2 ranks "
+            "(`PYMPAR_RANKS_PER_NODE=2`), on shared memory and with every message on MPICH's network module "
+            "(`MPIR_CVAR_NOLOCAL=1`); a2a+ring runs Ulysses inside each node's pair and the ring across the nodes. "
+            "Bytes across: every byte a rank hands MPI for a rank of the other node, summed over the ranks. "
+            "Speed-up: the faster of ring and a2a's time over this row's (issue 48's target for a2a+ring: >= 1.2).", "",
+            "| transport | T | attention | MiB sent per rank | MiB across the nodes | fwd+bwd ms | vs the faster pure |",
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+            *[f"| {r['transport']} | {r['T']} | {r['comm']} | {r['bytes_per_rank'] / 2**20:.2f} | "
+              f"{r['bytes_across_nodes'] / 2**20:.2f} | {1e3 * r['seconds']:.1f} | {r['speedup_vs_best_pure']:.2f}x |"
+              for r in d["rows"]], ""]
+    return "\n".join(out)
+
+
 def sec_call_overhead(res, status) -> str:
     d, out = _opening(res, status, "call_overhead", "## Per-call cost: MPIComm against the library called through mpi4py")
     if not d:
@@ -782,5 +799,5 @@ def render(res: Path, status: dict) -> str:
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
     secs = [sec_targets, sec_collectives, sec_auto_select, sec_call_overhead, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe, sec_moe_experts, sec_moe_dispatch, sec_moe_replicas, sec_moe_fold,
-            sec_compression, sec_plan, sec_memory, sec_reproducible, sec_param_server, sec_cp_comm, sec_soak]
+            sec_compression, sec_plan, sec_memory, sec_reproducible, sec_param_server, sec_cp_comm, sec_cp_hybrid, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

@@ -317,6 +317,45 @@ def test_cp_comm_bench_measures_the_closed_forms(tmp_path, bench_module):
     assert "## Context parallelism's attention: the ring against Ulysses" in bench_module("report_md").render(res, {})
 
 
+def test_cp_comm_two_nodes_counts_the_bytes_across_nodes(tmp_path, bench_module):
+    """bench/cp_comm.py --two-nodes (cp 4 = 2 nodes x 2, T 512, one round): on both transports the bytes
+    each variant sends across the nodes per rank are its closed form, in u (this rank's share of one
+    activation): Ulysses 4u (2 of its 3 peers' blocks of 6u), the ring 10u (half of its 20u's hops),
+    a2a+ring 8u (the ring of the 2 nodes, every hop across; Ulysses stays inside a node)."""
+    res = tmp_path / "cp_hybrid.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "cp_comm.py"), "--two-nodes", "--T", "512", "--rounds",
+                        "1", "--json", res], capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads(res.read_text())["rows"]
+    assert [(r["transport"][:7], r["comm"]) for r in rows] == \
+        [(t, c) for t in ("shared ", "network") for c in ("ring", "a2a", "a2a+ring")]
+    for r in rows:
+        across_u = r["bytes_across_nodes"] / (4 * r["unit_bytes"])
+        assert across_u == {"ring": 10, "a2a": 4, "a2a+ring": 8}[r["comm"]], r
+        assert r["seconds"] > 0 and r["speedup_vs_best_pure"] > 0
+    assert "## Context parallelism on two simulated nodes" in bench_module("report_md").sec_cp_hybrid(tmp_path, {})
+
+
+def test_moe_fold_bench_measures_every_grid_from_outside(tmp_path, bench_module):
+    """bench/moe_fold.py --quick: 4 ranks as tp 2 x dp 2 with the experts on three grids (ep 1, ep 2,
+    ep 4 etp 1 folded): every rank's peak measured, the same losses as one process, the folded
+    grid holding a quarter of the experts whole; the report's section renders."""
+    res = tmp_path / "moe_fold.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "moe_fold.py"), "--quick", "--steps", "3", "--json", res,
+                        "--png", tmp_path / "f.png"], capture_output=True, text=True, env=mpi_env(), cwd=ROOT,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads(res.read_text())
+    rows = {r["label"]: r for r in d["rows"]}
+    assert list(rows) == ["ep 1", "ep 2", "ep 4, etp 1 (folded)"]
+    for r in rows.values():
+        assert len(r["peaks"]) == 4 and min(r["peaks"]) > 0 and r["max_rel_loss_diff"] < 1e-5, r
+    n = {k: r["expert_params_per_rank"] for k, r in rows.items()}     # the same share of the weights (the
+    assert abs(n["ep 4, etp 1 (folded)"] / n["ep 2"] - 1) < 0.01          # split experts repeat c_proj's bias)
+    assert n["ep 1"] == 2 * n["ep 2"]
+    assert "## Experts folded apart from tensor parallelism" in bench_module("report_md").sec_moe_fold(tmp_path, {})
+
+
 def test_call_overhead_bench_times_every_row_and_renders(tmp_path, bench_module):
     """bench/call_overhead.py at 2 ranks, shared memory, a few rounds: the three rows at every size,
     the ratios their quotients, the choices named; the doc's section and the targets table render."""
