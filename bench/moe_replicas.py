@@ -67,7 +67,7 @@ def worker(a):
         layers = [m for _, m in model.moe_layers()]
         if copies is not None:
             for m, c in zip(layers, copies):
-                m.set_replicas(c)
+                m.expert_parallel.set_replicas(c)
         sync = GradSync(list(model.named_parameters()), mesh).attach(model)
         opt = sync.make_optimizer(lr=1e-3)
         times, losses, ratios, loads = [], [], [], [np.zeros(E) for _ in layers]
@@ -83,7 +83,7 @@ def worker(a):
             total_sq = float(np.asarray(world.allreduce(np.array([sync.local_sq()]))).reshape(-1)[0])
             sync.step(opt, 1e-3, 1.0, total_sq)
             for m in layers:
-                m.refresh_replicas()
+                m.expert_parallel.refresh_replicas()
             dt = float(np.asarray(world.allreduce(np.array([time.perf_counter() - t0]), op="max")).reshape(-1)[0])
             st = ep_step_stats(model, meter, mesh.dp_comm)
             for k, row in enumerate(st):

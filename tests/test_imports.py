@@ -164,3 +164,20 @@ def test_importing_the_trainer_costs_a_small_multiple_of_numpy():
     total, numpy_s, heavy = cost("pympar.train")
     assert not heavy, f"import pympar.train imports {sorted(heavy)}: import them where a run needs them"
     assert total < 8 * max(numpy_s, 0.02), f"import pympar.train took {total:.2f} s of CPU, numpy {numpy_s:.2f} s"
+
+
+def test_composition_declares_its_hooks_no_class_swaps_or_attribute_walks():
+    """The parallel strategies attach to what the modules declare (nn.MoE.expert_parallel,
+    AttentionModule.core): no file of the package assigns an object's ``__class__`` or walks
+    another object's attributes with ``vars(x)`` (a module's own ``vars(self)`` is its children)."""
+    bad = []
+    for mod, f in modules().items():
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "__class__"
+                                                    for t in node.targets):
+                bad.append(f"{mod}:{node.lineno} assigns __class__")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars"
+                    and node.args and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "self")
+                    and not isinstance(node.args[0], (ast.Call,))):
+                bad.append(f"{mod}:{node.lineno} vars({ast.unparse(node.args[0])})")
+    assert not bad, bad

@@ -151,7 +151,7 @@ def place_once(model, mesh, comm, prompt, slots: int) -> list:
     for i, m in layers:
         load = total[i] / max(holders[i], 1.0)
         copies = place_replicas(load, mesh.ep, slots)
-        m.set_replicas(copies)
+        m.expert_parallel.set_replicas(copies)
         out.append((i, max_over_mean(rank_loads(load, [[c[0]] for c in copies], mesh.ep)),
                     max_over_mean(rank_loads(load, copies, mesh.ep))))
     return out

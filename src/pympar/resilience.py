@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 import numpy as np
@@ -255,8 +256,6 @@ def check_resumable(path, model_cfg, steps=None) -> None:
     """Before any collective: the checkpoint's manifest reads and holds this model (same shapes
     and function, checkpoint.state.ARCH_KEYS), and the trainer's fields in it are what a save writes
     (a step within --steps, integers where integers go); ValueError naming the file and the field."""
-    from dataclasses import asdict
-
     from .checkpoint import Checkpoint, CheckpointError
     from .checkpoint.state import ARCH_KEYS
 
@@ -300,7 +299,7 @@ def save_run(runner, run, next_step, guard, comm, layout, background=False, stag
         where = f"parameter {bad}" if bad else f"a parameter of {int(n_bad[0])} other rank(s)"
         raise NonFiniteStop(f"{where} holds non-finite values at step {next_step}; not saving")
     scaler = getattr(runner, "scaler", None)
-    meta = {"next_step": int(next_step), "seed": run.seed, "layout": vars(layout) if hasattr(layout, "__dict__") else str(layout),
+    meta = {"next_step": int(next_step), "seed": run.seed, "layout": asdict(layout) if is_dataclass(layout) else str(layout),
             "loss_scaler": scaler.state_dict() if scaler else None, "guard": guard.state_dict(),
             "data": {"seed": run.seed, "next_step": int(next_step)}}
     rep = runner.replica_state()

@@ -81,7 +81,7 @@ def run_ep(world, cfg, ep, n_micro, steps, tp=1, sp=False, dispatch="flat", prep
     layers = [m for _, m in model.moe_layers()]
     if replicas is not None:
         for m in layers:
-            m.set_replicas(replicas)
+            m.expert_parallel.set_replicas(replicas)
     named = list(model.named_parameters())
     sync = GradSync(named, mesh, **dp_kw).attach(model)        # the trainer's gradient path
     opt = sync.make_optimizer(lr=LR)
@@ -104,7 +104,7 @@ def run_ep(world, cfg, ep, n_micro, steps, tp=1, sp=False, dispatch="flat", prep
         out["norms"].append(sync.step(opt, LR, CLIP, total_sq))
         if replicas is not None:
             for m in layers:
-                m.refresh_replicas()
+                m.expert_parallel.refresh_replicas()
     out["params"] = {n: p.data.copy() for n, p in model.named_parameters()}
     out["shards"] = {n: shard_of(p) for n, p in model.named_parameters()}
     return out

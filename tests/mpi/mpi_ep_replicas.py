@@ -50,7 +50,7 @@ def test_placement_is_the_same_on_every_rank_and_evens_the_rows(world, mpi_world
     copies = place_replicas(loads, world.size, 1)
     assert all(c == copies for c in mpi_world.allgather(copies))
     for _, m in model.moe_layers():
-        m.set_replicas(place_replicas(loads, world.size, 1))
+        m.expert_parallel.set_replicas(place_replicas(loads, world.size, 1))
     x, y = global_batch(0, world.size, cfg.vocab_size)[world.rank]
     model.zero_grad()
     model.loss_and_grad(x, y)
@@ -74,7 +74,7 @@ def test_replicas_train_like_single_process(world, slots):
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-6, err_msg=layout)
     _assert_tensors(got["params"], ref["params"], 1e-6, f"parameter after {steps} AdamW steps", layout, got["shards"])
     for _, m in got["model"].moe_layers():                      # the replicas hold their homes' weights
-        assert len(m._rep_modules) == slots
+        assert len(m.expert_parallel.replica_modules) == slots
 
 
 def test_a_deferred_w_pass_is_refused(world):
@@ -85,7 +85,7 @@ def test_a_deferred_w_pass_is_refused(world):
     cfg = _cfg("dropless", n_expert=2 * world.size)
     model, *_ , stats = _loads(world, cfg)
     for _, m in model.moe_layers():
-        m.set_replicas(place_replicas(stats[0]["tokens_per_expert"], world.size, 1))
+        m.expert_parallel.set_replicas(place_replicas(stats[0]["tokens_per_expert"], world.size, 1))
     x, y = global_batch(1, world.size, cfg.vocab_size)[world.rank]
     with pytest.raises(ValueError, match="deferred W pass"):
         with WeightGrads():

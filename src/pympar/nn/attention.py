@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention_core import CausalAttentionCore
+from .attention_core import AttentionModule, CausalAttentionCore
 from .layers import Linear
-from .parameter import Module
 
 
-class CausalSelfAttention(Module):
+class CausalSelfAttention(AttentionModule):
     def __init__(self, n_embd, n_head, *, name, seed=0, dtype=np.float32, bias=True, n_layer=1,
                  compute_dtype=None):
         if n_embd % n_head:

@@ -133,3 +133,11 @@ def _split(B, rows, xp):
         over_chunks(B, rows, kernels.get_num_threads())
     else:
         rows(0, B)
+
+
+class AttentionModule(Module):
+    """A module whose attention math between its projections is ``self.core``, a
+    CausalAttentionCore (nn.attention.CausalSelfAttention, parallel.tp.TPCausalSelfAttention):
+    context parallelism puts its ring or Ulysses core there (parallel.cp.install_context_parallel)."""
+    core: CausalAttentionCore
+

@@ -64,6 +64,11 @@ class MoE(Module):
         self.expert_bias = np.zeros(n_expert, dtype=self._acc)  # selection only, not trained
         self.recording = True            # count loads (False for evaluation passes)
         self.cp_routing = None           # parallel.cp.CPRouting when the micro-batch spans a cp group
+        # expert parallelism (parallel.ep.install_expert_parallel): this rank keeps experts
+        # [expert_lo, expert_lo + len(experts)) and expert_parallel (a parallel.ep.ExpertParallel)
+        # moves the kept rows to their experts' ranks and back
+        self.expert_lo = 0
+        self.expert_parallel = None
         self._reset_counters()
 
     def _reset_counters(self):
@@ -273,27 +278,52 @@ class MoE(Module):
         else:
             fn(0, n)
 
+    def _named_parameters(self, prefix):
+        """The experts under their global ids (expert_lo + local index) when this rank keeps a range."""
+        pre = f"{prefix}.experts." if prefix else "experts."
+        for name, p in super()._named_parameters(prefix):
+            if self.expert_lo and name.startswith(pre):
+                j, rest = name[len(pre):].split(".", 1)
+                name = f"{pre}{self.expert_lo + int(j)}.{rest}"
+            yield name, p
+
+    def dispatch_experts(self, xs, counts):
+        """xs (M, C) rows grouped by global expert -> (ys (M, C), ctx): through expert_parallel's
+        exchange to the experts' ranks when there is one, else this rank's experts (run_experts)."""
+        ep = self.expert_parallel
+        return ep.run_experts(xs, counts) if ep is not None else self.run_experts(xs, counts)
+
+    def dispatch_experts_backward(self, dys, ctx):
+        ep = self.expert_parallel
+        return ep.run_experts_backward(dys, ctx) if ep is not None else self.run_experts_backward(dys, ctx)
+
     def run_assignments(self, xs, counts):
         """The kept assignments' rows xs (M, C), grouped by expert (counts (E,)) -> (ys (M, C), ctx):
-        run_experts here; a layer whose ranks route the same tokens and split the rows among
+        dispatch_experts here; a layer whose ranks route the same tokens and split the rows among
         themselves (folded expert layouts, parallel/tp/moe.py) runs its share and gathers the rest."""
-        return self.run_experts(xs, counts)
+        return self.dispatch_experts(xs, counts)
 
     def run_assignments_backward(self, dys, ctx):
         """dys (M, C) -> dxs (M, C): run_assignments' backward."""
-        return self.run_experts_backward(dys, ctx)
+        return self.dispatch_experts_backward(dys, ctx)
 
     # --- the experts between routing and combination (expert parallelism's second seam) -------
     def experts_forward(self, xf, rows, gate_rows, counts):
         """xf (N, C) tokens; the kept assignments grouped by expert (counts (E,)): rows (M,) the
         token of each, gate_rows (M,) its gate -> (y (N, C) = the gated sum of each token's expert
-        outputs, ctx). Node-aware expert parallelism replaces this pair (it combines in place)."""
+        outputs, ctx). Node-aware expert parallelism takes this pair over (it combines in place)."""
+        ep = self.expert_parallel
+        if ep is not None and ep.takes(xf):
+            return ep.node_forward(xf, rows, gate_rows, counts)
         xs = kernels.permute(xf, rows)                                     # (M, C)
         ys, ectx = self.run_assignments(xs, counts)
         return kernels.unpermute_add(ys, rows, gate_rows, xf.shape[0]), (ys, ectx)
 
     def experts_backward(self, dyf, ctx, rows, gate_rows):
         """dyf (N, C) -> (dxf (N, C), dgate_rows (M,): d loss / d gate of each assignment)."""
+        ep = self.expert_parallel
+        if ep is not None and ep.owns(ctx):
+            return ep.node_backward(dyf, ctx)
         ys, ectx = ctx
         dys_raw = kernels.permute(dyf, rows)                               # (M, C)
         dgate_rows = xp_of(dyf).einsum("mc,mc->m", dys_raw.astype(self._acc, copy=False),
@@ -355,6 +385,8 @@ class MoE(Module):
         ctx = dict(shape=x.shape, xf=xf, probs=probs, lse=lse, idx=idx, gates=gates, ssum=ssum,
                    order=order, rows=rows, gate_rows=gate_rows, ectx=ectx, shctx=shctx,
                    f=f, counts=counts, aux_loss=aux + z, aux=aux, z=z)
+        if self.recording and self.expert_parallel is not None:
+            self.expert_parallel.record_routing(ctx)
         return y.reshape(B, T, C), ctx
 
     def backward(self, dy, ctx, daux=1.0):       # dy (B, T, C) -> dx (B, T, C)

@@ -37,7 +37,7 @@ import numpy as np
 
 from .. import kernels
 from ..backend import xp_of
-from ..nn.attention_core import CausalAttentionCore
+from ..nn.attention_core import AttentionModule, CausalAttentionCore
 from .meter import Meter
 
 _KV_TAG, _DKV_TAG = 0x6370, 0x6371          # ring messages (tags apart from the pipeline's)
@@ -398,14 +398,13 @@ def install_context_parallel(model, cp_comm, T: int, meter: Meter | None = None,
     cores = []
     for top in model.modules():
         for m in top.modules():
-            for name, child in list(vars(m).items()):
-                if type(child) is CausalAttentionCore:
-                    ring = core()
-                    ring.keep_probs, ring.impl = child.keep_probs, child.impl
-                    if getattr(ring, "ring", None) is not None:
-                        ring.ring.keep_probs, ring.ring.impl = child.keep_probs, child.impl
-                    setattr(m, name, ring)
-                    cores.append(ring)
+            if isinstance(m, AttentionModule) and type(m.core) is CausalAttentionCore:
+                child, ring = m.core, core()
+                ring.keep_probs, ring.impl = child.keep_probs, child.impl
+                if getattr(ring, "ring", None) is not None:
+                    ring.ring.keep_probs, ring.ring.impl = child.keep_probs, child.impl
+                m.core = ring
+                cores.append(ring)
             if hasattr(m, "wpe") and hasattr(m, "wte"):
                 m.positions = pos
             if isinstance(m, MoE):

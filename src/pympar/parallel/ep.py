@@ -8,8 +8,9 @@ Folded (mesh etp < tp): the ep group may take tp ranks too, each bringing its sh
 its tp group routed (parallel/tp/moe.py); the dispatch below is the same.
 Expert parameters keep their GLOBAL names ``transformer.h.{i}.moe.experts.{e}.*``.
 
-Dispatch, per MoE layer and micro-batch (``install_expert_parallel`` swaps the layer's
-``run_experts`` seam; routing, capacity, gates and the aux/z losses are unchanged). Each rank
+Dispatch, per MoE layer and micro-batch (``install_expert_parallel`` attaches an ``ExpertParallel``
+to the layer, which nn.MoE calls between its kept assignments and its local experts; routing,
+capacity, gates and the aux/z losses are unchanged). Each rank
 routes ITS OWN micro-batch exactly as the single-process model routes that micro-batch alone:
 capacity (ceil(k * N * cf / E) with N the micro-batch's tokens) and drops are decided on the
 source rank before anything moves, so the kept tokens are the single-process model's. Then:
@@ -101,80 +102,75 @@ def _expert_major(recv_by):
     return np.concatenate([np.arange(a, a + n) for a, n in zip(starts.tolist(), sizes.tolist()) if n])  # host
 
 
-class ExpertParallelMixin:
-    """Put in front of a MoE class (nn.MoE, TPMoE) by ``install_expert_parallel``: the layer keeps
-    its routing and runs its (local) experts through the parent's ``run_experts``."""
+class ExpertParallel:
+    """A MoE layer's experts spread over an ep group: attached as ``layer.expert_parallel`` by
+    ``install_expert_parallel`` (nn.MoE declares it). The layer keeps its routing; between its kept
+    assignments and its local experts (``layer.run_experts``) this object moves the rows over the ep
+    group, holds the replicated hot experts, and counts what the rank ran."""
 
-    def _ep_setup(self, ep_comm, lo, hi, meter, key):
-        self._ep = ep_comm
-        self._ep_lo, self._n_local = lo, hi - lo
-        self.experts = self.experts[lo:hi]                  # local experts, local index j = e - lo
-        self._ep_meter, self._ep_key = meter, key           # the all-to-alls' seconds and bytes go there
-        self._ep_reset()
+    def __init__(self, layer, ep_comm, lo, hi, meter, key, route=None):
+        self.layer, self.comm = layer, ep_comm
+        self.lo, self.n_local = lo, hi - lo
+        self.meter, self.key = meter, key                  # the all-to-alls' seconds and bytes go there
+        self.route = route                                 # a NodeRoute when the layer dispatches node-aware
+        self.reset()
 
-    def _ep_reset(self):
+    def reset(self):
         # host counters: the counts behind them are on the host already (they travel over MPI).
         # processed: rows this rank ran per global expert (replicas count for their expert);
         # rank_rows: all rows it ran (its load, replicas included)
-        self._ep_acc = dict(processed=np.zeros(self.n_expert, np.int64), routed=np.zeros(self.n_expert, np.int64),  # host
-                            kept=0, assignments=0, rank_rows=0)
-
-    def _named_parameters(self, prefix):
-        pre = f"{prefix}.experts." if prefix else "experts."
-        for name, p in super()._named_parameters(prefix):
-            if name.startswith(pre):
-                j, rest = name[len(pre):].split(".", 1)
-                name = f"{pre}{self._ep_lo + int(j)}.{rest}"
-            yield name, p
+        E = self.layer.n_expert
+        self.acc = dict(processed=np.zeros(E, np.int64), routed=np.zeros(E, np.int64),  # host
+                        kept=0, assignments=0, rank_rows=0)
 
     def _a2a(self, x, send, recv):
         t0 = time.perf_counter()
-        out, _ = self._ep.alltoallv(xp_of(x).ascontiguousarray(x), send, recv)   # rows on x's device
-        self._ep_meter.add(self._ep_key, time.perf_counter() - t0, x.nbytes)
+        out, _ = self.comm.alltoallv(xp_of(x).ascontiguousarray(x), send, recv)   # rows on x's device
+        self.meter.add(self.key, time.perf_counter() - t0, x.nbytes)
         return out
 
     # --- replicated hot experts (parallel/replicas.py) ------------------------------------------
-    _rep_copies = None                           # E lists of ranks holding each expert (home first)
-    _rep_modules = ()                            # this rank's replica MLPs, in slot order (not parameters)
+    copies = None                                # E lists of ranks holding each expert (home first)
+    replica_modules = ()                         # this rank's replica MLPs, in slot order (not parameters)
     _rep_slots = None                            # per rank the global experts it runs: home, then replicas
     _rep_slot_of = None                          # (expert, rank) -> that copy's slot on the rank
 
     def _slots(self, r):
         """The global experts rank r runs, in slot order: its home experts, then its replicas."""
         if self._rep_slots is None:
-            return list(range(r * self._n_local, (r + 1) * self._n_local))
+            return list(range(r * self.n_local, (r + 1) * self.n_local))
         return self._rep_slots[r]
 
     def set_replicas(self, copies):
         """Run with these copies (parallel.replicas.place_replicas; None: home experts only), the same
         on every rank of the ep group. Collective over it: the replicas get their home's weights."""
-        nl = self._n_local
+        nl, L = self.n_local, self.layer
         if copies is not None:
-            if len(copies) != self.n_expert or any(c[0] != e // nl for e, c in enumerate(copies)):
+            if len(copies) != L.n_expert or any(c[0] != e // nl for e, c in enumerate(copies)):
                 raise ValueError("set_replicas: every expert's copies must start with its home rank")
-            if any(type(m) is not MLP for m in self.experts):
+            if any(type(m) is not MLP for m in L.experts):
                 raise ValueError("replicated experts need plain MLP experts (no tensor parallelism)")
-            if any(p.shard is not None or p.grad_shape is not None for p in self._params(self.experts[0])):
+            if any(p.shard is not None or p.grad_shape is not None for p in self._params(L.experts[0])):
                 raise ValueError("replicated experts need whole expert weights on their home rank (not ZeRO-3)")
-        self._rep_copies = [list(c) for c in copies] if copies is not None else None
+        self.copies = [list(c) for c in copies] if copies is not None else None
         self._rep_slots = self._rep_slot_of = None
         if copies is not None:                       # derived once: every forward routes by them
             self._rep_slots = [list(range(r * nl, (r + 1) * nl)) + [e for e, c in enumerate(copies) if r in c[1:]]
-                               for r in range(self._ep.size)]
+                               for r in range(self.comm.size)]
             self._rep_slot_of = {(e, r): j for r, es in enumerate(self._rep_slots) for j, e in enumerate(es)}
-        mine = self._slots(self._ep.rank)[nl:]
-        proto = self.experts[0]
-        self._rep_modules = [proto.empty_like(f"replica.{e}") for e in mine]
+        mine = self._slots(self.comm.rank)[nl:]
+        proto = L.experts[0]
+        self.replica_modules = [proto.empty_like(f"replica.{e}") for e in mine]
         xp = xp_of(proto.c_fc.weight.data)
-        for m in self._rep_modules:                  # storage only: refresh_replicas writes every value
+        for m in self.replica_modules:               # storage only: refresh_replicas writes every value
             for p in self._params(m):
                 p.data = xp.empty(p.shape, p.dtype)
         self.refresh_replicas()
 
     def _rep_pairs(self, src, dst):
         """Experts homed on src that have a replica on dst, ascending (the order their weights travel)."""
-        nl = self._n_local
-        return [e for e in range(src * nl, (src + 1) * nl) if dst in self._rep_copies[e][1:]]
+        nl = self.n_local
+        return [e for e in range(src * nl, (src + 1) * nl) if dst in self.copies[e][1:]]
 
     @staticmethod
     def _params(m):
@@ -183,8 +179,8 @@ class ExpertParallelMixin:
     def _exchange(self, blocks_for, size_of):
         """One alltoallv over the ep group of float vectors: blocks_for(dst) -> arrays to send there;
         size_of(src) -> elements arriving from src. Returns the received flat vector's blocks by source."""
-        ep = self._ep
-        w = self.experts[0].c_fc.weight.data
+        ep = self.comm
+        w = self.layer.experts[0].c_fc.weight.data
         xp, dt = xp_of(w), w.dtype
         out = [[b.reshape(-1) for b in blocks_for(d)] for d in range(ep.size)]
         buf = xp.concatenate([v for o in out for v in o] or [xp.zeros(0, dt)]).astype(dt, copy=False)
@@ -196,23 +192,23 @@ class ExpertParallelMixin:
 
     def refresh_replicas(self):
         """The replicas take their home experts' current weights (after every optimizer step)."""
-        if self._rep_copies is not None:
+        if self.copies is not None:
             self._replica_move(to_replicas=True)
 
     def _fold_replica_grads(self):
         """The replicas' gradients of this backward added to their home experts' (in source-rank
         order), and the replicas' cleared: only home experts are parameters."""
         self._replica_move(to_replicas=False)
-        for m in self._rep_modules:
+        for m in self.replica_modules:
             m.zero_grad()
 
     def _replica_move(self, to_replicas: bool):
         """One alltoallv between each home expert and its replicas: the home's weights to the replicas
         (to_replicas), or the replicas' gradients to the home, added there."""
-        me, nl = self._ep.rank, self._n_local
-        home = {self._ep_lo + j: m for j, m in enumerate(self.experts)}
-        mine = dict(zip(self._slots(me)[nl:], self._rep_modules))
-        n_w = sum(p.data.size for p in self._params(self.experts[0]))
+        me, nl = self.comm.rank, self.n_local
+        home = {self.lo + j: m for j, m in enumerate(self.layer.experts)}
+        mine = dict(zip(self._slots(me)[nl:], self.replica_modules))
+        n_w = sum(p.data.size for p in self._params(self.layer.experts[0]))
         if to_replicas:                              # (sent by src=me, held on dst) / arriving from s
             out, into = lambda d: self._rep_pairs(me, d), lambda s: self._rep_pairs(s, me)
             src, dst, what = home, mine, (lambda p: p.data)
@@ -221,7 +217,7 @@ class ExpertParallelMixin:
             src, dst, what = mine, home, (lambda p: p.grad)
         got = self._exchange(lambda d: [what(p) for e in out(d) for p in self._params(src[e])],
                              lambda s: n_w * len(into(s)))
-        for s in range(self._ep.size):
+        for s in range(self.comm.size):
             at = 0
             for e in into(s):
                 for p in self._params(dst[e]):
@@ -235,15 +231,15 @@ class ExpertParallelMixin:
     def _routes(self, counts):
         """(per_dest (ep, slots) rows each rank's slots get from here, the order of xs's rows as they
         leave, or None when that is xs's own order). Each expert's rows split evenly over its copies."""
-        ep, nl = self._ep.size, self._n_local
+        ep, nl = self.comm.size, self.n_local
         c = np.asarray(to_numpy(counts), np.int64)  # host
-        if self._rep_copies is None:
+        if self.copies is None:
             return np.ascontiguousarray(c.reshape(ep, nl)), None  # host
         slot_of = self._rep_slot_of
         n_slots = max(len(es) for es in self._rep_slots)
         starts = np.concatenate([[0], np.cumsum(c)])  # host
         segs = []
-        for e, cps in enumerate(self._rep_copies):
+        for e, cps in enumerate(self.copies):
             for (a, b), r in zip(split(int(c[e]), len(cps)), cps):
                 if b > a:
                     segs.append((r, slot_of[e, r], int(starts[e]) + a, b - a))
@@ -254,24 +250,24 @@ class ExpertParallelMixin:
         order = np.concatenate([np.arange(a, a + n) for _, _, a, n in segs]) if segs else np.zeros(0, np.int64)  # host
         return per_dest, order
 
+    # --- the flat dispatch: the layer's kept rows -> their experts' ranks -> back --------------
     def run_experts(self, xs, counts):           # xs (M, C) grouped by global expert, counts (E,)
         # The counts decide the message sizes: they come to the host once (one device sync on a GPU)
         # and every count below is a host int64 vector (alltoall of a host vector goes over MPI).
-        xp = xp_of(xs)
-        ep = self._ep.size
+        xp, L = xp_of(xs), self.layer
         per_dest, order = self._routes(counts)               # host (ep, slots); rows' leaving order
         t0 = time.perf_counter()
-        recv_by = np.asarray(self._ep.alltoall(per_dest)).reshape(per_dest.shape)     # host
-        self._ep_meter.add(self._ep_key, time.perf_counter() - t0, calls=0)   # the counts: not a2a_bytes
+        recv_by = np.asarray(self.comm.alltoall(per_dest)).reshape(per_dest.shape)     # host
+        self.meter.add(self.key, time.perf_counter() - t0, calls=0)   # the counts: not a2a_bytes
         send, recv = per_dest.sum(axis=1), recv_by.sum(axis=1)                        # (ep,) rows, host
         order = None if order is None else xp.asarray(order)
         xr = self._a2a(xs if order is None else xs[order], send, recv)   # (R, C) source-major
         perm = xp.asarray(_expert_major(recv_by))            # (R,) built on the host, moved once
         local_counts = recv_by.sum(axis=0)                   # (slots,) host
-        if self._rep_copies is None:
-            yg, inner = super().run_experts(xr[perm], local_counts)   # (R, C) expert-major
+        if self.copies is None:
+            yg, inner = L.run_experts(xr[perm], local_counts)   # (R, C) expert-major
         else:
-            yg, inner = super().run_experts(xr[perm], local_counts, experts=[*self.experts, *self._rep_modules])
+            yg, inner = L.run_experts(xr[perm], local_counts, experts=[*L.experts, *self.replica_modules])
         yr = xp.empty_like(yg)
         yr[perm] = yg
         ys = self._a2a(yr, recv, send)                       # (M, C) in the leaving order
@@ -279,9 +275,9 @@ class ExpertParallelMixin:
             back = xp.empty_like(ys)
             back[order] = ys
             ys = back
-        if self.recording:
-            a = self._ep_acc
-            mine = self._slots(self._ep.rank)
+        if L.recording:
+            a = self.acc
+            mine = self._slots(self.comm.rank)
             np.add.at(a["processed"], mine, local_counts[:len(mine)])  # host
             a["rank_rows"] += int(local_counts.sum())
         return ys, (send, recv, perm, inner, order)
@@ -289,7 +285,7 @@ class ExpertParallelMixin:
     def run_experts_backward(self, dys, ctx):    # dys (M, C) -> dxs (M, C)
         send, recv, perm, inner, order = ctx
         dr = self._a2a(dys if order is None else dys[order], send, recv)   # (R, C) source-major
-        dxg = super().run_experts_backward(dr[perm], inner)
+        dxg = self.layer.run_experts_backward(dr[perm], inner)
         dxr = xp_of(dxg).empty_like(dxg)
         dxr[perm] = dxg
         dxs = self._a2a(dxr, recv, send)
@@ -297,70 +293,71 @@ class ExpertParallelMixin:
             back = xp_of(dxs).empty_like(dxs)
             back[order] = dxs
             dxs = back
-        if self._rep_copies is not None:
+        if self.copies is not None:
             if deferring():                          # the replicas' weight gradients would come later
                 raise ValueError("replicated experts cannot run under a deferred W pass (zero-bubble schedules)")
             self._fold_replica_grads()
         return dxs
 
-    def forward(self, x):
-        y, ctx = super().forward(x)
-        if self.recording:
-            B, T, _ = ctx["shape"]
-            a, n_assign = self._ep_acc, B * T * self.top_k
-            a["routed"] += np.asarray(to_numpy(ctx["counts"]), np.int64)   # host: E counts (this rank's tokens)
-            a["kept"] += len(ctx["order"])
-            a["assignments"] += n_assign
-        return y, ctx
+    def record_routing(self, ctx):
+        """After a recording forward: the assignments this rank routed (before and after dropping)."""
+        B, T, _ = ctx["shape"]
+        a = self.acc
+        a["routed"] += np.asarray(to_numpy(ctx["counts"]), np.int64)   # host: E counts (this rank's tokens)
+        a["kept"] += len(ctx["order"])
+        a["assignments"] += B * T * self.layer.top_k
 
     # --- node-aware dispatch (comm/algorithms/node_a2a.py): tokens cross to a node once -------
-    _ep_route = None                             # a NodeRoute when the layer dispatches node-aware
+    def takes(self, xf):
+        """Does the node-aware route run for these rows (the route is set, the rows are host arrays)?"""
+        return self.route is not None and type(xf) is np.ndarray
 
-    def experts_forward(self, xf, rows, gate_rows, counts):
-        route = self._ep_route
-        if route is None or type(xf) is not np.ndarray:
-            return super().experts_forward(xf, rows, gate_rows, counts)
-        nl = self._n_local
+    @staticmethod
+    def owns(ctx):
+        """Is ctx node_forward's (the layer's experts_backward hands it back here)?"""
+        return isinstance(ctx, tuple) and bool(ctx) and isinstance(ctx[0], Plan)
+
+    def node_forward(self, xf, rows, gate_rows, counts):
+        L, nl = self.layer, self.n_local
         c = np.asarray(counts, np.int64)  # host: NumPy arrays only on this path
         expert = np.repeat(np.arange(len(c)), c)              # host: global expert of each kept assignment
         dest = expert // nl
         gates = np.ascontiguousarray(gate_rows, np.float64)   # host: float32 gates widen exactly
         t0 = time.perf_counter()
-        plan = route.plan(np.asarray(rows), dest, np.stack([expert - dest * nl, gates.view(np.int64)], axis=1))  # host
+        plan = self.route.plan(np.asarray(rows), dest, np.stack([expert - dest * nl, gates.view(np.int64)], axis=1))  # host
         xr = plan.dispatch(xf)                                # (R, C): a row per (token, rank)
-        self._ep_meter.add(self._ep_key, time.perf_counter() - t0, self._hop_bytes(plan, xf, True))
+        self.meter.add(self.key, time.perf_counter() - t0, self._hop_bytes(plan, xf, True))
         j = plan.meta[:, 0]
         perm = np.argsort(j, kind="stable")                   # host: arriving assignments, expert-major
         arow = plan.arow[perm]
         g = plan.meta[perm, 1].copy().view(np.float64).astype(gate_rows.dtype)
         local_counts = np.bincount(j, minlength=nl)  # host
-        ys, inner = super(ExpertParallelMixin, self).run_experts(kernels.permute(xr, arow), local_counts)
+        ys, inner = L.run_experts(kernels.permute(xr, arow), local_counts)
         z = kernels.unpermute_add(ys, arow, g, plan.n_rows)   # this rank's gated sum per row
         t0 = time.perf_counter()
         y = plan.combine(z, xf.shape[0])
-        self._ep_meter.add(self._ep_key, time.perf_counter() - t0, self._hop_bytes(plan, z, False))
-        if self.recording:
-            self._ep_acc["processed"][self._ep_lo:self._ep_lo + nl] += local_counts
-            self._ep_acc["rank_rows"] += int(local_counts.sum())
+        self.meter.add(self.key, time.perf_counter() - t0, self._hop_bytes(plan, z, False))
+        if L.recording:
+            self.acc["processed"][self.lo:self.lo + nl] += local_counts
+            self.acc["rank_rows"] += int(local_counts.sum())
         return y, (plan, perm, arow, g, ys, inner)
 
-    def experts_backward(self, dyf, ctx, rows, gate_rows):
-        if not (isinstance(ctx, tuple) and ctx and isinstance(ctx[0], Plan)):
-            return super().experts_backward(dyf, ctx, rows, gate_rows)
+    def node_backward(self, dyf, ctx):
+        L = self.layer
         plan, perm, arow, g, ys, inner = ctx
         t0 = time.perf_counter()
         dr = plan.dispatch(dyf)
-        self._ep_meter.add(self._ep_key, time.perf_counter() - t0, self._hop_bytes(plan, dyf, True))
+        self.meter.add(self.key, time.perf_counter() - t0, self._hop_bytes(plan, dyf, True))
         dys_raw = kernels.permute(dr, arow)
-        dgate = np.einsum("mc,mc->m", dys_raw.astype(self._acc, copy=False), ys.astype(self._acc, copy=False))  # host
-        dxs = super(ExpertParallelMixin, self).run_experts_backward(dys_raw * g[:, None].astype(dys_raw.dtype), inner)
+        dgate = np.einsum("mc,mc->m", dys_raw.astype(L._acc, copy=False), ys.astype(L._acc, copy=False))  # host
+        dxs = L.run_experts_backward(dys_raw * g[:, None].astype(dys_raw.dtype), inner)
         t0 = time.perf_counter()
         dxf = plan.combine(kernels.unpermute_add(dxs, arow, None, plan.n_rows), dyf.shape[0])
         v = np.empty(len(perm), np.float64)  # host
         v[perm] = dgate
         back = plan.reverse(v.view(np.int64)[:, None])        # each assignment's value, the source's order
-        self._ep_meter.add(self._ep_key, time.perf_counter() - t0, self._hop_bytes(plan, dyf, False))
-        return dxf, back[:, 0].copy().view(np.float64).astype(self._acc)
+        self.meter.add(self.key, time.perf_counter() - t0, self._hop_bytes(plan, dyf, False))
+        return dxf, back[:, 0].copy().view(np.float64).astype(L._acc)
 
     @staticmethod
     def _hop_bytes(plan, x, out):
@@ -368,22 +365,11 @@ class ExpertParallelMixin:
         rows = (plan.c1.sum() + plan.c2.sum()) if out else (plan.rc1.sum() + plan.rc2.sum())
         return int(rows) * x.shape[-1] * x.itemsize
 
-    def take_ep_stats(self):
+    def take_stats(self):
         """This rank's raw counters since the last call (resets them)."""
-        a = self._ep_acc
-        self._ep_reset()
+        a = self.acc
+        self.reset()
         return a
-
-
-_CLASSES = {}
-
-
-def _ep_class(cls):
-    if issubclass(cls, ExpertParallelMixin):
-        raise ValueError(f"{cls.__name__} already has expert parallelism installed")
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelMixin, cls), {})
-    return _CLASSES[cls]
 
 
 def moe_layers_of(model):
@@ -439,9 +425,11 @@ def install_expert_parallel(model, ep_comm, meter: Meter | None = None, dispatch
         if len(layer.experts) != layer.n_expert:
             raise ValueError(f"MoE layer holds {len(layer.experts)} experts, expected all {layer.n_expert} "
                              "before installing expert parallelism")
-        layer.__class__ = _ep_class(type(layer))
-        layer._ep_setup(ep_comm, lo, hi, meter, ("ep", i))
-        layer._ep_route = route
+        if layer.expert_parallel is not None:
+            raise ValueError(f"MoE layer {i} already has expert parallelism installed")
+        layer.experts = layer.experts[lo:hi]            # local experts, local index j = e - lo
+        layer.expert_lo = lo                            # their parameters keep their global names
+        layer.expert_parallel = ExpertParallel(layer, ep_comm, lo, hi, meter, ("ep", i), route)
     model.ep_comm = ep_comm
     model.ep_route = route
     return model
@@ -461,7 +449,7 @@ def ep_step_stats(model, meter, dp_comm=None):
     n_dp, dp_rank = (1, 0) if dp_comm is None else (dp_comm.size, dp_comm.rank)
     rows, tallies = [], meter.take(lambda k: isinstance(k, tuple) and k[0] == "ep")
     for i, m in layers:
-        a, t = m.take_ep_stats(), tallies.get(("ep", i), Tally())
+        a, t = m.expert_parallel.take_stats(), tallies.get(("ep", i), Tally())
         per_rank = np.zeros(n_dp, np.float64)  # host: the counters are host vectors
         per_rank[dp_rank] = a["rank_rows"]
         counters = [a["processed"], a["routed"], [a["kept"], a["assignments"], t.bytes, t.seconds], per_rank]

@@ -244,7 +244,7 @@ class ParallelRunner:
         local_moe = {st["layer"]: st for st in model.moe_stats()}
         if self.ep > 1:                   # the rows each ep rank's experts ran (replicas included)
             for i, m in model.moe_layers():
-                local_moe[i]["rank_rows"] = m.take_ep_stats()["rank_rows"]
+                local_moe[i]["rank_rows"] = m.expert_parallel.take_stats()["rank_rows"]
         a2a = {k[1]: t for k, t in measured.items() if k[0] == "ep"}   # this rank's: summed by the step vector
         ep_s = sum(t.seconds for t in a2a.values())
         cp_s, cp_busy = seconds(measured, "cp wait"), seconds(measured, "cp compute")
@@ -442,10 +442,10 @@ class ParallelRunner:
             self._rep_copies = {i: place_replicas(self._rep_window.pop(i), self.ep, self.replicas)
                                 for i in self.moe_ids}
             for i, m in model.moe_layers():
-                m.set_replicas(self._rep_copies[i])
+                m.expert_parallel.set_replicas(self._rep_copies[i])
         else:
             for _, m in model.moe_layers():
-                m.refresh_replicas()
+                m.expert_parallel.refresh_replicas()
 
     def replica_state(self):
         """What a checkpoint keeps of the replicas (JSON; the same on every rank): the steps counted,
@@ -478,7 +478,7 @@ class ParallelRunner:
         self._rep_steps, self._rep_window, self._rep_copies = steps, window, copies
         for i, m in self.model.moe_layers():
             if i in copies:
-                m.set_replicas(copies[i])
+                m.expert_parallel.set_replicas(copies[i])
 
     def _moe_from(self, slots, red):
         out = []

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...nn.attention_core import CausalAttentionCore
-from ...nn.parameter import Module
+from ...nn.attention_core import AttentionModule, CausalAttentionCore
 from ..shard import even_slice, stacked_slices
 from .collectives import as_collectives
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 
-class TPCausalSelfAttention(Module):
+class TPCausalSelfAttention(AttentionModule):
     def __init__(self, n_embd, n_head, tp, *, name, seed=0, dtype=np.float32, bias=True, n_layer=1,
                  sequence_parallel=False, compute_dtype=None):
         tpc = as_collectives(tp)
