@@ -23,6 +23,15 @@ def host_scalars(terms):
     return list(to_numpy(xp.stack([xp.asarray(t, dtype=np.float64) for t in terms])))
 
 
+def clip_coefficient(norm: float, max_norm) -> float | None:
+    """The factor that brings gradients of global L2 norm ``norm`` to at most max_norm, or None when
+    they stay as they are: no clipping asked (max_norm 0 or None), a norm within it, or a non-finite
+    norm (the loss scaler decides). The one clipping rule of every gradient path."""
+    if max_norm and max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        return max_norm / (norm + 1e-6)
+    return None
+
+
 def clip_grad_norm(params, max_norm, allreduce_sq=None) -> float:
     """Scale every .grad so the global L2 norm is at most max_norm; return the norm before.
 
@@ -36,8 +45,8 @@ def clip_grad_norm(params, max_norm, allreduce_sq=None) -> float:
     if allreduce_sq is not None:
         sq = float(allreduce_sq(sq))
     norm = math.sqrt(sq) if sq >= 0 else float("nan")
-    if max_norm and max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-        coef = max_norm / (norm + 1e-6)
+    coef = clip_coefficient(norm, max_norm)
+    if coef is not None:
         for p in params:
             p.grad *= p.grad.dtype.type(coef)
     return norm

@@ -38,7 +38,6 @@ Usage, per optimiser step::
 """
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -46,6 +45,7 @@ import numpy as np
 from ..backend import get_xp, resident_zeros, xp_of
 from ..comm.exact import ExactSum
 from ..optim import clip_grad_norm
+from ..optim.clip import clip_coefficient
 from ..optim.adamw import decays
 from .compress import dense_allreduce_bytes, make_compressor
 from .ledger import MAX_INFLIGHT_BUCKETS
@@ -482,8 +482,9 @@ class DataParallel:
         if allreduce_sq is not None:
             sq = float(allreduce_sq(sq))
         norm = float(np.sqrt(sq)) if sq >= 0 else float("nan")
-        if clip and clip > 0 and math.isfinite(norm) and norm > clip:
-            self.scale_grads(clip / (norm + 1e-6))
+        coef = clip_coefficient(norm, clip)
+        if coef is not None:
+            self.scale_grads(coef)
         optimizer.step(lr)
         self.after_step()
         return norm

@@ -26,14 +26,13 @@ the world of every rank's ``local_sq()`` is the single-process norm^2.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
 from ..backend import xp_of
 from ..comm.exact import ExactSum
 from ..optim import AdamW
-from ..optim.clip import host_scalars, sum_sq
+from ..optim.clip import clip_coefficient, host_scalars, sum_sq
 from .dp import DataParallel
 from .ep import is_expert_param
 from .placement import Placement
@@ -176,8 +175,9 @@ class GradSync:
     def step(self, optimizer, lr, clip, total_sq: float) -> float:
         """Clip every gradient by the global norm sqrt(total_sq) and update; returns the norm."""
         norm = float(np.sqrt(total_sq)) if total_sq >= 0 else float("nan")
-        if clip and clip > 0 and math.isfinite(norm) and norm > clip:
-            self.scale_grads(clip / (norm + 1e-6))
+        coef = clip_coefficient(norm, clip)
+        if coef is not None:
+            self.scale_grads(coef)
         optimizer.step(lr)
         for d in self.syncs:                      # ZeRO-1/2: every rank gets the updated rows
             d.after_step()
