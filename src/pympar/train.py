@@ -228,11 +228,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
             "step": step, "loss": res["loss"], "val_loss": val_loss if do_eval else None,
             "lr": lr, "grad_norm": res["grad_norm"], "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak,
             "step_time": dt, "time_split": res["time_split"], "loss_scale": res["loss_scale"],
-            "skipped": res["skipped"], "rss_bytes": mem["rss"]["rank0"], "rss_max_bytes": mem["rss"]["max"],
-            "rss_anon_bytes": mem["rss_anon"]["rank0"], "rss_anon_max_bytes": mem["rss_anon"]["max"],
-            "peak_rss_bytes": mem["peak_rss"]["rank0"], "peak_rss_max_bytes": mem["peak_rss"]["max"],
-            "peak_rss_max_rank": mem["peak_rss"]["max_rank"], "ledger_peak_bytes": mem["ledger_peak"]["rank0"],
-            "ledger_peak_max_bytes": mem["ledger_peak"]["max"], "ledger_peak_max_rank": mem["ledger_peak"]["max_rank"],
+            "skipped": res["skipped"], **ledger.memory_record(mem),
             "moe": [dict(layer=s["layer"], dropped_fraction=s["dropped_fraction"], **moe_layer_stats(s["tokens_per_expert"]),
                          **{k: s[k] for k in ("rows_per_ep_rank", "rank_max_over_mean") if k in s})
                     for s in res["moe"]],

@@ -89,6 +89,17 @@ def memory_summary(v, world: int) -> dict:
     return out
 
 
+def memory_record(summary: dict) -> dict:
+    """memory_summary's figures as a metrics record's fields: ``{field}_bytes`` (rank 0's) and
+    ``{field}_max_bytes`` for each, and ``{field}_max_rank`` for the peaks (the rank to look at)."""
+    out = {}
+    for k, fig in summary.items():
+        out[f"{k}_bytes"], out[f"{k}_max_bytes"] = fig["rank0"], fig["max"]
+        if k in ("peak_rss", "ledger_peak"):
+            out[f"{k}_max_rank"] = fig["max_rank"]
+    return out
+
+
 def peak(ledger: dict) -> int:
     return int(sum(ledger[k] for k in CATEGORIES))
 
