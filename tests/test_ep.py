@@ -5,7 +5,7 @@ import pytest
 
 from mpirun import run_mpi, run_pytest_mpi
 from pympar.nn.config import GPTConfig
-from pympar.parallel.ep import expert_grad_scale, expert_range, is_expert_param, validate_ep
+from pympar.parallel.ep import expert_range, is_expert_param, validate_ep
 
 
 @pytest.mark.mpi
@@ -63,10 +63,9 @@ def test_expert_range_and_validation():
     with pytest.raises(ValueError, match="not divisible by ep=3"):
         validate_ep(GPTConfig(n_expert=4), 3)
     validate_ep(GPTConfig(n_expert=4), 4)
-    validate_ep(GPTConfig(), 2)                  # dense model: nothing to spread
-    assert expert_grad_scale(8, 2, 4) == 1 / 8
-    with pytest.raises(ValueError):
-        expert_grad_scale(8, 2, 2)
+    validate_ep(GPTConfig(), 1)
+    with pytest.raises(ValueError, match="ep=2 needs a MoE model"):
+        validate_ep(GPTConfig(), 2)                  # dense model: nothing to spread
 
 
 @pytest.mark.mpi

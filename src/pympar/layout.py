@@ -135,8 +135,6 @@ def check(model_cfg: GPTConfig, lay: Layout, *, device: str = "cpu") -> None:
         raise NotSupportedError("--seq-parallel splits activations over the tensor-parallel group: it needs --tp > 1")
     Mesh.validate(lay.world, dp, pp, tp, ep, cp, lay.etp)
     validate_ep(model_cfg, ep)
-    if ep > 1 and not model_cfg.n_expert:
-        raise ValueError(f"ep={ep} needs a MoE model (n_expert > 0)")
     if lay.folded and not model_cfg.n_expert:
         raise ValueError(f"etp={lay.etp} folds experts apart from tp: it needs a MoE model (n_expert > 0)")
     if tp > 1:
@@ -168,8 +166,7 @@ def fill(world: int, model: GPTConfig, *, dp=None, pp=None, tp=None, ep=None, cp
     Mesh.validate(world, dp, pp, tp, ep, cp, etp)      # ep (and etp) against the mesh
     if cp > 1:
         validate_cp(model, cp, tp, seq_parallel)
-    if ep > 1 and (model.n_expert == 0 or model.n_expert % ep):
-        raise ValueError(f"ep={ep} needs n_expert divisible by ep; n_expert={model.n_expert}")
+    validate_ep(model, ep)
     if tp > 1 and model.n_head % tp:
         raise ValueError(f"n_head={model.n_head} is not divisible by tp={tp}")
     if pp > model.n_layer:

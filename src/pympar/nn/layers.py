@@ -235,7 +235,15 @@ class MLP(Module):
 MLP_ROWS = 1024
 
 
-class Embedding(Module):
+class TokenEmbedding(Module):
+    """What a token + position embedding declares (this module's Embedding and the
+    vocabulary-parallel one): ``wte``, ``wpe``, and ``positions``, the global positions of the T
+    tokens given (context parallelism: parallel.cp sets this rank's); None: 0 .. T-1. ZeRO-3
+    gathers wte and wpe as units of their own (the head's use of wte comes alone)."""
+    positions = None
+
+
+class Embedding(TokenEmbedding):
     """Token + learned position embeddings: idx (B, T) int -> x (B, T, C)."""
 
     def __init__(self, vocab_size, block_size, n_embd, *, seed=0, dtype=np.float32,
@@ -248,10 +256,6 @@ class Embedding(Module):
         pre = f"{prefix}." if prefix else ""
         yield f"{pre}wte.weight", self.wte
         yield f"{pre}wpe.weight", self.wpe
-
-    # the global positions of the T tokens given (context parallelism: parallel.cp sets this
-    # rank's); None: 0 .. T-1
-    positions = None
 
     def forward(self, idx):                      # idx (B, T) -> x (B, T, C)
         B, T = idx.shape

@@ -38,6 +38,7 @@ import numpy as np
 from .. import kernels
 from ..backend import xp_of
 from ..nn.attention_core import AttentionModule, CausalAttentionCore
+from ..nn.layers import TokenEmbedding
 from .meter import Meter
 
 _KV_TAG, _DKV_TAG = 0x6370, 0x6371          # ring messages (tags apart from the pipeline's)
@@ -405,7 +406,7 @@ def install_context_parallel(model, cp_comm, T: int, meter: Meter | None = None,
                     ring.ring.keep_probs, ring.ring.impl = child.keep_probs, child.impl
                 m.core = ring
                 cores.append(ring)
-            if hasattr(m, "wpe") and hasattr(m, "wte"):
+            if isinstance(m, TokenEmbedding):
                 m.positions = pos
             if isinstance(m, MoE):
                 m.cp_routing = CPRouting(cp_comm, pos, T)

@@ -31,7 +31,7 @@ that hold the same expert, one per ep group) covers every micro-batch once, so
 
 which is what the trainer's gradient path does (pympar.parallel.gradsync: an expert's
 placement puts it in the edp group with the factor edp / (dp*cp), mesh.expert_grad_scale: 1/ep
-unfolded; ``expert_grad_scale`` below states the unfolded case).
+unfolded).
 Global-norm clipping: after the sync dense grads are identical on every dp rank and count
 once; expert grads are identical over edp and distinct over ep, so every ep rank counts its own.
 """
@@ -61,21 +61,13 @@ def is_expert_param(name: str) -> bool:
     return _EXPERT.search(name) is not None
 
 
-def expert_grad_scale(dp: int, ep: int, edp_size: int) -> float:
-    """Factor applied to the edp-SUM of an expert gradient so it equals the single-process one: 1/dp.
-
-    edp_size = dp // ep; the gradient sync means over edp (divides by edp_size) and then scales by
-    edp_size / dp = 1/ep."""
-    if dp != ep * edp_size:
-        raise ValueError(f"dp={dp} must equal ep*edp = {ep}*{edp_size}")
-    return 1.0 / dp
-
-
 def validate_ep(config, ep: int) -> None:
     """Raise ValueError unless the experts divide over ep ranks (no communication); config: anything
     with ``n_expert`` (a GPTConfig or a MoE layer)."""
     if not isinstance(ep, (int, np.integer)) or ep < 1:
         raise ValueError(f"ep={ep!r} must be a positive integer")
+    if ep > 1 and not config.n_expert:
+        raise ValueError(f"ep={ep} needs a MoE model (n_expert > 0)")
     if ep > 1 and config.n_expert and config.n_expert % ep:
         divisors = divisors_of(config.n_expert)
         raise ValueError(f"n_expert={config.n_expert} is not divisible by ep={ep}: each ep rank holds "

@@ -47,6 +47,7 @@ from ..comm.exact import ExactSum
 from ..comm.objects import gather_object
 from ..nn import GPT
 from ..nn.gpt import count_params, set_recompute
+from ..nn.layers import TokenEmbedding
 from ..nn.parameter import compute_copies
 from ..optim import DynamicLossScaler
 from .cp import install_context_parallel, local_batch
@@ -123,7 +124,7 @@ class ParallelRunner:
         units = []                       # ZeRO-3's buckets: a piece each; the embedding's wte and wpe
         for m in pieces:                 # apart (the head's use and gradient of wte come alone)
             own = [names[id(p)] for p in m.parameters() if id(p) in names]
-            units += [[n] for n in own] if hasattr(m, "wpe") else [own]
+            units += [[n] for n in own] if isinstance(m, TokenEmbedding) else [own]
         if tied_copy is not None:                           # the last stage's wte copy: its own unit
             units.append([names[id(tied_copy)]])
         self.sync = GradSync(named, mesh, tied_copy, bucket_mb=opts.bucket_mb,

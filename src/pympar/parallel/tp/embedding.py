@@ -14,13 +14,13 @@ import numpy as np
 
 from ... import kernels
 from ...backend import xp_of
-from ...nn.layers import position_rows
-from ...nn.parameter import Module, compute_cast
+from ...nn.layers import TokenEmbedding, position_rows
+from ...nn.parameter import compute_cast
 from ..shard import make_replicated, make_sharded, padded_partition, padded_slice
 from .collectives import as_collectives
 
 
-class VocabParallelEmbedding(Module):
+class VocabParallelEmbedding(TokenEmbedding):
     def __init__(self, vocab_size, block_size, n_embd, tp, *, seed=0, dtype=np.float32,
                  sequence_parallel=False, prefix="transformer", compute_dtype=None):
         tpc = as_collectives(tp)
@@ -46,7 +46,6 @@ class VocabParallelEmbedding(Module):
         own = (loc >= 0) & (loc < self.wte.data.shape[0])
         return xp_of(loc).where(own, loc, 0), own
 
-    positions = None                             # context parallelism: see nn.layers.Embedding
 
     def _positions(self, T):
         return position_rows(self, T, self._tp.seq_slice(T) if self._sp else None)
