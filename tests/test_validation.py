@@ -23,7 +23,7 @@ def files(tmp_path_factory):
 CASES = [  # (id, args, expected substring of the message, env)
     ("world", ["--dp", "3"], "does not match the world size 2", None),
     ("ep-dp", ["--dp", "2", "--ep", "4", "--n-expert", "4"], "ep=4 does not divide dp=2", None),
-    ("ep-experts", ["--dp", "2", "--ep", "2", "--n-expert", "3"], "n_expert divisible by ep", None),
+    ("ep-experts", ["--dp", "2", "--ep", "2", "--n-expert", "3"], "n_expert=3 is not divisible by ep=2", None),
     ("heads-tp", ["--tp", "2", "--n-head", "3", "--n-embd", "24"], "n_head=3 is not divisible by tp=2", None),
     ("width-heads", ["--n-embd", "15"], "n_embd", None),
     ("layers-pp", ["--pp", "2", "--n-layer", "1"], "pp=2 is more than n_layer=1", None),
