@@ -88,7 +88,7 @@ def decode_layout(a, meta, world: int):
 
     saved = saved_layout(meta)
     lay = dict(saved)
-    given = {k: getattr(a, k) for k in ("tp", "pp", "ep", "etp") if getattr(a, k, None) is not None}
+    given = {k: getattr(a, k) for k in ("tp", "pp", "ep", "etp") if getattr(a, k) is not None}
     if any(v < 1 for v in given.values()):
         raise ValueError("--tp, --pp, --ep and --etp must be >= 1")
     if "etp" not in given and ("tp" in given or "ep" in given):
@@ -101,19 +101,9 @@ def decode_layout(a, meta, world: int):
         why = "" if given else f" (the layout the checkpoint was saved with: tp={saved['tp']}, pp={saved['pp']})"
         raise ValueError(f"{world} ranks do not divide into tp={tp} x pp={pp}{why}: run on a multiple of "
                          f"{tp * pp} ranks, or give --tp/--pp whose product divides {world}")
-    dp = world // (tp * pp)
-    etp = lay["etp"]
-    if etp is not None and tp % etp:
-        raise ValueError(f"etp={etp} must divide tp={tp}: give an --etp that divides {tp}")
-    if etp is None or etp == tp:
-        if dp % ep:
-            raise ValueError(f"ep={ep} must divide the {dp} data-parallel replica(s) of {world} ranks at tp={tp} x "
-                             f"pp={pp}: give an --ep that divides {dp}" + (" (or --etp 1, experts folded apart from tp)"
-                                                                          if tp > 1 else ""))
-    elif (dp * tp // etp) % ep:
-        raise ValueError(f"ep={ep} must divide dp*tp/etp = {dp * tp // etp} at {world} ranks, tp={tp}, etp={etp}")
-    return Layout(dp=dp, pp=pp, tp=tp, ep=ep, etp=etp, n_micro=pp, virtual_stages=lay["virtual_stages"],
-                  schedule=lay["schedule"])
+    # ep and etp against the mesh: pympar.layout.check (Mesh.validate), which main runs next
+    return Layout(dp=world // (tp * pp), pp=pp, tp=tp, ep=ep, etp=lay["etp"], n_micro=pp,
+                  virtual_stages=lay["virtual_stages"], schedule=lay["schedule"])
 
 
 def check_replicas(slots: int, cfg, layout) -> None:
@@ -136,20 +126,16 @@ def place_once(model, mesh, comm, prompt, slots: int) -> list:
     from .parallel.generate import decoder_for
     from .parallel.replicas import max_over_mean, place_replicas, rank_loads
 
-    layers = list(model.moe_layers())
-    for _, m in layers:
-        m.take_stats()                                   # counts since the checkpoint: none, but start clean
+    layers = list(model.moe_layers())                    # (a model just built: its counters are zero)
     decode(decoder_for(model, mesh, prompt.shape[0]), prompt, 0)
     E = layers[0][1].n_expert if layers else 0
-    mine = {i: m.take_stats()["tokens_per_expert"] for i, m in layers}
-    vec = np.zeros(model.config.n_layer * E, np.float64)  # host: over MPI; a pipeline rank fills its layers
-    for i, load in mine.items():
-        vec[i * E:(i + 1) * E] = load
-    total = np.asarray(comm.allreduce(vec)).reshape(model.config.n_layer, E)  # host
-    holders = np.asarray(comm.allreduce((vec.reshape(-1, E).sum(axis=1) > 0).astype(np.float64)))  # host
+    vec = np.zeros((model.config.n_layer, E + 1), np.float64)  # host: over MPI; a rank fills its layers'
+    for i, m in layers:                                  # loads and a 1 in the last column (it holds them)
+        vec[i] = [*m.take_stats()["tokens_per_expert"], 1.0]
+    total = np.asarray(comm.allreduce(vec.reshape(-1))).reshape(vec.shape)  # host
     out = []
     for i, m in layers:
-        load = total[i] / max(holders[i], 1.0)
+        load = total[i, :E] / total[i, E]
         copies = place_replicas(load, mesh.ep, slots)
         m.expert_parallel.set_replicas(copies)
         out.append((i, max_over_mean(rank_loads(load, [[c[0]] for c in copies], mesh.ep)),

@@ -430,7 +430,7 @@ def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_n
                 yield {"tp": tp, "cp": cp, "pp": pp, "dp": dp}, f"global batch {global_batch} not divisible by dp={dp}"
                 continue
             # experts: ep over the dp x cp ranks with etp = tp, or folded apart (etp < tp) over tp's too
-            eps = [(e, None if etp == tp else etp) for etp in (divisors(tp)[::-1] if cfg.n_expert else [tp])
+            eps = [(e, None if etp == tp else etp) for etp in divisors(tp)[::-1]
                    for e in divisors(dp * cp * tp // etp) if cfg.n_expert % e == 0] if cfg.n_expert else [(1, None)]
             per_dp = global_batch // dp
             for ep, etp in eps:

@@ -123,7 +123,14 @@ class MoE(Module):
         biases and (backward) the gradients; and the arrays, kept alive for the call. weights=False:
         zeros in the weights' slots (a W pass reads none)."""
         rows, keep, fresh = [], [], []
-        for m in experts:
+        if grads:
+            for m in experts:                            # checked before _grads_of marks any gradient written
+                for p in m.weights_and_biases():
+                    if p is not None and p.dtype != np.float32:
+                        raise ValueError(f"{p.name}: the grouped bf16 call needs float32 master weights")
+            gs, fresh = MoE._grads_of(experts)
+            keep += [g for g in gs if g is not None]
+        for k, m in enumerate(experts):
             row = []
             for lin in (m.c_fc, m.c_proj) if weights else ():
                 w = compute_weight(lin.weight, lin._cdt)
@@ -135,20 +142,7 @@ class MoE(Module):
             if not weights:
                 row += [0] * 8
             if grads:
-                ps = m.weights_and_biases()
-                for p in ps:                             # checked before write_grad marks any gradient written
-                    if p is not None and p.dtype != np.float32:
-                        raise ValueError(f"{p.name}: the grouped bf16 call needs float32 master weights")
-                for p in ps:
-                    if p is None:
-                        row.append(0)
-                        fresh.append(False)
-                        continue
-                    dst = p.write_grad()
-                    g = p.grad if dst is None else dst
-                    keep.append(g)
-                    row.append(g.ctypes.data)
-                    fresh.append(dst is not None)
+                row += [0 if g is None else g.ctypes.data for g in gs[4 * k:4 * k + 4]]
             else:
                 row += [0, 0, 0, 0]
             rows.append(row)
@@ -287,25 +281,18 @@ class MoE(Module):
                 name = f"{pre}{self.expert_lo + int(j)}.{rest}"
             yield name, p
 
-    def dispatch_experts(self, xs, counts):
-        """xs (M, C) rows grouped by global expert -> (ys (M, C), ctx): through expert_parallel's
-        exchange to the experts' ranks when there is one, else this rank's experts (run_experts)."""
+    def run_assignments(self, xs, counts):
+        """The kept assignments' rows xs (M, C), grouped by expert (counts (E,)) -> (ys (M, C), ctx):
+        through expert_parallel's exchange to the experts' ranks when there is one, else this rank's
+        experts (run_experts). A layer whose ranks route the same tokens and split the rows among
+        themselves (folded expert layouts, parallel/tp/moe.py) runs its share here and gathers the rest."""
         ep = self.expert_parallel
         return ep.run_experts(xs, counts) if ep is not None else self.run_experts(xs, counts)
 
-    def dispatch_experts_backward(self, dys, ctx):
-        ep = self.expert_parallel
-        return ep.run_experts_backward(dys, ctx) if ep is not None else self.run_experts_backward(dys, ctx)
-
-    def run_assignments(self, xs, counts):
-        """The kept assignments' rows xs (M, C), grouped by expert (counts (E,)) -> (ys (M, C), ctx):
-        dispatch_experts here; a layer whose ranks route the same tokens and split the rows among
-        themselves (folded expert layouts, parallel/tp/moe.py) runs its share and gathers the rest."""
-        return self.dispatch_experts(xs, counts)
-
     def run_assignments_backward(self, dys, ctx):
         """dys (M, C) -> dxs (M, C): run_assignments' backward."""
-        return self.dispatch_experts_backward(dys, ctx)
+        ep = self.expert_parallel
+        return ep.run_experts_backward(dys, ctx) if ep is not None else self.run_experts_backward(dys, ctx)
 
     # --- the experts between routing and combination (expert parallelism's second seam) -------
     def experts_forward(self, xf, rows, gate_rows, counts):

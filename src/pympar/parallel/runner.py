@@ -86,7 +86,7 @@ class ParallelRunner:
         self.rec = Recorder() if rec is None else rec      # the trainer passes its own (events, trace)
         self.cp = layout.cp
         self.mesh = mesh = Mesh(comm, dp=layout.dp, pp=layout.pp, tp=layout.tp, ep=layout.ep, cp=self.cp,
-                                etp=getattr(layout, "etp", None))
+                                etp=layout.etp)
         self.dp, self.pp, self.tp, self.ep = layout.dp, layout.pp, layout.tp, layout.ep
         self.seed = opts.seed
         self.master = np.dtype(opts.master_dtype)

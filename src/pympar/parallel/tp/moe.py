@@ -115,14 +115,14 @@ class TPMoE(MoE):
         if self._fold is None:
             return super().run_assignments(xs, counts)
         a, b, L, share = self._share(counts)
-        ys, ctx = self.dispatch_experts(xs[a:b], share)   # over ep when installed: a collective on every rank
+        ys, ctx = super().run_assignments(xs[a:b], share)   # over ep when installed: a collective on every rank
         return self._gather_rows(ys, L, xs.shape[0]), (a, b, L, ctx)
 
     def run_assignments_backward(self, dys, ctx):
         if self._fold is None:
             return super().run_assignments_backward(dys, ctx)
         a, b, L, inner = ctx
-        return self._gather_rows(self.dispatch_experts_backward(dys[a:b], inner), L, dys.shape[0])
+        return self._gather_rows(super().run_assignments_backward(dys[a:b], inner), L, dys.shape[0])
 
     def forward(self, x):                        # x (B, T, C) [SP: (B, T/tp, C)] -> same shape
         if self._sp:
