@@ -8,7 +8,8 @@ of all of them (the library's direct call included: auto must never lose to it);
 is the time ratio (1.0: auto ran the fastest choice); chosen_row_over_best compares the row
 of the algorithm auto chose instead (the decision's quality without the noise between two
 rows of the same algorithm). Time: the slowest rank's mean over the iterations, as
-nccl-tests; allreduce out of place.
+nccl-tests, in the fastest of --rounds alternating rounds (every choice timed once per round,
+so two rows are compared at the same moments of an oversubscribed run); allreduce out of place.
 
 Transports (MPICH, this machine's ranks):
   shm      the default: ranks of a node share memory (MPICH's shm transport, pympar's shm);
@@ -39,11 +40,12 @@ MID, LARGE = 128 << 10, 4 << 20     # size bands: -n iters below MID, --mid-iter
 TARGET = 1.15
 
 
-def one(coll, n, transport, lo, hi, factor, iters, warmup, timeout):
+def one(coll, n, transport, lo, hi, factor, iters, warmup, timeout, rounds=1):
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         cmd = [common.mpiexec(), "-n", str(n), sys.executable, "-m", "pympar.bench", coll, "-b", str(lo), "-e", str(hi),
                "-f", str(factor), "-n", str(iters), "-w", str(warmup), "-c", "0", "--algo", "all", "--no-torch",
+               "--rounds", str(rounds),
                "--json", str(out)]
         env = dict(common.env(), **TRANSPORTS[transport])
         env.pop("PYMPAR_TUNING", None)
@@ -88,7 +90,7 @@ def run(a):
                 shape = None
                 for lo_b, hi_b, iters, warm in bands:
                     if lo_b <= hi_b:
-                        part, shape = one(coll, n, transport, lo_b, hi_b, a.factor, iters, warm, a.timeout)
+                        part, shape = one(coll, n, transport, lo_b, hi_b, a.factor, iters, warm, a.timeout, a.rounds)
                         got += part
                 for r in got:
                     r.update(collective=coll, nranks=n, transport=transport)
@@ -98,7 +100,7 @@ def run(a):
                 worst = max(s, key=lambda x: x["auto_over_best"])
                 print(f"  {coll} {transport} n={n} ({shape}): auto/best max {worst['auto_over_best']:.2f} "
                       f"at {worst['bytes']} B", file=sys.stderr, flush=True)
-    return dict(kind="auto_select", machine=common.machine(), target=TARGET, shapes=shapes, rows=rows,
+    return dict(kind="auto_select", machine=common.machine(), target=TARGET, rounds=a.rounds, shapes=shapes, rows=rows,
                 summary=summarize(rows))
 
 
@@ -140,10 +142,11 @@ def main(argv=None):
     ap.add_argument("--min", default="16")
     ap.add_argument("--max", default="64M")
     ap.add_argument("--factor", type=int, default=4)
-    ap.add_argument("--iters", type=int, default=400, help="timed iterations below 128 KiB")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per size; each row is its fastest")
+    ap.add_argument("--iters", type=int, default=200, help="timed iterations per round below 128 KiB")
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--mid-iters", type=int, default=30, help="timed iterations from 128 KiB to 4 MiB")
-    ap.add_argument("--large-iters", type=int, default=3, help="timed iterations from 4 MiB on")
+    ap.add_argument("--mid-iters", type=int, default=30, help="timed iterations per round from 128 KiB to 4 MiB")
+    ap.add_argument("--large-iters", type=int, default=3, help="timed iterations per round from 4 MiB on")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", default=str(common.RESULTS / "auto_select.json"))
     ap.add_argument("--png-dir", default=str(common.ROOT / "docs" / "img"))

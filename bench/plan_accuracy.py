@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 from pympar.layout import Layout  # noqa: E402
-from pympar.plan import spearman  # noqa: E402
+from pympar.plan.cli import spearman  # noqa: E402
 
 LAYOUTS = {   # preset small, global batch 16 (4 ranks) and 32 (8 ranks) sequences per step
     4: [Layout(dp=4, pp=1, tp=1, micro_batch_size=4, n_micro=1, schedule="1f1b"),
@@ -124,7 +124,7 @@ def measure(world: int, lay: Layout, preset: str, steps: int, timeout: float) ->
 
 
 def machine_for(world: int, bench_json, calibration=None):
-    from pympar.plan import build_machine
+    from pympar.plan.cli import build_machine
 
     ns = argparse.Namespace(device="cpu", peak_flops=None, mem_per_rank=None, ranks_per_node=world,
                             bench_json=bench_json, overlap=None, world=world, calibration=calibration)
@@ -133,7 +133,7 @@ def machine_for(world: int, bench_json, calibration=None):
 
 def run(a) -> dict:
     from pympar.nn import GPTConfig
-    from pympar.layout import params_per_rank, predict
+    from pympar.plan.cost import params_per_rank, predict
 
     cfg = GPTConfig.from_preset(a.preset)
     rows, machines, cals = [], {}, {}

@@ -32,7 +32,7 @@ import common  # noqa: E402
 
 sys.path.insert(0, str(common.ROOT))
 from pympar.layout import Layout  # noqa: E402
-from pympar.plan import fit_alpha_beta  # noqa: E402
+from pympar.plan.cli import fit_alpha_beta  # noqa: E402
 
 
 def single_step(preset: str, mbs: int, n_micro: int, steps: int, timeout: float) -> float:

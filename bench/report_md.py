@@ -468,7 +468,7 @@ def _null(ok):
     """(world, rho, 95th percentile of rho under permuted predictions) per rank count."""
     import sys
     from common import ROOT
-    from pympar.plan import spearman, spearman_null_p95
+    from pympar.plan.cli import spearman, spearman_null_p95
     out = []
     for w in sorted({r["world"] for r in ok}):
         pred, meas = [r["predicted_s"] for r in ok if r["world"] == w], [r["measured_s"] for r in ok if r["world"] == w]
@@ -487,8 +487,8 @@ def sec_plan(res, status) -> str:
             "trainer's ParallelRunner is built under mpiexec; every rank reports its parameter count, the bytes "
             "that stay allocated after two steps (tracemalloc: parameters, gradients, buckets, optimiser state) and "
             "the peak of a step above that (activations and temporaries), then the median of timed steps; "
-            f"{runs} run(s) per layout, rounds interleaved, median kept. `pympar.plan.predict` gives the prediction "
-            "(the model and each of its terms: src/pympar/plan.py's docstring)" +
+            f"{runs} run(s) per layout, rounds interleaved, median kept. `pympar.plan.cost.predict` gives the prediction "
+            "(the model and each of its terms: src/pympar/plan/cli.py's docstring)" +
             (", with the CPU constants of bench/plan_calibrate.py (below), measured by microbenchmarks that are "
              "not the layouts ranked here." if isinstance(d.get("calibration"), dict) else
              " with the alpha-beta constants fitted to the allreduce rows of bench/results/collectives.json for "
@@ -545,7 +545,7 @@ def _calibration(res, acc) -> list:
             out += ["", f"At {w} ranks the small allreduce's latency changed by {max(lat) / min(lat):.0f}x between "
                         "rounds (on this shared VM; the cause was not isolated): the median picks "
                         "one state, and layouts measured in the other are mispredicted by their allreduce count."]
-    out += ["", "What pympar.plan made of them (src/pympar/plan.py load_calibration):", "",
+    out += ["", "What pympar.plan made of them (src/pympar/plan/cli.py load_calibration):", "",
             "| ranks | matmul GFLOP/s | overhead us/block | elem ns | optimiser ns/param | alpha us/round | bus GB/s | ranks/core |",
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for w, m in acc.get("constants", {}).items():

@@ -4,10 +4,12 @@ Every import statement of every file under pympar/ counts -- at module level and
 functions (a lazy import is still a dependency) -- read from the source, not by importing it.
 The layers, lowest first (docs/design.md, "Layers"):
 
-    csrc (pympar._C, pympar._cuda)  backend  kernels  comm  optim  nn  parallel  config/layout  applications
+    csrc (pympar._C, pympar._cuda)  backend  kernels  comm  optim  nn  parallel  config/layout/plan  applications
 
 A file may import its own layer and those below; the applications (train, launch, generate,
-bench, plan, checkpoint, data, metrics, profile, report, faults, gpu) may import each other.
+bench, the planner's command line plan.cli, checkpoint, data, metrics, profile, report, faults,
+gpu) may import each other. The planner's package is the configuration layer (its cost model
+chooses ``--layout auto``) except its command line.
 """
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "src" / "pympar"
-LAYERS = {"_C": -1, "_cuda": -1, "backend": 0, "kernels": 1, "comm": 2, "optim": 3, "nn": 4, "parallel": 5,
-          "config": 6, "layout": 6}
 APPLICATION = 7
+LAYERS = {"_C": -1, "_cuda": -1, "backend": 0, "kernels": 1, "comm": 2, "optim": 3, "nn": 4, "parallel": 5,
+          "config": 6, "layout": 6, "plan": 6, "plan.cli": APPLICATION, "plan.__main__": APPLICATION}
 
 
 def modules() -> dict:
@@ -35,7 +37,7 @@ def layer(mod: str) -> int:
     parts = mod.split(".")
     if len(parts) == 1:
         return APPLICATION + 1                      # the package itself: above everything
-    return LAYERS.get(parts[1], APPLICATION)
+    return LAYERS.get(".".join(parts[1:3]), LAYERS.get(parts[1], APPLICATION))
 
 
 def imports(mods: dict) -> dict:

@@ -8,6 +8,7 @@ import pytest
 
 from mpirun import run_mpi
 from pympar import layout as layouts
+from pympar.plan import cost as planner
 from pympar.config import ConfigError, parse_args
 
 TINY = ["--preset", "tiny", "--n-layer", "4", "--block-size", "16", "--micro-batch-size", "2", "--n-micro", "2",
@@ -19,7 +20,7 @@ def test_parse_takes_the_planners_best_layout_for_the_same_global_batch():
     accepts, with the run's fields set from it and the rule's global batch kept."""
     model, run = parse_args([*TINY, "--layout", "auto"], world_size=4)
     lay = run.layout_resolved
-    preds, _ = layouts.plan(model, 4, 2 * 2 * 4, _fixed_machine(4))
+    preds, _ = planner.plan(model, 4, 2 * 2 * 4, _fixed_machine(4))
     assert preds and lay == preds[0].layout                # the first of the sorted predictions
     assert lay.world == 4
     assert lay.micro_batch_size * lay.n_micro * lay.dp == 2 * 2 * 4   # same global batch as the rule's dp=4
@@ -29,7 +30,7 @@ def test_parse_takes_the_planners_best_layout_for_the_same_global_batch():
 
 
 def _fixed_machine(world):
-    return layouts.fixed_machine(world)           # the constants layouts.choose uses (no measurement)
+    return planner.fixed_machine(world)           # the constants planner.choose uses (no measurement)
 
 
 def test_auto_refuses_explicit_sizes():
@@ -39,17 +40,17 @@ def test_auto_refuses_explicit_sizes():
 
 def test_choose_skips_what_accept_refuses_and_takes_the_next_best():
     model, _ = parse_args(TINY, world_size=4)
-    best = layouts.choose(model, 4, 16)
+    best = planner.choose(model, 4, 16)
 
     def no(lay):
         if lay.pp == best.pp and lay.tp == best.tp:
             raise ValueError("not this shape")
-    other = layouts.choose(model, 4, 16, accept=no)
+    other = planner.choose(model, 4, 16, accept=no)
     assert (other.pp, other.tp) != (best.pp, best.tp)
-    preds, _ = layouts.plan(model, 4, 16, _fixed_machine(4))
+    preds, _ = planner.plan(model, 4, 16, _fixed_machine(4))
     assert other == next(p.layout for p in preds if (p.layout.pp, p.layout.tp) != (best.pp, best.tp))
     with pytest.raises(ValueError, match="no valid layout of 4 ranks"):
-        layouts.choose(model, 4, 16, accept=lambda lay: (_ for _ in ()).throw(ValueError("none")))
+        planner.choose(model, 4, 16, accept=lambda lay: (_ for _ in ()).throw(ValueError("none")))
 
 
 def test_cli_runs_the_planned_layout_and_says_so(tmp_path):

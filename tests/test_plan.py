@@ -15,9 +15,10 @@ from pympar.parallel.ep import is_expert_param
 from pympar.parallel.pp.partition import partition
 from pympar.parallel.pp.schedules import bubble_formula
 from pympar.nn.config import flops_per_token
-from pympar.layout import (Layout, Machine, activations_per_micro, choose as choose_layout, enumerate_layouts,
-                           params_per_rank, plan, predict)
-from pympar.plan import fit_alpha_beta, load_calibration, spearman
+from pympar.layout import Layout
+from pympar.plan.cli import fit_alpha_beta, load_calibration, spearman
+from pympar.plan.cost import (Machine, activations_per_micro, choose as choose_layout, enumerate_layouts, params_per_rank,
+                              plan, predict)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ on 10 layouts of 4 ranks and 10 of 8 (preset small), one run each, --calibrate.
     8 ranks 0.99 against 0.54. The 4-rank margin is thin: the oversubscribed allreduce
     latency there is bimodal (24, 74 and 1491 us in the three calibration rounds) and the
     median took the fast mode while the tensor-parallel layouts ran in the slow one; see
-    docs/benchmarks.md. (Before the oversubscription and TP-latency terms of pympar/plan.py:
+    docs/benchmarks.md. (Before the oversubscription and TP-latency terms of pympar/plan/cli.py:
     0.08 at 4 ranks on a loaded machine, 0.36 on the quiet one.)
 """
 import json
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from pympar.plan import spearman, spearman_null_p95
+from pympar.plan.cli import spearman, spearman_null_p95
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from . import layout as layouts
+from .plan import cost as planner
 from .layout import Layout
 from .nn.config import PRESETS, GPTConfig
 
@@ -605,7 +606,7 @@ def _apply_planner(world: int, model: GPTConfig, run: RunConfig) -> None:
                           f"was given: drop it, or drop --layout auto")
     gb = run.micro_batch_size * run.n_micro * world
     try:
-        lay = layouts.choose(model, world, gb, accept=lambda lay: layouts.check(model, lay, device=run.device))
+        lay = planner.choose(model, world, gb, accept=lambda lay: layouts.check(model, lay, device=run.device))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     for f in fields(Layout):

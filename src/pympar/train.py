@@ -47,7 +47,7 @@ import numpy as np
 from . import backend, kernels
 from . import layout as layouts
 from .comm.objects import gather_object
-from .config import ConfigError, apply_environment, describe, parse_args, resolve_dtype
+from .config import apply_environment, describe, parse_args, resolve_dtype
 from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
 from .kernels import gemm
 from .resilience import (DISK_FULL_STATUS, RESUMABLE_STATUS, STOP_STATUS, BadStepGuard, Heartbeat, NonFiniteStop, StopRequest,

@@ -9,7 +9,9 @@ Collectives, nccl-tests columns (default): size(B) count type redop algo, then o
 and in-place time(us), algbw(GB/s) = size/time, busbw(GB/s) = algbw x factor (allreduce
 2(n-1)/n; reduce_scatter, allgather, alltoall(v) (n-1)/n; broadcast, sendrecv 1) and #wrong
 (elements off the NumPy reference, with -c 1). Time is the mean over -n iterations after
--w warm-up ones, the slowest rank's. ``--format osu``: OSU's columns instead, average,
+-w warm-up ones, the slowest rank's. ``--rounds R`` times every choice R times per size,
+alternating (choice 1, 2, ..., then again), and reports each choice's fastest round: two
+choices are then compared at the same moments of a noisy machine, not minutes apart. ``--format osu``: OSU's columns instead, average,
 minimum and maximum over the ranks of each rank's mean latency (us). ``--algo all`` runs
 auto and every pympar algorithm, the MPI library's own call made directly through mpi4py (row
 "library"), and, for allreduce when torch imports, torch.distributed's gloo
@@ -58,6 +60,8 @@ def build_parser():
                    "latency/bw 10000 and 100)")
     p.add_argument("-w", "--warmup_iters", type=int, default=None, help="untimed iterations before them "
                    "(default 5; latency/bw 100 and 10)")
+    p.add_argument("--rounds", type=int, default=1, help="collectives: time the choices R times per size, "
+                   "alternating, and report each one's fastest round (default 1)")
     p.add_argument("--large-iters", type=int, default=None, help="latency/bw: iterations above 8 KiB "
                    "(default 1000 and 20)")
     p.add_argument("--window", type=int, default=64, help="bw: sends in flight per iteration")
@@ -185,7 +189,7 @@ def _write_json(args, comm, **fields):
     if comm.rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(dict(nranks=comm.size, backend=args.backend, iters=args.iters, warmup=args.warmup_iters,
-                           **fields), f, indent=1)
+                           rounds=args.rounds, **fields), f, indent=1)
 
 
 def main(argv=None):
@@ -233,7 +237,8 @@ def main(argv=None):
     rows = []
     osu = args.format == "osu"
     if comm.rank == 0:
-        print(f"# pympar.bench {coll}: nranks {n}, backend {args.backend}, iters {args.iters}, warmup {args.warmup_iters}")
+        print(f"# pympar.bench {coll}: nranks {n}, backend {args.backend}, iters {args.iters}, warmup {args.warmup_iters}"
+              + (f", fastest of {args.rounds} alternating rounds" if args.rounds > 1 else ""))
         if osu:
             print(f"# {'Size':>10} {'algo':>24} {'placement':>9} {'Avg Latency(us)':>16} {'Min Latency(us)':>16} "
                   f"{'Max Latency(us)':>16} {'Iterations':>10} {'#wrong':>7}")
@@ -256,17 +261,25 @@ def main(argv=None):
         case = Case(comm, coll, size, dtype, args.op, xp)
         if case.count == 0 and coll in ("allgather", "alltoall", "alltoallv"):
             continue
+        calls = {algo: library_call(coll, args.op) if algo == "library" else (gloo_call if algo == "torch-gloo" else None)
+                 for algo in names}
+        places = {algo: [ip for ip in (False, True) if not (ip and coll not in IN_PLACE)
+                         and not (algo == "torch-gloo" and not ip)] for algo in names}
+        timed = {}
+        for _ in range(max(1, args.rounds)):      # alternating rounds: every choice timed at the same moments
+            for algo in names:
+                for in_place in places[algo]:
+                    t = time_one(case, None if algo in ("nccl",) else algo, in_place, args, calls[algo])
+                    timed.setdefault((algo, in_place), []).append(t)
         for algo in names:
-            lib = library_call(coll, args.op) if algo == "library" else (gloo_call if algo == "torch-gloo" else None)
+            lib = calls[algo]
             cells = []
             for in_place in (False, True):
-                if in_place and coll not in IN_PLACE:
+                if in_place not in places[algo]:
                     cells.append(None)
                     continue
-                if algo == "torch-gloo" and not in_place:
-                    cells.append(None)
-                    continue
-                tmin, tavg, tmax = time_one(case, None if algo in ("nccl",) else algo, in_place, args, lib)
+                rounds = timed[(algo, in_place)]
+                tmin, tavg, tmax = min(rounds, key=lambda t: t[2])    # the fastest round (by its slowest rank)
                 wrong = -1
                 if args.check:
                     w = case.wrong(algo, in_place, None if lib is None else (lambda c, check=False, ip=in_place: lib(c, ip)))
@@ -274,6 +287,8 @@ def main(argv=None):
                 algbw = case.nbytes / tmax / 1e9 if tmax > 0 else 0.0
                 cells.append(dict(time_us=tmax * 1e6, min_us=tmin * 1e6, avg_us=tavg * 1e6, algbw=algbw,
                                   busbw=algbw * factor, wrong=wrong))
+                if len(rounds) > 1:
+                    cells[-1]["rounds_us"] = [t[2] * 1e6 for t in rounds]
                 rows.append(dict(bytes=case.nbytes, count=case.count, type=args.dtype, redop=args.op, algo=algo,
                                  placement="in" if in_place else "out", **cells[-1]))
             label = algo

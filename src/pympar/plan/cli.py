@@ -87,12 +87,13 @@ import math
 import os
 import sys
 
-from .config import child_environment, start_application
-from .layout import (CPU_DEFAULT, DEVICES, GiB, MFU_ASSUMED, Layout, Machine, activations_per_micro, parse_bytes,
-                     params_per_rank, plan)
-from .metrics import measure_matmul_peak
-from .nn.config import PRESETS, GPTConfig, flops_per_token
-from .parallel import ledger
+from ..config import child_environment, start_application
+from ..layout import Layout
+from ..metrics import measure_matmul_peak
+from ..nn.config import PRESETS, GPTConfig, flops_per_token
+from ..parallel import ledger
+from .cost import (CPU_DEFAULT, DEVICES, GiB, MFU_ASSUMED, Machine, activations_per_micro, parse_bytes, params_per_rank,
+                   plan)
 
 
 def fit_alpha_beta(paths, nranks: int | None = None) -> tuple:
@@ -349,6 +350,3 @@ def main(argv=None) -> int:
             json.dump(out, f, indent=1)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
