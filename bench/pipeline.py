@@ -128,15 +128,15 @@ class BenchFactory:
 
     def __init__(self, args):
         import numpy as np
-        from pympar.parallel.pp import GPTPartsFactory
-        self.args, self.real = args, GPTPartsFactory(np.float32)
+        from pympar.nn.gpt import GPTParts
+        self.args, self.real = args, GPTParts(np.float32)
         self.dtype, self.compute_dtype = self.real.dtype, None
 
     def embedding(self, config, seed):
         return self.real.embedding(config, seed)
 
-    def head(self, config, wte, seed):
-        return self.real.head(config, wte, seed)
+    def head(self, config, embedding, seed):
+        return self.real.head(config, embedding, seed)
 
     def block(self, config, i, seed):
         if self.args.work == "spin":

@@ -91,7 +91,9 @@ def sec_auto_select(res, status) -> str:
             "best = the fastest row of the run (every pympar algorithm, `mpi` = pympar's wrapper of the library's "
             "nonblocking call, `library` = MPI_Allreduce called directly through mpi4py). auto/best: auto's row "
             "over the best; chosen/best: the row of the algorithm auto chose over the best (the decision without "
-            "the noise between two rows of one algorithm). Out of place, the slowest rank's mean. Transports: "
+            "the noise between two rows of one algorithm). Out of place, the slowest rank's mean, in the fastest of "
+            f"{d.get('rounds', 1)} alternating round(s) (`--rounds`: every row timed once per round, so two rows "
+            "are compared at the same moments of the run). Transports: "
             "`shm` MPICH's default (shared memory); `network` `MPIR_CVAR_NOLOCAL=1` (every message through the "
             "network module, each rank its own node); `2nodes` `MPIR_CVAR_NUM_CLIQUES=2` (two nodes sharing memory "
             "inside, network between). Ranks beyond 2 oversubscribe the 2 cores.", ""]

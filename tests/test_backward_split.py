@@ -14,7 +14,8 @@ from pympar.nn.gpt import Block, Head
 from pympar.nn.layers import Embedding
 from pympar.nn.moe import MoE
 from pympar.nn.parameter import WeightGrads
-from pympar.parallel.pp.stage import GPTPartsFactory, StageChunk
+from pympar.nn.gpt import GPTParts
+from pympar.parallel.pp.stage import StageChunk
 from pympar.parallel.tp.block import TPBlock
 
 C, T, B = 16, 7, 3
@@ -104,10 +105,10 @@ def test_stage_chunk_split_keeps_what_w_needs_and_frees_it():
     """A pipeline chunk's B pass returns the deferred W (its bytes counted), the W pass adds the
     same gradients as the unsplit backward, and running it empties it."""
     cfg = GPTConfig(**MOE)
-    fac = GPTPartsFactory(np.float64)
+    fac = GPTParts(np.float64)
     emb = fac.embedding(cfg, 0)
     blocks = [fac.block(cfg, i, 0) for i in range(2)]
-    chunk = StageChunk(0, [0, 1], blocks, emb, fac.head(cfg, emb.wte, 0))
+    chunk = StageChunk(0, [0, 1], blocks, emb, fac.head(cfg, emb, 0))
     rng = np.random.default_rng(1)
     idx, tgt = rng.integers(0, 29, size=(2, 8)), rng.integers(0, 29, size=(2, 8))
     params = [p for _, p in chunk.named_parameters()]

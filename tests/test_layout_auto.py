@@ -17,15 +17,17 @@ TINY = ["--preset", "tiny", "--n-layer", "4", "--block-size", "16", "--micro-bat
 
 def test_parse_takes_the_planners_best_layout_for_the_same_global_batch():
     """parse_args --layout auto = the fastest prediction of the planner that pympar.layout.check
-    accepts, with the run's fields set from it and the rule's global batch kept."""
+    accepts, the rule's global batch kept; the run's layout flags stay what was given (the Layout is the
+    one resolved answer: nothing is copied back into the flags)."""
     model, run = parse_args([*TINY, "--layout", "auto"], world_size=4)
     lay = run.layout_resolved
     preds, _ = planner.plan(model, 4, 2 * 2 * 4, _fixed_machine(4))
     assert preds and lay == preds[0].layout                # the first of the sorted predictions
     assert lay.world == 4
     assert lay.micro_batch_size * lay.n_micro * lay.dp == 2 * 2 * 4   # same global batch as the rule's dp=4
-    assert (run.micro_batch_size, run.n_micro, run.schedule, run.zero) == \
-        (lay.micro_batch_size, lay.n_micro, lay.schedule, lay.zero)
+    given = parse_args(TINY, world_size=4)[1]
+    assert [getattr(run, f) for f in ("dp", "pp", "tp", "micro_batch_size", "n_micro", "schedule", "zero")] == \
+        [getattr(given, f) for f in ("dp", "pp", "tp", "micro_batch_size", "n_micro", "schedule", "zero")]
     assert parse_args([*TINY, "--layout", "auto"], world_size=4)[1].layout_resolved == lay   # every rank the same
 
 

@@ -17,9 +17,9 @@ from pympar.nn.init import BLOCK
 from pympar.parallel import ledger
 from pympar.parallel.dp import DataParallel
 from pympar.parallel.ep import install_expert_parallel
-from pympar.parallel.pp import PipelineGPT, SlicedModelFactory
+from pympar.parallel.pp import PipelineGPT
 from pympar.parallel.shard import make_sharded
-from pympar.parallel.tp import TPGPT
+from pympar.parallel.tp import TPGPT, TPParts
 
 # sizes chosen so that a rank's share plus the scratch stays well below the whole model: a rank
 # that made the full tensors (or other stages' or experts') would exceed the bounds below
@@ -64,9 +64,9 @@ def test_a_shard_is_made_without_the_full_tensor():
 @pytest.mark.parametrize("rank", [0, 1, 3])
 def test_a_pipeline_rank_makes_only_its_stages(rank):
     """pp=4 over the 8 blocks: each rank makes its blocks (+ embeddings first, ln_f and the tied
-    head copy last), also through SlicedModelFactory (a whole model constructed, its other
-    stages' parameters never made)."""
-    for factory in (None, SlicedModelFactory(lambda c, s: TPGPT(c, FakeComm(0, 1), seed=s))):
+    head copy last), with pympar.nn's parts and with tensor-parallel ones (tp.TPParts over a
+    one-rank group)."""
+    for factory in (None, TPParts(FakeComm(0, 1))):
         model, peak = made_while(lambda: (m := PipelineGPT(CFG, 0, pp=4, rank=rank, factory=factory), touch(m.parameters()))[0])
         held = sum(p.data.nbytes for p in model.parameters())
         n = ledger.params_per_rank(CFG, 1, 1, [2 * rank, 2 * rank + 1], rank == 0, rank == 3)
@@ -436,13 +436,14 @@ def test_ledger_wgrad_hold_is_what_the_deferred_w_keeps(cfg):
     """A zero-bubble chunk's B pass keeps for its W what ledger.wgrad_hold_per_micro says (dense:
     exactly; MoE: its routing-dependent rows within 10%), first/last stage or middle one, in every
     recomputation mode -- more than the ctx for dense blocks (16C against 10C per token)."""
-    from pympar.parallel.pp.stage import GPTPartsFactory, StageChunk
-    fac = GPTPartsFactory(np.float32)
+    from pympar.nn.gpt import GPTParts
+    from pympar.parallel.pp.stage import StageChunk
+    fac = GPTParts(np.float32)
     emb = fac.embedding(cfg, 0)
     blocks = [fac.block(cfg, i, 0) for i in range(2)]
     tol = 1e-9 if not cfg.n_expert else 0.10
     for first, last in ((True, True), (False, False)):
-        chunk = StageChunk(0, [0, 1], blocks, emb if first else None, fac.head(cfg, emb.wte, 0) if last else None)
+        chunk = StageChunk(0, [0, 1], blocks, emb if first else None, fac.head(cfg, emb, 0) if last else None)
         for mode in ("none", "selective", "full"):
             for b in blocks:
                 set_recompute(b, mode)

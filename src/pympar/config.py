@@ -525,9 +525,8 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
     run.model_overrides = sorted(overrides)
     _check_run(run)
     run.layout_auto = all(getattr(run, k) is None for k in ("dp", "pp", "tp", "ep", "cp", "etp"))
-    if run.layout == "auto":
-        _apply_planner(world_size, model, run)
-    run.layout_resolved = choose_layout(world_size, model, run)
+    run.layout_resolved = (_planned_layout(world_size, model, run) if run.layout == "auto"
+                           else choose_layout(world_size, model, run))
     lay = run.layout_resolved
     if run.deterministic:
         split = [f"{k}={getattr(lay, k)}" for k in ("tp", "cp", "ep") if getattr(lay, k) > 1]
@@ -597,9 +596,10 @@ def resolve_dtype(run: RunConfig, bf16_ok: bool) -> None:
         run.dtype, run.dtype_from = "float32", "auto: no native bf16 products here"
 
 
-def _apply_planner(world: int, model: GPTConfig, run: RunConfig) -> None:
+def _planned_layout(world: int, model: GPTConfig, run: RunConfig) -> Layout:
     """--layout auto: the planner's best layout for the same global batch (no communication;
-    the planner's constants are fixed, so every rank picks the same layout)."""
+    the planner's constants are fixed, so every rank picks the same layout). The run's own
+    layout flags stay what was given: the Layout returned is the one resolved answer."""
     given = [k for k in ("dp", "pp", "tp", "ep", "etp", "cp") if getattr(run, k) is not None]
     if given:
         raise ConfigError(f"--layout auto chooses dp, pp, tp, ep, etp and cp itself, but {', '.join('--' + k for k in given)} "
@@ -609,8 +609,7 @@ def _apply_planner(world: int, model: GPTConfig, run: RunConfig) -> None:
         lay = planner.choose(model, world, gb, accept=lambda lay: layouts.check(model, lay, device=run.device))
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    for f in fields(Layout):
-        setattr(run, f.name, getattr(lay, f.name))
+    return lay
 
 
 def _check_run(run: RunConfig) -> None:

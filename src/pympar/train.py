@@ -164,21 +164,21 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
     dp_rank = Mesh.coords(rank, lay.dp, lay.pp, lay.tp, lay.cp).dp   # this rank's data shard
     rec = Recorder(enabled=run.profile)
     runner = build_runner(model_cfg, lay, comm, run, rec)
-    predicted = runner.predicted_ledger(run.micro_batch_size, run.n_micro)
+    predicted = runner.predicted_ledger(lay.micro_batch_size, lay.n_micro)
     peak = float(comm.allreduce(np.array([_peak(run, comm)]))[0])  # all ranks at once, summed
     guard = BadStepGuard(run.max_bad_steps, getattr(runner, "scaler", None))
     injector = faults(rank, runner.model) if faults is not None else None
     start = restore_run(runner, resume_path, guard, comm) if resume_path else 0
     fpt = flops_per_token(model_cfg)
-    B, T = run.micro_batch_size, model_cfg.block_size
-    tokens_per_step = B * run.n_micro * lay.dp * T
+    B, T = lay.micro_batch_size, model_cfg.block_size
+    tokens_per_step = B * lay.n_micro * lay.dp * T
     out = Path(run.out) if run.out else None
     if rank == 0:
         if out:
             out.mkdir(parents=True, exist_ok=True)
-        how = ("chosen by the planner: " + f"micro-batch {run.micro_batch_size} x {run.n_micro}, {run.schedule}"
-               + (f" v={run.virtual_stages}" if run.virtual_stages > 1 else "") + (f", ZeRO-{run.zero}" if run.zero else "")
-               + (", sequence parallel" if run.seq_parallel else "")) if run.layout == "auto" else \
+        how = ("chosen by the planner: " + f"micro-batch {lay.micro_batch_size} x {lay.n_micro}, {lay.schedule}"
+               + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "") + (f", ZeRO-{lay.zero}" if lay.zero else "")
+               + (", sequence parallel" if lay.seq_parallel else "")) if run.layout == "auto" else \
               ("chosen for the world size" if run.layout_auto else "as given")
         print(f"pympar.train: {world} rank(s), layout {lay} ({how}); {threads} thread(s) per rank ({threads_why}); "
               f"kernels {kernels.describe() if run.device != 'cuda' else 'CUDA'}; "
@@ -188,7 +188,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
               + f"; data {corpus.name}: "
               f"{len(corpus.train):,} train / {len(corpus.val):,} val tokens, vocab {model_cfg.vocab_size}")
         print(f"pympar.train: model {run.preset} {runner.n_params:,} params, {fpt / 1e6:.2f} MFLOP/token; "
-              f"global batch {B}x{run.n_micro}x{lay.dp} sequences x {T} = {tokens_per_step:,} tokens; "
+              f"global batch {B}x{lay.n_micro}x{lay.dp} sequences x {T} = {tokens_per_step:,} tokens; "
               f"matmul peak {peak / 1e9:.1f} GFLOP/s in {'bf16' if run.dtype == 'bfloat16' or run.device == 'cuda' else 'float32'} "
               f"(all ranks)", flush=True)
         print(f"pympar.train: memory per rank (ledger, predicted; worst rank): {ledger.describe(predicted)}; "
@@ -214,7 +214,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
         if injector is not None:
             injector.begin_step(step)
         lr = cosine_lr(step, run.lr, min(run.warmup, run.steps), run.steps, run.min_lr)
-        batches = local_micro_batches(corpus.train, run.seed, step, dp_rank, run.n_micro, B, T)
+        batches = local_micro_batches(corpus.train, run.seed, step, dp_rank, lay.n_micro, B, T)
         t0 = time.perf_counter()
         res = runner.train_step(batches, lr, stop=stop.pending, written=pending is not None and pending.written)
         dt = time.perf_counter() - t0

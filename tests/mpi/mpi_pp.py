@@ -323,19 +323,18 @@ def test_invalid_layouts_raise_before_communication(mpi_world):
 @pytest.mark.ranks(lambda n: n >= 4 and n % 2 == 0)        # pp >= 2 and tp = 2
 @pytest.mark.parametrize("sp", [False, True])
 def test_pipeline_of_tensor_parallel_stages(mpi_world, sp):
-    """pp x tp with tp = 2: each stage's modules are TPGPT's (the factory seam), ranks
+    """pp x tp with tp = 2: each stage is made of tp.TPParts (TPGPT's parts), ranks
     rank = pp_rank * tp + tp_rank; every shard's grad equals the slice of the full grad."""
     from pympar.comm import MPIComm
     from pympar.parallel.shard import shard_of
-    from pympar.parallel.tp import TPGPT
-    from pympar.parallel.pp import SlicedModelFactory
+    from pympar.parallel.tp import TPParts
     tp = 2
     p = mpi_world.size // tp
     world = MPIComm(mpi_world)
     tp_comm = world.split(mpi_world.rank // tp)
     pipe = world.split(mpi_world.rank % tp)
     cfg = config(p, n_layer=2 * p)
-    fac = SlicedModelFactory(lambda c, s: TPGPT(c, tp_comm, seed=s, dtype=np.float64, sequence_parallel=sp))
+    fac = TPParts(tp_comm, dtype=np.float64, sequence_parallel=sp)
     model = PipelineGPT(cfg, seed=9, pp=p, rank=pipe.rank, factory=fac)
     ex = Executor(model, pipe, "1f1b")
     ref = GPT(cfg, seed=9, dtype=np.float64)

@@ -69,15 +69,15 @@ class Probe:
         self.reset()
         for c, ch in enumerate(model.chunks):
             ch.backward = self._counting(ch.backward, c)
-        ready = model.grad_ready_params
+        ready = model.notify_grad_ready
 
-        def grad_ready_params(params):
-            if any(p is model.tied_weight for p in params):
+        def notify_grad_ready(params, **kw):
+            if kw.get("final") and any(p is model.tied_weight for p in params):
                 self.tied_done = True       # called right after the tied sum
-            if any(id(p) in self.partial for p in params):
+            if kw.get("final") and any(id(p) in self.partial for p in params):
                 self.partial_done = True    # called right after the tp sum of partial grads
-            ready(params)
-        model.grad_ready_params = grad_ready_params
+            ready(params, **kw)
+        model.notify_grad_ready = notify_grad_ready
         for d in runner.sync.syncs:
             d._start = self._recording(d._start)
         finish = runner.sync.finish

@@ -307,16 +307,81 @@ CE_CHUNK = 1 << 24
 CE_ROWS = MLP_ROWS
 
 
-class GPT(Module, MoEBookkeeping):
-    def __init__(self, config: GPTConfig, seed: int = 0, dtype=np.float32, compute_dtype=None):
+class GPTParts:
+    """The three kinds of pieces a GPT is made of, in master ``dtype`` and optional ``compute_dtype``:
+
+      embedding(config, seed)          -> module with .wte (the tied Parameter); forward(idx) -> x
+      block(config, i, seed)           -> block i (name transformer.h.{i}); forward(x) -> (y, ctx),
+                                          ctx["aux_loss"] for MoE blocks; backward(dy, ctx, scale)
+      head(config, embedding, seed)    -> ln_f + lm_head tied to embedding.wte + mean CE;
+                                          forward((x, targets)) -> (ce, ctx); backward(scale, ctx)
+      activation_shape(config, B, T)   -> the shape of x between blocks
+
+    These are pympar.nn's dense or MoE pieces. A parallelism that splits a piece supplies its own
+    parts with the same contract (parallel.tp.TPParts), and ``GPT`` and the pipeline's stages
+    (parallel.pp) are built from whichever parts they are given."""
+
+    def __init__(self, dtype=np.float32, compute_dtype=None, model: str = "GPT"):
+        self.dtype, self.compute_dtype = resolve_precision(dtype, compute_dtype, model)
+
+    def embedding(self, config, seed):
+        return Embedding(config.vocab_size, config.block_size, config.n_embd, seed=seed, dtype=self.dtype,
+                         compute_dtype=self.compute_dtype)
+
+    def block(self, config, i, seed):
+        return Block(config, i, seed=seed, dtype=self.dtype, compute_dtype=self.compute_dtype)
+
+    def head(self, config, embedding, seed):
+        return Head(config, embedding.wte, dtype=self.dtype, compute_dtype=self.compute_dtype)
+
+    def activation_shape(self, config, B, T):
+        return (B, T, config.n_embd)
+
+
+class GradReadyHooks:
+    """The backward's "gradients ready" notifications: one protocol for every model (nn.GPT,
+    TPGPT, parallel.pp.PipelineGPT). ``grad_ready_hooks``: callbacks ``h(params)`` told which
+    parameters' gradients are final for this micro-batch (data parallelism starts their bucket's
+    reduction then), and ``h(params, partial=True)`` told that they hold a complete PART of it (the
+    head's share of the tied wte: a sync that adds up what it reduces may take it now). The
+    gradients that are completed after the backward (``later_grad_ids``: sequence-parallel
+    partials summed over tp, a tied weight summed over the pipeline's ends) are left out until
+    ``notify_grad_ready(..., final=True)`` says they are done."""
+    grad_ready_hooks: list
+
+    def later_grad_ids(self):
+        """ids of the parameters whose gradient is completed after the backward (none here)."""
+        return ()
+
+    def notify_grad_ready(self, params, *, partial=False, final=False):
+        hooks = self.grad_ready_hooks
+        if not hooks:
+            return
+        later = () if final else self.later_grad_ids()
+        params = [p for p in params if id(p) not in later]
+        if params:
+            for hook in hooks:
+                hook(params, partial=True) if partial else hook(params)
+
+    def notify_module_ready(self, module):
+        """module's gradients are done for this micro-batch (as a backward passes it)."""
+        if self.grad_ready_hooks:
+            self.notify_grad_ready(module.parameters())
+
+
+class GPT(Module, MoEBookkeeping, GradReadyHooks):
+    def __init__(self, config: GPTConfig, seed: int = 0, dtype=np.float32, compute_dtype=None, *,
+                 parts: GPTParts | None = None):
+        """parts: what the embedding, blocks and head are made of (GPTParts: pympar.nn's, in
+        ``dtype`` and ``compute_dtype``, which are then not used; a parallelism's parts split them)."""
         self.config = config.validate()
-        dtype, cdt = resolve_precision(dtype, compute_dtype)
-        self.dtype, self.compute_dtype = dtype, cdt
+        parts = parts if parts is not None else GPTParts(dtype, compute_dtype)
+        self.parts = parts
+        self.dtype, self.compute_dtype = parts.dtype, parts.compute_dtype
         c = config
-        self.embedding = Embedding(c.vocab_size, c.block_size, c.n_embd, seed=seed, dtype=dtype,
-                                   compute_dtype=cdt)
-        self.h = [Block(c, i, seed=seed, dtype=dtype, compute_dtype=cdt) for i in range(c.n_layer)]
-        self.head = Head(c, self.embedding.wte, dtype=dtype, compute_dtype=cdt)
+        self.embedding = parts.embedding(c, seed)
+        self.h = [parts.block(c, i, seed) for i in range(c.n_layer)]
+        self.head = parts.head(c, self.embedding, seed)
         # callbacks h(params) told, during loss_and_grad's backward, which parameters' grads are
         # final for this micro-batch (data parallelism starts their bucket's allreduce early)
         self.grad_ready_hooks = []
@@ -405,32 +470,19 @@ class GPT(Module, MoEBookkeeping):
                 if stats is not None:
                     kept = held_bytes(idx, c_emb, ctxs, held)
                     stats["activation_bytes"] = max(stats.get("activation_bytes", 0), kept)
-            self._grad_ready(self.head.ln_f)         # not the tied wte: the embedding adds to it last,
-            self._grad_partial([self.head.wte])      # but a sync that sums per use may take this part now
+            self.notify_module_ready(self.head.ln_f)  # not the tied wte: the embedding adds to it last,
+            self.notify_grad_ready([self.head.wte], partial=True)   # but a sync that sums per use may take this part now
             for i in reversed(range(len(self.h))):
                 b, c = self.h[i], ctxs.pop()         # each block's activations go as its backward ends
                 with g.use(b, backward=True), _span(trace, f"bwd h.{i}"):
                     dx = b.backward(dx, c, grad_scale)
                 del c
-                self._grad_ready(b)
+                self.notify_module_ready(b)
             with g.use(self.embedding, backward=True), _span(trace, "bwd embedding"):
                 self.embedding.backward(dx, c_emb)
-            self._grad_ready(self.embedding)
+            self.notify_module_ready(self.embedding)
             g.settle()
             return ce + aux
-
-    def _grad_ready(self, module):
-        if self.grad_ready_hooks:
-            params = module.parameters()
-            for hook in self.grad_ready_hooks:
-                hook(params)
-
-    def _grad_partial(self, params):
-        """These grads hold a complete PART of this micro-batch's gradient (the head's share of the
-        tied wte): hooks(params, partial=True). A sync that adds up what it reduces (ZeRO-2/3) may
-        reduce and free it now; one that needs the whole gradient ignores it."""
-        for hook in self.grad_ready_hooks:
-            hook(params, partial=True)
 
     def forward_loss(self, idx, targets) -> float:
         """The same loss without gradients (and without counting expert loads)."""

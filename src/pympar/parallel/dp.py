@@ -42,14 +42,14 @@ import time
 
 import numpy as np
 
-from ..backend import get_xp, resident_zeros, xp_of
+from ..backend import xp_of
 from ..comm.exact import ExactSum
 from ..optim import clip_grad_norm
 from ..optim.clip import clip_coefficient
 from ..optim.adamw import decays
 from .compress import dense_allreduce_bytes, make_compressor
 from .ledger import MAX_INFLIGHT_BUCKETS
-from .zero import RowLayout, ZeroAdamW, install_gather, rows_shard
+from .zero import RowBucket, ZeroAdamW, install_gather
 
 
 class Bucket:
@@ -88,88 +88,6 @@ class Bucket:
     @property
     def persistent_bytes(self):
         return int(self.buf.nbytes)
-
-
-class RowBucket:
-    """zero>=1: ``params`` laid out rank-major by rows over the group (zero.RowLayout).
-
-    grad_rows(i): the mean gradient of this rank's rows of parameter i (after finish): a view of
-    the full gradient under ZeRO-1, of acc (S,) under ZeRO-2/3.
-    ZeRO-3: own (S,) holds this rank's rows of the parameters themselves (p.data is a view of
-    it between uses); gathered/uses/gather_req are ParamGather's bookkeeping."""
-
-    sharded = True
-
-    def __init__(self, index, params, names, comm, zero, device="cpu"):
-        self.index, self.params, self.names, self.dp = index, params, names, None
-        self.dtype = np.dtype(params[0].dtype)
-        self.ids = {id(p) for p in params}
-        self.layout = lay = RowLayout([p.shape for p in params], comm.size, comm.rank)
-        self.numel = int(sum(np.prod(p.shape) for p in params))
-        # ZeRO-3 makes its rows on the host and keeps them on the device; 1/2 live where the params do
-        xp = get_xp(device) if zero == 3 else xp_of(params[0].data)
-        self.xp = xp
-        # the Shard of the full tensor each parameter's kept rows are (checkpoints, placement)
-        self.row_shards = [rows_shard(p.shard, p.full_shape, *lay.rows(i)) for i, p in enumerate(params)]
-        self.full_bytes = int(self.numel * self.dtype.itemsize)
-        self.own = None
-        self.gathered, self.uses, self.gather_req = False, 0, None
-        if zero == 3:                            # keep only the rows: the full tensor is never made
-            self.own = xp.zeros(lay.seg, dtype=self.dtype)
-            self.rest = []
-            for i, p in enumerate(params):
-                lo, hi = lay.rows(i)
-                v = lay.own(self.own, i)
-                if p.materialized:
-                    v[...] = xp.asarray(p.data[lo:hi])
-                else:
-                    p.shard = self.row_shards[i]
-                    v[...] = xp.asarray(p.data)      # made for these rows alone
-                p.data = v
-                p.shard = self.row_shards[i]
-                p.grad_shape = _local_shape(self, i)    # the gradient stays the whole tensor's
-                self.rest.append(v)
-        # the reduced rows: ZeRO-1's full gradients are the engine's accumulators for the whole step
-        # (resident from the start) and, once reduced, hold the mean of this rank's rows in their own
-        # rows; ZeRO-2/3 keep the reduced rows in acc (persistent, written in place every step)
-        self.zero = zero
-        if zero == 1:
-            self.acc = None
-            for p in params:
-                if not p.has_grad:
-                    p.grad = resident_zeros(p.shape, self.dtype, xp)
-        else:
-            self.acc = resident_zeros(lay.seg, self.dtype, xp)
-        self.reset()
-
-    def reset(self):
-        self.ready = set()
-        self.fired = 0
-        self.filled = False                      # acc holds this step's rows (else last step's)
-        self.launched = self.done = False
-
-    def grad_rows(self, i):
-        """Parameter i's reduced gradient rows (a view: of the full gradient under ZeRO-1, else of acc)."""
-        if self.acc is None:
-            lo, hi = self.layout.rows(i)
-            return self.params[i].grad[lo:hi]
-        return self.layout.own(self.acc, i)
-
-    def reduced(self):
-        """The arrays holding this rank's reduced rows (to scale or check them)."""
-        return [self.acc] if self.acc is not None else [self.grad_rows(i) for i in range(len(self.params))]
-
-    def weight_rows(self, i):
-        """Parameter i's rows this rank updates (a view: of own under ZeRO-3, else of p.data)."""
-        if self.own is not None:
-            return self.rest[i]
-        lo, hi = self.layout.rows(i)
-        return self.params[i].data[lo:hi]
-
-    @property
-    def persistent_bytes(self):
-        """Gradient storage of its own (ZeRO-1's lives in the full gradients, counted with them)."""
-        return int(self.acc.nbytes) if self.acc is not None else 0
 
 
 def build_buckets(named_params, dp: int, bucket_mb: float, comm=None, zero=0, units=None, device="cpu"):
@@ -236,8 +154,6 @@ class DataParallel:
         self.compressor = make_compressor(compress)
         self.buckets = build_buckets(self.named, self.dp, self.bucket_mb, dp_comm, self.zero,
                                      units if self.zero == 3 else None, device)
-        for b in self.buckets:
-            b.dp = self
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         late = {id(p) for p in launch_last}
         # the launch order: index order, buckets holding a late parameter last (same on every rank)
@@ -521,27 +437,6 @@ class DataParallel:
             for g in (b.reduced() if b.sharded else [b.buf]):
                 g *= b.dtype.type(alpha)
 
-    # --- ZeRO-3: parameters around their use (ParamGather calls these) ---------------------------
-    def start_gather(self, b):
-        """Begin assembling bucket b's full parameters from every rank's rows."""
-        if self.dp == 1:
-            return None
-        return self.comm.iallgather(b.own)
-
-    def finish_gather(self, b, req):
-        flat = b.own if req is None else req.wait().reshape(-1)
-        fulls = [b.xp.empty(_local_shape(b, i), dtype=b.dtype) for i in range(len(b.params))]
-        b.layout.unpack(flat, fulls)
-        for p, f in zip(b.params, fulls):
-            p.data = f
-        b.gathered = True
-
-    def release_params(self, b):
-        """Back to this rank's rows (the full tensors are freed)."""
-        for p, v in zip(b.params, b.rest):
-            p.data = v
-        b.gathered = False
-
     # --- collectives ------------------------------------------------------------------------
     def _launch(self, only_ready):
         while self._next < len(self.order):
@@ -702,8 +597,3 @@ def inflight_bytes(b, req, send) -> int:
     msg = b.buf.nbytes if send is None else send.nbytes
     copy = 0 if send is None or b.layout.identity else send.nbytes
     return copy + msg // 2
-
-
-def _local_shape(b, i):
-    """The full local (tp) shape of bucket b's parameter i (its rows are what p.data holds)."""
-    return b.layout.items[i][0]

@@ -19,7 +19,7 @@ layout computes the single-process step (docs/design.md, Determinism).
 Composition, per rank with mesh coordinates (pp stage, dp rank, tp rank, ep rank):
   model     parallel.build.build_model (shared with generation): pp = 1: nn.GPT (tp = 1) or
             parallel.tp.TPGPT; pp > 1: this stage's chunks (parallel.pp.PipelineGPT; TP stages cut
-            from a TPGPT by SlicedModelFactory) and the schedule's PipelineExecutor;
+            made of tp.TPParts) and the schedule's PipelineExecutor;
             ep > 1: install_expert_parallel keeps this ep rank's experts (alltoallv dispatch)
             cp > 1: install_context_parallel: ring attention, this rank's positions, MoE routing
             over the micro-batch

@@ -9,7 +9,9 @@ tensor-parallel shard, and the parameter's placement says which they are.
 A bucket of parameters is laid out rank-major (``RowLayout``): segment r of a flat buffer of
 n*S elements holds rank r's rows of every parameter of the bucket (each padded to ``part``
 rows), so one reduce-scatter leaves every rank exactly its rows' gradient sum and one
-allgather returns every rank's rows.
+allgather returns every rank's rows. ``RowBucket`` is such a bucket: the reduced gradient rows a rank keeps
+(stages 1-3), its rows of the parameters themselves (stage 3) and their gathering; the data-
+parallel sync (parallel.dp) builds the buckets and runs their collectives.
 
 ``ZeroAdamW`` keeps m and v only for the rows a rank keeps and updates the weights there in
 place: the weights are the master copy (float32, or float64 in float64 runs), so nothing is
@@ -29,7 +31,7 @@ import math
 import numpy as np
 
 from .. import kernels
-from ..backend import xp_of
+from ..backend import get_xp, resident_zeros, xp_of
 from ..optim.adamw import moments_like
 from ..nn.parameter import NoGather  # noqa: F401  (the scope ParamGather replaces)
 
@@ -169,6 +171,116 @@ class ZeroAdamW:
         self.step_count = int(scalars.get("step", self.step_count))
 
 
+# --- a bucket of rows: what a rank keeps of a group of parameters -----------------------------
+class RowBucket:
+    """zero>=1: ``params`` laid out rank-major by rows over the group (zero.RowLayout).
+
+    grad_rows(i): the mean gradient of this rank's rows of parameter i (after finish): a view of
+    the full gradient under ZeRO-1, of acc (S,) under ZeRO-2/3.
+    ZeRO-3: own (S,) holds this rank's rows of the parameters themselves (p.data is a view of
+    it between uses); ``start_gather``/``finish_gather``/``release_params`` assemble and free the
+    full parameters over the group, and gathered/uses/gather_req are ParamGather's bookkeeping."""
+
+    sharded = True
+
+    def __init__(self, index, params, names, comm, zero, device="cpu"):
+        self.index, self.params, self.names, self.comm = index, params, names, comm
+        self.dtype = np.dtype(params[0].dtype)
+        self.ids = {id(p) for p in params}
+        self.layout = lay = RowLayout([p.shape for p in params], comm.size, comm.rank)
+        self.numel = int(sum(np.prod(p.shape) for p in params))
+        # ZeRO-3 makes its rows on the host and keeps them on the device; 1/2 live where the params do
+        xp = get_xp(device) if zero == 3 else xp_of(params[0].data)
+        self.xp = xp
+        # the Shard of the full tensor each parameter's kept rows are (checkpoints, placement)
+        self.row_shards = [rows_shard(p.shard, p.full_shape, *lay.rows(i)) for i, p in enumerate(params)]
+        self.full_bytes = int(self.numel * self.dtype.itemsize)
+        self.own = None
+        self.gathered, self.uses, self.gather_req = False, 0, None
+        if zero == 3:                            # keep only the rows: the full tensor is never made
+            self.own = xp.zeros(lay.seg, dtype=self.dtype)
+            self.rest = []
+            for i, p in enumerate(params):
+                lo, hi = lay.rows(i)
+                v = lay.own(self.own, i)
+                if p.materialized:
+                    v[...] = xp.asarray(p.data[lo:hi])
+                else:
+                    p.shard = self.row_shards[i]
+                    v[...] = xp.asarray(p.data)      # made for these rows alone
+                p.data = v
+                p.shard = self.row_shards[i]
+                p.grad_shape = self.local_shape(i)    # the gradient stays the whole tensor's
+                self.rest.append(v)
+        # the reduced rows: ZeRO-1's full gradients are the engine's accumulators for the whole step
+        # (resident from the start) and, once reduced, hold the mean of this rank's rows in their own
+        # rows; ZeRO-2/3 keep the reduced rows in acc (persistent, written in place every step)
+        self.zero = zero
+        if zero == 1:
+            self.acc = None
+            for p in params:
+                if not p.has_grad:
+                    p.grad = resident_zeros(p.shape, self.dtype, xp)
+        else:
+            self.acc = resident_zeros(lay.seg, self.dtype, xp)
+        self.reset()
+
+    def reset(self):
+        self.ready = set()
+        self.fired = 0
+        self.filled = False                      # acc holds this step's rows (else last step's)
+        self.launched = self.done = False
+
+    def grad_rows(self, i):
+        """Parameter i's reduced gradient rows (a view: of the full gradient under ZeRO-1, else of acc)."""
+        if self.acc is None:
+            lo, hi = self.layout.rows(i)
+            return self.params[i].grad[lo:hi]
+        return self.layout.own(self.acc, i)
+
+    def reduced(self):
+        """The arrays holding this rank's reduced rows (to scale or check them)."""
+        return [self.acc] if self.acc is not None else [self.grad_rows(i) for i in range(len(self.params))]
+
+    def weight_rows(self, i):
+        """Parameter i's rows this rank updates (a view: of own under ZeRO-3, else of p.data)."""
+        if self.own is not None:
+            return self.rest[i]
+        lo, hi = self.layout.rows(i)
+        return self.params[i].data[lo:hi]
+
+    @property
+    def persistent_bytes(self):
+        """Gradient storage of its own (ZeRO-1's lives in the full gradients, counted with them)."""
+        return int(self.acc.nbytes) if self.acc is not None else 0
+
+    def local_shape(self, i):
+        """The full local (tp) shape of parameter i (its rows are what p.data holds)."""
+        return self.layout.items[i][0]
+
+    # --- ZeRO-3: the parameters around their use (ParamGather calls these) ----------------------
+    def start_gather(self):
+        """Begin assembling the full parameters from every rank's rows (None: one rank, nothing to do)."""
+        if self.comm.size == 1:
+            return None
+        return self.comm.iallgather(self.own)
+
+    def finish_gather(self, req):
+        flat = self.own if req is None else req.wait().reshape(-1)
+        fulls = [self.xp.empty(self.local_shape(i), dtype=self.dtype) for i in range(len(self.params))]
+        self.layout.unpack(flat, fulls)
+        for p, f in zip(self.params, fulls):
+            p.data = f
+        self.gathered = True
+
+    def release_params(self):
+        """Back to this rank's rows (the full tensors are freed)."""
+        for p, v in zip(self.params, self.rest):
+            p.data = v
+        self.gathered = False
+
+
+
 # --- ZeRO-3: a module's full parameters around its use ------------------------------------------
 class ParamGather:
     """Assembles the full (tp-local) parameters of a module from the dp group's rows for its
@@ -207,20 +319,20 @@ class ParamGather:
 
     def _start(self, u):
         if u.gather_req is None and not u.gathered:
-            u.gather_req = u.dp.start_gather(u)
+            u.gather_req = u.start_gather()
             self.gathers += 1
 
     def _ready(self, u):
         if not u.gathered:
             self._start(u)
-            u.dp.finish_gather(u, u.gather_req)
+            u.finish_gather(u.gather_req)
             u.gather_req = None
             self.gathered_bytes += u.full_bytes
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _release(self, u):
         if u.gathered and u.uses == 0 and u.gather_req is None:
-            u.dp.release_params(u)
+            u.release_params()
             self.gathered_bytes -= u.full_bytes
 
     def _neighbour(self, module, step):
@@ -252,7 +364,7 @@ class ParamGather:
         """Complete prefetches nobody used (the end of a pass) so no gather stays in flight."""
         for u in self.units:
             if u.gather_req is not None:
-                u.dp.finish_gather(u, u.gather_req)
+                u.finish_gather(u.gather_req)
                 u.gather_req = None
                 self.gathered_bytes += u.full_bytes
             if u.uses == 0:

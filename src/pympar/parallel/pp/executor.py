@@ -233,7 +233,7 @@ class PipelineExecutor:
                 w, nb = wgrads.pop((a.micro, a.chunk))
                 w.run()
                 live_bytes -= nb
-                model.grad_ready_chunk(chunk)
+                model.notify_chunk_ready(chunk)
                 for hook in self.action_done_hooks:
                     hook()
                 out = None
@@ -251,8 +251,8 @@ class PipelineExecutor:
                     peak_bytes = max(peak_bytes, live_bytes)
                 else:
                     out = chunk.backward(inp, ctx, grad_scale,
-                                         ready=model.grad_ready_module if model.grad_ready_hooks else None)
-                    model.grad_ready_chunk(chunk)
+                                         ready=model.notify_module_ready if model.grad_ready_hooks else None)
+                    model.notify_chunk_ready(chunk)
                 for hook in self.action_done_hooks:
                     hook()
                 live -= 1
@@ -277,7 +277,7 @@ class PipelineExecutor:
         self._final_backward(model.parameters())
         if self.partial_sync is not None:
             self.partial_sync.finish()
-            model.grad_ready_params(self.partial_sync.params)
+            model.notify_grad_ready(self.partial_sync.params, final=True)
         self._sum_tied_grad()
         losses = self.p2p.allreduce_sum(local_terms) if p > 1 else local_terms
         step = time.perf_counter() - t0
@@ -325,7 +325,7 @@ class PipelineExecutor:
             rr.wait()
             sr.wait()
         g += peer                      # g0 + g_last on both ranks: addition commutes, so bitwise equal
-        model.grad_ready_params([model.tied_weight])
+        model.notify_grad_ready([model.tied_weight], final=True)
 
     # --- evaluation ----------------------------------------------------------------------
     def forward_loss(self, micro_batches) -> float:

@@ -1,26 +1,17 @@
 """Build only this pipeline rank's chunks of a GPT, with global parameter names.
 
-A model factory makes the three kinds of pieces; the default makes pympar.nn's modules, and a
-tensor-parallel factory can make TP modules with the same contract:
-
-  factory.embedding(config, seed)   -> module with .wte (the tied Parameter); forward(idx) -> x
-  factory.block(config, i, seed)    -> block i (name transformer.h.{i}); forward(x) -> (y, ctx),
-                                       ctx["aux_loss"] for MoE blocks; backward(dy, ctx, daux)
-  factory.head(config, wte, seed)   -> ln_f + lm_head tied to wte + mean CE;
-                                       forward((x, targets)) -> (ce, ctx); backward(dloss, ctx)
-
-Any callable ``make(config, seed) -> model with .embedding/.h/.head`` also works (wrapped in
-``SlicedModelFactory``: it builds the whole model once and keeps the pieces a rank needs).
-The tied embedding/lm_head weight lives on the first stage (in the embedding) and on the
-last (a fresh copy from the same (seed, name)), and the executor sums its gradient.
+The chunks are made of the same parts as a whole model (nn.gpt.GPTParts' contract: embedding,
+block, head and the activation shape between blocks): pympar.nn's by default, a tensor-parallel
+stage's from parallel.tp.TPParts. The tied embedding/lm_head weight lives on the first stage (in
+the embedding) and on the last (a fresh copy from the same (seed, name)), and the executor sums
+its gradient.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ...backend import to_device, to_numpy, xp_of
-from ...nn.gpt import Block, Head
-from ...nn.layers import Embedding
+from ...nn.gpt import GPTParts, GradReadyHooks
 from ...nn.moe import MoEBookkeeping
 from ...nn.parameter import NoGather, WeightGrads
 from .partition import Partition, partition as make_partition
@@ -28,78 +19,12 @@ from .partition import Partition, partition as make_partition
 TIED_NAME = "transformer.wte.weight"
 
 
-class GPTPartsFactory:
-    """pympar.nn pieces (dense or MoE blocks), in master ``dtype`` and optional ``compute_dtype``."""
-
-    def __init__(self, dtype=np.float32, compute_dtype=None):
-        from ...backend import dtype as resolve_dtype
-        self.dtype = np.dtype(dtype)
-        cdt = None if compute_dtype is None else resolve_dtype(compute_dtype)
-        self.compute_dtype = None if cdt == self.dtype else cdt
-
-    def embedding(self, config, seed):
-        return Embedding(config.vocab_size, config.block_size, config.n_embd, seed=seed,
-                         dtype=self.dtype, compute_dtype=self.compute_dtype)
-
-    def block(self, config, i, seed):
-        return Block(config, i, seed=seed, dtype=self.dtype, compute_dtype=self.compute_dtype)
-
-    def head(self, config, wte, seed):
-        return Head(config, wte, dtype=self.dtype, compute_dtype=self.compute_dtype)
-
-
-class SlicedModelFactory:
-    """Pieces cut from a whole model made by ``make(config, seed)`` (simple, not memory-lean)."""
-
-    def __init__(self, make):
-        self.make, self._model = make, None
-
-    @property
-    def dtype(self):
-        return getattr(self._model, "dtype", None)
-
-    @property
-    def compute_dtype(self):
-        return getattr(self._model, "compute_dtype", None)
-
-    def _whole(self, config, seed):
-        if self._model is None:
-            self._model = self.make(config, seed)
-        return self._model
-
-    def embedding(self, config, seed):
-        return self._whole(config, seed).embedding
-
-    def block(self, config, i, seed):
-        return self._whole(config, seed).h[i]
-
-    def head(self, config, wte, seed):
-        head = self._whole(config, seed).head
-        if head.wte is not wte:
-            raise ValueError("SlicedModelFactory: the head must be tied to the model's own embedding")
-        return head
-
-    def activation_shape(self, config, B, T):
-        """(B, T, C); (B, T/tp, C) for a sequence-parallel tensor-parallel model."""
-        model = self._model
-        if getattr(model, "sequence_parallel", False):
-            return (B, T // model.tp.size, config.n_embd)
-        return (B, T, config.n_embd)
-
-    def partial_grad_sync(self, params):
-        """Sums over tp the sequence-parallel partial gradients of ``params`` (TPGPT only)."""
-        from ..tp.gpt import SPGradSync
-        return SPGradSync(params, self._model.tp)
-
-
-def as_factory(factory, dtype=np.float32, compute_dtype=None):
+def as_parts(factory, dtype=np.float32, compute_dtype=None):
     if factory is None:
-        return GPTPartsFactory(dtype, compute_dtype)
+        return GPTParts(dtype, compute_dtype, "PipelineGPT")
     if all(hasattr(factory, k) for k in ("embedding", "block", "head")):
         return factory
-    if callable(factory):
-        return SlicedModelFactory(factory)
-    raise TypeError(f"model factory {factory!r} has neither embedding/block/head methods nor is callable")
+    raise TypeError(f"model parts {factory!r} lack the embedding/block/head methods of nn.gpt.GPTParts")
 
 
 def _aux(ctx) -> float:
@@ -204,7 +129,7 @@ class StageChunk:
             yield from self.head.ln_f.named_parameters("transformer.ln_f")
 
 
-class PipelineGPT(MoEBookkeeping):
+class PipelineGPT(MoEBookkeeping, GradReadyHooks):
     """The chunks of a GPT that pipeline rank ``rank`` of ``pp`` holds (v chunks: interleaved).
 
     Construction is pure (no communication). ``chunks[c]`` is global stage ``c*pp + rank``.
@@ -220,7 +145,7 @@ class PipelineGPT(MoEBookkeeping):
         if (self.part.pp, self.part.v) != (pp, v):
             raise ValueError(f"partition is for pp={self.part.pp}, v={self.part.v}, not pp={pp}, v={v}")
         self.pp, self.rank, self.v, self.seed = pp, rank, v, seed
-        fac = self._factory = as_factory(factory, dtype, compute_dtype)
+        fac = self._factory = as_parts(factory, dtype, compute_dtype)
         # callbacks h(params) told which parameters' grads are final for a micro-batch (as nn.GPT)
         self.grad_ready_hooks = []
         S = self.part.n_stage
@@ -229,14 +154,15 @@ class PipelineGPT(MoEBookkeeping):
         for s in self.part.stages_of(rank):
             emb = head = None
             if s == 0:
-                emb = fac.embedding(config, seed)
+                emb = tied = fac.embedding(config, seed)
                 self.tied_weight = emb.wte
             blocks = [fac.block(config, i, seed) for i in self.part.blocks(s)]
             if s == S - 1:
                 if self.tied_weight is None:
                     # the last stage's copy of wte: same (seed, name) so the same numbers
-                    self.tied_weight = fac.embedding(config, seed).wte
-                head = fac.head(config, self.tied_weight, seed)
+                    tied = fac.embedding(config, seed)
+                    self.tied_weight = tied.wte
+                head = fac.head(config, tied, seed)
             self.chunks.append(StageChunk(s, self.part.blocks(s), blocks, emb, head))
         # master dtype: the factory's, else the parameters' (a factory may ignore our dtype)
         own = [p.data.dtype for _, p in self.named_parameters()]
@@ -331,27 +257,14 @@ class PipelineGPT(MoEBookkeeping):
                              "partial_grad_sync(params) to sum them over tp")
         return self._factory.partial_grad_sync(params)
 
-    def grad_ready_params(self, params):
-        for hook in self.grad_ready_hooks:
-            hook(params)
-
-    def grad_ready_chunk(self, chunk):
+    def notify_chunk_ready(self, chunk):
         """After a chunk's backward: its parameters' grads are final for this micro-batch, except
         the tied wte when pp > 1 (final only after the first/last-stage sum) and sequence-parallel
-        partial grads (final after the tp sum at the end of the step)."""
+        partial grads (final after the tp sum at the end of the step): ``later_grad_ids``."""
         if self.grad_ready_hooks:
-            self.grad_ready_params([p for _, p in chunk.named_parameters() if id(p) not in self._later()])
+            self.notify_grad_ready([p for _, p in chunk.named_parameters()])
 
-    def grad_ready_module(self, module):
-        """During a chunk's backward (StageChunk.backward's ready): module's grads are done for
-        this micro-batch, with the same exceptions as grad_ready_chunk."""
-        if self.grad_ready_hooks:
-            later = self._later()
-            params = [p for p in module.parameters() if id(p) not in later]
-            if params:
-                self.grad_ready_params(params)
-
-    def _later(self):
+    def later_grad_ids(self):
         """ids of the parameters whose grads are completed after the actions (tied wte, sp partials)."""
         if getattr(self, "_later_ids", None) is None:      # the Parameter objects never change
             later = {id(p) for p in self.sp_partial_params()}

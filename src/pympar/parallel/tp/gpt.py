@@ -18,8 +18,7 @@ import numpy as np
 
 from ...backend import held_bytes, to_numpy, xp_of
 from ...nn.config import GPTConfig
-from ...nn.gpt import GPT
-from ...nn.parameter import NoGather, resolve_precision
+from ...nn.gpt import GPT, GPTParts
 from ..shard import shard_of
 from .block import TPBlock
 from .collectives import as_collectives
@@ -55,11 +54,46 @@ class SPGradSync:
         self._snap = None
 
 
+class TPParts(GPTParts):
+    """nn.GPTParts' contract with the pieces split over the tp group (Megatron layout): the
+    vocab-parallel embedding and head, TPBlock (attention by heads, MLP by its width, experts
+    split over tp or folded apart from it: etp / fold); with sequence parallelism the
+    activations between blocks are (B, T/tp, C). TPGPT is a GPT made of these parts, and a
+    tensor-parallel pipeline stage is made of the same."""
+
+    def __init__(self, tp_comm, *, dtype=np.float32, compute_dtype=None, sequence_parallel=False,
+                 etp_comm=None, fold_comm=None):
+        super().__init__(dtype, compute_dtype, "TPGPT")
+        self.tp = as_collectives(tp_comm)
+        self.sequence_parallel, self.etp, self.fold = sequence_parallel, etp_comm, fold_comm
+
+    def embedding(self, config, seed):
+        return VocabParallelEmbedding(config.vocab_size, config.block_size, config.n_embd, self.tp, seed=seed,
+                                      dtype=self.dtype, sequence_parallel=self.sequence_parallel,
+                                      compute_dtype=self.compute_dtype)
+
+    def block(self, config, i, seed):
+        return TPBlock(config, i, self.tp, seed=seed, dtype=self.dtype, sequence_parallel=self.sequence_parallel,
+                       compute_dtype=self.compute_dtype, etp=self.etp, fold=self.fold)
+
+    def head(self, config, embedding, seed):
+        return VocabParallelHead(config, embedding, self.tp, dtype=self.dtype,
+                                 sequence_parallel=self.sequence_parallel, compute_dtype=self.compute_dtype)
+
+    def activation_shape(self, config, B, T):
+        """(B, T, C); (B, T/tp, C) with sequence parallelism."""
+        return (B, T // self.tp.size if self.sequence_parallel else T, config.n_embd)
+
+    def partial_grad_sync(self, params):
+        """Sums over tp the sequence-parallel partial gradients of ``params``."""
+        return SPGradSync(params, self.tp)
+
+
 class TPGPT(GPT):
     def __init__(self, config: GPTConfig, tp_comm, seed: int = 0, dtype=np.float32,
                  sequence_parallel: bool = False, compute_dtype=None, etp_comm=None, fold_comm=None):
-        """tp_comm: the tp group's Communicator, or a TPCollectives over it (its meter then gets
-        the TP collectives' seconds: see pympar.parallel.meter).
+        """nn.GPT made of TPParts. tp_comm: the tp group's Communicator, or a TPCollectives over
+        it (its meter then gets the TP collectives' seconds: see pympar.parallel.meter).
         etp_comm, fold_comm: the experts folded apart from the tp group (parallel.mesh: etp < tp):
         each expert split over etp_comm (its ranks' experts whole when it has one rank), and the
         tp group's expert rows shared out over fold_comm; None: the experts split over tp.
@@ -68,20 +102,10 @@ class TPGPT(GPT):
         LayerNorm statistics in float32); partial sums over tp are reduced in float32."""
         tpc = as_collectives(tp_comm)
         validate_tp(config, tpc.size, sequence_parallel)     # no communication: all ranks agree
-        dtype, cdt = resolve_precision(dtype, compute_dtype, "TPGPT")
-        self.config, self.dtype, self.compute_dtype = config, dtype, cdt
-        self.tp = tpc
-        self.sequence_parallel = sequence_parallel
-        c = config
-        self.embedding = VocabParallelEmbedding(c.vocab_size, c.block_size, c.n_embd, tpc, seed=seed,
-                                                dtype=dtype, sequence_parallel=sequence_parallel, compute_dtype=cdt)
-        self.h = [TPBlock(c, i, tpc, seed=seed, dtype=dtype, sequence_parallel=sequence_parallel, compute_dtype=cdt,
-                          etp=etp_comm, fold=fold_comm)
-                  for i in range(c.n_layer)]
-        self.head = VocabParallelHead(c, self.embedding, tpc, dtype=dtype, sequence_parallel=sequence_parallel,
-                                      compute_dtype=cdt)
-        self.grad_ready_hooks = []
-        self.param_gather = NoGather()
+        super().__init__(config, seed, parts=TPParts(tpc, dtype=dtype, compute_dtype=compute_dtype,
+                                                     sequence_parallel=sequence_parallel, etp_comm=etp_comm,
+                                                     fold_comm=fold_comm))
+        self.tp, self.sequence_parallel = tpc, sequence_parallel
         self._sp_sync = SPGradSync(self.sp_partial_params(), tpc)
         self._sp_ids = {id(p) for p in self._sp_sync.params}
 
@@ -134,21 +158,11 @@ class TPGPT(GPT):
         loss = super().loss_and_grad(idx, targets, grad_scale, stats, trace)
         if self._sp_sync.params:
             self._sp_sync.finish()
-            self._grad_ready_params(self._sp_sync.params)
+            self.notify_grad_ready(self._sp_sync.params, final=True)
         return loss
 
-    def _grad_ready(self, module):
-        # sequence-parallel partial grads are only final after SPGradSync.finish()
-        params = [p for p in module.parameters() if id(p) not in self._sp_ids]
-        self._grad_ready_params(params)
-
-    def _grad_ready_params(self, params, partial=False):
-        if params:
-            for hook in self.grad_ready_hooks:
-                hook(params, partial=partial) if partial else hook(params)
-
-    def _grad_partial(self, params):
-        self._grad_ready_params([p for p in params if id(p) not in self._sp_ids], partial=True)
+    def later_grad_ids(self):
+        return self._sp_ids                      # sequence-parallel partials: final after SPGradSync.finish()
 
     def logits(self, idx):                       # idx (B, T) -> (B, T, V), gathered on every rank
         idx, = self._inputs(idx)                 # on the parameters' device
