@@ -361,7 +361,7 @@ def test_clip_grad_norm_is_the_single_process_norm(mpi_world):
     mesh = Mesh(MPIComm(mpi_world), pp=p)
     model = PipelineGPT(cfg, seed=4, pp=p, rank=mpi_world.rank, dtype=np.float64)
     ex = Executor(model, mesh.pp_comm, "gpipe")
-    sync = GradSync(model.named_parameters(), mesh, model.tied_weight if model.holds_tied_copy else None)
+    sync = GradSync(model.named_parameters(), mesh)            # the tied copy: placed by PipelineGPT
     ref = GPT(cfg, seed=4, dtype=np.float64)
     mbs = micro_batches(2)
     sync.begin_step()

@@ -44,8 +44,7 @@ import numpy as np
 
 from ..backend import xp_of
 from ..comm.exact import ExactSum
-from ..optim import clip_grad_norm
-from ..optim.clip import clip_coefficient
+from ..optim.clip import clip_coefficient, host_scalars, sum_sq
 from ..optim.adamw import decays
 from .compress import dense_allreduce_bytes, make_compressor
 from .ledger import MAX_INFLIGHT_BUCKETS
@@ -374,36 +373,34 @@ class DataParallel:
                             bool(decay_fn(name, p.data))))
         return out
 
+    def local_sq(self) -> float:
+        """This rank's share of the group's squared gradient norm: every rank its own rows (ZeRO),
+        or rank 0 of the group the whole (replicated) mean gradient. Summed over the group, the
+        squared norm of the mean gradient."""
+        if not self.zero and self.comm.rank != 0:
+            return 0.0
+        terms = [sum_sq(g) for _, g in self.held_grads() if g.size]
+        return float(sum(float(t) for t in host_scalars(terms)))
+
     def step(self, optimizer, lr=None, clip=0.0, allreduce_sq=None):
         """Clip to the global norm and update; returns the norm before clipping.
 
         zero=0: optimizer (pympar.optim.AdamW) steps on the averaged full grads. ZeRO: the
         ZeroAdamW of make_optimizer() (an AdamW passed instead only lends its hyper-parameters)
         updates this rank's rows; stages 1 and 2 then allgather the parameters.
-        allreduce_sq sums a sum of squares over the OTHER groups (tp, pp); dp is handled here."""
-        if not self.zero:
-            norm = clip_grad_norm([p for _, p in self.named], clip, allreduce_sq)
-            optimizer.step(lr)
-            return norm
-        if not isinstance(optimizer, ZeroAdamW):
+        allreduce_sq sums a sum of squares over the OTHER groups (tp, pp); dp is handled here.
+        The norm, the clip and the update are the trainer's (``clip_and_update``, GradSync)."""
+        if self.zero and not isinstance(optimizer, ZeroAdamW):
             if self._zero_opt is None:
                 self._zero_opt = self.make_optimizer(optimizer.lr, (optimizer.beta1, optimizer.beta2),
                                                      optimizer.eps, optimizer.weight_decay)
             optimizer = self._zero_opt
-        sq = 0.0
-        for _, g in self.held_grads():
-            sq += float((g.astype(np.float64) ** 2).sum()) if g.size else 0.0
+        sq = self.local_sq()
         if self.dp > 1:
             sq = float(np.asarray(self.comm.allreduce(np.array([sq]))).reshape(-1)[0])   # host
         if allreduce_sq is not None:
             sq = float(allreduce_sq(sq))
-        norm = float(np.sqrt(sq)) if sq >= 0 else float("nan")
-        coef = clip_coefficient(norm, clip)
-        if coef is not None:
-            self.scale_grads(coef)
-        optimizer.step(lr)
-        self.after_step()
-        return norm
+        return clip_and_update([self], optimizer, lr, clip, sq)
 
     def after_step(self):
         """ZeRO-1/2: allgather every bucket's updated rows into the full parameters."""
@@ -597,3 +594,18 @@ def inflight_bytes(b, req, send) -> int:
     msg = b.buf.nbytes if send is None else send.nbytes
     copy = 0 if send is None or b.layout.identity else send.nbytes
     return copy + msg // 2
+
+
+def clip_and_update(syncs, optimizer, lr, clip, total_sq: float) -> float:
+    """The optimizer step of every gradient path (DataParallel.step, GradSync.step): clip the synced
+    gradients of ``syncs`` by the global norm sqrt(total_sq), update, and (ZeRO-1/2) allgather the
+    updated rows into every rank's parameters; returns the norm."""
+    norm = float(np.sqrt(total_sq)) if total_sq >= 0 else float("nan")
+    coef = clip_coefficient(norm, clip)
+    if coef is not None:
+        for d in syncs:
+            d.scale_grads(coef)
+    optimizer.step(lr)
+    for d in syncs:
+        d.after_step()
+    return norm

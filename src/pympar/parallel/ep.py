@@ -50,6 +50,7 @@ from .mesh import divisors as divisors_of
 from ..nn.layers import MLP
 from ..nn.parameter import accumulate, deferring
 from .meter import Meter, Tally
+from .placement import place
 from .replicas import max_over_mean, split
 
 _EXPERT = re.compile(r"\.moe\.experts\.(\d+)\.")
@@ -421,6 +422,8 @@ def install_expert_parallel(model, ep_comm, meter: Meter | None = None, dispatch
             raise ValueError(f"MoE layer {i} already has expert parallelism installed")
         layer.experts = layer.experts[lo:hi]            # local experts, local index j = e - lo
         layer.expert_lo = lo                            # their parameters keep their global names
+        if ep_comm.size > 1:                            # held by one ep rank: reduced over edp
+            place([p for e in layer.experts for p in e.parameters()], group="edp")
         layer.expert_parallel = ExpertParallel(layer, ep_comm, lo, hi, meter, ("ep", i), route)
     model.ep_comm = ep_comm
     model.ep_route = route

@@ -78,9 +78,9 @@ def build_for_generation(cfg, comm, layout):
     use (restore a checkpoint into it; pympar.parallel.build). The layout has passed
     ``pympar.layout.check`` (the application does it on every rank before any communication, as the
     trainer's configuration does for build_runner)."""
-    from .build import build_model
+    from .build import parallelize
     from .mesh import Mesh
 
     mesh = Mesh(comm, dp=layout.dp * layout.cp, pp=layout.pp, tp=layout.tp, ep=layout.ep, etp=layout.etp)
-    model = build_model(cfg, mesh, layout)
+    model = parallelize(cfg, mesh, layout)
     return model, mesh

@@ -19,10 +19,13 @@ during the backward of the other chunks and the pipeline's drain, as DP alone do
 micro-batch. The tied wte copy's gradient is final only after the first/last-stage sum at the
 end of the step (its grad_ready comes then), so its bucket starts after all the others.
 
-Placement. Each parameter gets its ``placement`` (pympar.parallel.placement) here: tp shard or
-replica, dp or edp group, the tied copy, the ZeRO rows it keeps. Everything below derives from
-it -- the group that reduces its gradient, and who counts it in the global norm: one sum over
-the world of every rank's ``local_sq()`` is the single-process norm^2.
+Placement. Each parameter's ``placement`` (pympar.parallel.placement) was set by the steps that
+made the model: tp shard or replica (its ``.shard``), the edp group for the experts (expert
+parallelism, folded experts), partial over tp or pp (sequence parallelism, the tied wte) and the
+last stage's tied copy; here it gets the ZeRO stage and, from its bucket, its rows. Everything
+below derives from it -- the group that reduces its gradient, which bucket starts last (the tied
+copy), and who counts it in the global norm: one sum over the world of every rank's
+``local_sq()`` is the single-process norm^2.
 """
 from __future__ import annotations
 
@@ -32,40 +35,33 @@ import numpy as np
 from ..backend import xp_of
 from ..comm.exact import ExactSum
 from ..optim import AdamW
-from ..optim.clip import clip_coefficient, host_scalars, sum_sq
-from .dp import DataParallel
-from .ep import is_expert_param
-from .placement import Placement
-from .shard import shard_of
+from ..optim.clip import host_scalars, sum_sq
+from .dp import DataParallel, clip_and_update
+from .placement import place
 from .zero import NoGather, ZeroAdamW, install_gather
 
 
 class GradSync:
     """Dense grads mean over dp, expert grads over edp (x 1/ep); the norm over the whole mesh.
 
-    named: the rank's (global name, Parameter); mesh: pympar.parallel.mesh.Mesh; tied_copy:
-    the Parameter that duplicates stage 0's wte on the last stage (None otherwise); dp_kw:
+    named: the rank's (global name, Parameter), placed by the steps that made them; mesh:
+    pympar.parallel.mesh.Mesh; dp_kw:
     DataParallel's bucket_mb, overlap, compress, zero, units. Per step: begin_step(),
     begin_micro(last) before each micro-batch (or once with last=False under a pipeline, whose
     executor then calls begin_final(params) per chunk), finish(), then local_sq()/nonfinite()
     and step(optimizer, lr, clip, total_sq) with the optimizer of make_optimizer().
     """
 
-    def __init__(self, named, mesh, tied_copy=None, **dp_kw):
+    def __init__(self, named, mesh, **dp_kw):
         self.zero = int(dp_kw.get("zero", 0))
         self.mesh = mesh
-        split = mesh.ep > 1 or mesh.fold > 1           # experts apart from the dense parameters
         named = list(named)
-        tied = id(tied_copy) if tied_copy is not None else None
-        for n, p in named:
-            p.placement = Placement(tp="shard" if shard_of(p) is not None else "replicate",
-                                    group="edp" if split and is_expert_param(n) else "dp",
-                                    tied_copy=id(p) == tied, zero=self.zero)
+        place([p for _, p in named], zero=self.zero, rows=None)   # (tp read from the shard before ZeRO-3 makes it rows)
         dense = [(n, p) for n, p in named if p.placement.group == "dp"]
         expert = [(n, p) for n, p in named if p.placement.group == "edp"]
         self.named, self.params = named, [p for _, p in named]
         # (DataParallel, post-scale, group rank): the dp (edp) rank 0 counts replicated grads
-        late = [tied_copy] if tied_copy is not None else []     # final after the tied sum only
+        late = [p for _, p in named if p.placement.tied_copy]     # final after the tied sum only
         self.groups = [(DataParallel(dense, mesh.dpcp_comm, launch_last=late, **dp_kw), 1.0, mesh.dpcp_rank)]
         if expert:
             self.groups.append((DataParallel(expert, mesh.edp_comm, **dp_kw), mesh.expert_grad_scale, mesh.edp_rank))
@@ -73,8 +69,7 @@ class GradSync:
             for d, _, _ in self.groups:
                 for b in d.buckets:
                     for i, p in enumerate(b.params):
-                        pl = p.placement
-                        p.placement = Placement(pl.tp, pl.group, pl.tied_copy, self.zero, b.layout.rows(i))
+                        place([p], rows=b.layout.rows(i))
         self.grad_bytes = sum(d.grad_bytes for d, _, _ in self.groups)
         # an expert's tensor-parallel rank is its etp rank (the tp rank unless folded: parallel.mesh)
         self._counts = {id(p): p.placement.counts_in_norm(mesh.etp_rank if p.placement.group == "edp" else mesh.tp_rank,
@@ -174,14 +169,7 @@ class GradSync:
 
     def step(self, optimizer, lr, clip, total_sq: float) -> float:
         """Clip every gradient by the global norm sqrt(total_sq) and update; returns the norm."""
-        norm = float(np.sqrt(total_sq)) if total_sq >= 0 else float("nan")
-        coef = clip_coefficient(norm, clip)
-        if coef is not None:
-            self.scale_grads(coef)
-        optimizer.step(lr)
-        for d in self.syncs:                      # ZeRO-1/2: every rank gets the updated rows
-            d.after_step()
-        return norm
+        return clip_and_update(self.syncs, optimizer, lr, clip, total_sq)
 
     def stats(self):
         return [d.stats() for d in self.syncs]

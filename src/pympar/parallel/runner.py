@@ -17,12 +17,11 @@ parallel.cp). The step's loss is the mean over all micro-batches of the global b
 layout computes the single-process step (docs/design.md, Determinism).
 
 Composition, per rank with mesh coordinates (pp stage, dp rank, tp rank, ep rank):
-  model     parallel.build.build_model (shared with generation): pp = 1: nn.GPT (tp = 1) or
-            parallel.tp.TPGPT; pp > 1: this stage's chunks (parallel.pp.PipelineGPT; TP stages cut
-            made of tp.TPParts) and the schedule's PipelineExecutor;
-            ep > 1: install_expert_parallel keeps this ep rank's experts (alltoallv dispatch)
-            cp > 1: install_context_parallel: ring attention, this rank's positions, MoE routing
-            over the micro-batch
+  model     parallel.build.parallelize (shared with generation), its steps in order: tp's parts,
+            pp > 1: this stage's chunks of them (parallel.pp.PipelineGPT) and the schedule's
+            PipelineExecutor, else one nn.GPT (tp > 1: parallel.tp.TPGPT); ep > 1: this ep rank's
+            experts (alltoallv dispatch); cp > 1: ring or Ulysses attention over this rank's
+            positions, MoE routing over the micro-batch; recomputation
   backward  pp = 1: loss_and_grad per micro-batch (grad_scale = loss_scale / n_micro);
             pp > 1: the executor's schedule, which also sums the tied wte between the first
             and last stage and the sequence-parallel partial grads over tp
@@ -46,12 +45,12 @@ from ..backend import to_numpy
 from ..comm.exact import ExactSum
 from ..comm.objects import gather_object
 from ..nn import GPT
-from ..nn.gpt import count_params, set_recompute
+from ..nn.gpt import count_params
 from ..nn.layers import TokenEmbedding
 from ..nn.parameter import compute_copies
 from ..optim import DynamicLossScaler
-from .cp import install_context_parallel, local_batch
-from .build import build_model
+from .cp import local_batch
+from .build import parallelize
 from .replicas import max_over_mean, place_replicas, valid_copies
 from .ep import NodeRouteError
 from . import ledger
@@ -59,6 +58,7 @@ from .gradsync import GradSync
 from .recorder import Recorder
 from .ledger import memory_summary
 from .mesh import Mesh
+from .placement import param_placement
 from .meter import Meter, seconds
 from .pp.schedules import SPLIT_BACKWARD, measured_costs
 from .shard import shard_of
@@ -105,19 +105,13 @@ class ParallelRunner:
         self.model, self.executor = self._build_model(opts)    # ep > 1: this rank's experts only
         self.pp_costs = opts.pp_costs     # "measured": the zb table is built for step 1's times
         self.device = opts.device
-        self.cp_positions = None
-        if self.cp > 1:               # this rank's positions; K, V travel around the cp ring
-            install_context_parallel(self.model, mesh.cp_comm, model_cfg.block_size, self.meter,
-                                     comm=getattr(layout, "cp_comm", "ring"), a2a=getattr(layout, "cp_a2a", 0))
-            self.cp_positions = self.model.cp_positions
-        set_recompute(self.model, self.recompute)
+        self.cp_positions = self.model.cp_positions if self.cp > 1 else None   # this rank's positions
         # nothing is allocated yet (parameters are made on first use): ZeRO-3 makes only its rows,
         # on the device; otherwise the model is made on the host (same numbers) and moved
         if self.device != "cpu" and self.zero != 3:
             self.model.to(self.device)
         self.named = named = list(self.model.named_parameters())
         self.params = [p for _, p in named]
-        tied_copy = self.model.tied_weight if self.pp > 1 and self.model.holds_tied_copy else None
         compress = f"topk:{opts.topk_ratio}" if opts.compress == "topk" else opts.compress
         pieces = self._pieces()
         names = {id(p): n for n, p in named}
@@ -125,9 +119,8 @@ class ParallelRunner:
         for m in pieces:                 # apart (the head's use and gradient of wte come alone)
             own = [names[id(p)] for p in m.parameters() if id(p) in names]
             units += [[n] for n in own] if isinstance(m, TokenEmbedding) else [own]
-        if tied_copy is not None:                           # the last stage's wte copy: its own unit
-            units.append([names[id(tied_copy)]])
-        self.sync = GradSync(named, mesh, tied_copy, bucket_mb=opts.bucket_mb,
+        units += [[names[id(p)]] for p in self.params if param_placement(p).tied_copy]   # the last stage's wte copy
+        self.sync = GradSync(named, mesh, bucket_mb=opts.bucket_mb,
                              overlap=opts.dp_overlap,
                              compress=None if compress in (None, "none") else compress,
                              zero=self.zero, units=units, device=self.device,
@@ -161,7 +154,7 @@ class ParallelRunner:
         on one node) fails on every rank alike (NodeRouteError), after one allreduce."""
         err = None
         try:
-            model = build_model(self.model_cfg, self.mesh, self.layout, seed=self.seed, dtype=self.master,
+            model = parallelize(self.model_cfg, self.mesh, self.layout, seed=self.seed, dtype=self.master,
                                 compute_dtype=self.compute, sequence_parallel=self.sp, meter=self.meter,
                                 ep_dispatch="flat" if (self.replicas or opts.device != "cpu") and opts.ep_dispatch == "auto"
                                 else opts.ep_dispatch)

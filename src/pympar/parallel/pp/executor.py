@@ -38,6 +38,7 @@ import time
 import numpy as np
 
 from ...backend import held_bytes, xp_of
+from ..placement import partial_over
 from . import channels
 from .partition import TIED_TAG, check_tags, validate_pipeline
 from .schedules import SPLIT_BACKWARD, Action, build_schedule, placement_of, validate_schedule
@@ -299,8 +300,8 @@ class PipelineExecutor:
     def _sum_tied_grad(self):
         """wte.grad (first stage: embedding part; last: lm_head part) := their sum, on both."""
         model = self.model
-        if model.pp == 1 or model.is_first == model.is_last:   # neither, or both (the V: one wte)
-            return
+        if not partial_over([model.tied_weight] if model.tied_weight is not None else [], "pp"):
+            return                     # no pipeline, or both ends on this rank (the V: one wte)
         other = model.part.rank_of(0 if model.is_last else model.part.n_stage - 1)[0]
         if self.exact_tied is not None:                # --deterministic: the two stages' exact sums merged
             acc = self.exact_tied(model.tied_weight)

@@ -14,6 +14,7 @@ from ...backend import to_device, to_numpy, xp_of
 from ...nn.gpt import GPTParts, GradReadyHooks
 from ...nn.moe import MoEBookkeeping
 from ...nn.parameter import NoGather, WeightGrads
+from ..placement import param_placement, partial_over, place
 from .partition import Partition, partition as make_partition
 
 TIED_NAME = "transformer.wte.weight"
@@ -25,6 +26,18 @@ def as_parts(factory, dtype=np.float32, compute_dtype=None):
     if all(hasattr(factory, k) for k in ("embedding", "block", "head")):
         return factory
     raise TypeError(f"model parts {factory!r} lack the embedding/block/head methods of nn.gpt.GPTParts")
+
+
+def apply_pp(config, parts, mesh, layout, *, seed: int = 0, dtype=np.float32, compute_dtype=None):
+    """Pipeline parallelism's step of ``parallelize``: this pipeline rank's stages, made of
+    ``parts`` (None: pympar.nn's), placed as the layout's schedule places them (the V of zb-v and
+    dualpipev, else interleaved); None when pp = 1."""
+    if layout.pp == 1:
+        return None
+    from .schedules import placement_of
+
+    return PipelineGPT(config, seed, pp=layout.pp, rank=mesh.pp_rank, v=layout.virtual_stages, dtype=dtype,
+                       compute_dtype=compute_dtype, factory=parts, placement=placement_of(layout.schedule))
 
 
 def _aux(ctx) -> float:
@@ -164,6 +177,10 @@ class PipelineGPT(MoEBookkeeping, GradReadyHooks):
                     self.tied_weight = tied.wte
                 head = fac.head(config, tied, seed)
             self.chunks.append(StageChunk(s, self.part.blocks(s), blocks, emb, head))
+        if pp > 1 and self.is_first != self.is_last and self.tied_weight is not None:
+            # the tied wte on two ranks: each holds a part of its gradient (the executor sums them),
+            # and the last stage's copy is not counted again in the norm or checkpoints
+            place([self.tied_weight], partial=("pp",), tied_copy=self.is_last)
         # master dtype: the factory's, else the parameters' (a factory may ignore our dtype)
         own = [p.data.dtype for _, p in self.named_parameters()]
         self.dtype = np.dtype(getattr(fac, "dtype", None) or (own[0] if own else dtype))
@@ -239,13 +256,9 @@ class PipelineGPT(MoEBookkeeping, GradReadyHooks):
         return (B, T, self.config.n_embd)
 
     def sp_partial_params(self):
-        """This rank's parameters whose gradient is partial per tp rank (sequence parallelism)."""
-        out = []
-        for ch in self.chunks:
-            for mod in [ch.embedding, *ch.blocks, ch.head]:
-                if mod is not None and hasattr(mod, "sp_partial_params"):
-                    out += [p for p in mod.sp_partial_params() if all(p is not q for q in out)]
-        return out
+        """This rank's parameters whose gradient is partial per tp rank (sequence parallelism: placed
+        partial over tp by the parts that made them, tp.TPParts)."""
+        return partial_over(self.parameters(), "tp")
 
     def make_partial_grad_sync(self):
         """An object with begin()/finish() summing the partial grads over tp, or None."""
@@ -265,12 +278,10 @@ class PipelineGPT(MoEBookkeeping, GradReadyHooks):
             self.notify_grad_ready([p for _, p in chunk.named_parameters()])
 
     def later_grad_ids(self):
-        """ids of the parameters whose grads are completed after the actions (tied wte, sp partials)."""
+        """ids of the parameters whose grads are completed after the actions: those placed partial
+        (the sequence-parallel partials over tp, the tied wte over the pipeline's ends)."""
         if getattr(self, "_later_ids", None) is None:      # the Parameter objects never change
-            later = {id(p) for p in self.sp_partial_params()}
-            if self.pp > 1 and self.tied_weight is not None and self.is_first != self.is_last:   # summed later
-                later.add(id(self.tied_weight))
-            self._later_ids = later
+            self._later_ids = {id(p) for p in self.parameters() if param_placement(p).partial}
         return self._later_ids
 
     def zero_grad(self):

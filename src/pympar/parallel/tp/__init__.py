@@ -17,13 +17,13 @@ from .collectives import TPCollectives, as_collectives
 from .cross_entropy import (VocabParallelHead, vocab_parallel_cross_entropy_backward,
                             vocab_parallel_cross_entropy_forward)
 from .embedding import VocabParallelEmbedding
-from .gpt import SPGradSync, TPGPT, TPParts, activation_bytes
+from .gpt import SPGradSync, TPGPT, TPParts, activation_bytes, apply_tp
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .mlp import TPMLP
 from .moe import TPMoE
 from .validate import validate_tp
 
-__all__ = ["TPGPT", "TPParts", "TPBlock", "TPCausalSelfAttention", "TPMLP", "TPMoE", "ColumnParallelLinear",
+__all__ = ["TPGPT", "TPParts", "apply_tp", "TPBlock", "TPCausalSelfAttention", "TPMLP", "TPMoE", "ColumnParallelLinear",
            "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead",
            "vocab_parallel_cross_entropy_forward", "vocab_parallel_cross_entropy_backward",
            "TPCollectives", "as_collectives", "SPGradSync", "validate_tp", "activation_bytes"]

@@ -19,6 +19,7 @@ import numpy as np
 from ...backend import held_bytes, to_numpy, xp_of
 from ...nn.config import GPTConfig
 from ...nn.gpt import GPT, GPTParts
+from ..placement import partial_over, place
 from ..shard import shard_of
 from .block import TPBlock
 from .collectives import as_collectives
@@ -67,18 +68,26 @@ class TPParts(GPTParts):
         self.tp = as_collectives(tp_comm)
         self.sequence_parallel, self.etp, self.fold = sequence_parallel, etp_comm, fold_comm
 
+    @staticmethod
+    def _placed(piece):
+        """piece, its sequence-parallel partial parameters placed partial over tp."""
+        place(piece.sp_partial_params(), partial=("tp",))
+        return piece
+
     def embedding(self, config, seed):
-        return VocabParallelEmbedding(config.vocab_size, config.block_size, config.n_embd, self.tp, seed=seed,
-                                      dtype=self.dtype, sequence_parallel=self.sequence_parallel,
-                                      compute_dtype=self.compute_dtype)
+        return self._placed(VocabParallelEmbedding(config.vocab_size, config.block_size, config.n_embd, self.tp,
+                                                   seed=seed, dtype=self.dtype, sequence_parallel=self.sequence_parallel,
+                                                   compute_dtype=self.compute_dtype))
 
     def block(self, config, i, seed):
-        return TPBlock(config, i, self.tp, seed=seed, dtype=self.dtype, sequence_parallel=self.sequence_parallel,
-                       compute_dtype=self.compute_dtype, etp=self.etp, fold=self.fold)
+        return self._placed(TPBlock(config, i, self.tp, seed=seed, dtype=self.dtype,
+                                    sequence_parallel=self.sequence_parallel, compute_dtype=self.compute_dtype,
+                                    etp=self.etp, fold=self.fold))
 
     def head(self, config, embedding, seed):
-        return VocabParallelHead(config, embedding, self.tp, dtype=self.dtype,
-                                 sequence_parallel=self.sequence_parallel, compute_dtype=self.compute_dtype)
+        return self._placed(VocabParallelHead(config, embedding, self.tp, dtype=self.dtype,
+                                              sequence_parallel=self.sequence_parallel,
+                                              compute_dtype=self.compute_dtype))
 
     def activation_shape(self, config, B, T):
         """(B, T, C); (B, T/tp, C) with sequence parallelism."""
@@ -89,33 +98,50 @@ class TPParts(GPTParts):
         return SPGradSync(params, self.tp)
 
 
+def apply_tp(mesh, *, dtype=np.float32, compute_dtype=None, sequence_parallel=False, meter=None):
+    """Tensor parallelism's step of ``parallelize``: the parts of this rank of ``mesh`` (None when
+    tp = 1): TPParts over the tp group (one TPCollectives, so one meter, for every piece and every
+    pipeline chunk), with the experts over their own groups when folded apart from tp (mesh.fold > 1)."""
+    if mesh.tp == 1:
+        return None
+    from .collectives import TPCollectives
+
+    tpc = TPCollectives(mesh.tp_comm, meter=meter)
+    etpc = foldc = None
+    if mesh.fold > 1:
+        etpc, foldc = TPCollectives(mesh.etp_comm, meter=meter), TPCollectives(mesh.fold_comm, meter=meter)
+    return TPParts(tpc, dtype=dtype, compute_dtype=compute_dtype, sequence_parallel=sequence_parallel,
+                   etp_comm=etpc, fold_comm=foldc)
+
+
 class TPGPT(GPT):
-    def __init__(self, config: GPTConfig, tp_comm, seed: int = 0, dtype=np.float32,
-                 sequence_parallel: bool = False, compute_dtype=None, etp_comm=None, fold_comm=None):
-        """nn.GPT made of TPParts. tp_comm: the tp group's Communicator, or a TPCollectives over
-        it (its meter then gets the TP collectives' seconds: see pympar.parallel.meter).
+    def __init__(self, config: GPTConfig, tp_comm=None, seed: int = 0, dtype=np.float32,
+                 sequence_parallel: bool = False, compute_dtype=None, etp_comm=None, fold_comm=None, *,
+                 parts: TPParts | None = None):
+        """nn.GPT made of TPParts: ``parts`` (apply_tp's; the other arguments but seed are then
+        its), or new ones from these arguments. tp_comm: the tp group's Communicator, or a
+        TPCollectives over it (its meter then gets the TP collectives' seconds: see pympar.parallel.meter).
         etp_comm, fold_comm: the experts folded apart from the tp group (parallel.mesh: etp < tp):
         each expert split over etp_comm (its ranks' experts whole when it has one rank), and the
         tp group's expert rows shared out over fold_comm; None: the experts split over tp.
         compute_dtype: None, 'float16' or 'bfloat16': mixed precision exactly as nn.GPT (float32
         master weights and grads, low-precision GEMMs accumulating in float32, softmax and
         LayerNorm statistics in float32); partial sums over tp are reduced in float32."""
-        tpc = as_collectives(tp_comm)
-        validate_tp(config, tpc.size, sequence_parallel)     # no communication: all ranks agree
-        super().__init__(config, seed, parts=TPParts(tpc, dtype=dtype, compute_dtype=compute_dtype,
-                                                     sequence_parallel=sequence_parallel, etp_comm=etp_comm,
-                                                     fold_comm=fold_comm))
-        self.tp, self.sequence_parallel = tpc, sequence_parallel
+        if parts is None:
+            parts = TPParts(tp_comm, dtype=dtype, compute_dtype=compute_dtype, sequence_parallel=sequence_parallel,
+                            etp_comm=etp_comm, fold_comm=fold_comm)
+        tpc = parts.tp
+        validate_tp(config, tpc.size, parts.sequence_parallel)     # no communication: all ranks agree
+        super().__init__(config, seed, parts=parts)
+        self.tp, self.sequence_parallel = tpc, parts.sequence_parallel
         self._sp_sync = SPGradSync(self.sp_partial_params(), tpc)
         self._sp_ids = {id(p) for p in self._sp_sync.params}
 
     # --- tensor-parallel bookkeeping -----------------------------------------------------------
     def sp_partial_params(self):
-        """Replicated parameters whose per-rank gradient is partial under sequence parallelism."""
-        out = list(self.embedding.sp_partial_params())
-        for b in self.h:
-            out += b.sp_partial_params()
-        return out + self.head.sp_partial_params()
+        """Replicated parameters whose per-rank gradient is partial under sequence parallelism
+        (placed partial over tp by TPParts)."""
+        return partial_over(self.parameters(), "tp")
 
     def sharded_state(self):
         """{global name: (local array, Shard or None)}: what pympar.checkpoint stores."""

@@ -32,6 +32,7 @@ import numpy as np
 from ...backend import to_numpy, xp_of
 from ...nn.moe import MoE
 from ...nn.parameter import compute_cast, weight_grad
+from ..placement import place
 from .linear import partial_dtype
 from .collectives import as_collectives
 from .mlp import TPMLP
@@ -57,6 +58,8 @@ class TPMoE(MoE):
                             for e in range(n_expert)]
         if self.shared is not None:
             self.shared = TPMLP(n_embd, tpc, name=f"{name}.shared", **mk)
+        if self._fold is not None:   # folded: the experts' own grid, their gradients reduced over edp
+            place([p for e in self.experts for p in e.parameters()], group="edp")
 
     def sp_partial_params(self):
         return []                                # the whole layer runs on the full sequence
