@@ -36,8 +36,7 @@ def parallelize(cfg, mesh, layout, *, seed: int = 0, dtype=np.float32, compute_d
     and compute precision (nn.GPT's); sequence_parallel: TPGPT's; meter: where the tp collectives,
     the cp attentions and the expert all-to-alls report their seconds (pympar.parallel.meter);
     ep_dispatch: the experts' token exchange (parallel.ep.node_route)."""
-    # each dimension's modules are imported only when the layout uses it (a dp-only rank imports
-    # neither tp, pp nor cp: 5.6 MiB and their import time, on every rank)
+    # each dimension's step is imported where the layout uses it
     parts = None
     if mesh.tp > 1:
         from .tp import apply_tp
