@@ -38,7 +38,6 @@ once; expert grads are identical over edp and distinct over ep, so every ep rank
 from __future__ import annotations
 
 import itertools
-import re
 import time
 
 import numpy as np
@@ -52,15 +51,6 @@ from ..nn.parameter import accumulate, deferring
 from .meter import Meter, Tally
 from .placement import place
 from .replicas import max_over_mean, split
-
-_EXPERT = re.compile(r"\.moe\.experts\.(\d+)\.")
-
-
-# --- parameter grouping ------------------------------------------------------------------------
-def is_expert_param(name: str) -> bool:
-    """True for ``...moe.experts.{e}...`` (held by one ep rank, synced over edp); False: dense (dp)."""
-    return _EXPERT.search(name) is not None
-
 
 def validate_ep(config, ep: int) -> None:
     """Raise ValueError unless the experts divide over ep ranks (no communication); config: anything
