@@ -376,7 +376,6 @@ class GPT(Module, MoEBookkeeping, GradReadyHooks):
         ``dtype`` and ``compute_dtype``, which are then not used; a parallelism's parts split them)."""
         self.config = config.validate()
         parts = parts if parts is not None else GPTParts(dtype, compute_dtype)
-        self.parts = parts
         self.dtype, self.compute_dtype = parts.dtype, parts.compute_dtype
         c = config
         self.embedding = parts.embedding(c, seed)

@@ -15,6 +15,15 @@ def sum_sq(g):
     return xp.dot(g, g) if g.dtype != np.float16 else xp.dot(g.astype(np.float32), g)
 
 
+def sum_of_squares(arrays) -> float:
+    """sum(g*g) over every array, on the host: each array's sum on its device, one transfer, then
+    added in order (the same bits wherever the arrays live)."""
+    sq = 0.0
+    for term in host_scalars([sum_sq(g) for g in arrays if g.size]):   # one device->host copy on a GPU
+        sq += float(term)
+    return sq
+
+
 def host_scalars(terms):
     """The 0-d device arrays as host scalars, in order, with one transfer."""
     if not terms:
@@ -39,9 +48,7 @@ def clip_grad_norm(params, max_norm, allreduce_sq=None) -> float:
     different parts of the gradient (None: single process). A non-finite norm is returned
     as is and the grads are left untouched (the loss scaler decides what to do).
     """
-    sq = 0.0
-    for term in host_scalars([sum_sq(p.grad) for p in params]):   # one device->host copy on a GPU
-        sq += float(term)
+    sq = sum_of_squares([p.grad for p in params])
     if allreduce_sq is not None:
         sq = float(allreduce_sq(sq))
     norm = math.sqrt(sq) if sq >= 0 else float("nan")

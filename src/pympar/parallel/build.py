@@ -42,7 +42,6 @@ def parallelize(cfg, mesh, layout, *, seed: int = 0, dtype=np.float32, compute_d
         from .tp import apply_tp
         parts = apply_tp(mesh, dtype=dtype, compute_dtype=compute_dtype, sequence_parallel=sequence_parallel,
                          meter=meter)
-    model = None
     if layout.pp > 1:
         from .pp import apply_pp
         model = apply_pp(cfg, parts, mesh, layout, seed=seed, dtype=dtype, compute_dtype=compute_dtype)

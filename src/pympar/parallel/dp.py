@@ -44,10 +44,11 @@ import numpy as np
 
 from ..backend import xp_of
 from ..comm.exact import ExactSum
-from ..optim.clip import clip_coefficient, host_scalars, sum_sq
+from ..optim.clip import clip_coefficient, sum_of_squares
 from ..optim.adamw import decays
 from .compress import dense_allreduce_bytes, make_compressor
 from .ledger import MAX_INFLIGHT_BUCKETS
+from .placement import place
 from .zero import RowBucket, ZeroAdamW, install_gather
 
 
@@ -59,6 +60,7 @@ class Bucket:
     def __init__(self, index, params, names, dp):
         self.index = index
         self.params, self.names = params, names
+        place(params, zero=0, rows=None)         # whole gradients, no rows kept apart
         self.dtype = np.dtype(params[0].dtype)
         self.sizes = [int(np.prod(p.shape)) for p in params]
         self.offsets = list(np.cumsum([0] + self.sizes[:-1]))
@@ -373,15 +375,6 @@ class DataParallel:
                             bool(decay_fn(name, p.data))))
         return out
 
-    def local_sq(self) -> float:
-        """This rank's share of the group's squared gradient norm: every rank its own rows (ZeRO),
-        or rank 0 of the group the whole (replicated) mean gradient. Summed over the group, the
-        squared norm of the mean gradient."""
-        if not self.zero and self.comm.rank != 0:
-            return 0.0
-        terms = [sum_sq(g) for _, g in self.held_grads() if g.size]
-        return float(sum(float(t) for t in host_scalars(terms)))
-
     def step(self, optimizer, lr=None, clip=0.0, allreduce_sq=None):
         """Clip to the global norm and update; returns the norm before clipping.
 
@@ -395,8 +388,10 @@ class DataParallel:
                 self._zero_opt = self.make_optimizer(optimizer.lr, (optimizer.beta1, optimizer.beta2),
                                                      optimizer.eps, optimizer.weight_decay)
             optimizer = self._zero_opt
-        sq = self.local_sq()
-        if self.dp > 1:
+        # the squared norm of the synced gradients: the whole mean gradient, the same on every rank,
+        # or (ZeRO) this rank's rows, summed over the group
+        sq = sum_of_squares([g for _, g in self.held_grads()])
+        if self.zero and self.dp > 1:
             sq = float(np.asarray(self.comm.allreduce(np.array([sq]))).reshape(-1)[0])   # host
         if allreduce_sq is not None:
             sq = float(allreduce_sq(sq))

@@ -22,7 +22,7 @@ end of the step (its grad_ready comes then), so its bucket starts after all the 
 Placement. Each parameter's ``placement`` (pympar.parallel.placement) was set by the steps that
 made the model: tp shard or replica (its ``.shard``), the edp group for the experts (expert
 parallelism, folded experts), partial over tp or pp (sequence parallelism, the tied wte) and the
-last stage's tied copy; here it gets the ZeRO stage and, from its bucket, its rows. Everything
+last stage's tied copy; its data-parallel bucket gives it the ZeRO stage and rows. Everything
 below derives from it -- the group that reduces its gradient, which bucket starts last (the tied
 copy), and who counts it in the global norm: one sum over the world of every rank's
 ``local_sq()`` is the single-process norm^2.
@@ -35,9 +35,9 @@ import numpy as np
 from ..backend import xp_of
 from ..comm.exact import ExactSum
 from ..optim import AdamW
-from ..optim.clip import host_scalars, sum_sq
+from ..optim.clip import sum_of_squares
 from .dp import DataParallel, clip_and_update
-from .placement import place
+from .placement import param_placement
 from .zero import NoGather, ZeroAdamW, install_gather
 
 
@@ -56,20 +56,14 @@ class GradSync:
         self.zero = int(dp_kw.get("zero", 0))
         self.mesh = mesh
         named = list(named)
-        place([p for _, p in named], zero=self.zero, rows=None)   # (tp read from the shard before ZeRO-3 makes it rows)
-        dense = [(n, p) for n, p in named if p.placement.group == "dp"]
-        expert = [(n, p) for n, p in named if p.placement.group == "edp"]
+        dense = [(n, p) for n, p in named if param_placement(p).group == "dp"]
+        expert = [(n, p) for n, p in named if param_placement(p).group == "edp"]
         self.named, self.params = named, [p for _, p in named]
         # (DataParallel, post-scale, group rank): the dp (edp) rank 0 counts replicated grads
-        late = [p for _, p in named if p.placement.tied_copy]     # final after the tied sum only
+        late = [p for _, p in named if param_placement(p).tied_copy]     # final after the tied sum only
         self.groups = [(DataParallel(dense, mesh.dpcp_comm, launch_last=late, **dp_kw), 1.0, mesh.dpcp_rank)]
         if expert:
             self.groups.append((DataParallel(expert, mesh.edp_comm, **dp_kw), mesh.expert_grad_scale, mesh.edp_rank))
-        if self.zero:
-            for d, _, _ in self.groups:
-                for b in d.buckets:
-                    for i, p in enumerate(b.params):
-                        place([p], rows=b.layout.rows(i))
         self.grad_bytes = sum(d.grad_bytes for d, _, _ in self.groups)
         # an expert's tensor-parallel rank is its etp rank (the tp rank unless folded: parallel.mesh)
         self._counts = {id(p): p.placement.counts_in_norm(mesh.etp_rank if p.placement.group == "edp" else mesh.tp_rank,
@@ -148,11 +142,7 @@ class GradSync:
 
     def local_sq(self) -> float:
         """This rank's share of the squared global norm (sum over the world = single-process norm^2)."""
-        terms = [sum_sq(g) for d in self.syncs for p, g in d.held_grads() if self._counts[id(p)] and g.size]
-        sq = 0.0
-        for t in host_scalars(terms):                 # one device->host copy on a GPU
-            sq += float(t)
-        return sq
+        return sum_of_squares([g for d in self.syncs for p, g in d.held_grads() if self._counts[id(p)]])
 
     def nonfinite(self) -> int:
         """Number of synced gradients (or ZeRO rows) held here with an inf or nan."""

@@ -15,7 +15,8 @@ A ``Placement`` says, for one Parameter of this rank, per mesh axis:
 Each field is set by the step that makes it so, when it does: tensor parallelism shards a
 parameter (its ``.shard``) and marks its sequence-parallel partials (parallel.tp), expert
 parallelism or folded experts put the experts in the edp group (parallel.ep, parallel.tp.moe),
-the pipeline marks the tied wte (parallel.pp.stage), ZeRO its rows (parallel.zero). From it
+the pipeline marks the tied wte (parallel.pp.stage), the data-parallel buckets the ZeRO stage
+and the rows a rank keeps (parallel.dp, parallel.zero). From it
 follow which group reduces the gradient and how (the mean over dp, or the sum over edp / dp for
 experts: parallel.gradsync), which parameters the tp and tied sums take, which gradients are
 final only after them (nn.gpt.GradReadyHooks' later_grad_ids), and which rank counts each

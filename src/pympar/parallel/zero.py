@@ -34,6 +34,7 @@ from .. import kernels
 from ..backend import get_xp, resident_zeros, xp_of
 from ..optim.adamw import moments_like
 from ..nn.parameter import NoGather  # noqa: F401  (the scope ParamGather replaces)
+from .placement import place
 
 
 # --- the rank-major layout of a bucket ------------------------------------------------------------
@@ -188,6 +189,8 @@ class RowBucket:
         self.dtype = np.dtype(params[0].dtype)
         self.ids = {id(p) for p in params}
         self.layout = lay = RowLayout([p.shape for p in params], comm.size, comm.rank)
+        for i, p in enumerate(params):           # before ZeRO-3 makes .shard the rows (tp is read from it)
+            place([p], zero=zero, rows=lay.rows(i))
         self.numel = int(sum(np.prod(p.shape) for p in params))
         # ZeRO-3 makes its rows on the host and keeps them on the device; 1/2 live where the params do
         xp = get_xp(device) if zero == 3 else xp_of(params[0].data)

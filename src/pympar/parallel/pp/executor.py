@@ -38,7 +38,7 @@ import time
 import numpy as np
 
 from ...backend import held_bytes, xp_of
-from ..placement import partial_over
+from ..placement import param_placement
 from . import channels
 from .partition import TIED_TAG, check_tags, validate_pipeline
 from .schedules import SPLIT_BACKWARD, Action, build_schedule, placement_of, validate_schedule
@@ -300,7 +300,7 @@ class PipelineExecutor:
     def _sum_tied_grad(self):
         """wte.grad (first stage: embedding part; last: lm_head part) := their sum, on both."""
         model = self.model
-        if not partial_over([model.tied_weight] if model.tied_weight is not None else [], "pp"):
+        if model.tied_weight is None or "pp" not in param_placement(model.tied_weight).partial:
             return                     # no pipeline, or both ends on this rank (the V: one wte)
         other = model.part.rank_of(0 if model.is_last else model.part.n_stage - 1)[0]
         if self.exact_tied is not None:                # --deterministic: the two stages' exact sums merged

@@ -29,11 +29,9 @@ def as_parts(factory, dtype=np.float32, compute_dtype=None):
 
 
 def apply_pp(config, parts, mesh, layout, *, seed: int = 0, dtype=np.float32, compute_dtype=None):
-    """Pipeline parallelism's step of ``parallelize``: this pipeline rank's stages, made of
+    """Pipeline parallelism's step of ``parallelize`` (pp > 1): this pipeline rank's stages, made of
     ``parts`` (None: pympar.nn's), placed as the layout's schedule places them (the V of zb-v and
-    dualpipev, else interleaved); None when pp = 1."""
-    if layout.pp == 1:
-        return None
+    dualpipev, else interleaved)."""
     from .schedules import placement_of
 
     return PipelineGPT(config, seed, pp=layout.pp, rank=mesh.pp_rank, v=layout.virtual_stages, dtype=dtype,

@@ -99,11 +99,9 @@ class TPParts(GPTParts):
 
 
 def apply_tp(mesh, *, dtype=np.float32, compute_dtype=None, sequence_parallel=False, meter=None):
-    """Tensor parallelism's step of ``parallelize``: the parts of this rank of ``mesh`` (None when
-    tp = 1): TPParts over the tp group (one TPCollectives, so one meter, for every piece and every
-    pipeline chunk), with the experts over their own groups when folded apart from tp (mesh.fold > 1)."""
-    if mesh.tp == 1:
-        return None
+    """Tensor parallelism's step of ``parallelize`` (tp > 1): the parts of this rank of ``mesh``,
+    TPParts over the tp group (one TPCollectives, so one meter, for every piece and every pipeline
+    chunk), with the experts over their own groups when folded apart from tp (mesh.fold > 1)."""
     from .collectives import TPCollectives
 
     tpc = TPCollectives(mesh.tp_comm, meter=meter)
