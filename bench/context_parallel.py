@@ -72,9 +72,9 @@ def worker(T: int, out: str, threads: int = 0):
         t0 = time.perf_counter()
         res = runner.train_step([(t[:, :-1], t[:, 1:])], 1e-3)
         times.append(time.perf_counter() - t0)
-        waits.append(res["cp_ring"]["wait_s"])
-        busy.append(res["cp_ring"]["busy_s"])
-        losses.append(res["loss"])
+        waits.append(res.cp_ring["wait_s"])
+        busy.append(res.cp_ring["busy_s"])
+        losses.append(res.loss)
     alone = 0.0
     if cp > 1:                       # the same transfers with nothing to hide them behind
         core = runner.model.cp_cores[0]

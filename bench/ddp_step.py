@@ -119,7 +119,7 @@ def worker_pympar(a):
         t0 = time.perf_counter()
         res = runner.train_step(mbs, run.lr)
         times.append(time.perf_counter() - t0)
-        losses.append(res["loss"])
+        losses.append(res.loss)
     t = np.array(times, np.float64)
     mpi.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)                    # the slowest rank's step
     times = t.tolist()

@@ -198,14 +198,14 @@ class BadStepGuard:
         self.first = None          # (step, rank, name) of the first bad step of the current run
 
     def after_step(self, step, res, comm, named_grads) -> dict:
-        """Call on every rank after train_step; returns fields for the metrics record.
+        """Call on every rank after train_step (res: its StepStats); returns fields for the metrics record.
         named_grads: (name, synced gradient this rank holds), e.g. GradSync.named_grads()."""
-        if not res.get("nonfinite"):
+        if not res.nonfinite:
             self.consecutive, self.first = 0, None
             return {}
         found = agree_first_bad(comm, named_grads)
         where = f"parameter {found[1]}" if found else "the loss (every gradient was finite)"
-        at_floor = self.scaler is None or res["loss_scale"] <= self.scaler.min_scale
+        at_floor = self.scaler is None or res.loss_scale <= self.scaler.min_scale
         if at_floor:
             self.consecutive += 1
             if self.first is None:

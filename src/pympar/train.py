@@ -223,24 +223,24 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
         if do_eval:
             val_loss = runner.eval_loss(eval_batches)
         tok_s = tokens_per_step / dt
-        mem = res["memory"]                    # every rank's figures, from the step's one allreduce
+        mem = res.memory                    # every rank's figures, from the step's one allreduce
         record = {
-            "step": step, "loss": res["loss"], "val_loss": val_loss if do_eval else None,
-            "lr": lr, "grad_norm": res["grad_norm"], "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak,
-            "step_time": dt, "time_split": res["time_split"], "loss_scale": res["loss_scale"],
-            "skipped": res["skipped"], **ledger.memory_record(mem),
+            "step": step, "loss": res.loss, "val_loss": val_loss if do_eval else None,
+            "lr": lr, "grad_norm": res.grad_norm, "tokens_per_s": tok_s, "mfu": tok_s * fpt / peak,
+            "step_time": dt, "time_split": res.time_split, "loss_scale": res.loss_scale,
+            "skipped": res.skipped, **ledger.memory_record(mem),
             "moe": [dict(layer=s["layer"], dropped_fraction=s["dropped_fraction"], **moe_layer_stats(s["tokens_per_expert"]),
                          **{k: s[k] for k in ("rows_per_ep_rank", "rank_max_over_mean") if k in s})
-                    for s in res["moe"]],
+                    for s in res.moe],
         }
-        if res["pipeline"].get("table_costs"):        # --pp-costs measured: what this step's table was built for
-            record["pp_table_costs"] = [list(c) for c in res["pipeline"]["table_costs"]]
+        if res.pipeline.get("table_costs"):        # --pp-costs measured: what this step's table was built for
+            record["pp_table_costs"] = [list(c) for c in res.pipeline["table_costs"]]
         try:
             record.update(guard.after_step(step, res, comm, runner.sync.named_grads()))
         except NonFiniteStop:
             metrics.write(dict(record, nonfinite=True))   # the last step is logged, then all ranks stop
             raise
-        if pending is not None and res["all_written"]:    # every rank's file is on disk: publish
+        if pending is not None and res.all_written:    # every rank's file is on disk: publish
             pending.finish()
             pending = None
         saved = None
@@ -255,7 +255,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
         history.append(record)
         metrics.write(record)
         bar.update(record, run.log_every)
-        if res["stop"] and step + 1 < run.steps:          # agreed on every rank by the step's allreduce
+        if res.stop and step + 1 < run.steps:          # agreed on every rank by the step's allreduce
             bar.close()
             if pending is not None:                        # publish it; it is this step's when just begun
                 path = pending.finish()

@@ -138,7 +138,7 @@ def test_cp_trains_the_single_process_run(comm, model):
     got = []
     for s in range(STEPS):
         res = runner.train_step(_batches(s, cfg.vocab_size, n_micro), LR)
-        got.append((res["loss"], res["grad_norm"]))
+        got.append((res.loss, res.grad_norm))
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-9)
     full = dict(ref.named_parameters())
     for n, p in runner.named:

@@ -245,8 +245,8 @@ def run_layout(world, lay):
         assert counted.calls[0] == (["allreduce"] if world.size > 1 else []), (str(lay), s, counted.calls[0])
         for c, calls in zip(subs, counted.calls[1:]):           # and every group within it
             check_group_calls(c, calls, (str(lay), s))
-        got["losses"].append(res["loss"])
-        got["norms"].append(res["grad_norm"])
+        got["losses"].append(res.loss)
+        got["norms"].append(res.grad_norm)
     ev = eval_batches(cfg.vocab_size)
     got["eval"] = runner.eval_loss(ev[runner.mesh.dp_rank::lay.dp])   # unequal counts per dp rank
     got["sample"] = runner.generate(PROMPT, 3, 5, np.random.default_rng(1))

@@ -124,8 +124,8 @@ def train(world, lay, compress, overlap):
         mine = mbs[runner.mesh.dp_rank * lay.n_micro:(runner.mesh.dp_rank + 1) * lay.n_micro]
         pr.reset()
         res = runner.train_step(mine, LR[lay.dtype])
-        got["losses"].append(res["loss"])
-        got["norms"].append(res["grad_norm"])
+        got["losses"].append(res.loss)
+        got["norms"].append(res.grad_norm)
         got["launches"].append(pr.launches)
         got["at_finish"].append(pr.at_finish)
     got["params"] = {n: to_numpy(p.data).copy() for n, p in runner.named}

@@ -4,8 +4,8 @@ layout dp x pp x tp with ep | dp.
 ``build_runner(model_cfg, layout, comm, opts, rec)`` returns it (layout: a pympar.layout.Layout);
 the trainer only ever calls
 
-    runner.train_step(micro_batches, lr, stop) -> dict(loss, grad_norm, loss_scale, skipped, moe, time_split,
-                                                     pipeline, stop: some rank asked to stop)
+    runner.train_step(micro_batches, lr, stop) -> StepStats (parallel/stepstats.py: loss, grad_norm,
+                                                  loss_scale, skipped, moe, memory, time_split, stop, ...)
     runner.eval_loss(batches)             -> float, the mean loss over the batches of all DP ranks
     runner.generate(prompt, n, top_k, rng) -> (1, T+n) tokens on world rank 0, None elsewhere
     runner.n_params, runner.model_cfg, runner.mesh
@@ -29,10 +29,10 @@ Composition, per rank with mesh coordinates (pp stage, dp rank, tp rank, ep rank
             dp x cp, expert grads over edp x 1/ep
             (buckets, overlap, ZeRO-1/2/3, compression from parallel.dp); under a pipeline the
             buckets of a chunk start once its last micro-batch's backward is done
-  norm      every rank counts the gradient elements it owns; ONE world allreduce of
-            [loss, non-finite count, norm^2, MoE loads, stop requests, memory] per step gives the single-process
-            loss and norm, and every MoE layer's global load (for expert-bias balancing and
-            rank 0's metrics)
+  norm      every rank counts the gradient elements it owns; ONE world allreduce of a StepShare
+            (loss, non-finite count, norm^2, MoE loads, stop requests, memory) per step gives the
+            single-process loss and norm, and every MoE layer's global load (for expert-bias
+            balancing and rank 0's metrics)
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ from ..nn.parameter import compute_copies
 from ..optim import DynamicLossScaler
 from .cp import local_batch
 from .build import parallelize
-from .replicas import max_over_mean, place_replicas, valid_copies
+from .replicas import place_replicas, valid_copies
 from .ep import NodeRouteError
 from . import ledger
 from .gradsync import GradSync
@@ -62,7 +62,7 @@ from .placement import param_placement
 from .meter import Meter, seconds
 from .pp.schedules import SPLIT_BACKWARD, measured_costs
 from .shard import shard_of
-from .stepvec import Slots
+from .stepstats import MoeShare, StepShare, StepStats
 
 
 def build_runner(model_cfg, layout, comm, opts, rec=None):
@@ -191,20 +191,36 @@ class ParallelRunner:
         return v if out is None else np.asarray(out)  # host
 
     # --- one optimizer step ------------------------------------------------------------------
-    def train_step(self, micro_batches, lr, stop=False, written=False) -> dict:
-        """One optimizer step. Two flags ride on the step's world allreduce: ``stop`` (this rank was
-        asked to stop, a signal) -> the result's "stop", True on every rank when any rank was;
-        ``written`` (this rank's part of a background checkpoint is on disk) -> "all_written",
-        True on every rank when every rank's is."""
-        rec, sync, model = self.rec, self.sync, self.model
-        n = len(micro_batches)
-        micro_batches = self._local(micro_batches)
-        self.meter.take()                                 # eval/generation since the last step
-        model.zero_grad()
-        sync.begin_step()
+    def train_step(self, micro_batches, lr, stop=False, written=False) -> StepStats:
+        """One optimizer step: forward and backward of every micro-batch, the gradients' sync,
+        the step's one world allreduce, the update. Two flags ride on the allreduce: ``stop`` (this
+        rank was asked to stop, a signal) -> ``stats.stop`` on every rank when any rank was;
+        ``written`` (this rank's part of a background checkpoint is on disk) -> ``stats.all_written``
+        when every rank's is."""
         scale = self.scaler.scale if self.scaler else 1.0
+        self.meter.take()                                 # eval/generation since the last step
+        self.model.zero_grad()
+        self.sync.begin_step()
+        work = self._forward_backward(self._local(micro_batches), scale)
+        moe, a2a = self._comm_times(work)
+        with self.rec.span("grad sync", "dp_comm" if self.dp > 1 else "optimizer", bytes=self.sync.grad_bytes):
+            self.sync.finish()
+        self._update_ledger(work["micro_batches"], work["act"], work["recv_bytes"])
+        share = self._share(work, moe, a2a, stop, written)
+        with self.rec.span("step allreduce", self._world_comm_category(), bytes=share.slots().size * 8):
+            total = share.summed(self._allreduce)
+        stats = self._stats(total, work, scale)
+        with self.rec.span("optimizer", "optimizer"):
+            self._update(stats, total, lr, scale)
+        stats.time_split = self.rec.take_totals()
+        return stats
+
+    def _forward_backward(self, micro_batches, scale) -> dict:
+        """Every micro-batch's forward and backward (the pipeline's schedule when pp > 1): this
+        rank's loss and the step's compute, bubble and buffer figures."""
+        rec, sync, model, n = self.rec, self.sync, self.model, len(micro_batches)
         t0 = time.perf_counter()
-        pipe = {}
+        work = dict(micro_batches=micro_batches, t0=t0, pipe={}, bubble=0.0, pp_other=0.0, recv_bytes=0)
         with compute_copies():                            # each weight cast to the compute dtype once a step
             if self.executor is not None:
                 sync.begin_micro(last=False)              # the executor calls sync.begin_final per chunk
@@ -216,13 +232,12 @@ class ParallelRunner:
                     self._exact_loss = self._loss_terms(pipe["losses"], g)
                 else:
                     pipe = self.executor.train_step(micro_batches, loss_scale=scale, trace=trace)
-                loss, compute = pipe["loss"], pipe["compute_s"]
-                bubble, pp_other = pipe["recv_wait_s"], max(pipe["step_s"] - pipe["compute_s"] - pipe["recv_wait_s"], 0.0)
-                act, recv_bytes = pipe["activation_peak_bytes"], pipe["recv_buffer_bytes"]
-            elif self.deterministic:
+                work.update(loss=pipe["loss"], compute=pipe["compute_s"], pipe=pipe, bubble=pipe["recv_wait_s"],
+                            pp_other=max(pipe["step_s"] - pipe["compute_s"] - pipe["recv_wait_s"], 0.0),
+                            act=pipe["activation_peak_bytes"], recv_bytes=pipe["recv_buffer_bytes"])
+                return work
+            if self.deterministic:
                 loss, stats = self._exact_micro_batches(micro_batches, scale, rec)
-                compute, bubble, pp_other = time.perf_counter() - t0, 0.0, 0.0
-                act, recv_bytes = stats.get("activation_bytes", 0), 0
             else:
                 loss, stats = 0.0, {}
                 for j, (idx, targets) in enumerate(micro_batches):
@@ -231,71 +246,95 @@ class ParallelRunner:
                     trace = (lambda label, j=j: rec.span(label, "layer", mb=j)) if rec.enabled else None
                     loss += model.loss_and_grad(idx, targets, grad_scale=scale / n, stats=stats, trace=trace) / n
                     rec.add(f"micro-batch {j}", "micro", tm, time.perf_counter() - tm, mb=j)
-                compute, bubble, pp_other = time.perf_counter() - t0, 0.0, 0.0
-                act, recv_bytes = stats.get("activation_bytes", 0), 0
+        work.update(loss=loss, compute=time.perf_counter() - t0, act=stats.get("activation_bytes", 0))
+        return work
+
+    def _comm_times(self, work):
+        """The step's communication as the meter measured it, into the profile's categories;
+        returns (this rank's MoE statistics by layer, its all-to-all times by layer)."""
+        rec, t0 = self.rec, work["t0"]
         measured = self.meter.take()                      # this step's communication, by part
         tp_s = seconds(measured, "tp")
-        local_moe = {st["layer"]: st for st in model.moe_stats()}
+        local_moe = {st["layer"]: st for st in self.model.moe_stats()}
         if self.ep > 1:                   # the rows each ep rank's experts ran (replicas included)
-            for i, m in model.moe_layers():
+            for i, m in self.model.moe_layers():
                 local_moe[i]["rank_rows"] = m.expert_parallel.take_stats()["rank_rows"]
         a2a = {k[1]: t for k, t in measured.items() if k[0] == "ep"}   # this rank's: summed by the step vector
         ep_s = sum(t.seconds for t in a2a.values())
         cp_s, cp_busy = seconds(measured, "cp wait"), seconds(measured, "cp compute")
-        rec.add("forward/backward", "compute", t0, max(compute - tp_s - ep_s - cp_s, 0.0))
+        work["cp_ring"] = dict(wait_s=cp_s, busy_s=cp_busy)
+        rec.add("forward/backward", "compute", t0, max(work["compute"] - tp_s - ep_s - cp_s, 0.0))
         rec.add("tp collectives", "tp_comm", t0, tp_s)
         rec.add("context-parallel ring", "cp_comm", t0, cp_s)
         rec.add("expert all-to-all", "ep_comm", t0, ep_s)
-        rec.add("pipeline wait", "bubble", t0, bubble)
-        rec.add("pipeline send/tied/loss", "pp_comm", t0, pp_other)
+        rec.add("pipeline wait", "bubble", t0, work["bubble"])
+        rec.add("pipeline send/tied/loss", "pp_comm", t0, work["pp_other"])
+        return local_moe, a2a
 
-        with rec.span("grad sync", "dp_comm" if self.dp > 1 else "optimizer", bytes=sync.grad_bytes):
-            sync.finish()
-        self._update_ledger(micro_batches, act, recv_bytes)
-        # --pp-costs measured: step 1's F, B, W times of every stage ride on this allreduce, from one
-        # replica (dp, cp, tp rank 0), so each slot has one contributor and the sum is exact: every
-        # rank of the job then builds the same table (their pipelines' collectives must match)
-        measuring = self.executor is not None and self.pp_costs == "measured" and self.schedule in SPLIT_BACKWARD \
+    def _measuring(self):
+        """--pp-costs measured, before the table is built: step 1's F, B, W times ride on the step vector."""
+        return self.executor is not None and self.pp_costs == "measured" and self.schedule in SPLIT_BACKWARD \
             and self.executor.costs is None
-        times = pipe["stage_times"] if measuring else None
-        slots, vec = self._step_vector(loss, local_moe, a2a, (stop, written), times)
-        with rec.span("step allreduce", self._world_comm_category(), bytes=int(vec.nbytes)):
-            red = self._allreduce(vec)
-        loss = slots.scalar(red, "loss") / (self.dp * self.cp)
-        nonfinite, total_sq = slots.scalar(red, "nonfinite"), slots.scalar(red, "norm_sq")
-        if self.deterministic:            # the loss and the norm as exact sums over the world too
-            loss = float(self._exact_loss.allreduce(self.mesh.dpcp_comm).value())
-            total_sq = self.sync.exact_sq(self.comm)
-        moe = self._moe_from(slots, red)
-        stop_any = slots.scalar(red, "stop") > 0
-        all_written = slots.scalar(red, "written") >= self.comm.size
-        if measuring:
-            self.executor.costs = measured_costs(slots.get(red, "stage_times").reshape(times.shape))
-        memory = memory_summary(slots.get(red, "memory"), self.comm.size)
 
-        with rec.span("optimizer", "optimizer"):
-            # a non-finite loss or gradient never reaches the weights (agreed: red is reduced over
-            # the world); float16 also lowers the loss scale
-            nonfinite = bool(nonfinite) or not math.isfinite(loss)
-            skipped = nonfinite
-            if self.scaler:
-                skipped = self.scaler.update(nonfinite)
-                sync.scale_grads(1.0 / scale)
-                total_sq /= scale * scale
-            if skipped:
-                norm = float("nan")
-            else:
-                norm = sync.step(self.opt, lr, self.grad_clip, total_sq)
-                # aux-loss-free balancing must see the global loads, or replicas drift apart
-                model.update_expert_bias({i: moe[self.moe_ids.index(i)]["tokens_per_expert"]
-                                          for i, _ in model.moe_layers()})
-                self._replicas_after_step(model, moe)
-        split = rec.take_totals()
-        return dict(loss=loss, grad_norm=norm, loss_scale=scale, skipped=skipped, nonfinite=nonfinite, moe=moe,
-                    time_split=split, stop=stop_any, all_written=all_written,
-                    cp_ring=dict(wait_s=cp_s, busy_s=cp_busy),
-                    pipeline={k: pipe[k] for k in ("bubble", "peak_in_flight", "table_costs") if k in pipe},
-                    memory=memory)
+    def _share(self, work, local_moe, a2a, stop, written) -> StepShare:
+        """This rank's part of the step's world sum (parallel/stepstats.py): each figure is written
+        by the ranks that own it, so the world's sum is the figure."""
+        m = self.mesh
+        share = StepShare(nonfinite=self.sync.nonfinite(), norm_sq=self.sync.local_sq(), stop=float(bool(stop)),
+                          written=float(bool(written)),
+                          moe={i: MoeShare.zeros(self.model_cfg.n_expert, self.ep) for i in self.moe_ids},
+                          memory=ledger.memory_vector(self.comm.size, self.comm.rank, self.ledger["peak"]))
+        if m.tp_rank == 0 and m.pp_rank == 0:              # the loss is the same over tp and pp
+            share.loss = work["loss"]
+        for i, st in local_moe.items():
+            sh = share.moe[i]
+            if m.tp_rank == 0:                             # routing is replicated over tp
+                sh.load[:] = st["tokens_per_expert"]
+                sh.dropped = st["dropped_fraction"]
+            if m.etp_rank == 0:                            # the experts' side: each share of the rows (folded) counts
+                if i in a2a:                               # the world sum: the mean over the senders, the bytes' sum
+                    sh.a2a_s = a2a[i].seconds / (self.dp * self.cp * m.fold)
+                    sh.a2a_bytes = a2a[i].bytes
+                if "rank_rows" in st:                      # summed over the ep groups
+                    sh.rows[m.ep_rank] = st["rank_rows"]
+        # --pp-costs measured: step 1's F, B, W times of every stage, from one replica (dp, cp, tp
+        # rank 0), so each slot has one contributor and the sum is exact: every rank of the job
+        # then builds the same table (their pipelines' collectives must match)
+        if self._measuring():
+            times = work["pipe"]["stage_times"]
+            share.stage_times = times if m.dp_rank == 0 and m.cp_rank == 0 and m.tp_rank == 0 else np.zeros_like(times)  # host
+        return share
+
+    def _stats(self, total: StepShare, work, scale) -> StepStats:
+        """The step's figures from the world's sum (the same on every rank)."""
+        loss = total.loss / (self.dp * self.cp)
+        if self.deterministic:            # the loss as an exact sum over the world too
+            loss = float(self._exact_loss.allreduce(self.mesh.dpcp_comm).value())
+        nonfinite = total.nonfinite > 0 or not math.isfinite(loss)
+        return StepStats(loss=loss, grad_norm=float("nan"), loss_scale=scale, skipped=nonfinite, nonfinite=nonfinite,
+                         stop=total.stop > 0, all_written=total.written >= self.comm.size,
+                         moe=[total.moe[i].summary(i, self.dp * self.cp, self.ep) for i in self.moe_ids],
+                         memory=memory_summary(total.memory, self.comm.size), cp_ring=work["cp_ring"],
+                         pipeline={k: work["pipe"][k] for k in ("bubble", "peak_in_flight", "table_costs")
+                                   if k in work["pipe"]})
+
+    def _update(self, stats: StepStats, total: StepShare, lr, scale):
+        """The optimizer step, unless a non-finite loss or gradient (agreed: the world's sum) skips
+        it; float16 also moves the loss scale. Sets stats.skipped and stats.grad_norm."""
+        if self._measuring():
+            self.executor.costs = measured_costs(total.stage_times)
+        total_sq = self.sync.exact_sq(self.comm) if self.deterministic else total.norm_sq
+        if self.scaler:
+            stats.skipped = self.scaler.update(stats.nonfinite)
+            self.sync.scale_grads(1.0 / scale)
+            total_sq /= scale * scale
+        if stats.skipped:
+            return
+        stats.grad_norm = self.sync.step(self.opt, lr, self.grad_clip, total_sq)
+        # aux-loss-free balancing must see the global loads, or replicas drift apart
+        self.model.update_expert_bias({i: stats.moe[self.moe_ids.index(i)]["tokens_per_expert"]
+                                       for i, _ in self.model.moe_layers()})
+        self._replicas_after_step(self.model, stats.moe)
 
     @staticmethod
     def _sequences(micro_batches):
@@ -379,48 +418,6 @@ class ParallelRunner:
                 return key
         return "optimizer"
 
-    def _slots(self, n_times, n_memory):
-        """The step vector's layout (parallel/stepvec.py): the loss x dp x cp, the non-finite count,
-        the norm^2; per MoE layer i its routing ("moe{i}.load" E, ".dropped"), its all-to-alls
-        (".a2a_s", ".a2a_bytes") and the rows each ep rank ran (".rows"); the stop and written flags;
-        when measuring, the pipeline's stage times; every rank's memory figures."""
-        moe = [(f"moe{i}.{k}", n) for i in self.moe_ids
-               for k, n in (("load", self.model_cfg.n_expert), ("dropped", 1), ("a2a_s", 1), ("a2a_bytes", 1),
-                            ("rows", self.ep))]
-        return Slots([("loss", 1), ("nonfinite", 1), ("norm_sq", 1), *moe, ("stop", 1), ("written", 1),
-                      ("stage_times", n_times), ("memory", n_memory)])
-
-    def _step_vector(self, loss, local_moe, a2a, flags=(False, False), times=None):
-        """(layout, this rank's share of the step vector, see _slots): each slot has the ranks
-        that contribute to it, so the world's sum is the figure."""
-        m = self.mesh
-        mem = ledger.memory_vector(self.comm.size, self.comm.rank, self.ledger["peak"])
-        slots = self._slots(0 if times is None else times.size, mem.size)
-        vec = slots.zeros()
-        if m.tp_rank == 0 and m.pp_rank == 0:              # the loss is the same over tp and pp
-            slots.put(vec, "loss", loss)
-        slots.put(vec, "nonfinite", self.sync.nonfinite())
-        slots.put(vec, "norm_sq", self.sync.local_sq())
-        for i in self.moe_ids:
-            if i not in local_moe:
-                continue
-            st = local_moe[i]
-            if m.tp_rank == 0:                             # routing is replicated over tp
-                slots.put(vec, f"moe{i}.load", st["tokens_per_expert"])
-                slots.put(vec, f"moe{i}.dropped", st["dropped_fraction"])
-            if m.etp_rank == 0:                            # the experts' side: each share of the rows (folded) counts
-                if i in a2a:                               # the world sum: the mean over the senders, the bytes' sum
-                    slots.put(vec, f"moe{i}.a2a_s", a2a[i].seconds / (self.dp * self.cp * m.fold))
-                    slots.put(vec, f"moe{i}.a2a_bytes", a2a[i].bytes)
-                if "rank_rows" in st:                      # summed over the ep groups
-                    slots.get(vec, f"moe{i}.rows")[m.ep_rank] = st["rank_rows"]
-        slots.put(vec, "stop", 1.0 if flags[0] else 0.0)
-        slots.put(vec, "written", 1.0 if flags[1] else 0.0)
-        if times is not None and m.dp_rank == 0 and m.cp_rank == 0 and m.tp_rank == 0:
-            slots.put(vec, "stage_times", times)           # zero outside this rank's stages
-        slots.put(vec, "memory", mem)
-        return slots, vec
-
     def _replicas_after_step(self, model, moe):
         """--expert-replicas: every --replan-every steps each MoE layer's replicas are placed anew
         from the window's global loads (the same numbers on every rank: the world allreduce's; every
@@ -473,20 +470,6 @@ class ParallelRunner:
         for i, m in self.model.moe_layers():
             if i in copies:
                 m.expert_parallel.set_replicas(copies[i])
-
-    def _moe_from(self, slots, red):
-        out = []
-        for i in self.moe_ids:
-            def get(k, i=i):
-                return slots.get(red, f"moe{i}.{k}")
-            st = dict(layer=i, tokens_per_expert=[int(round(t)) for t in get("load")],
-                      dropped_fraction=float(get("dropped")[0] / (self.dp * self.cp)))
-            if self.ep > 1:
-                rows = get("rows")
-                st.update(a2a_seconds=float(get("a2a_s")[0]), a2a_bytes=int(round(get("a2a_bytes")[0])),
-                          rows_per_ep_rank=[int(round(t)) for t in rows], rank_max_over_mean=max_over_mean(rows))
-            out.append(st)
-        return out
 
     # --- evaluation and sampling ---------------------------------------------------------------
     def eval_loss(self, batches) -> float:
