@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, env, machine, pyplot, run_and_write, save  # noqa: E402
-from memory import _wrapped  # noqa: E402
+from common import run_with_peaks  # noqa: E402
 
 MODEL = dict(n_layer=2, n_embd=128, n_head=4, vocab_size=256)
 STEPS = 4
@@ -52,6 +52,7 @@ def worker(T: int, out: str, threads: int = 0):
     from pympar.nn.config import GPTConfig
     from pympar.config import RunConfig
     from pympar.layout import Layout
+    from pympar.optim import OptimConfig
     from pympar.parallel.cores import share_cores
     from pympar.parallel.runner import ParallelRunner
     from pympar.config import apply_environment
@@ -62,8 +63,8 @@ def worker(T: int, out: str, threads: int = 0):
     threads, _ = share_cores(mpi, threads, "--threads")    # 0: the node's cores over its ranks
     cfg = GPTConfig(block_size=T, **MODEL)
     comm = MPIComm(mpi, name="world", timeout=600)
-    opts = RunConfig(seed=1, lr=1e-3, weight_decay=0.1, grad_clip=1.0, bucket_mb=25)
-    runner = ParallelRunner(cfg, Layout(cp=cp), comm, opts)
+    runner = ParallelRunner(cfg, Layout(cp=cp), comm, RunConfig(seed=1, bucket_mb=25, dtype="float32"),
+                            OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=1.0))
     rng = np.random.default_rng(0)
     times, waits, busy, losses = [], [], [], []
     for s in range(STEPS):
@@ -113,8 +114,8 @@ def _env():
 def one(T: int, cp: int, timeout: float, threads: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "rows.json"
-        p, peaks = _wrapped(cp, [str(Path(__file__).resolve()), "--worker", str(T), str(out), str(threads)], timeout,
-                            _env())
+        p, peaks = run_with_peaks(cp, [str(Path(__file__).resolve()), "--worker", str(T), str(out), str(threads)], timeout,
+                                 _env())
         if p.returncode != 0 or not out.exists():
             raise RuntimeError(f"T={T} cp={cp} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
         ranks = json.loads(out.read_text())
@@ -140,7 +141,7 @@ def hidden_fraction(wait, imbalance, alone):
 
 def run(a):
     lengths = [512] if a.quick else [4096, 8192]
-    _, base_peaks = _wrapped(1, [str(Path(__file__).resolve()), "--worker", "64", os.devnull], a.timeout, _env())
+    _, base_peaks = run_with_peaks(1, [str(Path(__file__).resolve()), "--worker", "64", os.devnull], a.timeout, _env())
     base = max(base_peaks.values())
     rows = []
     for T in lengths:

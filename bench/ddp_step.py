@@ -64,7 +64,7 @@ def parse(argv=None):
 
 # --- the shared setup of both workers ----------------------------------------------------------
 def setup(a, world):
-    """(model_cfg, run, corpus) exactly as ``python -m pympar.train`` resolves them for pure DP."""
+    """(the TrainConfig, corpus) exactly as ``python -m pympar.train`` resolves them for pure DP."""
     from pympar.config import parse_args
     from pympar.data import load_corpus
 
@@ -72,24 +72,25 @@ def setup(a, world):
         raise SystemExit(f"--global-batch {a.global_batch} is not divisible by {world} ranks")
     argv = ["--preset", a.preset, "--dp", str(world), "--micro-batch-size", str(a.global_batch // world),
             "--n-micro", "1", "--threads", "1"]
-    model_cfg, run = parse_args(argv, world)
-    corpus = load_corpus(run.data)          # the trainer's default: byte tokens (pympar.train would
+    c = parse_args(argv, world)
+    model_cfg = c.model
+    corpus = load_corpus(c.run.data)          # the trainer's default: byte tokens (pympar.train would
     if corpus.vocab_size > model_cfg.vocab_size:   # grow vocab_size; importing it starts MPI)
         raise SystemExit(f"preset {a.preset}: vocab_size {model_cfg.vocab_size} < the corpus's {corpus.vocab_size}")
-    return model_cfg, run, corpus
+    return c, corpus
 
 
-def batches(run, corpus, model_cfg, step, rank):
+def batches(c, corpus, step, rank):
     from pympar.data import local_micro_batches
-    return local_micro_batches(corpus.train, run.seed, step, rank, 1, run.micro_batch_size, model_cfg.block_size)
+    return local_micro_batches(corpus.train, c.run.seed, step, rank, 1, c.parallel.micro_batch_size, c.model.block_size)
 
 
-def result(a, side, world, model_cfg, run, n_params, times, losses, **extra):
+def result(a, side, world, c, n_params, times, losses, **extra):
     """The RESULT line rank 0 prints: per-step times are already the slowest rank's."""
     timed = times[a.warmup:] or times
     step_s = statistics.median(timed)
-    tokens = run.micro_batch_size * world * model_cfg.block_size
-    out = dict(side=side, preset=a.preset, world=world, per_rank_batch=run.micro_batch_size, seq=model_cfg.block_size,
+    tokens = c.parallel.micro_batch_size * world * c.model.block_size
+    out = dict(side=side, preset=a.preset, world=world, per_rank_batch=c.parallel.micro_batch_size, seq=c.model.block_size,
                params=n_params, tokens_per_step=tokens, step_s=step_s, tokens_per_s=tokens / step_s,
                steps=len(timed), step_times=timed, losses=losses, **extra)
     print("RESULT " + json.dumps(out), flush=True)
@@ -108,23 +109,23 @@ def worker_pympar(a):
 
     mpi = MPI.COMM_WORLD
     world = mpi.Get_size()
-    model_cfg, run, corpus = setup(a, world)
+    c, corpus = setup(a, world)
     kernels.set_process_threads(1)
-    comm = MPIComm(mpi, name="world", timeout=run.comm_timeout)
-    runner = build_runner(model_cfg, run.layout_resolved, comm, run)
+    comm = MPIComm(mpi, name="world", timeout=c.run.comm_timeout)
+    runner = build_runner(c.model, c.parallel, comm, c.run, c.optim)
     times, losses = [], []
     for s in range(a.warmup + a.steps):
-        mbs = batches(run, corpus, model_cfg, s, mpi.Get_rank())
+        mbs = batches(c, corpus, s, mpi.Get_rank())
         comm.barrier()
         t0 = time.perf_counter()
-        res = runner.train_step(mbs, run.lr)
+        res = runner.train_step(mbs, c.optim.lr)
         times.append(time.perf_counter() - t0)
         losses.append(res.loss)
     t = np.array(times, np.float64)
     mpi.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)                    # the slowest rank's step
     times = t.tolist()
     if mpi.Get_rank() == 0:
-        result(a, "pympar", world, model_cfg, run, runner.n_params, times, losses)
+        result(a, "pympar", world, c, runner.n_params, times, losses)
 
 
 # --- torch worker (inside mpiexec, no MPI calls) ---------------------------------------------
@@ -142,7 +143,8 @@ def worker_torch(a):
     rank, world = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
-    model_cfg, run, corpus = setup(a, world)
+    c, corpus = setup(a, world)
+    model_cfg, run, optim = c.model, c.run, c.optim
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank, world_size=world)
     tm = TorchGPT(model_cfg).float()
     load_numpy_state(tm, GPT(model_cfg, seed=run.seed, dtype=np.float32).state_dict())   # the runner's weights
@@ -153,20 +155,20 @@ def worker_torch(a):
                                                     find_unused_parameters=model_cfg.n_expert > 0)
     named = list(tm.named_parameters())
     opt = torch.optim.AdamW(
-        [dict(params=[p for n, p in named if decays(n, p.detach().numpy())], weight_decay=run.weight_decay),
+        [dict(params=[p for n, p in named if decays(n, p.detach().numpy())], weight_decay=optim.weight_decay),
          dict(params=[p for n, p in named if not decays(n, p.detach().numpy())], weight_decay=0.0)],
-        lr=run.lr, betas=(0.9, 0.95), eps=1e-8)
+        lr=optim.lr, betas=(0.9, 0.95), eps=1e-8)
     params = [p for _, p in named]
     times, losses = [], []
     for s in range(a.warmup + a.steps):
-        (x, y), = batches(run, corpus, model_cfg, s, rank)
+        (x, y), = batches(c, corpus, s, rank)
         x, y = torch.from_numpy(x), torch.from_numpy(y)
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         _, loss = ddp(x, y)
         loss.backward()                                  # DDP's buckets allreduce during backward
-        torch.nn.utils.clip_grad_norm_(params, run.grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
         opt.step()
         g = loss.detach().reshape(1).clone()
         dist.all_reduce(g)
@@ -176,7 +178,7 @@ def worker_torch(a):
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     n_params = sum(p.numel() for p in tm.parameters())  # the tied lm_head counted once
     if rank == 0:
-        result(a, "torch", world, model_cfg, run, n_params, t.tolist(), losses,
+        result(a, "torch", world, c, n_params, t.tolist(), losses,
                find_unused_parameters=ddp.find_unused_parameters)
     dist.barrier()                                       # no rank tears gloo down under another
     dist.destroy_process_group()

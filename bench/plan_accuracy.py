@@ -71,20 +71,20 @@ def worker(train_argv: list, steps: int) -> None:
     from pympar.parallel.runner import build_runner
 
     mpi = MPI.COMM_WORLD
-    cfg, run = parse_args(train_argv, mpi.Get_size())
+    c = parse_args(train_argv, mpi.Get_size())
+    cfg, run, lay = c.model, c.run, c.parallel
     share_cores(mpi, run.threads, run.threads_from, run.bind)   # as pympar.train: the node's cores shared
-    lay = run.layout_resolved
     corpus = load_corpus(run.data)
     comm = MPIComm(mpi, name="world")
     dp_rank = Mesh.coords(mpi.Get_rank(), lay.dp, lay.pp, lay.tp)[1]
 
     def batches(s):
-        return local_micro_batches(corpus.train, run.seed, s, dp_rank, run.n_micro, run.micro_batch_size, cfg.block_size)
+        return local_micro_batches(corpus.train, run.seed, s, dp_rank, lay.n_micro, lay.micro_batch_size, cfg.block_size)
 
     tracemalloc.start()
     b0 = batches(0)
     base = tracemalloc.get_traced_memory()[0]
-    runner = build_runner(cfg, lay, comm, run)
+    runner = build_runner(cfg, lay, comm, run, c.optim)
     built = tracemalloc.get_traced_memory()[0]
     for s in range(2):                                    # AdamW state and buffers appear here
         runner.train_step(batches(s) if s else b0, 1e-4)

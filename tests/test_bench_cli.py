@@ -93,6 +93,23 @@ def test_osu_columns_for_a_collective(tmp_path):
         assert 0 < r["min_us"] <= r["avg_us"] <= r["time_us"]
 
 
+def test_context_parallel_bench_runs_and_its_ranks_agree(tmp_path):
+    """bench/context_parallel.py --quick (T = 512, cp 1, 2, 4): every row ran, the cp ranks' losses
+    are the one-process run's, and each rank of cp = 4 holds a quarter of cp = 1's activations."""
+    out = tmp_path / "cp.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "context_parallel.py"), "--quick", "--timeout", "200",
+                        "--json", out, "--png", tmp_path / "cp.png"],
+                       capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4                               # cp = 1 on the node's cores and on one, cp = 2, cp = 4
+    by = {r["cp"]: r for r in rows if r["threads"] != 1 or r["cp"] > 1}
+    assert set(by) == {1, 2, 4}
+    for cp in (2, 4):
+        assert by[cp]["losses"] == pytest.approx(by[1]["losses"], rel=1e-4)
+    assert by[4]["activations"] <= 0.3 * by[1]["activations"]
+
+
 def test_ddp_step_compares_the_same_work(tmp_path, bench_module):
     """bench/ddp_step.py: both sides run, agree on the loss at steps 0 and 1, and the doc renders the row."""
     pytest.importorskip("torch")

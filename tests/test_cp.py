@@ -63,8 +63,8 @@ def test_a2a_ring_groups_are_refused_with_what_would_work():
 
 
 def test_trainer_flag_validation():
-    _, run = parse_args(["--cp", "2", "--block-size", "32"], 4)
-    assert (run.layout_resolved.dp, run.layout_resolved.cp) == (2, 2) and "cp=2" in str(run.layout_resolved)
+    lay = parse_args(["--cp", "2", "--block-size", "32"], 4).parallel
+    assert (lay.dp, lay.cp) == (2, 2) and "cp=2" in str(lay)
     with pytest.raises(ConfigError, match=r"divisible by 2\*cp = 6"):
         parse_args(["--cp", "3", "--block-size", "32"], 3)
     with pytest.raises(ConfigError, match=r"not divisible by pp\*cp\*tp=4"):

@@ -17,18 +17,14 @@ TINY = ["--preset", "tiny", "--n-layer", "4", "--block-size", "16", "--micro-bat
 
 def test_parse_takes_the_planners_best_layout_for_the_same_global_batch():
     """parse_args --layout auto = the fastest prediction of the planner that pympar.layout.check
-    accepts, the rule's global batch kept; the run's layout flags stay what was given (the Layout is the
-    one resolved answer: nothing is copied back into the flags)."""
-    model, run = parse_args([*TINY, "--layout", "auto"], world_size=4)
-    lay = run.layout_resolved
+    accepts, the rule's global batch kept; the configuration's one Layout is the planner's."""
+    c = parse_args([*TINY, "--layout", "auto"], world_size=4)
+    model, lay = c.model, c.parallel
     preds, _ = planner.plan(model, 4, 2 * 2 * 4, _fixed_machine(4))
     assert preds and lay == preds[0].layout                # the first of the sorted predictions
     assert lay.world == 4
     assert lay.micro_batch_size * lay.n_micro * lay.dp == 2 * 2 * 4   # same global batch as the rule's dp=4
-    given = parse_args(TINY, world_size=4)[1]
-    assert [getattr(run, f) for f in ("dp", "pp", "tp", "micro_batch_size", "n_micro", "schedule", "zero")] == \
-        [getattr(given, f) for f in ("dp", "pp", "tp", "micro_batch_size", "n_micro", "schedule", "zero")]
-    assert parse_args([*TINY, "--layout", "auto"], world_size=4)[1].layout_resolved == lay   # every rank the same
+    assert parse_args([*TINY, "--layout", "auto"], world_size=4).parallel == lay   # every rank the same
 
 
 def _fixed_machine(world):
@@ -41,7 +37,7 @@ def test_auto_refuses_explicit_sizes():
 
 
 def test_choose_skips_what_accept_refuses_and_takes_the_next_best():
-    model, _ = parse_args(TINY, world_size=4)
+    model = parse_args(TINY, world_size=4).model
     best = planner.choose(model, 4, 16)
 
     def no(lay):
@@ -60,15 +56,14 @@ def test_cli_runs_the_planned_layout_and_says_so(tmp_path):
                       "--progress", "log"], timeout=120)
     assert "chosen by the planner" in res.stdout
     summary = json.loads((Path(tmp_path) / "summary.json").read_text())
-    lay = summary["config"]["run"]["layout_resolved"]
-    _, run = parse_args([*TINY, "--layout", "auto"], world_size=4)
-    assert lay == dataclasses.asdict(run.layout_resolved)            # what the ranks ran is the plan
+    lay = summary["config"]["parallel"]
+    assert lay == dataclasses.asdict(parse_args([*TINY, "--layout", "auto"], world_size=4).parallel)            # what the ranks ran is the plan
     rows = [json.loads(x) for x in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
 
 
 def test_check_refuses_what_no_strategy_implements_with_what_would_run():
-    model, _ = parse_args(TINY, world_size=4)
+    model = parse_args(TINY, world_size=4).model
     zb3 = layouts.Layout(dp=2, pp=2, n_micro=2, schedule="zb-h1", zero=3)
     for zero in (0, 1, 2, 3):                                      # every ZeRO stage composes with zero bubble
         layouts.check(model, dataclasses.replace(zb3, zero=zero))

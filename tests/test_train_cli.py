@@ -51,7 +51,7 @@ def test_default_run_on_n_ranks(tmp_path, n):
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in m)
     assert (m[1]["time_split"]["dp_comm"] > 0) == (n > 1)
     s = json.loads((out / "summary.json").read_text())
-    assert s["ranks"] == n and s["config"]["run"]["layout_resolved"]["dp"] == n
+    assert s["ranks"] == n and s["config"]["parallel"]["dp"] == n
 
 
 def test_data_parallel_matches_gradient_accumulation(tmp_path):
@@ -105,7 +105,7 @@ def test_config_file_with_flag_override(tmp_path):
     cfg.write_text('steps = 5\nlr = 0.002\n[model]\nn_layer = 3\nn_embd = 16\n')
     train(1, "--config", cfg, "--steps", 2, "--out", tmp_path / "o")
     s = json.loads((tmp_path / "o" / "summary.json").read_text())["config"]
-    assert s["run"]["steps"] == 2 and s["run"]["lr"] == 0.002          # flag beats file; file beats default
+    assert s["run"]["steps"] == 2 and s["optim"]["lr"] == 0.002          # flag beats file; file beats default
     assert s["model"]["n_layer"] == 3 and s["model"]["n_embd"] == 16
     assert len(metrics(tmp_path / "o")) == 2
 
@@ -295,15 +295,45 @@ def test_bind_cores_pins_each_rank_to_its_own_cores():
 def test_precedence_default_preset_file_flag(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('preset = "small"\nn_layer = 3\nmicro_batch_size = 4\n')
-    model, run = parse_args(["--config", str(cfg), "--n-layer", "5"], world_size=1)
-    assert model.n_embd == 128 and model.n_layer == 5 and run.micro_batch_size == 4 and run.steps == 200
+    c = parse_args(["--config", str(cfg), "--n-layer", "5"], world_size=1)
+    assert c.model.n_embd == 128 and c.model.n_layer == 5 and c.parallel.micro_batch_size == 4 and c.run.steps == 200
+
+
+def test_each_flag_belongs_to_one_section_of_the_configuration_tree():
+    """One tree (model, parallel, optim, run): a name lives in one section, and a flag lands there."""
+    from dataclasses import fields
+
+    from pympar.config import RunConfig
+    from pympar.nn.config import GPTConfig
+    from pympar.optim import OptimConfig
+
+    names = [{f.name for f in fields(k)} for k in (GPTConfig, layouts.Layout, OptimConfig, RunConfig)]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not a & b, a & b
+    c = parse_args(["--tp", "2", "--zero", "1", "--lr", "0.01", "--warmup", "3", "--n-layer", "3", "--steps", "7"],
+                   world_size=2)
+    assert (c.parallel.tp, c.parallel.dp, c.parallel.zero, c.optim.lr, c.optim.warmup, c.model.n_layer, c.run.steps) \
+        == (2, 1, 1, 0.01, 3, 3, 7)
+    with pytest.raises(ConfigError, match="min_lr=0.5 is above lr=0.01"):    # the optimizer's own validator
+        parse_args(["--lr", "0.01", "--min-lr", "0.5"], world_size=1)
+
+
+def test_toml_tables_are_the_trees_sections(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[model]\nn_layer = 3\n[parallel]\nzero = 1\n[optim]\nlr = 0.02\n[run]\nsteps = 4\n[notes]\nseed = 7\n')
+    c = parse_args(["--config", str(p)], world_size=2)
+    assert (c.model.n_layer, c.parallel.zero, c.optim.lr, c.run.steps, c.run.seed) == (3, 1, 0.02, 4, 7)
+    p.write_text('[run]\nlr = 0.02\n')
+    with pytest.raises(ConfigError, match=r"\[run\] has no key 'lr'; it belongs to \[optim\]"):
+        parse_args(["--config", str(p)], world_size=1)
 
 
 def test_layout_rule_and_errors(tmp_path):
-    _, run = parse_args([], world_size=8)
-    assert (run.layout_resolved.dp, run.layout_resolved.pp) == (8, 1) and run.layout_auto
-    _, run = parse_args(["--pp", "2"], world_size=8)
-    assert run.layout_resolved.dp == 4 and not run.layout_auto
+    c = parse_args([], world_size=8)
+    assert (c.parallel.dp, c.parallel.pp) == (8, 1) and c.run.layout_auto
+    c = parse_args(["--pp", "2"], world_size=8)
+    assert c.parallel.dp == 4 and not c.run.layout_auto
     with pytest.raises(ConfigError, match="not divisible by pp\\*tp"):
         parse_args(["--pp", "3"], world_size=8)
     with pytest.raises(ConfigError, match="ep=3 does not divide dp=8"):
@@ -312,16 +342,16 @@ def test_layout_rule_and_errors(tmp_path):
     moe = ["--preset", "moe-tiny", "--tp", "2"]
     with pytest.raises(ConfigError, match="ep=4 does not divide dp=2.*--etp 1 lets ep reach over tp"):
         parse_args([*moe, "--ep", "4"], world_size=4)
-    lay = parse_args([*moe, "--ep", "4", "--etp", "1"], world_size=4)[1].layout_resolved
+    lay = parse_args([*moe, "--ep", "4", "--etp", "1"], world_size=4).parallel
     assert (lay.dp, lay.tp, lay.ep, lay.etp, lay.folded) == (2, 2, 4, 1, True) and "etp=1" in str(lay)
-    assert "--etp" in lay.train_args() and not parse_args([*moe, "--etp", "2"], world_size=4)[1].layout_resolved.folded
+    assert "--etp" in lay.train_args() and not parse_args([*moe, "--etp", "2"], world_size=4).parallel.folded
     with pytest.raises(ConfigError, match="etp=3 does not divide tp=2"):
         parse_args([*moe, "--etp", "3"], world_size=4)
     with pytest.raises(ConfigError, match="--ep-dispatch node does not run with the experts folded"):
         parse_args([*moe, "--ep", "4", "--etp", "1", "--ep-dispatch", "node"], world_size=4)
-    dense, run = parse_args(["--tp", "2", "--etp", "1"], world_size=4)
+    c = parse_args(["--tp", "2", "--etp", "1"], world_size=4)
     with pytest.raises(ValueError, match="etp=1 folds experts apart from tp: it needs a MoE model"):
-        layouts.check(dense, run.layout_resolved)         # the trainer's check, on every rank
+        layouts.check(c.model, c.parallel)         # the trainer's check, on every rank
     with pytest.raises(ConfigError, match="unknown keys \\['nope'\\]"):
         p = tmp_path / "nope.toml"
         p.write_text("nope = 1\n")

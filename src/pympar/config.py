@@ -2,9 +2,10 @@
 
 Precedence, lowest first: built-in defaults < ``--preset`` < ``--config run.toml`` < flags.
 The TOML file uses the flag names with underscores (``micro_batch_size = 4``); keys may
-also sit in tables (``[model]``, ``[parallel]``, ``[train]``: the table name is ignored).
+also sit in the configuration tree's tables (``[model]``, ``[parallel]``, ``[optim]``, ``[run]``:
+a key in the wrong one is refused, naming its table) or in a table of another name (ignored).
 
-``parse_args(argv, world_size)`` returns ``(GPTConfig, RunConfig)`` or raises
+``parse_args(argv, world_size)`` returns a ``TrainConfig`` (model, parallel, optim, run) or raises
 ``ConfigError`` (a ValueError) with a one-line message. It does no communication, so
 every rank reaches the same verdict on its own before the first collective.
 
@@ -27,6 +28,7 @@ from . import layout as layouts
 from .plan import cost as planner
 from .layout import Layout
 from .nn.config import PRESETS, GPTConfig
+from .optim.config import OptimConfig
 
 
 class ConfigError(ValueError):
@@ -250,30 +252,15 @@ def child_environment(**extra) -> dict:
 
 @dataclass
 class RunConfig:
-    """Everything about a run that is not the model's shape."""
+    """Everything about a run that is not the model's shape, its layout (pympar.layout.Layout) or
+    its optimizer (pympar.optim.OptimConfig): data, numerics, communication, output, checkpoints."""
     preset: str = "tiny"
     config: str | None = None
     data: str | None = None
-    # parallel layout (None = chosen for the world size)
-    dp: int | None = None
-    pp: int | None = None
-    tp: int | None = None
-    ep: int | None = None
-    etp: int | None = None               # the experts' tensor parallelism (None: tp; less folds them apart)
-    cp: int | None = None
-    layout: str = "rule"
-    cp_comm: str = "ring"                # context parallelism: ring attention, or Ulysses' all-to-alls ("a2a")
-    cp_a2a: int = 0                      # a2a+ring: ranks of a Ulysses group (consecutive cp ranks)
+    layout: str = "rule"                 # how the layout's sizes not given are chosen: the rule, or the planner
     ep_dispatch: str = "auto"            # expert parallelism's token exchange: flat alltoallv, or node-aware
     expert_replicas: int = 0             # replica slots per ep rank for the busiest experts
     replan_every: int = 20               # steps between placements of the replicas
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    micro_batch_size: int = 8
-    n_micro: int = 1
-    zero: int = 0
-    recompute: str = "none"
-    seq_parallel: bool = False
     compress: str = "none"
     grad_reduce_dtype: str = "float32"   # bfloat16: the DP gradient reduction in bf16 (= --compress bf16)
     topk_ratio: float = 0.01
@@ -287,16 +274,10 @@ class RunConfig:
     device: str = "cpu"
     dtype: str = "auto"                  # bfloat16 where the CPU multiplies it natively (and on GPUs), else float32
     master_dtype: str = "float32"
-    moments_dtype: str = "float32"      # AdamW's m and v: float32 (the master dtype) or bfloat16
     threads: int = 0
     bind: str = "none"
-    # optimisation
+    # the loop
     steps: int = 200
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
     seed: int = 1337
     # evaluation, output
     eval_every: int = 50
@@ -314,11 +295,21 @@ class RunConfig:
     resume: str | None = None
     max_bad_steps: int = 3
     # resolved by parse_args
-    layout_resolved: Layout = field(default_factory=Layout)
-    layout_auto: bool = True
+    layout_auto: bool = True              # no layout size was given (the start-up line says so)
     model_overrides: list = field(default_factory=list)   # model fields set by the file or flags
     threads_from: str = ""                # where threads came from ("--threads", an env var, or "" = the node)
     dtype_from: str = ""                  # why dtype is what it is when --dtype auto chose it
+
+
+@dataclass
+class TrainConfig:
+    """A run's whole configuration, one tree: the model's shape, the parallel layout (the one
+    ``Layout``, resolved for the world size), the optimizer, and the rest of the run. The flags
+    and the TOML file are flat (``--lr``, ``--tp``); each name belongs to one section."""
+    model: GPTConfig
+    parallel: Layout
+    optim: OptimConfig
+    run: RunConfig
 
 
 _HELP = {
@@ -418,9 +409,22 @@ _CHOICES = {
     "dtype": ["auto", "float32", "bfloat16", "float16"], "master_dtype": ["float32", "float64"], "moments_dtype": ["float32", "bfloat16"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
     "progress": ["auto", "bar", "log"], "pp_channels": ["auto", "tags", "ordered"], "pp_costs": ["unit", "measured"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
 }
-_RUN_FIELDS = [f for f in fields(RunConfig) if f.name not in ("layout_resolved", "layout_auto", "model_overrides",
+_RUN_FIELDS = [f for f in fields(RunConfig) if f.name not in ("layout_auto", "model_overrides",
                                                               "threads_from", "dtype_from")]
+_LAYOUT_FIELDS = list(fields(Layout))
+_OPTIM_FIELDS = list(fields(OptimConfig))
 _MODEL_FIELDS = list(fields(GPTConfig))
+# the layout's flags: a mesh size not given is None (filled for the world size: --layout); the
+# other fields default to Layout's, except the micro-batch (a Layout's is 1, a run's is 8)
+_LAYOUT_FLAG_DEFAULTS = dict(dp=None, pp=None, tp=None, ep=None, cp=None, etp=None, micro_batch_size=8)
+MESH_SIZES = ("dp", "pp", "tp", "ep", "etp", "cp")
+
+
+_SECTIONS = {"model": _MODEL_FIELDS, "parallel": _LAYOUT_FIELDS, "optim": _OPTIM_FIELDS, "run": _RUN_FIELDS}
+
+
+def _layout_flag_default(f):
+    return _LAYOUT_FLAG_DEFAULTS.get(f.name, f.default)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -439,6 +443,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("run")
     for f in _RUN_FIELDS:
         _add(run, f, f.default, _HELP.get(f.name, ""))
+    parallel = p.add_argument_group("parallel layout (pympar.layout.Layout)")
+    for f in _LAYOUT_FIELDS:
+        _add(parallel, f, _layout_flag_default(f), _HELP.get(f.name, ""))
+    optim = p.add_argument_group("optimizer (pympar.optim.OptimConfig)")
+    for f in _OPTIM_FIELDS:
+        _add(optim, f, f.default, _HELP.get(f.name, ""))
     model = p.add_argument_group("model (defaults are the preset's)")
     for f in _MODEL_FIELDS:
         _add(model, f, PRESETS["tiny"].get(f.name, f.default), f"GPTConfig.{f.name}; tiny preset")
@@ -463,9 +473,14 @@ def _flatten_toml(d: dict, path: str) -> dict:
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
+            section = _SECTIONS.get(k)
             for k2, v2 in v.items():
                 if isinstance(v2, dict):
                     raise ConfigError(f"{path}: nested table [{k}.{k2}] is not supported; use flat keys or one level of tables")
+                name = k2.replace("-", "_")
+                if section is not None and name not in {f.name for f in section}:
+                    home = next((s for s, fs in _SECTIONS.items() if name in {f.name for f in fs}), None)
+                    raise ConfigError(f"{path}: [{k}] has no key {k2!r}" + (f"; it belongs to [{home}]" if home else ""))
                 out[k2] = v2
         else:
             out[k] = v
@@ -481,14 +496,14 @@ def _load_toml(path: str) -> dict:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
     d = _flatten_toml(d, path)
-    known = {f.name for f in _RUN_FIELDS} | {f.name for f in _MODEL_FIELDS}
+    known = {f.name for f in (*_RUN_FIELDS, *_LAYOUT_FIELDS, *_OPTIM_FIELDS, *_MODEL_FIELDS)}
     bad = sorted(set(d) - known - {"config"})
     if bad:
         raise ConfigError(f"--config {path}: unknown keys {bad}; every flag name works as a key (underscores)")
     return d
 
 
-def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[GPTConfig, RunConfig]:
+def parse_args(argv, world_size: int, env: Environment | None = None) -> TrainConfig:
     """Parse flags (+ TOML), resolve the layout, validate everything; raise ConfigError. ``env``:
     the Environment (read_environment() when not given) for the defaults it sets."""
     env = read_environment() if env is None else env
@@ -499,17 +514,17 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
         given["comm_timeout"] = env.comm_timeout if env.comm_timeout > 0 else math.inf
     if "pp_channels" not in given and env.pp_channels:
         given["pp_channels"] = {"0": "tags", "1": "ordered"}[env.pp_channels]
-    run_names = {f.name for f in _RUN_FIELDS}
-    run = RunConfig(**{k: v for k, v in given.items() if k in run_names})
+    for k, choices in _CHOICES.items():
+        if k in given and given[k] not in choices:
+            raise ConfigError(f"{k}={given[k]!r} is not one of {choices}")
+    run = RunConfig(**{f.name: given[f.name] for f in _RUN_FIELDS if f.name in given})
+    optim = OptimConfig(**{f.name: given[f.name] for f in _OPTIM_FIELDS if f.name in given})
+    asked = {f.name: given.get(f.name, _layout_flag_default(f)) for f in _LAYOUT_FIELDS}   # the layout as given
+    if asked["schedule"] in ("zb-v", "dualpipev") and asked["virtual_stages"] == 1 and (asked["pp"] or 1) > 1:
+        asked["virtual_stages"] = 2           # zb-v's and dualpipev's two chunks per rank (the V)
     run.threads_from = "--threads" if run.threads else ""
-    if run.schedule in ("zb-v", "dualpipev") and run.virtual_stages == 1 and (run.pp or 1) > 1:
-        run.virtual_stages = 2                # zb-v's and dualpipev's two chunks per rank (the V)
     if not run.threads and env.threads:
         run.threads, run.threads_from = env.threads, env.threads_from
-    for k in ("schedule", "compress", "device", "dtype", "master_dtype", "moments_dtype", "preset", "zero", "layout",
-              "recompute", "grad_reduce_dtype", "cp_comm", "ep_dispatch"):
-        if getattr(run, k) not in _CHOICES[k]:
-            raise ConfigError(f"{k}={getattr(run, k)!r} is not one of {_CHOICES[k]}")
     if run.grad_reduce_dtype == "bfloat16":                # Megatron's --grad-reduce-in-bf16, spelled as a dtype
         if run.compress not in ("none", "bf16"):
             raise ConfigError(f"grad_reduce_dtype=bfloat16 is --compress bf16; it cannot go with --compress {run.compress}")
@@ -517,17 +532,18 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
     if run.device == "cpu":                               # (on a GPU the trainer asks CuPy: pympar.gpu)
         from .kernels import gemm
         resolve_dtype(run, gemm.bf16_native())
-    overrides = {k: v for k, v in given.items() if k not in run_names}
+    sections = {f.name for f in (*_RUN_FIELDS, *_LAYOUT_FIELDS, *_OPTIM_FIELDS)}
+    overrides = {k: v for k, v in given.items() if k not in sections}
     try:
         model = GPTConfig.from_preset(run.preset, **overrides)
+        optim.validate()
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from None
     run.model_overrides = sorted(overrides)
-    _check_run(run)
-    run.layout_auto = all(getattr(run, k) is None for k in ("dp", "pp", "tp", "ep", "cp", "etp"))
-    run.layout_resolved = (_planned_layout(world_size, model, run) if run.layout == "auto"
-                           else choose_layout(world_size, model, run))
-    lay = run.layout_resolved
+    _check_run(run, optim)
+    _check_asked(asked)
+    run.layout_auto = all(asked[k] is None for k in MESH_SIZES)
+    lay = _planned_layout(world_size, model, run, asked) if run.layout == "auto" else choose_layout(world_size, model, asked)
     if run.deterministic:
         split = [f"{k}={getattr(lay, k)}" for k in ("tp", "cp", "ep") if getattr(lay, k) > 1]
         if model.n_expert:
@@ -551,7 +567,7 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> tuple[G
         raise ConfigError(f"--pp-costs measured builds the zb-h1/zb-v table for the measured times, but this run is "
                           f"pp={lay.pp} with schedule {lay.schedule}: use --schedule zb-h1 or zb-v with --pp > 1, or "
                           f"drop --pp-costs")
-    return model, run
+    return TrainConfig(model=model, parallel=lay, optim=optim, run=run)
 
 
 def _check_replicas(model: GPTConfig, run: RunConfig, lay: Layout) -> None:
@@ -596,15 +612,14 @@ def resolve_dtype(run: RunConfig, bf16_ok: bool) -> None:
         run.dtype, run.dtype_from = "float32", "auto: no native bf16 products here"
 
 
-def _planned_layout(world: int, model: GPTConfig, run: RunConfig) -> Layout:
+def _planned_layout(world: int, model: GPTConfig, run: RunConfig, asked: dict) -> Layout:
     """--layout auto: the planner's best layout for the same global batch (no communication;
-    the planner's constants are fixed, so every rank picks the same layout). The run's own
-    layout flags stay what was given: the Layout returned is the one resolved answer."""
-    given = [k for k in ("dp", "pp", "tp", "ep", "etp", "cp") if getattr(run, k) is not None]
+    the planner's constants are fixed, so every rank picks the same layout)."""
+    given = [k for k in MESH_SIZES if asked[k] is not None]
     if given:
         raise ConfigError(f"--layout auto chooses dp, pp, tp, ep, etp and cp itself, but {', '.join('--' + k for k in given)} "
                           f"was given: drop it, or drop --layout auto")
-    gb = run.micro_batch_size * run.n_micro * world
+    gb = asked["micro_batch_size"] * asked["n_micro"] * world
     try:
         lay = planner.choose(model, world, gb, accept=lambda lay: layouts.check(model, lay, device=run.device))
     except ValueError as e:
@@ -612,40 +627,40 @@ def _planned_layout(world: int, model: GPTConfig, run: RunConfig) -> Layout:
     return lay
 
 
-def _check_run(run: RunConfig) -> None:
+def _check_asked(asked: dict) -> None:
+    """The layout's flags as numbers (what fill and check cannot say: a size below 1)."""
+    for k in (*MESH_SIZES, "micro_batch_size", "n_micro", "virtual_stages"):
+        v = asked[k]
+        if v is not None and v < 1:
+            raise ConfigError(f"{k}={v} must be >= 1")
+
+
+def _check_run(run: RunConfig, optim: OptimConfig) -> None:
     from . import kernels
 
     if run.threads > kernels.max_threads():
         raise ConfigError(f"threads={run.threads} ({run.threads_from}) is more than the C++ kernel pool's "
                           f"{kernels.max_threads()} threads per process: give at most {kernels.max_threads()}")
-    for k in ("lr", "min_lr", "weight_decay", "grad_clip", "topk_ratio", "bucket_mb"):
+    for k in ("topk_ratio", "bucket_mb"):
         v = getattr(run, k)
         if not math.isfinite(v):
             raise ConfigError(f"{k}={v} must be a finite number")
     if math.isnan(run.comm_timeout):
         raise ConfigError(f"comm_timeout={run.comm_timeout} must be a number of seconds (inf: never time out)")
-    if run.moments_dtype == "bfloat16" and run.master_dtype != "float32":
+    if optim.moments_dtype == "bfloat16" and run.master_dtype != "float32":
         raise ConfigError(f"moments_dtype=bfloat16 goes with float32 master weights, not master_dtype={run.master_dtype}")
     if run.out:
         _check_out(run.out)
-    positive = ("micro_batch_size", "n_micro", "steps", "virtual_stages", "eval_iters", "log_every")
-    for k in positive:
+    for k in ("steps", "eval_iters", "log_every"):
         if getattr(run, k) < 1:
             raise ConfigError(f"{k}={getattr(run, k)} must be >= 1")
-    for k in ("lr", "min_lr", "warmup", "weight_decay", "grad_clip", "eval_every", "sample_tokens",
-              "threads", "bucket_mb"):
+    for k in ("eval_every", "sample_tokens", "threads", "bucket_mb"):
         if getattr(run, k) < 0:
             raise ConfigError(f"{k}={getattr(run, k)} must be >= 0")
-    if run.min_lr > run.lr:
-        raise ConfigError(f"min_lr={run.min_lr} is above lr={run.lr}")
     if not 0 < run.topk_ratio <= 1:
         raise ConfigError(f"topk_ratio={run.topk_ratio} must be in (0, 1]")
     if run.comm_timeout <= 0:
         raise ConfigError(f"comm_timeout={run.comm_timeout} must be > 0 seconds")
-    for k in ("dp", "pp", "tp", "ep", "etp", "cp"):
-        v = getattr(run, k)
-        if v is not None and v < 1:
-            raise ConfigError(f"{k}={v} must be >= 1")
     for k in ("save_every", "keep", "max_bad_steps"):
         if getattr(run, k) < 0:
             raise ConfigError(f"{k}={getattr(run, k)} must be >= 0")
@@ -668,23 +683,18 @@ def _check_out(out: str) -> None:
         raise ConfigError(f"--out {out}: {what}")
 
 
-def choose_layout(world: int, model: GPTConfig, run: RunConfig) -> Layout:
-    """The layout for this world size: the sizes given are kept, the missing ones filled in
+def choose_layout(world: int, model: GPTConfig, asked: dict) -> Layout:
+    """The layout for this world size: the sizes given are kept, the missing ones (None) filled in
     (``pympar.layout.fill``: pp = tp = ep = cp = 1, dp the rest; --layout auto asked the planner
-    before), with the run's schedule, ZeRO stage, sequence parallelism, recomputation and
-    micro-batches. Every rank computes the same answer."""
+    instead), with the schedule, ZeRO stage, sequence parallelism, recomputation and micro-batches
+    as given. Every rank computes the same answer."""
     try:
-        return layouts.fill(world, model, dp=run.dp, pp=run.pp, tp=run.tp, ep=run.ep, cp=run.cp, etp=run.etp,
-                            seq_parallel=run.seq_parallel, micro_batch_size=run.micro_batch_size,
-                            n_micro=run.n_micro, schedule=run.schedule, virtual_stages=run.virtual_stages,
-                            zero=run.zero, recompute=run.recompute, cp_comm=run.cp_comm, cp_a2a=run.cp_a2a)
+        return layouts.fill(world, model, **asked)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def describe(model: GPTConfig, run: RunConfig) -> dict:
-    """A JSON-able summary of the resolved configuration (for logs and summary.json)."""
-    r = asdict(run)
-    r["layout_resolved"] = asdict(run.layout_resolved)
-    return {"model": {f.name: getattr(model, f.name) for f in _MODEL_FIELDS}, "run": r}
-
+def describe(cfg: TrainConfig) -> dict:
+    """A JSON-able summary of the resolved configuration (for logs and summary.json): the tree."""
+    return {"model": asdict(cfg.model), "parallel": asdict(cfg.parallel), "optim": asdict(cfg.optim),
+            "run": asdict(cfg.run)}

@@ -203,8 +203,7 @@ def make_report(run_dir) -> list[Path]:
     ep = 1
     if (run_dir / "summary.json").exists():     # the layout the run used (expert-parallel size)
         try:
-            run = json.loads((run_dir / "summary.json").read_text())["config"]["run"]
-            ep = int((run.get("layout_resolved") or {}).get("ep") or run.get("ep") or 1)
+            ep = int(json.loads((run_dir / "summary.json").read_text())["config"]["parallel"]["ep"])
         except (ValueError, KeyError, TypeError):
             ep = 1
     if plot_experts(m, run_dir, plt, ep=ep):

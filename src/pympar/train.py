@@ -89,11 +89,13 @@ def _main(mpi, argv, faults, beats) -> int:
         beats += [b for b in [Heartbeat.start(env, rank)] if b is not None]
         kernels.require_native("pympar.train")   # never train (and report tokens/s) on the reference by mistake
         with quiet:                            # --help is printed by rank 0 only
-            model_cfg, run = parse_args(argv, world, env)
+            cfg = parse_args(argv, world, env)
+        model_cfg, run = cfg.model, cfg.run
         corpus = load_corpus(run.data, cache_dir=env.cache_dir)
         model_cfg = _fit_vocab(model_cfg, run, corpus)
         corpus.check_block_size(model_cfg.block_size)
-        layouts.check(model_cfg, run.layout_resolved, device=run.device)
+        cfg.model = model_cfg
+        layouts.check(model_cfg, cfg.parallel, device=run.device)
         if run.device == "cuda":
             from . import gpu
             resolve_dtype(run, gpu.bfloat16_supported())
@@ -116,7 +118,7 @@ def _main(mpi, argv, faults, beats) -> int:
     from .comm.debug import CollectiveMismatchError
     from .comm.watchdog import abort_job
     try:
-        return _train(mpi, model_cfg, run, corpus, resume_path, env, faults)
+        return _train(mpi, cfg, corpus, resume_path, env, faults)
     except (CommTimeoutError, CollectiveMismatchError) as e:
         abort_job(e)
     except CheckpointDiskFull as e:            # agreed on every rank; the previous checkpoint is the latest
@@ -146,8 +148,9 @@ def _main(mpi, argv, faults, beats) -> int:
         abort_job(RuntimeError(f"unexpected {type(e).__name__} on this rank: {e}"), status=1)
 
 
-def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
+def _train(mpi, cfg, corpus, resume_path, env, faults=None) -> int:
     rank, world = mpi.Get_rank(), mpi.Get_size()
+    model_cfg, lay, optim, run = cfg.model, cfg.parallel, cfg.optim, cfg.run
     # 2. set up: communicator, model replica(s), recorder, the measured peak
     from .comm import MPIComm
     # --threads or the environment, else the node's cores over its ranks (parallel/cores.py)
@@ -160,10 +163,9 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
         # a timeout ends the job with the report either way (main's handler): "abort" also lets
         # auto choose the library's blocking collectives (comm/tuning.py)
         comm = MPIComm(mpi, name="world", timeout=run.comm_timeout, on_timeout="abort")
-    lay = run.layout_resolved
     dp_rank = Mesh.coords(rank, lay.dp, lay.pp, lay.tp, lay.cp).dp   # this rank's data shard
     rec = Recorder(enabled=run.profile)
-    runner = build_runner(model_cfg, lay, comm, run, rec)
+    runner = build_runner(model_cfg, lay, comm, run, optim, rec)
     predicted = runner.predicted_ledger(lay.micro_batch_size, lay.n_micro)
     peak = float(comm.allreduce(np.array([_peak(run, comm)]))[0])  # all ranks at once, summed
     guard = BadStepGuard(run.max_bad_steps, getattr(runner, "scaler", None))
@@ -213,7 +215,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
     for step in range(start, run.steps):
         if injector is not None:
             injector.begin_step(step)
-        lr = cosine_lr(step, run.lr, min(run.warmup, run.steps), run.steps, run.min_lr)
+        lr = cosine_lr(step, optim.lr, min(optim.warmup, run.steps), run.steps, optim.min_lr)
         batches = local_micro_batches(corpus.train, run.seed, step, dp_rank, lay.n_micro, B, T)
         t0 = time.perf_counter()
         res = runner.train_step(batches, lr, stop=stop.pending, written=pending is not None and pending.written)
@@ -277,7 +279,7 @@ def _train(mpi, model_cfg, run, corpus, resume_path, env, faults=None) -> int:
                      for r in range(world)]
             _write_or_warn(out / "trace.json", lambda f: write_chrome_trace(f, events, names))
     if rank == 0 and history:                  # (empty when resumed at the last step)
-        summary = _summary(history, val_loss, wall, world, runner.n_params, describe(model_cfg, run))
+        summary = _summary(history, val_loss, wall, world, runner.n_params, describe(cfg))
         summary["memory"] = dict(ledger_predicted=predicted, ledger_rank0=runner.ledger,
                                  peak_rss_max_bytes=history[-1]["peak_rss_max_bytes"],
                                  peak_rss_max_rank=history[-1]["peak_rss_max_rank"],

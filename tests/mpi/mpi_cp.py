@@ -17,7 +17,7 @@ from pympar.comm import MPIComm
 from pympar.kernels import reference as R
 from pympar.nn import GPT
 from pympar.nn.config import GPTConfig
-from pympar.optim import AdamW, clip_grad_norm
+from pympar.optim import AdamW, OptimConfig, clip_grad_norm
 from pympar.parallel.cp import RingAttentionCore, UlyssesAttentionCore, positions
 import pympar.layout
 from pympar.parallel.runner import ParallelRunner
@@ -130,11 +130,11 @@ def test_cp_trains_the_single_process_run(comm, model):
         opt.step(LR)
         ref.moe_stats()
     lay = pympar.layout.Layout(cp=comm.size, n_micro=n_micro)
-    opts = SimpleNamespace(seed=SEED, dtype="float32", master_dtype="float64", moments_dtype="float32", n_micro=n_micro, schedule="1f1b",
-                           virtual_stages=1, zero=0, seq_parallel=False, compress="none", topk_ratio=0.01,
-                           recompute="none", bucket_mb=0.01, dp_overlap=True, pp_channels="auto", ep_dispatch="auto", expert_replicas=0, replan_every=20, pp_costs="unit", device="cpu", lr=LR, weight_decay=0.1, grad_clip=1.0)
+    opts = SimpleNamespace(seed=SEED, dtype="float32", master_dtype="float64", compress="none", topk_ratio=0.01,
+                           bucket_mb=0.01, dp_overlap=True, pp_channels="auto", ep_dispatch="auto", expert_replicas=0,
+                           replan_every=20, pp_costs="unit", device="cpu")
     pympar.layout.check(cfg, lay)
-    runner = ParallelRunner(cfg, lay, comm, opts)
+    runner = ParallelRunner(cfg, lay, comm, opts, OptimConfig(lr=LR, weight_decay=0.1, grad_clip=1.0))
     got = []
     for s in range(STEPS):
         res = runner.train_step(_batches(s, cfg.vocab_size, n_micro), LR)

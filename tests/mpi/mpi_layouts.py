@@ -34,7 +34,7 @@ from layout_cases import DENSE, G, MOE, all_layouts, ci_layouts
 from pympar.backend import to_numpy
 from pympar.nn import GPT
 from pympar.nn.config import GPTConfig
-from pympar.optim import AdamW, clip_grad_norm
+from pympar.optim import AdamW, OptimConfig, clip_grad_norm
 import pympar.layout
 from pympar.parallel.runner import ParallelRunner
 from pympar.parallel.shard import shard_of
@@ -126,13 +126,13 @@ def reference(model, dtype, _cache={}):
 
 
 def opts_of(lay):
-    return SimpleNamespace(seed=SEED, dtype=COMPUTE.get(lay.dtype, "float32"), master_dtype=MASTER.get(lay.dtype, lay.dtype), moments_dtype="float32",
-                           n_micro=lay.n_micro,
-                           schedule=lay.schedule, virtual_stages=lay.virtual_stages,
-                           zero=lay.zero, seq_parallel=lay.seq_parallel, compress="none", topk_ratio=0.01,
-                           recompute=lay.recompute,
-                           bucket_mb=0.01, dp_overlap=True, pp_channels="auto", ep_dispatch="auto", expert_replicas=0, replan_every=20,
-                           pp_costs="measured" if lay.pp > 1 and lay.schedule in ("zb-h1", "zb-v") else "unit", device=DEVICE, lr=LR[lay.dtype], weight_decay=WD, grad_clip=CLIP)
+    return SimpleNamespace(seed=SEED, dtype=COMPUTE.get(lay.dtype, "float32"), master_dtype=MASTER.get(lay.dtype, lay.dtype),
+                           compress="none", topk_ratio=0.01, bucket_mb=0.01, dp_overlap=True, pp_channels="auto", ep_dispatch="auto", expert_replicas=0, replan_every=20,
+                           pp_costs="measured" if lay.pp > 1 and lay.schedule in ("zb-h1", "zb-v") else "unit", device=DEVICE)
+
+
+def optim_of(lay):
+    return OptimConfig(lr=LR[lay.dtype], weight_decay=WD, grad_clip=CLIP)
 
 
 WORST = {}                     # dtype -> the largest relative difference seen (reported)
@@ -231,7 +231,7 @@ def check_group_calls(comm, calls, where):
 def run_layout(world, lay):
     cfg = cfg_of(lay.model)
     pympar.layout.check(cfg, lay, device=DEVICE)                 # the trainer's validation
-    runner = ParallelRunner(cfg, lay, world, opts_of(lay))
+    runner = ParallelRunner(cfg, lay, world, opts_of(lay), optim_of(lay))
     runner.opt.eps = EPS[lay.dtype]                              # AdamW, or ZeRO's over the kept rows
     got = dict(losses=[], norms=[])
     for s in range(STEPS):

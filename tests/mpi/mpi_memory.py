@@ -32,6 +32,7 @@ import pytest
 from pympar.comm import MPIComm
 from pympar.layout import Layout, check
 from pympar.nn.config import GPTConfig
+from pympar.optim import OptimConfig
 from pympar.parallel import ledger
 from pympar.parallel.runner import ParallelRunner
 
@@ -61,15 +62,15 @@ def batches(step, lay, dp_rank):
 
 
 def measure(world, lay):
-    opts = SimpleNamespace(seed=1, dtype="float32", master_dtype="float32", moments_dtype="float32",
+    opts = SimpleNamespace(seed=1, dtype="float32", master_dtype="float32",
                            compress="none", topk_ratio=0.01, bucket_mb=25.0, dp_overlap=True, pp_channels="auto", ep_dispatch="auto", expert_replicas=0, replan_every=20,
-                           pp_costs="unit", device="cpu", lr=1e-3, weight_decay=0.1, grad_clip=1.0)
+                           pp_costs="unit", device="cpu")
     gc.collect()
     tracemalloc.start()
     try:
         before, before_all = numpy_bytes(), tracemalloc.get_traced_memory()[0]
         objects_before = before_all - before
-        runner = ParallelRunner(CFG, lay, world, opts)
+        runner = ParallelRunner(CFG, lay, world, opts, OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=1.0))
         for step in range(2):
             data = batches(step, lay, runner.mesh.dp_rank)
             if step == 1:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from layout_cases import G, Layout
-from mpi_layouts import LR, free_mesh, global_batch, opts_of, cfg_of
+from mpi_layouts import LR, free_mesh, global_batch, opts_of, optim_of, cfg_of
 from pympar.backend import to_numpy
 from pympar.comm import MPIComm
 from pympar.parallel.runner import ParallelRunner
@@ -116,7 +116,7 @@ def train(world, lay, compress, overlap):
     opts = opts_of(lay)
     opts.compress, opts.dp_overlap = compress, overlap
     cfg = cfg_of(lay.model)
-    runner = ParallelRunner(cfg, lay, world, opts)
+    runner = ParallelRunner(cfg, lay, world, opts, optim_of(lay))
     pr = Probe(runner)
     got = dict(losses=[], norms=[], launches=[], at_finish=[])
     for s in range(STEPS):

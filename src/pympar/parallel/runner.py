@@ -1,7 +1,8 @@
 """The seam between the trainer and the parallel strategies: one ``ParallelRunner`` for any
 layout dp x pp x tp with ep | dp.
 
-``build_runner(model_cfg, layout, comm, opts, rec)`` returns it (layout: a pympar.layout.Layout);
+``build_runner(model_cfg, layout, comm, opts, optim, rec)`` returns it (layout: a pympar.layout.Layout,
+optim: a pympar.optim.OptimConfig);
 the trainer only ever calls
 
     runner.train_step(micro_batches, lr, stop) -> StepStats (parallel/stepstats.py: loss, grad_norm,
@@ -65,23 +66,24 @@ from .shard import shard_of
 from .stepstats import MoeShare, StepShare, StepStats
 
 
-def build_runner(model_cfg, layout, comm, opts, rec=None):
+def build_runner(model_cfg, layout, comm, opts, optim, rec=None):
     """The Runner for this layout (see the module docstring); comm is the world communicator.
     The layout has passed ``pympar.layout.check`` (the trainer's configuration does it on every
     rank before any communication)."""
-    return ParallelRunner(model_cfg, layout, comm, opts, rec)
+    return ParallelRunner(model_cfg, layout, comm, opts, optim, rec)
 
 
 class ParallelRunner:
     """Builds this rank's part of the model for (pp stage, tp rank, ep rank) and trains it.
 
     layout: a ``pympar.layout.Layout`` that passed ``pympar.layout.check`` (mesh sizes, schedule,
-    virtual stages, micro-batches, ZeRO, sequence parallelism, recomputation); opts: the run's
-    other settings, the trainer's RunConfig (or any object with the fields read here: seed,
-    dtype, master_dtype, device, compress, topk_ratio, bucket_mb, dp_overlap, pp_channels, pp_costs, lr,
-    weight_decay, grad_clip)."""
+    virtual stages, micro-batches, ZeRO, sequence parallelism, recomputation); optim: the
+    ``pympar.optim.OptimConfig`` (lr, weight_decay, grad_clip, moments_dtype); opts: the run's
+    other settings, the trainer's RunConfig (or any object with the fields read here: seed, dtype,
+    master_dtype, device, compress, topk_ratio, bucket_mb, dp_overlap, pp_channels, pp_costs,
+    ep_dispatch, expert_replicas, replan_every, deterministic)."""
 
-    def __init__(self, model_cfg, layout, comm, opts, rec=None):
+    def __init__(self, model_cfg, layout, comm, opts, optim, rec=None):
         self.model_cfg, self.layout, self.comm = model_cfg, layout, comm
         self.rec = Recorder() if rec is None else rec      # the trainer passes its own (events, trace)
         self.cp = layout.cp
@@ -91,7 +93,7 @@ class ParallelRunner:
         self.seed = opts.seed
         self.master = np.dtype(opts.master_dtype)
         self.compute = None if opts.dtype == "float32" else opts.dtype
-        self.moments_dtype = opts.moments_dtype
+        self.moments_dtype = optim.moments_dtype
         self.recompute, self.sp, self.zero = layout.recompute, bool(layout.seq_parallel), int(layout.zero)
         self.schedule, self.v, self.bucket_mb = layout.schedule, layout.virtual_stages, opts.bucket_mb
         # --deterministic: every sequence's gradient is a term of exact sums (comm/exact.py), so the
@@ -134,9 +136,9 @@ class ParallelRunner:
             if self.deterministic:        # every B and W action's gradients become exact terms
                 self.executor.action_done_hooks.append(self.sync.add_micro)
                 self.executor.exact_tied = self.sync.exact_sum_of
-        self.opt = self.sync.make_optimizer(lr=opts.lr, weight_decay=opts.weight_decay,
-                                            moments_dtype=opts.moments_dtype)
-        self.grad_clip = opts.grad_clip
+        self.opt = self.sync.make_optimizer(lr=optim.lr, weight_decay=optim.weight_decay,
+                                            moments_dtype=optim.moments_dtype)
+        self.grad_clip = optim.grad_clip
         self.scaler = DynamicLossScaler() if opts.dtype == "float16" else None
         self.moe_ids = [i for i in range(model_cfg.n_layer) if model_cfg.is_moe_block(i)]
         self.n_params = count_params(model_cfg)
