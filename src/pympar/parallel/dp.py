@@ -15,7 +15,9 @@ order, buckets holding a ``launch_last`` parameter last), so every rank issues t
 collectives in the same order whatever order its grads arrive in. ``finish()`` allreduces
 what is left and turns sums into means over dp.
 
-zero>=1 (pympar.parallel.zero): a bucket is laid out rank-major by rows and reduce-scattered,
+zero>=1 (pympar.parallel.zero): a bucket is a ``RowBucket``, laid out rank-major by rows (it packs
+its gradients, adds the reduced rows it keeps and allgathers its updated rows itself; this module
+decides when and runs the collectives) and reduce-scattered,
 so each rank keeps the mean gradient of its rows only (``b.grad_rows``: ZeRO-1 in the full
 gradient's own rows, which are dead once packed; ZeRO-2/3 in ``b.acc``); ZeroAdamW updates those
 rows and, for stages 1 and 2, one allgather per bucket returns the parameters. zero=1 syncs
@@ -288,20 +290,7 @@ class DataParallel:
                 acc.top[o:o + k] = part.top
                 acc.bins[o:o + k] = part.bins
             o += k
-        if not b.sharded:
-            return acc
-        if getattr(b, "_exact_perm", None) is None:  # packed position -> index + 1 (0: padding)
-            idx, o = [], 0
-            for p, k in zip(b.params, sizes):
-                idx.append(np.arange(o + 1, o + k + 1, dtype=np.float64).reshape(p.grad_shape or p.shape))
-                o += k
-            b._exact_perm = b.layout.pack(idx, np.empty(self.dp * b.layout.seg, np.float64)).astype(np.int64)
-        perm = b._exact_perm
-        out = ExactSum(perm.shape, b.dtype)
-        live = perm > 0
-        out.top[live] = acc.top[perm[live] - 1]
-        out.bins[live] = acc.bins[perm[live] - 1]
-        return out
+        return b.pack_exact(acc) if b.sharded else acc
 
     def _finish_exact(self):
         """The exact sums over the group (integer collectives: any algorithm, any number of ranks,
@@ -313,7 +302,7 @@ class DataParallel:
             if b.sharded:
                 rows = acc.reduce_scatter(self.comm).value() if self.dp > 1 else acc.value()
                 b.filled = False
-                self._add_rows(b, b.xp.asarray(rows))
+                b.add_rows(b.xp.asarray(rows))
             else:
                 for p, v in zip(b.params, b.views):     # the views are the gradients again (not stale)
                     p.grad = v
@@ -368,12 +357,7 @@ class DataParallel:
 
     def optimizer_pieces(self, decay_fn=decays):
         """(name, weight rows, grad rows getter, Shard of the rows, decays) of every parameter."""
-        out = []
-        for b in self.buckets:
-            for i, (p, name) in enumerate(zip(b.params, b.names)):
-                out.append((name, b.weight_rows(i), (lambda b=b, i=i: b.grad_rows(i)), b.row_shards[i],
-                            bool(decay_fn(name, p.data))))
-        return out
+        return [piece for b in self.buckets for piece in b.optimizer_pieces(decay_fn)]
 
     def step(self, optimizer, lr=None, clip=0.0, allreduce_sq=None):
         """Clip to the global norm and update; returns the norm before clipping.
@@ -402,19 +386,7 @@ class DataParallel:
         if self.zero not in (1, 2):
             return
         for b in self.buckets:
-            lay = b.layout
-            send = b.xp.empty(lay.seg, dtype=b.dtype)
-            for i in range(len(b.params)):
-                lay.own(send, i)[...] = b.weight_rows(i)
-            if self.dp == 1:
-                continue                             # the rows were the whole parameter
-            # the library's allgather writes straight into its output (a shared-memory one would keep
-            # a window of the whole message mapped in every rank)
-            if lay.identity:                         # every rank's rows land in the parameter itself
-                self.comm.allgather(send, out=b.params[0].data.reshape(-1), algo="mpi")
-                continue
-            full = self.comm.allgather(send, algo="mpi")
-            lay.unpack(xp_of(send).asarray(full).reshape(-1), [p.data for p in b.params])
+            b.allgather_weights()
 
     def held_grads(self):
         """(Parameter, array) of the synced gradient this rank holds, after finish(): the full
@@ -469,13 +441,10 @@ class DataParallel:
                 self._complete(b, self.comm.allreduce(b.buf))
 
     def _start_rows(self, b):
-        """Pack the full grads rank-major, release them (zero>=2), reduce-scatter the pack."""
-        lay, n = b.layout, self.dp
-        if lay.identity and b.params[0].has_grad:    # the gradient itself is the packed buffer
-            send = b.params[0].grad.reshape(-1)
-        else:
-            send = lay.pack([p.grad if p.has_grad else None for p in b.params],
-                            b.xp.empty(n * lay.seg, dtype=b.dtype))
+        """Pack the full grads rank-major (RowBucket.pack_grads), release them (zero>=2),
+        reduce-scatter the pack."""
+        n = self.dp
+        send = b.pack_grads()
         if self.zero >= 2:
             # full gradients alive now: those being filled, and the ones released whose buffer an
             # unfinished reduce-scatter still reads (a bucket of one evenly divided tensor)
@@ -488,31 +457,17 @@ class DataParallel:
         b.fired += 1
         b.launched = True
         if n == 1:
-            self._add_rows(b, send)
+            b.add_rows(send)
         elif self.compressor is not None:
             out, nb = self.compressor.reduce_mean(self.comm, b.index, send, True)
             self._count(nb["payload"], nb["wire"], nb["collectives"])
-            self._add_rows(b, out)
+            b.add_rows(out)
         else:
             self._count(send.nbytes, (n - 1) * send.nbytes // n, 1)
             if hasattr(self.comm, "ireduce_scatter"):
                 self._track(b, self.comm.ireduce_scatter(send), send)
             else:
-                self._add_rows(b, self.comm.reduce_scatter(send))
-
-    def _add_rows(self, b, rows):
-        rows = rows.reshape(-1)
-        if b.acc is None:                            # ZeRO-1: into the full gradients' own rows
-            for i in range(len(b.params)):
-                if b.filled:
-                    b.grad_rows(i)[...] += b.layout.own(rows, i)
-                else:
-                    b.grad_rows(i)[...] = b.layout.own(rows, i)
-        elif b.filled:
-            b.acc += rows
-        else:
-            b.acc[...] = rows
-        b.filled = True
+                b.add_rows(self.comm.reduce_scatter(send))
 
     def _track(self, b, req, send):
         """Keep a started collective; at most MAX_INFLIGHT_BUCKETS at once (the oldest is waited
@@ -525,7 +480,7 @@ class DataParallel:
     def _complete_oldest(self):
         b, req, _ = self._inflight.pop(0)
         if b.sharded:
-            self._add_rows(b, req.wait())
+            b.add_rows(req.wait())
         else:
             self._complete(b, req.wait())
 

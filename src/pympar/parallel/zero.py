@@ -200,6 +200,7 @@ class RowBucket:
         self.full_bytes = int(self.numel * self.dtype.itemsize)
         self.own = None
         self.gathered, self.uses, self.gather_req = False, 0, None
+        self._exact_perm = None                  # --deterministic: pack_exact's permutation, made once
         if zero == 3:                            # keep only the rows: the full tensor is never made
             self.own = xp.zeros(lay.seg, dtype=self.dtype)
             self.rest = []
@@ -260,6 +261,78 @@ class RowBucket:
     def local_shape(self, i):
         """The full local (tp) shape of parameter i (its rows are what p.data holds)."""
         return self.layout.items[i][0]
+
+    # --- the gradients' reduce-scatter (the data-parallel sync runs the collective) ----------------
+    def pack_grads(self):
+        """The full gradients laid out rank-major, (n*S,), ready to reduce-scatter: a bucket of one
+        evenly divided tensor sends the gradient itself, else a new buffer (a missing gradient
+        packs as zeros)."""
+        lay = self.layout
+        if lay.identity and self.params[0].has_grad:
+            return self.params[0].grad.reshape(-1)
+        return lay.pack([p.grad if p.has_grad else None for p in self.params],
+                        self.xp.empty(self.comm.size * lay.seg, dtype=self.dtype))
+
+    def add_rows(self, rows):
+        """This rank's reduced rows (S,) into its kept gradient rows: the first sum of the step is
+        written, later ones (ZeRO-2/3: one per micro-batch) added."""
+        rows = rows.reshape(-1)
+        if self.acc is None:                     # ZeRO-1: into the full gradients' own rows
+            for i in range(len(self.params)):
+                if self.filled:
+                    self.grad_rows(i)[...] += self.layout.own(rows, i)
+                else:
+                    self.grad_rows(i)[...] = self.layout.own(rows, i)
+        elif self.filled:
+            self.acc += rows
+        else:
+            self.acc[...] = rows
+        self.filled = True
+
+    def pack_exact(self, acc):
+        """--deterministic: the bucket's ExactSum (the parameters' sums one after another) laid out
+        rank-major as pack_grads lays out the gradients, ready for its reduce-scatter."""
+        from ..comm.exact import ExactSum
+
+        if self._exact_perm is None:             # packed position -> index + 1 (0: padding)
+            idx, o = [], 0
+            for p in self.params:
+                shape = p.grad_shape or p.shape
+                k = int(np.prod(shape))
+                idx.append(np.arange(o + 1, o + k + 1, dtype=np.float64).reshape(shape))  # host
+                o += k
+            self._exact_perm = self.layout.pack(idx, np.empty(self.comm.size * self.layout.seg, np.float64)  # host
+                                                ).astype(np.int64)
+        perm = self._exact_perm
+        out = ExactSum(perm.shape, self.dtype)
+        live = perm > 0
+        out.top[live] = acc.top[perm[live] - 1]
+        out.bins[live] = acc.bins[perm[live] - 1]
+        return out
+
+    # --- ZeRO-1/2: the updated rows back into every rank's full parameters --------------------------
+    def allgather_weights(self):
+        """After the optimizer updated this rank's rows: one allgather over the group puts every
+        rank's rows into the full parameters (ZeRO-1/2)."""
+        lay = self.layout
+        send = self.xp.empty(lay.seg, dtype=self.dtype)
+        for i in range(len(self.params)):
+            lay.own(send, i)[...] = self.weight_rows(i)
+        if self.comm.size == 1:
+            return                                   # the rows were the whole parameter
+        # the library's allgather writes straight into its output (a shared-memory one would keep
+        # a window of the whole message mapped in every rank)
+        if lay.identity:                             # every rank's rows land in the parameter itself
+            self.comm.allgather(send, out=self.params[0].data.reshape(-1), algo="mpi")
+            return
+        full = self.comm.allgather(send, algo="mpi")
+        lay.unpack(xp_of(send).asarray(full).reshape(-1), [p.data for p in self.params])
+
+    def optimizer_pieces(self, decay_fn):
+        """(name, weight rows, grad rows getter, Shard of the rows, decays) of each parameter: what
+        ZeroAdamW updates."""
+        return [(name, self.weight_rows(i), (lambda i=i: self.grad_rows(i)), self.row_shards[i],
+                 bool(decay_fn(name, p.data))) for i, (p, name) in enumerate(zip(self.params, self.names))]
 
     # --- ZeRO-3: the parameters around their use (ParamGather calls these) ----------------------
     def start_gather(self):
