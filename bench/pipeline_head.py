@@ -41,7 +41,7 @@ def main(argv=None):
     from pympar.nn import GPTConfig
     from pympar.parallel.cores import share_cores
     from pympar.parallel.pp import PipelineExecutor, PipelineGPT
-    from pympar.parallel.pp.stage import StageChunk
+    from pympar.nn.gpt import GPT
 
     env = apply_environment()
     w = MPI.COMM_WORLD
@@ -56,10 +56,10 @@ def main(argv=None):
     fuses = w.allreduce(int(bool(head) and head[0].head_fuses(a.seq)))
     if not fuses and w.rank == 0:
         print("note: the head keeps its logits whole at this shape (nothing is recomputed): both runs are one path")
-    one_pass = StageChunk.head_fuses
+    one_pass = GPT.head_fuses
 
     def step(fused):
-        StageChunk.head_fuses = one_pass if fused else (lambda self, n: False)
+        GPT.head_fuses = one_pass if fused else (lambda self, n: False)
         model.zero_grad()
         w.Barrier()
         t = time.perf_counter()
@@ -75,7 +75,7 @@ def main(argv=None):
             s, loss = step(f)
             times[f].append(s)
             losses[f].add(loss)
-    StageChunk.head_fuses = one_pass
+    GPT.head_fuses = one_pass
     if w.rank != 0:
         return
     fused, apart = float(np.median(times[True])), float(np.median(times[False]))

@@ -14,8 +14,7 @@ from pympar.nn.gpt import Block, Head
 from pympar.nn.layers import Embedding
 from pympar.nn.moe import MoE
 from pympar.nn.parameter import WeightGrads
-from pympar.nn.gpt import GPTParts
-from pympar.parallel.pp.stage import StageChunk
+from pympar.nn.gpt import GPT, GPTParts
 from pympar.parallel.tp.block import TPBlock
 
 C, T, B = 16, 7, 3
@@ -105,10 +104,7 @@ def test_stage_chunk_split_keeps_what_w_needs_and_frees_it():
     """A pipeline chunk's B pass returns the deferred W (its bytes counted), the W pass adds the
     same gradients as the unsplit backward, and running it empties it."""
     cfg = GPTConfig(**MOE)
-    fac = GPTParts(np.float64)
-    emb = fac.embedding(cfg, 0)
-    blocks = [fac.block(cfg, i, 0) for i in range(2)]
-    chunk = StageChunk(0, [0, 1], blocks, emb, fac.head(cfg, emb, 0))
+    chunk = GPT(cfg, 0, parts=GPTParts(np.float64), blocks=[0, 1])     # a pipeline stage holding every piece
     rng = np.random.default_rng(1)
     idx, tgt = rng.integers(0, 29, size=(2, 8)), rng.integers(0, 29, size=(2, 8))
     params = [p for _, p in chunk.named_parameters()]
@@ -116,14 +112,14 @@ def test_stage_chunk_split_keeps_what_w_needs_and_frees_it():
     for split in (False, True):
         for p in params:
             p.zero_grad()
-        _, ctx, _ = chunk.forward(idx, tgt)
+        _, ctx, _ = chunk.stage_forward(idx, tgt)
         if split:
-            dx, w = chunk.backward_input(None, ctx, 0.5)
+            dx, w = chunk.stage_backward_input(None, ctx, 0.5)
             assert isinstance(w, WeightGrads) and w.items and w.nbytes > 0
             w.run()
             assert not w.items
         else:
-            dx = chunk.backward(None, ctx, 0.5)
+            dx = chunk.stage_backward(None, ctx, 0.5)
         assert dx is None
         got.append([p.grad.copy() for p in params])
     for a, b in zip(*got):

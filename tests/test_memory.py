@@ -436,23 +436,20 @@ def test_ledger_wgrad_hold_is_what_the_deferred_w_keeps(cfg):
     """A zero-bubble chunk's B pass keeps for its W what ledger.wgrad_hold_per_micro says (dense:
     exactly; MoE: its routing-dependent rows within 10%), first/last stage or middle one, in every
     recomputation mode -- more than the ctx for dense blocks (16C against 10C per token)."""
-    from pympar.nn.gpt import GPTParts
-    from pympar.parallel.pp.stage import StageChunk
+    from pympar.nn.gpt import GPT, GPTParts
     fac = GPTParts(np.float32)
-    emb = fac.embedding(cfg, 0)
-    blocks = [fac.block(cfg, i, 0) for i in range(2)]
     tol = 1e-9 if not cfg.n_expert else 0.10
     for first, last in ((True, True), (False, False)):
-        chunk = StageChunk(0, [0, 1], blocks, emb if first else None, fac.head(cfg, emb, 0) if last else None)
+        chunk = GPT(cfg, 0, parts=fac, blocks=[0, 1], embedding=first, head=last)     # a pipeline stage
         for mode in ("none", "selective", "full"):
-            for b in blocks:
+            for b in chunk.h:
                 set_recompute(b, mode)
             rng = np.random.default_rng(1)
             idx, tgt = rng.integers(0, cfg.vocab_size, size=(2, cfg.block_size)), rng.integers(0, cfg.vocab_size, size=(2, cfg.block_size))
             x = idx if first else rng.standard_normal((2, cfg.block_size, cfg.n_embd)).astype(np.float32)
-            _, ctx, _ = chunk.forward(x, tgt if last else None)
+            _, ctx, _ = chunk.stage_forward(x, tgt if last else None)
             dy = None if last else np.ones((2, cfg.block_size, cfg.n_embd), np.float32)
-            _, w = chunk.backward_input(dy, ctx, 0.5)
+            _, w = chunk.stage_backward_input(dy, ctx, 0.5)
             want = ledger.wgrad_hold_per_micro(cfg, 2, cfg.block_size, 1, False, [0, 1], last, first, 4, 4)
             assert abs(w.nbytes - want) <= tol * want, (first, last, mode, w.nbytes, want)
             w.run()

@@ -212,3 +212,38 @@ def test_config_from_dict_keeps_known_fields_and_validates():
     assert GPTConfig.from_dict({**asdict(c), "written_by": "another tool", "n_future_field": 7}) == c
     with pytest.raises(ValueError, match="n_embd=30 is not divisible by n_head=4"):
         GPTConfig.from_dict({"n_embd": 30, "n_head": 4})
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_pipeline_stage_is_a_gpt_holding_some_pieces(moe):
+    """GPT(..., blocks=, embedding=, head=): two stages hold the whole model's parameters by the
+    same names and values, and their stage_forward/stage_backward compute its loss and gradients."""
+    from pympar.nn.gpt import GPTParts
+
+    cfg = GPTConfig(vocab_size=29, block_size=8, n_layer=4, n_head=2, n_embd=16,
+                    **(dict(n_expert=4, top_k=2) if moe else {}))
+    whole = GPT(cfg, seed=3, dtype=np.float64)
+    parts = GPTParts(np.float64)
+    first = GPT(cfg, 3, parts=parts, blocks=[0, 1], head=False, stage=0)
+    last = GPT(cfg, 3, parts=parts, blocks=[2, 3], embedding=False, tied=parts.embedding(cfg, 3), stage=1)
+    want = whole.state_dict()
+    got = {**first.state_dict(), **last.state_dict()}
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+    assert [i for i, _ in last.moe_layers()] == ([2, 3] if moe else [])
+    rng = np.random.default_rng(0)
+    idx, tgt = rng.integers(0, 29, size=(2, 8)), rng.integers(0, 29, size=(2, 8))
+    loss = whole.loss_and_grad(idx, tgt, grad_scale=1.0)
+    x, c0, t0 = first.stage_forward(idx)
+    y, c1, t1 = last.stage_forward(x, tgt)
+    assert y is None and t0 + t1 == pytest.approx(loss, rel=1e-12)
+    assert first.stage_backward(last.stage_backward(None, c1, 1.0), c0, 1.0) is None
+    grads = {n: p.grad for m in (first, last) for n, p in m.named_parameters()}
+    for n, p in whole.named_parameters():
+        if n != "transformer.wte.weight":                 # the tied wte: its two parts add up (below)
+            np.testing.assert_allclose(grads[n], p.grad, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(first.embedding.wte.grad + last.head.wte.grad, whole.embedding.wte.grad, rtol=1e-9,
+                               atol=1e-12)
+    with pytest.raises(ValueError, match="this GPT is pipeline stage 1"):
+        last.loss_and_grad(idx, tgt)
+    with pytest.raises(ValueError, match="needs tied="):
+        GPT(cfg, blocks=[3], embedding=False)

@@ -204,7 +204,6 @@ def test_chunked_head_computes_its_logits_once(mpi_world, monkeypatch, schedule,
     process's. GPipe (all F, then all B) keeps them apart."""
     import pympar.nn.gpt as gpt
     from pympar.parallel.pp.schedules import build_schedule
-    from pympar.parallel.pp.stage import StageChunk
     monkeypatch.setattr(gpt, "CE_ROWS", 5)
     p, m = mpi_world.size, 5
     cfg = config(p, v)
@@ -212,7 +211,7 @@ def test_chunked_head_computes_its_logits_once(mpi_world, monkeypatch, schedule,
     runs = {}
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(StageChunk, "head_fuses", lambda self, n: False)
+            monkeypatch.setattr(gpt.GPT, "head_fuses", lambda self, n: False)
         model = PipelineGPT(cfg, seed=3, pp=p, rank=mpi_world.rank, v=v, dtype=np.float64,
                             placement=placement_of(schedule))
         calls = {"forward_backward": 0, "backward": 0}

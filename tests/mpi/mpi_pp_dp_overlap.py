@@ -68,7 +68,7 @@ class Probe:
         self.launches = []
         self.reset()
         for c, ch in enumerate(model.chunks):
-            ch.backward = self._counting(ch.backward, c)
+            ch.stage_backward = self._counting(ch.stage_backward, c)
         ready = model.notify_grad_ready
 
         def notify_grad_ready(params, **kw):

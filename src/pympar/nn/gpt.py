@@ -15,8 +15,8 @@ from .attention import CausalSelfAttention
 from .config import GPTConfig
 from .layers import MLP, MLP_ROWS, Embedding, LayerNorm
 from .moe import MoE, MoEBookkeeping
-from .parameter import (Module, NoGather, compute_cast, compute_copies, compute_weight, matmul, product_grad,
-                        resolve_precision)
+from .parameter import (Module, NoGather, WeightGrads, compute_cast, compute_copies, compute_weight, matmul,
+                        product_grad, resolve_precision)
 
 
 class Block(Module):
@@ -370,17 +370,32 @@ class GradReadyHooks:
 
 
 class GPT(Module, MoEBookkeeping, GradReadyHooks):
+    """The model: the embedding, blocks and head made of ``parts``. A pipeline stage is a GPT too,
+    holding some of the pieces (parallel.pp): ``blocks`` (the block indices it holds, None: all),
+    ``embedding`` (it holds the first piece) and ``head`` (the last; ``tied``: the embedding its
+    lm_head ties to when it holds no embedding of its own: the last stage's copy of wte), with
+    ``stage`` its global stage index. Parameters keep their global names either way. A whole GPT
+    trains with ``loss_and_grad``; a stage runs ``stage_forward`` / ``stage_backward`` as the
+    pipeline's schedule orders them."""
+
     def __init__(self, config: GPTConfig, seed: int = 0, dtype=np.float32, compute_dtype=None, *,
-                 parts: GPTParts | None = None):
+                 parts: GPTParts | None = None, blocks=None, embedding: bool = True, head: bool = True,
+                 tied=None, stage: int = 0):
         """parts: what the embedding, blocks and head are made of (GPTParts: pympar.nn's, in
         ``dtype`` and ``compute_dtype``, which are then not used; a parallelism's parts split them)."""
         self.config = config.validate()
         parts = parts if parts is not None else GPTParts(dtype, compute_dtype)
         self.dtype, self.compute_dtype = parts.dtype, parts.compute_dtype
         c = config
-        self.embedding = parts.embedding(c, seed)
-        self.h = [parts.block(c, i, seed) for i in range(c.n_layer)]
-        self.head = parts.head(c, self.embedding, seed)
+        self.stage = stage
+        self.block_ids = list(range(c.n_layer)) if blocks is None else list(blocks)
+        self.embedding = parts.embedding(c, seed) if embedding else None
+        self.h = [parts.block(c, i, seed) for i in self.block_ids]
+        if head and self.embedding is None and tied is None:
+            raise ValueError("a GPT holding the head without the embedding needs tied= (the embedding its lm_head "
+                             "ties to)")
+        self.head = parts.head(c, self.embedding if self.embedding is not None else tied, seed) if head else None
+        self.whole = embedding and head and self.block_ids == list(range(c.n_layer))
         # callbacks h(params) told, during loss_and_grad's backward, which parameters' grads are
         # final for this micro-batch (data parallelism starts their bucket's allreduce early)
         self.grad_ready_hooks = []
@@ -388,17 +403,21 @@ class GPT(Module, MoEBookkeeping, GradReadyHooks):
 
     def pieces(self):
         """The modules of one forward in order (ZeRO-3 gathers each one's parameters)."""
-        return [self.embedding, *self.h, self.head]
+        return [m for m in (self.embedding, *self.h, self.head) if m is not None]
 
     # --- parameters and state ------------------------------------------------------------
     def named_parameters(self, prefix=""):
-        yield from self.embedding.named_parameters("transformer")
-        for i, b in enumerate(self.h):
+        """(global name, Parameter) of the pieces held (not the lm_head: it is wte)."""
+        if self.embedding is not None:
+            yield from self.embedding.named_parameters("transformer")
+        for i, b in zip(self.block_ids, self.h):
             yield from b.named_parameters(f"transformer.h.{i}")
-        yield from self.head.ln_f.named_parameters("transformer.ln_f")
+        if self.head is not None:
+            yield from self.head.ln_f.named_parameters("transformer.ln_f")
 
     def moe_layers(self):
-        return [(i, b.moe) for i, b in enumerate(self.h) if hasattr(b, "moe")]
+        """(global block index, MoE) of the MoE blocks held."""
+        return [(i, b.moe) for i, b in zip(self.block_ids, self.h) if hasattr(b, "moe")]
 
     def state_dict(self):
         """nanoGPT names -> numpy copies (no lm_head.weight; MoE selection biases included)."""
@@ -431,6 +450,9 @@ class GPT(Module, MoEBookkeeping, GradReadyHooks):
     # --- forward / backward ----------------------------------------------------------------
     def _inputs(self, *arrays):
         """Token arrays on the parameters' device (host batches are copied to a GPU model)."""
+        if not self.whole:
+            raise ValueError(f"this GPT is pipeline stage {self.stage} (blocks {self.block_ids}); the whole-model "
+                             f"calls need every piece: run it with stage_forward / stage_backward")
         xp = xp_of(self.embedding.wte.data)
         return [xp.asarray(a) for a in arrays]
 
@@ -482,6 +504,84 @@ class GPT(Module, MoEBookkeeping, GradReadyHooks):
             self.notify_module_ready(self.embedding)
             g.settle()
             return ce + aux
+
+    # --- a pipeline stage's forward and backward (parallel.pp's executor calls these) -----------
+    def head_fuses(self, n_tokens: int) -> bool:
+        """Whether the head would compute its logits twice (forward, then backward) for a
+        micro-batch of n_tokens, and its one pass (``stage_forward(..., grad_scale=)``) saves that."""
+        saves = getattr(self.head, "recomputes_logits", None)    # None: no head, or one that never recomputes
+        return saves is not None and saves(n_tokens)
+
+    def stage_forward(self, x, targets=None, grad_scale=None):
+        """x: token ids (B, T) when this stage holds the embedding, else activations (B, T, C).
+
+        Returns (y, ctx, loss_terms): y (B, T, C), or None when it holds the head; loss_terms the
+        stage's share of this micro-batch's loss (MoE aux + z of its blocks, and CE with the head).
+        grad_scale (with the head only; the executor passes it when this micro-batch's backward
+        follows at once): the head runs forward and backward in one pass (``Head.forward_backward``:
+        its chunks' logits are computed once, not again in backward), its weight gradients are
+        added now and the ctx keeps only its input gradient, which ``stage_backward`` hands on."""
+        g = self.param_gather
+        ctx = {"blocks": []}
+        if self.embedding is not None:
+            with g.use(self.embedding):
+                x, ctx["emb"] = self.embedding.forward(x)
+        terms = 0.0
+        for b in self.h:
+            with g.use(b):
+                x, c = b.forward(x)
+            ctx["blocks"].append(c)
+            terms += float(c.get("aux_loss", 0.0)) if isinstance(c, dict) else 0.0
+        if self.head is not None:
+            with g.use(self.head):
+                if grad_scale is None:
+                    ce, ctx["head"] = self.head.forward((x, targets))
+                else:
+                    ce, ctx["head_dx"] = self.head.forward_backward((x, targets), grad_scale)
+            g.settle()
+            return None, ctx, terms + float(ce)
+        g.settle()
+        return x, ctx, terms
+
+    def stage_backward(self, dy, ctx, grad_scale, ready=None):
+        """dy (B, T, C) from the next stage (None with the head); returns dx (None with the
+        embedding). ready(module), if given, is called as each piece's parameter grads are done
+        (the head's ln_f, each block, the embedding), as loss_and_grad notifies."""
+        g = self.param_gather
+        if self.head is not None:
+            if "head_dx" in ctx:                 # forward ran the head's backward too
+                dy = ctx.pop("head_dx")
+            else:
+                with g.use(self.head, backward=True):
+                    dy = self.head.backward(grad_scale, ctx.pop("head"))
+            if ready is not None:
+                ready(self.head.ln_f)
+        kept = ctx["blocks"]
+        for b in reversed(self.h):
+            c = kept.pop()                       # each block's activations go as its backward ends
+            with g.use(b, backward=True):
+                dy = b.backward(dy, c, grad_scale)
+            del c
+            if ready is not None:
+                ready(b)
+        if self.embedding is not None:
+            with g.use(self.embedding, backward=True):
+                self.embedding.backward(dy, ctx["emb"])
+            if ready is not None:
+                ready(self.embedding)
+            g.settle()
+            return None
+        g.settle()
+        return dy
+
+    def stage_backward_input(self, dy, ctx, grad_scale):
+        """The B pass of a zero-bubble schedule: ``stage_backward`` with every weight gradient that
+        can wait deferred; returns (dx, WeightGrads). ``WeightGrads.run()`` is the W pass: the same
+        gradients, bitwise, as ``stage_backward`` would have added (LayerNorm's, computed by the
+        kernel that computes its dx, are added in B)."""
+        with WeightGrads() as w:
+            dx = self.stage_backward(dy, ctx, grad_scale)
+        return dx, w
 
     def forward_loss(self, idx, targets) -> float:
         """The same loss without gradients (and without counting expert loads)."""

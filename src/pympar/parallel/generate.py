@@ -44,7 +44,7 @@ class PipelineDecoder(Decoder):
             elif self.owner[st - 1] != me:          # else: the previous stage ran here, x is its output
                 buf = np.empty(self.model.activation_shape(B, s), self.model.act_dtype)   # what stages exchange
                 x = self.comm.recv(buf, self.owner[st - 1], tag=st)
-            x = self.kv.run(ch.blocks, x, self.t)
+            x = self.kv.run(ch.h, x, self.t)
             if st == self.n_stage - 1:
                 out = ch.head.logits(x[:, -1:])[:, -1]
             elif self.owner[st + 1] != me:

@@ -9,9 +9,9 @@ from .executor import PipelineExecutor, build_pipeline
 from .partition import Partition, block_flops, partition, validate_pipeline
 from .schedules import (SCHEDULES, Action, bubble_formula, build_schedule, gpipe, interleaved_1f1b,
                         one_f_one_b, peak_in_flight, simulate, validate_schedule)
-from .stage import PipelineGPT, StageChunk, apply_pp
+from .stage import PipelineGPT, apply_pp
 
-__all__ = ["PipelineExecutor", "build_pipeline", "PipelineGPT", "StageChunk", "apply_pp",
+__all__ = ["PipelineExecutor", "build_pipeline", "PipelineGPT", "apply_pp",
            "Partition", "partition", "validate_pipeline", "block_flops", "SCHEDULES", "Action",
            "build_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "peak_in_flight", "simulate",
            "bubble_formula", "validate_schedule"]

@@ -10,7 +10,7 @@ Per step (m micro-batches, loss = mean over micro-batches, as single-process acc
     zb-v's steady state) and the head is chunked (its logits never held whole), F runs the
     head's forward and backward in one pass, so each chunk's logits are computed once, as one
     process computes them (``Head.forward_backward``), instead of again in B;
-  * zero-bubble schedules (zb-h1, zb-v, dualpipev): a B action is ``StageChunk.backward_input`` (the input
+  * zero-bubble schedules (zb-h1, zb-v, dualpipev): a B action is ``GPT.stage_backward_input`` (the input
     gradient, sent on at once) and keeps the deferred weight gradients (``WeightGrads``) until
     its W action runs them; the chunk's parameters are reported final (grad_ready) after W;
   * after the last action the tied wte/lm_head gradient is summed between the first and last
@@ -218,7 +218,7 @@ class PipelineExecutor:
                 # once, not twice); nothing between them, so every gradient is added in the order,
                 # and with the notifications, it had (bitwise the same)
                 fuse = chunk.head_fuses(B * T) and actions[i_act + 1:i_act + 2] == [Action("B", a.micro, a.chunk)]
-                y, ctx, terms = chunk.forward(x, xp.asarray(targets) if chunk.head is not None else None,
+                y, ctx, terms = chunk.stage_forward(x, xp.asarray(targets) if chunk.head is not None else None,
                                               grad_scale if fuse else None)
                 ctxs[(a.micro, a.chunk)] = ctx
                 kept[(a.micro, a.chunk)] = nb = held_bytes(ctx)
@@ -244,14 +244,14 @@ class PipelineExecutor:
                 ctx = ctxs.pop((a.micro, a.chunk))
                 live_bytes -= kept.pop((a.micro, a.chunk))
                 if split:                                     # what W needs stays alive until W
-                    out, w = chunk.backward_input(inp, ctx, grad_scale)
+                    out, w = chunk.stage_backward_input(inp, ctx, grad_scale)
                     del ctx
                     nb = w.nbytes
                     wgrads[(a.micro, a.chunk)] = (w, nb)
                     live_bytes += nb
                     peak_bytes = max(peak_bytes, live_bytes)
                 else:
-                    out = chunk.backward(inp, ctx, grad_scale,
+                    out = chunk.stage_backward(inp, ctx, grad_scale,
                                          ready=model.notify_module_ready if model.grad_ready_hooks else None)
                     model.notify_chunk_ready(chunk)
                 for hook in self.action_done_hooks:
@@ -351,7 +351,7 @@ class PipelineExecutor:
                 else:
                     x = xp.empty(shape, dtype=dt)
                     self.p2p.irecv(x, self._peer(s - 1), self._tag("F", j, c, m)).wait()
-                y, _, terms = chunk.forward(x, xp.asarray(targets) if chunk.head is not None else None)
+                y, _, terms = chunk.stage_forward(x, xp.asarray(targets) if chunk.head is not None else None)
                 local[j] += terms
                 if y is not None:
                     buf = xp.ascontiguousarray(y, dtype=dt)

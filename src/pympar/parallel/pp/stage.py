@@ -1,19 +1,19 @@
 """Build only this pipeline rank's chunks of a GPT, with global parameter names.
 
-The chunks are made of the same parts as a whole model (nn.gpt.GPTParts' contract: embedding,
-block, head and the activation shape between blocks): pympar.nn's by default, a tensor-parallel
-stage's from parallel.tp.TPParts. The tied embedding/lm_head weight lives on the first stage (in
-the embedding) and on the last (a fresh copy from the same (seed, name)), and the executor sums
-its gradient.
+Each chunk IS an ``nn.GPT``, holding the pieces of one global stage (``GPT(..., blocks=,
+embedding=, head=, stage=)``) made of the same parts as a whole model (nn.gpt.GPTParts'
+contract: embedding, block, head and the activation shape between blocks): pympar.nn's by
+default, a tensor-parallel stage's from parallel.tp.TPParts. ``PipelineGPT`` is this rank's
+chunks together: the tied embedding/lm_head weight lives on the first stage (in the embedding)
+and on the last (a fresh copy from the same (seed, name)), and the executor sums its gradient.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ...backend import to_device, to_numpy, xp_of
-from ...nn.gpt import GPTParts, GradReadyHooks
+from ...nn.gpt import GPT, GPTParts, GradReadyHooks
 from ...nn.moe import MoEBookkeeping
-from ...nn.parameter import NoGather, WeightGrads
 from ..placement import param_placement, partial_over, place
 from .partition import Partition, partition as make_partition
 
@@ -38,108 +38,6 @@ def apply_pp(config, parts, mesh, layout, *, seed: int = 0, dtype=np.float32, co
                        compute_dtype=compute_dtype, factory=parts, placement=placement_of(layout.schedule))
 
 
-def _aux(ctx) -> float:
-    return float(ctx.get("aux_loss", 0.0)) if isinstance(ctx, dict) else 0.0
-
-
-class StageChunk:
-    """Global stage ``stage``: [embedding] -> blocks[lo:hi] -> [head + loss]."""
-
-    def __init__(self, stage, block_ids, blocks, embedding=None, head=None):
-        self.stage, self.block_ids, self.blocks = stage, list(block_ids), list(blocks)
-        self.embedding, self.head = embedding, head
-        self.param_gather = NoGather()           # ZeRO-3 replaces it (parallel.zero.ParamGather)
-
-    def pieces(self):
-        """The modules of one forward of this chunk, in order."""
-        return [m for m in (self.embedding, *self.blocks, self.head) if m is not None]
-
-    def head_fuses(self, n_tokens: int) -> bool:
-        """Whether the head would compute its logits twice (forward, then backward) for a
-        micro-batch of n_tokens, and its one pass (``forward(..., grad_scale=)``) saves that."""
-        saves = getattr(self.head, "recomputes_logits", None)    # None: no head, or one that never recomputes
-        return saves is not None and saves(n_tokens)
-
-    def forward(self, x, targets=None, grad_scale=None):
-        """x: token ids (B, T) on the first stage, else activations (B, T, C).
-
-        Returns (y, ctx, loss_terms): y (B, T, C), or None on the last stage; loss_terms the
-        stage's share of this micro-batch's loss (MoE aux + z of its blocks, and CE if last).
-        grad_scale (last stage only; the executor passes it when this micro-batch's B follows
-        at once): the head runs forward and backward in one pass (``Head.forward_backward``: its
-        chunks' logits are computed once, not again in backward), its weight gradients are added
-        now and the ctx keeps only its input gradient, which ``backward`` hands on."""
-        g = self.param_gather
-        ctx = {"blocks": []}
-        if self.embedding is not None:
-            with g.use(self.embedding):
-                x, ctx["emb"] = self.embedding.forward(x)
-        terms = 0.0
-        for b in self.blocks:
-            with g.use(b):
-                x, c = b.forward(x)
-            ctx["blocks"].append(c)
-            terms += _aux(c)
-        if self.head is not None:
-            with g.use(self.head):
-                if grad_scale is None:
-                    ce, ctx["head"] = self.head.forward((x, targets))
-                else:
-                    ce, ctx["head_dx"] = self.head.forward_backward((x, targets), grad_scale)
-            g.settle()
-            return None, ctx, terms + float(ce)
-        g.settle()
-        return x, ctx, terms
-
-    def backward(self, dy, ctx, grad_scale, ready=None):
-        """dy (B, T, C) from the next stage (None on the last); returns dx (None on the first).
-        ready(module), if given, is called as each piece's parameter grads are done (the head's
-        ln_f, each block, the embedding), as nn.GPT notifies during its backward."""
-        g = self.param_gather
-        if self.head is not None:
-            if "head_dx" in ctx:                 # forward ran the head's backward too
-                dy = ctx.pop("head_dx")
-            else:
-                with g.use(self.head, backward=True):
-                    dy = self.head.backward(grad_scale, ctx.pop("head"))
-            if ready is not None:
-                ready(self.head.ln_f)
-        kept = ctx["blocks"]
-        for b in reversed(self.blocks):
-            c = kept.pop()                       # each block's activations go as its backward ends
-            with g.use(b, backward=True):
-                dy = b.backward(dy, c, grad_scale)
-            del c
-            if ready is not None:
-                ready(b)
-        if self.embedding is not None:
-            with g.use(self.embedding, backward=True):
-                self.embedding.backward(dy, ctx["emb"])
-            if ready is not None:
-                ready(self.embedding)
-            g.settle()
-            return None
-        g.settle()
-        return dy
-
-    def backward_input(self, dy, ctx, grad_scale):
-        """The B pass of a zero-bubble schedule: ``backward`` with every weight gradient that can
-        wait deferred; returns (dx, WeightGrads). ``WeightGrads.run()`` is the W pass: the same
-        gradients, bitwise, as ``backward`` would have added (LayerNorm's, computed by the kernel
-        that computes its dx, are added in B)."""
-        with WeightGrads() as w:
-            dx = self.backward(dy, ctx, grad_scale)
-        return dx, w
-
-    def named_parameters(self):
-        if self.embedding is not None:
-            yield from self.embedding.named_parameters("transformer")
-        for i, b in zip(self.block_ids, self.blocks):
-            yield from b.named_parameters(f"transformer.h.{i}")
-        if self.head is not None:
-            yield from self.head.ln_f.named_parameters("transformer.ln_f")
-
-
 class PipelineGPT(MoEBookkeeping, GradReadyHooks):
     """The chunks of a GPT that pipeline rank ``rank`` of ``pp`` holds (v chunks: interleaved).
 
@@ -160,21 +58,17 @@ class PipelineGPT(MoEBookkeeping, GradReadyHooks):
         # callbacks h(params) told which parameters' grads are final for a micro-batch (as nn.GPT)
         self.grad_ready_hooks = []
         S = self.part.n_stage
-        self.tied_weight = None
+        tied = None                              # the embedding the last stage's lm_head ties to
         self.chunks = []
         for s in self.part.stages_of(rank):
-            emb = head = None
+            if s == S - 1 and tied is None:      # the last stage's copy of wte: same (seed, name), same numbers
+                tied = fac.embedding(config, seed)
+            chunk = GPT(config, seed, parts=fac, blocks=self.part.blocks(s), embedding=s == 0, head=s == S - 1,
+                        tied=tied, stage=s)
             if s == 0:
-                emb = tied = fac.embedding(config, seed)
-                self.tied_weight = emb.wte
-            blocks = [fac.block(config, i, seed) for i in self.part.blocks(s)]
-            if s == S - 1:
-                if self.tied_weight is None:
-                    # the last stage's copy of wte: same (seed, name) so the same numbers
-                    tied = fac.embedding(config, seed)
-                    self.tied_weight = tied.wte
-                head = fac.head(config, tied, seed)
-            self.chunks.append(StageChunk(s, self.part.blocks(s), blocks, emb, head))
+                tied = chunk.embedding
+            self.chunks.append(chunk)
+        self.tied_weight = tied.wte if tied is not None else None
         if pp > 1 and self.is_first != self.is_last and self.tied_weight is not None:
             # the tied wte on two ranks: each holds a part of its gradient (the executor sums them),
             # and the last stage's copy is not counted again in the norm or checkpoints
@@ -229,8 +123,8 @@ class PipelineGPT(MoEBookkeeping, GradReadyHooks):
         """The pieces this rank holds (embedding, blocks, head of each chunk), each once."""
         seen = set()
         for ch in self.chunks:
-            for mod in [ch.embedding, *ch.blocks, ch.head]:
-                if mod is not None and id(mod) not in seen:
+            for mod in ch.pieces():
+                if id(mod) not in seen:
                     seen.add(id(mod))
                     yield mod
 
@@ -300,5 +194,5 @@ class PipelineGPT(MoEBookkeeping, GradReadyHooks):
 
     def moe_layers(self):
         """(global block index, MoE) for the MoE blocks on this rank."""
-        return [(i, b.moe) for ch in self.chunks for i, b in zip(ch.block_ids, ch.blocks) if hasattr(b, "moe")]
+        return [layer for ch in self.chunks for layer in ch.moe_layers()]
 
