@@ -1,4 +1,4 @@
-"""The GEMMs of a training step: NumPy's BLAS, pympar's products (nn.parameter.matmul: Intel MKL
+"""The GEMMs of a training step: NumPy's BLAS, pympar's products (nn.products.matmul: Intel MKL
 where installed, kernels/gemm.py, else NumPy's BLAS) and PyTorch's BLAS (what its eager and
 compiled steps call), the same shapes and operand layouts, the same threads, one process.
 
@@ -60,7 +60,7 @@ def one(threads, shapes, reps):
 
     from pympar import kernels
     from pympar.kernels import gemm
-    from pympar.nn.parameter import matmul
+    from pympar.nn.products import matmul
     torch.set_num_threads(threads)
     kernels.set_process_threads(threads)                 # as pympar.train sets them (cores.share_cores)
     rng = np.random.default_rng(0)

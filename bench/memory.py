@@ -71,7 +71,7 @@ def baseline() -> int:
     steps): the interpreter, the libraries, MPI and the trainer's own overhead."""
     with tempfile.TemporaryDirectory() as out:
         _, peaks = run_with_peaks(1, ["-m", "pympar.train", "--preset", "tiny", "--n-layer", 1, "--n-embd", 8,
-                                "--n-head", 1, "--block-size", 8, "--micro-batch-size", 1, "--steps", 2,
+                                "--n-head", 1, "--block-size", 8, "--micro-batch-size", 1, "--dtype", "float32", "--steps", 2,
                                 "--eval-every", 0, "--sample-tokens", 0, "--progress", "log", "--out", out], 120)
     return max(peaks.values())
 
@@ -103,7 +103,8 @@ def run(a):
             args = ["-m", "pympar.train", "--preset", "tiny", *[x for k, v in MODELS[model].items()
                                                               for x in (f"--{k.replace('_', '-')}", v)],
                     "--dp", dp, "--pp", pp, "--tp", tp, "--zero", zero, "--recompute", rc, "--micro-batch-size", 1,
-                    "--n-micro", n_micro, "--steps", 2, "--warmup", 1, "--eval-every", 0, "--sample-tokens", 0,
+                    "--n-micro", n_micro, "--dtype", "float32",    # the matrix is float32 (the default is auto)
+                    "--steps", 2, "--warmup", 1, "--eval-every", 0, "--sample-tokens", 0,
                     "--progress", "log", "--out", out]
             p, peaks = run_with_peaks(n, args, a.timeout)
             if p.returncode != 0 or len(peaks) != n:

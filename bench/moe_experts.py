@@ -40,7 +40,7 @@ from pympar import kernels  # noqa: E402
 from pympar.backend import bfloat16  # noqa: E402
 from pympar.kernels import gemm  # noqa: E402
 from pympar.nn.moe import MoE  # noqa: E402
-from pympar.nn.parameter import compute_copies  # noqa: E402
+from pympar.nn.products import compute_copies# noqa: E402
 
 TARGET = 1.5                            # grouped over the loop at 32 local experts, uneven groups
 

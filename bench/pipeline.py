@@ -78,7 +78,7 @@ class SpinBlock:
         return x, None
 
     def backward(self, dy, ctx, daux=1.0):
-        from pympar.nn.parameter import deferrable
+        from pympar.nn.wgrad import deferrable
         self._spin(self.t)                       # the input gradient (B)
         deferrable(lambda: self._spin(self.t))   # the weight gradients (W)
         return dy
@@ -117,7 +117,7 @@ class FlopsBlock(SpinBlock):
         return x, None
 
     def backward(self, dy, ctx, daux=1.0):
-        from pympar.nn.parameter import deferrable
+        from pympar.nn.wgrad import deferrable
         self._work(self.reps)
         deferrable(lambda: self._work(self.reps))
         return dy

@@ -162,7 +162,7 @@ def _train_step_bf16(table) -> list:
             "bf16 activations and products (docs/precision.md), against the same PyTorch peers with the forward under "
             "`torch.autocast(\"cpu\", dtype=torch.bfloat16)`, and against pympar in float32, same weights and threads, "
             "interleaved. MFU/bf16: model FLOP/s over the faster bf16 GEMM rate (bf16 operands, bf16 out) of the "
-            "step's largest GEMM shape in this process and round: pympar's (`nn.parameter.linear_bf16`) or PyTorch's "
+            "step's largest GEMM shape in this process and round: pympar's (`nn.products.linear_bf16`) or PyTorch's "
             "(`F.linear` on bf16 tensors). On this VM the rate of the AMX units moved between about 0.55 and 2.3 "
             "TFLOP/s from one minute to the next (an L1-resident micro-kernel), so MFU figures move with it; the "
             "speed ratios are paired within a round.", "",
@@ -224,7 +224,7 @@ def sec_gemm(res, status) -> str:
     out += ["`python bench/gemm.py`: every matrix product pympar's Linear layers and head run in one training step "
             "(forward y = x W^T, backward dx = dy W and dW = dy^T x, the operands laid out as pympar passes them), "
             f"timed on NumPy's BLAS ({d.get('blas_numpy', '?')}), on pympar's products ({d.get('pympar_gemm', 'not run')}; "
-            "nn.parameter.matmul, src/pympar/kernels/gemm.py) and on PyTorch's "
+            "nn.products.matmul, src/pympar/kernels/gemm.py) and on PyTorch's "
             f"(torch {d.get('torch_version', '?')}; what its eager and compiled steps call) at the same threads in one "
             "process, the libraries alternating in blocks, each product the best of several calls. Attention's own "
             "products are not included (pympar's run inside its C++ kernel). Ratio > 1: PyTorch's BLAS faster. "

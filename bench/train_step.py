@@ -123,11 +123,11 @@ def model_flops_per_token(cfg, n_params, T):
 
 def sgemm_gflops(M, K, N, reps=5):
     """This process's float32 GEMM rates on the step's largest GEMM (tokens x C times C x 4C):
-    {"numpy": NumPy's BLAS, "pympar": pympar's products (nn.parameter.matmul: MKL where it runs
+    {"numpy": NumPy's BLAS, "pympar": pympar's products (nn.products.matmul: MKL where it runs
     them, kernels/gemm.py)}. MFU is counted against the faster of the two."""
     from common import best                      # bench/common.py: the fastest of reps calls
 
-    from pympar.nn.parameter import matmul
+    from pympar.nn.products import matmul
     rng = np.random.default_rng(1)
     x = rng.standard_normal((M, K)).astype(np.float32)
     w = rng.standard_normal((K, N)).astype(np.float32)
@@ -140,12 +140,12 @@ def sgemm_gflops(M, K, N, reps=5):
 
 def bf16_gemm_gflops(M, K, N, reps=5, with_torch=True):
     """The bf16 GEMM rates (bf16 operands, float32 accumulation, bf16 out) of the step's largest GEMM
-    (tokens x C times C x 4C, the weight on the right as Linear reads it): {"pympar": nn.parameter's
+    (tokens x C times C x 4C, the weight on the right as Linear reads it): {"pympar": nn.products's
     bf16 product (MKL), "torch": torch.nn.functional.linear}. MFU counts against the faster."""
     from common import best
 
     from pympar.backend import bfloat16
-    from pympar.nn.parameter import compute_copies, linear_bf16
+    from pympar.nn.products import compute_copies, linear_bf16
     from pympar.kernels import gemm as g
     rng = np.random.default_rng(1)
     x = rng.standard_normal((M, K)).astype(np.float32)

@@ -13,7 +13,7 @@ from pympar.nn import MLP, CausalSelfAttention, GPTConfig, LayerNorm, Linear
 from pympar.nn.gpt import Block, Head
 from pympar.nn.layers import Embedding
 from pympar.nn.moe import MoE
-from pympar.nn.parameter import WeightGrads
+from pympar.nn.wgrad import WeightGrads
 from pympar.nn.gpt import GPT, GPTParts
 from pympar.parallel.tp.block import TPBlock
 

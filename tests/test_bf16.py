@@ -136,7 +136,7 @@ def _within_gamma(c, a, b):
 def test_bf16_products_on_every_engine(engines, threads, threads_n):
     threads(threads_n)
     rng = np.random.default_rng(2)
-    from pympar.nn.parameter import matmul
+    from pympar.nn.products import matmul
     for engine in engines:
         gemm.use_bf16(engine)
         for (M, K, N) in [(64, 64, 64), (33, 45, 70), (200, 300, 130), (17, 1, 3), (1, 40, 1)]:
@@ -170,7 +170,7 @@ def test_amx_fused_epilogue_is_the_separate_kernels(engines, threads):
     h, g = np.empty((M, N), bfloat16), np.empty((M, N), bfloat16)
     assert gemm.product_bf16(x, w.T, h, bias=bias, gelu_out=g) is h
     assert same_bits(h, rounded(c + bias)) and same_bits(g, NK.gelu_forward(h))
-    from pympar.nn.parameter import compute_copies
+    from pympar.nn.products import compute_copies
     with compute_copies():
         gemm.packable(w)
         assert gemm._packs.get(w.T, "amx") is not None

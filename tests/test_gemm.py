@@ -11,7 +11,7 @@ from pympar import kernels
 from pympar.config import ConfigError, apply_environment
 from pympar.kernels import gemm
 from pympar.nn import GPT, GPTConfig
-from pympar.nn.parameter import matmul
+from pympar.nn.products import matmul
 
 needs_mkl = pytest.mark.skipif(not gemm._load(), reason="MKL is not installed (pip install 'pympar[mkl]')")
 
@@ -98,9 +98,10 @@ def test_accumulate_adds_the_product_to_out(library, choice, threads):
 
 
 def test_product_grad_writes_then_adds(library):
-    """nn.parameter.product_grad: the step's first contribution is written into the gradient
+    """nn.wgrad.product_grad: the step's first contribution is written into the gradient
     (whatever was there), the next one added; deferred inside a WeightGrads scope until run()."""
-    from pympar.nn.parameter import WeightGrads, make_param, product_grad
+    from pympar.nn.parameter import make_param
+    from pympar.nn.wgrad import WeightGrads, product_grad
     p = make_param(0, "w", (24, 40), np.float32, 0.02)
     p.grad[...] = 123.0
     p.zero_grad()                                # the next write replaces the 123s

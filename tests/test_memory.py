@@ -301,7 +301,7 @@ def test_mlp_backward_holds_one_hidden_sized_transient():
     """An MLP's backward allocates one (N, 4C) array (the GELU output, then its gradient over it,
     then GELU's backward in place), not two or three; dx and the gradients as before, bitwise."""
     from pympar.nn.layers import MLP
-    from pympar.nn.parameter import WeightGrads
+    from pympar.nn.wgrad import WeightGrads
     N, C = 1024, 64
     mlp = MLP(C, name="m", seed=1)
     rng = np.random.default_rng(1)
@@ -407,7 +407,7 @@ def test_ledger_mlp_backward_is_what_the_mlp_allocates(mode, rows, deferred, con
     dx made or written over the input (a Block's backward: consume)."""
     from pympar.nn import layers
     from pympar.nn.layers import MLP
-    from pympar.nn.parameter import WeightGrads
+    from pympar.nn.wgrad import WeightGrads
     N, C = 2000, 32
     monkeypatch.setattr(layers, "MLP_ROWS", rows or N)
     mlp = MLP(C, name="m", seed=4)

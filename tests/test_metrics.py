@@ -40,17 +40,17 @@ def test_measured_peak_is_the_rate_of_the_products_it_times(monkeypatch):
     then exactly 2 n^3 FLOPs per timed product over 1 ms, whatever the machine's load. A FLOP count
     off by 2x, a warm-up product inside the timed window, or a window around other work is not."""
     import pympar.metrics as metrics
-    import pympar.nn.parameter as parameter
+    import pympar.nn.products as products
 
     now, calls = [0.0], []
-    real = parameter.matmul
+    real = products.matmul
 
     def product(a, b, out=None):
         calls.append(a.shape)
         now[0] += 1e-3
         return real(a, b, out=out)
 
-    monkeypatch.setattr(parameter, "matmul", product)
+    monkeypatch.setattr(products, "matmul", product)
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
     n = 64
     rate = metrics.measure_matmul_peak(n=n, seconds=0.0495)

@@ -10,7 +10,8 @@ from pympar.backend import bfloat16
 from pympar.kernels import gemm
 from pympar.nn import layers
 from pympar.nn.moe import MoE
-from pympar.nn.parameter import WeightGrads, compute_copies
+from pympar.nn.products import compute_copies
+from pympar.nn.wgrad import WeightGrads
 
 pytestmark = pytest.mark.skipif(not kernels.native_available() or gemm.gemm_address(np.float32) is None,
                                 reason="the grouped call needs the C++ module and MKL (the loop runs otherwise)")

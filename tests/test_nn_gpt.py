@@ -191,7 +191,7 @@ def test_training_on_text_drives_loss_down(moe):
 
 def test_precision_resolution_shared_by_gpt_and_tpgpt():
     from pympar.comm import SelfComm
-    from pympar.nn.parameter import resolve_precision
+    from pympar.nn.products import resolve_precision
     from pympar.parallel.tp.gpt import TPGPT
 
     assert resolve_precision(np.float32, None) == (np.float32, None)

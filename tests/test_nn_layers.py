@@ -115,7 +115,8 @@ def test_init_param_is_a_function_of_seed_name_shape():
 def test_zero_grad_marks_stale_and_the_first_contribution_is_written_over():
     """zero_grad writes nothing; a stale gradient reads as zeros, and the step's first
     contribution is written over it (a GEMM straight into it for a Linear), then added to."""
-    from pympar.nn.parameter import Parameter, accumulate
+    from pympar.nn.parameter import Parameter
+    from pympar.nn.wgrad import accumulate
     p = Parameter(np.ones((2, 3), np.float32), name="p")
     p.grad[...] = 5.0
     buf = p.grad

@@ -36,7 +36,7 @@ def measure_matmul_peak(xp=np, dtype=np.float32, n: int = 256, seconds: float = 
     """
     if xp is not np:
         n = max(n, 4096)
-    from .nn.parameter import matmul              # the library the model's products run on (kernels/gemm.py)
+    from .nn.products import matmul# the library the model's products run on (kernels/gemm.py)
     a = xp.ones((n, n), dtype=dtype)
     out = xp.empty_like(a)
     sync = (lambda: xp.cuda.Device().synchronize()) if xp is not np else (lambda: None)

@@ -80,7 +80,7 @@ def test_replicas_train_like_single_process(world, slots):
 def test_a_deferred_w_pass_is_refused(world):
     """Under a zero-bubble W pass the replicas' weight gradients come after the fold: refused, on
     every rank alike (after the exchange every rank runs)."""
-    from pympar.nn.parameter import WeightGrads
+    from pympar.nn.wgrad import WeightGrads
 
     cfg = _cfg("dropless", n_expert=2 * world.size)
     model, *_ , stats = _loads(world, cfg)

@@ -16,7 +16,7 @@ Two implementations of the same math:
 - on CuPy, ``impl = "tiled"`` runs the CUDA twin (csrc/cuda/attention.cu, head size <= 128);
   "auto" keeps the materialized path there until the twin has been run on a GPU.
 - materialized (CuPy arrays, float16, no native build, or ``impl = "materialized"``):
-  the (B, nh, T, T) probabilities per batch row, GEMMs through nn.parameter.matmul (float32
+  the (B, nh, T, T) probabilities per batch row, GEMMs through nn.products.matmul (float32
   accumulation for the half types) and the softmax kernels. It is the reference the tiled
   kernel is tested against (tests/test_attention_kernel.py).
 """
@@ -28,7 +28,8 @@ from .. import kernels
 from ..backend import dtype as backend_dtype
 from ..backend import xp_of
 from ..kernels.blas import over_chunks
-from .parameter import Module, matmul
+from .module import Module
+from .products import matmul
 
 
 IMPLS = ("auto", "tiled", "materialized")

@@ -15,8 +15,9 @@ from .attention import CausalSelfAttention
 from .config import GPTConfig
 from .layers import MLP, MLP_ROWS, Embedding, LayerNorm
 from .moe import MoE, MoEBookkeeping
-from .parameter import (Module, NoGather, WeightGrads, compute_cast, compute_copies, compute_weight, matmul,
-                        product_grad, resolve_precision)
+from .module import Module, NoGather
+from .products import compute_cast, compute_copies, compute_weight, matmul, resolve_precision
+from .wgrad import WeightGrads, product_grad
 
 
 class Block(Module):

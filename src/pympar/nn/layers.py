@@ -8,8 +8,10 @@ import numpy as np
 
 from .. import kernels
 from ..backend import xp_of
-from .parameter import (Module, accumulate, compute_cast, compute_weight, deferrable, deferring, linear_bf16,
-                        make_param, matmul, product_grad, weight_grad)
+from .parameter import make_param
+from .module import Module
+from .products import compute_cast, compute_weight, linear_bf16, matmul
+from .wgrad import accumulate, deferrable, deferring, product_grad, weight_grad
 
 _param = make_param
 

@@ -33,7 +33,10 @@ from ..kernels import gemm
 from ..kernels.blas import _C
 from . import layers
 from .layers import MLP
-from .parameter import Module, compute_weight, deferrable, deferring, make_param, weight_grad
+from .parameter import make_param
+from .module import Module
+from .products import compute_weight
+from .wgrad import deferrable, deferring, weight_grad
 
 
 def _stable_argsort(a):
@@ -92,7 +95,7 @@ class MoE(Module):
     # the products MLP makes, spread over the kernel threads) where it applies: NumPy float32 or
     # float64 experts that are plain MLPs (bf16 compute on AMX tiles), MKL selected, the C++ module
     # built. Else (and with ``grouped = False``) one MLP call per expert, side by side over the
-    # threads. Under a zero-bubble split (nn.parameter.deferring) the grouped B pass makes the input
+    # threads. Under a zero-bubble split (nn.wgrad.deferring) the grouped B pass makes the input
     # gradient and keeps each row's GELU output and hidden gradient, and the W pass makes the weight
     # gradients from them, as MLP does.
     grouped = True

@@ -49,9 +49,10 @@ from ..comm.exact import ExactSum
 from ..optim.clip import clip_coefficient, sum_of_squares
 from ..optim.adamw import decays
 from .compress import dense_allreduce_bytes, make_compressor
-from .ledger import MAX_INFLIGHT_BUCKETS
 from .placement import place
 from .zero import RowBucket, ZeroAdamW, install_gather
+
+MAX_INFLIGHT_BUCKETS = 2          # ZeRO reduce-scatters in flight at once (_track waits for the oldest)
 
 
 class Bucket:

@@ -47,7 +47,7 @@ from ..backend import to_numpy, xp_of
 from ..comm.algorithms.node_a2a import NodeRoute, Plan
 from .mesh import divisors as divisors_of
 from ..nn.layers import MLP
-from ..nn.parameter import accumulate, deferring
+from ..nn.wgrad import accumulate, deferring
 from .meter import Meter, Tally
 from .placement import place
 from .replicas import max_over_mean, split

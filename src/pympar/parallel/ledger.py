@@ -15,7 +15,7 @@ from the configuration alone (the planner's model) -- the same categories both w
                    (tokens, vocab) logits, attention's scratch (tiled: O(T * head size) per
                    kernel thread; materialized: the (B, heads, T, T) scores), a recomputed block;
                    and, under bf16 compute, the step's weight cache (a bf16 copy and two packs of
-                   every weight, 6 bytes per element: nn.parameter.compute_copies)
+                   every weight, 6 bytes per element: nn.products.compute_copies)
 
 ``peak`` = the sum of the six: the moment backward starts, with everything forward kept, the
 head's backward running, the pieces ZeRO-3 has gathered and the collectives in flight. (A
@@ -32,6 +32,7 @@ import math
 from ..backend import held_bytes
 from ..nn import gpt, layers
 from ..nn.gpt import Head
+from .dp import MAX_INFLIGHT_BUCKETS       # the reduce-scatters data parallelism keeps in flight at once
 
 def tiled_attention(act_bytes: int, compute: str = "bfloat16") -> bool:
     """Whether attention on activations of this many bytes runs the tiled kernel on this host
@@ -47,7 +48,6 @@ def _threads(threads):
 
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "workspace")
-MAX_INFLIGHT_BUCKETS = 2          # ZeRO reduce-scatters in flight at once (parallel.dp bounds it)
 
 
 def proc_status_bytes(field: str) -> int:
@@ -392,7 +392,7 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, etp=None, zero=0, recompute="none", 
 
 
 def compute_copy_bytes(n, units, zero, act_bytes, master_bytes) -> int:
-    """The step's weight cache under bf16 compute (nn.parameter.compute_copies): each weight's bf16 copy
+    """The step's weight cache under bf16 compute (nn.products.compute_copies): each weight's bf16 copy
     and its two packs for the products (as W and as W^T), 6 bytes per element, held for the step; under
     ZeRO-3 only the gathered pieces' (the two largest, in use and prefetched)."""
     if act_bytes != 2 or master_bytes == 2:

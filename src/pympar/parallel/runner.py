@@ -48,7 +48,7 @@ from ..comm.objects import gather_object
 from ..nn import GPT
 from ..nn.gpt import count_params
 from ..nn.layers import TokenEmbedding
-from ..nn.parameter import compute_copies
+from ..nn.products import compute_copies
 from ..optim import DynamicLossScaler
 from .cp import local_batch
 from .build import parallelize

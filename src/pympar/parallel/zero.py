@@ -33,7 +33,7 @@ import numpy as np
 from .. import kernels
 from ..backend import get_xp, resident_zeros, xp_of
 from ..optim.adamw import moments_like
-from ..nn.parameter import NoGather  # noqa: F401  (the scope ParamGather replaces)
+from ..nn.module import NoGather  # noqa: F401  (the scope ParamGather replaces)
 from .placement import place
 
 

@@ -18,7 +18,9 @@ import numpy as np
 from ... import kernels
 from ...backend import xp_of
 from ...nn.layers import LayerNorm
-from ...nn.parameter import Module, compute_cast, compute_weight, matmul, product_grad
+from ...nn.module import Module
+from ...nn.products import compute_cast, compute_weight, matmul
+from ...nn.wgrad import product_grad
 from .collectives import as_collectives
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from ... import kernels
 from ...backend import xp_of
 from ...nn.layers import TokenEmbedding, position_rows
-from ...nn.parameter import compute_cast
+from ...nn.products import compute_cast
 from ..shard import make_replicated, make_sharded, padded_partition, padded_slice
 from .collectives import as_collectives
 

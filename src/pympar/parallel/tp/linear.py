@@ -29,7 +29,9 @@ from __future__ import annotations
 import numpy as np
 
 from ... import kernels
-from ...nn.parameter import Module, compute_cast, compute_weight, linear_bf16, matmul, product_grad, weight_grad
+from ...nn.module import Module
+from ...nn.products import compute_cast, compute_weight, linear_bf16, matmul
+from ...nn.wgrad import product_grad, weight_grad
 from ..shard import even_slice, make_replicated, make_sharded
 from .collectives import as_collectives
 

@@ -31,7 +31,8 @@ import numpy as np
 
 from ...backend import to_numpy, xp_of
 from ...nn.moe import MoE
-from ...nn.parameter import compute_cast, weight_grad
+from ...nn.products import compute_cast
+from ...nn.wgrad import weight_grad
 from ..placement import place
 from .linear import partial_dtype
 from .collectives import as_collectives
