@@ -320,8 +320,8 @@ _HELP = {
     "dp": "data-parallel size (default: world / (pp*cp*tp))",
     "cp": "context-parallel size: each sequence's positions split over cp ranks (two of 2*cp equal chunks each, "
           "ring attention); block_size must be divisible by 2*cp (default 1)",
-    "pp": "pipeline-parallel stages", "tp": "tensor-parallel size",
-    "ep": "expert-parallel size (divides n_expert, and dp*cp, or dp*cp*tp/etp with --etp below tp)",
+    "pp": "pipeline-parallel stages (default: 1)", "tp": "tensor-parallel size (default: 1)",
+    "ep": "expert-parallel size (divides n_expert, and dp*cp, or dp*cp*tp/etp with --etp below tp; default: 1)",
     "etp": "the experts' tensor-parallel size, a divisor of --tp (default: tp, each expert split like the dense MLP). "
            "Below tp the experts are folded apart from attention's grid: each tp rank runs a 1/(tp/etp) share of its "
            "tokens' expert rows, and --ep may reach over the tp ranks (e.g. 8 ranks: --tp 2 --ep 8 --etp 1, whole "
