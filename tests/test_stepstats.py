@@ -50,7 +50,7 @@ def test_a_share_round_trips_through_its_vector():
 
 def test_the_sum_of_packed_shares_unpacks_to_the_sum_of_every_field():
     shares = [_share(r) for r in range(3)]
-    total = shares[0].summed(lambda v: sum(s.pack() for s in shares))   # what the world allreduce returns
+    total = shares[0].unpack(sum(s.pack() for s in shares))   # what the world allreduce returns
     assert total.loss == pytest.approx(1.5) and total.nonfinite == 1.0 and total.norm_sq == 7.0
     assert total.stop == 1.0 and total.written == 3.0
     np.testing.assert_array_equal(total.moe[3].load, 3 * np.arange(4) + 30)

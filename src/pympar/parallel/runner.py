@@ -209,8 +209,9 @@ class ParallelRunner:
             self.sync.finish()
         self._update_ledger(work["micro_batches"], work["act"], work["recv_bytes"])
         share = self._share(work, moe, a2a, stop, written)
-        with self.rec.span("step allreduce", self._world_comm_category(), bytes=share.slots().size * 8):
-            total = share.summed(self._allreduce)
+        slots = share.slots()                     # the vector's layout, derived once a step
+        with self.rec.span("step allreduce", self._world_comm_category(), bytes=8 * slots.size):
+            total = share.unpack(self._allreduce(share.pack(slots)), slots)
         stats = self._stats(total, work, scale)
         with self.rec.span("optimizer", "optimizer"):
             self._update(stats, total, lr, scale)

@@ -10,7 +10,8 @@ shape, by field names (``Slots``): the writer and the reader cannot disagree abo
 lives, and a field added to the dataclass travels without an offset written anywhere.
 
     share = StepShare(loss=..., moe={0: MoeShare.zeros(E, ep)}, memory=...)
-    total = share.summed(world_allreduce)        # the same StepShare shape, holding the sums
+    slots = share.slots()
+    total = share.unpack(world_allreduce(share.pack(slots)), slots)   # the same shape, holding the sums
     total.loss, total.moe[0].load
 
 Every rank must build a share of the same shape (the same MoE layers, the same array sizes):
@@ -87,23 +88,19 @@ class Packable:
     def slots(self) -> Slots:
         return Slots((name, a.size) for name, a in _leaves(self))
 
-    def pack(self) -> np.ndarray:
-        slots = self.slots()
+    def pack(self, slots: Slots | None = None) -> np.ndarray:
+        slots = self.slots() if slots is None else slots
         vec = slots.zeros()
         for name, a in _leaves(self):
             slots.put(vec, name, a)
         return vec
 
-    def unpack(self, vec):
-        slots = self.slots()
+    def unpack(self, vec, slots: Slots | None = None):
+        slots = self.slots() if slots is None else slots
         if np.size(vec) != slots.size:
             raise ValueError(f"a step vector of {np.size(vec)} values for a layout of {slots.size}")
         vec = np.asarray(vec, np.float64).reshape(-1)  # host
         return _rebuild(self, lambda name: slots.get(vec, name))
-
-    def summed(self, allreduce):
-        """The world's sum: ``allreduce`` (a sum of a host float64 vector) of the packed share."""
-        return self.unpack(allreduce(self.pack()))
 
 
 @dataclass
