@@ -269,6 +269,7 @@ class RunConfig:
     deterministic: bool = False          # gradients, loss and norm as exact sums: the same bits for any dp
     pp_channels: str = "auto"            # default: $PYMPAR_PP_CHANNELS (0: tags, 1: ordered), else auto
     pp_costs: str = "unit"               # zb-h1/zb-v tables for unit times, or for the first step's measured times
+    pp_overlap: str = "auto"             # dualpipev: its F & B pairs interleaved at the ep all-to-alls
     comm_timeout: float = 300.0          # default: $PYMPAR_COMM_TIMEOUT, else 300 s
     # device and numerics
     device: str = "cpu"
@@ -366,6 +367,9 @@ _HELP = {
     "pp_costs": "zb-h1/zb-v: build the table for unit-time F, B, W ('unit'), or from step 2 on for the F, B and W "
                 "times of every stage measured in step 1 ('measured': a smaller bubble when they differ; zb-h1's gradients are the "
                 "same either way, zb-v's tied embedding gradient may then differ between two runs in its last bits)",
+    "pp_overlap": "dualpipev: run each F & B pair of its table interleaved, one micro-batch's expert-parallel "
+                  "all-to-alls in flight while the other computes (DeepSeek's overlap; the same bits as 'off'); "
+                  "'auto': when the MoE layers exchange over an ep group of 2 or more on the flat dispatch, on the CPU",
     "dp_overlap": "reduce each gradient bucket while backward goes on (--no-dp-overlap: all after backward)",
     "deterministic": "the same bits for any data-parallel size, split into micro-batches and ZeRO stage: every "
                      "sequence's gradient, loss and squared norm is summed exactly (integer bins, comm/exact.py; "
@@ -407,7 +411,7 @@ _CHOICES = {
     "ep_dispatch": ["auto", "flat", "node"],
     "grad_reduce_dtype": ["float32", "bfloat16"],
     "dtype": ["auto", "float32", "bfloat16", "float16"], "master_dtype": ["float32", "float64"], "moments_dtype": ["float32", "bfloat16"], "layout": ["rule", "auto"], "zero": [0, 1, 2, 3],
-    "progress": ["auto", "bar", "log"], "pp_channels": ["auto", "tags", "ordered"], "pp_costs": ["unit", "measured"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
+    "progress": ["auto", "bar", "log"], "pp_channels": ["auto", "tags", "ordered"], "pp_costs": ["unit", "measured"], "pp_overlap": ["auto", "on", "off"], "recompute": ["none", "selective", "full"], "bind": ["none", "cores"],
 }
 _RUN_FIELDS = [f for f in fields(RunConfig) if f.name not in ("layout_auto", "model_overrides",
                                                               "threads_from", "dtype_from")]
@@ -567,6 +571,10 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> TrainCo
         raise ConfigError(f"--pp-costs measured builds the zb-h1/zb-v table for the measured times, but this run is "
                           f"pp={lay.pp} with schedule {lay.schedule}: use --schedule zb-h1 or zb-v with --pp > 1, or "
                           f"drop --pp-costs")
+    if run.pp_overlap == "on" and (lay.pp == 1 or lay.schedule != "dualpipev" or run.device != "cpu"):
+        raise ConfigError(f"--pp-overlap on interleaves DualPipeV's F & B pairs on the CPU, but this run is pp={lay.pp} "
+                          f"with schedule {lay.schedule} on {run.device}: use --schedule dualpipev with --pp > 1 "
+                          f"and --device cpu, or drop --pp-overlap")
     return TrainConfig(model=model, parallel=lay, optim=optim, run=run)
 
 

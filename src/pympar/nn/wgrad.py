@@ -3,6 +3,8 @@ stale gradient), now or -- inside a ``WeightGrads`` scope, the W pass of a zero-
 later, bitwise the same."""
 from __future__ import annotations
 
+import threading
+
 from .products import matmul
 
 
@@ -18,15 +20,23 @@ def accumulate(p, g):
 
 
 # --- the backward split: input gradients now, weight gradients later (zero-bubble pipelines) ----
-_DEFERRED = []          # a stack of open WeightGrads scopes (innermost last)
+class _Scopes(threading.local):
+    """Each thread's stack of open WeightGrads scopes (innermost last): a backward interleaved with
+    a forward on another thread (parallel/overlap.py) defers only its own weight gradients."""
+    def __init__(self):
+        self.stack = []
+
+
+_SCOPES = _Scopes()
 
 
 def deferrable(apply):
     """Run ``apply()`` (a weight-gradient update, in place) now, or -- inside a ``WeightGrads``
     scope -- when the scope's ``run()`` is called. The closure holds what the update needs (the
     layer's input and output gradient), so a deferred update keeps exactly those alive."""
-    if _DEFERRED:
-        _DEFERRED[-1].items.append(apply)
+    stack = _SCOPES.stack
+    if stack:
+        stack[-1].items.append(apply)
     else:
         apply()
 
@@ -60,7 +70,7 @@ def weight_grad(p, compute, into=None):
 
 def deferring() -> bool:
     """True inside a WeightGrads scope (weight gradients wait for its run())."""
-    return bool(_DEFERRED)
+    return bool(_SCOPES.stack)
 
 
 class WeightGrads:
@@ -75,11 +85,11 @@ class WeightGrads:
         self.items = []
 
     def __enter__(self):
-        _DEFERRED.append(self)
+        _SCOPES.stack.append(self)
         return self
 
     def __exit__(self, *exc):
-        _DEFERRED.remove(self)
+        _SCOPES.stack.remove(self)
         return False
 
     def run(self):

@@ -80,7 +80,7 @@ class ParallelRunner:
     virtual stages, micro-batches, ZeRO, sequence parallelism, recomputation); optim: the
     ``pympar.optim.OptimConfig`` (lr, weight_decay, grad_clip, moments_dtype); opts: the run's
     other settings, the trainer's RunConfig (or any object with the fields read here: seed, dtype,
-    master_dtype, device, compress, topk_ratio, bucket_mb, dp_overlap, pp_channels, pp_costs,
+    master_dtype, device, compress, topk_ratio, bucket_mb, dp_overlap, pp_channels, pp_costs, pp_overlap,
     ep_dispatch, expert_replicas, replan_every, deterministic)."""
 
     def __init__(self, model_cfg, layout, comm, opts, optim, rec=None):
@@ -172,7 +172,9 @@ class ParallelRunner:
             return model, None
         from .pp import PipelineExecutor
         channels = {"auto": None, "tags": False, "ordered": True}[opts.pp_channels]
-        return model, PipelineExecutor(model, self.mesh.pp_comm, self.schedule, channels=channels)
+        overlap = {"auto": None, "on": True, "off": False}[getattr(opts, "pp_overlap", "auto")]
+        return model, PipelineExecutor(model, self.mesh.pp_comm, self.schedule, channels=channels,
+                                       overlap=overlap if self.schedule == "dualpipev" else False)
 
     def _local(self, batches):
         """This rank's positions of each (idx, targets) of whole sequences (all of them when cp = 1)."""

@@ -38,10 +38,11 @@ import time
 import numpy as np
 
 from ...backend import held_bytes, xp_of
+from .. import overlap
 from ..placement import param_placement
 from . import channels
 from .partition import TIED_TAG, check_tags, validate_pipeline
-from .schedules import SPLIT_BACKWARD, Action, build_schedule, placement_of, validate_schedule
+from .schedules import SPLIT_BACKWARD, Action, build_schedule, overlap_pairs, placement_of, validate_schedule
 from .stage import PipelineGPT
 
 
@@ -85,11 +86,19 @@ class PipelineExecutor:
     them (default 2*p*v + 2: more than a 1F1B round trip, without a buffer per micro-batch).
     ``channels``: True, send over ordered two-rank channels (pp/channels.py); False, tagged
     messages; None (default), channels exactly when ``comm`` runs on NCCL.
+    ``overlap`` (dualpipev): run each of its F & B pairs interleaved, one's expert-parallel
+    all-to-alls in flight while the other computes (parallel/overlap.py); None (default): when
+    the model's MoE layers exchange over an ep group of more than one rank (else there is nothing
+    to hide); False: one action after the other.
     """
 
     def __init__(self, model, comm, schedule: str = "1f1b", recv_window: int | None = None,
-                 channels: bool | None = None, costs: tuple | None = None):
+                 channels: bool | None = None, costs: tuple | None = None, overlap: bool | None = None):
         self.model, self.schedule = model, schedule
+        if overlap and schedule != "dualpipev":
+            raise ValueError(f"overlap pairs a forward with a backward as DualPipeV's table places them: "
+                             f"schedule {schedule!r} has no such pairs (use dualpipev)")
+        self.overlap = overlap
         # the split schedules' table: built for unit times (None) or for (F, B, W) per global
         # stage (schedules.list_schedule); set it between steps -- the same on every rank of the
         # job -- e.g. to measured_costs of the times a step reported (stats["stage_times"])
@@ -117,6 +126,18 @@ class PipelineExecutor:
         self.action_done_hooks = []
         self.exact_tied = None
         self.stats = {}
+
+    def _overlaps(self) -> bool:
+        """Are this step's F & B pairs interleaved? (read each step: expert parallelism is installed
+        after the executor is built)"""
+        if self.schedule != "dualpipev" or self.overlap is False:
+            return False
+        if self.overlap:
+            return True
+        if self.model.xp is not np:                  # a GPU's current device and stream are per thread
+            return False
+        return any(m.expert_parallel is not None and m.expert_parallel.comm.size > 1 and m.expert_parallel.route is None
+                   for _, m in self.model.moe_layers())
 
     # --- neighbours and tags --------------------------------------------------------------
     def _peer(self, stage):
@@ -195,22 +216,25 @@ class PipelineExecutor:
         live = peak = 0
         live_bytes = peak_bytes = 0                  # what the ctxs in flight hold (each buffer once)
         peak_posted = len(pending)
-        n_recv_used = 0
-        for i_act, a in enumerate(actions):
-            has_recv, src_stage = self._needs_recv(a)
-            inp = None
-            if has_recv:
-                req, buf = pending.pop((a.kind, a.micro, a.chunk))
-                tw = time.perf_counter()
-                req.wait()
-                recv_wait += time.perf_counter() - tw
-                inp = buf
-                n_recv_used += 1
-                post_upto(n_recv_used + self.recv_window)
-                peak_posted = max(peak_posted, len(pending))
+        n_recv_used = n_pairs = 0
+        def receive(a):
+            """The input ``a`` waits for (None for the first stage's F and for W)."""
+            nonlocal recv_wait, n_recv_used, peak_posted
+            if not self._needs_recv(a)[0]:
+                return None
+            req, buf = pending.pop((a.kind, a.micro, a.chunk))
+            tw = time.perf_counter()
+            req.wait()
+            recv_wait += time.perf_counter() - tw
+            n_recv_used += 1
+            post_upto(n_recv_used + self.recv_window)
+            peak_posted = max(peak_posted, len(pending))
+            return buf
+
+        def compute(i_act, a, inp):
+            """Run action ``a`` -> what it sends on (None: nothing)."""
+            nonlocal live, peak, live_bytes, peak_bytes
             chunk = model.chunks[a.chunk]
-            s = chunk.stage
-            tc = time.perf_counter()
             if a.kind == "F":
                 idx, targets = micro_batches[a.micro]
                 x = xp.asarray(idx) if inp is None else inp               # host tokens -> the device
@@ -219,7 +243,7 @@ class PipelineExecutor:
                 # and with the notifications, it had (bitwise the same)
                 fuse = chunk.head_fuses(B * T) and actions[i_act + 1:i_act + 2] == [Action("B", a.micro, a.chunk)]
                 y, ctx, terms = chunk.stage_forward(x, xp.asarray(targets) if chunk.head is not None else None,
-                                              grad_scale if fuse else None)
+                                                    grad_scale if fuse else None)
                 ctxs[(a.micro, a.chunk)] = ctx
                 kept[(a.micro, a.chunk)] = nb = held_bytes(ctx)
                 live_bytes += nb
@@ -227,8 +251,8 @@ class PipelineExecutor:
                 local_terms[a.micro] += terms
                 live += 1
                 peak = max(peak, live)
-                out, dest_stage = y, s + 1
-            elif a.kind == "W":                               # the weight gradients B deferred
+                return y
+            if a.kind == "W":                                 # the weight gradients B deferred
                 if last_b[a.chunk] == i_act:
                     self._final_backward([p_ for _, p_ in chunk.named_parameters()])
                 w, nb = wgrads.pop((a.micro, a.chunk))
@@ -237,41 +261,66 @@ class PipelineExecutor:
                 model.notify_chunk_ready(chunk)
                 for hook in self.action_done_hooks:
                     hook()
-                out = None
+                return None
+            if last_b[a.chunk] == i_act:
+                self._final_backward([p_ for _, p_ in chunk.named_parameters()])
+            ctx = ctxs.pop((a.micro, a.chunk))
+            live_bytes -= kept.pop((a.micro, a.chunk))
+            if split:                                         # what W needs stays alive until W
+                out, w = chunk.stage_backward_input(inp, ctx, grad_scale)
+                del ctx
+                nb = w.nbytes
+                wgrads[(a.micro, a.chunk)] = (w, nb)
+                live_bytes += nb
+                peak_bytes = max(peak_bytes, live_bytes)
             else:
-                if last_b[a.chunk] == i_act:
-                    self._final_backward([p_ for _, p_ in chunk.named_parameters()])
-                ctx = ctxs.pop((a.micro, a.chunk))
-                live_bytes -= kept.pop((a.micro, a.chunk))
-                if split:                                     # what W needs stays alive until W
-                    out, w = chunk.stage_backward_input(inp, ctx, grad_scale)
-                    del ctx
-                    nb = w.nbytes
-                    wgrads[(a.micro, a.chunk)] = (w, nb)
-                    live_bytes += nb
-                    peak_bytes = max(peak_bytes, live_bytes)
-                else:
-                    out = chunk.stage_backward(inp, ctx, grad_scale,
-                                         ready=model.notify_module_ready if model.grad_ready_hooks else None)
-                    model.notify_chunk_ready(chunk)
-                for hook in self.action_done_hooks:
-                    hook()
-                live -= 1
-                dest_stage = s - 1
-            dt = time.perf_counter() - tc
-            by_stage[s, "FBW".index(a.kind)] += dt
+                out = chunk.stage_backward(inp, ctx, grad_scale,
+                                           ready=model.notify_module_ready if model.grad_ready_hooks else None)
+                model.notify_chunk_ready(chunk)
+            for hook in self.action_done_hooks:
+                hook()
+            live -= 1
+            return out
+
+        def done(a, out, t_start, secs):
+            """Count ``a``'s seconds, trace it, and send its output on."""
+            nonlocal sends
+            s = model.chunks[a.chunk].stage
+            by_stage[s, "FBW".index(a.kind)] += secs
             if trace is not None:                            # the profiler's event of this action
-                trace(f"{_KIND_LABEL[a.kind]} stage {s}", tc, dt, a.micro)
+                trace(f"{_KIND_LABEL[a.kind]} stage {s}", t_start, secs, a.micro)
             if out is not None:
                 if out.shape != shape or not np.can_cast(out.dtype, act_dtype, "same_kind") or \
                         out.dtype.itemsize > act_dtype.itemsize:
                     raise ValueError(f"stage {s} produced {a.kind} output {out.shape} {out.dtype}, but stages "
                                      f"exchange {shape} {act_dtype}: the model's dtype/activation_shape is wrong")
                 send = xp.ascontiguousarray(out, dtype=act_dtype)
+                dest_stage = s + 1 if a.kind == "F" else s - 1
                 dest_chunk = self._chunk_of(dest_stage)
                 sends.append((self.p2p.isend(send, self._peer(dest_stage), self._tag(a.kind, a.micro, dest_chunk, m)), send))
             # let MPI progress outstanding transfers without blocking
             sends = [(r, b) for r, b in sends if not r.test()]
+
+        pairs = overlap_pairs(actions) if self._overlaps() else set()
+        i_act = 0
+        while i_act < len(actions):
+            a = actions[i_act]
+            if i_act in pairs:                               # DualPipeV's F & B: one's exchanges behind the other
+                b = actions[i_act + 1]
+                inp_a, inp_b = receive(a), receive(b)
+                tc = time.perf_counter()
+                out_a, out_b, sa, sb = overlap.interleave(lambda: compute(i_act, a, inp_a),
+                                                          lambda: compute(i_act + 1, b, inp_b))
+                done(a, out_a, tc, sa)
+                done(b, out_b, tc + sa, sb)
+                n_pairs += 1
+                i_act += 2
+                continue
+            inp = receive(a)
+            tc = time.perf_counter()
+            out = compute(i_act, a, inp)
+            done(a, out, tc, time.perf_counter() - tc)
+            i_act += 1
         for r, _ in sends:
             r.wait()
         t_pipe = time.perf_counter() - t0
@@ -289,6 +338,7 @@ class PipelineExecutor:
                           recv_wait_s=recv_wait, compute_s=compute, pipeline_s=t_pipe, step_s=step,
                           f_s=float(f_s), b_s=float(b_s), w_s=float(w_s),
                           peak_in_flight=peak, activation_peak_bytes=int(peak_bytes), table_costs=used,
+                          overlapped_pairs=n_pairs,
                           stage_times=by_stage / m,
                           recv_buffer_bytes=int(peak_posted * int(np.prod(shape)) * act_dtype.itemsize))
         return self.stats

@@ -293,6 +293,15 @@ def dualpipe_v(p: int, m: int, rank: int) -> list:
     return out
 
 
+def overlap_pairs(actions) -> set:
+    """Where DualPipeV's table pairs a forward with a backward to overlap: the indices i with
+    actions[i] an F and actions[i + 1] a B of the other chunk (its phases 4 and 5: F0 & B1, F1 & B0).
+    The two touch different micro-batches and chunks, and their inputs come from other ranks' earlier
+    actions, so they may run interleaved (parallel/overlap.py), their outputs sent after both."""
+    return {i for i in range(len(actions) - 1)
+            if actions[i].kind == "F" and actions[i + 1].kind == "B" and actions[i].chunk != actions[i + 1].chunk}
+
+
 def build_schedule(name: str, p: int, m: int, v: int = 1, rank: int = 0, costs: tuple | None = None) -> list:
     """The action list of ``rank`` for schedule ``name`` (validated first). costs: the split
     schedules' (F, B, W) per global stage to build the table for (list_schedule; None: unit times);
