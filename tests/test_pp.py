@@ -157,6 +157,64 @@ def test_dualpipev_tables_for_every_depth(p):
                 assert res["makespan"] <= zv["makespan"] + 1e-9, (m, f, b, w)
 
 
+def _runs_to_the_end(tables, p, pairs_of):
+    """Does every rank reach the end of its table when the actions pairs_of(table) names run as one unit
+    (both inputs received first, both outputs sent after both, as the executor runs an overlapped pair)?
+    Stages in the V (chunk 0 is stage r, chunk 1 stage 2p-1-r); each rank takes its next unit when
+    every input of it has been sent."""
+    S = 2 * p
+    stage = [[r, S - 1 - r] for r in range(p)]
+    units = []
+    for r, acts in enumerate(tables):
+        pr, u, i = pairs_of(acts), [], 0
+        while i < len(acts):
+            n = 2 if i in pr else 1
+            u.append(acts[i:i + n])
+            i += n
+        units.append(u)
+    done, pos = set(), [0] * p
+
+    def ready(r, a):
+        s = stage[r][a.chunk]
+        if a.kind == "F":
+            return s == 0 or ("F", a.micro, s - 1) in done
+        if a.kind == "B":
+            return ("F", a.micro, s) in done and (s == S - 1 or ("B", a.micro, s + 1) in done)
+        return ("B", a.micro, s) in done
+
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            if pos[r] < len(units[r]) and all(ready(r, a) for a in units[r][pos[r]]):
+                done.update((a.kind, a.micro, stage[r][a.chunk]) for a in units[r][pos[r]])
+                pos[r] += 1
+                moved = True
+    return pos == [len(u) for u in units]
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_dualpipev_pairs_never_wait_on_each_other(p):
+    """The executor's overlapped pairs (overlap_pairs: each F followed by a B of the other chunk,
+    DualPipeV's phases 4 and 5) wait for both inputs before either runs and send both outputs after
+    both: no B of a pair may need what its F sends. Every rank runs to the end at m = 2p..4p, with
+    the pairs DeepSeek's table places; zb-v's table with every F paired with the B after it (on the
+    turn of the V, a micro-batch's B needs the F before it) does not, so the check can fail."""
+    from pympar.parallel.pp.schedules import overlap_pairs
+    for m in range(2 * p, 4 * p + 1):
+        sch = [build_schedule("dualpipev", p, m, 2, r) for r in range(p)]
+        assert all(overlap_pairs(acts) for acts in sch), m          # every rank has pairs to overlap
+        for acts in sch:
+            for i in overlap_pairs(acts):
+                f, b = acts[i], acts[i + 1]
+                assert (f.kind, b.kind) == ("F", "B") and f.chunk != b.chunk
+        assert _runs_to_the_end(sch, p, overlap_pairs), m
+        assert _runs_to_the_end(sch, p, lambda acts: set()), m       # the table itself, one action at a time
+    zbv = [build_schedule("zb-v", p, 4 * p, 2, r) for r in range(p)]
+    greedy = lambda acts: {i for i in range(len(acts) - 1) if acts[i].kind == "F" and acts[i + 1].kind == "B"}
+    assert not _runs_to_the_end(zbv, p, greedy)
+
+
 @pytest.mark.parametrize("s", ["zb-h1", "zb-v"])
 def test_split_tables_for_measured_costs(s):
     """Tables built for unequal (F, B, W) per stage (PipelineExecutor costs="measured"): for

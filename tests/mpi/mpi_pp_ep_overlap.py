@@ -1,0 +1,109 @@
+"""DualPipeV's F & B pairs interleaved at the expert-parallel all-to-alls (parallel/overlap.py),
+under mpiexec: pp = 2 with ep = 2 over the data-parallel ranks, every block a MoE block, so both
+strands of a pair exchange.
+
+The same layout trains twice, with the overlap on and off (the same table run one action after
+another). It checks:
+  * the pairs ran interleaved: the step reports its overlapped pairs, and some all-to-alls started
+    inside a pair whose partner was still running (control passed there), on every rank;
+  * with the overlap off no pair ran and no all-to-all started inside one;
+  * losses, gradient norms and every parameter are bitwise those of the run with the overlap off
+    (float64 and float32; ZeRO-1 and full recomputation, whose backward runs the forward's
+    all-to-alls again inside the pair).
+Runs at world sizes 4 and 8 (other sizes skip: pp = 2 and ep = 2 need 4 ranks or 8).
+"""
+import numpy as np
+import pytest
+
+from layout_cases import G, MOE, Layout
+from mpi_layouts import LR, free_mesh, global_batch, opts_of, optim_of
+from pympar.backend import to_numpy
+from pympar.comm import MPIComm
+from pympar.nn import GPTConfig
+from pympar.parallel import overlap
+from pympar.parallel.runner import ParallelRunner
+
+STEPS = 2
+CFG = GPTConfig(**dict(MOE, moe_every=1))            # every block routes: both strands of a pair exchange
+
+
+@pytest.fixture(scope="module")
+def world(mpi_world):
+    return MPIComm(mpi_world, name="world", timeout=60)
+
+
+def layouts(n):
+    if n not in (4, 8):
+        return []
+    dp = n // 2
+    kw = dict(dp=dp, pp=2, ep=2, model="moe", schedule="dualpipev", virtual_stages=2, micro_batch_size=2, n_micro=G // dp)
+    out = [Layout(**kw), Layout(**kw, dtype="float32", zero=1), Layout(**kw, recompute="full")]
+    if n == 8:
+        out.append(Layout(**dict(kw, ep=4)))
+    return out
+
+
+class Exchanges:
+    """Counts the all-to-alls that start inside a pair whose partner still runs (where control passes)."""
+
+    def __init__(self, monkeypatch):
+        self.inside = self.total = 0
+        real = overlap.exchange
+
+        def counted(blocking, start):
+            self.total += 1
+            self.inside += overlap.active()
+            return real(blocking, start)
+        monkeypatch.setattr(overlap, "exchange", counted)
+
+
+def train(world, lay, mode, counter):
+    opts = opts_of(lay)
+    opts.pp_overlap = mode
+    runner = ParallelRunner(CFG, lay, world, opts, optim_of(lay))
+    got = dict(losses=[], norms=[], pairs=[])
+    counter.inside = counter.total = 0
+    for s in range(STEPS):
+        mbs = global_batch(s, CFG.vocab_size)
+        mine = mbs[runner.mesh.dp_rank * lay.n_micro:(runner.mesh.dp_rank + 1) * lay.n_micro]
+        res = runner.train_step(mine, LR[lay.dtype])
+        got["losses"].append(res.loss)
+        got["norms"].append(res.grad_norm)
+        got["pairs"].append(runner.executor.stats["overlapped_pairs"])
+    got["params"] = {n: to_numpy(p.data).copy() for n, p in runner.named}
+    got["inside"], got["total"] = counter.inside, counter.total
+    free_mesh(runner.mesh)
+    return got
+
+
+def test_overlapped_pairs_are_the_sequential_run_bitwise(world, monkeypatch):
+    cases = layouts(world.size)
+    if not cases:
+        pytest.skip(f"world size {world.size}: pp = 2 with ep = 2 runs at 4 or 8 ranks")
+    counter = Exchanges(monkeypatch)
+    for lay in cases:
+        where = f"rank {world.rank} [{lay}]"
+        on = train(world, lay, "on", counter)
+        off = train(world, lay, "off", counter)
+        assert min(on["pairs"]) > 0 and off["pairs"] == [0] * STEPS, (where, on["pairs"], off["pairs"])
+        assert on["total"] == off["total"] > 0, (where, on["total"], off["total"])
+        assert on["inside"] > 0 and off["inside"] == 0, \
+            f"{where}: {on['inside']} of {on['total']} all-to-alls started inside a live pair (off: {off['inside']})"
+        assert on["losses"] == off["losses"] and on["norms"] == off["norms"], \
+            f"{where}: {on['losses']} {on['norms']} vs overlap off {off['losses']} {off['norms']}"
+        for n, a in on["params"].items():
+            assert np.array_equal(a, off["params"][n]), f"{where}: {n} differs from the run with the overlap off"
+
+
+def test_auto_overlaps_dualpipev_with_ep_only(world):
+    """--pp-overlap auto: on for dualpipev when the MoE layers exchange over ep >= 2, off without ep."""
+    if world.size != 4:
+        pytest.skip("runs at 4 ranks")
+    for ep, want in ((2, True), (1, False)):
+        lay = Layout(dp=2, pp=2, ep=ep, model="moe", schedule="dualpipev", virtual_stages=2, micro_batch_size=2, n_micro=G // 2)
+        opts = opts_of(lay)
+        opts.pp_overlap = "auto"
+        runner = ParallelRunner(CFG, lay, world, opts, optim_of(lay))
+        runner.train_step(global_batch(0, CFG.vocab_size)[:lay.n_micro], LR[lay.dtype])
+        assert (runner.executor.stats["overlapped_pairs"] > 0) == want, (ep, runner.executor.stats["overlapped_pairs"])
+        free_mesh(runner.mesh)

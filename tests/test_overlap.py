@@ -1,0 +1,105 @@
+"""parallel/overlap.py: two strands, one running at a time, control passing only at exchanges."""
+import threading
+import time
+
+import pytest
+
+from pympar.nn.wgrad import WeightGrads, deferrable, deferring
+from pympar.parallel import overlap
+
+
+class Req:
+    """A started exchange: wait() logs and returns its value."""
+
+    def __init__(self, log, name, value):
+        self.log, self.name, self.value = log, name, value
+
+    def wait(self):
+        self.log.append(f"wait {self.name}")
+        return self.value
+
+
+def strand(log, name, n):
+    def run():
+        got = []
+        for i in range(n):
+            log.append(f"{name} computes {i}")
+            tag = f"{name}{i}"
+            out, secs = overlap.exchange(lambda: log.append(f"blocking {tag}") or tag,
+                                         lambda: log.append(f"start {tag}") or Req(log, tag, tag))
+            assert secs >= 0
+            got.append(out)
+        log.append(f"{name} ends")
+        return got
+    return run
+
+
+def test_control_passes_at_each_exchange_and_the_longer_strand_finishes_blocking():
+    log = []
+    fa, fb, sa, sb = overlap.interleave(strand(log, "F", 2), strand(log, "B", 3))
+    assert fa == ["F0", "F1"] and fb == ["B0", "B1", "B2"]
+    assert log == ["F computes 0", "start F0",            # F starts its exchange, B runs meanwhile
+                   "B computes 0", "start B0",
+                   "wait F0", "F computes 1", "start F1",
+                   "wait B0", "B computes 1", "start B1",
+                   "wait F1", "F ends",                   # F done: B's last exchange blocks
+                   "wait B1", "B computes 2", "blocking B2", "B ends"]
+    assert sa >= 0 and sb >= 0
+
+
+def test_outside_a_pair_the_exchange_is_the_blocking_call():
+    log = []
+    assert not overlap.active()
+    assert strand(log, "X", 2)() == ["X0", "X1"]
+    assert log == ["X computes 0", "blocking X0", "X computes 1", "blocking X1", "X ends"]
+
+
+def test_each_strand_counts_its_own_seconds():
+    def sleeper(t):
+        def run():
+            time.sleep(t)
+            overlap.exchange(lambda: None, lambda: Req([], "x", None))
+            time.sleep(t)
+        return run
+    _, _, sa, sb = overlap.interleave(sleeper(0.01), sleeper(0.1))
+    assert 0.015 <= sa < 0.1, sa          # a's 2 x 10 ms, without b's 200 ms
+    assert 0.19 <= sb, sb
+
+
+def test_an_error_in_either_strand_is_raised_after_both_ended():
+    log = []
+
+    def bad():
+        overlap.exchange(lambda: None, lambda: Req(log, "bad", None))
+        raise KeyError("boom")
+    with pytest.raises(KeyError):
+        overlap.interleave(bad, strand(log, "B", 2))
+    assert log[-1] == "B ends" and not overlap.active()
+    with pytest.raises(KeyError):
+        overlap.interleave(strand(log, "F", 1), bad)
+    assert threading.active_count() == 1 or all(t.name != "pympar-overlap" for t in threading.enumerate())
+
+
+def test_a_strand_cannot_start_another_pair():
+    with pytest.raises(RuntimeError, match="cannot start another pair"):
+        overlap.interleave(lambda: overlap.interleave(lambda: 0, lambda: 0), lambda: 0)
+
+
+def test_a_backwards_deferred_weight_gradients_stay_in_its_strand():
+    seen, ran = [], []
+
+    def backward():
+        with WeightGrads() as w:
+            overlap.exchange(lambda: None, lambda: Req([], "b", None))
+            deferrable(lambda: ran.append("w"))
+        assert ran == []
+        w.run()
+        return ran
+
+    def forward():
+        seen.append(deferring())           # while the backward's scope is open on the other thread
+        overlap.exchange(lambda: None, lambda: Req([], "f", None))
+        seen.append(deferring())
+
+    overlap.interleave(forward, backward)
+    assert seen == [False, False] and ran == ["w"]

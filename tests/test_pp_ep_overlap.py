@@ -1,0 +1,13 @@
+"""DualPipeV's F & B pairs interleaved at the expert-parallel all-to-alls, under mpiexec: the
+exchanges start inside live pairs and training is bitwise the sequential run of the same table
+(tests/mpi/mpi_pp_ep_overlap.py). CI runs dp2 x pp2 x ep2; 8 ranks (ep 2 and 4) are @slow."""
+import pytest
+
+from mpirun import run_pytest_mpi
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("n", [4, pytest.param(8, marks=pytest.mark.slow)])
+def test_dualpipev_pairs_overlap_the_ep_all_to_alls(n):
+    run_pytest_mpi(n, "mpi_pp_ep_overlap.py", timeout=150 if n == 4 else 400)
