@@ -1,4 +1,5 @@
-"""parallel/overlap.py: two strands, one running at a time, control passing only at exchanges."""
+"""parallel/overlap.py: two strands (greenlets on the caller's thread), one running at a time, control
+passing only at exchanges."""
 import threading
 import time
 
@@ -77,7 +78,18 @@ def test_an_error_in_either_strand_is_raised_after_both_ended():
     assert log[-1] == "B ends" and not overlap.active()
     with pytest.raises(KeyError):
         overlap.interleave(strand(log, "F", 1), bad)
-    assert threading.active_count() == 1 or all(t.name != "pympar-overlap" for t in threading.enumerate())
+    assert not overlap.active()
+
+
+def test_both_strands_run_on_the_callers_thread():
+    ids = []
+
+    def who():
+        ids.append(threading.get_ident())
+        overlap.exchange(lambda: None, lambda: Req([], "x", None))
+        ids.append(threading.get_ident())
+    overlap.interleave(who, who)
+    assert ids == [threading.get_ident()] * 4
 
 
 def test_a_strand_cannot_start_another_pair():
@@ -97,7 +109,7 @@ def test_a_backwards_deferred_weight_gradients_stay_in_its_strand():
         return ran
 
     def forward():
-        seen.append(deferring())           # while the backward's scope is open on the other thread
+        seen.append(deferring())           # while the backward's scope is open in the other strand
         overlap.exchange(lambda: None, lambda: Req([], "f", None))
         seen.append(deferring())
 

@@ -3,7 +3,7 @@ stale gradient), now or -- inside a ``WeightGrads`` scope, the W pass of a zero-
 later, bitwise the same."""
 from __future__ import annotations
 
-import threading
+import contextvars
 
 from .products import matmul
 
@@ -20,21 +20,16 @@ def accumulate(p, g):
 
 
 # --- the backward split: input gradients now, weight gradients later (zero-bubble pipelines) ----
-class _Scopes(threading.local):
-    """Each thread's stack of open WeightGrads scopes (innermost last): a backward interleaved with
-    a forward on another thread (parallel/overlap.py) defers only its own weight gradients."""
-    def __init__(self):
-        self.stack = []
-
-
-_SCOPES = _Scopes()
+# the open WeightGrads scopes, innermost last: a context variable, so a backward interleaved with a
+# forward (parallel/overlap.py: each strand a greenlet, with its own context) defers only its own
+_SCOPES = contextvars.ContextVar("pympar_weight_grads", default=())
 
 
 def deferrable(apply):
     """Run ``apply()`` (a weight-gradient update, in place) now, or -- inside a ``WeightGrads``
     scope -- when the scope's ``run()`` is called. The closure holds what the update needs (the
     layer's input and output gradient), so a deferred update keeps exactly those alive."""
-    stack = _SCOPES.stack
+    stack = _SCOPES.get()
     if stack:
         stack[-1].items.append(apply)
     else:
@@ -70,7 +65,7 @@ def weight_grad(p, compute, into=None):
 
 def deferring() -> bool:
     """True inside a WeightGrads scope (weight gradients wait for its run())."""
-    return bool(_SCOPES.stack)
+    return bool(_SCOPES.get())
 
 
 class WeightGrads:
@@ -79,17 +74,19 @@ class WeightGrads:
     in the order the backward met them, so the gradients are bitwise those of running them at
     once (the same products, added to each .grad in the same order)."""
 
-    __slots__ = ("items",)
+    __slots__ = ("items", "_token")
 
     def __init__(self):
         self.items = []
+        self._token = None
 
     def __enter__(self):
-        _SCOPES.stack.append(self)
+        self._token = _SCOPES.set(_SCOPES.get() + (self,))
         return self
 
     def __exit__(self, *exc):
-        _SCOPES.stack.remove(self)
+        _SCOPES.reset(self._token)
+        self._token = None
         return False
 
     def run(self):

@@ -1,0 +1,166 @@
+"""DualPipeV's overlap of the expert-parallel all-to-all: how much of the all-to-all time 1F1B exposes
+does DualPipeV hide when each of its F & B pairs runs interleaved (--pp-overlap on)?
+
+    python bench/dualpipe_ep.py                       # shared memory and the network transport
+    python bench/dualpipe_ep.py --quick               # the smoke run (tests/test_bench_cli.py)
+
+Each launch is ``mpiexec -n 4`` of this script as the trainer builds its runner (pympar.config.parse_args,
+build_runner): a MoE model (--preset with 4 blocks, every one a MoE block) on dp 2 x pp 2 x ep 2 (the ep group
+inside the data-parallel ranks of a stage), --n-micro micro-batches per rank, one kernel thread per
+rank, the trainer's default dtype. Three variants, each its own launch, alternating round by round:
+  1f1b             the schedule the target compares against;
+  dualpipev off    DualPipeV's table, one action after the other (the same work, no overlap);
+  dualpipev on     its F & B pairs interleaved (parallel/overlap.py): one micro-batch's all-to-alls in
+                   flight while the other micro-batch computes.
+Per step and rank: the exposed all-to-all time (the seconds this rank spent inside its all-to-alls:
+start and wait, not the partner's compute in between; the step's "ep_comm" of the trace), the step's
+time (the slowest rank's) and the bubble. A launch reports the median over its steps after --warmup of
+the mean over ranks; the variants' figures are medians over --rounds launches. hidden = 1 - exposed
+(dualpipev on) / exposed (1f1b); the target is hidden >= 0.5. The losses of the two dualpipev variants
+must be bitwise equal (else the script exits 1).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+VARIANTS = (("1f1b", "off"), ("dualpipev", "off"), ("dualpipev", "on"))
+TRANSPORTS = {"shared memory": {}, "network": {"MPIR_CVAR_NOLOCAL": "1"}}
+
+
+def parse(argv=None):
+    ap = common.worker_parser(__doc__)
+    ap.add_argument("--preset", default="moe-small")
+    ap.add_argument("--n-micro", type=int, default=8, help="micro-batches per rank and step")
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--transports", default=",".join(TRANSPORTS))
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--schedule", default="1f1b", help=" (worker)")
+    ap.add_argument("--overlap", default="off", help=" (worker)")
+    common.add_output_args(ap, "dualpipe_ep")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.preset, a.steps, a.warmup, a.rounds, a.n_micro, a.micro_batch_size = "moe-tiny", 2, 1, 1, 4, 2
+        a.transports = "shared memory"
+    return a
+
+
+def worker(a):
+    import numpy as np
+    from mpi4py import MPI
+
+    from pympar import kernels
+    from pympar.config import apply_environment, parse_args
+    apply_environment()
+    from pympar.comm import MPIComm
+    from pympar.data import load_corpus, local_micro_batches
+    from pympar.parallel.runner import build_runner
+
+    mpi = MPI.COMM_WORLD
+    argv = ["--preset", a.preset, "--n-layer", "4", "--moe-every", "1", "--dp", "2", "--pp", "2", "--ep", "2",
+            "--schedule", a.schedule, "--pp-overlap", a.overlap, "--n-micro", str(a.n_micro),
+            "--micro-batch-size", str(a.micro_batch_size), "--threads", "1"]
+    c = parse_args(argv, mpi.Get_size())
+    corpus = load_corpus(c.run.data)
+    kernels.set_process_threads(1)
+    comm = MPIComm(mpi, name="world", timeout=c.run.comm_timeout)
+    runner = build_runner(c.model, c.parallel, comm, c.run, c.optim)
+    lay, dp_rank = c.parallel, runner.mesh.dp_rank
+    rows, losses = [], []
+    for s in range(a.warmup + a.steps):
+        mbs = local_micro_batches(corpus.train, c.run.seed, s, dp_rank, lay.n_micro, lay.micro_batch_size,
+                                  c.model.block_size)
+        comm.barrier()
+        t0 = time.perf_counter()
+        res = runner.train_step(mbs, c.optim.lr)
+        dt = time.perf_counter() - t0
+        ex = runner.executor.stats
+        rows.append([res.time_split["ep_comm"], dt, ex["bubble"], ex.get("overlapped_pairs", 0)])
+        losses.append(res.loss)
+    got = np.array(rows, np.float64)                                # host
+    every = mpi.gather(got, root=0)
+    if mpi.Get_rank() == 0:
+        allr = np.stack(every)                                      # (ranks, steps, 4)
+        timed = allr[:, a.warmup:, :]
+        out = dict(schedule=a.schedule, overlap=a.overlap, dtype=c.run.dtype, ranks=mpi.Get_size(),
+                   exposed_a2a_s=float(np.median(timed[:, :, 0].mean(axis=0))),
+                   step_s=float(np.median(timed[:, :, 1].max(axis=0))),
+                   bubble=float(np.median(timed[:, :, 2].mean(axis=0))),
+                   pairs=int(timed[0, -1, 3]), losses=losses)
+        print("ROWS " + json.dumps(out), flush=True)
+
+
+def run(a) -> dict:
+    rows = []
+    for tname in a.transports.split(","):
+        per = {v: [] for v in VARIANTS}
+        for rnd in range(a.rounds):
+            order = VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]
+            for sched, ov in order:
+                args = ["--preset", a.preset, "--n-micro", a.n_micro, "--micro-batch-size", a.micro_batch_size,
+                        "--steps", a.steps, "--warmup", a.warmup, "--schedule", sched, "--overlap", ov]
+                r = common.run_worker(4, Path(__file__), args, a.timeout, TRANSPORTS[tname])
+                per[(sched, ov)].append(r)
+                print(f"{tname:14s} round {rnd} {sched:10s} overlap {ov:3s}: exposed a2a {1e3 * r['exposed_a2a_s']:7.2f} ms"
+                      f"  step {1e3 * r['step_s']:7.1f} ms  bubble {r['bubble']:.3f}  pairs {r['pairs']}", flush=True)
+        for runs in zip(per[("dualpipev", "off")], per[("dualpipev", "on")]):
+            if runs[0]["losses"] != runs[1]["losses"]:
+                raise SystemExit(f"dualpipev with and without the overlap differ: {runs[0]['losses']} vs {runs[1]['losses']}")
+        med = {v: {k: statistics.median(r[k] for r in rs) for k in ("exposed_a2a_s", "step_s", "bubble")}
+               for v, rs in per.items()}
+        base, off, on = med[("1f1b", "off")], med[("dualpipev", "off")], med[("dualpipev", "on")]
+        rows.append(dict(transport=tname, dtype=per[VARIANTS[0]][0]["dtype"],
+                         variants=[dict(schedule=s, overlap=o, **med[(s, o)], runs=per[(s, o)]) for s, o in VARIANTS],
+                         hidden_vs_1f1b=1.0 - on["exposed_a2a_s"] / base["exposed_a2a_s"],
+                         hidden_vs_sequential=1.0 - on["exposed_a2a_s"] / off["exposed_a2a_s"],
+                         step_on_over_1f1b=on["step_s"] / base["step_s"],
+                         step_on_over_off=on["step_s"] / off["step_s"]))
+        r = rows[-1]
+        print(f"{tname}: hidden {r['hidden_vs_1f1b']:.2f} of 1F1B's exposed all-to-all time "
+              f"({r['hidden_vs_sequential']:.2f} of the same table run sequentially); step time on/1f1b "
+              f"{r['step_on_over_1f1b']:.2f}, on/off {r['step_on_over_off']:.2f}", flush=True)
+    return dict(bench="dualpipe_ep", machine=common.machine(), preset=a.preset, layout="dp2 pp2 ep2, every block MoE",
+                n_micro=a.n_micro, micro_batch_size=a.micro_batch_size, steps=a.steps, warmup=a.warmup,
+                rounds=a.rounds, target="hidden_vs_1f1b >= 0.5", rows=rows)
+
+
+def plot(res, png) -> None:
+    plt = common.pyplot()
+    rows = res["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    labels = [f"{v['schedule']}{' overlap' if v['overlap'] == 'on' else ''}" for v in rows[0]["variants"]]
+    width = 0.8 / len(rows)
+    for k, (ax, key, title) in enumerate(zip(axes, ("exposed_a2a_s", "step_s"),
+                                             ("exposed all-to-all per step (ms)", "step time (ms)"))):
+        for j, r in enumerate(rows):
+            xs = [i + j * width for i in range(len(labels))]
+            ax.bar(xs, [1e3 * v[key] for v in r["variants"]], width, label=r["transport"])
+        ax.set_xticks([i + width * (len(rows) - 1) / 2 for i in range(len(labels))], labels)
+        ax.set_title(title)
+        if k == 0:
+            ax.legend()
+    fig.suptitle(f"DualPipeV's F&B overlap, {res['preset']} MoE, {res['layout']} ({res['rows'][0]['dtype']})")
+    common.save(fig, png)
+
+
+def main(argv=None):
+    a = parse(argv)
+    if a.worker:
+        worker(a)
+        return None
+    res = run(a)
+    common.write_outputs(a, res, plot)
+    return res
+
+
+if __name__ == "__main__":
+    main()
