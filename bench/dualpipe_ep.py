@@ -18,6 +18,16 @@ time (the slowest rank's) and the bubble. A launch reports the median over its s
 the mean over ranks; the variants' figures are medians over --rounds launches. hidden = 1 - exposed
 (dualpipev on) / exposed (1f1b); the target is hidden >= 0.5. The losses of the two dualpipev variants
 must be bitwise equal (else the script exits 1).
+
+--work model (default): the model's own compute. With 4 ranks on 2 cores a rank's wait inside an
+all-to-all is mostly time in which the other ranks hold the cores, and the overlap cannot turn that
+into idle time to fill. --work sleep emulates the cores a rank would have to itself: each block's
+attention sleeps --attn-ms forward (twice that backward), each rank's experts sleep --row-us per row
+they receive forward (twice backward), the rest runs for real -- routing, the all-to-alls, layer
+norms, embedding, head and optimizer -- so the all-to-all waits are those of real routing imbalance
+and real messages, between ranks whose compute leaves the cores free (bench/pipeline.py's --work
+sleep does the same for the pipeline bubble). Its losses are not a model's: the emulated parts
+return zeros.
 """
 from __future__ import annotations
 
@@ -38,19 +48,23 @@ def parse(argv=None):
     ap = common.worker_parser(__doc__)
     ap.add_argument("--preset", default="moe-small")
     ap.add_argument("--n-micro", type=int, default=8, help="micro-batches per rank and step")
+    ap.add_argument("--n-embd", type=int, default=0, help="the model's width (0: the preset's)")
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--transports", default=",".join(TRANSPORTS))
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--work", default="model,sleep", help="comma-separated: model (real compute), sleep (emulated)")
+    ap.add_argument("--attn-ms", type=float, default=1.5, help="--work sleep: a block's attention forward")
+    ap.add_argument("--row-us", type=float, default=1.5, help="--work sleep: an expert's forward per row")
     ap.add_argument("--schedule", default="1f1b", help=" (worker)")
     ap.add_argument("--overlap", default="off", help=" (worker)")
     common.add_output_args(ap, "dualpipe_ep")
     a = ap.parse_args(argv)
     if a.quick:
         a.preset, a.steps, a.warmup, a.rounds, a.n_micro, a.micro_batch_size = "moe-tiny", 2, 1, 1, 4, 2
-        a.transports = "shared memory"
+        a.transports, a.work = "shared memory", "model,sleep"
     return a
 
 
@@ -68,12 +82,15 @@ def worker(a):
     mpi = MPI.COMM_WORLD
     argv = ["--preset", a.preset, "--n-layer", "4", "--moe-every", "1", "--dp", "2", "--pp", "2", "--ep", "2",
             "--schedule", a.schedule, "--pp-overlap", a.overlap, "--n-micro", str(a.n_micro),
-            "--micro-batch-size", str(a.micro_batch_size), "--threads", "1"]
+            "--micro-batch-size", str(a.micro_batch_size), "--threads", "1"] + \
+        (["--n-embd", str(a.n_embd)] if a.n_embd else [])
     c = parse_args(argv, mpi.Get_size())
     corpus = load_corpus(c.run.data)
     kernels.set_process_threads(1)
     comm = MPIComm(mpi, name="world", timeout=c.run.comm_timeout)
     runner = build_runner(c.model, c.parallel, comm, c.run, c.optim)
+    if a.work == "sleep":
+        emulate(runner.model, a.attn_ms / 1e3, a.row_us / 1e6)
     lay, dp_rank = c.parallel, runner.mesh.dp_rank
     rows, losses = [], []
     for s in range(a.warmup + a.steps):
@@ -91,7 +108,7 @@ def worker(a):
     if mpi.Get_rank() == 0:
         allr = np.stack(every)                                      # (ranks, steps, 4)
         timed = allr[:, a.warmup:, :]
-        out = dict(schedule=a.schedule, overlap=a.overlap, dtype=c.run.dtype, ranks=mpi.Get_size(),
+        out = dict(schedule=a.schedule, overlap=a.overlap, work=a.work, dtype=c.run.dtype, ranks=mpi.Get_size(),
                    exposed_a2a_s=float(np.median(timed[:, :, 0].mean(axis=0))),
                    step_s=float(np.median(timed[:, :, 1].max(axis=0))),
                    bubble=float(np.median(timed[:, :, 2].mean(axis=0))),
@@ -99,18 +116,56 @@ def worker(a):
         print("ROWS " + json.dumps(out), flush=True)
 
 
+def emulate(model, attn_s, row_s):
+    """--work sleep: every block's attention and every rank's experts sleep instead of computing
+    (outputs zeros, gradients untouched); the rest of the model runs as it is."""
+    import numpy as np
+
+    from pympar.comm.progress import poke
+
+    def compute(t):                              # sleeps in 0.25 ms slices, a seam between them (the
+        end = time.perf_counter() + t            # products of a real layer: comm.progress.poke)
+        while (left := end - time.perf_counter()) > 0:
+            time.sleep(min(left, 2.5e-4))
+            poke()
+
+    def attn_forward(x):
+        compute(attn_s)
+        return np.zeros_like(x), (x, None)
+
+    def attn_backward(dy, ctx):
+        compute(2 * attn_s)
+        return np.zeros_like(dy)
+
+    def experts_forward(xs, counts, experts=None):
+        compute(row_s * len(xs))
+        return np.zeros_like(xs), len(xs)
+
+    def experts_backward(dys, n):
+        compute(2 * row_s * n)
+        return np.zeros_like(dys)
+
+    for chunk in model.chunks:
+        for block in chunk.h:
+            block.attn.forward, block.attn.backward = attn_forward, attn_backward
+            moe = getattr(block, "moe", None)
+            if moe is not None:
+                moe.run_experts, moe.run_experts_backward = experts_forward, experts_backward
+
+
 def run(a) -> dict:
     rows = []
-    for tname in a.transports.split(","):
+    for work, tname in [(w, t) for w in a.work.split(",") for t in a.transports.split(",")]:
         per = {v: [] for v in VARIANTS}
         for rnd in range(a.rounds):
             order = VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]
             for sched, ov in order:
-                args = ["--preset", a.preset, "--n-micro", a.n_micro, "--micro-batch-size", a.micro_batch_size,
-                        "--steps", a.steps, "--warmup", a.warmup, "--schedule", sched, "--overlap", ov]
+                args = ["--preset", a.preset, "--n-embd", a.n_embd, "--n-micro", a.n_micro, "--micro-batch-size", a.micro_batch_size,
+                        "--steps", a.steps, "--warmup", a.warmup, "--schedule", sched, "--overlap", ov,
+                        "--work", work, "--attn-ms", a.attn_ms, "--row-us", a.row_us]
                 r = common.run_worker(4, Path(__file__), args, a.timeout, TRANSPORTS[tname])
                 per[(sched, ov)].append(r)
-                print(f"{tname:14s} round {rnd} {sched:10s} overlap {ov:3s}: exposed a2a {1e3 * r['exposed_a2a_s']:7.2f} ms"
+                print(f"{work:5s} {tname:14s} round {rnd} {sched:10s} overlap {ov:3s}: exposed a2a {1e3 * r['exposed_a2a_s']:7.2f} ms"
                       f"  step {1e3 * r['step_s']:7.1f} ms  bubble {r['bubble']:.3f}  pairs {r['pairs']}", flush=True)
         for runs in zip(per[("dualpipev", "off")], per[("dualpipev", "on")]):
             if runs[0]["losses"] != runs[1]["losses"]:
@@ -118,19 +173,19 @@ def run(a) -> dict:
         med = {v: {k: statistics.median(r[k] for r in rs) for k in ("exposed_a2a_s", "step_s", "bubble")}
                for v, rs in per.items()}
         base, off, on = med[("1f1b", "off")], med[("dualpipev", "off")], med[("dualpipev", "on")]
-        rows.append(dict(transport=tname, dtype=per[VARIANTS[0]][0]["dtype"],
+        rows.append(dict(work=work, transport=tname, dtype=per[VARIANTS[0]][0]["dtype"],
                          variants=[dict(schedule=s, overlap=o, **med[(s, o)], runs=per[(s, o)]) for s, o in VARIANTS],
                          hidden_vs_1f1b=1.0 - on["exposed_a2a_s"] / base["exposed_a2a_s"],
                          hidden_vs_sequential=1.0 - on["exposed_a2a_s"] / off["exposed_a2a_s"],
                          step_on_over_1f1b=on["step_s"] / base["step_s"],
                          step_on_over_off=on["step_s"] / off["step_s"]))
         r = rows[-1]
-        print(f"{tname}: hidden {r['hidden_vs_1f1b']:.2f} of 1F1B's exposed all-to-all time "
+        print(f"{work}, {tname}: hidden {r['hidden_vs_1f1b']:.2f} of 1F1B's exposed all-to-all time "
               f"({r['hidden_vs_sequential']:.2f} of the same table run sequentially); step time on/1f1b "
               f"{r['step_on_over_1f1b']:.2f}, on/off {r['step_on_over_off']:.2f}", flush=True)
     return dict(bench="dualpipe_ep", machine=common.machine(), preset=a.preset, layout="dp2 pp2 ep2, every block MoE",
                 n_micro=a.n_micro, micro_batch_size=a.micro_batch_size, steps=a.steps, warmup=a.warmup,
-                rounds=a.rounds, target="hidden_vs_1f1b >= 0.5", rows=rows)
+                rounds=a.rounds, attn_ms=a.attn_ms, row_us=a.row_us, target="hidden_vs_1f1b >= 0.5", rows=rows)
 
 
 def plot(res, png) -> None:
@@ -143,7 +198,7 @@ def plot(res, png) -> None:
                                              ("exposed all-to-all per step (ms)", "step time (ms)"))):
         for j, r in enumerate(rows):
             xs = [i + j * width for i in range(len(labels))]
-            ax.bar(xs, [1e3 * v[key] for v in r["variants"]], width, label=r["transport"])
+            ax.bar(xs, [1e3 * v[key] for v in r["variants"]], width, label=f"{r['work']}, {r['transport']}")
         ax.set_xticks([i + width * (len(rows) - 1) / 2 for i in range(len(labels))], labels)
         ax.set_title(title)
         if k == 0:

@@ -67,6 +67,33 @@ def default_timeout() -> float:
     return SETTINGS.timeout
 
 
+# --- progress during compute -----------------------------------------------------------------
+# An MPI library without a progress thread moves a nonblocking operation's data only inside MPI
+# calls. A computation that has an exchange in flight behind it (parallel/overlap.py: one strand's
+# all-to-all while the other strand computes) registers the request here; the compute's natural
+# seams (each product, each layer's pieces) call ``poke()``, which tests them, so the peers' data
+# moves while this rank computes, not only when it waits.
+_BEHIND = []                  # requests in flight behind the compute now running
+
+
+def behind(req) -> None:
+    """Test ``req`` at every poke() until forget(req)."""
+    _BEHIND.append(req)
+
+
+def forget(req) -> None:
+    if req in _BEHIND:
+        _BEHIND.remove(req)
+
+
+def poke() -> None:
+    """Progress the requests in flight behind this compute (nothing when there are none)."""
+    if _BEHIND:
+        for r in list(_BEHIND):
+            if r.test():
+                _BEHIND.remove(r)
+
+
 class Backoff:
     """Polling pace: tight spins (a few when the node is oversubscribed), then sched_yield for
     YIELD_SECONDS, then doubling sleeps.

@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import kernels
 from ..backend import held_bytes, to_numpy, xp_of
+from ..comm.progress import poke
 from .attention import CausalSelfAttention
 from .config import GPTConfig
 from .layers import MLP, MLP_ROWS, Embedding, LayerNorm
@@ -64,6 +65,7 @@ class Block(Module):
         h1, c_ln1 = self.ln_1.forward(x)
         a, c_attn = self.attn.forward(h1)
         del h1
+        poke()                                   # exchanges in flight behind this compute (comm.progress)
         h2, c_ln2 = self.ln_2.forward_add(a, x)  # x1 = a + x in place (a is fresh, kept by no
         x1 = a                                   # ctx) and ln_2 of it, in one pass
         if again and not hasattr(self, "moe") and not self.mlp.keep_hidden:
@@ -101,7 +103,9 @@ class Block(Module):
             dh2 = self.mlp.backward(dy, _with_input(ctx.pop("ffn"), self.ln_2, ctx["ln2"]), consume=True)
         dx1 = self.ln_2.backward(dh2, ctx.pop("ln2"), residual=dy)   # + the residual's dy, one pass
         del dh2                                  # (x1, in ln2's ctx, is let go here too)
+        poke()
         dh1 = self.attn.backward(dx1, _with_input(ctx.pop("attn"), self.ln_1, ctx["ln1"]))
+        poke()
         return self.ln_1.backward(dh1, ctx.pop("ln1"), residual=dx1)
 
 

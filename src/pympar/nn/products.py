@@ -10,6 +10,7 @@ from .. import kernels
 from ..kernels import gemm
 from ..backend import dtype as backend_dtype
 from ..backend import is_low_precision, lowp_gemm, xp_of
+from ..comm.progress import poke
 
 
 def resolve_precision(dtype, compute_dtype, model: str = "GPT"):
@@ -89,7 +90,11 @@ def matmul(a, b, out_dtype=None, out=None, accumulate=False):
 
     ``accumulate=True``: out += a @ b (out required, of the product's shape). MKL adds the product
     in the GEMM itself (beta = 1: no temporary, no second pass over out); elsewhere the product
-    is formed (in out's dtype) and added, as ``accumulate`` below does."""
+    is formed (in out's dtype) and added, as ``accumulate`` below does.
+
+    Each product is a seam at which exchanges in flight behind this compute progress
+    (comm.progress.poke: nothing to do outside DualPipeV's overlapped pairs)."""
+    poke()
     if accumulate:
         if out is None:
             raise ValueError("matmul: accumulate=True needs an out to add the product to")

@@ -39,6 +39,8 @@ import time
 
 import greenlet
 
+from ..comm import progress
+
 
 class _Pair:
     __slots__ = ("driver", "strands")
@@ -71,7 +73,9 @@ def exchange(blocking, start):
         return out, time.perf_counter() - t0
     req = start()
     t1 = time.perf_counter()
+    progress.behind(req)                     # tested at the partner's compute seams (comm.progress.poke)
     _PAIR.driver.switch()                    # the partner's turn, up to its next exchange or its end
+    progress.forget(req)
     t2 = time.perf_counter()
     out = req.wait()
     return out, (t1 - t0) + (time.perf_counter() - t2)

@@ -282,14 +282,18 @@ class PipelineExecutor:
             live -= 1
             return out
 
-        def done(a, out, t_start, secs):
-            """Count ``a``'s seconds, trace it, and send its output on."""
-            nonlocal sends
+        def count(a, t_start, secs):
+            """Count ``a``'s seconds and trace it."""
             s = model.chunks[a.chunk].stage
             by_stage[s, "FBW".index(a.kind)] += secs
             if trace is not None:                            # the profiler's event of this action
                 trace(f"{_KIND_LABEL[a.kind]} stage {s}", t_start, secs, a.micro)
+
+        def send_on(a, out):
+            """Send ``a``'s output to the stage that needs it (nothing for None)."""
+            nonlocal sends
             if out is not None:
+                s = model.chunks[a.chunk].stage
                 if out.shape != shape or not np.can_cast(out.dtype, act_dtype, "same_kind") or \
                         out.dtype.itemsize > act_dtype.itemsize:
                     raise ValueError(f"stage {s} produced {a.kind} output {out.shape} {out.dtype}, but stages "
@@ -308,18 +312,19 @@ class PipelineExecutor:
             if i_act in pairs:                               # DualPipeV's F & B: one's exchanges behind the other
                 b = actions[i_act + 1]
                 inp_a, inp_b = receive(a), receive(b)
-                tc = time.perf_counter()
-                out_a, out_b, sa, sb = overlap.interleave(lambda: compute(i_act, a, inp_a),
-                                                          lambda: compute(i_act + 1, b, inp_b))
-                done(a, out_a, tc, sa)
-                done(b, out_b, tc + sa, sb)
+                tc = time.perf_counter()                     # each output leaves as its strand ends
+                _, _, sa, sb = overlap.interleave(lambda: send_on(a, compute(i_act, a, inp_a)),
+                                                  lambda: send_on(b, compute(i_act + 1, b, inp_b)))
+                count(a, tc, sa)
+                count(b, tc + sa, sb)
                 n_pairs += 1
                 i_act += 2
                 continue
             inp = receive(a)
             tc = time.perf_counter()
             out = compute(i_act, a, inp)
-            done(a, out, tc, time.perf_counter() - tc)
+            count(a, tc, time.perf_counter() - tc)
+            send_on(a, out)
             i_act += 1
         for r, _ in sends:
             r.wait()
