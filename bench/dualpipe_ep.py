@@ -19,6 +19,12 @@ the mean over ranks; the variants' figures are medians over --rounds launches. h
 (dualpipev on) / exposed (1f1b); the target is hidden >= 0.5. The losses of the two dualpipev variants
 must be bitwise equal (else the script exits 1).
 
+Before the pairs, the machine's own limit (--transfer-mb): 2 ranks (one per core), an all-to-all of
+that many MiB per rank started nonblocking, 5 ms of GEMMs computed behind it (with the compute seams'
+progress calls, comm.progress.poke, and without), then waited for; against the blocking call alone.
+hidden_transfer = 1 - wait / blocking: how much of a transfer this machine can run behind compute at
+all (the MPI library moves shared-memory and TCP-loopback messages with the CPU, inside its calls).
+
 --work model (default): the model's own compute. With 4 ranks on 2 cores a rank's wait inside an
 all-to-all is mostly time in which the other ranks hold the cores, and the overlap cannot turn that
 into idle time to fill. --work sleep emulates the cores a rank would have to itself: each block's
@@ -31,6 +37,7 @@ return zeros.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -58,6 +65,8 @@ def parse(argv=None):
     ap.add_argument("--work", default="model,sleep", help="comma-separated: model (real compute), sleep (emulated)")
     ap.add_argument("--attn-ms", type=float, default=1.5, help="--work sleep: a block's attention forward")
     ap.add_argument("--row-us", type=float, default=1.5, help="--work sleep: an expert's forward per row")
+    ap.add_argument("--transfer-mb", default="1,8", help="all-to-all sizes (MiB per rank) of the transfer check")
+    ap.add_argument("--part", default="pairs", help=argparse.SUPPRESS)
     ap.add_argument("--schedule", default="1f1b", help=" (worker)")
     ap.add_argument("--overlap", default="off", help=" (worker)")
     common.add_output_args(ap, "dualpipe_ep")
@@ -116,6 +125,59 @@ def worker(a):
         print("ROWS " + json.dumps(out), flush=True)
 
 
+def transfer_worker(a):
+    """2 ranks: per --transfer-mb size, the blocking all-to-all, and the nonblocking one with 5 ms of
+    GEMMs behind it (poked and not), median over rounds of the wait after the compute."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from pympar import kernels
+    from pympar.comm import MPIComm, progress
+
+    kernels.set_process_threads(1)
+    comm = MPIComm(MPI.COMM_WORLD, name="world")
+    g = np.random.default_rng(0).random((256, 256)).astype(np.float32)
+
+    def compute(poke):
+        end = time.perf_counter() + 5e-3
+        while time.perf_counter() < end:
+            g @ g
+            if poke:
+                progress.poke()
+
+    out = []
+    for mb in [float(x) for x in a.transfer_mb.split(",")]:
+        rows = int(mb * 2**20) // (256 * 4)
+        x = np.ones((rows * comm.size, 256), np.float32)
+        counts = np.full(comm.size, rows, np.int64)
+        got = {}
+        for mode in ("blocking", "behind, no poke", "behind, poked") * 2:
+            ws = []
+            for _ in range(5 if a.quick else 15):
+                comm.barrier()
+                if mode == "blocking":
+                    t = time.perf_counter()
+                    comm.alltoallv(x, counts, counts)
+                    ws.append(time.perf_counter() - t)
+                    continue
+                req = comm.ialltoallv(x, counts, counts)
+                if mode == "behind, poked":
+                    progress.behind(req)
+                compute(mode == "behind, poked")
+                progress.forget(req)
+                t = time.perf_counter()
+                req.wait()
+                ws.append(time.perf_counter() - t)
+            got.setdefault(mode, []).append(statistics.median(ws))
+        t = np.array([min(got[m]) for m in got])               # host: each mode's better pass
+        slowest = np.empty_like(t)
+        MPI.COMM_WORLD.Allreduce(t, slowest, op=MPI.MAX)
+        out.append(dict(mb=mb, **{m: float(v) for m, v in zip(got, slowest)},
+                        hidden_transfer=float(1 - slowest[2] / slowest[0])))
+    if comm.rank == 0:
+        print("ROWS " + json.dumps(out), flush=True)
+
+
 def emulate(model, attn_s, row_s):
     """--work sleep: every block's attention and every rank's experts sleep instead of computing
     (outputs zeros, gradients untouched); the rest of the model runs as it is."""
@@ -154,6 +216,14 @@ def emulate(model, attn_s, row_s):
 
 
 def run(a) -> dict:
+    transfer = []
+    for tname in a.transports.split(","):
+        for r in common.run_worker(2, Path(__file__), ["--part", "transfer", "--transfer-mb", a.transfer_mb] +
+                                   (["--quick"] if a.quick else []), a.timeout, TRANSPORTS[tname]):
+            transfer.append(dict(transport=tname, **r))
+            print(f"transfer {tname:14s} {r['mb']:4.0f} MiB: blocking {1e3 * r['blocking']:6.2f} ms; waited after 5 ms "
+                  f"of compute: {1e3 * r['behind, no poke']:6.2f} ms (no poke), {1e3 * r['behind, poked']:6.2f} ms "
+                  f"(poked): hidden {r['hidden_transfer']:.2f}", flush=True)
     rows = []
     for work, tname in [(w, t) for w in a.work.split(",") for t in a.transports.split(",")]:
         per = {v: [] for v in VARIANTS}
@@ -185,13 +255,14 @@ def run(a) -> dict:
               f"{r['step_on_over_1f1b']:.2f}, on/off {r['step_on_over_off']:.2f}", flush=True)
     return dict(bench="dualpipe_ep", machine=common.machine(), preset=a.preset, layout="dp2 pp2 ep2, every block MoE",
                 n_micro=a.n_micro, micro_batch_size=a.micro_batch_size, steps=a.steps, warmup=a.warmup,
-                rounds=a.rounds, attn_ms=a.attn_ms, row_us=a.row_us, target="hidden_vs_1f1b >= 0.5", rows=rows)
+                rounds=a.rounds, attn_ms=a.attn_ms, row_us=a.row_us, target="hidden_vs_1f1b >= 0.5", rows=rows,
+                transfer=transfer)
 
 
 def plot(res, png) -> None:
     plt = common.pyplot()
     rows = res["rows"]
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3))
     labels = [f"{v['schedule']}{' overlap' if v['overlap'] == 'on' else ''}" for v in rows[0]["variants"]]
     width = 0.8 / len(rows)
     for k, (ax, key, title) in enumerate(zip(axes, ("exposed_a2a_s", "step_s"),
@@ -203,6 +274,13 @@ def plot(res, png) -> None:
         ax.set_title(title)
         if k == 0:
             ax.legend()
+    ax, tr = axes[2], res.get("transfer", [])
+    modes = ("blocking", "behind, no poke", "behind, poked")
+    for j, mode in enumerate(modes):
+        ax.bar([i + j * 0.27 for i in range(len(tr))], [1e3 * t[mode] for t in tr], 0.27, label=mode)
+    ax.set_xticks([i + 0.27 for i in range(len(tr))], [f"{t['transport']}\n{t['mb']:g} MiB" for t in tr])
+    ax.set_title("2 ranks: a2a wait after 5 ms compute (ms)")
+    ax.legend()
     fig.suptitle(f"DualPipeV's F&B overlap, {res['preset']} MoE, {res['layout']} ({res['rows'][0]['dtype']})")
     common.save(fig, png)
 
@@ -210,7 +288,7 @@ def plot(res, png) -> None:
 def main(argv=None):
     a = parse(argv)
     if a.worker:
-        worker(a)
+        (transfer_worker if a.part == "transfer" else worker)(a)
         return None
     res = run(a)
     common.write_outputs(a, res, plot)

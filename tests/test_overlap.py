@@ -115,3 +115,72 @@ def test_a_backwards_deferred_weight_gradients_stay_in_its_strand():
 
     overlap.interleave(forward, backward)
     assert seen == [False, False] and ran == ["w"]
+
+
+class Counting(Req):
+    """A started exchange that counts its tests (done after ``after`` of them; never when None)."""
+
+    def __init__(self, after=None):
+        super().__init__([], "c", None)
+        self.tests, self.after = 0, after
+
+    def test(self):
+        self.tests += 1
+        return self.after is not None and self.tests >= self.after
+
+
+def test_the_partners_products_progress_the_exchange_in_flight():
+    """While one strand's exchange is in flight, each product the other strand computes tests it
+    (comm.progress.poke in nn.products.matmul); once the strand resumes, nothing tests it any more."""
+    import numpy as np
+
+    from pympar.nn.products import matmul
+
+    req = Counting()
+    a = np.ones((8, 8), np.float32)
+
+    def first():
+        overlap.exchange(lambda: None, lambda: req)
+        return req.tests
+
+    def second():
+        for _ in range(3):
+            matmul(a, a)
+        return req.tests
+
+    at_resume, during = overlap.interleave(first, second)[:2]
+    assert during == 3 and at_resume == 3
+    matmul(a, a)
+    assert req.tests == 3
+
+
+def test_a_poked_request_that_completes_is_tested_no_more():
+    from pympar.comm import progress
+
+    req = Counting(after=2)
+    progress.behind(req)
+    for _ in range(4):
+        progress.poke()
+    assert req.tests == 2
+    progress.forget(req)                       # (already gone: forgetting it again is harmless)
+
+
+def test_a_blocks_forward_and_backward_poke_between_their_pieces():
+    """A dense block's forward and backward test the request in flight behind them at their seams
+    (the products and the block's pieces), not only once."""
+    import numpy as np
+
+    from pympar.comm import progress
+    from pympar.nn import GPT, GPTConfig
+
+    m = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8), seed=0)
+    x = np.zeros((1, 8, 8), np.float32)
+    req = Counting()
+    progress.behind(req)
+    try:
+        y, ctx = m.h[0].forward(x)
+        fwd = req.tests
+        m.h[0].backward(np.ones_like(y), ctx)
+    finally:
+        progress.forget(req)
+    assert fwd >= 2 and req.tests >= fwd + 2, (fwd, req.tests)
