@@ -11,3 +11,10 @@ pytestmark = pytest.mark.mpi
 @pytest.mark.parametrize("n", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_dualpipev_pairs_overlap_the_ep_all_to_alls(n):
     run_pytest_mpi(n, "mpi_pp_ep_overlap.py", timeout=150 if n == 4 else 400)
+
+
+def test_auto_overlaps_across_nodes_only():
+    """On one node (the first test's run) --pp-overlap auto leaves the pairs sequential; with every
+    rank a node of its own it interleaves them."""
+    run_pytest_mpi(4, "mpi_pp_ep_overlap.py", timeout=120, env={"PYMPAR_RANKS_PER_NODE": "1"},
+                   extra_args=("-k", "auto"))

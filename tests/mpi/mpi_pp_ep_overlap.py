@@ -12,6 +12,8 @@ another). It checks:
     all-to-alls again inside the pair).
 Runs at world sizes 4 and 8 (other sizes skip: pp = 2 and ep = 2 need 4 ranks or 8).
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -95,15 +97,21 @@ def test_overlapped_pairs_are_the_sequential_run_bitwise(world, monkeypatch):
             assert np.array_equal(a, off["params"][n]), f"{where}: {n} differs from the run with the overlap off"
 
 
-def test_auto_overlaps_dualpipev_with_ep_only(world):
-    """--pp-overlap auto: on for dualpipev when the MoE layers exchange over ep >= 2, off without ep."""
+def test_auto_overlaps_where_the_all_to_alls_cross_nodes(world):
+    """--pp-overlap auto: the pairs interleave where the ep group's flat all-to-alls cross nodes, not
+    inside one node, not without ep. tests/test_pp_ep_overlap.py runs it on one node and again with
+    every rank a node of its own (PYMPAR_RANKS_PER_NODE=1), so both answers are seen."""
     if world.size != 4:
         pytest.skip("runs at 4 ranks")
-    for ep, want in ((2, True), (1, False)):
-        lay = Layout(dp=2, pp=2, ep=ep, model="moe", schedule="dualpipev", virtual_stages=2, micro_batch_size=2, n_micro=G // 2)
+    one_node = os.environ.get("PYMPAR_RANKS_PER_NODE") != "1"
+    for ep in (2, 1):
+        lay = Layout(dp=2, pp=2, ep=ep, model="moe", schedule="dualpipev", virtual_stages=2, micro_batch_size=2,
+                     n_micro=G // 2)
         opts = opts_of(lay)
-        opts.pp_overlap = "auto"
+        opts.pp_overlap, opts.ep_dispatch = "auto", "flat"
         runner = ParallelRunner(CFG, lay, world, opts, optim_of(lay))
         runner.train_step(global_batch(0, CFG.vocab_size)[:lay.n_micro], LR[lay.dtype])
-        assert (runner.executor.stats["overlapped_pairs"] > 0) == want, (ep, runner.executor.stats["overlapped_pairs"])
+        want = ep > 1 and not one_node
+        assert (runner.executor.stats["overlapped_pairs"] > 0) == want, \
+            (ep, one_node, runner.executor.stats["overlapped_pairs"])
         free_mesh(runner.mesh)

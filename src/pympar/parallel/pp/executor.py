@@ -87,9 +87,11 @@ class PipelineExecutor:
     ``channels``: True, send over ordered two-rank channels (pp/channels.py); False, tagged
     messages; None (default), channels exactly when ``comm`` runs on NCCL.
     ``overlap`` (dualpipev): run each of its F & B pairs interleaved, one's expert-parallel
-    all-to-alls in flight while the other computes (parallel/overlap.py); None (default): when
-    the model's MoE layers exchange over an ep group of more than one rank (else there is nothing
-    to hide); False: one action after the other.
+    all-to-alls in flight while the other computes (parallel/overlap.py); False: one action after
+    the other; None (default): where the MoE layers' flat all-to-alls cross nodes -- a network can
+    move their bytes while the CPU computes. Inside one node an MPI library moves them with the
+    CPU, in its own calls: there the pairs hid nothing and cost 1-7% of the step, measured
+    (bench/dualpipe_ep.py), so they run one action after the other.
     """
 
     def __init__(self, model, comm, schedule: str = "1f1b", recv_window: int | None = None,
@@ -137,7 +139,7 @@ class PipelineExecutor:
         if self.model.xp is not np:                  # a GPU's current device and stream are per thread
             return False
         return any(m.expert_parallel is not None and m.expert_parallel.comm.size > 1 and m.expert_parallel.route is None
-                   for _, m in self.model.moe_layers())
+                   and m.expert_parallel.crosses_nodes for _, m in self.model.moe_layers())
 
     # --- neighbours and tags --------------------------------------------------------------
     def _peer(self, stage):
