@@ -109,6 +109,19 @@ def test_blocking_library_call_is_ended_at_its_deadline_with_the_report():
                      r"timed out after 1.5s: no answer from rank\(s\) 1 .*aborting the job", p.stdout), p.stdout
 
 
+@pytest.mark.parametrize("n,want", [(2, "ARMED"), (3, "POLLED")])
+def test_a_nonblocking_library_wait_blocks_inside_mpi_unless_oversubscribed(n, want):
+    """on_timeout="abort": the library's nonblocking allreduce, waited for past a burst of tests,
+    blocks inside MPI with the deadline guard armed where every rank has a core (2 ranks here),
+    and polls (yielding the core) where ranks outnumber the cores (3); either way the skipped call
+    ends the job at its deadline with the report of who did not arrive."""
+    p = run_mpi(n, [SCRIPT, "blocking", "mpi"], timeout=60, check=False)
+    assert p.returncode != 0 and "RETURNED" not in p.stdout, p.stdout
+    assert re.search(rf"rank 0: {want}", p.stdout), p.stdout
+    assert re.search(r"pympar: rank [02]: collective watchdog: allreduce #2 on communicator 'watched' "
+                     r"timed out after 1.5s: no answer from rank\(s\) 1 .*aborting the job", p.stdout), p.stdout
+
+
 def test_gather_object_gathers_and_times_out_instead_of_hanging():
     p, out = run_scenario(3, [SCRIPT, "gatherok"], timeout=60)
     assert len(_lines(out, "GATHERED")) == 3, p.stdout

@@ -6,8 +6,9 @@
     mpi_watchdog.py rootmismatch   (PYMPAR_DEBUG_COLLECTIVES=1) rank 1 broadcasts from another root
     mpi_watchdog.py busy ALGO      rank 1 sleeps outside MPI instead: reported as not answering
     mpi_watchdog.py abort          rank 1 skips; the others call watchdog.abort_job (job ends non-zero)
-    mpi_watchdog.py blocking       (on_timeout="abort", algo="blocking") rank 1 skips: the library's
-                                   blocking allreduce cannot time out, the deadline thread ends the job
+    mpi_watchdog.py blocking ALGO  (on_timeout="abort") rank 1 skips: a wait blocked inside the library
+                                   (algo "blocking"; "mpi" where ranks <= cores) cannot time out, the
+                                   deadline thread ends the job; the others say whether they blocked
     mpi_watchdog.py sendrecv       rank 1 never sends; rank 0's recv times out naming rank 1
     mpi_watchdog.py gather         rank 1 skips comm.objects.gather_object: the others time out
     mpi_watchdog.py gatherok       every rank gathers a dict holding an array: rank 0 checks the list
@@ -20,6 +21,7 @@ Each rank prints one line ``rank R: <KIND> ...`` that tests/test_watchdog.py par
 """
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -28,7 +30,7 @@ from mpi4py import MPI
 from pympar.comm import CommTimeoutError, MPIComm
 from pympar.comm.objects import gather_object
 from pympar.comm.debug import CollectiveMismatchError
-from pympar.comm.watchdog import abort_job
+from pympar.comm.watchdog import SLOT, abort_job
 from pympar.config import apply_environment
 
 apply_environment()      # a script of its own: PYMPAR_DEBUG_COLLECTIVES, PYMPAR_COMM_TIMEOUT as the test set them
@@ -53,9 +55,17 @@ def line(kind, e=None):
             f.write(msg)                 # this returns, whatever ends the job afterwards
 
 
+def report_the_wait():
+    """Half a second into the stalled call: is the deadline guard's slot armed (the wait blocks
+    inside the library) or not (it polls)?"""
+    time.sleep(0.5)
+    line("ARMED" if SLOT[0] else "POLLED")
+
+
 try:
     if scenario == "blocking":
         if c.rank != 1:
+            threading.Thread(target=report_the_wait, daemon=True).start()
             c.allreduce(np.ones(4), algo=algo)
             line("RETURNED")     # not reached: the deadline thread aborts the job
         else:

@@ -91,6 +91,7 @@ class MPIComm(Communicator):
         self._guard = deadline_guard() if on_timeout == "abort" else None   # keeps "blocking" calls' deadlines
         if self._guard is not None:
             self._guard.watch(self._token, self)
+        self._abort_token = self._token if self._guard is not None else 0   # collectives' waits may block (progress.Waiter)
         self._timer = None    # tuning.measure's timer(name, run) -> seconds (None: perf_counter)
         # watchdog side channels (shadow communicators): who entered which call; debug fingerprints
         self._board = ArrivalBoard(self._coll, self.name, self.timeout)
@@ -133,7 +134,7 @@ class MPIComm(Communicator):
             self._check_tag_free(op)
         self.seq += 1
         self._board.enter(self.seq, op)
-        w = Waiter(op, self.name, self.seq, self.timeout, self._board)
+        w = Waiter(op, self.name, self.seq, self.timeout, self._board, self._abort_token)
         if self._fp is not None:
             n = count if count is not None else (int(x.size) if x is not None else 0)
             self._fp.check(op, self.seq, n, None if x is None else x.dtype, root, w)
@@ -212,7 +213,7 @@ class MPIComm(Communicator):
         d = tuner.lookup(verb, x.dtype, nbytes, cands)
         if d is not None:
             return d
-        w = Waiter(verb, self.name, self.seq, self.timeout, self._board)   # the call's own deadline and board entry
+        w = Waiter(verb, self.name, self.seq, self.timeout, self._board, self._abort_token)   # the call's own deadline and board entry
         if not self._same_call(w, verb, x, nbytes, root):
             # the ranks are not in the same call (an erroneous program): measure nothing, run the
             # library's call as a program without auto would, and decide nothing for the bucket
@@ -384,7 +385,7 @@ class MPIComm(Communicator):
         kind, v = r
         if kind == 0:
             raise MPI.Exception(v)
-        Waiter(verb, self.name, self.seq, self.timeout, self._board).wait([MPI.Request.fromhandle(v & _U64)], [None])
+        Waiter(verb, self.name, self.seq, self.timeout, self._board, self._abort_token).wait([MPI.Request.fromhandle(v & _U64)], [None])
         return dst
 
     def _blocking(self, verb, x, out, algo, op=None, root=None, inplace=False):
@@ -497,11 +498,11 @@ class MPIComm(Communicator):
                 finish_avg(dst.reshape(-1), self.size)
             return dst
         if plan.algo != "mpi":
-            return self._run(plan, x, dst, Waiter(plan.verb, self.name, seq, self.timeout, self._board))
+            return self._run(plan, x, dst, Waiter(plan.verb, self.name, seq, self.timeout, self._board, self._abort_token))
         # _run's library branch, inlined (a Python call less: ~0.3 us of a ~3 us collective)
         req = plan.start(x, dst)
         if not req.Test():
-            poll1(req, lambda: Waiter(plan.verb, self.name, seq, self.timeout, self._board))
+            poll1(req, lambda: Waiter(plan.verb, self.name, seq, self.timeout, self._board, self._abort_token))
         if plan.avg:
             finish_avg(dst.reshape(-1), self.size)
         return dst

@@ -25,7 +25,7 @@ import zlib
 import numpy as np
 
 from .errors import CommTimeoutError
-from .progress import Backoff, Waiter, default_timeout
+from .progress import SLOT, Backoff, Waiter, default_timeout
 
 ABORT_STATUS = 3          # exit status of a job ended by the watchdog (2 = bad configuration)
 READ_SECONDS = 2.0        # how long a timed-out rank waits for the peers' slots
@@ -317,7 +317,6 @@ class DeadlineGuard:
                 self._on_expiry(e)
 
 
-SLOT = memoryview(bytearray(16)).cast("q")   # [token, seq] of the blocking call in progress (0: none)
 
 
 _guard = None
