@@ -253,7 +253,9 @@ def run(a) -> dict:
         print(f"{work}, {tname}: hidden {r['hidden_vs_1f1b']:.2f} of 1F1B's exposed all-to-all time "
               f"({r['hidden_vs_sequential']:.2f} of the same table run sequentially); step time on/1f1b "
               f"{r['step_on_over_1f1b']:.2f}, on/off {r['step_on_over_off']:.2f}", flush=True)
-    return dict(bench="dualpipe_ep", machine=common.machine(), preset=a.preset, layout="dp2 pp2 ep2, every block MoE",
+    targets = {f"DualPipeV --pp-overlap on: share of 1F1B's exposed EP all-to-all time hidden, the model's compute, "
+               f"{r['transport']} (target >= 0.5)": r["hidden_vs_1f1b"] for r in rows if r["work"] == "model"}
+    return dict(bench="dualpipe_ep", machine=common.machine(), targets=targets, preset=a.preset, layout="dp2 pp2 ep2, every block MoE",
                 n_micro=a.n_micro, micro_batch_size=a.micro_batch_size, steps=a.steps, warmup=a.warmup,
                 rounds=a.rounds, attn_ms=a.attn_ms, row_us=a.row_us, target="hidden_vs_1f1b >= 0.5", rows=rows,
                 transfer=transfer)

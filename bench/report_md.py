@@ -648,6 +648,33 @@ def sec_cp_hybrid(res, status) -> str:
     return "\n".join(out)
 
 
+def sec_dualpipe_ep(res, status) -> str:
+    d, out = _opening(res, status, "dualpipe_ep", "## DualPipeV's overlap of the expert-parallel all-to-all")
+    if not d:
+        return "\n".join(out)
+    out += ["`python bench/dualpipe_ep.py`: first the machine's limit -- 2 ranks (one per core), an all-to-all started "
+            "nonblocking with 5 ms of GEMMs behind it (the compute's progress calls on and off), then its wait, "
+            "against the blocking call (hidden = 1 - poked wait / blocking):", "",
+            "| transport | MiB per rank | blocking ms | wait, no poke | wait, poked | hidden |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+            *[f"| {t['transport']} | {t['mb']:g} | {1e3 * t['blocking']:.2f} | {1e3 * t['behind, no poke']:.2f} | "
+              f"{1e3 * t['behind, poked']:.2f} | {t['hidden_transfer']:.2f} |" for t in d.get("transfer", [])], "",
+            f"Then {d['preset']} ({d['layout']}), {d['n_micro']} micro-batches of {d['micro_batch_size']} per rank, "
+            f"4 ranks on the 2 cores, {d['rounds']} launches per variant alternating, medians: the exposed all-to-all "
+            "time per step (a rank's seconds inside its all-to-alls, mean over ranks) of 1F1B, of DualPipeV's table run "
+            "one action after the other (off) and with its F & B pairs interleaved (on). `sleep`: attention and "
+            "experts emulated by sleeps (the cores a rank would have to itself); routing and all-to-alls real.", "",
+            _img("dualpipe_ep", "DualPipeV's overlap: exposed all-to-all and step time"), "",
+            "| compute | transport | 1f1b ms | dualpipev off ms | dualpipev on ms | hidden vs 1f1b | hidden vs off | "
+            "step on / 1f1b | step on / off |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in d["rows"]:
+        e = [1e3 * v["exposed_a2a_s"] for v in r["variants"]]
+        out.append(f"| {r['work']} | {r['transport']} | {e[0]:.1f} | {e[1]:.1f} | {e[2]:.1f} | {r['hidden_vs_1f1b']:.2f} | "
+                   f"{r['hidden_vs_sequential']:.2f} | {r['step_on_over_1f1b']:.2f} | {r['step_on_over_off']:.2f} |")
+    return "\n".join(out) + "\n"
+
+
 def sec_call_overhead(res, status) -> str:
     d, out = _opening(res, status, "call_overhead", "## Per-call cost: MPIComm against the library called through mpi4py")
     if not d:
@@ -700,7 +727,7 @@ def sec_memory(res, status) -> str:
 
 
 # the bench script that writes each JSON (for the targets table's command column)
-COMMANDS = {"checkpoint": "python bench/checkpoint.py", "context_parallel": "python bench/context_parallel.py",
+COMMANDS = {"checkpoint": "python bench/checkpoint.py", "dualpipe_ep": "python bench/dualpipe_ep.py", "context_parallel": "python bench/context_parallel.py",
             "memory": "python bench/memory.py",
             "attention": "python bench/attention.py", "auto_select": "python bench/auto_select.py",
             "call_overhead": "python bench/call_overhead.py", "moe_experts": "python bench/moe_experts.py",
@@ -801,5 +828,5 @@ def render(res: Path, status: dict) -> str:
     if quick:
         head += [f"**These results include --quick smoke runs ({', '.join(quick)}): small sizes and few steps.**", ""]
     secs = [sec_targets, sec_collectives, sec_auto_select, sec_call_overhead, sec_train_step, sec_gemm, sec_attention, sec_ddp_step, sec_kernels, sec_strategies, sec_pipeline, sec_pipeline_head, sec_dp, sec_moe, sec_moe_experts, sec_moe_dispatch, sec_moe_replicas, sec_moe_fold,
-            sec_compression, sec_plan, sec_memory, sec_reproducible, sec_param_server, sec_cp_comm, sec_cp_hybrid, sec_soak]
+            sec_compression, sec_plan, sec_memory, sec_reproducible, sec_param_server, sec_cp_comm, sec_cp_hybrid, sec_dualpipe_ep, sec_soak]
     return "\n".join(head) + "\n" + "\n".join(s(res, status) for s in secs)

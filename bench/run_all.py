@@ -109,6 +109,8 @@ def steps(quick: bool) -> list:
         ("cp_comm", [PY, B / "cp_comm.py", *(["--quick"] if q else []), "--json", R / "cp_comm.json"], None),
         ("cp_hybrid", [PY, B / "cp_comm.py", "--two-nodes", *(["--T", "1024", "--rounds", "1"] if q else []),
                        "--json", R / "cp_hybrid.json"], None),
+        ("dualpipe_ep", [PY, B / "dualpipe_ep.py", *(["--quick"] if q else []), "--json", R / "dualpipe_ep.json",
+                         "--png", IMG / "dualpipe_ep.png"], None),
         ("soak", [PY, B / "soak.py", "--world", "8", "--preset", "tiny" if q else "small", "--steps", "30" if q else "300",
                   "--save-every", "10" if q else "25", "--json", R / "soak.json", "--png", IMG / "soak.png"], None),
     ]

@@ -461,3 +461,26 @@ def test_moe_replicas_bench_runs_with_and_without(tmp_path, bench_module):
     assert rep["loss_rel_diff"] < 1e-5 and rep["rank_max_over_mean"] < base["rank_max_over_mean"]
     md = bench_module("report_md").sec_moe_replicas(tmp_path, {})
     assert "## Replicated hot experts" in md
+
+
+def test_dualpipe_ep_bench_times_the_three_variants_and_renders(tmp_path, bench_module):
+    """bench/dualpipe_ep.py --quick: the 2-rank transfer check, then 1f1b, dualpipev off and on with
+    the model's compute and emulated, one launch each; the pairs ran only where asked, the two
+    dualpipev variants trained bitwise alike (the script checks, exit 0), the section and its two
+    targets render."""
+    res = tmp_path / "results"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "dualpipe_ep.py"), "--quick", "--json",
+                        res / "dualpipe_ep.json", "--png", tmp_path / "d.png"],
+                       capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads((res / "dualpipe_ep.json").read_text())
+    assert [t["mb"] for t in d["transfer"]] == [1.0, 8.0] and all(t["blocking"] > 0 for t in d["transfer"])
+    assert [r["work"] for r in d["rows"]] == ["model", "sleep"]
+    for r in d["rows"]:
+        pairs = [run["pairs"] for v in r["variants"] for run in v["runs"]]
+        assert pairs[:2] == [0, 0] and pairs[2] > 0, pairs
+        assert all(v["exposed_a2a_s"] > 0 and v["step_s"] > 0 for v in r["variants"])
+    assert len(d["targets"]) == 1 and (tmp_path / "d.png").stat().st_size > 0
+    doc = bench_module("report_md").render(res, {})
+    assert "## DualPipeV's overlap of the expert-parallel all-to-all" in doc and "| sleep | shared memory |" in doc
+    assert "DualPipeV --pp-overlap on: share of 1F1B's exposed EP all-to-all time hidden" in doc
