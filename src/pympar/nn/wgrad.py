@@ -81,6 +81,8 @@ class WeightGrads:
         self._token = None
 
     def __enter__(self):
+        if self._token is not None:
+            raise RuntimeError("a WeightGrads scope is open already: enter a new WeightGrads()")
         self._token = _SCOPES.set(_SCOPES.get() + (self,))
         return self
 

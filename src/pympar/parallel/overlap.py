@@ -35,6 +35,7 @@ not the partner's run): the exposed communication time the benchmarks compare.
 
 from __future__ import annotations
 
+import contextvars
 import time
 
 import greenlet
@@ -73,9 +74,11 @@ def exchange(blocking, start):
         return out, time.perf_counter() - t0
     req = start()
     t1 = time.perf_counter()
-    progress.behind(req)                     # tested at the partner's compute seams (comm.progress.poke)
-    _PAIR.driver.switch()                    # the partner's turn, up to its next exchange or its end
-    progress.forget(req)
+    progress.behind(req)                     # moved on at the partner's compute seams (comm.progress.poke)
+    try:
+        _PAIR.driver.switch()                # the partner's turn, up to its next exchange or its end
+    finally:                                 # (also when the pair ends this strand early: GreenletExit)
+        progress.forget(req)
     t2 = time.perf_counter()
     out = req.wait()
     return out, (t1 - t0) + (time.perf_counter() - t2)
@@ -85,12 +88,16 @@ def interleave(first, second):
     """Run first() and second(), one at a time, control passing at every ``exchange`` of either,
     first() first. Returns (first's result, second's result, first's seconds running, second's
     seconds running) -- each strand's own time, without its partner's turns. An exception of
-    either is raised here after both ended (the other runs to its end, its exchanges blocking)."""
+    either is raised here after both ended (the other runs to its end, its exchanges blocking; the
+    second strand's exception is chained when both raise). Each strand starts in a copy of the
+    caller's context variables (its own changes stay its own)."""
     global _PAIR
     if _PAIR is not None:
         raise RuntimeError("interleave: a strand of an interleaved pair cannot start another pair")
     pair = _Pair(greenlet.getcurrent())
     pair.strands = [greenlet.greenlet(first), greenlet.greenlet(second)]
+    for g in pair.strands:
+        g.gr_context = contextvars.copy_context()
     out, err, secs = [None, None], [None, None], [0.0, 0.0]
     _PAIR = pair
     try:
@@ -101,14 +108,19 @@ def interleave(first, second):
                 t = time.perf_counter()
                 try:
                     r = g.switch()           # back here at its next exchange, or its end
-                except BaseException as e:   # noqa: BLE001 -- raised below, after the partner ends
+                except Exception as e:       # noqa: BLE001 -- raised below, after the partner ends
                     err[turn] = e
                 secs[turn] += time.perf_counter() - t
                 if g.dead and err[turn] is None:
                     out[turn] = r
             turn = 1 - turn
-    finally:
+    finally:                                 # (KeyboardInterrupt and the like: the strands end here)
         _PAIR = None
+        for g in pair.strands:
+            if not g.dead:
+                g.throw(greenlet.GreenletExit)
+    if err[0] is not None and err[1] is not None:
+        raise err[1] from err[0]
     for e in err:
         if e is not None:
             raise e

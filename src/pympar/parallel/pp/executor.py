@@ -86,22 +86,20 @@ class PipelineExecutor:
     them (default 2*p*v + 2: more than a 1F1B round trip, without a buffer per micro-batch).
     ``channels``: True, send over ordered two-rank channels (pp/channels.py); False, tagged
     messages; None (default), channels exactly when ``comm`` runs on NCCL.
-    ``overlap`` (dualpipev): run each of its F & B pairs interleaved, one's expert-parallel
-    all-to-alls in flight while the other computes (parallel/overlap.py); False: one action after
-    the other; None (default): where the MoE layers' flat all-to-alls cross nodes -- a network can
-    move their bytes while the CPU computes. Inside one node an MPI library moves them with the
-    CPU, in its own calls: there the pairs hid 4-13% of the all-to-all time 1F1B exposes
-    and cost 1-3% of the step, measured
-    (bench/dualpipe_ep.py), so they run one action after the other.
+    ``overlap`` (dualpipev): True, run each of its F & B pairs interleaved, one's expert-parallel
+    all-to-alls in flight while the other computes (parallel/overlap.py); False (default): one
+    action after the other. Every rank of the job must pass the same (the collectives inside a pair
+    start in the pair's order); the trainer's ``--pp-overlap auto`` decides it for the job
+    (ParallelRunner: where the ep groups' flat all-to-alls cross nodes).
     """
 
     def __init__(self, model, comm, schedule: str = "1f1b", recv_window: int | None = None,
-                 channels: bool | None = None, costs: tuple | None = None, overlap: bool | None = None):
+                 channels: bool | None = None, costs: tuple | None = None, overlap: bool = False):
         self.model, self.schedule = model, schedule
         if overlap and schedule != "dualpipev":
             raise ValueError(f"overlap pairs a forward with a backward as DualPipeV's table places them: "
                              f"schedule {schedule!r} has no such pairs (use dualpipev)")
-        self.overlap = overlap
+        self.overlap = bool(overlap)
         # the split schedules' table: built for unit times (None) or for (F, B, W) per global
         # stage (schedules.list_schedule); set it between steps -- the same on every rank of the
         # job -- e.g. to measured_costs of the times a step reported (stats["stage_times"])
@@ -129,18 +127,6 @@ class PipelineExecutor:
         self.action_done_hooks = []
         self.exact_tied = None
         self.stats = {}
-
-    def _overlaps(self) -> bool:
-        """Are this step's F & B pairs interleaved? (read each step: expert parallelism is installed
-        after the executor is built)"""
-        if self.schedule != "dualpipev" or self.overlap is False:
-            return False
-        if self.overlap:
-            return True
-        if self.model.xp is not np:                  # a GPU's current device and stream are per thread
-            return False
-        return any(m.expert_parallel is not None and m.expert_parallel.comm.size > 1 and m.expert_parallel.route is None
-                   and m.expert_parallel.crosses_nodes for _, m in self.model.moe_layers())
 
     # --- neighbours and tags --------------------------------------------------------------
     def _peer(self, stage):
@@ -221,21 +207,24 @@ class PipelineExecutor:
         peak_posted = len(pending)
         n_recv_used = n_pairs = 0
         def receive(a):
-            """The input ``a`` waits for (None for the first stage's F and for W)."""
+            """The input ``a`` waits for (None for the first stage's F and for W). In a strand of an
+            overlapped pair the wait is a hand-over point (overlap.exchange): the partner computes
+            while the message is on its way, and only this strand's own seconds count as waiting."""
             nonlocal recv_wait, n_recv_used, peak_posted
             if not self._needs_recv(a)[0]:
                 return None
             req, buf = pending.pop((a.kind, a.micro, a.chunk))
-            tw = time.perf_counter()
-            req.wait()
-            recv_wait += time.perf_counter() - tw
+            _, waited = overlap.exchange(req.wait, lambda: req)
+            recv_wait += waited
             n_recv_used += 1
             post_upto(n_recv_used + self.recv_window)
             peak_posted = max(peak_posted, len(pending))
             return buf
 
-        def compute(i_act, a, inp):
-            """Run action ``a`` -> what it sends on (None: nothing)."""
+        def compute(i_act, a, inp, settle=None):
+            """Run action ``a`` -> what it sends on (None: nothing). settle (a B in an overlapped
+            pair): a list the B's release of its activations goes to, applied after the pair, so the
+            counts (peak_in_flight, activation_peak_bytes) are those of the table's order, F then B."""
             nonlocal live, peak, live_bytes, peak_bytes
             chunk = model.chunks[a.chunk]
             if a.kind == "F":
@@ -268,21 +257,29 @@ class PipelineExecutor:
             if last_b[a.chunk] == i_act:
                 self._final_backward([p_ for _, p_ in chunk.named_parameters()])
             ctx = ctxs.pop((a.micro, a.chunk))
-            live_bytes -= kept.pop((a.micro, a.chunk))
+            held = kept.pop((a.micro, a.chunk))
+            nb = 0
             if split:                                         # what W needs stays alive until W
                 out, w = chunk.stage_backward_input(inp, ctx, grad_scale)
                 del ctx
                 nb = w.nbytes
                 wgrads[(a.micro, a.chunk)] = (w, nb)
-                live_bytes += nb
-                peak_bytes = max(peak_bytes, live_bytes)
             else:
                 out = chunk.stage_backward(inp, ctx, grad_scale,
                                            ready=model.notify_module_ready if model.grad_ready_hooks else None)
                 model.notify_chunk_ready(chunk)
             for hook in self.action_done_hooks:
                 hook()
-            live -= 1
+
+            def release():
+                nonlocal live, live_bytes, peak_bytes
+                live_bytes += nb - held                       # the ctx let go, W's closures kept
+                peak_bytes = max(peak_bytes, live_bytes)
+                live -= 1
+            if settle is None:
+                release()
+            else:
+                settle.append(release)
             return out
 
         def count(a, t_start, secs):
@@ -308,16 +305,18 @@ class PipelineExecutor:
             # let MPI progress outstanding transfers without blocking
             sends = [(r, b) for r, b in sends if not r.test()]
 
-        pairs = overlap_pairs(actions) if self._overlaps() else set()
+        pairs = overlap_pairs(actions) if self.overlap else set()
         i_act = 0
         while i_act < len(actions):
             a = actions[i_act]
             if i_act in pairs:                               # DualPipeV's F & B: one's exchanges behind the other
                 b = actions[i_act + 1]
-                inp_a, inp_b = receive(a), receive(b)
-                tc = time.perf_counter()                     # each output leaves as its strand ends
+                inp_a, settle = receive(a), []
+                tc = time.perf_counter()     # B's input awaited in its strand; each output leaves as its strand ends
                 _, _, sa, sb = overlap.interleave(lambda: send_on(a, compute(i_act, a, inp_a)),
-                                                  lambda: send_on(b, compute(i_act + 1, b, inp_b)))
+                                                  lambda: send_on(b, compute(i_act + 1, b, receive(b), settle)))
+                for release in settle:
+                    release()
                 count(a, tc, sa)
                 count(b, tc + sa, sb)
                 n_pairs += 1

@@ -296,8 +296,9 @@ def dualpipe_v(p: int, m: int, rank: int) -> list:
 def overlap_pairs(actions) -> set:
     """Where DualPipeV's table pairs a forward with a backward to overlap: the indices i with
     actions[i] an F and actions[i + 1] a B of the other chunk (its phases 4 and 5: F0 & B1, F1 & B0).
-    The two touch different micro-batches and chunks, and their inputs come from other ranks' earlier
-    actions, so they may run interleaved (parallel/overlap.py), their outputs sent after both."""
+    The two touch different micro-batches and chunks, and neither needs what the other sends (tests/
+    test_pp.py runs every rank to the end with each pair's inputs received before it and its outputs
+    sent after it), so they may run interleaved (parallel/overlap.py)."""
     return {i for i in range(len(actions) - 1)
             if actions[i].kind == "F" and actions[i + 1].kind == "B" and actions[i].chunk != actions[i + 1].chunk}
 
