@@ -64,7 +64,8 @@ def steps(quick: bool) -> list:
                                                       "--iters", "3"] if q else ["--ranks", "2,4,8", "--max-other", "1M"]),
                          "--json", R / "collectives.json", "--png-dir", IMG], None),
         ("auto_select", [PY, B / "auto_select.py", *(["--ranks", "2", "--max", "1M", "--iters", "50",
-                                                      "--transports", "shm,network"] if q else []),
+                                                      "--transports", "shm,network"] if q else
+                                                     ["--ranks", "2,3,4,8"]),    # issue 46's target: p = 2, 3, 4, 8
                          "--json", R / "auto_select.json", "--png-dir", IMG], None),
         ("call_overhead", [PY, B / "call_overhead.py", *(["--ranks", "2", "--rounds", "3", "--calls", "200"] if q else []),
                            "--json", R / "call_overhead.json", "--png", IMG / "call_overhead.png"], None),
