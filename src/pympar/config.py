@@ -371,7 +371,7 @@ _HELP = {
                   "all-to-alls in flight while the other computes (DeepSeek's overlap; the same bits as 'off'); "
                   "'auto': where the flat all-to-alls cross nodes (a network moves the bytes while the CPU "
                   "computes; inside a node, measured, they hid 4-13%% of the all-to-all time 1F1B exposes "
-                  "and cost 1-3%% of the step)",
+                  "and cost up to 3%% of the step)",
     "dp_overlap": "reduce each gradient bucket while backward goes on (--no-dp-overlap: all after backward)",
     "deterministic": "the same bits for any data-parallel size, split into micro-batches and ZeRO stage: every "
                      "sequence's gradient, loss and squared norm is summed exactly (integer bins, comm/exact.py; "

@@ -180,7 +180,7 @@ class ParallelRunner:
         asked ("on"), or ("auto") where some ep group's flat all-to-alls cross nodes -- a network can
         move their bytes while the CPU computes. Inside one node an MPI library moves them with the
         CPU, in its own calls: there the pairs hid 4-13% of the all-to-all time 1F1B exposes and
-        cost 1-3% of the step, measured (bench/dualpipe_ep.py), so they run one action after the
+        cost up to 3% of the step, measured (bench/dualpipe_ep.py), so they run one action after the
         other; nor on a GPU (not measured there). auto's answer is the job's (one allreduce): the
         collectives inside a pair start in the pair's order, so every rank that shares a group must
         interleave alike."""
