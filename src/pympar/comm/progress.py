@@ -23,23 +23,32 @@ YIELD_SECONDS = 0.02          # then sched_yield between tests for this long
 MAX_SLEEP = 1e-3              # then sleep, doubling from 20 us up to this
 
 
-def _cores():
+def affinity() -> list:
+    """The cores this process may run on (all of them where the OS does not say)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def _cores():
+    return len(affinity())
 
 
 _spins = SPINS_BEFORE_YIELD
 _job_local = 0                # the launcher's count of this job's ranks on this node (0: unknown)
 _known = False                # has anyone told the pace how many ranks share the node?
+_union = 0                    # the most cores a communicator's ranks on this host were seen to share
 
 
-def note_local_ranks(n: int) -> None:
+def note_local_ranks(n: int, cores: int | None = None) -> None:
     """Tell the polling pace how many ranks share this node (Topology calls it with its node's
-    ranks, or the job's when more). More ranks than cores -> yield after a few tests."""
-    global _spins, _known
-    _spins = SPINS_OVERSUBSCRIBED if n > _cores() else SPINS_BEFORE_YIELD
+    ranks, or the job's when more) and, when known, how many cores they may use together (the union
+    of their affinity masks: a launcher that binds each rank to its own core leaves each process one
+    core, yet no two ranks share one). More ranks than cores -> yield after a few tests."""
+    global _spins, _known, _union
+    _union = max(_union, cores or 0)         # the widest communicator's union counts (the world's)
+    _spins = SPINS_OVERSUBSCRIBED if n > max(_union, _cores()) else SPINS_BEFORE_YIELD
     _known = True
 
 

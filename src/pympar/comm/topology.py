@@ -33,9 +33,13 @@ class Topology:
         self.node_rank, self.node_size = self.node.Get_rank(), self.node.Get_size()
         # ranks of comm on this host whatever the transport (MPIR_CVAR_NOLOCAL makes every rank its own
         # shared-memory "node", yet they still share the host's cores): the polling pace counts these
-        names = comm.allgather(MPI.Get_processor_name())
-        self.host_size = names.count(names[comm.Get_rank()])
-        progress.note_local_ranks(max(self.node_size, self.host_size, progress.job_local_ranks()))  # polling pace
+        # and the cores they may use together (the union of their affinity masks)
+        info = comm.allgather((MPI.Get_processor_name(), progress.affinity()))
+        host = info[comm.Get_rank()][0]
+        self.host_size = sum(1 for name, _ in info if name == host)
+        self.host_cores = len(set().union(*(set(cores) for name, cores in info if name == host)))
+        progress.note_local_ranks(max(self.node_size, self.host_size, progress.job_local_ranks()),  # polling pace
+                                  self.host_cores)
         is_leader = self.node_rank == 0
         self.leaders = comm.Split(0 if is_leader else MPI.UNDEFINED, key=comm.Get_rank())
         if self.leaders == MPI.COMM_NULL:
