@@ -31,10 +31,6 @@ def affinity() -> list:
         return list(range(os.cpu_count() or 1))
 
 
-def _cores():
-    return len(affinity())
-
-
 _spins = SPINS_BEFORE_YIELD
 _job_local = 0                # the launcher's count of this job's ranks on this node (0: unknown)
 _known = False                # has anyone told the pace how many ranks share the node?
@@ -48,7 +44,7 @@ def note_local_ranks(n: int, cores: int | None = None) -> None:
     core, yet no two ranks share one). More ranks than cores -> yield after a few tests."""
     global _spins, _known, _union
     _union = max(_union, cores or 0)         # the widest communicator's union counts (the world's)
-    _spins = SPINS_OVERSUBSCRIBED if n > max(_union, _cores()) else SPINS_BEFORE_YIELD
+    _spins = SPINS_OVERSUBSCRIBED if n > max(_union, len(affinity())) else SPINS_BEFORE_YIELD
     _known = True
 
 

@@ -147,11 +147,6 @@ class _Then:
             self._result, self._done = self._then(self._req.wait()), True
         return self._done
 
-    def nudge(self) -> bool:
-        """The staged request's messages move (progress.poke); nothing completes here."""
-        nudge = getattr(self._req, "nudge", None)
-        return self._done or nudge is None or nudge()
-
     def wait(self):
         if not self._done:
             self._result, self._done = self._then(self._req.wait()), True

@@ -97,7 +97,6 @@ class ExpertParallel:
         self.lo, self.n_local = lo, hi - lo
         self.meter, self.key = meter, key                  # the all-to-alls' seconds and bytes go there
         self.route = route                                 # a NodeRoute when the layer dispatches node-aware
-        self.crosses_nodes = False                         # the group spans nodes (install_expert_parallel says)
         self.reset()
 
     def reset(self):
@@ -407,8 +406,6 @@ def install_expert_parallel(model, ep_comm, meter: Meter | None = None, dispatch
         route = None
     else:
         route = node_route(ep_comm, dispatch, max((m.top_k for _, m in layers), default=1))
-    crosses = ep_comm.size > 1 and bool(layers) and hasattr(ep_comm, "topology") and \
-        not ep_comm.topology().single_node               # collective on first use: every ep rank asks here
     for i, layer in layers:
         validate_ep(layer, ep_comm.size)
         lo, hi = expert_range(layer.n_expert, ep_comm.size, ep_comm.rank)
@@ -422,7 +419,6 @@ def install_expert_parallel(model, ep_comm, meter: Meter | None = None, dispatch
         if ep_comm.size > 1:                            # held by one ep rank: reduced over edp
             place([p for e in layer.experts for p in e.parameters()], group="edp")
         layer.expert_parallel = ExpertParallel(layer, ep_comm, lo, hi, meter, ("ep", i), route)
-        layer.expert_parallel.crosses_nodes = crosses
     model.ep_comm = ep_comm
     model.ep_route = route
     return model

@@ -177,20 +177,17 @@ class ParallelRunner:
 
     def _pp_overlap(self, model, mode: str, device: str) -> bool:
         """--pp-overlap made concrete, the same on every rank: dualpipev's F & B pairs interleave when
-        asked ("on"), or ("auto") where some ep group's flat all-to-alls cross nodes -- a network can
-        move their bytes while the CPU computes. Inside one node an MPI library moves them with the
-        CPU, in its own calls: there the pairs hid 4-13% of the all-to-all time 1F1B exposes and
-        cost up to 3% of the step, measured (bench/dualpipe_ep.py), so they run one action after the
-        other; nor on a GPU (not measured there). auto's answer is the job's (one allreduce): the
-        collectives inside a pair start in the pair's order, so every rank that shares a group must
-        interleave alike."""
+        asked ("on"), or ("auto") on the CPU where some ep group's flat all-to-alls cross nodes (inside
+        a node the library moves the bytes with the CPU: docs/pipeline.md). auto's answer is the job's
+        (one allreduce): the collectives inside a pair start in the pair's order, so every rank that
+        shares a group must interleave alike."""
         if self.schedule != "dualpipev" or mode == "off":
             return False
         if mode == "on":
             return True
-        crosses = device == "cpu" and any(
-            m.expert_parallel is not None and m.expert_parallel.comm.size > 1 and m.expert_parallel.route is None
-            and m.expert_parallel.crosses_nodes for _, m in model.moe_layers())
+        ep = self.mesh.ep_comm                  # (its topology: collective over the ep group, asked by all)
+        crosses = device == "cpu" and ep.size > 1 and getattr(model, "ep_route", None) is None and \
+            hasattr(ep, "topology") and not ep.topology().single_node
         return bool(np.asarray(self.comm.allreduce(np.array([int(crosses)], np.int64), op="max")).reshape(-1)[0])  # host
 
     def _local(self, batches):
