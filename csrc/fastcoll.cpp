@@ -16,6 +16,9 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <sched.h>
+#include <time.h>
+
 #include <climits>
 #include <cstdint>
 #include <cstring>
@@ -52,6 +55,7 @@ struct Fast {
   int count = 0;              // elements of the operand (allgather/alltoall: per rank)
   int64_t code = 0, token = 0;
   int spins = 200;
+  int64_t yield_ns = 0;       // after the spins, test and sched_yield for this long (0: hand over at once)
   Buffer seq, board, guard;   // the communicator's count; the board's [seq, op code]; the guard's [token, seq]
   alignas(16) char status[256]{};
 };
@@ -110,8 +114,15 @@ int issue(Fast* f, void* sbuf, void* rbuf, H* req) {
   }
 }
 
+inline int64_t now_ns() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return int64_t(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
+
 // blocking: (0 or the MPI error code); nonblocking: the same, and *pending with the request's
-// handle when a burst of tests did not see it finish
+// handle when a burst of tests -- then, for yield_ns, tests between sched_yield calls (progress.py's
+// pace, without the interpreter between the tests) -- did not see it finish
 template <typename H>
 int run_mpi(Fast* f, void* sbuf, void* rbuf, int64_t s, bool* pending, int64_t* handle) {
   int rc = 0;
@@ -132,6 +143,14 @@ int run_mpi(Fast* f, void* sbuf, void* rbuf, int64_t s, bool* pending, int64_t* 
   auto test = reinterpret_cast<int (*)(H*, int*, void*)>(f->test);
   Py_BEGIN_ALLOW_THREADS
   for (int i = 0; i < f->spins && !flag && rc == 0; ++i) rc = test(&req, &flag, f->status);
+  if (!flag && rc == 0 && f->yield_ns > 0) {
+    const int64_t until = now_ns() + f->yield_ns;
+    for (unsigned i = 1; !flag && rc == 0; ++i) {
+      sched_yield();
+      rc = test(&req, &flag, f->status);
+      if (!(i & 15) && now_ns() > until) break;   // the clock every 16th yield, as progress.Backoff reads it
+    }
+  }
   Py_END_ALLOW_THREADS
   if (rc == 0 && !flag) {
     *pending = true;
@@ -142,7 +161,7 @@ int run_mpi(Fast* f, void* sbuf, void* rbuf, int64_t s, bool* pending, int64_t* 
 
 // run(plan, x, out, op, algo, inplace) -> the output array; None: the plan does not fit (nothing
 // ran); (0, code): the MPI library returned an error; (1, handle): started, still running (the
-// caller waits for the request against the deadline)
+// caller waits for the request against the deadline); (2, handle): the same after the yield phase
 PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 6) {
     PyErr_SetString(PyExc_TypeError, "fastcoll.run takes (plan, x, out, op, algo, inplace)");
@@ -187,7 +206,7 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int rc = f->hbytes == 4 ? run_mpi<int32_t>(f, sbuf, rbuf, s, &pending, &handle)
                           : run_mpi<void*>(f, sbuf, rbuf, s, &pending, &handle);
   if (rc) return Py_BuildValue("(ii)", 0, rc);
-  if (pending) return Py_BuildValue("(iL)", 1, static_cast<long long>(handle));
+  if (pending) return Py_BuildValue("(iL)", f->yield_ns > 0 ? 2 : 1, static_cast<long long>(handle));
   Py_INCREF(dst);
   return dst;
 }
@@ -198,7 +217,7 @@ PyMethodDef RUN_DEF = {"fastcoll_run", reinterpret_cast<PyCFunction>(reinterpret
 py::object make(int verb, bool blocking, int hbytes, uintptr_t call, uintptr_t test, int64_t comm, int64_t type,
                 int64_t op, int root, int64_t in_place, py::dtype descr, py::tuple shape, py::tuple out_shape,
                 int64_t count, py::object op_obj, py::object algo_obj, py::object seq, py::object board, int64_t code,
-                py::object guard, int64_t token, int spins) {
+                py::object guard, int64_t token, int spins, double yield_s) {
   if (verb < ALLREDUCE || verb > ALLTOALL) throw py::value_error("fastcoll: unknown verb");
   if (hbytes != 4 && hbytes != 8) throw py::value_error("fastcoll: MPI handles of " + std::to_string(hbytes) + " bytes");
   if (count < 0 || count > INT_MAX) throw py::value_error("fastcoll: count out of int range");
@@ -227,6 +246,7 @@ py::object make(int verb, bool blocking, int hbytes, uintptr_t call, uintptr_t t
     f->code = code;
     f->token = token;
     f->spins = spins;
+    f->yield_ns = yield_s > 0 ? int64_t(yield_s * 1e9) : 0;
     hold(f->seq, seq, 1);
     hold(f->board, board, 2);
     hold(f->guard, guard, 2);
@@ -246,7 +266,7 @@ void bind_fastcoll(py::module_& m) {
         "a planned collective's C form (fastcoll.cpp): verb (0 allreduce, 1 broadcast, 2 allgather, 3 alltoall), "
         "blocking, MPI handle bytes, the library function and MPI_Test addresses, comm/type/op handles, root, "
         "MPI_IN_PLACE, dtype, shape, output shape, count, op and algo objects, the seq, board and guard buffers, "
-        "the op code, the guard token, spins");
+        "the op code, the guard token, spins, seconds of tests between yields before a pending call returns");
   py::object fn = py::reinterpret_steal<py::object>(PyCFunction_New(&RUN_DEF, nullptr));
   if (!fn) throw py::error_already_set();
   m.attr("fastcoll_run") = fn;

@@ -95,6 +95,7 @@ def make(comm, plan, x, key):
                              _handle(comm._coll), _handle(mpi_type(x.dtype)), op,
                              plan.root, lib["in_place"], np.dtype(x.dtype.type), tuple(x.shape), tuple(plan.out_shape), count,
                              key[3], key[4], comm._count, comm._board.slots, plan.code, watchdog.SLOT,
-                             comm._token, progress.spins())
+                             comm._token, progress.spins(),
+                             0.0 if progress.blocks(comm._abort_token) else progress.YIELD_SECONDS)
     except (TypeError, ValueError):
         return None

@@ -387,11 +387,12 @@ class MPIComm(Communicator):
 
     def _c_finish(self, r, verb, dst):
         """The C path's other answers (fastcoll.cpp): (1, request) started and still running --
-        waited for against the call's deadline; (0, code) the library's error."""
+        waited for against the call's deadline; (2, request) the same after its yield phase;
+        (0, code) the library's error."""
         kind, v = r
         if kind == 0:
             raise MPI.Exception(v)
-        self._deadline(verb, self.seq).wait([MPI.Request.fromhandle(v & _U64)], [None])
+        self._deadline(verb, self.seq).wait([MPI.Request.fromhandle(v & _U64)], [None], kind == 2)
         return dst
 
     def _blocking(self, verb, x, out, algo, op=None, root=None, inplace=False):

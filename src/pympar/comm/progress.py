@@ -69,6 +69,13 @@ def oversubscribed() -> bool:
     return _spins == SPINS_OVERSUBSCRIBED
 
 
+def blocks(token: int) -> bool:
+    """Does a long collective wait of a communicator with this deadline-guard token (0: none, an
+    on_timeout="raise" one) block inside the library? Not while the node runs more ranks than cores,
+    or before anyone told the pace how many it runs (Waiter)."""
+    return bool(token) and _known and _spins != SPINS_OVERSUBSCRIBED
+
+
 def default_timeout() -> float:
     """The communicators' timeout when none is given (pympar.comm.settings; 300 s unless configured)."""
     return SETTINGS.timeout
@@ -184,14 +191,16 @@ class Waiter:
 
     def blocks(self) -> bool:
         """Does a long wait of this operation block inside the library (see the class)?"""
-        return bool(self.token) and _known and _spins != SPINS_OVERSUBSCRIBED
+        return blocks(self.token)
 
     def wait1(self, req, peer):
         if req.Test():
             return
         self.wait([req], [peer])
 
-    def wait(self, reqs, peers):
+    def wait(self, reqs, peers, yielded=False):
+        """yielded: the caller already tested between yields for YIELD_SECONDS (the C path,
+        fastcoll.cpp): the pace goes on from its sleeps."""
         if not reqs:
             return
         if self.blocks():
@@ -201,15 +210,17 @@ class Waiter:
                     return
             block(reqs, self.token, self.seq)
             return
+        pace = Backoff()
+        if yielded:
+            pace.yield_until = 0.0
         if len(reqs) == 1:
-            test, pace = reqs[0].Test, Backoff()
+            test = reqs[0].Test
             while not test():
                 now = pace.pause()
                 if now is not None and now > self.deadline:
                     self.expire(reqs, peers)
             return
         testall = MPI.Request.Testall
-        pace = Backoff()
         while not testall(reqs):
             now = pace.pause()
             if now is not None and now > self.deadline:
