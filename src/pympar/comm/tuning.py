@@ -44,6 +44,7 @@ from .verbs import VERBS
 FORMAT = "pympar-tuning/2"
 MARGIN = 1.05       # another algorithm must beat the library's call by more than 5% to be chosen
 _BUDGET = 4 << 20   # measurement rounds: about this many bytes per candidate, 3 to 16 rounds
+_ROUND = 1 << 20    # a timed round is a burst of calls of about this many bytes (1 to 8 calls)
 
 
 class TuningWarning(UserWarning):
@@ -56,9 +57,12 @@ def bucket(nbytes: int) -> int:
 
 
 def batch(nbytes: int) -> int:
-    """Calls per timed round: small messages are timed as a burst of back-to-back calls (how
-    they run in practice; a lone call's time is mostly scheduling), up to 8 and ~32 KiB."""
-    return int(min(8, max(1, (32 << 10) // max(int(nbytes), 1))))
+    """Calls per timed round: up to 8 back-to-back calls, about _ROUND bytes. A lone call's time
+    is mostly how far apart the ranks entered it (the previous candidate's exit, the scheduler),
+    which a burst spreads over its calls: measured at 3 ranks on 2 cores, 64 KiB, a lone library
+    call timed 189 us against 60-72 us a call in a loop, and the measurement chose pympar's shm
+    (1.6-1.9x slower in the loop); timed in bursts of 4 it chose the library's call."""
+    return int(min(8, max(1, _ROUND // max(int(nbytes), 1))))
 
 
 def rounds(nbytes: int) -> int:
@@ -141,7 +145,7 @@ def measure(names, runs, coll, nbytes, timer=None) -> dict:
 
     Collective over the mpi4py communicator ``coll`` (every rank calls it with the same
     names in the same order). runs[name]() performs one complete collective of nbytes; a round times
-    batch(nbytes) of them back to back, timer(name, run) -> seconds of one round (default:
+    batch(nbytes) of them back to back, after a barrier, timer(name, run) -> seconds of one round (default:
     perf_counter around run()), divided by the batch. The rounds' times are MAX-reduced over
     the ranks, so the result -- and any decision taken from it -- is the same on every rank
     even when the ranks' own clocks disagree."""
@@ -155,6 +159,7 @@ def measure(names, runs, coll, nbytes, timer=None) -> dict:
     t = np.zeros((reps, len(names)))
     for i in range(reps):
         for j, name in enumerate(names):
+            coll.Barrier()       # every burst starts with the ranks together, whoever ran before it
             t[i, j] = timer(name, burst[name]) / k
     coll.Allreduce(MPI.IN_PLACE, t, MPI.MAX)
     return {name: float(np.median(t[:, j])) for j, name in enumerate(names)}
