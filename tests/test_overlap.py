@@ -67,6 +67,27 @@ def test_each_strand_counts_its_own_seconds():
     assert 0.19 <= sb, sb
 
 
+def test_clock_leaves_out_the_partners_turns():
+    # a strand times a stretch with an exchange in it (as the node-aware route's meter does): the
+    # partner's 100 ms run during the exchange is not the strand's; outside a pair it is perf_counter
+    got = {}
+
+    def timed():
+        t0 = overlap.clock()
+        time.sleep(0.01)
+        overlap.exchange(lambda: None, lambda: Req([], "x", None))
+        time.sleep(0.01)
+        got["a"] = overlap.clock() - t0
+
+    def partner():
+        time.sleep(0.1)
+        overlap.exchange(lambda: None, lambda: Req([], "y", None))
+    overlap.interleave(timed, partner)
+    assert 0.019 <= got["a"] < 0.06, got
+    t0, p0 = overlap.clock(), time.perf_counter()
+    assert abs(t0 - p0) < 0.01
+
+
 def test_an_error_in_either_strand_is_raised_after_both_ended():
     log = []
 

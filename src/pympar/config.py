@@ -369,7 +369,7 @@ _HELP = {
                 "same either way, zb-v's tied embedding gradient may then differ between two runs in its last bits)",
     "pp_overlap": "dualpipev: run each F & B pair of its table interleaved, one micro-batch's expert-parallel "
                   "all-to-alls in flight while the other computes (DeepSeek's overlap; the same bits as 'off'); "
-                  "'auto': where the flat all-to-alls cross nodes (a network moves the bytes while the CPU "
+                  "'auto': where the all-to-alls, flat or node-aware, cross nodes (a network moves the bytes while the CPU "
                   "computes; inside a node, measured, they hid 4-13%% of the all-to-all time 1F1B exposes "
                   "and cost up to 3%% of the step)",
     "dp_overlap": "reduce each gradient bucket while backward goes on (--no-dp-overlap: all after backward)",

@@ -59,14 +59,14 @@ class Exchanges:
         monkeypatch.setattr(overlap, "exchange", counted)
 
 
-def train(world, lay, mode, counter):
+def train(world, lay, mode, counter, dispatch="auto"):
     opts = opts_of(lay)
-    opts.pp_overlap = mode
+    opts.pp_overlap, opts.ep_dispatch = mode, dispatch
     runner = ParallelRunner(CFG, lay, world, opts, optim_of(lay))
     got = dict(losses=[], norms=[], pairs=[], held=[])
     counter.inside = counter.total = 0
     for s in range(STEPS):
-        mbs = global_batch(s, CFG.vocab_size)
+        mbs = [mb for k in range(-(-lay.dp * lay.n_micro // G)) for mb in global_batch(s + 100 * k, CFG.vocab_size)]
         mine = mbs[runner.mesh.dp_rank * lay.n_micro:(runner.mesh.dp_rank + 1) * lay.n_micro]
         res = runner.train_step(mine, LR[lay.dtype])
         got["losses"].append(res.loss)
@@ -76,6 +76,8 @@ def train(world, lay, mode, counter):
         got["held"].append((st["peak_in_flight"], st["activation_peak_bytes"]))
     got["params"] = {n: to_numpy(p.data).copy() for n, p in runner.named}
     got["inside"], got["total"] = counter.inside, counter.total
+    route = getattr(runner.model, "ep_route", None)
+    got["route"] = None if route is None else (route.node.size, route.rail.size)
     free_mesh(runner.mesh)
     return got
 
@@ -84,11 +86,34 @@ def test_overlapped_pairs_are_the_sequential_run_bitwise(world, monkeypatch):
     cases = layouts(world.size)
     if not cases:
         pytest.skip(f"world size {world.size}: these layouts run at 4 or 8 ranks")
+    compare(world, monkeypatch, cases, "flat")
+
+
+def test_node_aware_hops_overlap_bitwise(world, monkeypatch):
+    """The node-aware route's hops (rail between nodes, then inside the node) are hand-over points
+    too. tests/test_pp_ep_overlap.py runs it with every rank its own node (4 ranks: the rail hop
+    only) and, @slow, two ranks a node (8 ranks, dp 4 x pp 2 with ep 4 over 2 nodes: both hops; the
+    route does not take ep folded over tp)."""
+    rpn = int(os.environ.get("PYMPAR_RANKS_PER_NODE", "0"))
+    if not rpn or world.size not in (4, 8):
+        pytest.skip("needs an ep group over several nodes (PYMPAR_RANKS_PER_NODE), 4 or 8 ranks")
+    if world.size == 4:
+        lay = layouts(4)[-1]                       # full recomputation: the hops run again inside the pairs
+    else:
+        lay = Layout(dp=4, pp=2, ep=4, model="moe", schedule="dualpipev", virtual_stages=2, micro_batch_size=2,
+                     n_micro=4)
+    route = compare(world, monkeypatch, [lay], "node")
+    assert route[0] == min(rpn, lay.ep) and route[0] * route[1] == lay.ep, route   # both hops where a node has 2
+
+
+def compare(world, monkeypatch, cases, dispatch):
     counter = Exchanges(monkeypatch)
     for lay in cases:
-        where = f"rank {world.rank} [{lay}]"
-        on = train(world, lay, "on", counter)
-        off = train(world, lay, "off", counter)
+        where = f"rank {world.rank} [{lay}, {dispatch}]"
+        on = train(world, lay, "on", counter, dispatch)
+        off = train(world, lay, "off", counter, dispatch)
+        assert (on["route"] is not None) == (dispatch == "node") and on["route"] == off["route"], (where, on["route"])
+        route = on["route"]
         assert min(on["pairs"]) > 0 and off["pairs"] == [0] * STEPS, (where, on["pairs"], off["pairs"])
         assert on["total"] == off["total"] > 0, (where, on["total"], off["total"])
         assert on["inside"] > 0 and off["inside"] == 0, \
@@ -98,23 +123,25 @@ def test_overlapped_pairs_are_the_sequential_run_bitwise(world, monkeypatch):
             f"{where}: {on['losses']} {on['norms']} vs overlap off {off['losses']} {off['norms']}"
         for n, a in on["params"].items():
             assert np.array_equal(a, off["params"][n]), f"{where}: {n} differs from the run with the overlap off"
+    return route
 
 
 def test_auto_overlaps_where_the_all_to_alls_cross_nodes(world):
-    """--pp-overlap auto: the pairs interleave where the ep group's flat all-to-alls cross nodes, not
-    inside one node, not without ep. tests/test_pp_ep_overlap.py runs it on one node and again with
-    every rank a node of its own (PYMPAR_RANKS_PER_NODE=1), so both answers are seen."""
+    """--pp-overlap auto: the pairs interleave where the ep group's all-to-alls (flat, or the
+    node-aware route's) cross nodes, not inside one node, not without ep. tests/test_pp_ep_overlap.py
+    runs it on one node and again with every rank a node of its own (PYMPAR_RANKS_PER_NODE=1), so
+    both answers are seen."""
     if world.size != 4:
         pytest.skip("runs at 4 ranks")
     one_node = os.environ.get("PYMPAR_RANKS_PER_NODE") != "1"
-    for ep in (2, 1):
+    for ep, dispatch in [(2, "flat"), (1, "flat")] + ([] if one_node else [(2, "node")]):
         lay = Layout(dp=2, pp=2, ep=ep, model="moe", schedule="dualpipev", virtual_stages=2, micro_batch_size=2,
                      n_micro=G // 2)
         opts = opts_of(lay)
-        opts.pp_overlap, opts.ep_dispatch = "auto", "flat"
+        opts.pp_overlap, opts.ep_dispatch = "auto", dispatch
         runner = ParallelRunner(CFG, lay, world, opts, optim_of(lay))
         runner.train_step(global_batch(0, CFG.vocab_size)[:lay.n_micro], LR[lay.dtype])
         want = ep > 1 and not one_node
         assert (runner.executor.stats["overlapped_pairs"] > 0) == want, \
-            (ep, one_node, runner.executor.stats["overlapped_pairs"])
+            (ep, dispatch, one_node, runner.executor.stats["overlapped_pairs"])
         free_mesh(runner.mesh)

@@ -38,7 +38,6 @@ once; expert grads are identical over edp and distinct over ep, so every ep rank
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 
@@ -310,10 +309,10 @@ class ExpertParallel:
         expert = np.repeat(np.arange(len(c)), c)              # host: global expert of each kept assignment
         dest = expert // nl
         gates = np.ascontiguousarray(gate_rows, np.float64)   # host: float32 gates widen exactly
-        t0 = time.perf_counter()
+        t0 = overlap.clock()                                  # (this strand's own seconds in a pair)
         plan = self.route.plan(np.asarray(rows), dest, np.stack([expert - dest * nl, gates.view(np.int64)], axis=1))  # host
         xr = plan.dispatch(xf)                                # (R, C): a row per (token, rank)
-        self.meter.add(self.key, time.perf_counter() - t0, self._hop_bytes(plan, xf, True))
+        self.meter.add(self.key, overlap.clock() - t0, self._hop_bytes(plan, xf, True))
         j = plan.meta[:, 0]
         perm = np.argsort(j, kind="stable")                   # host: arriving assignments, expert-major
         arow = plan.arow[perm]
@@ -321,9 +320,9 @@ class ExpertParallel:
         local_counts = np.bincount(j, minlength=nl)  # host
         ys, inner = L.run_experts(kernels.permute(xr, arow), local_counts)
         z = kernels.unpermute_add(ys, arow, g, plan.n_rows)   # this rank's gated sum per row
-        t0 = time.perf_counter()
+        t0 = overlap.clock()
         y = plan.combine(z, xf.shape[0])
-        self.meter.add(self.key, time.perf_counter() - t0, self._hop_bytes(plan, z, False))
+        self.meter.add(self.key, overlap.clock() - t0, self._hop_bytes(plan, z, False))
         if L.recording:
             self.acc["processed"][self.lo:self.lo + nl] += local_counts
             self.acc["rank_rows"] += int(local_counts.sum())
@@ -332,18 +331,18 @@ class ExpertParallel:
     def node_backward(self, dyf, ctx):
         L = self.layer
         plan, perm, arow, g, ys, inner = ctx
-        t0 = time.perf_counter()
+        t0 = overlap.clock()
         dr = plan.dispatch(dyf)
-        self.meter.add(self.key, time.perf_counter() - t0, self._hop_bytes(plan, dyf, True))
+        self.meter.add(self.key, overlap.clock() - t0, self._hop_bytes(plan, dyf, True))
         dys_raw = kernels.permute(dr, arow)
         dgate = np.einsum("mc,mc->m", dys_raw.astype(L._acc, copy=False), ys.astype(L._acc, copy=False))  # host
         dxs = L.run_experts_backward(dys_raw * g[:, None].astype(dys_raw.dtype), inner)
-        t0 = time.perf_counter()
+        t0 = overlap.clock()
         dxf = plan.combine(kernels.unpermute_add(dxs, arow, None, plan.n_rows), dyf.shape[0])
         v = np.empty(len(perm), np.float64)  # host
         v[perm] = dgate
         back = plan.reverse(v.view(np.int64)[:, None])        # each assignment's value, the source's order
-        self.meter.add(self.key, time.perf_counter() - t0, self._hop_bytes(plan, dyf, False))
+        self.meter.add(self.key, overlap.clock() - t0, self._hop_bytes(plan, dyf, False))
         return dxf, back[:, 0].copy().view(np.float64).astype(L._acc)
 
     @staticmethod
@@ -386,7 +385,15 @@ def node_route(ep_comm, dispatch: str = "auto", top_k: int = 2):
     route = NodeRoute.build(ep_comm)
     if route is None and dispatch == "node":
         raise NodeRouteError(NodeRouteError.MESSAGE)
+    if route is not None:
+        route.exchange = _exchange               # each hop a hand-over point inside DualPipeV's pairs
     return route
+
+
+def _exchange(blocking, start):
+    """The node-aware route's exchanges (NodeRoute.exchange): blocking outside an interleaved pair;
+    inside one, started and handed over to the partner strand (overlap.exchange)."""
+    return overlap.exchange(blocking, start)[0]
 
 
 def install_expert_parallel(model, ep_comm, meter: Meter | None = None, dispatch: str = "flat"):

@@ -44,11 +44,12 @@ from ..comm import progress
 
 
 class _Pair:
-    __slots__ = ("driver", "strands")
+    __slots__ = ("driver", "strands", "away")
 
     def __init__(self, driver):
         self.driver = driver                 # the caller's greenlet: it runs the turns
         self.strands = []
+        self.away = {}                       # strand -> seconds it spent handed over to its partner
 
 
 _PAIR = None                                 # the interleaved pair running now (one per process)
@@ -74,14 +75,26 @@ def exchange(blocking, start):
         return out, time.perf_counter() - t0
     req = start()
     t1 = time.perf_counter()
+    pair, me = _PAIR, greenlet.getcurrent()
     progress.behind(req)                     # moved on at the partner's compute seams (comm.progress.poke)
     try:
-        _PAIR.driver.switch()                # the partner's turn, up to its next exchange or its end
+        pair.driver.switch()                 # the partner's turn, up to its next exchange or its end
     finally:                                 # (also when the pair ends this strand early: GreenletExit)
         progress.forget(req)
-    t2 = time.perf_counter()
+        t2 = time.perf_counter()
+        pair.away[me] = pair.away.get(me, 0.0) + (t2 - t1)
     out = req.wait()
     return out, (t1 - t0) + (time.perf_counter() - t2)
+
+
+def clock() -> float:
+    """time.perf_counter() less the seconds this strand spent handed over to its partner: the
+    difference of two readings is the strand's own time between them (outside a pair, perf_counter)."""
+    pair = _PAIR
+    t = time.perf_counter()
+    if pair is None or not pair.away:
+        return t
+    return t - pair.away.get(greenlet.getcurrent(), 0.0)
 
 
 def interleave(first, second):

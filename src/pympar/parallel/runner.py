@@ -173,21 +173,20 @@ class ParallelRunner:
         from .pp import PipelineExecutor
         channels = {"auto": None, "tags": False, "ordered": True}[opts.pp_channels]
         return model, PipelineExecutor(model, self.mesh.pp_comm, self.schedule, channels=channels,
-                                       overlap=self._pp_overlap(model, getattr(opts, "pp_overlap", "auto"), opts.device))
+                                       overlap=self._pp_overlap(getattr(opts, "pp_overlap", "auto"), opts.device))
 
-    def _pp_overlap(self, model, mode: str, device: str) -> bool:
+    def _pp_overlap(self, mode: str, device: str) -> bool:
         """--pp-overlap made concrete, the same on every rank: dualpipev's F & B pairs interleave when
-        asked ("on"), or ("auto") on the CPU where some ep group's flat all-to-alls cross nodes (inside
-        a node the library moves the bytes with the CPU: docs/pipeline.md). auto's answer is the job's
-        (one allreduce): the collectives inside a pair start in the pair's order, so every rank that
-        shares a group must interleave alike."""
+        asked ("on"), or ("auto") on the CPU where some ep group's all-to-alls cross nodes (flat, or
+        the node-aware route's hops; inside a node the library moves the bytes with the CPU:
+        docs/pipeline.md). auto's answer is the job's (one allreduce): the collectives inside a pair
+        start in the pair's order, so every rank that shares a group must interleave alike."""
         if self.schedule != "dualpipev" or mode == "off":
             return False
         if mode == "on":
             return True
         ep = self.mesh.ep_comm                  # (its topology: collective over the ep group, asked by all)
-        crosses = device == "cpu" and ep.size > 1 and getattr(model, "ep_route", None) is None and \
-            hasattr(ep, "topology") and not ep.topology().single_node
+        crosses = device == "cpu" and ep.size > 1 and hasattr(ep, "topology") and not ep.topology().single_node
         return bool(np.asarray(self.comm.allreduce(np.array([int(crosses)], np.int64), op="max")).reshape(-1)[0])  # host
 
     def _local(self, batches):

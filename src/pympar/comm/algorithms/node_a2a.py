@@ -52,6 +52,10 @@ class NodeRoute:
         self.local_of = np.asarray(local_of, np.int64)  # host: its index inside its node
         self.n_nodes = int(self.node_of.max()) + 1
         self.rows_across = 0                             # token rows this rank sent to other nodes
+        # exchange(blocking, start) -> blocking()'s result: what runs each of the route's exchanges
+        # (None: the blocking call). The pipeline's interleaved pairs set one that starts the
+        # exchange nonblocking and hands over to the partner strand until it waits (parallel/overlap.py)
+        self.exchange = None
 
     @classmethod
     def build(cls, group):
@@ -77,6 +81,18 @@ class NodeRoute:
         for c in (self.node, self.rail):
             c.free()
 
+    def alltoallv(self, comm, x, send, recv):
+        """comm.alltoallv(x, send, recv)'s rows (comm: the route's node or rail communicator), run
+        through ``exchange`` where one is set."""
+        if self.exchange is None:
+            return comm.alltoallv(x, send, recv)[0]
+        return self.exchange(lambda: comm.alltoallv(x, send, recv), lambda: comm.ialltoallv(x, send, recv))[0]
+
+    def alltoall(self, comm, x):
+        if self.exchange is None:
+            return comm.alltoall(x)
+        return self.exchange(lambda: comm.alltoall(x), lambda: comm.ialltoall(x))
+
     def plan(self, token, dest, meta):
         """A collective exchange plan (counts and assignment columns travel now). Per assignment of
         this source: its token (row of the x given to dispatch), its destination group rank and
@@ -87,9 +103,9 @@ class NodeRoute:
         return Plan(self, np.asarray(token, np.int64), np.asarray(dest, np.int64), meta)  # host
 
 
-def _swap(comm, counts_rows, counts_meta):
+def _swap(route, comm, counts_rows, counts_meta):
     """alltoall of each peer's (rows, assignments) counts -> what each peer sends here."""
-    got = comm.alltoall(np.stack([counts_rows, counts_meta], axis=1).astype(np.int64).copy())  # host
+    got = route.alltoall(comm, np.stack([counts_rows, counts_meta], axis=1).astype(np.int64).copy())  # host
     got = np.asarray(got).reshape(comm.size, 2)
     return got[:, 0].copy(), got[:, 1].copy()
 
@@ -116,10 +132,10 @@ class Plan:
         self.m1 = m1
         u_in_block = run - _exclusive(self.c1)[n_a[o1]]
         send_meta = np.concatenate([u_in_block[:, None], l_a[o1][:, None], meta[o1]], axis=1)
-        self.rc1, self.rm1 = _swap(r.rail, self.c1, m1)
+        self.rc1, self.rm1 = _swap(r, r.rail, self.c1, m1)
         me_node = node_of[r.group.rank]
         r.rows_across += int(self.c1.sum() - self.c1[me_node])
-        got1, _ = r.rail.alltoallv(np.ascontiguousarray(send_meta), m1, self.rm1)
+        got1 = r.alltoallv(r.rail, np.ascontiguousarray(send_meta), m1, self.rm1)
         got1 = np.asarray(got1).reshape(-1, send_meta.shape[1])
         # at the gateway: row of each arriving assignment in the hop-1 rows (block offset + its u)
         src_block = np.repeat(np.arange(r.rail.size), self.rm1)
@@ -135,8 +151,8 @@ class Plan:
         self.m2 = np.bincount(l_e, minlength=r.node.size).astype(np.int64)
         u2 = run2 - _exclusive(self.c2)[l_e[o2]]
         send2 = np.concatenate([u2[:, None], got1[o2, 2:]], axis=1)
-        self.rc2, self.rm2 = _swap(r.node, self.c2, self.m2)
-        got2, _ = r.node.alltoallv(np.ascontiguousarray(send2), self.m2, self.rm2)
+        self.rc2, self.rm2 = _swap(r, r.node, self.c2, self.m2)
+        got2 = r.alltoallv(r.node, np.ascontiguousarray(send2), self.m2, self.rm2)
         got2 = np.asarray(got2).reshape(-1, send2.shape[1])
         blk = np.repeat(np.arange(r.node.size), self.rm2)
         self.arow = _exclusive(self.rc2)[blk] + got2[:, 0]
@@ -147,10 +163,10 @@ class Plan:
     def dispatch(self, x):
         """x (N, C): token rows at the source -> (n_rows, C) at the destination (one per token and rank)."""
         r = self.route
-        h1, _ = r.rail.alltoallv(kernels.permute(x, self.tok1), self.c1, self.rc1)
+        h1 = r.alltoallv(r.rail, kernels.permute(x, self.tok1), self.c1, self.rc1)
         if r.node.size == 1:                     # nodes of one rank: hop 2 hands every row to itself, in order
             return h1
-        h2, _ = r.node.alltoallv(kernels.permute(h1, self.row2), self.c2, self.rc2)
+        h2 = r.alltoallv(r.node, kernels.permute(h1, self.row2), self.c2, self.rc2)
         return h2
 
     def combine(self, z, n_tokens):
@@ -160,9 +176,9 @@ class Plan:
         if r.node.size == 1:                     # (row2 is every hop-1 row once, in order)
             s1 = z
         else:
-            back2, _ = r.node.alltoallv(z, self.rc2, self.c2)               # in the hop-2 send order
+            back2 = r.alltoallv(r.node, z, self.rc2, self.c2)               # in the hop-2 send order
             s1 = kernels.unpermute_add(back2, self.row2, None, self.n_rows1)   # one row per hop-1 row
-        back1, _ = r.rail.alltoallv(s1, self.rc1, self.c1)                  # in the hop-1 send order
+        back1 = r.alltoallv(r.rail, s1, self.rc1, self.c1)                  # in the hop-1 send order
         return kernels.unpermute_add(back1, self.tok1, None, n_tokens)
 
     def reverse(self, v):
@@ -172,10 +188,10 @@ class Plan:
         v = np.ascontiguousarray(v, np.int64)  # host
         if v.ndim != 2 or v.shape[0] != len(self.arow):
             raise ValueError(f"Plan.reverse: v must be (arriving assignments, columns), got {v.shape}")
-        b2, _ = r.node.alltoallv(v, self.rm2, self.m2)
+        b2 = r.alltoallv(r.node, v, self.rm2, self.m2)
         v1 = np.empty_like(b2)
         v1[self.o2] = b2
-        b1, _ = r.rail.alltoallv(v1, self.rm1, self.m1)
+        b1 = r.alltoallv(r.rail, v1, self.rm1, self.m1)
         out = np.empty_like(b1)
         out[self.o1] = b1
         return out

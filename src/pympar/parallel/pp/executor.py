@@ -90,7 +90,7 @@ class PipelineExecutor:
     all-to-alls in flight while the other computes (parallel/overlap.py); False (default): one
     action after the other. Every rank of the job must pass the same (the collectives inside a pair
     start in the pair's order); the trainer's ``--pp-overlap auto`` decides it for the job
-    (ParallelRunner: where the ep groups' flat all-to-alls cross nodes).
+    (ParallelRunner: where the ep groups' all-to-alls cross nodes).
     """
 
     def __init__(self, model, comm, schedule: str = "1f1b", recv_window: int | None = None,
