@@ -153,9 +153,9 @@ def measure(names, runs, coll, nbytes, timer=None) -> dict:
 
     timer = timer or _time_it
     reps, k = rounds(nbytes), batch(nbytes)
-    for name in names:           # warm-up: first-use allocations (shared windows, buffers)
-        runs[name]()
     burst = {name: _burst(runs[name], k) for name in names}
+    for name in names:           # warm-up, a burst: first-use allocations (shared windows, buffers)
+        burst[name]()            # and the library's first calls of a kind, slower than the rest
     t = np.zeros((reps, len(names)))
     for i in range(reps):
         for j, name in enumerate(names):
