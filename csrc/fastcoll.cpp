@@ -19,6 +19,7 @@
 #include <sched.h>
 #include <time.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <cstring>
@@ -54,14 +55,15 @@ struct Fast {
   Py_ssize_t dims[MAXDIM]{}, out_dims[MAXDIM]{};
   int count = 0;              // elements of the operand (allgather/alltoall: per rank)
   int64_t code = 0, token = 0;
-  int spins = 200;
+  bool waits_block = false;   // the communicator's long waits may block in the library (on_timeout="abort")
   int64_t yield_ns = 0;       // after the spins, test and sched_yield for this long (0: hand over at once)
   Buffer seq, board, guard;   // the communicator's count; the board's [seq, op code]; the guard's [token, seq]
+  Buffer pace;                // progress.PACE: [spins, 1 where an abort-mode wait blocks], read at each call
   alignas(16) char status[256]{};
 };
 
 void release(Fast* f) {
-  for (Buffer* b : {&f->seq, &f->board, &f->guard})
+  for (Buffer* b : {&f->seq, &f->board, &f->guard, &f->pace})
     if (b->held) PyBuffer_Release(&b->view);
   Py_XDECREF(f->descr);
   Py_XDECREF(f->op_obj);
@@ -122,9 +124,10 @@ inline int64_t now_ns() {
 
 // blocking: (0 or the MPI error code); nonblocking: the same, and *pending with the request's
 // handle when a burst of tests -- then, for yield_ns, tests between sched_yield calls (progress.py's
-// pace, without the interpreter between the tests) -- did not see it finish
+// pace, without the interpreter between the tests) -- did not see it finish; *yielded when that
+// yield phase ran (not where the wait goes on blocking inside the library: progress.Waiter)
 template <typename H>
-int run_mpi(Fast* f, void* sbuf, void* rbuf, int64_t s, bool* pending, int64_t* handle) {
+int run_mpi(Fast* f, void* sbuf, void* rbuf, int64_t s, bool* pending, int64_t* handle, bool* yielded) {
   int rc = 0;
   if (f->blocking) {
     int64_t* g = f->guard.p();
@@ -142,8 +145,11 @@ int run_mpi(Fast* f, void* sbuf, void* rbuf, int64_t s, bool* pending, int64_t* 
   int flag = 0;
   auto test = reinterpret_cast<int (*)(H*, int*, void*)>(f->test);
   Py_BEGIN_ALLOW_THREADS
-  for (int i = 0; i < f->spins && !flag && rc == 0; ++i) rc = test(&req, &flag, f->status);
-  if (!flag && rc == 0 && f->yield_ns > 0) {
+  const int64_t* pace = f->pace.p();
+  const int64_t spins = __atomic_load_n(&pace[0], __ATOMIC_RELAXED);
+  *yielded = f->yield_ns > 0 && !(f->waits_block && __atomic_load_n(&pace[1], __ATOMIC_RELAXED));
+  for (int64_t i = 0; i < spins && !flag && rc == 0; ++i) rc = test(&req, &flag, f->status);
+  if (!flag && rc == 0 && *yielded) {
     const int64_t until = now_ns() + f->yield_ns;
     for (unsigned i = 1; !flag && rc == 0; ++i) {
       sched_yield();
@@ -201,12 +207,12 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t* b = f->board.p();
   b[1] = f->code;
   b[0] = s;
-  bool pending = false;
+  bool pending = false, yielded = false;
   int64_t handle = 0;
-  int rc = f->hbytes == 4 ? run_mpi<int32_t>(f, sbuf, rbuf, s, &pending, &handle)
-                          : run_mpi<void*>(f, sbuf, rbuf, s, &pending, &handle);
+  int rc = f->hbytes == 4 ? run_mpi<int32_t>(f, sbuf, rbuf, s, &pending, &handle, &yielded)
+                          : run_mpi<void*>(f, sbuf, rbuf, s, &pending, &handle, &yielded);
   if (rc) return Py_BuildValue("(ii)", 0, rc);
-  if (pending) return Py_BuildValue("(iL)", f->yield_ns > 0 ? 2 : 1, static_cast<long long>(handle));
+  if (pending) return Py_BuildValue("(iL)", yielded ? 2 : 1, static_cast<long long>(handle));
   Py_INCREF(dst);
   return dst;
 }
@@ -217,7 +223,7 @@ PyMethodDef RUN_DEF = {"fastcoll_run", reinterpret_cast<PyCFunction>(reinterpret
 py::object make(int verb, bool blocking, int hbytes, uintptr_t call, uintptr_t test, int64_t comm, int64_t type,
                 int64_t op, int root, int64_t in_place, py::dtype descr, py::tuple shape, py::tuple out_shape,
                 int64_t count, py::object op_obj, py::object algo_obj, py::object seq, py::object board, int64_t code,
-                py::object guard, int64_t token, int spins, double yield_s) {
+                py::object guard, int64_t token, py::object pace, bool waits_block, double yield_s) {
   if (verb < ALLREDUCE || verb > ALLTOALL) throw py::value_error("fastcoll: unknown verb");
   if (hbytes != 4 && hbytes != 8) throw py::value_error("fastcoll: MPI handles of " + std::to_string(hbytes) + " bytes");
   if (count < 0 || count > INT_MAX) throw py::value_error("fastcoll: count out of int range");
@@ -245,11 +251,12 @@ py::object make(int verb, bool blocking, int hbytes, uintptr_t call, uintptr_t t
     f->count = int(count);
     f->code = code;
     f->token = token;
-    f->spins = spins;
-    f->yield_ns = yield_s > 0 ? int64_t(yield_s * 1e9) : 0;
+    f->waits_block = waits_block;
+    f->yield_ns = yield_s > 0 ? int64_t(std::min(yield_s, 1.0) * 1e9) : 0;   // (at most a second; NaN: none)
     hold(f->seq, seq, 1);
     hold(f->board, board, 2);
     hold(f->guard, guard, 2);
+    hold(f->pace, pace, 2);
   } catch (...) {
     release(f);
     throw;
@@ -266,7 +273,8 @@ void bind_fastcoll(py::module_& m) {
         "a planned collective's C form (fastcoll.cpp): verb (0 allreduce, 1 broadcast, 2 allgather, 3 alltoall), "
         "blocking, MPI handle bytes, the library function and MPI_Test addresses, comm/type/op handles, root, "
         "MPI_IN_PLACE, dtype, shape, output shape, count, op and algo objects, the seq, board and guard buffers, "
-        "the op code, the guard token, spins, seconds of tests between yields before a pending call returns");
+        "the op code, the guard token, the pace buffer, whether the communicator's waits may block in the library, "
+        "seconds of tests between yields before a pending call returns");
   py::object fn = py::reinterpret_steal<py::object>(PyCFunction_New(&RUN_DEF, nullptr));
   if (!fn) throw py::error_already_set();
   m.attr("fastcoll_run") = fn;

@@ -73,6 +73,13 @@ def _handle(obj) -> int:
     return h - (1 << 64) if h >= 1 << 63 else h
 
 
+def yield_seconds(comm) -> float:
+    """How long a planned nonblocking call of ``comm`` tests between yields in C before it hands
+    its request to the Python Waiter: the pace's yield phase, within the communicator's timeout
+    (the Waiter's deadline counts it: MPIComm._c_finish)."""
+    return min(progress.YIELD_SECONDS, comm.timeout)
+
+
 def make(comm, plan, x, key):
     """The C form of plan (made for x under key), or None where the C path does not apply:
     another algorithm, avg (its division runs after the call), a 2-byte float reduction (its
@@ -95,7 +102,6 @@ def make(comm, plan, x, key):
                              _handle(comm._coll), _handle(mpi_type(x.dtype)), op,
                              plan.root, lib["in_place"], np.dtype(x.dtype.type), tuple(x.shape), tuple(plan.out_shape), count,
                              key[3], key[4], comm._count, comm._board.slots, plan.code, watchdog.SLOT,
-                             comm._token, progress.spins(),
-                             0.0 if progress.blocks(comm._abort_token) else progress.YIELD_SECONDS)
+                             comm._token, progress.PACE, bool(comm._abort_token), yield_seconds(comm))
     except (TypeError, ValueError):
         return None

@@ -232,7 +232,7 @@ class MPIComm(Communicator):
                 for a in cands}
         count, slots = self._count, self._board.slots
         before = (count[0], slots[0], slots[1])
-        times = measure(cands, runs, self._coll, nbytes, self._timer)
+        times = measure(cands, runs, self._coll, nbytes, self._timer, w)
         count[0], slots[0], slots[1] = before      # the measured calls (C path) counted: this call is one
         d = tuner.record(verb, x.dtype, nbytes, times)
         if (not had_arena and self._arena is not None and d.algo not in _SHM
@@ -392,7 +392,10 @@ class MPIComm(Communicator):
         kind, v = r
         if kind == 0:
             raise MPI.Exception(v)
-        self._deadline(verb, self.seq).wait([MPI.Request.fromhandle(v & _U64)], [None], kind == 2)
+        w = self._deadline(verb, self.seq)
+        if kind == 2:                       # the yield phase's seconds passed before the Waiter was made
+            w.deadline -= fastcoll.yield_seconds(self)
+        w.wait([MPI.Request.fromhandle(v & _U64)], [None], kind == 2)
         return dst
 
     def _blocking(self, verb, x, out, algo, op=None, root=None, inplace=False):

@@ -32,6 +32,8 @@ def affinity() -> list:
 
 
 _spins = SPINS_BEFORE_YIELD
+PACE = memoryview(bytearray(16)).cast("q")  # [spins, 1 where an abort-mode wait blocks in the library]:
+PACE[0] = _spins                            # the pace as the C path (fastcoll.cpp) reads it at each call
 _job_local = 0                # the launcher's count of this job's ranks on this node (0: unknown)
 _known = False                # has anyone told the pace how many ranks share the node?
 _union = 0                    # the most cores a communicator's ranks on this host were seen to share
@@ -46,6 +48,7 @@ def note_local_ranks(n: int, cores: int | None = None) -> None:
     _union = max(_union, cores or 0)         # the widest communicator's union counts (the world's)
     _spins = SPINS_OVERSUBSCRIBED if n > max(_union, len(affinity())) else SPINS_BEFORE_YIELD
     _known = True
+    PACE[0], PACE[1] = _spins, int(_spins != SPINS_OVERSUBSCRIBED)
 
 
 def note_job_local_ranks(n: int) -> None:
@@ -58,11 +61,6 @@ def note_job_local_ranks(n: int) -> None:
 
 def job_local_ranks() -> int:
     return _job_local
-
-
-def spins() -> int:
-    """Tight tests before a wait yields the core (the pace note_local_ranks set)."""
-    return _spins
 
 
 def oversubscribed() -> bool:
@@ -122,14 +120,17 @@ class Backoff:
 
     __slots__ = ("spins", "sleep", "yield_until", "limit")
 
-    def __init__(self):
+    def __init__(self, sleeping=False):
+        """sleeping: the spins and yields were done elsewhere (the C path): start with the sleeps."""
         self.spins, self.sleep, self.yield_until, self.limit = 0, 2e-5, None, _spins
+        if sleeping:
+            self.spins, self.yield_until = self.limit, 0.0
 
     def pause(self):
         self.spins += 1
         if self.spins < self.limit:
             return None
-        if self.spins & 15 and self.yield_until is not None and self.sleep == 2e-5:
+        if self.spins & 15 and self.yield_until and self.sleep == 2e-5:
             os.sched_yield()     # in the yield phase: the clock every 16th pause only
             return None
         now = time.monotonic()
@@ -210,9 +211,7 @@ class Waiter:
                     return
             block(reqs, self.token, self.seq)
             return
-        pace = Backoff()
-        if yielded:
-            pace.yield_until = 0.0
+        pace = Backoff(sleeping=yielded)
         if len(reqs) == 1:
             test = reqs[0].Test
             while not test():

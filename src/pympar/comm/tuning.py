@@ -68,7 +68,8 @@ def batch(nbytes: int) -> int:
 def rounds(nbytes: int) -> int:
     """Timed rounds per candidate: 3 to 16 (5 when batched), about _BUDGET bytes in all (at
     least 3: a median of 2 is their mean, and one slow round of a large message decides it).
-    A bucket costs about candidates x (1 + rounds x batch) calls, once per communicator."""
+    A bucket costs about candidates x (1 + rounds) x batch calls and candidates x rounds barriers,
+    once per communicator."""
     b = batch(nbytes)
     return int(min(5 if b > 1 else 16, max(3, _BUDGET // max(int(nbytes) * b, 1))))
 
@@ -140,7 +141,7 @@ def pick(times: dict, library: str | None = None) -> str:
     return best
 
 
-def measure(names, runs, coll, nbytes, timer=None) -> dict:
+def measure(names, runs, coll, nbytes, timer=None, waiter=None) -> dict:
     """{name: seconds}: the median over rounds of the slowest rank's time of runs[name]().
 
     Collective over the mpi4py communicator ``coll`` (every rank calls it with the same
@@ -148,7 +149,8 @@ def measure(names, runs, coll, nbytes, timer=None) -> dict:
     batch(nbytes) of them back to back, after a barrier, timer(name, run) -> seconds of one round (default:
     perf_counter around run()), divided by the batch. The rounds' times are MAX-reduced over
     the ranks, so the result -- and any decision taken from it -- is the same on every rank
-    even when the ranks' own clocks disagree."""
+    even when the ranks' own clocks disagree. waiter: the call's progress.Waiter, under whose
+    deadline the barriers and the reduction of the times wait (None: the library's blocking calls)."""
     from mpi4py import MPI
 
     timer = timer or _time_it
@@ -157,11 +159,16 @@ def measure(names, runs, coll, nbytes, timer=None) -> dict:
     for name in names:           # warm-up, a burst: first-use allocations (shared windows, buffers)
         burst[name]()            # and the library's first calls of a kind, slower than the rest
     t = np.zeros((reps, len(names)))
+    def done(req):
+        if waiter is None:
+            req.Wait()
+        else:
+            waiter.wait([req], [None])
     for i in range(reps):
         for j, name in enumerate(names):
-            coll.Barrier()       # every burst starts with the ranks together, whoever ran before it
+            done(coll.Ibarrier())    # every burst starts with the ranks together, whoever ran before it
             t[i, j] = timer(name, burst[name]) / k
-    coll.Allreduce(MPI.IN_PLACE, t, MPI.MAX)
+    done(coll.Iallreduce(MPI.IN_PLACE, t, MPI.MAX))
     return {name: float(np.median(t[:, j])) for j, name in enumerate(names)}
 
 

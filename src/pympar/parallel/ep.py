@@ -312,7 +312,7 @@ class ExpertParallel:
         t0 = overlap.clock()                                  # (this strand's own seconds in a pair)
         plan = self.route.plan(np.asarray(rows), dest, np.stack([expert - dest * nl, gates.view(np.int64)], axis=1))  # host
         xr = plan.dispatch(xf)                                # (R, C): a row per (token, rank)
-        self.meter.add(self.key, overlap.clock() - t0, self._hop_bytes(plan, xf, True))
+        self._tally(t0, plan, xf, True)
         j = plan.meta[:, 0]
         perm = np.argsort(j, kind="stable")                   # host: arriving assignments, expert-major
         arow = plan.arow[perm]
@@ -322,7 +322,7 @@ class ExpertParallel:
         z = kernels.unpermute_add(ys, arow, g, plan.n_rows)   # this rank's gated sum per row
         t0 = overlap.clock()
         y = plan.combine(z, xf.shape[0])
-        self.meter.add(self.key, overlap.clock() - t0, self._hop_bytes(plan, z, False))
+        self._tally(t0, plan, z, False)
         if L.recording:
             self.acc["processed"][self.lo:self.lo + nl] += local_counts
             self.acc["rank_rows"] += int(local_counts.sum())
@@ -333,7 +333,7 @@ class ExpertParallel:
         plan, perm, arow, g, ys, inner = ctx
         t0 = overlap.clock()
         dr = plan.dispatch(dyf)
-        self.meter.add(self.key, overlap.clock() - t0, self._hop_bytes(plan, dyf, True))
+        self._tally(t0, plan, dyf, True)
         dys_raw = kernels.permute(dr, arow)
         dgate = np.einsum("mc,mc->m", dys_raw.astype(L._acc, copy=False), ys.astype(L._acc, copy=False))  # host
         dxs = L.run_experts_backward(dys_raw * g[:, None].astype(dys_raw.dtype), inner)
@@ -342,8 +342,12 @@ class ExpertParallel:
         v = np.empty(len(perm), np.float64)  # host
         v[perm] = dgate
         back = plan.reverse(v.view(np.int64)[:, None])        # each assignment's value, the source's order
-        self.meter.add(self.key, overlap.clock() - t0, self._hop_bytes(plan, dyf, False))
+        self._tally(t0, plan, dyf, False)
         return dxf, back[:, 0].copy().view(np.float64).astype(L._acc)
+
+    def _tally(self, t0, plan, x, out):
+        """Meter the route's exchange that began at overlap.clock() t0 (this strand's own seconds)."""
+        self.meter.add(self.key, overlap.clock() - t0, self._hop_bytes(plan, x, out))
 
     @staticmethod
     def _hop_bytes(plan, x, out):

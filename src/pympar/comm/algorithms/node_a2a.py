@@ -43,6 +43,11 @@ def _group_unique(keys):
     return np.flatnonzero(new), np.cumsum(new) - 1
 
 
+def _blocking(blocking, start):
+    """NodeRoute's default exchange: the blocking call."""
+    return blocking()
+
+
 class NodeRoute:
     """The two communicators of a group's node-aware exchange and where each group rank lives."""
 
@@ -53,9 +58,9 @@ class NodeRoute:
         self.n_nodes = int(self.node_of.max()) + 1
         self.rows_across = 0                             # token rows this rank sent to other nodes
         # exchange(blocking, start) -> blocking()'s result: what runs each of the route's exchanges
-        # (None: the blocking call). The pipeline's interleaved pairs set one that starts the
+        # (by default the blocking call). The pipeline's interleaved pairs set one that starts the
         # exchange nonblocking and hands over to the partner strand until it waits (parallel/overlap.py)
-        self.exchange = None
+        self.exchange = _blocking
 
     @classmethod
     def build(cls, group):
@@ -83,14 +88,10 @@ class NodeRoute:
 
     def alltoallv(self, comm, x, send, recv):
         """comm.alltoallv(x, send, recv)'s rows (comm: the route's node or rail communicator), run
-        through ``exchange`` where one is set."""
-        if self.exchange is None:
-            return comm.alltoallv(x, send, recv)[0]
+        through ``exchange``."""
         return self.exchange(lambda: comm.alltoallv(x, send, recv), lambda: comm.ialltoallv(x, send, recv))[0]
 
     def alltoall(self, comm, x):
-        if self.exchange is None:
-            return comm.alltoall(x)
         return self.exchange(lambda: comm.alltoall(x), lambda: comm.ialltoall(x))
 
     def plan(self, token, dest, meta):
