@@ -35,7 +35,6 @@ _spins = SPINS_BEFORE_YIELD
 PACE = memoryview(bytearray(16)).cast("q")  # [spins, 1 where an abort-mode wait blocks in the library]:
 PACE[0] = _spins                            # the pace as the C path (fastcoll.cpp) reads it at each call
 _job_local = 0                # the launcher's count of this job's ranks on this node (0: unknown)
-_known = False                # has anyone told the pace how many ranks share the node?
 _union = 0                    # the most cores a communicator's ranks on this host were seen to share
 
 
@@ -44,11 +43,10 @@ def note_local_ranks(n: int, cores: int | None = None) -> None:
     ranks, or the job's when more) and, when known, how many cores they may use together (the union
     of their affinity masks: a launcher that binds each rank to its own core leaves each process one
     core, yet no two ranks share one). More ranks than cores -> yield after a few tests."""
-    global _spins, _known, _union
+    global _spins, _union
     _union = max(_union, cores or 0)         # the widest communicator's union counts (the world's)
     _spins = SPINS_OVERSUBSCRIBED if n > max(_union, len(affinity())) else SPINS_BEFORE_YIELD
-    _known = True
-    PACE[0], PACE[1] = _spins, int(_spins != SPINS_OVERSUBSCRIBED)
+    PACE[0], PACE[1] = _spins, int(_spins != SPINS_OVERSUBSCRIBED)   # (PACE[1] stays 0 until told)
 
 
 def note_job_local_ranks(n: int) -> None:
@@ -71,7 +69,7 @@ def blocks(token: int) -> bool:
     """Does a long collective wait of a communicator with this deadline-guard token (0: none, an
     on_timeout="raise" one) block inside the library? Not while the node runs more ranks than cores,
     or before anyone told the pace how many it runs (Waiter)."""
-    return bool(token) and _known and _spins != SPINS_OVERSUBSCRIBED
+    return bool(token) and bool(PACE[1])
 
 
 def default_timeout() -> float:

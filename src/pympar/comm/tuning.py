@@ -159,6 +159,7 @@ def measure(names, runs, coll, nbytes, timer=None, waiter=None) -> dict:
     for name in names:           # warm-up, a burst: first-use allocations (shared windows, buffers)
         burst[name]()            # and the library's first calls of a kind, slower than the rest
     t = np.zeros((reps, len(names)))
+
     def done(req):
         if waiter is None:
             req.Wait()

@@ -69,22 +69,21 @@ def exchange(blocking, start):
     blocking call; ``start()``: the same exchange started nonblocking (a Request whose wait()
     returns what blocking() returns). Inside an interleaved pair the partner runs between the
     start and the wait; elsewhere blocking() runs."""
-    t0 = time.perf_counter()
+    t0 = clock()
     if not active():
         out = blocking()
-        return out, time.perf_counter() - t0
+        return out, clock() - t0
     req = start()
-    t1 = time.perf_counter()
     pair, me = _PAIR, greenlet.getcurrent()
     progress.behind(req)                     # moved on at the partner's compute seams (comm.progress.poke)
+    t1 = time.perf_counter()
     try:
         pair.driver.switch()                 # the partner's turn, up to its next exchange or its end
     finally:                                 # (also when the pair ends this strand early: GreenletExit)
         progress.forget(req)
-        t2 = time.perf_counter()
-        pair.away[me] = pair.away.get(me, 0.0) + (t2 - t1)
+        pair.away[me] = pair.away.get(me, 0.0) + (time.perf_counter() - t1)
     out = req.wait()
-    return out, (t1 - t0) + (time.perf_counter() - t2)
+    return out, clock() - t0                 # (the partner's turn left out)
 
 
 def clock() -> float:
