@@ -67,6 +67,18 @@ def test_each_strand_counts_its_own_seconds():
     assert 0.19 <= sb, sb
 
 
+def test_turns_are_reported_where_they_ran():
+    log, turns = [], []
+    _, _, sa, sb = overlap.interleave(strand(log, "F", 2), strand(log, "B", 3),
+                                      on_turn=lambda k, t, dt: turns.append((k, t, dt)))
+    # F's turns end at its exchanges F0 and F1 and at its end; B's at B0, B1 and its end (B2 blocks)
+    assert [k for k, _, _ in turns] == [0, 1, 0, 1, 0, 1]
+    assert all(dt >= 0 for _, _, dt in turns)
+    assert all(t0 + dt <= t1 for (_, t0, dt), (_, t1, _) in zip(turns, turns[1:]))   # one after another
+    assert sum(dt for k, _, dt in turns if k == 0) == pytest.approx(sa, abs=1e-12)
+    assert sum(dt for k, _, dt in turns if k == 1) == pytest.approx(sb, abs=1e-12)
+
+
 def test_clock_leaves_out_the_partners_turns():
     # a strand times a stretch with an exchange in it (as the node-aware route's meter does): the
     # partner's 100 ms run during the exchange is not the strand's; outside a pair it is perf_counter

@@ -11,7 +11,10 @@ another). It checks:
     bytes equal to the run with the overlap off;
   * losses, gradient norms and every parameter are bitwise those of the run with the overlap off
     (float64 and float32; ZeRO-1 and full recomputation, whose backward runs the forward's
-    all-to-alls again inside the pair).
+    all-to-alls again inside the pair);
+  * the profiler's trace shows the pairs' turns where they ran: an action's events alternate with
+    its partner's (the overlap off: one event an action), never two at once, and they add up to
+    the step's compute seconds.
 Runs at world sizes 4 and 8 (tp 2 with ep 2, and ep 4 folded over dp x tp; other sizes skip).
 """
 import os
@@ -25,6 +28,7 @@ from pympar.backend import to_numpy
 from pympar.comm import MPIComm
 from pympar.nn import GPTConfig
 from pympar.parallel import overlap
+from pympar.parallel.recorder import Recorder
 from pympar.parallel.runner import ParallelRunner
 
 STEPS = 2
@@ -62,8 +66,9 @@ class Exchanges:
 def train(world, lay, mode, counter, dispatch="auto"):
     opts = opts_of(lay)
     opts.pp_overlap, opts.ep_dispatch = mode, dispatch
-    runner = ParallelRunner(CFG, lay, world, opts, optim_of(lay))
-    got = dict(losses=[], norms=[], pairs=[], held=[])
+    rec = Recorder(enabled=True)                          # the profiler's events (--profile)
+    runner = ParallelRunner(CFG, lay, world, opts, optim_of(lay), rec)
+    got = dict(losses=[], norms=[], pairs=[], held=[], layer=[])
     counter.inside = counter.total = 0
     for s in range(STEPS):
         mbs = [mb for k in range(-(-lay.dp * lay.n_micro // G)) for mb in global_batch(s + 100 * k, CFG.vocab_size)]
@@ -74,6 +79,9 @@ def train(world, lay, mode, counter, dispatch="auto"):
         st = runner.executor.stats
         got["pairs"].append(st["overlapped_pairs"])
         got["held"].append((st["peak_in_flight"], st["activation_peak_bytes"]))
+        got["layer"].append(([(name, t0, dur, args["mb"]) for name, cat, t0, dur, args in rec.events if cat == "layer"],
+                             st["compute_s"]))
+        rec.events.clear()
     got["params"] = {n: to_numpy(p.data).copy() for n, p in runner.named}
     got["inside"], got["total"] = counter.inside, counter.total
     route = getattr(runner.model, "ep_route", None)
@@ -123,7 +131,21 @@ def compare(world, monkeypatch, cases, dispatch):
             f"{where}: {on['losses']} {on['norms']} vs overlap off {off['losses']} {off['norms']}"
         for n, a in on["params"].items():
             assert np.array_equal(a, off["params"][n]), f"{where}: {n} differs from the run with the overlap off"
+        assert [split(step) for step in off["layer"]] == [0] * STEPS
+        assert min(split(step) for step in on["layer"]) > 0, f"{where}: the trace shows no action's turns alternating"
     return route
+
+
+def split(events):
+    """The actions (label, micro-batch) of one step whose trace events are interrupted by another
+    action's, after checking that no two events overlap in time and that they add up to the step's
+    compute seconds."""
+    events, compute = events
+    ev = sorted(events, key=lambda e: e[1])
+    assert sum(e[2] for e in ev) == pytest.approx(compute, rel=1e-9, abs=1e-12)
+    assert all(a[1] + a[2] <= b[1] + 1e-9 for a, b in zip(ev, ev[1:])), "two actions' events overlap in time"
+    runs = [k for i, k in enumerate((e[0], e[3]) for e in ev) if i == 0 or k != (ev[i - 1][0], ev[i - 1][3])]
+    return len(runs) - len(set(runs))
 
 
 def test_auto_overlaps_where_the_all_to_alls_cross_nodes(world):

@@ -96,13 +96,15 @@ def clock() -> float:
     return t - pair.away.get(greenlet.getcurrent(), 0.0)
 
 
-def interleave(first, second):
+def interleave(first, second, on_turn=None):
     """Run first() and second(), one at a time, control passing at every ``exchange`` of either,
     first() first. Returns (first's result, second's result, first's seconds running, second's
-    seconds running) -- each strand's own time, without its partner's turns. An exception of
-    either is raised here after both ended (the other runs to its end, its exchanges blocking; the
-    second strand's exception is chained when both raise). Each strand starts in a copy of the
-    caller's context variables (its own changes stay its own)."""
+    seconds running) -- each strand's own time, without its partner's turns. on_turn(strand,
+    start, seconds), if given, is called after each turn (strand 0: first, 1: second; start a
+    time.perf_counter() reading): the turns laid out in time, as a profiler's trace shows them.
+    An exception of either is raised here after both ended (the other runs to its end, its
+    exchanges blocking; the second strand's exception is chained when both raise). Each strand
+    starts in a copy of the caller's context variables (its own changes stay its own)."""
     global _PAIR
     if _PAIR is not None:
         raise RuntimeError("interleave: a strand of an interleaved pair cannot start another pair")
@@ -122,7 +124,10 @@ def interleave(first, second):
                     r = g.switch()           # back here at its next exchange, or its end
                 except Exception as e:       # noqa: BLE001 -- raised below, after the partner ends
                     err[turn] = e
-                secs[turn] += time.perf_counter() - t
+                dt = time.perf_counter() - t
+                secs[turn] += dt
+                if on_turn is not None:
+                    on_turn(turn, t, dt)
                 if g.dead and err[turn] is None:
                     out[turn] = r
             turn = 1 - turn

@@ -160,7 +160,8 @@ class PipelineExecutor:
         stage_times (S, 3: this rank's seconds per micro-batch in F, B, W of each global stage it
         holds, zero for the others), table_costs (what this step's table was built for). trace
         (optional): called (label, t0, seconds, micro-batch) after each action ("fwd stage 2",
-        "bwd stage 2", "wgrad stage 2"; the runner's profiler records them)."""
+        "bwd stage 2", "wgrad stage 2"; the runner's profiler records them), once per turn it ran
+        for an action of an interleaved pair (--pp-overlap: the two actions' turns alternate)."""
         model, p, v = self.model, self.model.pp, self.model.v
         xp = model.xp                                     # where activations live (after model.to)
         m = len(micro_batches)
@@ -282,12 +283,13 @@ class PipelineExecutor:
                 settle.append(release)
             return out
 
-        def count(a, t_start, secs):
-            """Count ``a``'s seconds and trace it."""
+        def count(a, secs, spans):
+            """Count ``a``'s seconds and trace it: one event per span (start, seconds) it ran."""
             s = model.chunks[a.chunk].stage
             by_stage[s, "FBW".index(a.kind)] += secs
-            if trace is not None:                            # the profiler's event of this action
-                trace(f"{_KIND_LABEL[a.kind]} stage {s}", t_start, secs, a.micro)
+            if trace is not None:                            # the profiler's events of this action
+                for t_start, dt in spans:
+                    trace(f"{_KIND_LABEL[a.kind]} stage {s}", t_start, dt, a.micro)
 
         def send_on(a, out):
             """Send ``a``'s output to the stage that needs it (nothing for None)."""
@@ -311,21 +313,24 @@ class PipelineExecutor:
             a = actions[i_act]
             if i_act in pairs:                               # DualPipeV's F & B: one's exchanges behind the other
                 b = actions[i_act + 1]
-                inp_a, settle = receive(a), []
-                tc = time.perf_counter()     # B's input awaited in its strand; each output leaves as its strand ends
+                inp_a, settle, turns = receive(a), [], ([], [])
+                # B's input awaited in its strand; each output leaves as its strand ends; the
+                # trace shows each strand's turns where they ran
                 _, _, sa, sb = overlap.interleave(lambda: send_on(a, compute(i_act, a, inp_a)),
-                                                  lambda: send_on(b, compute(i_act + 1, b, receive(b), settle)))
+                                                  lambda: send_on(b, compute(i_act + 1, b, receive(b), settle)),
+                                                  on_turn=lambda k, t, dt: turns[k].append((t, dt)))
                 for release in settle:
                     release()
-                count(a, tc, sa)
-                count(b, tc + sa, sb)
+                count(a, sa, turns[0])
+                count(b, sb, turns[1])
                 n_pairs += 1
                 i_act += 2
                 continue
             inp = receive(a)
             tc = time.perf_counter()
             out = compute(i_act, a, inp)
-            count(a, tc, time.perf_counter() - tc)
+            dt = time.perf_counter() - tc
+            count(a, dt, [(tc, dt)])
             send_on(a, out)
             i_act += 1
         for r, _ in sends:
