@@ -2,6 +2,7 @@
 import json
 import os
 import tempfile
+import time
 import warnings
 
 import numpy as np
@@ -100,6 +101,31 @@ def test_real_calls_measure_each_bucket_once_and_stay_correct(fresh):
     assert rounds <= measured[0] <= 2 * rounds
     assert measured[1] == measured[0]
     assert len({(d.collective, d.bucket) for d in c._tuner.decisions.values()}) == 12
+
+
+@pytest.mark.ranks(lambda n: n > 1)          # size 1: auto is the only call there is
+def test_a_measurement_longer_than_the_timeout_is_not_a_timeout(mpi_world, monkeypatch):
+    # the timeout bounds each round of auto's measurement and then the call itself, not the
+    # measurement as a whole: rank 0 takes 60 ms more per round, which the others wait for at the
+    # next round's barrier, so the measurement lasts several timeouts
+    monkeypatch.setattr(settings.SETTINGS, "tuning", "")
+    tuning._SHARED.clear()
+    c = MPIComm(mpi_world, name="short", timeout=0.5, on_timeout="raise")
+    try:
+        def slow_rank0(name, run):
+            t = tuning._time_it(name, run)
+            if c.rank == 0:
+                time.sleep(0.06)
+            return t
+        c._timer = slow_rank0
+        x = np.full(1000, float(c.rank + 1))
+        t0 = time.monotonic()
+        c.allreduce(x)
+        assert time.monotonic() - t0 > 2 * c.timeout          # the measurement outlasted the timeout
+        assert np.all(x == c.size * (c.size + 1) / 2)          # and the call completed
+        assert c.explain("allreduce", x.nbytes).source == "measured"
+    finally:
+        c.free()
 
 
 def _model(per_call, skew):

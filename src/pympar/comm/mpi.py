@@ -417,6 +417,7 @@ class MPIComm(Communicator):
             return dst
         plan = self._plan((verb, x.dtype, x.shape, sel, algo), x, dst, nbytes, dst.shape, op=op,
                           root=0 if root is None else root, E=E)
+        w.renew()        # the call's timeout counts from here: auto may have measured the bucket first
         return self._run(plan, x, dst, w)
 
     # each verb's operands: (x checked, dst, E (reduce_scatter's row bounds) or None, bytes auto decides on)

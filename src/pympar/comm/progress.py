@@ -188,6 +188,12 @@ class Waiter:
         self.token = token
         self.deadline = time.monotonic() + timeout if math.isfinite(timeout) else math.inf
 
+    def renew(self) -> None:
+        """A fresh deadline, timeout seconds from now: auto's measurement (tuning.measure) runs many
+        calls under one operation's Waiter, and its timeout bounds each round, not their sum."""
+        if math.isfinite(self.timeout):
+            self.deadline = time.monotonic() + self.timeout
+
     def blocks(self) -> bool:
         """Does a long wait of this operation block inside the library (see the class)?"""
         return blocks(self.token)

@@ -157,12 +157,15 @@ def measure(names, runs, coll, nbytes, timer=None, waiter=None) -> dict:
     are timed again (contenders()): rounds of again(fastest, batch) calls, whose times replace the
     first ones, or, where that is the same batch, more rounds of it, whose median is taken with the
     first ones. waiter: the call's progress.Waiter, under whose deadline the barriers and the
-    reductions of the times wait (None: the library's blocking calls)."""
+    reductions of the times wait, renewed before each round: the communicator's timeout bounds
+    each round, not the whole measurement (at 8 ranks on 2 cores a 64 MiB bucket takes about 8 s);
+    None: the library's blocking calls."""
     timer = timer or _time_it
     reps, k = rounds(nbytes), batch(nbytes)
     burst = {name: _burst(runs[name], k) for name in names}
     for name in names:           # warm-up, a burst: first-use allocations (shared windows, buffers)
-        burst[name]()            # and the library's first calls of a kind, slower than the rest
+        _renew(waiter)           # and the library's first calls of a kind, slower than the rest
+        burst[name]()
     t = _timed(names, burst, coll, reps, k, timer, waiter)
     times = {name: float(np.median(t[:, j])) for j, name in enumerate(names)}
     close = contenders(times)
@@ -207,10 +210,17 @@ def _timed(names, burst, coll, reps, k, timer, waiter):
     t = np.zeros((reps, len(names)))
     for i in range(reps):
         for j, name in enumerate(names):
+            _renew(waiter)           # the timeout bounds a round (its barrier and burst), not the measurement
             done(coll.Ibarrier())    # every burst starts with the ranks together, whoever ran before it
             t[i, j] = timer(name, burst[name]) / k
+    _renew(waiter)
     done(coll.Iallreduce(MPI.IN_PLACE, t, MPI.MAX))
     return t
+
+
+def _renew(waiter):
+    if waiter is not None:
+        waiter.renew()
 
 
 def _burst(run, k):
