@@ -10,7 +10,8 @@ import pytest
 from mpi4py import MPI
 
 from pympar.comm import MPIComm
-from pympar.comm import settings, tuning
+from pympar.comm import mpi as mpi_module
+from pympar.comm import settings, tuning, watchdog
 
 
 @pytest.fixture()
@@ -104,26 +105,65 @@ def test_real_calls_measure_each_bucket_once_and_stay_correct(fresh):
 
 
 @pytest.mark.ranks(lambda n: n > 1)          # size 1: auto is the only call there is
-def test_a_measurement_longer_than_the_timeout_is_not_a_timeout(mpi_world, monkeypatch):
+@pytest.mark.parametrize("mode", ["raise", "abort"])
+def test_a_measurement_longer_than_the_timeout_is_not_a_timeout(mpi_world, monkeypatch, mode):
     # the timeout bounds each round of auto's measurement and then the call itself, not the
-    # measurement as a whole: rank 0 takes 60 ms more per round, which the others wait for at the
-    # next round's barrier, so the measurement lasts several timeouts
+    # measurement as a whole. Rank 0 takes 50 ms more per round, which the others wait for at the
+    # next round's barrier (polled, or -- abort mode with a core per rank -- blocked in the library
+    # under the deadline guard), so the measurement lasts several timeouts; then every rank pauses
+    # for a timeout and rank 0 for 0.1 s more, which the others wait for in the call itself. A
+    # timeout here ends the job in abort mode (the test then fails with the watchdog's report).
     monkeypatch.setattr(settings.SETTINGS, "tuning", "")
     tuning._SHARED.clear()
-    c = MPIComm(mpi_world, name="short", timeout=0.5, on_timeout="raise")
+    c = MPIComm(mpi_world, name="short", timeout=0.4, on_timeout=mode)
+    real = mpi_module.measure
+
+    def measure_then_pause(*args, **kw):
+        out = real(*args, **kw)
+        time.sleep(c.timeout + 0.1 * (c.rank == 0))
+        return out
+    monkeypatch.setattr(mpi_module, "measure", measure_then_pause)
     try:
         def slow_rank0(name, run):
             t = tuning._time_it(name, run)
             if c.rank == 0:
-                time.sleep(0.06)
+                time.sleep(0.05)
             return t
         c._timer = slow_rank0
         x = np.full(1000, float(c.rank + 1))
         t0 = time.monotonic()
-        c.allreduce(x)
-        assert time.monotonic() - t0 > 2 * c.timeout          # the measurement outlasted the timeout
+        c.allreduce(x, algo="auto")
+        assert time.monotonic() - t0 > 3 * c.timeout          # the measurement outlasted the timeout
         assert np.all(x == c.size * (c.size + 1) / 2)          # and the call completed
         assert c.explain("allreduce", x.nbytes).source == "measured"
+    finally:
+        c.free()
+
+
+@pytest.mark.ranks(lambda n: n > 1)
+def test_a_renewed_waiter_is_a_new_wait_for_the_deadline_guard(mpi_world, monkeypatch):
+    # one operation's Waiter serving several waits, as auto's measurement holds it: each wait after
+    # renew() has its own timeout, also where a wait blocks inside the library and the deadline
+    # guard keeps its clock (abort mode, a core per rank, once the first call told the pace so):
+    # the guard sees the slot armed with the same call number for all 16 waits, 0.1 s each, and
+    # the generation tells them apart, so it never starts to expire one (without the generation it
+    # did, 0.4 s in, and only its second look -- the wait over by then -- kept the job alive)
+    guard = watchdog.deadline_guard()
+    expired = []
+    real = guard._expire
+    monkeypatch.setattr(guard, "_expire", lambda comm, call: (expired.append(call), real(comm, call)))
+    c = MPIComm(mpi_world, name="renewed", timeout=0.4, on_timeout="abort")
+    try:
+        c.allreduce(np.zeros(1))
+        w = c._deadline("allreduce", c.seq)
+        t0 = time.monotonic()
+        for _ in range(16):
+            if c.rank == 0:
+                time.sleep(0.1)
+            w.renew()
+            w.wait([c._coll.Ibarrier()], [None])
+        assert time.monotonic() - t0 > 2 * c.timeout
+        assert expired == [], f"rank {c.rank}: the deadline guard took renewed waits for one: {expired}"
     finally:
         c.free()
 
@@ -168,6 +208,12 @@ def test_contenders_are_timed_again_in_longer_rounds(mpi_world):
     runs, timer, log = _model(per_call, 0.0)
     tuning.measure(list(per_call), runs, mpi_world, big, timer)
     assert [log.count((a, 1)) for a in per_call] == [2 * reps, 2 * reps, reps]
+    # ... and the median is over all of them: a's first rounds take 9 ms, its second ones 5-6
+    assert reps == 3
+    rounds = {"a": iter([9e-3] * 3 + [5e-3, 5e-3, 6e-3]), "b": iter([8e-3] * 6)}
+    times = tuning.measure(["a", "b"], {a: (lambda: None) for a in rounds}, mpi_world, big,
+                           lambda name, run: (run(), next(rounds[name]))[1])
+    assert times == pytest.approx({"a": 7.5e-3, "b": 8e-3})     # a: median of 5, 5, 6, 9, 9, 9
 
 
 def _write(path, shape, algo_4k, machine=None):

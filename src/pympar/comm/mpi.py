@@ -501,6 +501,7 @@ class MPIComm(Communicator):
         slots[1] = plan.code
         slots[0] = seq
         if plan.algo == "blocking":      # _run's blocking branch, inlined
+            SLOT[2] = 0
             SLOT[1] = seq             # the deadline guard's slot (watchdog.DeadlineGuard)
             SLOT[0] = self._token
             plan.call(x, dst)
@@ -527,6 +528,7 @@ class MPIComm(Communicator):
                 finish_avg(flat(dst), self.size)
         elif plan.algo == "blocking":
             sync_stream(x)
+            SLOT[2] = w.gen
             SLOT[1] = w.seq
             SLOT[0] = self._token
             plan.call(x, dst)

@@ -7,6 +7,7 @@ long, and raises :class:`CommTimeoutError` naming the peers not heard from at th
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -153,14 +154,18 @@ def poll1(req, waiter_factory, peer=None):
     waiter_factory().wait([req], [peer])
 
 
-SLOT = memoryview(bytearray(16)).cast("q")   # [token, seq] of the blocking call in progress (0: none):
-                                            # watched by watchdog.DeadlineGuard, written by callers
+SLOT = memoryview(bytearray(24)).cast("q")   # [token, seq, generation] of the blocking call in progress
+                                            # (token 0: none): watched by watchdog.DeadlineGuard, written
+                                            # by callers (the C path writes token and seq: its seq is new)
+_GENERATION = itertools.count(1)             # a renewed Waiter's generation (Waiter.renew)
 
 
-def block(reqs, token: int, seq: int) -> None:
+def block(reqs, token: int, seq: int, gen: int = 0) -> None:
     """MPI_Waitall(reqs) inside the library (mpi4py releases the GIL), its deadline kept off the
-    critical path: the deadline guard's slot is armed with the communicator's token and the call's
-    number, and the guard's thread ends the job with the report if the call outlives its timeout."""
+    critical path: the deadline guard's slot is armed with the communicator's token, the call's
+    number and its Waiter's generation, and the guard's thread ends the job with the report if the
+    call outlives its timeout (counted from the first time the guard sees that slot)."""
+    SLOT[2] = gen
     SLOT[1] = seq
     SLOT[0] = token
     try:
@@ -180,19 +185,22 @@ class Waiter:
     in the library spins there and would starve the peer it waits for, so it polls and yields
     (as it does until the pace knows how many ranks share the node: note_local_ranks)."""
 
-    __slots__ = ("op", "comm_name", "seq", "timeout", "deadline", "board", "token")
+    __slots__ = ("op", "comm_name", "seq", "timeout", "deadline", "board", "token", "gen")
 
     def __init__(self, op: str, comm_name: str, seq: int, timeout: float, board=None, token: int = 0):
         self.op, self.comm_name, self.seq, self.timeout = op, comm_name, seq, timeout
         self.board = board    # watchdog.ArrivalBoard of a collective: names who never entered it
         self.token = token
         self.deadline = time.monotonic() + timeout if math.isfinite(timeout) else math.inf
+        self.gen = 0          # the deadline guard tells a renewed Waiter's waits from the earlier ones
 
     def renew(self) -> None:
-        """A fresh deadline, timeout seconds from now: auto's measurement (tuning.measure) runs many
-        calls under one operation's Waiter, and its timeout bounds each round, not their sum."""
+        """A fresh deadline, timeout seconds from now, for the polled waits and -- a new generation in
+        the guard's slot -- for those blocking in the library: auto's measurement (tuning.measure)
+        runs many calls under one operation's Waiter, and its timeout bounds each round, not their sum."""
         if math.isfinite(self.timeout):
             self.deadline = time.monotonic() + self.timeout
+        self.gen = next(_GENERATION)
 
     def blocks(self) -> bool:
         """Does a long wait of this operation block inside the library (see the class)?"""
@@ -213,7 +221,7 @@ class Waiter:
             for _ in range(_spins):
                 if testall(reqs):
                     return
-            block(reqs, self.token, self.seq)
+            block(reqs, self.token, self.seq, self.gen)
             return
         pace = Backoff(sleeping=yielded)
         if len(reqs) == 1:

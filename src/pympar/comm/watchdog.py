@@ -272,9 +272,10 @@ class DeadlineGuard:
     below: the report on stderr and MPI_Abort for every rank (mpi4py and pympar's C path
     release the GIL inside MPI calls, so the thread runs).
 
-    Arming is two stores into ``SLOT`` (``[token, seq]``: the communicator's token and the
-    call's count), disarming one (token 0) -- Python (MPIComm) and C (csrc/fastcoll.cpp) write
-    the same words. The clock is read here, not by the caller: the deadline counts from the
+    Arming is stores into ``SLOT`` (``[token, seq, generation]``: the communicator's token, the
+    call's count and its Waiter's generation, which Waiter.renew changes where one operation's
+    Waiter serves several waits -- auto's measurement), disarming one (token 0) -- Python
+    (MPIComm) and C (csrc/fastcoll.cpp: token and seq, a new seq per call) write the same words. The clock is read here, not by the caller: the deadline counts from the
     first wake that sees the call, so it passes between timeout and timeout + WATCH_SECONDS
     after the call began, never before. ``watch(token, comm)`` names a token's communicator
     (held weakly)."""
@@ -297,7 +298,7 @@ class DeadlineGuard:
         seen, since = None, 0.0
         while True:
             token = SLOT[0]
-            call = (token, SLOT[1]) if token else None
+            call = (token, SLOT[1], SLOT[2]) if token else None
             if call is None or call != seen:
                 seen, since = call, time.monotonic()
             else:
@@ -313,7 +314,7 @@ class DeadlineGuard:
         try:
             Waiter(op, c.name, call[1], c.timeout, board).expire([], [], act=False)
         except CommTimeoutError as e:
-            if (SLOT[0], SLOT[1]) == call:       # still the same call, still stuck
+            if (SLOT[0], SLOT[1], SLOT[2]) == call:    # still the same call, still stuck
                 self._on_expiry(e)
 
 
