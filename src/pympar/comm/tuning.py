@@ -158,10 +158,10 @@ def measure(names, runs, coll, nbytes, timer=None, waiter=None) -> dict:
     first ones, or, where that is the same batch (a first round already lasts _SPAN), more rounds
     of it, whose median is taken with the first ones; the others keep their first times (more than
     CLOSE slower than a contender's first time: pick() takes one of them only if every contender's
-    second time came out slower still). waiter: the call's progress.Waiter, under whose deadline the barriers and the
-    reductions of the times wait, renewed before each round: the communicator's timeout bounds
-    each round, not the whole measurement (at 8 ranks on 2 cores a 64 MiB bucket takes about 8 s);
-    None: the library's blocking calls."""
+    second time came out slower still). waiter: the call's progress.Waiter, under whose deadline
+    the barriers and the reductions of the times wait, renewed before each round: the
+    communicator's timeout bounds each round, not the whole measurement (at 8 ranks on 2 cores a
+    64 MiB bucket takes about 8 s); None: the library's blocking calls."""
     timer = timer or _time_it
     reps, k = rounds(nbytes), batch(nbytes)
     burst = {name: _burst(runs[name], k) for name in names}
