@@ -501,8 +501,7 @@ class MPIComm(Communicator):
         slots[1] = plan.code
         slots[0] = seq
         if plan.algo == "blocking":      # _run's blocking branch, inlined
-            SLOT[2] = 0
-            SLOT[1] = seq             # the deadline guard's slot (watchdog.DeadlineGuard)
+            SLOT[1] = seq             # the deadline guard's slot (watchdog.DeadlineGuard; a new seq)
             SLOT[0] = self._token
             plan.call(x, dst)
             SLOT[0] = 0

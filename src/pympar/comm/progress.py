@@ -32,9 +32,8 @@ def affinity() -> list:
         return list(range(os.cpu_count() or 1))
 
 
-_spins = SPINS_BEFORE_YIELD
 PACE = memoryview(bytearray(16)).cast("q")  # [spins, 1 where an abort-mode wait blocks in the library]:
-PACE[0] = _spins                            # the pace as the C path (fastcoll.cpp) reads it at each call
+PACE[0] = SPINS_BEFORE_YIELD                # the pace, read at each wait here and by the C path (fastcoll.cpp)
 _job_local = 0                # the launcher's count of this job's ranks on this node (0: unknown)
 _union = 0                    # the most cores a communicator's ranks on this host were seen to share
 
@@ -44,10 +43,10 @@ def note_local_ranks(n: int, cores: int | None = None) -> None:
     ranks, or the job's when more) and, when known, how many cores they may use together (the union
     of their affinity masks: a launcher that binds each rank to its own core leaves each process one
     core, yet no two ranks share one). More ranks than cores -> yield after a few tests."""
-    global _spins, _union
+    global _union
     _union = max(_union, cores or 0)         # the widest communicator's union counts (the world's)
-    _spins = SPINS_OVERSUBSCRIBED if n > max(_union, len(affinity())) else SPINS_BEFORE_YIELD
-    PACE[0], PACE[1] = _spins, int(_spins != SPINS_OVERSUBSCRIBED)   # (PACE[1] stays 0 until told)
+    over = n > max(_union, len(affinity()))
+    PACE[0], PACE[1] = (SPINS_OVERSUBSCRIBED, 0) if over else (SPINS_BEFORE_YIELD, 1)   # (PACE[1]: 0 until told)
 
 
 def note_job_local_ranks(n: int) -> None:
@@ -63,7 +62,7 @@ def job_local_ranks() -> int:
 
 
 def oversubscribed() -> bool:
-    return _spins == SPINS_OVERSUBSCRIBED
+    return PACE[0] == SPINS_OVERSUBSCRIBED
 
 
 def blocks(token: int) -> bool:
@@ -121,7 +120,7 @@ class Backoff:
 
     def __init__(self, sleeping=False):
         """sleeping: the spins and yields were done elsewhere (the C path): start with the sleeps."""
-        self.spins, self.sleep, self.yield_until, self.limit = 0, 2e-5, None, _spins
+        self.spins, self.sleep, self.yield_until, self.limit = 0, 2e-5, None, PACE[0]
         if sleeping:
             self.spins, self.yield_until = self.limit, 0.0
 
@@ -148,15 +147,15 @@ def poll1(req, waiter_factory, peer=None):
     backoff and the watchdog report) -- the Waiter is built only when the wait is not short.
     peer: the rank a point-to-point request waits on (named, and the request withdrawn, at expiry)."""
     test = req.Test
-    for _ in range(_spins):
+    for _ in range(PACE[0]):
         if test():
             return
     waiter_factory().wait([req], [peer])
 
 
 SLOT = memoryview(bytearray(24)).cast("q")   # [token, seq, generation] of the blocking call in progress
-                                            # (token 0: none): watched by watchdog.DeadlineGuard, written
-                                            # by callers (the C path writes token and seq: its seq is new)
+                                            # (token 0: none): watched by watchdog.DeadlineGuard, written by
+                                            # callers (a planned call, Python or C, token and seq: its seq is new)
 _GENERATION = itertools.count(1)             # a renewed Waiter's generation (Waiter.renew)
 
 
@@ -218,7 +217,7 @@ class Waiter:
             return
         if self.blocks():
             testall = MPI.Request.Testall
-            for _ in range(_spins):
+            for _ in range(PACE[0]):
                 if testall(reqs):
                     return
             block(reqs, self.token, self.seq, self.gen)

@@ -275,7 +275,8 @@ class DeadlineGuard:
     Arming is stores into ``SLOT`` (``[token, seq, generation]``: the communicator's token, the
     call's count and its Waiter's generation, which Waiter.renew changes where one operation's
     Waiter serves several waits -- auto's measurement), disarming one (token 0) -- Python
-    (MPIComm) and C (csrc/fastcoll.cpp: token and seq, a new seq per call) write the same words.
+    (MPIComm) and C (csrc/fastcoll.cpp) write the same words (a planned call token and seq only:
+    its seq is new).
     The clock is read here, not by the caller: the deadline counts from the
     first wake that sees the call, so it passes between timeout and timeout + WATCH_SECONDS
     after the call began, never before. ``watch(token, comm)`` names a token's communicator
