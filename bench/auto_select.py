@@ -7,7 +7,9 @@ library's call made directly through mpi4py (``library``). Per size, "best" is t
 of all of them (the library's direct call included: auto must never lose to it); auto/best
 is the time ratio (1.0: auto ran the fastest choice); chosen_row_over_best compares the row
 of the algorithm auto chose instead (the decision's quality without the noise between two
-rows of the same algorithm). Time: the slowest rank's mean over the iterations, as
+rows of the same algorithm), and auto_over_chosen_row is that noise (auto's row over the row
+of the algorithm it ran: two timings of one algorithm); decision_us is what auto's measurement
+saw per candidate. Time: the slowest rank's mean over the iterations, as
 nccl-tests, in the fastest of --rounds alternating rounds (every choice timed once per round,
 so two rows are compared at the same moments of an oversubscribed run); allreduce out of place.
 
@@ -72,6 +74,8 @@ def summarize(rows):
                         chosen=auto.get("chosen"), best_algo=best["algo"], best_us=best["time_us"],
                         auto_over_best=auto["time_us"] / best["time_us"],
                         chosen_row_over_best=chosen["time_us"] / best["time_us"] if chosen else None,
+                        auto_over_chosen_row=auto["time_us"] / chosen["time_us"] if chosen else None,
+                        decision_us=auto.get("decision_us"),
                         library_us=lib["time_us"], library_over_auto=lib["time_us"] / auto["time_us"]))
     return out
 

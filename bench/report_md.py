@@ -119,8 +119,12 @@ def sec_auto_select(res, status) -> str:
         within = [s for s in summ if s["transport"] == tr]
         ok = sum(1 for s in within if s["auto_over_best"] <= tgt)
         okc = sum(1 for s in within if (s.get("chosen_row_over_best") or 9) <= tgt)
+        same = [s["auto_over_chosen_row"] for s in within if s.get("auto_over_chosen_row")]
+        noisy = sum(1 for r in same if max(r, 1 / r) > tgt)
         out += ["", f"auto within {tgt}x of the best: {ok} of {len(within)} (size, ranks) points; the chosen "
-                    f"algorithm's own row within {tgt}x: {okc} of {len(within)}.", ""]
+                    f"algorithm's own row within {tgt}x: {okc} of {len(within)}."
+                + (f" The benchmark's own noise: auto's row and the row of the algorithm it ran (two timings of "
+                   f"one algorithm) differ by more than {tgt}x at {noisy} of {len(same)} points." if same else ""), ""]
     return "\n".join(out)
 
 

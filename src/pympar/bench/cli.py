@@ -297,6 +297,8 @@ def main(argv=None):
                 label = f"auto({d.algo})"
                 for r in rows[-len([c for c in cells if c is not None]):]:
                     r["chosen"] = d.algo
+                    if d.times_us:
+                        r["decision_us"] = {a: round(t, 3) for a, t in d.times_us.items()}   # what auto measured
                 if args.explain:
                     explained.append(d)
             if comm.rank == 0:
