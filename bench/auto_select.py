@@ -9,7 +9,9 @@ is the time ratio (1.0: auto ran the fastest choice); chosen_row_over_best compa
 of the algorithm auto chose instead (the decision's quality without the noise between two
 rows of the same algorithm), and auto_over_chosen_row is that noise (auto's row over the row
 of the algorithm it ran: two timings of one algorithm); decision_us is what auto's measurement
-saw per candidate. Time: the slowest rank's mean over the iterations, as
+saw per candidate. auto_over_best_median: auto/best by each row's median round instead of its
+fastest (the best row's fastest round is the luckiest of many: with 9 rows of 3 rounds, one
+lucky round sets "best"). Time: the slowest rank's mean over the iterations, as
 nccl-tests, in the fastest of --rounds alternating rounds (every choice timed once per round,
 so two rows are compared at the same moments of an oversubscribed run); allreduce out of place.
 
@@ -58,6 +60,12 @@ def one(coll, n, transport, lo, hi, factor, iters, warmup, timeout, rounds=1):
         return d["rows"], d.get("shape")
 
 
+def _median(row):
+    """A row's median round (its time_us is its fastest: the best of a few noisy rounds)."""
+    rs = sorted(row.get("rounds_us") or [row["time_us"]])
+    return (rs[(len(rs) - 1) // 2] + rs[len(rs) // 2]) / 2
+
+
 def summarize(rows):
     out = []
     for key in sorted({(r["collective"], r["transport"], r["nranks"], r["bytes"]) for r in rows}):
@@ -75,6 +83,7 @@ def summarize(rows):
                         auto_over_best=auto["time_us"] / best["time_us"],
                         chosen_row_over_best=chosen["time_us"] / best["time_us"] if chosen else None,
                         auto_over_chosen_row=auto["time_us"] / chosen["time_us"] if chosen else None,
+                        auto_over_best_median=_median(auto) / min(_median(r) for r in others),
                         decision_us=auto.get("decision_us"),
                         library_us=lib["time_us"], library_over_auto=lib["time_us"] / auto["time_us"]))
     return out

@@ -121,8 +121,11 @@ def sec_auto_select(res, status) -> str:
         okc = sum(1 for s in within if (s.get("chosen_row_over_best") or 9) <= tgt)
         same = [s["auto_over_chosen_row"] for s in within if s.get("auto_over_chosen_row")]
         noisy = sum(1 for r in same if max(r, 1 / r) > tgt)
+        okm = sum(1 for s in within if s.get("auto_over_best_median", 9) <= tgt)
         out += ["", f"auto within {tgt}x of the best: {ok} of {len(within)} (size, ranks) points; the chosen "
-                    f"algorithm's own row within {tgt}x: {okc} of {len(within)}."
+                    f"algorithm's own row within {tgt}x: {okc} of {len(within)}"
+                + (f"; by each row's median round instead of its fastest: {okm} of {len(within)}."
+                   if any("auto_over_best_median" in s for s in within) else ".")
                 + (f" The benchmark's own noise: auto's row and the row of the algorithm it ran (two timings of "
                    f"one algorithm) differ by more than {tgt}x at {noisy} of {len(same)} points." if same else ""), ""]
     return "\n".join(out)
