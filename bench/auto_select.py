@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from collectives import parse_size  # noqa: E402
+from collectives import human, parse_size  # noqa: E402
 
 TRANSPORTS = {"shm": {}, "network": {"MPIR_CVAR_NOLOCAL": "1"}, "2nodes": {"MPIR_CVAR_NUM_CLIQUES": "2"}}
 MID, LARGE = 128 << 10, 4 << 20     # size bands: -n iters below MID, --mid-iters to LARGE, --large-iters from it
@@ -144,7 +144,40 @@ def plot(res, png_dir):
             fig.suptitle(f"{coll}, {transport} transport: auto (red) vs every choice; dashed: {TARGET}x target\n"
                          f"({common.machine()})", fontsize=8)
             made.append(common.save(fig, Path(png_dir) / f"auto_{coll}_{transport}.png"))
+        made.append(bars(res, coll, png_dir))
     return made
+
+
+def bars(res, coll, png_dir):
+    """One bar per (transport, ranks, size): auto's row over the best row (the target's measure),
+    a dot for the same by each row's median round; the target as a dashed line."""
+    plt = common.pyplot()
+    summ = [s for s in res["summary"] if s["collective"] == coll]
+    trs = [t for t in TRANSPORTS if any(s["transport"] == t for s in summ)]
+    fig, axes = plt.subplots(len(trs), 1, figsize=(9, 2.3 * len(trs)), squeeze=False)
+    for ax, tr in zip(axes[:, 0], trs):
+        within = [s for s in summ if s["transport"] == tr]
+        ns = sorted({s["nranks"] for s in within})
+        sizes = sorted({s["bytes"] for s in within})
+        w = 0.8 / len(ns)
+        for k, n in enumerate(ns):
+            pts = [(i, s) for i, b in enumerate(sizes) for s in within if s["nranks"] == n and s["bytes"] == b]
+            xs = [i - 0.4 + w * (k + 0.5) for i, _ in pts]
+            ax.bar(xs, [s["auto_over_best"] - 1 for _, s in pts], w, bottom=1, label=f"{n} ranks")
+            med = [(x, s["auto_over_best_median"]) for x, (_, s) in zip(xs, pts) if "auto_over_best_median" in s]
+            ax.plot([m[0] for m in med], [m[1] for m in med], "k.", ms=3)
+        ok = sum(1 for s in within if s["auto_over_best"] <= TARGET)
+        ax.axhline(TARGET, color="tab:red", lw=0.8, ls="--")
+        ax.axhline(1.0, color="k", lw=0.5)
+        ax.set_xticks(range(len(sizes)), [human(b) for b in sizes])
+        vals = [s[k] for s in within for k in ("auto_over_best", "auto_over_best_median") if k in s]
+        ax.set(ylabel="auto / best row", ylim=(min([0.75] + vals) - 0.05, max([1.55] + vals) + 0.05),
+               title=f"{tr}: {ok} of {len(within)} points within {TARGET}x")
+        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    axes[-1][0].set_xlabel("message size (bytes); bars: fastest round of each row; dots: median round")
+    fig.suptitle(f"{coll}: auto's time over the fastest choice's, per size and rank count ({common.machine()})",
+                 fontsize=8)
+    return common.save(fig, Path(png_dir) / f"auto_{coll}_bars.png")
 
 
 def main(argv=None):

@@ -97,6 +97,8 @@ def sec_auto_select(res, status) -> str:
             "`shm` MPICH's default (shared memory); `network` `MPIR_CVAR_NOLOCAL=1` (every message through the "
             "network module, each rank its own node); `2nodes` `MPIR_CVAR_NUM_CLIQUES=2` (two nodes sharing memory "
             "inside, network between). Ranks beyond 2 oversubscribe the 2 cores.", ""]
+    if any("auto_over_best_median" in s for s in d["summary"]):
+        out += [_img("auto_allreduce_bars", "auto over the best row, every point"), ""]
     summ = d["summary"]
     for tr in dict.fromkeys(s["transport"] for s in summ):
         out += [f"### {tr}", "", _img(f"auto_allreduce_{tr}", f"auto on {tr}"), ""]
