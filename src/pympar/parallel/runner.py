@@ -220,7 +220,8 @@ class ParallelRunner:
         self.sync.begin_step()
         work = self._forward_backward(self._local(micro_batches), scale)
         moe, a2a = self._comm_times(work)
-        with self.rec.span("grad sync", "dp_comm" if self.dp > 1 else "optimizer", bytes=self.sync.grad_bytes):
+        sync = "dp_comm" if self.dp * self.cp > 1 else "optimizer"     # the dense sync spans dp x cp
+        with self.rec.span("grad sync", sync, bytes=self.sync.grad_bytes):
             self.sync.finish()
         self._update_ledger(work["micro_batches"], work["act"], work["recv_bytes"])
         share = self._share(work, moe, a2a, stop, written)
