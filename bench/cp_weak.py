@@ -1,27 +1,31 @@
 """Weak scaling of context parallelism: cp ranks on a sequence cp times as long as one rank's.
 
-    python bench/cp_weak.py                  # T 1024 and 2048 per rank, cp = 2, ring and a2a
+    python bench/cp_weak.py       # L 256 and 1024 per rank, and L 128 at width 1024 (attention ~2%)
     python bench/cp_weak.py --per-rank 256 --rounds 1 --steps 4    # a quick look
 
 Rows per per-rank length L: one rank training on sequences of L positions, and cp = 2 ranks
 training on sequences of 2L (each rank holds L positions), with the ring and with Ulysses
 (`--cp-comm a2a`); the same model, micro-batch and step count, one kernel thread per rank, float32,
-`python -m pympar.train` (the preset small's model, 4 heads). Each configuration runs ``rounds``
-times, interleaved; a run's step time is its median over the steps after the first; a
-configuration's is the fastest of its runs.
+`python -m pympar.train` (the preset small's model, 4 heads; L@C: its width C instead of 128).
+Each configuration runs ``rounds`` times, interleaved; a run's step time is its median over the
+steps after the first; a configuration's is the fastest of its runs.
 
 efficiency = step time of one rank on L / step time of cp ranks on cp*L. Everything but attention
 costs the same per rank in both; causal attention over cp*L positions is cp^2 times the work of L,
 shared by cp ranks: each rank does cp times one rank's attention at L. So the efficiency this can
 reach is 1 / (1 + (cp-1) * attention's share of the one-rank step): the ceiling printed beside each
 row takes that share from the FLOPs (PaLM's count, nn.config.flops_per_token: attention 12 n_layer
-T C of each token's), i.e. as if attention ran at the rest's rate.
+T C of each token's), i.e. as if attention ran at the rest's rate. And cp's 2 ranks keep both cores
+busy where one rank keeps one: efficiency_pair divides instead by the one-rank run's step time with
+a second copy of it running at once (one_rank_pair_s), which takes out what the machine loses when
+both cores work (shared memory bandwidth and cache, clock) and leaves what cp itself costs.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,34 +35,45 @@ from pympar.nn.config import GPTConfig, flops_per_token  # noqa: E402
 TARGET = 0.9
 
 
-def one(n, L, comm, steps, B):
+def one(n, L, comm, steps, B, C=None):
     args = ["--preset", "small", "--block-size", L * n, "--micro-batch-size", B, "--steps", steps, "--lr", "1e-3",
-            "--dtype", "float32", "--threads", 1, "--dp", 1]
+            "--dtype", "float32", "--threads", 1, "--dp", 1] + (["--n-embd", C] if C else [])
     if n > 1:
         args += ["--cp", n] + (["--cp-comm", comm] if comm != "ring" else [])
     recs = common.steady(common.train(n, args, timeout=900))
     return statistics.median(r["step_time"] for r in recs)
 
 
+def pair(L, steps, B, C=None):
+    """The one-rank run twice at once (two jobs, both cores busy): its step time when the other core
+    works too, as each of cp's ranks does -- the mean of the two jobs' step times."""
+    with ThreadPoolExecutor(2) as ex:
+        got = list(ex.map(lambda _: one(1, L, "ring", steps, B, C), range(2)))
+    return sum(got) / 2
+
+
 def run(a):
     rows = []
-    for L in [int(x) for x in a.per_rank.split(",")]:
-        cfgs = [(1, "ring"), (2, "ring"), (2, "a2a")]
+    for L, C in [(int(x.split("@")[0]), int(x.split("@")[1]) if "@" in x else None) for x in a.per_rank.split(",")]:
+        cfgs = [(1, "ring"), (1, "pair"), (2, "ring"), (2, "a2a")]
         best = {}
         for _ in range(a.rounds):
             for n, comm in cfgs:
-                best[(n, comm)] = min(best.get((n, comm), float("inf")), one(n, L, comm, a.steps, a.micro_batch))
-        t1 = best[(1, "ring")]
-        cfg = GPTConfig.from_preset("small")
+                t = pair(L, a.steps, a.micro_batch, C) if comm == "pair" else one(n, L, comm, a.steps, a.micro_batch, C)
+                best[(n, comm)] = min(best.get((n, comm), float("inf")), t)
+        t1, t1_pair = best[(1, "ring")], best[(1, "pair")]
+        cfg = GPTConfig.from_preset("small", **({"n_embd": C} if C else {}))
         cfg.block_size = L
         share = 12.0 * cfg.n_layer * L * cfg.n_embd / flops_per_token(cfg)      # attention's FLOPs at L
         for comm in ("ring", "a2a"):
             eff = t1 / best[(2, comm)]
-            rows.append(dict(per_rank=L, cp=2, comm=comm, one_rank_s=t1, cp_s=best[(2, comm)], efficiency=eff,
-                             attention_share=share, ceiling=1.0 / (1.0 + share)))
-            print(f"  L={L} cp=2 {comm:<5} one rank {t1 * 1e3:7.1f} ms  cp {best[(2, comm)] * 1e3:7.1f} ms  "
-                  f"efficiency {eff:.2f} (attention {share:.0%} of the one-rank FLOPs: ceiling {1 / (1 + share):.2f})",
-                  file=sys.stderr, flush=True)
+            rows.append(dict(per_rank=L, n_embd=cfg.n_embd, cp=2, comm=comm, one_rank_s=t1, cp_s=best[(2, comm)],
+                             efficiency=eff, attention_share=share, ceiling=1.0 / (1.0 + share),
+                             one_rank_pair_s=t1_pair, efficiency_pair=t1_pair / best[(2, comm)]))
+            print(f"  C={cfg.n_embd} L={L} cp=2 {comm:<5} one rank {t1 * 1e3:7.1f} ms (two at once "
+                  f"{t1_pair * 1e3:7.1f})  cp {best[(2, comm)] * 1e3:7.1f} ms  efficiency {eff:.2f} (against two at "
+                  f"once {t1_pair / best[(2, comm)]:.2f}; attention {share:.0%} of the one-rank FLOPs: ceiling "
+                  f"{1 / (1 + share):.2f})", file=sys.stderr, flush=True)
     return dict(kind="cp_weak", machine=common.machine(), target=TARGET, steps=a.steps, rounds=a.rounds,
                 micro_batch=a.micro_batch, rows=rows)
 
@@ -66,26 +81,36 @@ def run(a):
 def plot(res, png):
     plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    Ls = sorted({r["per_rank"] for r in res["rows"]})
+    key = lambda r: (r.get("n_embd", 128), r["per_rank"])      # noqa: E731 (rows before --n-embd: 128)
+    Ls = sorted({key(r) for r in res["rows"]})
     for k, comm in enumerate(("ring", "a2a")):
-        vals = [next(r["efficiency"] for r in res["rows"] if r["per_rank"] == L and r["comm"] == comm) for L in Ls]
-        ax.bar([i + 0.38 * (k - 0.5) for i in range(len(Ls))], vals, width=0.38, label=comm)
-    ceil = [next(r["ceiling"] for r in res["rows"] if r["per_rank"] == L) for L in Ls]
+        vals = [next(r["efficiency"] for r in res["rows"] if key(r) == L and r["comm"] == comm) for L in Ls]
+        xs = [i + 0.38 * (k - 0.5) for i in range(len(Ls))]
+        ax.bar(xs, vals, width=0.38, label=comm)
+        pr = [(x, r["efficiency_pair"]) for x, L in zip(xs, Ls) for r in res["rows"]
+              if key(r) == L and r["comm"] == comm and "efficiency_pair" in r]
+        if pr:
+            ax.plot([p[0] for p in pr], [p[1] for p in pr], "ko", mfc="none", ms=4,
+                    label="against two one-rank runs at once" if k == 0 else None)
+    ceil = [next(r["ceiling"] for r in res["rows"] if key(r) == L) for L in Ls]
     ax.plot(range(len(Ls)), ceil, "k_", ms=30, label="ceiling (attention's FLOP share)")
     ax.axhline(TARGET, color="tab:red", lw=0.8, ls="--")
     ax.set(xticks=range(len(Ls)), ylabel="one rank on L / cp=2 on 2L", ylim=(0, 1.25))
-    ax.set_title(f"CP weak scaling, cp = 2 (dashed: {TARGET} target)\n{res['machine']}", fontsize=7)
-    ax.set_xticklabels([f"L = {L}" for L in Ls])
+    ax.set_title(f"CP weak scaling, cp = 2, micro-batch {res.get('micro_batch', 2)} (dashed: {TARGET} target)\n"
+                 f"{res['machine']}", fontsize=7)
+    ax.set_xticklabels([f"C {C}, L {L}" for C, L in Ls])
     ax.legend(fontsize=6, loc="upper right", ncol=3)
     common.save(fig, png)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--per-rank", default="1024,2048", help="positions per rank (comma-separated)")
+    ap.add_argument("--per-rank", default="256,1024,128@1024", help="positions per rank (comma-separated; "
+                    "L@C: at model width C instead of the small preset's 128)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch (the gradient sync's "
+                    "share of a step shrinks as it grows)")
     common.run_and_write(ap, argv, "cp_weak", run, plot)
 
 
