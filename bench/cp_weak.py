@@ -18,14 +18,18 @@ row takes that share from the FLOPs (PaLM's count, nn.config.flops_per_token: at
 T C of each token's), i.e. as if attention ran at the rest's rate. And cp's 2 ranks keep both cores
 busy where one rank keeps one: efficiency_pair divides instead by the one-rank run's step time with
 a second copy of it running at once (one_rank_pair_s), which takes out what the machine loses when
-both cores work (shared memory bandwidth and cache, clock) and leaves what cp itself costs.
+both cores work (shared memory bandwidth and cache, clock) and leaves what cp itself costs. Each
+row keeps the trainer's time split (median seconds a step per key) of the runs it took: where cp's
+time goes (compute holds the gradient sync that overlaps backward; dp_comm its wait after it).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,21 +39,41 @@ from pympar.nn.config import GPTConfig, flops_per_token  # noqa: E402
 TARGET = 0.9
 
 
-def one(n, L, comm, steps, B, C=None):
+def _args(n, L, comm, steps, B, C=None):
     args = ["--preset", "small", "--block-size", L * n, "--micro-batch-size", B, "--steps", steps, "--lr", "1e-3",
             "--dtype", "float32", "--threads", 1, "--dp", 1] + (["--n-embd", C] if C else [])
     if n > 1:
         args += ["--cp", n] + (["--cp-comm", comm] if comm != "ring" else [])
-    recs = common.steady(common.train(n, args, timeout=900))
-    return statistics.median(r["step_time"] for r in recs)
+    return args
+
+
+def one(n, L, comm, steps, B, C=None):
+    """(median step time after the first, median of each time-split key) of one trainer run."""
+    recs = common.steady(common.train(n, _args(n, L, comm, steps, B, C), timeout=900))
+    split = {k: statistics.median(r["time_split"].get(k, 0.0) for r in recs) for k in recs[0]["time_split"]}
+    return statistics.median(r["step_time"] for r in recs), split
 
 
 def pair(L, steps, B, C=None):
-    """The one-rank run twice at once (two jobs, both cores busy): its step time when the other core
-    works too, as each of cp's ranks does -- the mean of the two jobs' step times."""
-    with ThreadPoolExecutor(2) as ex:
-        got = list(ex.map(lambda _: one(1, L, "ring", steps, B, C), range(2)))
-    return sum(got) / 2
+    """The one-rank run while a second copy of it trains on the other core (both cores busy, as cp's
+    ranks are): the second starts first, with 20x the steps, the timed one starts once the second has
+    finished a step, and the second is stopped when the timed one is done (checked still running)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [common.mpiexec(), "-n", "1", sys.executable, "-m", "pympar.train", "--out", tmp, "--sample-tokens", "0",
+               "--progress", "log", "--eval-every", "0", *map(str, _args(1, L, "ring", 20 * steps, B, C))]
+        bg = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=common.env(),
+                              cwd=common.ROOT)
+        try:
+            metrics = Path(tmp) / "metrics.jsonl"
+            while bg.poll() is None and not (metrics.exists() and metrics.read_text().strip()):
+                time.sleep(0.05)
+            got = one(1, L, "ring", steps, B, C)
+            if bg.poll() is not None:
+                raise RuntimeError(f"the second one-rank run ended ({bg.returncode}) before the timed one")
+        finally:
+            bg.terminate()
+            bg.wait(60)
+    return got
 
 
 def run(a):
@@ -60,7 +84,9 @@ def run(a):
         for _ in range(a.rounds):
             for n, comm in cfgs:
                 t = pair(L, a.steps, a.micro_batch, C) if comm == "pair" else one(n, L, comm, a.steps, a.micro_batch, C)
-                best[(n, comm)] = min(best.get((n, comm), float("inf")), t)
+                best[(n, comm)] = min(best.get((n, comm), (float("inf"), {})), t, key=lambda x: x[0])
+        splits = {f"{n}-{comm}": best[(n, comm)][1] for n, comm in cfgs}
+        best = {k: v[0] for k, v in best.items()}
         t1, t1_pair = best[(1, "ring")], best[(1, "pair")]
         cfg = GPTConfig.from_preset("small", **({"n_embd": C} if C else {}))
         cfg.block_size = L
@@ -69,7 +95,8 @@ def run(a):
             eff = t1 / best[(2, comm)]
             rows.append(dict(per_rank=L, n_embd=cfg.n_embd, cp=2, comm=comm, one_rank_s=t1, cp_s=best[(2, comm)],
                              efficiency=eff, attention_share=share, ceiling=1.0 / (1.0 + share),
-                             one_rank_pair_s=t1_pair, efficiency_pair=t1_pair / best[(2, comm)]))
+                             one_rank_pair_s=t1_pair, efficiency_pair=t1_pair / best[(2, comm)],
+                             time_split={k: splits[k] for k in ("1-ring", "1-pair", f"2-{comm}")}))
             print(f"  C={cfg.n_embd} L={L} cp=2 {comm:<5} one rank {t1 * 1e3:7.1f} ms (two at once "
                   f"{t1_pair * 1e3:7.1f})  cp {best[(2, comm)] * 1e3:7.1f} ms  efficiency {eff:.2f} (against two at "
                   f"once {t1_pair / best[(2, comm)]:.2f}; attention {share:.0%} of the one-rank FLOPs: ceiling "

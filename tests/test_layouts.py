@@ -135,10 +135,11 @@ def _losses(n, out, *args, timeout=120):
     (["--preset", "tiny", "--n-layer", 5, "--dp", 2, "--pp", 2, "--schedule", "zb-v", "--zero", 3,
       "--pp-channels", "ordered", "--pp-costs", "measured"], 2),
     (["--preset", "moe-tiny", "--cp", 4, "--cp-comm", "a2a+ring", "--cp-a2a", 2, "--ep", 2], 4),
+    (["--preset", "moe-tiny", "--n-head", 4, "--tp", 4, "--ep", 2, "--etp", 1], 4),
 ], ids=["pp2-tp2", "dp2-tp2-sp-zero1", "dp2-pp2-ep2-gpipe", "dp4-ep2-zero1", "dp2-pp2-ep2-zero1-float16",
         "dp2-pp2-interleaved-bf16sync-bfloat16", "dp2-tp2-zero3-bfloat16", "dp2-pp2-ep2-zero2-recompute",
         "pp2-cp2-ep2-zb-h1-zero1", "dp2-pp2-zb-v-zero3-ordered-measured-5-layers",
-        "cp4-a2a2+ring-ep2"])
+        "cp4-a2a2+ring-ep2", "tp4-ep2-etp1-folded"])
 def test_cli_layout_matches_one_process(tmp_path, args, n_micro):
     """python -m pympar.train on 4 ranks == on 1 rank with the same global batch (4 micro-batches)
     and compute dtype: losses, grad norms and validation losses per step (rel 1e-5; 1e-4 where
@@ -147,7 +148,8 @@ def test_cli_layout_matches_one_process(tmp_path, args, n_micro):
     of a bf16 tensor-parallel run to 1e-3: a row-parallel layer's float32 partial sums, added in
     another order, tip a bf16 rounding (2^-8) here and there, and the norm squares what it sums --
     measured 1.9e-4 at dp2 tp2 ZeRO-3)."""
-    same = [x for k in ("--preset", "--dtype", "--n-layer") if k in args for x in (k, args[args.index(k) + 1])]
+    same = [x for k in ("--preset", "--dtype", "--n-layer", "--n-head") if k in args
+            for x in (k, args[args.index(k) + 1])]
     preset = args[args.index("--preset") + 1]
     _, one = _losses(1, tmp_path / "one", *same, "--n-micro", 4)
     # a lossy (bf16) gradient sync changes the math on purpose: close, not equal
@@ -166,7 +168,8 @@ def test_cli_layout_matches_one_process(tmp_path, args, n_micro):
     assert split["compute"] > 0 and split["optimizer"] > 0
     assert (split["pp_comm"] > 0) == ("--pp" in args) and (split["tp_comm"] > 0) == ("--tp" in args)
     assert (split["ep_comm"] > 0) == ("--ep" in args)
-    assert (split["dp_comm"] > 0) == ("--dp" in args or "--cp" in args)     # the gradient sync spans dp x cp
+    # the gradient sync spans ranks: the dense one over dp x cp, the folded experts' over edp (tp 4 / ep 2 here)
+    assert (split["dp_comm"] > 0) == ("--dp" in args or "--cp" in args or "--etp" in args)
     if "--pp-costs" in args:                  # step 0 ran the unit-time table, then the measured times' one
         tables = [b.get("pp_table_costs") for b in four]
         assert tables[0] is None and all(t == tables[1] and len(t) == 4 for t in tables[1:]), tables

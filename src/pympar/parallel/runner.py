@@ -220,7 +220,8 @@ class ParallelRunner:
         self.sync.begin_step()
         work = self._forward_backward(self._local(micro_batches), scale)
         moe, a2a = self._comm_times(work)
-        sync = "dp_comm" if self.dp * self.cp > 1 else "optimizer"     # the dense sync spans dp x cp
+        # communication wherever a group spans ranks: the dense one dp x cp, the experts' edp (folded: also at dp = 1)
+        sync = "dp_comm" if any(d.comm.size > 1 for d in self.sync.syncs) else "optimizer"
         with self.rec.span("grad sync", sync, bytes=self.sync.grad_bytes):
             self.sync.finish()
         self._update_ledger(work["micro_batches"], work["act"], work["recv_bytes"])
