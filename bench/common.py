@@ -116,15 +116,21 @@ def read_jsonl(path) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def train_argv(args: list, out: str) -> list:
+    """``-m pympar.train`` with args, writing to out: no samples, log progress, no evaluation unless
+    args ask for it (what train() runs on each rank)."""
+    extra = [] if "--eval-every" in args else ["--eval-every", "0"]
+    return ["-m", "pympar.train", "--out", out, "--sample-tokens", "0", "--progress", "log", *extra,
+            *map(str, args)]
+
+
 def train(n: int, args: list, timeout: float = 600, out: str | None = None) -> list:
     """Run ``python -m pympar.train`` on n ranks; -> its metrics.jsonl records.
 
     Raises RuntimeError with the trainer's last output when it fails."""
     with tempfile.TemporaryDirectory() as tmp:
         d = out or tmp
-        base = ["-m", "pympar.train", "--out", d, "--sample-tokens", "0", "--progress", "log"]
-        extra = [] if "--eval-every" in args else ["--eval-every", "0"]
-        p = launch(n, base + extra + [str(a) for a in args], timeout)
+        p = launch(n, train_argv(args, d), timeout)
         if p.returncode != 0:
             raise RuntimeError(f"pympar.train -n {n} {' '.join(map(str, args))} failed ({p.returncode}):\n"
                                f"{p.stdout[-1500:]}\n{p.stderr[-1500:]}")

@@ -59,8 +59,8 @@ def pair(L, steps, B, C=None):
     ranks are): the second starts first, with 20x the steps, the timed one starts once the second has
     finished a step, and the second is stopped when the timed one is done (checked still running)."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [common.mpiexec(), "-n", "1", sys.executable, "-m", "pympar.train", "--out", tmp, "--sample-tokens", "0",
-               "--progress", "log", "--eval-every", "0", *map(str, _args(1, L, "ring", 20 * steps, B, C))]
+        argv = common.train_argv(_args(1, L, "ring", 20 * steps, B, C), tmp)
+        cmd = [common.mpiexec(), "-n", "1", sys.executable, *argv]
         bg = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=common.env(),
                               cwd=common.ROOT)
         try:
