@@ -56,10 +56,11 @@ def one(n, L, comm, steps, B, C=None):
 
 def pair(L, steps, B, C=None):
     """The one-rank run while a second copy of it trains on the other core (both cores busy, as cp's
-    ranks are): the second starts first, with 20x the steps, the timed one starts once the second has
-    finished a step, and the second is stopped when the timed one is done (checked still running)."""
+    ranks are): the second starts first, with no end of steps in sight, the timed one starts once the
+    second has finished a step, and the second is stopped when the timed one is done (checked still
+    running: a step count of its own could run out first, as 20x the timed one's did on small shapes)."""
     with tempfile.TemporaryDirectory() as tmp:
-        argv = common.train_argv(_args(1, L, "ring", 20 * steps, B, C), tmp)
+        argv = common.train_argv(_args(1, L, "ring", 10 ** 6, B, C), tmp)     # stopped below, never done first
         cmd = [common.mpiexec(), "-n", "1", sys.executable, *argv]
         bg = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=common.env(),
                               cwd=common.ROOT)
