@@ -290,6 +290,41 @@ def test_packed_kernel_is_the_causal_block_of_its_views():
                                   np.stack(N.attention_block_backward(q, k, v, o, lse, dout, 0.25, True), axis=2))
 
 
+@pytest.mark.parametrize("impl", ["native", "reference", "bfloat16"])
+def test_block_backward_writes_into_strided_out(impl):
+    """out=(dq, dk, dv): the gradients land in the given views (the ring's packed dqkv, a head
+    slice of it) with the bits of the call that allocates them, and nothing else is touched."""
+    mod = R if impl == "reference" else N
+    rng = np.random.default_rng(8)
+    B, Tq, Tk, H, D = 2, 40, 70, 3, 8
+    dt = np.float32
+    q, k, v = (rng.standard_normal((B, n, H, D)).astype(dt) for n in (Tq, Tk, Tk))
+    dout = rng.standard_normal((B, Tq, H * D)).astype(dt)
+    if impl == "bfloat16":                             # computed in float32, then written into out
+        from pympar.backend import bfloat16
+        q, k, v, dout = (a.astype(bfloat16) for a in (q, k, v, dout))
+    o, lse = mod.attention_block_forward(q, k, v, 0.3, False)
+    want = mod.attention_block_backward(q, k, v, o, lse, dout, 0.3, False)
+    hd = slice(1, 3)                                  # two of the three heads, as the ring's head groups
+    sub = (q[:, :, hd], k[:, :, hd], v[:, :, hd], np.ascontiguousarray(o.reshape(B, Tq, H, D)[:, :, hd]).reshape(
+        B, Tq, 2 * D), np.ascontiguousarray(lse[:, hd]), np.ascontiguousarray(dout.reshape(B, Tq, H, D)[:, :, hd]
+                                                                               ).reshape(B, Tq, 2 * D))
+    want_sub = mod.attention_block_backward(*sub, 0.3, False)
+    dqs = np.full((B, Tq, H, D), 7, dtype=q.dtype)
+    dkv = np.full((B, Tk, 2, H, D), 7, dtype=q.dtype)  # packed (B, Tk, 2, H, D), as the ring's partial
+    got = mod.attention_block_backward(*sub, 0.3, False, out=(dqs[:, :, hd], dkv[:, :, 0, hd], dkv[:, :, 1, hd]))
+    assert got[0].base is dqs and got[1].base is dkv
+    for a, b in zip(got, want_sub):
+        np.testing.assert_array_equal(a, b)
+    assert (dqs[:, :, 0] == 7).all() and (dkv[:, :, :, 0] == 7).all()   # the other head: untouched
+    full = mod.attention_block_backward(q, k, v, o, lse, dout, 0.3, False,
+                                        out=(dqs, dkv[:, :, 0], dkv[:, :, 1]))
+    for a, b in zip(full, want):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="out has shapes"):
+        mod.attention_block_backward(q, k, v, o, lse, dout, 0.3, False, out=(dqs, dkv[:, :, 0]))
+
+
 def test_block_reference_is_the_softmax_definition():
     """The non-causal twin against a direct loop over query rows (no shared code)."""
     rng = np.random.default_rng(5)

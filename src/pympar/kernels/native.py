@@ -157,10 +157,15 @@ def _in_place(a):
     """a (B, T, H, D) as the block kernels read it without a copy: the last axis contiguous, the head
     stride D, batch and row strides in whole elements (e.g. qkv[:, :, 0] of packed (B, T, 3, H, D),
     or kv[:, :c, 1]); any other layout is copied."""
+    return a if _rows_layout(a) else np.ascontiguousarray(a)
+
+
+def _rows_layout(a):
+    """a (B, T, H, D) in the layout the block kernels read and write through strides (_in_place)."""
     n, st = a.itemsize, [s if d > 1 else 0 for d, s in zip(a.shape, a.strides)]
-    ok = a.size == 0 or (a.flags.aligned and st[3] == (n if a.shape[3] > 1 else 0)
-                         and st[2] == (a.shape[3] * n if a.shape[2] > 1 else 0) and st[0] % n == 0 and st[1] % n == 0)
-    return a if ok else np.ascontiguousarray(a)
+    return a.size == 0 or (a.flags.aligned and st[3] == (n if a.shape[3] > 1 else 0)
+                           and st[2] == (a.shape[3] * n if a.shape[2] > 1 else 0) and st[0] % n == 0
+                           and st[1] % n == 0)
 
 
 def _native_block(*arrays):
@@ -183,8 +188,15 @@ def attention_block_forward(q, k, v, scale, causal):
     return o, lse
 
 
-def attention_block_backward(q, k, v, o, lse, dout, scale, causal):
+def attention_block_backward(q, k, v, o, lse, dout, scale, causal, out=None):
     B, Tq, Tk, H, D = reference._block_dims("attention_block_backward", q, k, v, causal)
+    if out is not None:                          # written through their strides where the kernel can
+        reference.check_block_out(out, B, Tq, Tk, H, D)
+        if not (_native_block(q, k, v, o, lse, dout, *out)
+                and all(a.flags.writeable and _rows_layout(a) for a in out)):
+            for dst, g in zip(out, attention_block_backward(q, k, v, o, lse, dout, scale, causal)):
+                dst[...] = g
+            return tuple(out)
     if _bf(q, k, v, o, dout) and _f32(lse):
         g = attention_block_backward(*(_bf16_cast(a, F32) for a in (q, k, v, o)), lse, _bf16_cast(dout, F32),
                                      scale, causal)
@@ -194,9 +206,7 @@ def attention_block_backward(q, k, v, o, lse, dout, scale, causal):
     if o.size != B * Tq * H * D or dout.size != o.size or lse.size != B * H * Tq:
         raise ValueError(f"attention_block_backward: o {o.shape}, dout {dout.shape}, lse {lse.shape} do not match "
                          f"q {q.shape}: expected (B, Tq, H*D) twice and (B, H, Tq)")
-    dq = np.empty((B, Tq, H, D), dtype=q.dtype)
-    dk = np.empty((B, Tk, H, D), dtype=q.dtype)
-    dv = np.empty((B, Tk, H, D), dtype=q.dtype)
+    dq, dk, dv = out if out is not None else (np.empty((B, n, H, D), dtype=q.dtype) for n in (Tq, Tk, Tk))
     _C.attention_block_backward(_in_place(q), _in_place(k), _in_place(v), _c(o), _c(lse), _c(dout), dq, dk, dv,
                                 float(scale), bool(causal))
     return dq, dk, dv

@@ -106,14 +106,26 @@ def attention_block_forward(q, k, v, scale, causal):
     return o, (m + xp.log(l))[..., 0]
 
 
-def attention_block_backward(q, k, v, o, lse, dout, scale, causal):
+def check_block_out(out, B, Tq, Tk, H, D):
+    """out of attention_block_backward: three arrays (dq, dk, dv) of shapes (B, Tq|Tk|Tk, H, D)."""
+    want = [(B, Tq, H, D), (B, Tk, H, D), (B, Tk, H, D)]
+    if len(out) != 3 or [tuple(a.shape) for a in out] != want:
+        raise ValueError(f"attention_block_backward: out has shapes {[tuple(a.shape) for a in out]}, expected "
+                         f"{want} (dq, dk, dv)")
+
+
+def attention_block_backward(q, k, v, o, lse, dout, scale, causal, out=None):
     """d(attention_block_forward) -> (dq (B, Tq, H, D), dk, dv (B, Tk, H, D)), dout (B, Tq, H*D).
+    out: (dq, dk, dv) arrays (strided views allowed, not overlapping the inputs) the gradients are
+    written to (=) and that are returned.
 
     o and lse are those of the complete softmax of these query rows over every key block (ring
     attention's merged result): P = exp(S - lse), dS = P * (dP - rowsum(dout * o)). With the block's
     own o, lse this is the ordinary attention backward; summed over a partition of the keys, dq
     (and each key block's dk, dv) are the full attention's."""
-    B, Tq, _, H, D = _block_dims("attention_block_backward", q, k, v, causal)
+    B, Tq, Tk, H, D = _block_dims("attention_block_backward", q, k, v, causal)
+    if out is not None:
+        check_block_out(out, B, Tq, Tk, H, D)
     xp = xp_of(q)
     qs, kh, s = _block_scores(q, k, scale, causal)
     p = xp.exp(s - _up(lse)[..., None])
@@ -124,7 +136,12 @@ def attention_block_backward(q, k, v, o, lse, dout, scale, causal):
     dq = (ds @ kh) * qs.dtype.type(scale)
     dk = ds.transpose(0, 1, 3, 2) @ qs
     dv = p.transpose(0, 1, 3, 2) @ do
-    return tuple(xp.ascontiguousarray(g.transpose(0, 2, 1, 3), dtype=q.dtype) for g in (dq, dk, dv))
+    got = tuple(xp.ascontiguousarray(g.transpose(0, 2, 1, 3), dtype=q.dtype) for g in (dq, dk, dv))
+    if out is None:
+        return got
+    for dst, g in zip(out, got):
+        dst[...] = g
+    return tuple(out)
 
 
 def attention_forward(qkv, scale):

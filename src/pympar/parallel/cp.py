@@ -117,12 +117,13 @@ class RingAttentionCore(CausalAttentionCore):
         self.peak_bytes = 0                      # the ring's buffers at their most (the ledger's communication)
 
     # --- the three block cases ------------------------------------------------------------
-    def _block(self, j, T):
-        """(query rows, key rows, causal) of the block of rank j, as slices of the local 2c rows."""
-        c = T // 2
-        if j == self.rank:
+    def _block(self, j, T, i=None):
+        """(query rows, key rows, causal) of rank i's block of rank j's keys (i: this rank), as slices
+        of the 2c rows each holds."""
+        c, i = T // 2, self.rank if i is None else i
+        if j == i:
             return slice(0, T), slice(0, T), True
-        if j < self.rank:
+        if j < i:
             return slice(0, T), slice(0, c), False
         return slice(c, T), slice(0, T), False
 
@@ -194,52 +195,73 @@ class RingAttentionCore(CausalAttentionCore):
         return o, ("ring", qkv, o, lse)
 
     def backward(self, dya, ctx, consume=False):  # dya (B, 2c, nh*hs) -> dqkv (B, 2c, 3, nh, hs)
-        """(consume: accepted as the core's; the ring accumulates dqkv in an array of its own)"""
+        """The keys and values travel the ring as in the forward; the gradients of a block's keys and
+        values that another rank computes (its partial: only the key rows that rank's queries see)
+        go straight to the block's owner, which adds them to its own block's in the ring's order
+        (rank+1, rank+2, ...): the sums of one accumulator passed round the ring, in its order, at
+        less traffic and with no zeroed buffers. (consume: accepted as the core's.)"""
         _, qkv, o, lse = ctx
         B, T, _, nh, hs = qkv.shape
         xp = xp_of(qkv)
         scale = 1.0 / np.sqrt(hs)
-        dqkv = xp.zeros_like(qkv)
-        dq = dqkv[:, :, 0]
+        dqkv = xp.empty_like(qkv)                          # s = 0 writes all of it: the own block's rows are all
+        dq, dkv = dqkv[:, :, 0], dqkv[:, :, 1:]
         kv = xp.ascontiguousarray(qkv[:, :, 1:])
-        self.peak_bytes = max(self.peak_bytes, 4 * kv.nbytes)   # kv, the next kv, two accumulators
         q = qkv[:, :, 0]
         groups = self._head_groups(B, nh)
-        dkv_reqs, acc = (), xp.zeros_like(kv)              # s = 0: dK, dV of this rank's own block
-        acc_in = None                                      # the accumulator arriving from the previous rank
+        sent = got = None                  # the partial sent at the step before; the one arriving (buf, reqs, rows)
         for s in range(self.cp):
             j = (self.rank - s) % self.cp
-            kv_reqs = ()
+            kv_reqs, nxt = (), None
             if s < self.cp - 1:
                 nxt, kv_reqs = self._exchange(kv, _KV_TAG)
             t0 = time.perf_counter()
             qr, kr, causal = self._block(j, T)
-            parts = []
+            if s == 0:
+                part, dqs = dkv, dq
+            else:
+                part = xp.empty((B, kr.stop - kr.start, 2, nh, hs), qkv.dtype)
+                dqs = xp.empty((B, qr.stop - qr.start, nh, hs), qkv.dtype)
+            self._count(kv, nxt, part if s else None, sent and sent[0], got and got[0])
+            busy = kv_reqs + (sent[1] if sent else ()) + (got[1] if got else ())
             for h0, h1 in groups:
                 hd, cols = slice(h0, h1), slice(h0 * hs, h1 * hs)
-                dqb, dkb, dvb = kernels.attention_block_backward(q[:, qr, hd], kv[:, kr, 0, hd], kv[:, kr, 1, hd],
-                                                                 o[:, qr, cols], lse[:, hd, qr], dya[:, qr, cols],
-                                                                 scale, causal)
-                dq[:, qr, hd] += dqb
-                parts.append((hd, dkb, dvb))
-                self._poll(kv_reqs + dkv_reqs)
-            self.meter.add("cp compute", time.perf_counter() - t0)
+                kernels.attention_block_backward(q[:, qr, hd], kv[:, kr, 0, hd], kv[:, kr, 1, hd], o[:, qr, cols],
+                                                 lse[:, hd, qr], dya[:, qr, cols], scale, causal,
+                                                 out=(dqs[:, :, hd], part[:, :, 0, hd], part[:, :, 1, hd]))
+                self._poll(busy)
             if s > 0:
-                self._wait(dkv_reqs)                       # the accumulator of block j, from the previous rank
-                acc = acc_in
-            for hd, dkb, dvb in parts:
-                acc[:, kr, 0, hd] += dkb
-                acc[:, kr, 1, hd] += dvb
-            if self.cp > 1:                                # on to the next holder (last hop: the owner)
-                acc_in, dkv_reqs = self._exchange(acc, _DKV_TAG)
+                dq[:, qr] += dqs
+            self.meter.add("cp compute", time.perf_counter() - t0)
+            self._settle(got, dkv)                          # the partial of rank + s - 1, in the ring's order
+            if sent:
+                self._wait(sent[1])
+            sent = got = None
+            if s > 0:                                       # this block's partial to its owner j
+                sent = (part, (self.comm.isend(part, j, tag=_DKV_TAG),))
+                src = (self.rank + s) % self.cp             # ... and the partial of this rank's block from rank + s
+                rows = self._block(self.rank, T, i=src)[1]
+                buf = xp.empty((B, rows.stop - rows.start, 2, nh, hs), qkv.dtype)
+                got = (buf, (self.comm.irecv(buf, src, tag=_DKV_TAG),), rows)
+                self._count(kv, nxt, part, buf)
             if kv_reqs:
                 self._wait(kv_reqs)
                 kv = nxt
-        if self.cp > 1:
-            self._wait(dkv_reqs)
-            acc = acc_in                                   # this rank's own block, every rank's part added
-        dqkv[:, :, 1:] = acc
+        self._settle(got, dkv)
+        if sent:
+            self._wait(sent[1])
         return dqkv
+
+    def _settle(self, got, dkv):
+        """Wait for a partial of this rank's keys and values (buf, reqs, rows) and add it in."""
+        if got:
+            buf, reqs, rows = got
+            self._wait(reqs)
+            dkv[:, rows] += buf
+
+    def _count(self, *bufs):
+        """The ring's buffers alive together (None: absent) into peak_bytes."""
+        self.peak_bytes = max(self.peak_bytes, sum(b.nbytes for b in bufs if b is not None))
 
 
 class UlyssesAttentionCore(CausalAttentionCore):
