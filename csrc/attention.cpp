@@ -6,7 +6,8 @@
 // query t sees key s <= t) or not (every query sees every key). The operands are read in place
 // through their batch and row strides (RowStrides; the head stride is D, the last axis
 // contiguous), so packed qkv (B, T, 3, H, D) is three such views and so are the halves of a ring
-// attention's key/value buffer. o and dout (B, Tq, H*D), lse (B, H, Tq); dq, dk, dv are strided
+// attention's key/value buffer. o and dout (B, Tq, H*D), lse (B, H, Tq); the backward reads o and
+// dout through row strides too (a ring's head group: columns of them), and dq, dk, dv are strided
 // outputs like the inputs (dqkv packed, or three separate arrays).
 //
 // The backward takes o and lse of the complete softmax of these query rows, over every key block
@@ -344,24 +345,24 @@ struct BwdHead {
   Head<T> hd;
   const T *doh, *lh;
   T *dq, *dk, *dv;  // row strides sdq, sdk, sdv
-  int64_t so, sdq, sdk, sdv, Tq, Tk;
+  int64_t sdo, sdq, sdk, sdv, Tq, Tk;
   bool causal;
   Buf<T> Qs, QsT, dOT, dOc, Dv;
   Packed<T> kv;
-  BwdHead(const Head<T>& hd_, const T* o, const T* lse, const T* dout, T* dq_, RowStrides dqs, T* dk_,
-          RowStrides dks, T* dv_, RowStrides dvs, int64_t bh, int64_t Tq_, int64_t Tk_, int64_t H, int64_t D,
-          bool causal_, T sc)
-      : hd(hd_), so(H * D), sdq(dqs.row), sdk(dks.row), sdv(dvs.row), Tq(Tq_), Tk(Tk_), causal(causal_),
+  BwdHead(const Head<T>& hd_, const T* o, RowStrides os, const T* lse, const T* dout, RowStrides dos, T* dq_,
+          RowStrides dqs, T* dk_, RowStrides dks, T* dv_, RowStrides dvs, int64_t bh, int64_t Tq_, int64_t Tk_,
+          int64_t H, int64_t D, bool causal_, T sc)
+      : hd(hd_), sdo(dos.row), sdq(dqs.row), sdk(dks.row), sdv(dvs.row), Tq(Tq_), Tk(Tk_), causal(causal_),
         Qs(Tq_ * D), QsT(D * tiles(Tq_) * kTile), dOT(D * tiles(Tq_) * kTile), dOc(Tq_ * D), Dv(Tq_), kv(Tk_, D) {
     const int64_t b = bh / H, h = bh % H;
-    doh = dout + b * Tq * so + h * D;  // row stride so
+    doh = dout + b * dos.batch + h * D;  // row stride sdo
     lh = lse + bh * Tq;
     dq = dq_ + b * dqs.batch + h * D;
     dk = dk_ + b * dks.batch + h * D;
     dv = dv_ + b * dvs.batch + h * D;
-    const T* oh = o + b * Tq * so + h * D;
+    const T* oh = o + b * os.batch + h * D;
     for (int64_t t = 0; t < Tq; ++t) {
-      const T *qr = hd.q + t * hd.sq, *dr = doh + t * so, *orow = oh + t * so;
+      const T *qr = hd.q + t * hd.sq, *dr = doh + t * sdo, *orow = oh + t * os.row;
       T s = 0;
 #pragma omp simd reduction(+ : s)
       for (int64_t d = 0; d < D; ++d) s += dr[d] * orow[d];
@@ -455,14 +456,14 @@ struct BwdHead {
 //   which recomputes P and dS once more (8 tile GEMMs per pair) but keeps every thread busy.
 template <typename T>
 void attention_block_bwd(const T* q, RowStrides qs, const T* k, RowStrides ks, const T* v, RowStrides vs, const T* o,
-                         const T* lse, const T* dout, T* dq, RowStrides dqs, T* dk, RowStrides dks, T* dv,
-                         RowStrides dvs, int64_t B, int64_t Tq, int64_t Tk, int64_t H, int64_t D, bool causal,
-                         double scale) {
+                         RowStrides os, const T* lse, const T* dout, RowStrides dos, T* dq, RowStrides dqs, T* dk,
+                         RowStrides dks, T* dv, RowStrides dvs, int64_t B, int64_t Tq, int64_t Tk, int64_t H, int64_t D,
+                         bool causal, double scale) {
   const int64_t nq = tiles(Tq), nk = tiles(Tk), BH = B * H;
   const T sc = static_cast<T>(scale);
   auto head = [&](int64_t bh) {
-    return BwdHead<T>(Head<T>(q, qs, k, ks, v, vs, bh / H, bh % H, D), o, lse, dout, dq, dqs, dk, dks, dv, dvs, bh,
-                      Tq, Tk, H, D, causal, sc);
+    return BwdHead<T>(Head<T>(q, qs, k, ks, v, vs, bh / H, bh % H, D), o, os, lse, dout, dos, dq, dqs, dk, dks, dv,
+                      dvs, bh, Tq, Tk, H, D, causal, sc);
   };
   if (BH >= get_num_threads() || std::max(nq, nk) <= 1) {
     parallel_for(BH, 1, 1, [&](int64_t h0, int64_t h1) {
@@ -496,8 +497,9 @@ void attention_block_bwd(const T* q, RowStrides qs, const T* k, RowStrides ks, c
   template void attention_block_fwd<T>(const T*, RowStrides, const T*, RowStrides, const T*, RowStrides, T*, T*, \
                                        int64_t, int64_t, int64_t, int64_t, int64_t, bool, double);               \
   template void attention_block_bwd<T>(const T*, RowStrides, const T*, RowStrides, const T*, RowStrides,         \
-                                       const T*, const T*, const T*, T*, RowStrides, T*, RowStrides, T*,         \
-                                       RowStrides, int64_t, int64_t, int64_t, int64_t, int64_t, bool, double);
+                                       const T*, RowStrides, const T*, const T*, RowStrides, T*, RowStrides, T*, \
+                                       RowStrides, T*, RowStrides, int64_t, int64_t, int64_t, int64_t, int64_t,  \
+                                       bool, double);
 PYMPAR_ATTENTION(float)
 PYMPAR_ATTENTION(double)
 #undef PYMPAR_ATTENTION

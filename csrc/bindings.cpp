@@ -266,15 +266,15 @@ PYBIND11_MODULE(_C, m) {
     check(lse, "lse", 1u << dt, B * H * T);
     check(dout, "dout", 1u << dt, B * T * HD);
     check(dqkv, "dqkv", 1u << dt, qkv.size());
-    const RowStrides s{T * 3 * HD, 3 * HD};
+    const RowStrides s{T * 3 * HD, 3 * HD}, os{T * HD, HD};
     py::gil_scoped_release g;
     if (dt == F32)
       K->attention_block_bwd_f32(ct<float>(qkv), s, at<float>(qkv, HD), s, at<float>(qkv, 2 * HD), s, ct<float>(o),
-                                 ct<float>(lse), ct<float>(dout), mt<float>(dqkv), s, at<float>(dqkv, HD), s,
+                                 os, ct<float>(lse), ct<float>(dout), os, mt<float>(dqkv), s, at<float>(dqkv, HD), s,
                                  at<float>(dqkv, 2 * HD), s, B, T, T, H, D, true, scale);
     else
       K->attention_block_bwd_f64(ct<double>(qkv), s, at<double>(qkv, HD), s, at<double>(qkv, 2 * HD), s,
-                                 ct<double>(o), ct<double>(lse), ct<double>(dout), mt<double>(dqkv), s,
+                                 ct<double>(o), os, ct<double>(lse), ct<double>(dout), os, mt<double>(dqkv), s,
                                  at<double>(dqkv, HD), s, at<double>(dqkv, 2 * HD), s, B, T, T, H, D, true, scale);
   });
   // one block of (ring) attention: q (B, Tq, H, D), k, v (B, Tk, H, D), strided views read in place ->
@@ -296,16 +296,16 @@ PYBIND11_MODULE(_C, m) {
       K->attention_block_fwd_f64(ct<double>(q), qs, ct<double>(k), ks, ct<double>(v), vs, mt<double>(o),
                                  mt<double>(lse), B, Tq, Tk, H, D, causal, scale);
   });
-  // its backward: o, lse of the complete softmax of these query rows (every key block), dout (B, Tq, H*D)
+  // its backward: o, lse of the complete softmax of these query rows (every key block), o and dout
+  // (B, Tq, H, D) read through their strides (a head group's columns of (B, Tq, H*D) arrays), lse (B, H, Tq)
   // -> dq (B, Tq, H, D), dk, dv (B, Tk, H, D), written (=) through their strides
   m.def("attention_block_backward", [](const py::array& q, const py::array& k, const py::array& v,
                                        const py::array& o, const py::array& lse, const py::array& dout, py::array& dq,
                                        py::array& dk, py::array& dv, double scale, bool causal) {
     const char* fn = "attention_block_backward";
     auto [B, Tq, Tk, H, D] = block_dims(fn, q, k, causal);
-    int dt = check(o, "o", FLOATS, B * Tq * H * D);
-    check(lse, "lse", 1u << dt, B * H * Tq);
-    check(dout, "dout", 1u << dt, B * Tq * H * D);
+    int dt = check(lse, "lse", FLOATS, B * H * Tq);
+    RowStrides os = rows_of(o, fn, "o", dt, B, Tq, H, D), dos = rows_of(dout, fn, "dout", dt, B, Tq, H, D);
     RowStrides qs = rows_of(q, fn, "q", dt, B, Tq, H, D), ks = rows_of(k, fn, "k", dt, B, Tk, H, D),
                vs = rows_of(v, fn, "v", dt, B, Tk, H, D), dqs = rows_of(dq, fn, "dq", dt, B, Tq, H, D),
                dks = rows_of(dk, fn, "dk", dt, B, Tk, H, D), dvs = rows_of(dv, fn, "dv", dt, B, Tk, H, D);
@@ -313,12 +313,12 @@ PYBIND11_MODULE(_C, m) {
       if (!a->writeable()) throw py::value_error(std::string(fn) + ": dq, dk and dv must be writeable");
     py::gil_scoped_release g;
     if (dt == F32)
-      K->attention_block_bwd_f32(ct<float>(q), qs, ct<float>(k), ks, ct<float>(v), vs, ct<float>(o), ct<float>(lse),
-                                 ct<float>(dout), mt<float>(dq), dqs, mt<float>(dk), dks, mt<float>(dv), dvs, B, Tq, Tk,
-                                 H, D, causal, scale);
+      K->attention_block_bwd_f32(ct<float>(q), qs, ct<float>(k), ks, ct<float>(v), vs, ct<float>(o), os,
+                                 ct<float>(lse), ct<float>(dout), dos, mt<float>(dq), dqs, mt<float>(dk), dks,
+                                 mt<float>(dv), dvs, B, Tq, Tk, H, D, causal, scale);
     else
-      K->attention_block_bwd_f64(ct<double>(q), qs, ct<double>(k), ks, ct<double>(v), vs, ct<double>(o),
-                                 ct<double>(lse), ct<double>(dout), mt<double>(dq), dqs, mt<double>(dk), dks,
+      K->attention_block_bwd_f64(ct<double>(q), qs, ct<double>(k), ks, ct<double>(v), vs, ct<double>(o), os,
+                                 ct<double>(lse), ct<double>(dout), dos, mt<double>(dq), dqs, mt<double>(dk), dks,
                                  mt<double>(dv), dvs, B, Tq, Tk, H, D, causal, scale);
   });
   m.def("layernorm_forward", [](const py::array& x, const py::array& w, const py::array& b, py::array& y,

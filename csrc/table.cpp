@@ -22,9 +22,9 @@ template <typename T>
 void attention_block_fwd(const T*, RowStrides, const T*, RowStrides, const T*, RowStrides, T*, T*, int64_t, int64_t,
                          int64_t, int64_t, int64_t, bool, double);
 template <typename T>
-void attention_block_bwd(const T*, RowStrides, const T*, RowStrides, const T*, RowStrides, const T*, const T*,
-                         const T*, T*, RowStrides, T*, RowStrides, T*, RowStrides, int64_t, int64_t, int64_t, int64_t,
-                         int64_t, bool, double);
+void attention_block_bwd(const T*, RowStrides, const T*, RowStrides, const T*, RowStrides, const T*, RowStrides,
+                         const T*, const T*, RowStrides, T*, RowStrides, T*, RowStrides, T*, RowStrides, int64_t,
+                         int64_t, int64_t, int64_t, int64_t, bool, double);
 void adamw(void*, const void*, void*, void*, int, int, int, int64_t, double, double, double, double, double, double,
            double);
 void reduce(void*, const void*, int, int, int64_t);

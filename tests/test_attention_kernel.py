@@ -293,7 +293,8 @@ def test_packed_kernel_is_the_causal_block_of_its_views():
 @pytest.mark.parametrize("impl", ["native", "reference", "bfloat16"])
 def test_block_backward_writes_into_strided_out(impl):
     """out=(dq, dk, dv): the gradients land in the given views (the ring's packed dqkv, a head
-    slice of it) with the bits of the call that allocates them, and nothing else is touched."""
+    slice of it) with the bits of the call that allocates them, and nothing else is touched; o and
+    dout given as a head group's columns (read through their strides) give the bits of copies."""
     mod = R if impl == "reference" else N
     rng = np.random.default_rng(8)
     B, Tq, Tk, H, D = 2, 40, 70, 3, 8
@@ -305,11 +306,9 @@ def test_block_backward_writes_into_strided_out(impl):
         q, k, v, dout = (a.astype(bfloat16) for a in (q, k, v, dout))
     o, lse = mod.attention_block_forward(q, k, v, 0.3, False)
     want = mod.attention_block_backward(q, k, v, o, lse, dout, 0.3, False)
-    hd = slice(1, 3)                                  # two of the three heads, as the ring's head groups
-    sub = (q[:, :, hd], k[:, :, hd], v[:, :, hd], np.ascontiguousarray(o.reshape(B, Tq, H, D)[:, :, hd]).reshape(
-        B, Tq, 2 * D), np.ascontiguousarray(lse[:, hd]), np.ascontiguousarray(dout.reshape(B, Tq, H, D)[:, :, hd]
-                                                                               ).reshape(B, Tq, 2 * D))
-    want_sub = mod.attention_block_backward(*sub, 0.3, False)
+    hd, cols = slice(1, 3), slice(D, 3 * D)           # two of the three heads, as the ring's head groups
+    sub = (q[:, :, hd], k[:, :, hd], v[:, :, hd], o[:, :, cols], lse[:, hd], dout[:, :, cols])   # views
+    want_sub = mod.attention_block_backward(*(np.ascontiguousarray(a) for a in sub), 0.3, False)
     dqs = np.full((B, Tq, H, D), 7, dtype=q.dtype)
     dkv = np.full((B, Tk, 2, H, D), 7, dtype=q.dtype)  # packed (B, Tk, 2, H, D), as the ring's partial
     got = mod.attention_block_backward(*sub, 0.3, False, out=(dqs[:, :, hd], dkv[:, :, 0, hd], dkv[:, :, 1, hd]))

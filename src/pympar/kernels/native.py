@@ -207,7 +207,8 @@ def attention_block_backward(q, k, v, o, lse, dout, scale, causal, out=None):
         raise ValueError(f"attention_block_backward: o {o.shape}, dout {dout.shape}, lse {lse.shape} do not match "
                          f"q {q.shape}: expected (B, Tq, H*D) twice and (B, H, Tq)")
     dq, dk, dv = out if out is not None else (np.empty((B, n, H, D), dtype=q.dtype) for n in (Tq, Tk, Tk))
-    _C.attention_block_backward(_in_place(q), _in_place(k), _in_place(v), _c(o), _c(lse), _c(dout), dq, dk, dv,
+    o4, dout4 = (_in_place(a.reshape(B, Tq, H, D)) for a in (o, dout))   # a head group's columns: read in place
+    _C.attention_block_backward(_in_place(q), _in_place(k), _in_place(v), o4, _c(lse), dout4, dq, dk, dv,
                                 float(scale), bool(causal))
     return dq, dk, dv
 
