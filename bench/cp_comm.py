@@ -11,8 +11,11 @@ every array this rank hands the communicator to send to another rank, counted by
 its isend and alltoall (an all-to-all's own block stays home), against the closed forms, in units
 of u = B x 2c x C x itemsize (this rank's share of one activation):
 
-    ring   forward: the key/value block, cp - 1 hops (2u each); backward: the blocks again and the
-           dK/dV accumulator, cp hops            -> (cp - 1 + cp - 1 + cp) x 2u = (6 cp - 4) u
+    ring   forward: the key/value block, cp - 1 hops (2u each); backward: the blocks again, and
+           each block's dK/dV partial to its owner: the key rows its queries see, all 2c of them
+           (2u) for a later rank's block, half (1u) for an earlier's -- rank i sends cp - 1 - i of
+           2u and i of 1u                        -> 4 (cp - 1) u + (2 (cp - 1) - i) u: 6 (cp - 1) u
+           on rank 0, the most, 5 (cp - 1) u on rank cp - 1, the least
     a2a    forward: q, k, v out and the output back, (cp - 1)/cp of each (4u); backward: the same
            4u the other way                      -> 8 (cp - 1)/cp u
 
@@ -40,7 +43,8 @@ H, HS = 8, 64
 
 
 def closed_form(comm, cp):
-    return (6 * cp - 4) if comm == "ring" else 8 * (cp - 1) / cp
+    """(the most, the least) units a rank sends (the docstring's forms)."""
+    return (6 * (cp - 1), 5 * (cp - 1)) if comm == "ring" else (8 * (cp - 1) / cp,) * 2
 
 
 class Counting:
@@ -114,7 +118,8 @@ def worker(T: int, rounds: int, comms=("ring", "a2a")):
         out = [dict(comm=name, cp=cp, T=T, bytes_per_rank=max(every[name]), bytes_min_rank=min(every[name]),
                     unit_bytes=u, measured_units=max(every[name]) / u, bytes_across_nodes=cross[name],
                     seconds=statistics.median(times[name]), rounds=times[name],
-                    **({"closed_form_units": closed_form(name, cp)} if name != "a2a+ring" else {}))
+                    **(dict(zip(("closed_form_units", "closed_form_min_units"), closed_form(name, cp)))
+                       if name != "a2a+ring" else {}))
                for name in comms]
         print("ROWS " + json.dumps(out), flush=True)
 
@@ -164,7 +169,8 @@ def main(argv=None):
         rows += got
         for r in got:
             print(f"cp={cp} T={T:>5} {r['comm']:>4}: {r['bytes_per_rank'] / 2**20:8.2f} MiB per rank "
-                  f"({r['measured_units']:.2f} u, closed form {r['closed_form_units']:.2f} u), "
+                  f"({r['measured_units']:.2f} u, closed form {r['closed_form_units']:.2f} u; least "
+                  f"{r['bytes_min_rank'] / r['unit_bytes']:.2f} u, {r['closed_form_min_units']:.2f} u), "
                   f"{1e3 * r['seconds']:8.1f} ms fwd+bwd", flush=True)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(dict(machine=machine(), heads=H, head_size=HS, rows=rows), indent=1) + "\n")

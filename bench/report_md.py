@@ -631,12 +631,16 @@ def sec_cp_comm(res, status) -> str:
     out += ["`python bench/cp_comm.py`: the attention core alone (batch 1, "
             f"{d['heads']} heads of {d['head_size']}, float32, 1 thread per rank), forward and backward of this rank's "
             "T/cp positions; bytes each rank hands MPI to send to other ranks (counted around isend and alltoall) "
-            "against the closed forms in u = this rank's share of one activation (ring (6 cp - 4) u, Ulysses "
-            "8 (cp - 1)/cp u); time: the median of the slowest rank's.", "",
-            "| cp | T | attention | MiB sent per rank | measured u | closed form u | fwd+bwd ms |",
+            "against the closed forms in u = this rank's share of one activation (ring 6 (cp - 1) u on rank 0, "
+            "5 (cp - 1) u on rank cp - 1; Ulysses 8 (cp - 1)/cp u on every rank); time: the median of the slowest "
+            "rank's.", "",
+            "| cp | T | attention | MiB sent, the most a rank | measured u, most / least | closed form u | "
+            "fwd+bwd ms |",
             "| ---: | ---: | --- | ---: | ---: | ---: | ---: |",
-            *[f"| {r['cp']} | {r['T']} | {r['comm']} | {r['bytes_per_rank'] / 2**20:.2f} | {r['measured_units']:.2f} | "
-              f"{r['closed_form_units']:.2f} | {1e3 * r['seconds']:.1f} |" for r in d["rows"]], ""]
+            *[f"| {r['cp']} | {r['T']} | {r['comm']} | {r['bytes_per_rank'] / 2**20:.2f} | {r['measured_units']:.2f} / "
+              f"{r['bytes_min_rank'] / r['unit_bytes']:.2f} | {r['closed_form_units']:.2f} / "
+              f"{r.get('closed_form_min_units', r['closed_form_units']):.2f} | {1e3 * r['seconds']:.1f} |"
+              for r in d["rows"]], ""]
     return "\n".join(out)
 
 

@@ -321,7 +321,8 @@ def test_param_server_bench_runs_both_and_renders(tmp_path, bench_module):
 
 def test_cp_comm_bench_measures_the_closed_forms(tmp_path, bench_module):
     """bench/cp_comm.py --quick (cp 2, T 512): the bytes each rank sends are the closed forms exactly
-    (ring 8u, Ulysses 4u at cp 2), on every rank; the doc renders the table."""
+    (ring 6u on rank 0, whose partial covers the other block's keys whole, and 5u on rank 1, whose
+    covers half; Ulysses 4u on both); the doc renders the table."""
     res = tmp_path / "results"
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "cp_comm.py"), "--quick", "--json", res / "cp_comm.json"],
                        capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=300)
@@ -329,7 +330,9 @@ def test_cp_comm_bench_measures_the_closed_forms(tmp_path, bench_module):
     rows = json.loads((res / "cp_comm.json").read_text())["rows"]
     assert [(r["comm"], r["cp"], r["T"]) for r in rows] == [("ring", 2, 512), ("a2a", 2, 512)]
     for r in rows:
-        assert r["bytes_per_rank"] == r["bytes_min_rank"] == r["closed_form_units"] * r["unit_bytes"], r
+        assert r["bytes_per_rank"] == r["closed_form_units"] * r["unit_bytes"], r
+        assert r["bytes_min_rank"] == r["closed_form_min_units"] * r["unit_bytes"], r
+        assert (r["closed_form_units"], r["closed_form_min_units"]) == {"ring": (6, 5), "a2a": (4, 4)}[r["comm"]]
         assert r["seconds"] > 0
     assert "## Context parallelism's attention: the ring against Ulysses" in bench_module("report_md").render(res, {})
 
@@ -337,8 +340,10 @@ def test_cp_comm_bench_measures_the_closed_forms(tmp_path, bench_module):
 def test_cp_comm_two_nodes_counts_the_bytes_across_nodes(tmp_path, bench_module):
     """bench/cp_comm.py --two-nodes (cp 4 = 2 nodes x 2, T 512, one round): on both transports the bytes
     each variant sends across the nodes per rank are its closed form, in u (this rank's share of one
-    activation): Ulysses 4u (2 of its 3 peers' blocks of 6u), the ring 10u (half of its 20u's hops),
-    a2a+ring 8u (the ring of the 2 nodes, every hop across; Ulysses stays inside a node)."""
+    activation): Ulysses 4u (2 of its 3 peers' blocks of 6u); the ring 9u (its key/value hops, 2 of 4
+    ranks' 12u, and of the partials to the blocks' owners 4u, 4u, 2u and 2u from ranks 0-3: 36u over
+    4 ranks); a2a+ring 5.5u (the ring of the 2 nodes, every byte across: 6u and 5u; Ulysses stays
+    inside a node)."""
     res = tmp_path / "cp_hybrid.json"
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "cp_comm.py"), "--two-nodes", "--T", "512", "--rounds",
                         "1", "--json", res], capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=300)
@@ -348,7 +353,7 @@ def test_cp_comm_two_nodes_counts_the_bytes_across_nodes(tmp_path, bench_module)
         [(t, c) for t in ("shared ", "network") for c in ("ring", "a2a", "a2a+ring")]
     for r in rows:
         across_u = r["bytes_across_nodes"] / (4 * r["unit_bytes"])
-        assert across_u == {"ring": 10, "a2a": 4, "a2a+ring": 8}[r["comm"]], r
+        assert across_u == {"ring": 9, "a2a": 4, "a2a+ring": 5.5}[r["comm"]], r
         assert r["seconds"] > 0 and r["speedup_vs_best_pure"] > 0
     assert "## Context parallelism on two simulated nodes" in bench_module("report_md").sec_cp_hybrid(tmp_path, {})
 
