@@ -332,7 +332,7 @@ def test_context_parallel_layouts_split_a_long_sequence():
     one, _ = ledger.predict(cfg, tiled=True)
     four, _ = ledger.predict(cfg, cp=4, tiled=True)
     assert four["activations"] == pytest.approx(one["activations"] / 4, rel=1e-3)
-    assert four["communication"] >= ledger.ring_bytes(1, 32768 // 4, 128, 4) > 0
+    assert four["communication"] >= ledger.ring_bytes(1, 32768 // 4, 128, 4, 4) > 0
     every, _ = plan(cfg, 4, 1, machine(mem=1 << 50))
     need = lambda preds: min(p.memory["total"] for p in preds)       # noqa: E731
     cp4, others = need([p for p in every if p.layout.cp == 4]), need([p for p in every if p.layout.cp != 4])

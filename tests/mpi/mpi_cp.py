@@ -18,7 +18,7 @@ from pympar.kernels import reference as R
 from pympar.nn import GPT
 from pympar.nn.config import GPTConfig
 from pympar.optim import AdamW, OptimConfig, clip_grad_norm
-from pympar.parallel.cp import RingAttentionCore, UlyssesAttentionCore, positions
+from pympar.parallel.cp import RingAttentionCore, UlyssesAttentionCore, positions, ring_buffer_blocks
 import pympar.layout
 from pympar.parallel.runner import ParallelRunner
 
@@ -57,6 +57,9 @@ def test_ring_attention_equals_full_attention(comm, mpi_world, dt, tol, c, B, H,
     e_bwd = _rel(dqkv, dqkv_ref[:, pos])
     errs = mpi_world.allgather((e_fwd, e_bwd))
     assert all(f < tol and b < tol for f, b in errs), f"forward, backward rel errors per rank: {errs}"
+    # the ring's buffers at their most, on the rank that holds the most: the ledger's count
+    block = B * 2 * c * 2 * H * D * np.dtype(dt).itemsize
+    assert max(mpi_world.allgather(ring.peak_bytes)) == ring_buffer_blocks(comm.size) * block
 
 
 def _cores(comm, T, H):

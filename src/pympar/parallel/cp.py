@@ -103,6 +103,22 @@ def local_batch(batch, pos):
     return idx[:, pos], targets[:, pos]
 
 
+def ring_buffer_blocks(cp: int) -> float:
+    """The most key/value blocks' worth of buffers (B x 2c x 2 x C) a rank of RingAttentionCore
+    holds at once, over the ranks (the ledger's communication): in the forward the block in hand
+    and the next; in the backward also the partial being computed, the one sent the step before
+    and the one arriving from it, then the one arriving from this step -- a partial is a whole
+    block for a later rank's block and half of one for an earlier rank's (the key rows seen)."""
+    part = lambda i, j: 1.0 if j > i else 0.5            # noqa: E731 (rank i's partial of block j)
+    most = 2.0 if cp > 1 else 0.0
+    for i in range(cp):
+        for s in range(1, cp):
+            held = 1 + (s < cp - 1) + part(i, (i - s) % cp)   # the block, the next, this step's partial
+            before = part(i, (i - s + 1) % cp) + part((i + s - 1) % cp, i) if s > 1 else 0.0
+            most = max(most, held + before, held + part((i + s) % cp, i))
+    return most
+
+
 class RingAttentionCore(CausalAttentionCore):
     """Causal attention of this rank's 2c positions against all T over the cp ring.
 

@@ -320,8 +320,8 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, etp=None, zero=0, recompute="none", 
     moment_bytes: bytes of one AdamW moment element (default master_bytes; 2 for bf16 moments).
 
     cp: context parallelism keeps block_size / cp positions of each sequence on a rank, shards ZeRO
-    over dp x cp, and holds the ring's buffers (two key/value blocks in the forward; in the
-    backward also two dK/dV accumulators)."""
+    over dp x cp, and holds the ring's buffers (ring_bytes: two key/value blocks in the forward; in
+    the backward also the dK/dV partials on their way to their blocks' owners)."""
     from .pp import schedules as S
     from .pp.partition import partition
 
@@ -377,7 +377,7 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, etp=None, zero=0, recompute="none", 
         if pp > 1:
             comm += (2 * pp * virtual_stages + 2) * B * T * cfg.n_embd * act_bytes   # posted receives
         if cp > 1 and blocks:
-            comm += ring_bytes(B, T, cfg.n_embd // tp, act_bytes)
+            comm += ring_bytes(B, T, cfg.n_embd // tp, act_bytes, cp)
         led = dict(parameters=(sh if zero == 3 else n) * master_bytes, gradients=grads * master_bytes + transient,
                    gradients_transient=transient,
                    optimizer=2 * (sh if zero else n) * moment_bytes,
@@ -400,10 +400,12 @@ def compute_copy_bytes(n, units, zero, act_bytes, master_bytes) -> int:
     return 6 * (n if zero != 3 else units[0] + units[1])
 
 
-def ring_bytes(B, T_local, C_local, act_bytes) -> int:
-    """Context parallelism's ring buffers at their peak (the backward): the key/value block in hand
-    and the next one, the dK/dV accumulator being sent and the one being received."""
-    return 4 * B * T_local * 2 * C_local * act_bytes
+def ring_bytes(B, T_local, C_local, act_bytes, cp) -> int:
+    """Context parallelism's ring buffers at their peak (parallel.cp.ring_buffer_blocks key/value
+    blocks of B x T_local x 2 x C_local)."""
+    from .cp import ring_buffer_blocks
+
+    return int(ring_buffer_blocks(cp) * B * T_local * 2 * C_local * act_bytes)
 
 
 # --- measurement on a runner -----------------------------------------------------------------------
