@@ -1,6 +1,6 @@
 """Context parallelism's attention traffic and time: the ring against Ulysses' all-to-alls.
 
-    python bench/cp_comm.py                 # cp 2 and 4, T 2048-8192 (a few minutes on 2 cores)
+    python bench/cp_comm.py                 # cp 2 and 4, T 2048-16384 (a few minutes on 2 cores)
     python bench/cp_comm.py --quick         # cp 2, T 512 (the smoke test)
     python bench/cp_comm.py --two-nodes     # cp 4, T 8192: ring, a2a and a2a+ring on 2 simulated nodes
 
@@ -162,7 +162,7 @@ def main(argv=None):
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(dict(machine=machine(), heads=H, head_size=HS, rows=rows), indent=1) + "\n")
         return 0
-    cases = [(2, 512)] if a.quick else [(cp, T) for cp in (2, 4) for T in (2048, 4096, 8192)]
+    cases = [(2, 512)] if a.quick else [(cp, T) for cp in (2, 4) for T in (2048, 4096, 8192, 16384)]
     rows = []
     for cp, T in cases:
         got = run_worker(cp, __file__, [T, 1 if a.quick else 3], timeout=1800)

@@ -16,16 +16,13 @@
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-import pympar
 import pympar.kernels as K
 from pympar.kernels import reference as R
 from pympar.nn import GPT, GPTConfig
