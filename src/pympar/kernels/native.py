@@ -191,7 +191,7 @@ def attention_block_forward(q, k, v, scale, causal):
 def attention_block_backward(q, k, v, o, lse, dout, scale, causal, out=None):
     B, Tq, Tk, H, D = reference._block_dims("attention_block_backward", q, k, v, causal)
     if out is not None:                          # written through their strides where the kernel can
-        reference.check_block_out(out, B, Tq, Tk, H, D)
+        reference._check_block_out(out, B, Tq, Tk, H, D)
         if not (_native_block(q, k, v, o, lse, dout, *out)
                 and all(a.flags.writeable and _rows_layout(a) for a in out)):
             for dst, g in zip(out, attention_block_backward(q, k, v, o, lse, dout, scale, causal)):

@@ -106,7 +106,7 @@ def attention_block_forward(q, k, v, scale, causal):
     return o, (m + xp.log(l))[..., 0]
 
 
-def check_block_out(out, B, Tq, Tk, H, D):
+def _check_block_out(out, B, Tq, Tk, H, D):
     """out of attention_block_backward: three arrays (dq, dk, dv) of shapes (B, Tq|Tk|Tk, H, D)."""
     want = [(B, Tq, H, D), (B, Tk, H, D), (B, Tk, H, D)]
     if len(out) != 3 or [tuple(a.shape) for a in out] != want:
@@ -125,7 +125,7 @@ def attention_block_backward(q, k, v, o, lse, dout, scale, causal, out=None):
     (and each key block's dk, dv) are the full attention's."""
     B, Tq, Tk, H, D = _block_dims("attention_block_backward", q, k, v, causal)
     if out is not None:
-        check_block_out(out, B, Tq, Tk, H, D)
+        _check_block_out(out, B, Tq, Tk, H, D)
     xp = xp_of(q)
     qs, kh, s = _block_scores(q, k, scale, causal)
     p = xp.exp(s - _up(lse)[..., None])
