@@ -299,7 +299,10 @@ class UlyssesAttentionCore(CausalAttentionCore):
         self.comm = cp_comm
         self.cp, self.rank, self.T = cp_comm.size, cp_comm.rank, int(T)
         self.meter = Meter() if meter is None else meter
-        self.pos = [positions(self.T, self.cp, r) for r in range(self.cp)]
+        c = self.T // (2 * self.cp)                       # rank r's two chunks (positions()), as slices
+        self.chunks = [(slice(r * c, (r + 1) * c), slice((2 * self.cp - 1 - r) * c, (2 * self.cp - r) * c))
+                       for r in range(self.cp)]
+        self.c = c
         self.ring = RingAttentionCore(ring_comm, self.meter) if ring_comm is not None else None
         self.peak_bytes = 0
 
@@ -340,14 +343,19 @@ class UlyssesAttentionCore(CausalAttentionCore):
         send = xp.ascontiguousarray(xp.moveaxis(a.reshape(B, n, *mid, self.cp, h, hs), -3, 0))
         got = self._all_to_all(send)                        # (cp, B, 2c, ..., h, hs): rank r's positions
         full = xp.empty((B, self.T) + tuple(mid) + (h, hs), a.dtype)
-        for r in range(self.cp):
-            full[:, self.pos[r]] = got[r]
+        for r, (first, second) in enumerate(self.chunks):
+            full[:, first] = got[r, :, :self.c]
+            full[:, second] = got[r, :, self.c:]
         return full
 
     def _to_positions(self, full, nh):
         """(B, T, ..., nh/cp, hs) of this rank's heads -> (B, 2c, ..., nh, hs): this rank's positions, all heads."""
         xp = xp_of(full)
-        send = xp.stack([full[:, self.pos[r]] for r in range(self.cp)])   # (cp, B, 2c, ..., h, hs)
+        B = full.shape[0]
+        send = xp.empty((self.cp, B, 2 * self.c) + full.shape[2:], full.dtype)    # (cp, B, 2c, ..., h, hs)
+        for r, (first, second) in enumerate(self.chunks):
+            send[r, :, :self.c] = full[:, first]
+            send[r, :, self.c:] = full[:, second]
         got = self._all_to_all(send)                        # block r: rank r's heads of my positions
         B, n = got.shape[1:3]
         return xp.ascontiguousarray(xp.moveaxis(got, 0, -3)).reshape(B, n, *got.shape[3:-2], nh, got.shape[-1])
