@@ -304,7 +304,10 @@ PYBIND11_MODULE(_C, m) {
                                        py::array& dk, py::array& dv, double scale, bool causal) {
     const char* fn = "attention_block_backward";
     auto [B, Tq, Tk, H, D] = block_dims(fn, q, k, causal);
-    int dt = check(lse, "lse", FLOATS, B * H * Tq);
+    const int dt = dtype_code(q);
+    if (dt < 0 || !(FLOATS & (1u << dt)))
+      throw py::type_error(std::string(fn) + ": q has unsupported dtype " + py::str(q.dtype()).cast<std::string>());
+    check(lse, "lse", 1u << dt, B * H * Tq);
     RowStrides os = rows_of(o, fn, "o", dt, B, Tq, H, D), dos = rows_of(dout, fn, "dout", dt, B, Tq, H, D);
     RowStrides qs = rows_of(q, fn, "q", dt, B, Tq, H, D), ks = rows_of(k, fn, "k", dt, B, Tk, H, D),
                vs = rows_of(v, fn, "v", dt, B, Tk, H, D), dqs = rows_of(dq, fn, "dq", dt, B, Tq, H, D),

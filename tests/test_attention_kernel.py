@@ -288,10 +288,13 @@ def test_packed_kernel_is_the_causal_block_of_its_views():
 
 
 @pytest.mark.parametrize("impl", ["native", "reference", "bfloat16"])
-def test_block_backward_writes_into_strided_out(impl):
+def test_block_backward_writes_into_strided_out(impl, monkeypatch):
     """out=(dq, dk, dv): the gradients land in the given views (the ring's packed dqkv, a head
     slice of it) with the bits of the call that allocates them, and nothing else is touched; o and
-    dout given as a head group's columns (read through their strides) give the bits of copies."""
+    dout given as a head group's columns of some query rows (read through their strides: a batch
+    stride that is not the rows' count times the row stride) give the bits of copies. The native
+    kernel writes such views itself: its fallback (compute, then copy in) runs only for an out it
+    cannot write, here a Fortran-ordered one."""
     mod = R if impl == "reference" else N
     rng = np.random.default_rng(8)
     B, Tq, Tk, H, D = 2, 40, 70, 3, 8
@@ -303,22 +306,46 @@ def test_block_backward_writes_into_strided_out(impl):
         q, k, v, dout = (a.astype(bfloat16) for a in (q, k, v, dout))
     o, lse = mod.attention_block_forward(q, k, v, 0.3, False)
     want = mod.attention_block_backward(q, k, v, o, lse, dout, 0.3, False)
-    hd, cols = slice(1, 3), slice(D, 3 * D)           # two of the three heads, as the ring's head groups
-    sub = (q[:, :, hd], k[:, :, hd], v[:, :, hd], o[:, :, cols], lse[:, hd], dout[:, :, cols])   # views
+    hd, cols, rows = slice(1, 3), slice(D, 3 * D), slice(3, Tq)   # two heads (a ring head group), some rows
+    sub = (q[:, rows, hd], k[:, :, hd], v[:, :, hd], o[:, rows, cols], lse[:, hd, rows], dout[:, rows, cols])
     want_sub = mod.attention_block_backward(*(np.ascontiguousarray(a) for a in sub), 0.3, False)
+    fallbacks = []
+    if impl == "native":
+        inner = N.attention_block_backward
+        monkeypatch.setattr(N, "attention_block_backward", lambda *a, **kw: fallbacks.append(1) or inner(*a, **kw))
     dqs = np.full((B, Tq, H, D), 7, dtype=q.dtype)
     dkv = np.full((B, Tk, 2, H, D), 7, dtype=q.dtype)  # packed (B, Tk, 2, H, D), as the ring's partial
-    got = mod.attention_block_backward(*sub, 0.3, False, out=(dqs[:, :, hd], dkv[:, :, 0, hd], dkv[:, :, 1, hd]))
-    assert got[0].base is dqs and got[1].base is dkv
+    got = (inner if impl == "native" else mod.attention_block_backward)(
+        *sub, 0.3, False, out=(dqs[:, rows, hd], dkv[:, :, 0, hd], dkv[:, :, 1, hd]))
+    assert got[0].base is dqs and got[1].base is dkv and not fallbacks
     for a, b in zip(got, want_sub):
         np.testing.assert_array_equal(a, b)
-    assert (dqs[:, :, 0] == 7).all() and (dkv[:, :, :, 0] == 7).all()   # the other head: untouched
-    full = mod.attention_block_backward(q, k, v, o, lse, dout, 0.3, False,
-                                        out=(dqs, dkv[:, :, 0], dkv[:, :, 1]))
+    assert (dqs[:, :, 0] == 7).all() and (dqs[:, :3] == 7).all() and (dkv[:, :, :, 0] == 7).all()  # untouched
+    full = mod.attention_block_backward(q, k, v, o, lse, dout, 0.3, False, out=(dqs, dkv[:, :, 0], dkv[:, :, 1]))
     for a, b in zip(full, want):
         np.testing.assert_array_equal(a, b)
+    if impl == "native":                               # an out the kernel cannot write: computed, then copied
+        fortran = [np.asfortranarray(np.zeros_like(a)) for a in want]
+        for a, b in zip(inner(q, k, v, o, lse, dout, 0.3, False, out=fortran), want):
+            np.testing.assert_array_equal(a, b)
+        assert fallbacks
     with pytest.raises(ValueError, match="out has shapes"):
         mod.attention_block_backward(q, k, v, o, lse, dout, 0.3, False, out=(dqs, dkv[:, :, 0]))
+    with pytest.raises(ValueError, match="out has dtypes"):
+        mod.attention_block_backward(q, k, v, o, lse, dout, 0.3, False,
+                                     out=tuple(np.zeros(a.shape, np.float64) for a in want))
+
+
+@pytest.mark.parametrize("mod", [N, R], ids=["native", "reference"])
+def test_block_backward_without_queries_gives_zero_key_gradients(mod):
+    """Tq = 0: no query sees the keys, so dk and dv are 0 (written, also into out)."""
+    rng = np.random.default_rng(9)
+    k, v = rng.standard_normal((2, 2, 5, 3, 4))
+    q, o, lse, dout = np.zeros((2, 0, 3, 4)), np.zeros((2, 0, 12)), np.zeros((2, 3, 0)), np.zeros((2, 0, 12))
+    out = (np.empty((2, 0, 3, 4)), np.full((2, 5, 3, 4), 7.0), np.full((2, 5, 3, 4), 7.0))
+    for g in (mod.attention_block_backward(q, k, v, o, lse, dout, 0.5, False),
+              mod.attention_block_backward(q, k, v, o, lse, dout, 0.5, False, out=out)):
+        assert g[0].shape == (2, 0, 3, 4) and not g[1].any() and not g[2].any()
 
 
 def test_block_reference_is_the_softmax_definition():

@@ -4,16 +4,20 @@
   sequence, forward and backward: float64 to 1e-12, float32 to 1e-5, for sequence lengths whose
   chunks are 1 position, a few, and more than one 64-row tile of the kernel, batch 1 and 3,
   one head and several;
+- its backward against the blocks' gradients summed in the ring's order (bitwise), and the
+  memory it allocates (tracemalloc) against its own count and the ledger's;
 - a MoE model whose capacity drops assignments (the drops are decided over the whole
   micro-batch) and a dense one, cp = world against one process: losses, grad norms and every
   parameter after 3 AdamW steps, and the evaluation loss.
 """
+import tracemalloc
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from pympar.comm import MPIComm
+import pympar.kernels as K
 from pympar.kernels import reference as R
 from pympar.nn import GPT
 from pympar.nn.config import GPTConfig
@@ -57,8 +61,72 @@ def test_ring_attention_equals_full_attention(comm, mpi_world, dt, tol, c, B, H,
     e_bwd = _rel(dqkv, dqkv_ref[:, pos])
     errs = mpi_world.allgather((e_fwd, e_bwd))
     assert all(f < tol and b < tol for f, b in errs), f"forward, backward rel errors per rank: {errs}"
-    # the ring's buffers at their most, on the rank that holds the most: the ledger's count
-    block = B * 2 * c * 2 * H * D * np.dtype(dt).itemsize
+
+
+def test_ring_backward_is_the_blocks_summed_in_the_ring_order(comm, mpi_world):
+    """dq of this rank's queries: its blocks against keys of ranks i, i-1, i-2, ...; dK, dV of its
+    keys: its own block's, then the partials of ranks i+1, i+2, ... -- each block from the kernel
+    with the merged o and lse, added in that order: the same bits (from cp 3 on, another order of
+    the partials gives other bits)."""
+    cp, i = comm.size, comm.rank
+    B, c, H, D = 2, 5, 3, 8
+    T = 2 * cp * c
+    qkv, dout, _, _, _ = _whole_sequence(comm, np.float64, T, B, H, D, [T, 11])
+    local = [np.ascontiguousarray(qkv[:, positions(T, cp, r)]) for r in range(cp)]
+    douts = [np.ascontiguousarray(dout[:, positions(T, cp, r)]) for r in range(cp)]
+    ring = RingAttentionCore(comm)
+    o, ctx = ring.forward(local[i])
+    merged = mpi_world.allgather((o, ctx[3]))            # every rank's merged o and lse
+    dqkv = ring.backward(douts[i], ctx)
+
+    def block(r, j):                                     # rank r's queries against rank j's keys
+        qr, kr, causal = ring._block(j, 2 * c, i=r)
+        return qr, kr, K.attention_block_backward(local[r][:, qr, 0], local[j][:, kr, 1], local[j][:, kr, 2],
+                                                  merged[r][0][:, qr], merged[r][1][:, :, qr], douts[r][:, qr],
+                                                  1 / np.sqrt(D), causal)
+    want = np.empty_like(dqkv)
+    for s in range(cp):
+        qr, _, (dq, _, _) = block(i, (i - s) % cp)
+        if s == 0:
+            want[:, :, 0] = dq
+        else:
+            want[:, qr, 0] += dq
+        _, kr, (_, dk, dv) = block((i + s) % cp, i)
+        if s == 0:
+            want[:, :, 1], want[:, :, 2] = dk, dv
+        else:
+            want[:, kr, 1] += dk
+            want[:, kr, 2] += dv
+    assert mpi_world.allreduce(int(not np.array_equal(dqkv, want))) == 0
+
+
+def test_ring_backward_holds_what_it_counts(comm, mpi_world):
+    """What the backward allocates at its most (tracemalloc) is the returned dqkv plus the buffers
+    the ring counts, on every rank, within what else it may hold at once: NumPy's buffers for a
+    strided in-place add (np.getbufsize() elements per operand), the statistics' row copies and a
+    few Python objects -- under a seventh of a block here, less than the half block a partial or the scratch
+    would be; the most any rank counts is the ledger's ring_buffer_blocks."""
+    B, c, H, D = 2, 128, 4, 64
+    dt = np.float64
+    block = B * 2 * c * 2 * H * D * np.dtype(dt).itemsize        # this rank's keys and values
+    rng = np.random.default_rng(comm.rank)
+    qkv = rng.standard_normal((B, 2 * c, 3, H, D))
+    dout = rng.standard_normal((B, 2 * c, H * D))
+    ring = RingAttentionCore(comm)
+    o, ctx = ring.forward(qkv)
+    ring.peak_bytes = 0                                   # the backward's alone
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        dqkv = ring.backward(dout, ctx)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    want = dqkv.nbytes + ring.peak_bytes
+    slack = 3 * np.getbufsize() * 8 + 4 * B * H * 2 * c * 8 + 32 * 1024
+    assert slack < block / 7
+    got = mpi_world.allgather((peak, want))
+    assert all(w <= p <= w + slack for p, w in got), (got, block)
     assert max(mpi_world.allgather(ring.peak_bytes)) == ring_buffer_blocks(comm.size) * block
 
 

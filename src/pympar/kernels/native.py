@@ -191,7 +191,7 @@ def attention_block_forward(q, k, v, scale, causal):
 def attention_block_backward(q, k, v, o, lse, dout, scale, causal, out=None):
     B, Tq, Tk, H, D = reference._block_dims("attention_block_backward", q, k, v, causal)
     if out is not None:                          # written through their strides where the kernel can
-        reference._check_block_out(out, B, Tq, Tk, H, D)
+        reference._check_block_out(out, B, Tq, Tk, H, D, q.dtype)
         if not (_native_block(q, k, v, o, lse, dout, *out)
                 and all(a.flags.writeable and _rows_layout(a) for a in out)):
             for dst, g in zip(out, attention_block_backward(q, k, v, o, lse, dout, scale, causal)):
@@ -210,6 +210,9 @@ def attention_block_backward(q, k, v, o, lse, dout, scale, causal, out=None):
     o4, dout4 = (_in_place(a.reshape(B, Tq, H, D)) for a in (o, dout))   # a head group's columns: read in place
     _C.attention_block_backward(_in_place(q), _in_place(k), _in_place(v), o4, _c(lse), dout4, dq, dk, dv,
                                 float(scale), bool(causal))
+    if Tq == 0:                                  # no query sees these keys: their gradients are 0
+        dk[...] = 0
+        dv[...] = 0
     return dq, dk, dv
 
 

@@ -106,12 +106,15 @@ def attention_block_forward(q, k, v, scale, causal):
     return o, (m + xp.log(l))[..., 0]
 
 
-def _check_block_out(out, B, Tq, Tk, H, D):
+def _check_block_out(out, B, Tq, Tk, H, D, dtype):
     """out of attention_block_backward: three arrays (dq, dk, dv) of shapes (B, Tq|Tk|Tk, H, D)."""
     want = [(B, Tq, H, D), (B, Tk, H, D), (B, Tk, H, D)]
-    if len(out) != 3 or [tuple(a.shape) for a in out] != want:
-        raise ValueError(f"attention_block_backward: out has shapes {[tuple(a.shape) for a in out]}, expected "
-                         f"{want} (dq, dk, dv)")
+    shapes = [tuple(getattr(a, "shape", ())) for a in out]
+    if len(out) != 3 or shapes != want:
+        raise ValueError(f"attention_block_backward: out has shapes {shapes}, expected {want} (dq, dk, dv)")
+    if any(a.dtype != dtype for a in out):
+        raise ValueError(f"attention_block_backward: out has dtypes {[str(a.dtype) for a in out]}, expected "
+                         f"{dtype}, q's")
 
 
 def attention_block_backward(q, k, v, o, lse, dout, scale, causal, out=None):
@@ -125,7 +128,7 @@ def attention_block_backward(q, k, v, o, lse, dout, scale, causal, out=None):
     (and each key block's dk, dv) are the full attention's."""
     B, Tq, Tk, H, D = _block_dims("attention_block_backward", q, k, v, causal)
     if out is not None:
-        _check_block_out(out, B, Tq, Tk, H, D)
+        _check_block_out(out, B, Tq, Tk, H, D, q.dtype)
     xp = xp_of(q)
     qs, kh, s = _block_scores(q, k, scale, causal)
     p = xp.exp(s - _up(lse)[..., None])

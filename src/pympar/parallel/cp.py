@@ -18,9 +18,9 @@ the block of rank j, causality leaves exactly one of three cases:
 Each block gives (o_b, lse_b) from the tiled kernel (kernels.attention_block_forward); the
 blocks merge with the online softmax's log-sum-exp: lse = logaddexp(lse, lse_b),
 o = o e^(lse_old - lse) + o_b e^(lse_b - lse). The backward sends the key/value blocks around
-again and, with each, the accumulator of its dK, dV, which every rank adds its part to; after
-cp hops each accumulator is back with the owner of the block. The block backward uses the
-merged o and lse, so the blocks' gradients sum to the full softmax's.
+again; the dK, dV a rank computes for another's block (only the key rows its queries see) go
+straight to the block's owner, which adds them to its own block's in the ring's order. The block
+backward uses the merged o and lse, so the blocks' gradients sum to the full softmax's.
 
 Loss and gradients: every rank's cross-entropy is the mean over its local positions (equal
 counts on every rank by the split), so the mean over the cp group is the micro-batch's mean; the
@@ -106,14 +106,17 @@ def local_batch(batch, pos):
 def ring_buffer_blocks(cp: int) -> float:
     """The most key/value blocks' worth of buffers (B x 2c x 2 x C) a rank of RingAttentionCore
     holds at once, over the ranks (the ledger's communication): in the forward the block in hand
-    and the next; in the backward also the partial being computed, the one sent the step before
-    and the one arriving from it, then the one arriving from this step -- a partial is a whole
-    block for a later rank's block and half of one for an earlier rank's (the key rows seen)."""
+    and the next; in the backward also the dq scratch of the other blocks' rows (half a block),
+    the partial being computed, the one sent the step before and the one arriving from it, then
+    the one arriving from this step -- a partial is a whole block for a later rank's block and half
+    of one for an earlier rank's (the key rows seen)."""
+    if cp <= 1:
+        return 0.0
     part = lambda i, j: 1.0 if j > i else 0.5            # noqa: E731 (rank i's partial of block j)
-    most = 2.0 if cp > 1 else 0.0
+    most = 2.5                                           # backward step 0: the block, the next, the scratch
     for i in range(cp):
         for s in range(1, cp):
-            held = 1 + (s < cp - 1) + part(i, (i - s) % cp)   # the block, the next, this step's partial
+            held = 1.5 + (s < cp - 1) + part(i, (i - s) % cp)   # the block, scratch, the next, this partial
             before = part(i, (i - s + 1) % cp) + part((i + s - 1) % cp, i) if s > 1 else 0.0
             most = max(most, held + before, held + part((i + s) % cp, i))
     return most
@@ -225,6 +228,7 @@ class RingAttentionCore(CausalAttentionCore):
         kv = xp.ascontiguousarray(qkv[:, :, 1:])
         q = qkv[:, :, 0]
         groups = self._head_groups(B, nh)
+        scratch = xp.empty((B, T, nh, hs), qkv.dtype) if self.cp > 1 else None   # dq of the other blocks
         sent = got = None                  # the partial sent at the step before; the one arriving (buf, reqs, rows)
         for s in range(self.cp):
             j = (self.rank - s) % self.cp
@@ -237,8 +241,8 @@ class RingAttentionCore(CausalAttentionCore):
                 part, dqs = dkv, dq
             else:
                 part = xp.empty((B, kr.stop - kr.start, 2, nh, hs), qkv.dtype)
-                dqs = xp.empty((B, qr.stop - qr.start, nh, hs), qkv.dtype)
-            self._count(kv, nxt, part if s else None, sent and sent[0], got and got[0])
+                dqs = scratch[:, :qr.stop - qr.start]
+            self._count(kv, nxt, scratch, part if s else None, sent and sent[0], got and got[0])
             busy = kv_reqs + (sent[1] if sent else ()) + (got[1] if got else ())
             for h0, h1 in groups:
                 hd, cols = slice(h0, h1), slice(h0 * hs, h1 * hs)
@@ -246,6 +250,7 @@ class RingAttentionCore(CausalAttentionCore):
                                                  lse[:, hd, qr], dya[:, qr, cols], scale, causal,
                                                  out=(dqs[:, :, hd], part[:, :, 0, hd], part[:, :, 1, hd]))
                 self._poll(busy)
+            busy = None                                     # (its requests hold the block sent before)
             if s > 0:
                 dq[:, qr] += dqs
             self.meter.add("cp compute", time.perf_counter() - t0)
@@ -257,9 +262,9 @@ class RingAttentionCore(CausalAttentionCore):
                 sent = (part, (self.comm.isend(part, j, tag=_DKV_TAG),))
                 src = (self.rank + s) % self.cp             # ... and the partial of this rank's block from rank + s
                 rows = self._block(self.rank, T, i=src)[1]
-                buf = xp.empty((B, rows.stop - rows.start, 2, nh, hs), qkv.dtype)
-                got = (buf, (self.comm.irecv(buf, src, tag=_DKV_TAG),), rows)
-                self._count(kv, nxt, part, buf)
+                got = self._receive(xp, (B, rows.stop - rows.start, 2, nh, hs), qkv.dtype, src, rows)
+                self._count(kv, nxt, scratch, part, got[0])
+            part = dqs = None                               # a partial in flight is held by sent
             if kv_reqs:
                 self._wait(kv_reqs)
                 kv = nxt
@@ -267,6 +272,11 @@ class RingAttentionCore(CausalAttentionCore):
         if sent:
             self._wait(sent[1])
         return dqkv
+
+    def _receive(self, xp, shape, dtype, src, rows):
+        """(buffer, reqs, rows): a partial of this rank's keys and values, posted to arrive from src."""
+        buf = xp.empty(shape, dtype)
+        return buf, (self.comm.irecv(buf, src, tag=_DKV_TAG),), rows
 
     def _settle(self, got, dkv):
         """Wait for a partial of this rank's keys and values (buf, reqs, rows) and add it in."""

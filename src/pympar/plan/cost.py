@@ -143,9 +143,9 @@ def cp_attention_time(lay: Layout, m: Machine, u: float) -> float:
     backward) not hidden behind compute; u = the bytes of this rank's share of one activation
     (its positions' q, k or v of its tp heads).
 
-    ring: per block cp-1 key/value hops forward, cp-1 more and cp dK/dV hops backward (2u each),
-    each hidden behind the block in hand as far as the machine's overlap allows; crosses nodes when
-    the cp group does. a2a: q, k, v (3u) and the output (u) through an all-to-all forward, the same
+    ring: per block cp-1 key/value hops forward, cp-1 more backward and cp-1 dK/dV partials sent to
+    their blocks' owners (2u each on the rank that sends the most), each hidden behind the block in
+    hand as far as the machine's overlap allows; crosses nodes when the cp group does. a2a: q, k, v (3u) and the output (u) through an all-to-all forward, the same
     backward, none of it hidden (attention waits for it). a2a+ring: those all-to-alls inside
     groups of cp_a2a consecutive ranks (crossing nodes only when a group does), then the ring of
     the cp/cp_a2a groups on k, v blocks of the same size (the group's positions, its heads)."""
@@ -154,7 +154,7 @@ def cp_attention_time(lay: Layout, m: Machine, u: float) -> float:
     tp_span = lay.tp * lay.cp > m.ranks_per_node
 
     def ring(r, cross):
-        return (3 * r - 2) * m.coll("sendrecv", 2 * u, 2, cross) * (1 - m.overlap) if r > 1 else 0.0
+        return 3 * (r - 1) * m.coll("sendrecv", 2 * u, 2, cross) * (1 - m.overlap) if r > 1 else 0.0
 
     def a2a(k, cross):
         return 2 * (m.coll("alltoall", 3 * u, k, cross) + m.coll("alltoall", u, k, cross))
