@@ -8,7 +8,9 @@ training on sequences of 2L (each rank holds L positions), with the ring and wit
 (`--cp-comm a2a`); the same model, micro-batch and step count, one kernel thread per rank, float32,
 `python -m pympar.train` (the preset small's model, 4 heads; L@C: its width C instead of 128).
 Each configuration runs ``rounds`` times, interleaved; a run's step time is its median over the
-steps after the first; a configuration's is the fastest of its runs.
+steps after the first; a configuration's is the fastest of its runs. Rows also keep every run's
+step time and each round's efficiency (its one-rank run over its cp run, minutes apart at most)
+with their median: the spread between them is what one number of this benchmark is worth here.
 
 efficiency = step time of one rank on L / step time of cp ranks on cp*L. Everything but attention
 costs the same per rank in both; causal attention over cp*L positions is cp^2 times the work of L,
@@ -81,11 +83,12 @@ def run(a):
     rows = []
     for L, C in [(int(x.split("@")[0]), int(x.split("@")[1]) if "@" in x else None) for x in a.per_rank.split(",")]:
         cfgs = [(1, "ring"), (1, "pair"), (2, "ring"), (2, "a2a")]
-        best = {}
+        best, runs = {}, {cfg: [] for cfg in cfgs}
         for _ in range(a.rounds):
             for n, comm in cfgs:
                 t = pair(L, a.steps, a.micro_batch, C) if comm == "pair" else one(n, L, comm, a.steps, a.micro_batch, C)
                 best[(n, comm)] = min(best.get((n, comm), (float("inf"), {})), t, key=lambda x: x[0])
+                runs[(n, comm)].append(t[0])
         splits = {f"{n}-{comm}": best[(n, comm)][1] for n, comm in cfgs}
         best = {k: v[0] for k, v in best.items()}
         t1, t1_pair = best[(1, "ring")], best[(1, "pair")]
@@ -94,12 +97,17 @@ def run(a):
         share = 12.0 * cfg.n_layer * L * cfg.n_embd / flops_per_token(cfg)      # attention's FLOPs at L
         for comm in ("ring", "a2a"):
             eff = t1 / best[(2, comm)]
+            by_round = [o / c for o, c in zip(runs[(1, "ring")], runs[(2, comm)])]   # the same round's runs
             rows.append(dict(per_rank=L, n_embd=cfg.n_embd, cp=2, comm=comm, one_rank_s=t1, cp_s=best[(2, comm)],
-                             efficiency=eff, attention_share=share, ceiling=1.0 / (1.0 + share),
+                             efficiency=eff, efficiency_rounds=by_round,
+                             efficiency_median_round=statistics.median(by_round),
+                             runs_s={f"{n}-{c}": runs[(n, c)] for n, c in ((1, "ring"), (1, "pair"), (2, comm))},
+                             attention_share=share, ceiling=1.0 / (1.0 + share),
                              one_rank_pair_s=t1_pair, efficiency_pair=t1_pair / best[(2, comm)],
                              time_split={k: splits[k] for k in ("1-ring", "1-pair", f"2-{comm}")}))
             print(f"  C={cfg.n_embd} L={L} cp=2 {comm:<5} one rank {t1 * 1e3:7.1f} ms (two at once "
-                  f"{t1_pair * 1e3:7.1f})  cp {best[(2, comm)] * 1e3:7.1f} ms  efficiency {eff:.2f} (against two at "
+                  f"{t1_pair * 1e3:7.1f})  cp {best[(2, comm)] * 1e3:7.1f} ms  efficiency {eff:.2f} (round by round "
+                  f"{', '.join(f'{e:.2f}' for e in by_round)}; against two at "
                   f"once {t1_pair / best[(2, comm)]:.2f}; attention {share:.0%} of the one-rank FLOPs: ceiling "
                   f"{1 / (1 + share):.2f})", file=sys.stderr, flush=True)
     return dict(kind="cp_weak", machine=common.machine(), target=TARGET, steps=a.steps, rounds=a.rounds,

@@ -411,6 +411,9 @@ def test_cp_weak_bench_runs_every_configuration(tmp_path, bench_module):
     for r in rows:
         assert r["efficiency"] == pytest.approx(r["one_rank_s"] / r["cp_s"])
         assert 0 < r["attention_share"] < 1 and r["ceiling"] == pytest.approx(1 / (1 + r["attention_share"]))
+        runs = r["runs_s"]                        # one round: its efficiency is the rows' (the fastest runs)
+        assert r["efficiency_rounds"] == [pytest.approx(runs["1-ring"][0] / runs[f"2-{r['comm']}"][0])]
+        assert r["efficiency_median_round"] == pytest.approx(r["efficiency"])
 
 
 def test_moe_experts_bench_times_both_ways_and_reports(tmp_path, bench_module):
