@@ -50,8 +50,8 @@ struct KernelTable {
   // through its RowStrides -> o (B, Tq, H*D), lse (B, H, Tq); causal requires Tq == Tk (query t sees keys
   // <= t), otherwise every query sees every key; q is scaled by `scale`. Backward: o, lse those of the
   // complete softmax of these rows (over every key block), dout (B, Tq, H*D), both through their RowStrides
-  // (rows of H*D with head stride D) -> dq (B, Tq, H, D),
-  // dk, dv (B, Tk, H, D) through their RowStrides (=, every element written). Packed qkv (B, T, 3, H, D)
+  // (rows of H*D with head stride D) -> dq (B, Tq, H, D), dk, dv (B, Tk, H, D) through their RowStrides
+  // (=, every element written). Packed qkv (B, T, 3, H, D)
   // is the causal block of the views qkv[:, :, 0], [:, :, 1], [:, :, 2].
   void (*attention_block_fwd_f32)(const float* q, RowStrides qs, const float* k, RowStrides ks, const float* v,
                                   RowStrides vs, float* o, float* lse, int64_t B, int64_t Tq, int64_t Tk, int64_t H,
@@ -61,14 +61,14 @@ struct KernelTable {
                                   int64_t D, bool causal, double scale);
   void (*attention_block_bwd_f32)(const float* q, RowStrides qs, const float* k, RowStrides ks, const float* v,
                                   RowStrides vs, const float* o, RowStrides os, const float* lse, const float* dout,
-                                  RowStrides dos, float* dq,
-                                  RowStrides dqs, float* dk, RowStrides dks, float* dv, RowStrides dvs, int64_t B,
-                                  int64_t Tq, int64_t Tk, int64_t H, int64_t D, bool causal, double scale);
+                                  RowStrides dos, float* dq, RowStrides dqs, float* dk, RowStrides dks, float* dv,
+                                  RowStrides dvs, int64_t B, int64_t Tq, int64_t Tk, int64_t H, int64_t D, bool causal,
+                                  double scale);
   void (*attention_block_bwd_f64)(const double* q, RowStrides qs, const double* k, RowStrides ks, const double* v,
                                   RowStrides vs, const double* o, RowStrides os, const double* lse, const double* dout,
-                                  RowStrides dos, double* dq,
-                                  RowStrides dqs, double* dk, RowStrides dks, double* dv, RowStrides dvs, int64_t B,
-                                  int64_t Tq, int64_t Tk, int64_t H, int64_t D, bool causal, double scale);
+                                  RowStrides dos, double* dq, RowStrides dqs, double* dk, RowStrides dks, double* dv,
+                                  RowStrides dvs, int64_t B, int64_t Tq, int64_t Tk, int64_t H, int64_t D, bool causal,
+                                  double scale);
   // in place on p (n,) of dtype pdt (F32 or F64), m, v of dtype mdt (pdt, or BF16 with F32 p:
   // moments stored rounded once, the update computed from the unrounded ones); g of dtype gdt (any float)
   void (*adamw)(void* p, const void* g, void* m, void* v, int pdt, int gdt, int mdt, int64_t n, double lr,

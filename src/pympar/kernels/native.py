@@ -194,9 +194,7 @@ def attention_block_backward(q, k, v, o, lse, dout, scale, causal, out=None):
         reference._check_block_out(out, B, Tq, Tk, H, D, q.dtype)
         if not (_native_block(q, k, v, o, lse, dout, *out)
                 and all(a.flags.writeable and _rows_layout(a) for a in out)):
-            for dst, g in zip(out, attention_block_backward(q, k, v, o, lse, dout, scale, causal)):
-                dst[...] = g
-            return tuple(out)
+            return reference._write_out(out, attention_block_backward(q, k, v, o, lse, dout, scale, causal))
     if _bf(q, k, v, o, dout) and _f32(lse):
         g = attention_block_backward(*(_bf16_cast(a, F32) for a in (q, k, v, o)), lse, _bf16_cast(dout, F32),
                                      scale, causal)

@@ -140,8 +140,11 @@ def attention_block_backward(q, k, v, o, lse, dout, scale, causal, out=None):
     dk = ds.transpose(0, 1, 3, 2) @ qs
     dv = p.transpose(0, 1, 3, 2) @ do
     got = tuple(xp.ascontiguousarray(g.transpose(0, 2, 1, 3), dtype=q.dtype) for g in (dq, dk, dv))
-    if out is None:
-        return got
+    return got if out is None else _write_out(out, got)
+
+
+def _write_out(out, got):
+    """The gradients ``got`` written into ``out`` (=), which is returned."""
     for dst, g in zip(out, got):
         dst[...] = g
     return tuple(out)

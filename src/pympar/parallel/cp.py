@@ -89,18 +89,36 @@ def validate_cp(model_cfg, cp: int, tp: int = 1, seq_parallel: bool = False, seq
                          f"block_size / cp must be divisible by tp")
 
 
+def chunks(T: int, cp: int, rank: int) -> tuple:
+    """The two chunks of global positions cp rank ``rank`` holds, as slices: chunk rank, then chunk
+    2cp-1-rank (of c = T / 2cp positions each)."""
+    c = T // (2 * cp)
+    return slice(rank * c, (rank + 1) * c), slice((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
+
+
 def positions(T: int, cp: int, rank: int) -> np.ndarray:
-    """The global positions cp rank ``rank`` holds, in local order: chunk rank, then chunk 2cp-1-rank."""
+    """The global positions cp rank ``rank`` holds, in local order: its two chunks()."""
     if cp == 1:
         return np.arange(T)
-    c = T // (2 * cp)
-    return np.concatenate([np.arange(rank * c, (rank + 1) * c), np.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    return np.concatenate([np.arange(s.start, s.stop) for s in chunks(T, cp, rank)])
 
 
 def local_batch(batch, pos):
     """(idx, targets) of full sequences -> the positions ``pos`` of each (host arrays stay host)."""
     idx, targets = batch
     return idx[:, pos], targets[:, pos]
+
+
+def _block(i, j, T):
+    """(query rows, key rows, causal) of rank i's block of rank j's keys, as slices of the T = 2c
+    rows each rank holds: j == i causal on all; j < i all queries against j's first chunk; j > i
+    the second chunk's queries against all of j's."""
+    c = T // 2
+    if j == i:
+        return slice(0, T), slice(0, T), True
+    if j < i:
+        return slice(0, T), slice(0, c), False
+    return slice(c, T), slice(0, T), False
 
 
 def ring_buffer_blocks(cp: int) -> float:
@@ -112,7 +130,10 @@ def ring_buffer_blocks(cp: int) -> float:
     of one for an earlier rank's (the key rows seen)."""
     if cp <= 1:
         return 0.0
-    part = lambda i, j: 1.0 if j > i else 0.5            # noqa: E731 (rank i's partial of block j)
+
+    def part(i, j):                                      # rank i's partial of block j, in blocks (T = 2)
+        kr = _block(i, j, 2)[1]
+        return (kr.stop - kr.start) / 2
     most = 2.5                                           # backward step 0: the block, the next, the scratch
     for i in range(cp):
         for s in range(1, cp):
@@ -139,12 +160,7 @@ class RingAttentionCore(CausalAttentionCore):
     def _block(self, j, T, i=None):
         """(query rows, key rows, causal) of rank i's block of rank j's keys (i: this rank), as slices
         of the 2c rows each holds."""
-        c, i = T // 2, self.rank if i is None else i
-        if j == i:
-            return slice(0, T), slice(0, T), True
-        if j < i:
-            return slice(0, T), slice(0, c), False
-        return slice(c, T), slice(0, T), False
+        return _block(self.rank if i is None else i, j, T)
 
     def _exchange(self, buf, tag):
         """Send buf to the next rank of the ring, receive the previous rank's into a new buffer."""
@@ -309,10 +325,8 @@ class UlyssesAttentionCore(CausalAttentionCore):
         self.comm = cp_comm
         self.cp, self.rank, self.T = cp_comm.size, cp_comm.rank, int(T)
         self.meter = Meter() if meter is None else meter
-        c = self.T // (2 * self.cp)                       # rank r's two chunks (positions()), as slices
-        self.chunks = [(slice(r * c, (r + 1) * c), slice((2 * self.cp - 1 - r) * c, (2 * self.cp - r) * c))
-                       for r in range(self.cp)]
-        self.c = c
+        self.chunks = [chunks(self.T, self.cp, r) for r in range(self.cp)]
+        self.c = self.T // (2 * self.cp)
         self.ring = RingAttentionCore(ring_comm, self.meter) if ring_comm is not None else None
         self.peak_bytes = 0
 
@@ -361,8 +375,7 @@ class UlyssesAttentionCore(CausalAttentionCore):
     def _to_positions(self, full, nh):
         """(B, T, ..., nh/cp, hs) of this rank's heads -> (B, 2c, ..., nh, hs): this rank's positions, all heads."""
         xp = xp_of(full)
-        B = full.shape[0]
-        send = xp.empty((self.cp, B, 2 * self.c) + full.shape[2:], full.dtype)    # (cp, B, 2c, ..., h, hs)
+        send = xp.empty((self.cp, full.shape[0], 2 * self.c) + full.shape[2:], full.dtype)   # (cp, B, 2c, ..., h, hs)
         for r, (first, second) in enumerate(self.chunks):
             send[r, :, :self.c] = full[:, first]
             send[r, :, self.c:] = full[:, second]

@@ -145,10 +145,11 @@ def cp_attention_time(lay: Layout, m: Machine, u: float) -> float:
 
     ring: per block cp-1 key/value hops forward, cp-1 more backward and cp-1 dK/dV partials sent to
     their blocks' owners (2u each on the rank that sends the most), each hidden behind the block in
-    hand as far as the machine's overlap allows; crosses nodes when the cp group does. a2a: q, k, v (3u) and the output (u) through an all-to-all forward, the same
-    backward, none of it hidden (attention waits for it). a2a+ring: those all-to-alls inside
-    groups of cp_a2a consecutive ranks (crossing nodes only when a group does), then the ring of
-    the cp/cp_a2a groups on k, v blocks of the same size (the group's positions, its heads)."""
+    hand as far as the machine's overlap allows; crosses nodes when the cp group does. a2a: q, k,
+    v (3u) and the output (u) through an all-to-all forward, the same backward, none of it hidden
+    (attention waits for it). a2a+ring: those all-to-alls inside groups of cp_a2a consecutive ranks
+    (crossing nodes only when a group does), then the ring of the cp/cp_a2a groups on k, v blocks
+    of the same size (the group's positions, its heads)."""
     if lay.cp <= 1:
         return 0.0
     tp_span = lay.tp * lay.cp > m.ranks_per_node
