@@ -332,7 +332,13 @@ def test_context_parallel_layouts_split_a_long_sequence():
     one, _ = ledger.predict(cfg, tiled=True)
     four, _ = ledger.predict(cfg, cp=4, tiled=True)
     assert four["activations"] == pytest.approx(one["activations"] / 4, rel=1e-3)
-    assert four["communication"] >= ledger.ring_bytes(1, 32768 // 4, 128, 4, 4) > 0
+    assert four["communication"] >= ledger.cp_bytes(1, 32768 // 4, 128, 4, 4) > 0
+    # Ulysses' buffers (6 units of 1 x 8192 x 128 x 4 bytes) against the ring's 5 blocks at cp 4
+    a2a, _ = ledger.predict(cfg, cp=4, tiled=True, cp_comm="a2a")
+    hyb, _ = ledger.predict(cfg, cp=4, tiled=True, cp_comm="a2a+ring", cp_a2a=2)
+    unit = 8192 * 128 * 4
+    assert four["communication"] - a2a["communication"] == (10 - 6) * unit
+    assert hyb["communication"] - a2a["communication"] == (10 - 6) * unit   # 4 + the ring of 2's 3 blocks
     every, _ = plan(cfg, 4, 1, machine(mem=1 << 50))
     need = lambda preds: min(p.memory["total"] for p in preds)       # noqa: E731
     cp4, others = need([p for p in every if p.layout.cp == 4]), need([p for p in every if p.layout.cp != 4])

@@ -5,7 +5,8 @@
   chunks are 1 position, a few, and more than one 64-row tile of the kernel, batch 1 and 3,
   one head and several;
 - its backward against the blocks' gradients summed in the ring's order (bitwise), and the
-  memory it allocates (tracemalloc) against its own count and the ledger's;
+  memory it allocates (tracemalloc) against its own count and the ledger's; Ulysses' and the
+  hybrid's the same way;
 - a MoE model whose capacity drops assignments (the drops are decided over the whole
   micro-batch) and a dense one, cp = world against one process: losses, grad norms and every
   parameter after 3 AdamW steps, and the evaluation loss.
@@ -128,6 +129,50 @@ def test_ring_backward_holds_what_it_counts(comm, mpi_world):
     got = mpi_world.allgather((peak, want))
     assert all(w <= p <= w + slack for p, w in got), (got, block)
     assert max(mpi_world.allgather(ring.peak_bytes)) == ring_buffer_blocks(comm.size) * block
+
+
+def test_ulysses_holds_what_it_counts(comm, mpi_world):
+    """Ulysses and Ulysses x ring: the buffers each counts (peak_bytes) are the ledger's cp_bytes;
+    the backward allocates at its most (tracemalloc) what it counts, within the slack of the ring's
+    test (the returned dqkv is made once the send buffer is freed); the forward at most what it
+    keeps (ctx, output) plus what it counts. Fails where the backward's send buffer outlives its
+    all-to-all or the received gradient outlives the core (checked: 9 and 7 units where it counts
+    6; the code before both peaked at 10)."""
+    from pympar.parallel.ledger import cp_bytes
+    B, c, H, D = 2, 128, 4, 64
+    cp, T, unit = comm.size, 2 * comm.size * c, B * 2 * c * H * D * 8
+    if H % cp:
+        pytest.skip(f"Ulysses needs cp | n_head ({H} heads, cp {cp})")
+    rng = np.random.default_rng(comm.rank)
+    qkv = rng.standard_normal((B, 2 * c, 3, H, D))
+    dout = rng.standard_normal((B, 2 * c, H * D))
+    slack = 3 * np.getbufsize() * 8 + 4 * B * H * T * 8 + 32 * 1024
+    assert slack < unit / 2                              # less than any buffer it must see (1 unit)
+    seen = {}
+    for name, core in _cores(comm, T, H):
+        if name == "ring":
+            continue
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            o, ctx = core.forward(qkv)
+            kept, fwd = (m - base for m in tracemalloc.get_traced_memory())
+            counted_fwd, core.peak_bytes = core.peak_bytes, 0
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            dqkv = core.backward(dout, ctx)
+            bwd = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        a2a = int(name[3:].split("+")[0] or 0) if "+" in name else 0
+        want = cp_bytes(B, 2 * c, H * D, 8, cp, "a2a+ring" if a2a else "a2a", a2a)
+        seen[name] = (fwd, kept, counted_fwd, bwd, core.peak_bytes, want, dqkv.shape == qkv.shape)
+    for every in mpi_world.allgather(seen):
+        for name, (fwd, kept, counted_fwd, bwd, counted, want, shaped) in every.items():
+            assert shaped and max(counted_fwd, counted) == want, (name, counted_fwd / unit, counted / unit, want / unit)
+            assert counted <= bwd <= counted + slack, (name, bwd / unit, counted / unit)
+            assert counted_fwd <= fwd <= kept + counted_fwd + slack, (name, fwd / unit, kept / unit, counted_fwd / unit)
+    assert set(seen) == ({"a2a", "a2a2+ring"} if cp == 4 else {"a2a"})
 
 
 def _cores(comm, T, H):

@@ -341,9 +341,9 @@ class UlyssesAttentionCore(CausalAttentionCore):
         return got
 
     def _core_backward(self, dfull, inner):
-        if self.ring is not None:
-            got = self.ring.backward(dfull, inner, consume=True)
-            self.peak_bytes = max(self.peak_bytes, self.ring.peak_bytes)
+        if self.ring is not None:                # held at the ring's peak: the received dfull, the
+            got = self.ring.backward(dfull, inner, consume=True)      # ring's dqkv and its buffers
+            self.peak_bytes = max(self.peak_bytes, dfull.nbytes + got.nbytes + self.ring.peak_bytes)
             return got
         t0 = time.perf_counter()
         got = super().backward(dfull, inner, consume=True)
@@ -366,20 +366,28 @@ class UlyssesAttentionCore(CausalAttentionCore):
         mid, hs, h = a.shape[2:-2], a.shape[-1], nh // self.cp
         send = xp.ascontiguousarray(xp.moveaxis(a.reshape(B, n, *mid, self.cp, h, hs), -3, 0))
         got = self._all_to_all(send)                        # (cp, B, 2c, ..., h, hs): rank r's positions
+        del send
         full = xp.empty((B, self.T) + tuple(mid) + (h, hs), a.dtype)
         for r, (first, second) in enumerate(self.chunks):
             full[:, first] = got[r, :, :self.c]
             full[:, second] = got[r, :, self.c:]
         return full
 
-    def _to_positions(self, full, nh):
-        """(B, T, ..., nh/cp, hs) of this rank's heads -> (B, 2c, ..., nh, hs): this rank's positions, all heads."""
+    def _pack_positions(self, full):
+        """(B, T, ..., nh/cp, hs) of this rank's heads -> the all-to-all's send buffer (cp, B, 2c, ...,
+        nh/cp, hs): block r holds rank r's positions."""
         xp = xp_of(full)
-        send = xp.empty((self.cp, full.shape[0], 2 * self.c) + full.shape[2:], full.dtype)   # (cp, B, 2c, ..., h, hs)
+        send = xp.empty((self.cp, full.shape[0], 2 * self.c) + full.shape[2:], full.dtype)
         for r, (first, second) in enumerate(self.chunks):
             send[r, :, :self.c] = full[:, first]
             send[r, :, self.c:] = full[:, second]
-        got = self._all_to_all(send)                        # block r: rank r's heads of my positions
+        return send
+
+    @staticmethod
+    def _from_heads(got, nh):
+        """The all-to-all's received blocks (cp, B, 2c, ..., nh/cp, hs), block r rank r's heads of my
+        positions -> (B, 2c, ..., nh, hs): this rank's positions, all heads."""
+        xp = xp_of(got)
         B, n = got.shape[1:3]
         return xp.ascontiguousarray(xp.moveaxis(got, 0, -3)).reshape(B, n, *got.shape[3:-2], nh, got.shape[-1])
 
@@ -389,7 +397,7 @@ class UlyssesAttentionCore(CausalAttentionCore):
             raise ValueError(f"qkv has shape {qkv.shape}: expected (B, T, 3, n_head, head_size)")
         full = self._to_heads(qkv, nh)                      # (B, T, 3, nh/cp, hs)
         ya, ctx = self._core_forward(full)                   # (B, T, nh/cp * hs)
-        out = self._to_positions(ya.reshape(B, self.T, nh // self.cp, hs), nh)
+        out = self._from_heads(self._all_to_all(self._pack_positions(ya.reshape(B, self.T, nh // self.cp, hs))), nh)
         return out.reshape(B, n, nh * hs), ("ulysses", ctx, nh, hs)
 
     def backward(self, dya, ctx, consume=False):  # dya (B, 2c, nh*hs) -> dqkv (B, 2c, 3, nh, hs)
@@ -397,7 +405,12 @@ class UlyssesAttentionCore(CausalAttentionCore):
         B, n = dya.shape[:2]
         dfull = self._to_heads(dya.reshape(B, n, nh, hs), nh).reshape(B, self.T, (nh // self.cp) * hs)
         dqkv = self._core_backward(dfull, inner)             # (B, T, 3, nh/cp, hs)
-        return self._to_positions(dqkv, nh)
+        del dfull
+        send = self._pack_positions(dqkv)
+        del dqkv                                            # (the ring's own; else ctx's qkv, overwritten)
+        got = self._all_to_all(send)
+        del send
+        return self._from_heads(got, nh)
 
 
 def _merge(o, lse, ob, lb, rows, heads, hs):

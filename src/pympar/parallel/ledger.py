@@ -314,14 +314,15 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
 
 def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, etp=None, zero=0, recompute="none", sp=False, micro_batch_size=1,
             n_micro=1, schedule="1f1b", virtual_stages=1, master_bytes=4, act_bytes=None,
-            bucket_mb=25.0, tiled=None, threads=None, cp=1, moment_bytes=None, pp_rank=None):
+            bucket_mb=25.0, tiled=None, threads=None, cp=1, moment_bytes=None, pp_rank=None,
+            cp_comm="ring", cp_a2a=0):
     """The ledger of the worst pipeline rank of a layout, and its rank: (ledger with peak, pp rank);
     with ``pp_rank``, that pipeline rank's instead.
     moment_bytes: bytes of one AdamW moment element (default master_bytes; 2 for bf16 moments).
 
     cp: context parallelism keeps block_size / cp positions of each sequence on a rank, shards ZeRO
-    over dp x cp, and holds the ring's buffers (ring_bytes: two key/value blocks in the forward; in
-    the backward also the dK/dV partials on their way to their blocks' owners)."""
+    over dp x cp, and holds its attention's buffers (cp_bytes: the ring's key/value blocks and
+    dK/dV partials, or Ulysses' all-to-all buffers; cp_comm and cp_a2a as Layout's)."""
     from .pp import schedules as S
     from .pp.partition import partition
 
@@ -377,7 +378,7 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, etp=None, zero=0, recompute="none", 
         if pp > 1:
             comm += (2 * pp * virtual_stages + 2) * B * T * cfg.n_embd * act_bytes   # posted receives
         if cp > 1 and blocks:
-            comm += ring_bytes(B, T, cfg.n_embd // tp, act_bytes, cp)
+            comm += cp_bytes(B, T, cfg.n_embd // tp, act_bytes, cp, cp_comm, cp_a2a)
         led = dict(parameters=(sh if zero == 3 else n) * master_bytes, gradients=grads * master_bytes + transient,
                    gradients_transient=transient,
                    optimizer=2 * (sh if zero else n) * moment_bytes,
@@ -400,12 +401,21 @@ def compute_copy_bytes(n, units, zero, act_bytes, master_bytes) -> int:
     return 6 * (n if zero != 3 else units[0] + units[1])
 
 
-def ring_bytes(B, T_local, C_local, act_bytes, cp) -> int:
-    """Context parallelism's ring buffers at their peak (parallel.cp.ring_buffer_blocks key/value
-    blocks of B x T_local x 2 x C_local)."""
+def cp_bytes(B, T_local, C_local, act_bytes, cp, comm="ring", a2a=0) -> int:
+    """Context parallelism's attention buffers at their peak (the cores' peak_bytes in parallel.cp),
+    in units of one activation of the rank's rows, B x T_local x C_local:
+    - ring: parallel.cp.ring_buffer_blocks key/value blocks of 2 units each;
+    - a2a (Ulysses): an all-to-all's send and receive buffers of q, k, v: 6 units;
+    - a2a+ring (Ulysses in groups of a2a ranks, the ring across cp/a2a groups): the backward's ring
+      holds the gradient it received (1 unit), its dq/dk/dv (3) and its own buffers, blocks of the
+      group's rows and heads (2 units each)."""
     from .cp import ring_buffer_blocks
 
-    return int(ring_buffer_blocks(cp) * B * T_local * 2 * C_local * act_bytes)
+    if cp <= 1:
+        return 0
+    units = {"ring": lambda: 2 * ring_buffer_blocks(cp), "a2a": lambda: 6,
+             "a2a+ring": lambda: max(6, 4 + 2 * ring_buffer_blocks(cp // a2a))}[comm]()
+    return int(units * B * T_local * C_local * act_bytes)
 
 
 # --- measurement on a runner -----------------------------------------------------------------------

@@ -427,7 +427,7 @@ class ParallelRunner:
                                 recompute=self.recompute, sp=self.sp, micro_batch_size=micro_batch_size,
                                 n_micro=n_micro, schedule=self.schedule, virtual_stages=self.v,
                                 master_bytes=self.master.itemsize, act_bytes=item, bucket_mb=self.bucket_mb,
-                                cp=self.cp, moment_bytes=2 if self.moments_dtype == "bfloat16" else None,
+                                cp=self.cp, cp_comm=self.layout.cp_comm, cp_a2a=self.layout.cp_a2a, moment_bytes=2 if self.moments_dtype == "bfloat16" else None,
                                 tiled=ledger.tiled_attention(item, self.compute or "bfloat16"))
         return led
 

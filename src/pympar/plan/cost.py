@@ -189,7 +189,7 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     mem, worst_rank = ledger.predict(cfg, dp=lay.dp, pp=lay.pp, tp=lay.tp, ep=lay.ep, etp=lay.etp, zero=lay.zero,
                                      recompute=lay.recompute, sp=lay.seq_parallel, micro_batch_size=B,
                                      n_micro=lay.n_micro, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
-                                     act_bytes=m.act_bytes, cp=lay.cp)
+                                     act_bytes=m.act_bytes, cp=lay.cp, cp_comm=lay.cp_comm, cp_a2a=lay.cp_a2a)
     mem = dict(mem, baseline=m.baseline)
     mem["total"] = mem["peak"] + m.baseline
     stages = part.stages_of(worst_rank)
