@@ -294,7 +294,8 @@ def test_block_backward_writes_into_strided_out(impl, monkeypatch):
     dout given as a head group's columns of some query rows (read through their strides: a batch
     stride that is not the rows' count times the row stride) give the bits of copies. The native
     kernel writes such views itself: its fallback (compute, then copy in) runs only for an out it
-    cannot write, here a Fortran-ordered one."""
+    cannot write, here a Fortran-ordered one. An out of the wrong shapes or dtype, or overlapping
+    itself or an input, is refused."""
     mod = R if impl == "reference" else N
     rng = np.random.default_rng(8)
     B, Tq, Tk, H, D = 2, 40, 70, 3, 8
@@ -334,6 +335,13 @@ def test_block_backward_writes_into_strided_out(impl, monkeypatch):
     with pytest.raises(ValueError, match="out has dtypes"):
         mod.attention_block_backward(q, k, v, o, lse, dout, 0.3, False,
                                      out=tuple(np.zeros(a.shape, np.float64) for a in want))
+    with pytest.raises(ValueError, match="out's dk shares memory with dv"):   # one view twice
+        mod.attention_block_backward(q, k, v, o, lse, dout, 0.3, False, out=(dqs, dkv[:, :, 0], dkv[:, :, 0]))
+    with pytest.raises(ValueError, match="out's dq shares memory with q"):    # over an input still read
+        mod.attention_block_backward(q, k, v, o, lse, dout, 0.3, False, out=(q, dkv[:, :, 0], dkv[:, :, 1]))
+    with pytest.raises(ValueError, match="out's dq shares memory with dout"):
+        mod.attention_block_backward(q, k, v, o, lse, dout, 0.3, False,
+                                     out=(dout.reshape(q.shape), dkv[:, :, 0], dkv[:, :, 1]))
 
 
 @pytest.mark.parametrize("mod", [N, R], ids=["native", "reference"])

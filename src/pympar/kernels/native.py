@@ -191,7 +191,7 @@ def attention_block_forward(q, k, v, scale, causal):
 def attention_block_backward(q, k, v, o, lse, dout, scale, causal, out=None):
     B, Tq, Tk, H, D = reference._block_dims("attention_block_backward", q, k, v, causal)
     if out is not None:                          # written through their strides where the kernel can
-        reference._check_block_out(out, B, Tq, Tk, H, D, q.dtype)
+        reference._check_block_out(out, B, Tq, Tk, H, D, q.dtype, dict(q=q, k=k, v=v, o=o, lse=lse, dout=dout))
         if not (_native_block(q, k, v, o, lse, dout, *out)
                 and all(a.flags.writeable and _rows_layout(a) for a in out)):
             return reference._write_out(out, attention_block_backward(q, k, v, o, lse, dout, scale, causal))

@@ -106,8 +106,10 @@ def attention_block_forward(q, k, v, scale, causal):
     return o, (m + xp.log(l))[..., 0]
 
 
-def _check_block_out(out, B, Tq, Tk, H, D, dtype):
-    """out of attention_block_backward: three arrays (dq, dk, dv) of shapes (B, Tq|Tk|Tk, H, D)."""
+def _check_block_out(out, B, Tq, Tk, H, D, dtype, inputs=None):
+    """out of attention_block_backward: three arrays (dq, dk, dv) of shapes (B, Tq|Tk|Tk, H, D),
+    sharing no element with each other or with ``inputs`` (NumPy arrays: the kernel writes dq while it
+    still reads q, k, v, o and dout, and each of dq, dk, dv once)."""
     want = [(B, Tq, H, D), (B, Tk, H, D), (B, Tk, H, D)]
     shapes = [tuple(getattr(a, "shape", ())) for a in out]
     if len(out) != 3 or shapes != want:
@@ -115,12 +117,21 @@ def _check_block_out(out, B, Tq, Tk, H, D, dtype):
     if any(a.dtype != dtype for a in out):
         raise ValueError(f"attention_block_backward: out has dtypes {[str(a.dtype) for a in out]}, expected "
                          f"{dtype}, q's")
+    names = ("dq", "dk", "dv")
+    for i, a in enumerate(out):
+        if not isinstance(a, np.ndarray):
+            continue
+        others = [(names[j], out[j]) for j in range(i + 1, 3)] + list((inputs or {}).items())
+        for name, b in others:
+            if isinstance(b, np.ndarray) and np.shares_memory(a, b):
+                raise ValueError(f"attention_block_backward: out's {names[i]} shares memory with {name}; "
+                                 f"out must not overlap itself or the inputs")
 
 
 def attention_block_backward(q, k, v, o, lse, dout, scale, causal, out=None):
     """d(attention_block_forward) -> (dq (B, Tq, H, D), dk, dv (B, Tk, H, D)), dout (B, Tq, H*D).
-    out: (dq, dk, dv) arrays (strided views allowed, not overlapping the inputs) the gradients are
-    written to (=) and that are returned.
+    out: (dq, dk, dv) arrays (strided views allowed; a ValueError where they overlap each other or
+    the inputs) the gradients are written to (=) and that are returned.
 
     o and lse are those of the complete softmax of these query rows over every key block (ring
     attention's merged result): P = exp(S - lse), dS = P * (dP - rowsum(dout * o)). With the block's
@@ -128,7 +139,7 @@ def attention_block_backward(q, k, v, o, lse, dout, scale, causal, out=None):
     (and each key block's dk, dv) are the full attention's."""
     B, Tq, Tk, H, D = _block_dims("attention_block_backward", q, k, v, causal)
     if out is not None:
-        _check_block_out(out, B, Tq, Tk, H, D, q.dtype)
+        _check_block_out(out, B, Tq, Tk, H, D, q.dtype, dict(q=q, k=k, v=v, o=o, lse=lse, dout=dout))
     xp = xp_of(q)
     qs, kh, s = _block_scores(q, k, scale, causal)
     p = xp.exp(s - _up(lse)[..., None])
