@@ -71,9 +71,11 @@ def test_every_layout_matches_single_process(n):
 
 
 def test_the_documented_layout_counts_are_the_enumerated_ones():
-    """README.md and docs/parallel.md say how many layouts CI and the full matrix run: the counts
-    the code enumerates (a new dimension value changes them, and the pages with them)."""
-    ci = [len(ci_layouts(n)) for n in WORLDS]
+    """README.md and docs/parallel.md say how many layouts CI and the full matrix run, and how many
+    of CI's are Ulysses and a2a+ring: the counts the code enumerates (a new dimension value changes
+    them, and the pages with them)."""
+    slices = {n: ci_layouts(n) for n in WORLDS}
+    ci = [len(slices[n]) for n in WORLDS]
     full = [len(all_layouts(n)) for n in WORLDS]
 
     def num(s):
@@ -87,6 +89,12 @@ def test_the_documented_layout_counts_are_the_enumerated_ones():
     rows = [(str(n), c, f) for n, c, f in zip(WORLDS, ci, full)] + [("all", sum(ci), sum(full))]
     for w, c, f in rows:
         assert f"| {w} | {c} | {f:,} |" in table, (w, c, f)
+    flat = " ".join(table.split())
+    a2a = [sum(x.cp > 1 and x.cp_comm == "a2a" for x in slices[n]) for n in (2, 4, 8)]
+    hybrid = [sum(x.cp_comm == "a2a+ring" for x in slices[n]) for n in (4, 8)]
+    assert "the CI slice runs {}, {} and {} Ulysses layouts at 2, 4 and 8 ranks and {} and {} a2a+ring layouts at 4 " \
+        "and 8 ranks".format(*a2a, *hybrid) in flat, (a2a, hybrid)
+    assert "the CI slice runs {} and {} of these layouts at 4 and 8 ranks".format(*hybrid) in flat, hybrid
 
 
 def test_ci_slice_covers_every_pair_of_dimension_values():
