@@ -23,7 +23,8 @@ Transports (MPICH, this machine's ranks):
            them (hierarchical's inter-node leg on the network transport).
 
     python bench/auto_select.py                                  # 2, 4, 8 ranks, both transports
-    python bench/auto_select.py --ranks 2 --transports shm --max 1M   # a quick look
+    python bench/auto_select.py --ranks 2 --transports shm --max 1M \
+        --json bench/results/quick/auto_select.json --png-dir bench/results/quick     # a quick look
 """
 from __future__ import annotations
 

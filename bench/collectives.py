@@ -9,7 +9,8 @@ seconds). Allreduce is compared in place (the only placement gloo has), the othe
 place. Ratios are against the library's own call at the same size and rank count.
 
     python bench/collectives.py --ranks 2,4,8 --json bench/results/collectives.json --png-dir docs/img
-    python bench/collectives.py --ranks 2,4 --max 1M --collectives allreduce     # a quick look
+    python bench/collectives.py --ranks 2,4 --max 1M --collectives allreduce \
+        --json bench/results/quick/collectives.json --png-dir bench/results/quick     # a quick look
 """
 from __future__ import annotations
 

@@ -19,6 +19,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+QUICK = RESULTS / "quick"        # smoke runs' outputs (--quick): never the figures the docs cite
+
+
+def output_paths(name: str, quick: bool = False) -> tuple:
+    """(JSON, PNG) a benchmark writes by default: bench/results/NAME.json and docs/img/NAME.png, or
+    for a smoke run (--quick) both under bench/results/quick/ (not in git)."""
+    if quick:
+        return QUICK / f"{name}.json", QUICK / f"{name}.png"
+    return RESULTS / f"{name}.json", ROOT / "docs" / "img" / f"{name}.png"
 
 
 def require_native(prog: str) -> None:
@@ -82,7 +91,7 @@ def worker_parser(doc: str):
 
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="a smoke run (its outputs under bench/results/quick/)")
     return ap
 
 
@@ -194,13 +203,22 @@ def write_json(path, obj) -> Path:
 
 
 def add_output_args(ap, name: str):
-    """--json (bench/results/NAME.json) and --png (docs/img/NAME.png) of a benchmark script."""
-    ap.add_argument("--json", default=str(RESULTS / f"{name}.json"))
-    ap.add_argument("--png", default=str(ROOT / "docs" / "img" / f"{name}.png"))
+    """--json and --png of a benchmark script, by default output_paths(NAME, --quick)."""
+    ap.add_argument("--json", default=None, help=f"default bench/results/{name}.json (--quick: bench/results/quick/)")
+    ap.add_argument("--png", default=None, help=f"default docs/img/{name}.png (--quick: bench/results/quick/)")
+    ap.set_defaults(output_name=name)
+
+
+def resolve_outputs(a):
+    """Fill a.json and a.png left unset with output_paths(a.output_name, a.quick); a."""
+    js, png = output_paths(a.output_name, getattr(a, "quick", False))
+    a.json, a.png = a.json or str(js), a.png or str(png)
+    return a
 
 
 def write_outputs(a, res, plot) -> None:
     """The result as JSON at a.json, plot(res, a.png), and a line saying where both went."""
+    resolve_outputs(a)
     write_json(a.json, res)
     plot(res, a.png)
     print(f"wrote {a.json} {a.png}")
@@ -209,7 +227,7 @@ def write_outputs(a, res, plot) -> None:
 def run_and_write(ap, argv, name: str, run, plot):
     """A benchmark's main: parse argv (with add_output_args), res = run(args), write_outputs; res."""
     add_output_args(ap, name)
-    a = ap.parse_args(argv)
+    a = resolve_outputs(ap.parse_args(argv))
     res = run(a)
     write_outputs(a, res, plot)
     return res

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, run_worker  # noqa: E402
+from common import ROOT, machine, output_paths, run_worker  # noqa: E402
 
 H, HS = 8, 64
 
@@ -153,10 +153,11 @@ def main(argv=None):
     ap.add_argument("--two-nodes", action="store_true", help="cp 4 on 2 simulated nodes: the hybrid's target")
     ap.add_argument("--T", type=int, default=8192, help="--two-nodes: sequence length (default 8192)")
     ap.add_argument("--rounds", type=int, default=5, help="--two-nodes: timed rounds (default 5)")
-    ap.add_argument("--json", default=None, help="default bench/results/cp_comm.json (cp_hybrid.json with --two-nodes)")
+    ap.add_argument("--json", default=None, help="default bench/results/cp_comm.json (cp_hybrid.json with --two-nodes; "
+                                                 "--quick: under bench/results/quick/)")
     a = ap.parse_args(argv)
     name = "cp_hybrid" if a.two_nodes else "cp_comm"
-    a.json = a.json or str(ROOT / "bench" / "results" / f"{name}.json")
+    a.json = a.json or str(output_paths(name, a.quick)[0])
     if a.two_nodes:
         rows = two_nodes(a)
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Weak scaling of context parallelism: cp ranks on a sequence cp times as long as one rank's.
 
     python bench/cp_weak.py       # L 256 and 1024 per rank, and L 128 at width 1024 (attention ~2%)
-    python bench/cp_weak.py --per-rank 256 --rounds 1 --steps 4    # a quick look
+    python bench/cp_weak.py --quick --per-rank 256 --rounds 1 --steps 4    # a quick look (bench/results/quick/)
 
 Rows per per-rank length L: one rank training on sequences of L positions, and cp = 2 ranks
 training on sequences of 2L (each rank holds L positions), with the ring and with Ulysses

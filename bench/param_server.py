@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, env, machine, mpiexec  # noqa: E402
+from common import ROOT, env, machine, mpiexec, output_paths  # noqa: E402
 
 LR = 1e-3
 
@@ -102,8 +102,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rank-job", nargs=3, type=int, metavar=("SERVERS", "BYTES", "ITERS"), help=argparse.SUPPRESS)
-    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "param_server.json"))
+    ap.add_argument("--json", default=None, help="default bench/results/param_server.json (--quick: under bench/results/quick/)")
     a = ap.parse_args(argv)
+    a.json = a.json or str(output_paths("param_server", a.quick)[0])
     if a.rank_job:
         rank_job(*a.rank_job)
         return 0

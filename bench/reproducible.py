@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, env, machine, mpiexec  # noqa: E402
+from common import ROOT, env, machine, mpiexec, output_paths  # noqa: E402
 
 
 def rank_job(sizes, iters):
@@ -80,8 +80,9 @@ def main(argv=None):
     ap.add_argument("--rank-job", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--sizes", default="")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "reproducible.json"))
+    ap.add_argument("--json", default=None, help="default bench/results/reproducible.json (--quick: under bench/results/quick/)")
     a = ap.parse_args(argv)
+    a.json = a.json or str(output_paths("reproducible", a.quick)[0])
     sizes = [int(s) for s in a.sizes.split(",") if s] or ([4096, 1 << 20] if a.quick else
                                                            [4096, 65536, 1 << 20, 16 << 20])
     if a.rank_job:

@@ -2,7 +2,8 @@
 docs/img/, and docs/benchmarks.md presenting them (bench/report_md.py).
 
     python bench/run_all.py               # the full suite: about an hour on the 2-core VM
-    python bench/run_all.py --quick       # a smoke run of every step, a few minutes
+    python bench/run_all.py --quick       # a smoke run of every step, a few minutes (its JSON, PNG
+                                          # and doc under bench/results/quick/)
     python bench/run_all.py --only strategies,moe_balance     # some steps; the doc is rewritten
                                                                # from whatever JSON is there
     python bench/run_all.py --report-only  # nothing run: the doc (with its targets table) from the JSON
@@ -24,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import report_md  # noqa: E402
 
-R, IMG = common.RESULTS, common.ROOT / "docs" / "img"
 PY = sys.executable
 B = common.ROOT / "bench"
 
@@ -37,9 +37,18 @@ TRAIN_SHAPES = [
 ]
 
 
+def dirs(quick: bool) -> tuple:
+    """(JSON folder, PNG folder): bench/results/ and docs/img/, or for the smoke run both under
+    bench/results/quick/ (not in git), so that it never replaces the figures the docs cite."""
+    if quick:
+        return common.QUICK, common.QUICK / "img"
+    return common.RESULTS, common.ROOT / "docs" / "img"
+
+
 def steps(quick: bool) -> list:
     """(name, argv, figure argv or None) in run order."""
     q = quick
+    R, IMG = dirs(quick)
     return [
         ("kernels", [PY, B / "cpu_kernels.py", "--sizes", *(["65536"] if q else ["1048576", "16384"]),
                      "--threads", "1", "2", "--min-time", "0.05" if q else "0.2", "--json", R / "kernels.json"],
@@ -121,10 +130,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes and few steps: a smoke run")
     ap.add_argument("--only", default="", help="comma-separated step names")
-    ap.add_argument("--doc", default=str(common.ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--doc", default=None, help="default docs/benchmarks.md (--quick: bench/results/quick/benchmarks.md)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per step")
     ap.add_argument("--report-only", action="store_true", help="run nothing: rewrite the doc from the JSON there")
     a = ap.parse_args(argv)
+    R, IMG = dirs(a.quick)
+    a.doc = a.doc or str(R / "benchmarks.md" if a.quick else common.ROOT / "docs" / "benchmarks.md")
     todo = steps(a.quick)
     names = [s[0] for s in todo]
     only = [x for x in a.only.split(",") if x]

@@ -492,3 +492,27 @@ def test_dualpipe_ep_bench_times_the_three_variants_and_renders(tmp_path, bench_
     doc = bench_module("report_md").render(res, {})
     assert "## DualPipeV's overlap of the expert-parallel all-to-all" in doc and "| sleep | shared memory |" in doc
     assert "DualPipeV --pp-overlap on: share of 1F1B's exposed EP all-to-all time hidden" in doc
+
+
+def test_smoke_runs_write_beside_the_cited_results(bench_module):
+    """--quick (a bench script's or run_all's) writes its JSON, PNG and doc under bench/results/quick/
+    (ignored by git), never over bench/results/NAME.json or docs/img/ that the docs cite; without
+    --quick the defaults are those, and an explicit --json wins."""
+    common, run_all = bench_module("common"), bench_module("run_all")
+    quick = ROOT / "bench" / "results" / "quick"
+    for argv, want in ((["--quick"], (quick / "x.json", quick / "x.png")),
+                       ([], (ROOT / "bench" / "results" / "x.json", ROOT / "docs" / "img" / "x.png"))):
+        ap = common.worker_parser("x")
+        common.add_output_args(ap, "x")
+        a = common.resolve_outputs(ap.parse_args(argv))
+        assert (a.json, a.png) == tuple(map(str, want))
+    ap = common.worker_parser("x")
+    common.add_output_args(ap, "x")
+    assert common.resolve_outputs(ap.parse_args(["--quick", "--json", "/tmp/y.json"])).json == "/tmp/y.json"
+    assert run_all.dirs(True) == (quick, quick / "img")
+    for name, cmd, fig in run_all.steps(True):          # every step's explicit paths are the smoke run's
+        paths = [str(x) for c in (cmd if isinstance(cmd[0], list) else [cmd]) for x in c + (fig or [])
+                 if str(x).endswith((".json", ".png"))] + [str(x) for c in (cmd if isinstance(cmd[0], list) else [cmd])
+                                                           for i, x in enumerate(c) if c[i - 1] == "--png-dir"]
+        assert paths and all(p.startswith(str(quick)) for p in paths), (name, paths)
+    assert "/bench/results/quick/" in (ROOT / ".gitignore").read_text().split()
