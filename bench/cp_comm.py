@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, output_paths, run_worker  # noqa: E402
+from common import machine, output_paths, run_worker  # noqa: E402
 
 H, HS = 8, 64
 
