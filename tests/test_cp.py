@@ -81,7 +81,7 @@ def test_train_cli_with_cp_matches_one_process(tmp_path):
             "--sample-tokens", "0", "--log-every", "1", "--progress", "log"]
     run_mpi(1, args + ["--n-micro", "2", "--out", str(tmp_path / "one")], timeout=120)
     four = run_mpi(4, args + ["--cp", "2", "--out", str(tmp_path / "cp")], timeout=120)
-    assert "cp=2" in four.stdout, four.stdout
+    assert "cp=2 (ring)" in four.stdout, four.stdout
     lo = [json.loads(x)["loss"] for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     recs = [json.loads(x) for x in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     lc = [r["loss"] for r in recs]

@@ -36,6 +36,24 @@ def test_auto_refuses_explicit_sizes():
         parse_args([*TINY, "--layout", "auto", "--tp", "2"], world_size=4)
 
 
+def test_auto_keeps_the_planned_flags_given_beside_it():
+    """--schedule, --zero, --recompute, --cp-comm ... given with --layout auto pin the planner to them
+    (the best planned layout that has them), where they were once dropped for the planner's own;
+    none that has them: one clear error naming them."""
+    free = parse_args([*TINY, "--layout", "auto"], world_size=4).parallel
+    for argv, want in ((["--zero", "2"], dict(zero=2)), (["--schedule", "zb-v"], dict(schedule="zb-v")),
+                       (["--recompute", "full", "--zero", "1"], dict(recompute="full", zero=1)),
+                       (["--n-head", "4", "--cp-comm", "a2a"], dict(cp_comm="a2a"))):
+        lay = parse_args([*TINY, "--layout", "auto", *argv], world_size=4).parallel
+        assert all(getattr(lay, k) == v for k, v in want.items()) and lay.world == 4, (argv, lay)
+        assert any(getattr(free, k) != v for k, v in want.items())        # a pin that changed the plan
+        model = parse_args([*TINY, *argv[:2]] if argv[0] == "--n-head" else TINY, world_size=4).model
+        preds, _ = planner.plan(model, 4, 16, _fixed_machine(4))
+        assert lay == next(p.layout for p in preds if all(getattr(p.layout, k) == v for k, v in want.items()))
+    with pytest.raises(ConfigError, match=r"none of the \d+ layouts of 2 ranks .* has --schedule dualpipev: drop it"):
+        parse_args([*TINY, "--n-layer", "2", "--layout", "auto", "--schedule", "dualpipev"], world_size=2)
+
+
 def test_choose_skips_what_accept_refuses_and_takes_the_next_best():
     model = parse_args(TINY, world_size=4).model
     best = planner.choose(model, 4, 16)

@@ -144,10 +144,12 @@ def _losses(n, out, *args, timeout=120):
       "--pp-channels", "ordered", "--pp-costs", "measured"], 2),
     (["--preset", "moe-tiny", "--cp", 4, "--cp-comm", "a2a+ring", "--cp-a2a", 2, "--ep", 2], 4),
     (["--preset", "moe-tiny", "--n-head", 4, "--tp", 4, "--ep", 2, "--etp", 1], 4),
+    (["--preset", "moe-tiny", "--n-layer", 4, "--pp", 2, "--cp", 2, "--cp-comm", "a2a", "--ep", 2,
+      "--schedule", "dualpipev", "--pp-overlap", "on"], 4),
 ], ids=["pp2-tp2", "dp2-tp2-sp-zero1", "dp2-pp2-ep2-gpipe", "dp4-ep2-zero1", "dp2-pp2-ep2-zero1-float16",
         "dp2-pp2-interleaved-bf16sync-bfloat16", "dp2-tp2-zero3-bfloat16", "dp2-pp2-ep2-zero2-recompute",
         "pp2-cp2-ep2-zb-h1-zero1", "dp2-pp2-zb-v-zero3-ordered-measured-5-layers",
-        "cp4-a2a2+ring-ep2", "tp4-ep2-etp1-folded"])
+        "cp4-a2a2+ring-ep2", "tp4-ep2-etp1-folded", "pp2-cp2-a2a-ep2-dualpipev-overlap"])
 def test_cli_layout_matches_one_process(tmp_path, args, n_micro):
     """python -m pympar.train on 4 ranks == on 1 rank with the same global batch (4 micro-batches)
     and compute dtype: losses, grad norms and validation losses per step (rel 1e-5; 1e-4 where
@@ -164,6 +166,11 @@ def test_cli_layout_matches_one_process(tmp_path, args, n_micro):
     tol = 1e-2 if "--compress" in args else (1e-4 if "--dtype" in args else 1e-5)
     res, four = _losses(4, tmp_path / "four", *args, "--n-micro", n_micro)
     assert "layout dp=" in res.stdout and res.stdout.count("--- sample (top-k) ---") == 1
+    if "--cp-comm" in args:                              # the start-up line names what runs
+        u = args[args.index("--cp-a2a") + 1] if "--cp-a2a" in args else 0
+        assert f"({args[args.index('--cp-comm') + 1]}{f' in groups of {u}' if u else ''})" in res.stdout
+    if "dualpipev" in args:
+        assert "DualPipeV's F & B pairs interleaved (--pp-overlap on)" in res.stdout, res.stdout
     assert len(one) == len(four) > 0 and [a["step"] for a in one] == [b["step"] for b in four]
     for a, b in zip(one, four):
         for k in ("loss", "grad_norm", "val_loss"):

@@ -424,6 +424,8 @@ _MODEL_FIELDS = list(fields(GPTConfig))
 # other fields default to Layout's, except the micro-batch (a Layout's is 1, a run's is 8)
 _LAYOUT_FLAG_DEFAULTS = dict(dp=None, pp=None, tp=None, ep=None, cp=None, etp=None, micro_batch_size=8)
 MESH_SIZES = ("dp", "pp", "tp", "ep", "etp", "cp")
+# what --layout auto chooses with the mesh; a flag of these given beside it pins the planner to it
+PLANNED = ("schedule", "virtual_stages", "zero", "seq_parallel", "recompute", "cp_comm", "cp_a2a")
 
 
 _SECTIONS = {"model": _MODEL_FIELDS, "parallel": _LAYOUT_FIELDS, "optim": _OPTIM_FIELDS, "run": _RUN_FIELDS}
@@ -549,7 +551,8 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> TrainCo
     _check_run(run, optim)
     _check_asked(asked)
     run.layout_auto = all(asked[k] is None for k in MESH_SIZES)
-    lay = _planned_layout(world_size, model, run, asked) if run.layout == "auto" else choose_layout(world_size, model, asked)
+    lay = _planned_layout(world_size, model, run, asked, {k: asked[k] for k in PLANNED if k in given}) \
+        if run.layout == "auto" else choose_layout(world_size, model, asked)
     if run.deterministic:
         split = [f"{k}={getattr(lay, k)}" for k in ("tp", "cp", "ep") if getattr(lay, k) > 1]
         if model.n_expert:
@@ -622,17 +625,30 @@ def resolve_dtype(run: RunConfig, bf16_ok: bool) -> None:
         run.dtype, run.dtype_from = "float32", "auto: no native bf16 products here"
 
 
-def _planned_layout(world: int, model: GPTConfig, run: RunConfig, asked: dict) -> Layout:
+def _planned_layout(world: int, model: GPTConfig, run: RunConfig, asked: dict, pinned: dict) -> Layout:
     """--layout auto: the planner's best layout for the same global batch (no communication;
-    the planner's constants are fixed, so every rank picks the same layout)."""
+    the planner's constants are fixed, so every rank picks the same layout) among those with the
+    values ``pinned`` (the PLANNED flags the user gave: --schedule, --zero, --cp-comm, ...)."""
     given = [k for k in MESH_SIZES if asked[k] is not None]
     if given:
         raise ConfigError(f"--layout auto chooses dp, pp, tp, ep, etp and cp itself, but {', '.join('--' + k for k in given)} "
                           f"was given: drop it, or drop --layout auto")
     gb = asked["micro_batch_size"] * asked["n_micro"] * world
+    pins = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in pinned.items())
+    others = []
+
+    def accept(lay):
+        layouts.check(model, lay, device=run.device)
+        if any(getattr(lay, k) != v for k, v in pinned.items()):
+            others.append(lay)
+            raise ValueError(f"not {pins}")
     try:
-        lay = planner.choose(model, world, gb, accept=lambda lay: layouts.check(model, lay, device=run.device))
+        lay = planner.choose(model, world, gb, accept=accept)
     except ValueError as e:
+        if others:
+            raise ConfigError(f"--layout auto: none of the {len(others)} layouts of {world} ranks that run this model "
+                              f"and global batch {gb} has {pins}: drop {'them' if len(pinned) > 1 else 'it'}, or give "
+                              f"the layout's sizes (--dp, --pp, ...) instead of --layout auto") from None
         raise ConfigError(str(e)) from None
     return lay
 

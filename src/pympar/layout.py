@@ -67,8 +67,9 @@ class Layout:
 
     def __str__(self):
         """The mesh, as the trainer's start-up line prints it."""
+        attn = self.cp_comm + (f" in groups of {self.cp_a2a}" if self.cp_comm == "a2a+ring" else "")
         return f"dp={self.dp} pp={self.pp} tp={self.tp} ep={self.ep}" + (f" etp={self.etp}" if self.folded else "") + \
-            (f" cp={self.cp}" if self.cp > 1 else "")
+            (f" cp={self.cp} ({attn})" if self.cp > 1 else "")
 
     def key(self) -> str:
         """Everything, compactly (the planner's table)."""

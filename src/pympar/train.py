@@ -167,6 +167,7 @@ def _train(mpi, cfg, corpus, resume_path, env, faults=None) -> int:
     rec = Recorder(enabled=run.profile)
     runner = build_runner(model_cfg, lay, comm, run, optim, rec)
     predicted = runner.predicted_ledger(lay.micro_batch_size, lay.n_micro)
+    pp_overlap = bool(getattr(getattr(runner, "executor", None), "overlap", False))   # --pp-overlap made concrete
     peak = float(comm.allreduce(np.array([_peak(run, comm)]))[0])  # all ranks at once, summed
     guard = BadStepGuard(run.max_bad_steps, getattr(runner, "scaler", None))
     injector = faults(rank, runner.model) if faults is not None else None
@@ -182,6 +183,10 @@ def _train(mpi, cfg, corpus, resume_path, env, faults=None) -> int:
                + (f" v={lay.virtual_stages}" if lay.virtual_stages > 1 else "") + (f", ZeRO-{lay.zero}" if lay.zero else "")
                + (", sequence parallel" if lay.seq_parallel else "")) if run.layout == "auto" else \
               ("chosen for the world size" if run.layout_auto else "as given")
+        if lay.pp > 1 and lay.schedule == "dualpipev":
+            how += (f"); DualPipeV's F & B pairs {'interleaved' if pp_overlap else 'one action after the other'} "
+                    f"(--pp-overlap {run.pp_overlap}" + (": by where the ep groups' all-to-alls run"
+                                                         if run.pp_overlap == "auto" else ""))
         print(f"pympar.train: {world} rank(s), layout {lay} ({how}); {threads} thread(s) per rank ({threads_why}); "
               f"kernels {kernels.describe() if run.device != 'cuda' else 'CUDA'}; "
               f"GEMM {'cuBLAS' if run.device == 'cuda' else gemm.describe()}; "
@@ -280,6 +285,7 @@ def _train(mpi, cfg, corpus, resume_path, env, faults=None) -> int:
             _write_or_warn(out / "trace.json", lambda f: write_chrome_trace(f, events, names))
     if rank == 0 and history:                  # (empty when resumed at the last step)
         summary = _summary(history, val_loss, wall, world, runner.n_params, describe(cfg))
+        summary["pp_overlap"] = pp_overlap           # what --pp-overlap (auto: by topology) came to
         summary["memory"] = dict(ledger_predicted=predicted, ledger_rank0=runner.ledger,
                                  peak_rss_max_bytes=history[-1]["peak_rss_max_bytes"],
                                  peak_rss_max_rank=history[-1]["peak_rss_max_rank"],
