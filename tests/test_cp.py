@@ -54,12 +54,19 @@ def test_a2a_ring_groups_are_refused_with_what_would_work():
     validate_cp(cfg, 4, comm="a2a+ring", a2a=2)
     with pytest.raises(ValueError, match=r"--cp-a2a must divide cp=4 .* got 4 \(use one of \[2\]\)"):
         validate_cp(cfg, 4, comm="a2a+ring", a2a=4)
-    with pytest.raises(ValueError, match=r"cp=2 has no such divisor"):
+    with pytest.raises(ValueError, match=r"cp=2 .* got 2 \(none does here: use --cp-comm ring or a2a\)"):
         validate_cp(cfg, 2, comm="a2a+ring", a2a=2)
-    with pytest.raises(ValueError, match=r"this tp rank has 3 heads: use a --cp-a2a that divides 3"):
+    with pytest.raises(ValueError, match=r"divide cp=4 and the 3 head\(s\) of a tp rank .* got 2 \(none does here: "
+                                         r"use --cp-comm ring\)"):
         validate_cp(GPTConfig(block_size=16, n_head=6, n_embd=48), 4, tp=2, comm="a2a+ring", a2a=2)
+    with pytest.raises(ValueError, match=r"divide cp=6 and the 3 head\(s\) .* got 2 \(use one of \[3\]\)"):
+        validate_cp(GPTConfig(block_size=24, n_head=6, n_embd=48), 6, tp=2, comm="a2a+ring", a2a=2)
     with pytest.raises(ValueError, match=r"--cp-a2a 2 sizes the Ulysses groups of --cp-comm a2a\+ring"):
         validate_cp(cfg, 4, comm="ring", a2a=2)
+    with pytest.raises(ValueError, match=r"a2a\+ring .* needs --cp 4 or more"):
+        validate_cp(cfg, 1, comm="a2a+ring", a2a=2)
+    with pytest.raises(ValueError, match=r"--cp-comm a2a splits the heads over the cp ranks: it needs --cp 2 or more"):
+        validate_cp(cfg, 1, comm="a2a")
 
 
 def test_trainer_flag_validation():

@@ -85,6 +85,14 @@ def test_without_it_the_bits_differ_and_what_it_cannot_do_is_refused(tmp_path):
         and "tp=2" in res.stdout and "Traceback" not in res.stdout, res.stdout[-2000:]
 
 
+def test_refusals_name_the_flag_given():
+    from pympar.config import ConfigError, parse_args
+    with pytest.raises(ConfigError, match=r"--deterministic makes .*; --grad-reduce-dtype bfloat16 would change"):
+        parse_args(["--deterministic", "--grad-reduce-dtype", "bfloat16"], world_size=2)
+    with pytest.raises(ConfigError, match=r"--deterministic makes .*; --compress topk would change"):
+        parse_args(["--deterministic", "--compress", "topk"], world_size=2)
+
+
 @pytest.mark.slow
 def test_eight_ranks_give_the_one_process_bits(tmp_path):
     """dp = 8 (oversubscribing 2 cores) on a global batch of 24 micro-batches, against one process."""

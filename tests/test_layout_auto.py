@@ -90,3 +90,15 @@ def test_check_refuses_what_no_strategy_implements_with_what_would_run():
         layouts.check(model, layouts.Layout(dp=4, seq_parallel=True))
     with pytest.raises(ValueError, match="virtual_stages=2 needs a pipeline"):
         layouts.check(model, layouts.Layout(dp=4, virtual_stages=2))
+
+
+def test_pp_overlap_on_needs_what_it_overlaps():
+    """--pp-overlap on interleaves DualPipeV's pairs at the ep all-to-alls: refused without them
+    (ep 1), as without dualpipev; accepted with ep > 1."""
+    dual = [*TINY, "--pp", "2", "--schedule", "dualpipev", "--n-micro", "4", "--pp-overlap", "on"]
+    with pytest.raises(ConfigError, match=r"this run is pp=2 ep=1 with schedule dualpipev .* --ep > 1"):
+        parse_args(dual, world_size=2)
+    with pytest.raises(ConfigError, match=r"this run is pp=1 ep=1 with schedule 1f1b"):
+        parse_args([*TINY, "--pp-overlap", "on"], world_size=2)
+    lay = parse_args([*dual, "--preset", "moe-tiny", "--ep", "2"], world_size=4).parallel
+    assert (lay.pp, lay.ep, lay.schedule) == (2, 2, "dualpipev")

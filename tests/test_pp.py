@@ -283,8 +283,12 @@ def test_v_placement_and_its_partition():
     part = validate_pipeline(cfg, 2, 4, "zb-v", 2)            # any n_layer >= 2p: a contiguous cut
     assert part.placement == "v" and part.stages_of(0) == [0, 3] and part.stages_of(1) == [1, 2]
     assert sum(len(part.blocks(s)) for s in range(4)) == 5
-    with pytest.raises(ValueError, match="zb-v places 2 chunks per rank"):
+    with pytest.raises(ValueError, match=r"zb-v places 2 chunks per rank .* use n_layer >= 6, pp <= 2 or another schedule \(zb-h1\)"):
         validate_pipeline(cfg, 3, 4, "zb-v", 2)
+    with pytest.raises(ValueError, match=r"n_layer=5: use n_layer >= 8, pp <= 2 or another schedule \(1f1b\)"):
+        validate_pipeline(cfg, 4, 8, "dualpipev", 2)
+    with pytest.raises(ValueError, match=r"n_layer=2: use n_layer >= 4 or another schedule \(1f1b\)"):  # no pp <= 1
+        validate_pipeline(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16), 2, 4, "dualpipev", 2)
 
 
 def test_simulate_detects_deadlock():

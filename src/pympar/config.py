@@ -319,8 +319,8 @@ _HELP = {
     "data": "text file, directory of text files, nanoGPT dir (train.bin/val.bin) or llm.c .bin; "
             "default: this Python's standard-library sources",
     "dp": "data-parallel size (default: world / (pp*cp*tp))",
-    "cp": "context-parallel size: each sequence's positions split over cp ranks (two of 2*cp equal chunks each, "
-          "ring attention); block_size must be divisible by 2*cp (default 1)",
+    "cp": "context-parallel size: each sequence's positions split over cp ranks (two of 2*cp equal chunks each; "
+          "the attention as --cp-comm says); block_size must be divisible by 2*cp (default 1)",
     "pp": "pipeline-parallel stages (default: 1)", "tp": "tensor-parallel size (default: 1)",
     "ep": "expert-parallel size (divides n_expert, and dp*cp, or dp*cp*tp/etp with --etp below tp; default: 1)",
     "etp": "the experts' tensor-parallel size, a divisor of --tp (default: tp, each expert split like the dense MLP). "
@@ -350,7 +350,8 @@ _HELP = {
     "recompute": "activation recomputation: 'full' keeps each block's input and recomputes the block in "
                  "backward; 'selective' recomputes the attention probabilities (the T^2 part, which the tiled "
                  "attention kernel, the default on CPU, never keeps) and, without --tp, each dense block's MLP hidden layer "
-                 "(4C per token and layer, one more c_fc GEMM; MoE experts keep theirs); 'none' keeps all",
+                 "(4C per token and layer, one more c_fc GEMM; MoE experts keep theirs); 'none' keeps all "
+                 "(default: none)",
     "seq_parallel": "sequence parallelism with TP",
     "cp_comm": "context parallelism's attention: 'ring' (key/value blocks around the cp ring) or 'a2a' "
                "(DeepSpeed-Ulysses: an all-to-all to whole sequences of n_head/cp heads and back; needs cp | the "
@@ -367,7 +368,7 @@ _HELP = {
     "pp_costs": "zb-h1/zb-v: build the table for unit-time F, B, W ('unit'), or from step 2 on for the F, B and W "
                 "times of every stage measured in step 1 ('measured': a smaller bubble when they differ; zb-h1's gradients are the "
                 "same either way, zb-v's tied embedding gradient may then differ between two runs in its last bits)",
-    "pp_overlap": "dualpipev: run each F & B pair of its table interleaved, one micro-batch's expert-parallel "
+    "pp_overlap": "dualpipev with ep > 1: run each F & B pair of its table interleaved, one micro-batch's expert-parallel "
                   "all-to-alls in flight while the other computes (DeepSeek's overlap; the same bits as 'off'); "
                   "'auto': where the all-to-alls, flat or node-aware, cross nodes (a network moves the bytes while the CPU "
                   "computes; inside a node, measured, they hid 4-13%% of the all-to-all time 1F1B exposes "
@@ -561,8 +562,9 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> TrainCo
             raise ConfigError("--deterministic sums on the host (integer bins over MPI); with --device cuda it is "
                               "not built: drop one of them")
         if split or run.compress != "none":
+            lossy = "--grad-reduce-dtype bfloat16" if run.grad_reduce_dtype == "bfloat16" else "--compress " + run.compress
             raise ConfigError(f"--deterministic makes the step's bits independent of dp, the micro-batches and ZeRO; "
-                              f"{', '.join(split) or '--compress ' + run.compress} would change how the terms of a "
+                              f"{', '.join(split) or lossy} would change how the terms of a "
                               f"product or a reduction are formed: use dp, pp and --zero only")
     if run.expert_replicas:
         _check_replicas(model, run, lay)
@@ -576,10 +578,11 @@ def parse_args(argv, world_size: int, env: Environment | None = None) -> TrainCo
         raise ConfigError(f"--pp-costs measured builds the zb-h1/zb-v table for the measured times, but this run is "
                           f"pp={lay.pp} with schedule {lay.schedule}: use --schedule zb-h1 or zb-v with --pp > 1, or "
                           f"drop --pp-costs")
-    if run.pp_overlap == "on" and (lay.pp == 1 or lay.schedule != "dualpipev" or run.device != "cpu"):
-        raise ConfigError(f"--pp-overlap on interleaves DualPipeV's F & B pairs on the CPU, but this run is pp={lay.pp} "
-                          f"with schedule {lay.schedule} on {run.device}: use --schedule dualpipev with --pp > 1 "
-                          f"and --device cpu, or drop --pp-overlap")
+    if run.pp_overlap == "on" and (lay.pp == 1 or lay.schedule != "dualpipev" or run.device != "cpu" or lay.ep == 1):
+        raise ConfigError(f"--pp-overlap on interleaves DualPipeV's F & B pairs on the CPU at their expert-parallel "
+                          f"all-to-alls, but this run is pp={lay.pp} ep={lay.ep} with schedule {lay.schedule} on "
+                          f"{run.device}: use --schedule dualpipev with --pp > 1, --ep > 1 and --device cpu, or drop "
+                          f"--pp-overlap")
     return TrainConfig(model=model, parallel=lay, optim=optim, run=run)
 
 

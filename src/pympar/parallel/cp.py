@@ -57,22 +57,22 @@ def validate_cp(model_cfg, cp: int, tp: int = 1, seq_parallel: bool = False, seq
         raise ValueError(f"--cp-comm {comm!r}: expected one of {', '.join(CP_COMMS)}")
     if comm != "a2a+ring" and a2a:
         raise ValueError(f"--cp-a2a {a2a} sizes the Ulysses groups of --cp-comm a2a+ring, but --cp-comm is {comm}")
+    heads = model_cfg.n_head // tp
     if cp == 1:
         if comm == "a2a+ring":
-            raise ValueError("--cp-comm a2a+ring needs context parallelism: use --cp > 2")
+            raise ValueError("--cp-comm a2a+ring runs Ulysses inside groups of --cp-a2a ranks and the ring across "
+                             "them: it needs --cp 4 or more with a divisor between 1 and cp (e.g. --cp 4 --cp-a2a 2)")
+        if comm == "a2a":
+            raise ValueError("--cp-comm a2a splits the heads over the cp ranks: it needs --cp 2 or more")
         return
-    heads = model_cfg.n_head // tp
     if comm == "a2a+ring":
-        if not (1 < a2a < cp and cp % a2a == 0):
-            ok = [d for d in range(2, cp) if cp % d == 0]
+        ok = [d for d in range(2, cp) if cp % d == 0 and heads % d == 0]
+        if not (1 < a2a < cp and cp % a2a == 0) or heads % a2a:
             raise ValueError(f"--cp-comm a2a+ring runs Ulysses inside groups of --cp-a2a ranks and the ring across "
-                             f"them: --cp-a2a must divide cp={cp} and lie strictly between 1 and cp, got {a2a}"
-                             + (f" (use one of {ok})" if ok else f" (cp={cp} has no such divisor: use ring or a2a)"))
-        if heads % a2a:
-            raise ValueError(f"--cp-comm a2a+ring gives each of the --cp-a2a {a2a} ranks of a group "
-                             f"n_head/(tp*{a2a}) heads, but this tp rank has {heads} heads: use a --cp-a2a that "
-                             f"divides {heads}")
-    heads = model_cfg.n_head // tp
+                             f"them: --cp-a2a must divide cp={cp} and the {heads} head(s) of a tp rank and lie strictly "
+                             f"between 1 and cp, got {a2a}"
+                             + (f" (use one of {ok})" if ok else f" (none does here: use --cp-comm ring"
+                                + (" or a2a)" if heads % cp == 0 else ")")))
     if comm == "a2a" and heads % cp:
         raise ValueError(f"--cp-comm a2a gives each of the cp={cp} ranks n_head/(tp*cp) heads of whole sequences, "
                          f"but this tp rank has {heads} heads (n_head={model_cfg.n_head}, tp={tp}): use a cp that "

@@ -146,6 +146,7 @@ def validate_pipeline(config, pp: int, n_micro: int, schedule: str = "1f1b", v: 
         raise ValueError(f"sequence length {seq_len} must be in 1..block_size={config.block_size}")
     from .schedules import V_PLACED, placement_of
     if schedule in V_PLACED and config.n_layer < 2 * pp:
+        fewer = f", pp <= {config.n_layer // 2}" if config.n_layer // 2 >= 2 else ""
         raise ValueError(f"{schedule} places 2 chunks per rank (2*pp = {2 * pp} stages) but n_layer={config.n_layer}: "
-                         f"use pp <= {config.n_layer // 2} with {schedule}, or zb-h1")
+                         f"use n_layer >= {2 * pp}{fewer} or another schedule ({'zb-h1' if schedule == 'zb-v' else '1f1b'})")
     return partition(config, pp, v, seq_len, placement_of(schedule))
