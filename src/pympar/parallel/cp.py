@@ -71,7 +71,7 @@ def validate_cp(model_cfg, cp: int, tp: int = 1, seq_parallel: bool = False, seq
             raise ValueError(f"--cp-comm a2a+ring runs Ulysses inside groups of --cp-a2a ranks and the ring across "
                              f"them: --cp-a2a must divide cp={cp} and the {heads} head(s) of a tp rank and lie strictly "
                              f"between 1 and cp, got {a2a}"
-                             + (f" (use one of {ok})" if ok else f" (none does here: use --cp-comm ring"
+                             + (f" (use one of {ok})" if ok else " (none does here: use --cp-comm ring"
                                 + (" or a2a)" if heads % cp == 0 else ")")))
     if comm == "a2a" and heads % cp:
         raise ValueError(f"--cp-comm a2a gives each of the cp={cp} ranks n_head/(tp*cp) heads of whole sequences, "
