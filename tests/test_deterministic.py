@@ -58,8 +58,8 @@ def test_every_data_parallel_size_and_zero_stage_gives_the_same_bits(tmp_path, o
     _same_tensors(_tensors(tmp_path / "run"), tensors)
 
 
-@pytest.mark.parametrize("dp, zero, schedule", [(1, 0, "1f1b"), (1, 0, "zb-h1"), (1, 0, "interleaved"), (1, 0, "zb-v"),
-                                              (1, 0, "dualpipev"), (2, 1, "1f1b"), (2, 3, "zb-h1")])
+@pytest.mark.parametrize("dp, zero, schedule", [(1, 0, "gpipe"), (1, 0, "1f1b"), (1, 0, "zb-h1"), (1, 0, "interleaved"),
+                                              (1, 0, "zb-v"), (1, 0, "dualpipev"), (2, 1, "1f1b"), (2, 3, "zb-h1")])
 def test_every_pipeline_schedule_gives_the_same_bits(tmp_path, one_process, dp, zero, schedule):
     """pp = 2: each B and W action's weight gradients are terms, the tied embedding's two stages'
     sums are merged as integers, the per-sequence losses summed exactly."""
