@@ -339,7 +339,8 @@ _HELP = {
                    "else flat (docs/parallel.md)",
     "layout": "'rule': dp/pp/tp/ep/cp not given are filled in (pp=tp=ep=cp=1, dp takes the rest); "
               "'auto': the planner (python -m pympar.plan) picks dp, pp, tp, ep, cp, micro-batches, schedule, "
-              "ZeRO and sequence parallelism for the same global batch (micro_batch_size*n_micro*world)",
+              "ZeRO, recomputation, sequence parallelism and the cp attention for the same global batch "
+              "(micro_batch_size*n_micro*world); those of these given beside it are kept",
     "schedule": "pipeline schedule (zb-h1, zb-v: zero bubble, the backward split into input and weight passes; "
                 "dualpipev: DeepSeek's DualPipeV table on zb-v's V, n_micro >= 2*pp; docs/pipeline.md)",
     "virtual_stages": "model chunks per rank (interleaved schedule; zb-v, dualpipev: 2, set for them)",

@@ -413,8 +413,12 @@ def cp_bytes(B, T_local, C_local, act_bytes, cp, comm="ring", a2a=0) -> int:
 
     if cp <= 1:
         return 0
-    units = {"ring": lambda: 2 * ring_buffer_blocks(cp), "a2a": lambda: 6,
-             "a2a+ring": lambda: max(6, 4 + 2 * ring_buffer_blocks(cp // a2a))}[comm]()
+    if comm == "a2a":
+        units = 6
+    elif comm == "a2a+ring":
+        units = max(6, 4 + 2 * ring_buffer_blocks(cp // a2a))
+    else:
+        units = 2 * ring_buffer_blocks(cp)
     return int(units * B * T_local * C_local * act_bytes)
 
 
