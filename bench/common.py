@@ -24,9 +24,10 @@ QUICK = RESULTS / "quick"        # smoke runs' outputs (--quick): never the figu
 
 def output_paths(name: str, quick: bool = False) -> tuple:
     """(JSON, PNG) a benchmark writes by default: bench/results/NAME.json and docs/img/NAME.png, or
-    for a smoke run (--quick) both under bench/results/quick/ (not in git)."""
+    for a smoke run (--quick) bench/results/quick/NAME.json and bench/results/quick/img/NAME.png (not
+    in git; the page run_all writes there finds the images as the docs' page does)."""
     if quick:
-        return QUICK / f"{name}.json", QUICK / f"{name}.png"
+        return QUICK / f"{name}.json", QUICK / "img" / f"{name}.png"
     return RESULTS / f"{name}.json", ROOT / "docs" / "img" / f"{name}.png"
 
 

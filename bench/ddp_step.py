@@ -59,7 +59,7 @@ def parse(argv=None):
     ap.add_argument("--preset", default="small", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     common.add_output_args(ap, "ddp_step")
-    return ap.parse_args(argv)
+    return common.resolve_outputs(ap.parse_args(argv))
 
 
 # --- the shared setup of both workers ----------------------------------------------------------

@@ -70,7 +70,7 @@ def parse(argv=None):
     ap.add_argument("--schedule", default="1f1b", help=" (worker)")
     ap.add_argument("--overlap", default="off", help=" (worker)")
     common.add_output_args(ap, "dualpipe_ep")
-    a = ap.parse_args(argv)
+    a = common.resolve_outputs(ap.parse_args(argv))
     if a.quick:
         a.preset, a.steps, a.warmup, a.rounds, a.n_micro, a.micro_batch_size = "moe-tiny", 2, 1, 1, 4, 2
         a.transports, a.work = "shared memory", "model,sleep"

@@ -114,7 +114,7 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=900)
     common.add_output_args(ap, "moe_balance")
     ap.set_defaults(png=str(common.ROOT / "docs" / "img" / "experts.png"))
-    a = ap.parse_args(argv)
+    a = common.resolve_outputs(ap.parse_args(argv))
     common.write_outputs(a, run(a), plot)
 
 

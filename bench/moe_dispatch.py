@@ -181,7 +181,7 @@ def main(argv=None):
         worker(a)
         return 0
     common.add_output_args(ap, "moe_dispatch")
-    a = ap.parse_args(argv)
+    a = common.resolve_outputs(ap.parse_args(argv))
     if a.topk is None:
         a.topk = [2, 4] if a.quick else [2, 4, 8]
     if a.quick:

@@ -184,7 +184,7 @@ def main(argv=None):
         worker(ap.parse_args(argv))
         return 0
     common.add_output_args(ap, "moe_replicas")
-    a = ap.parse_args(argv)
+    a = common.resolve_outputs(ap.parse_args(argv))
     if a.quick:
         a.ep, a.slots, a.steps, a.block, a.micro_batch, a.gen_tokens = [2], [1], 3, 32, 2, 4
     common.write_outputs(a, run(a), plot)

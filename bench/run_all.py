@@ -38,11 +38,10 @@ TRAIN_SHAPES = [
 
 
 def dirs(quick: bool) -> tuple:
-    """(JSON folder, PNG folder): bench/results/ and docs/img/, or for the smoke run both under
-    bench/results/quick/ (not in git), so that it never replaces the figures the docs cite."""
-    if quick:
-        return common.QUICK, common.QUICK / "img"
-    return common.RESULTS, common.ROOT / "docs" / "img"
+    """(JSON folder, PNG folder): common.output_paths' -- bench/results/ and docs/img/, or for the
+    smoke run under bench/results/quick/ (not in git), so that it never replaces what the docs cite."""
+    js, png = common.output_paths("x", quick)
+    return js.parent, png.parent
 
 
 def steps(quick: bool) -> list:

@@ -128,7 +128,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2, help="runs per layout, interleaved; the median is kept")
     ap.add_argument("--timeout", type=float, default=600)
     common.add_output_args(ap, "strategies")
-    a = ap.parse_args(argv)
+    a = common.resolve_outputs(ap.parse_args(argv))
     rows = []
     for w in [int(x) for x in a.world.split(",")]:
         if w not in LAYOUTS:

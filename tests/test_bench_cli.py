@@ -500,7 +500,7 @@ def test_smoke_runs_write_beside_the_cited_results(bench_module):
     --quick the defaults are those, and an explicit --json wins."""
     common, run_all = bench_module("common"), bench_module("run_all")
     quick = ROOT / "bench" / "results" / "quick"
-    for argv, want in ((["--quick"], (quick / "x.json", quick / "x.png")),
+    for argv, want in ((["--quick"], (quick / "x.json", quick / "img" / "x.png")),
                        ([], (ROOT / "bench" / "results" / "x.json", ROOT / "docs" / "img" / "x.png"))):
         ap = common.worker_parser("x")
         common.add_output_args(ap, "x")
@@ -516,3 +516,7 @@ def test_smoke_runs_write_beside_the_cited_results(bench_module):
                                                            for i, x in enumerate(c) if c[i - 1] == "--png-dir"]
         assert paths and all(p.startswith(str(quick)) for p in paths), (name, paths)
     assert "/bench/results/quick/" in (ROOT / ".gitignore").read_text().split()
+    for script in (ROOT / "bench").glob("*.py"):   # --json/--png are None until resolved: every user resolves
+        text = script.read_text()
+        if "add_output_args(" in text and script.name != "common.py":
+            assert "resolve_outputs(ap.parse_args(" in text, script.name
