@@ -132,15 +132,17 @@ def test_ring_backward_holds_what_it_counts(comm, mpi_world):
 
 
 def test_ulysses_holds_what_it_counts(comm, mpi_world):
-    """Ulysses and Ulysses x ring: the buffers each counts (peak_bytes) are the ledger's cp_bytes;
-    the backward allocates at its most (tracemalloc) what it counts, within the slack of the ring's
-    test (the returned dqkv is made once the send buffer is freed); the forward at most what it
-    keeps (ctx, output) plus what it counts. Fails where the backward's send buffer outlives its
-    all-to-all or the received gradient outlives the core (checked: 9 and 7 units where it counts
-    6; the code before both peaked at 10)."""
-    from pympar.parallel.ledger import cp_bytes
+    """Ulysses and Ulysses x ring: the buffers each counts (peak_bytes), the most over ranks, are the
+    ledger's cp_bytes; the backward allocates at its most (tracemalloc) what it counts, within the
+    slack of the ring's test (the returned dqkv is made once the send buffer is freed); the forward
+    at most what it keeps plus what it counts; what the forward keeps beside its output (the
+    whole-sequence ctx) is what the ledger's activations add for Ulysses over the ring. Fails
+    where the backward's send buffer outlives its all-to-all or the received gradient outlives
+    the core (checked: 9 and 7 units where it counts 6; the code before both peaked at 10)."""
+    from pympar.parallel import ledger
     B, c, H, D = 2, 128, 12, 64                          # 12 heads: Ulysses at cp 2, 3 and 4
     cp, T, unit = comm.size, 2 * comm.size * c, B * 2 * c * H * D * 8
+    cfg = GPTConfig(n_layer=1, n_head=H, n_embd=H * D, block_size=T, vocab_size=64)
     rng = np.random.default_rng(comm.rank)
     qkv = rng.standard_normal((B, 2 * c, 3, H, D))
     dout = rng.standard_normal((B, 2 * c, H * D))
@@ -150,26 +152,40 @@ def test_ulysses_holds_what_it_counts(comm, mpi_world):
     for name, core in _cores(comm, T, H):
         if name == "ring":
             continue
+        core.backward(dout, core.forward(qkv)[1])        # once first: imports, the communicators' first calls
+        o = ctx = dqkv = None                            # the last core's arrays freed before, not inside
+        for counter in (core, core.ring):                # the counts of this forward and backward only
+            if counter is not None:
+                counter.peak_bytes = 0
         tracemalloc.start()
         try:
             base = tracemalloc.get_traced_memory()[0]
             o, ctx = core.forward(qkv)
             kept, fwd = (m - base for m in tracemalloc.get_traced_memory())
             counted_fwd, core.peak_bytes = core.peak_bytes, 0
+            if core.ring is not None:
+                core.ring.peak_bytes = 0
             tracemalloc.reset_peak()
             base = tracemalloc.get_traced_memory()[0]
             dqkv = core.backward(dout, ctx)
             bwd = tracemalloc.get_traced_memory()[1] - base
         finally:
             tracemalloc.stop()
-        a2a = int(name[3:].split("+")[0] or 0) if "+" in name else 0
-        want = cp_bytes(B, 2 * c, H * D, 8, cp, "a2a+ring" if a2a else "a2a", a2a)
-        seen[name] = (fwd, kept, counted_fwd, bwd, core.peak_bytes, want, dqkv.shape == qkv.shape)
-    for every in mpi_world.allgather(seen):
-        for name, (fwd, kept, counted_fwd, bwd, counted, want, shaped) in every.items():
-            assert shaped and max(counted_fwd, counted) == want, (name, counted_fwd / unit, counted / unit, want / unit)
-            assert counted <= bwd <= counted + slack, (name, bwd / unit, counted / unit)
-            assert counted_fwd <= fwd <= kept + counted_fwd + slack, (name, fwd / unit, kept / unit, counted_fwd / unit)
+        a2a = int(name[3:].split("+")[0]) if "+" in name else 0
+        kind = "a2a+ring" if a2a else "a2a"
+        want = ledger.cp_bytes(B, 2 * c, H * D, 8, cp, kind, a2a)
+        acts = [ledger.activations_per_micro(cfg, B, 2 * c, 1, False, "none", [0], False, False, 8, 8, tiled=True,
+                                             gather=g) for g in (1, ledger.ulysses_span(cp, kind, a2a))]
+        seen[name] = (fwd, kept - o.nbytes, acts[1] - acts[0], counted_fwd, bwd, core.peak_bytes, want,
+                      dqkv.shape == qkv.shape)
+    every = mpi_world.allgather(seen)
+    for name in seen:
+        assert max(max(e[name][3], e[name][5]) for e in every) == seen[name][6], (name, [e[name] for e in every])
+    for e in every:
+        for name, (fwd, ctx_kept, ctx_ledger, counted_fwd, bwd, counted, want, shaped) in e.items():
+            assert shaped and counted <= bwd <= counted + slack, (name, bwd / unit, counted / unit)
+            assert counted_fwd <= fwd <= ctx_kept + unit + counted_fwd + slack, (name, fwd / unit, counted_fwd / unit)
+            assert ctx_ledger <= ctx_kept <= ctx_ledger + slack, (name, ctx_kept / unit, ctx_ledger / unit)
     assert set(seen) == ({"a2a", "a2a2+ring"} if cp == 4 else {"a2a"})
 
 

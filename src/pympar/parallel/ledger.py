@@ -147,10 +147,13 @@ def params_per_rank(cfg, tp: int, ep: int, stage_blocks, first: bool, last: bool
 
 
 def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str, blocks, last: bool,
-                          first: bool, act_bytes: int, stat_bytes: int, ep: int = 1, tiled=None) -> int:
+                          first: bool, act_bytes: int, stat_bytes: int, ep: int = 1, tiled=None, gather: int = 1) -> int:
     """Bytes one micro-batch's forward keeps for backward on a rank holding ``blocks`` (the ctx the
     modules of pympar.nn and parallel.tp return, each buffer once). ``tiled``: attention runs the
-    tiled kernel (None: as it would on this host, tiled_attention)."""
+    tiled kernel (None: as it would on this host, tiled_attention). ``gather``: Ulysses attention
+    over the positions of this many cp ranks (ulysses_span(); 1: none), whose ctx keeps its own
+    whole-sequence q, k, v and output beside the block's (and, materialized, gather x the
+    probabilities: 1/gather of the heads over gather x the positions)."""
     C, H = cfg.n_embd, cfg.n_head
     tiled = tiled_attention(act_bytes) if tiled is None else tiled
     N = B * T
@@ -167,7 +170,9 @@ def activations_per_micro(cfg, B: int, T: int, tp: int, sp: bool, recompute: str
         else:
             blk += (3 + 1 + 1) * N * (C // tp) * a             # qkv, scaled q, attention output
             if recompute != "selective":
-                blk += B * (H // tp) * T * T * a               # the probabilities
+                blk += gather * B * (H // tp) * T * T * a      # the probabilities
+        if gather > 1:
+            blk += (3 + 1) * N * (C // tp) * a                 # Ulysses' whole-sequence qkv and output
         if is_moe_layer(cfg, i):
             blk += (N * C // s) * a + _moe_ctx(cfg, N, tp, a, st)   # a MoE keeps its input h2
         elif mlp_keeps_hidden(tp, recompute):
@@ -269,22 +274,24 @@ def unit_sizes(cfg, tp: int, ep: int, blocks, first: bool, last: bool, etp=None)
 
 
 def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_bytes, tiled=None,
-                    threads=None, deferred_w=False) -> int:
+                    threads=None, deferred_w=False, gather: int = 1) -> int:
     """The largest transient of one operation (see the module docstring). ``threads``: the kernel
     threads (None: this process's kernels.get_num_threads()). ``deferred_w``: a zero-bubble
-    schedule defers the weight gradients (an MLP's GELU output then lives until its W pass)."""
+    schedule defers the weight gradients (an MLP's GELU output then lives until its W pass).
+    ``gather``: as activations_per_micro's (attention's scratch then spans gather x T positions)."""
     C, H = cfg.n_embd, cfg.n_head
     N = B * T
+    Ta = gather * T                                            # the positions one attention spans
     tiled = tiled_attention(act_bytes) if tiled is None else tiled
     hs = C // H
     if tiled and act_bytes == 2:    # bf16 on AMX (csrc/amx_attention.cpp), each thread's backward: copies
         # of q, k, v, dO and K^T and four packs (bf16), dQ^T (float32), Dv and lse, two 32 x 32 tiles
-        att = _threads(threads) * (9 * T * hs * 2 + T * hs * 4 + 2 * T * 4 + 2 * 32 * 32 * 4)
+        att = _threads(threads) * (9 * Ta * hs * 2 + Ta * hs * 4 + 2 * Ta * 4 + 2 * 32 * 32 * 4)
     elif tiled:     # each thread's backward scratch (csrc/attention.cpp): q scaled, q^T, dout, dout^T,
         tile = 64               # k and v packed, dq; a group of 4 key tiles' dk, dv; two (tile, tile)
-        att = _threads(threads) * (7 * T * hs + T + 2 * 4 * tile * hs + 2 * tile * tile) * act_bytes
+        att = _threads(threads) * (7 * Ta * hs + Ta + 2 * 4 * tile * hs + 2 * tile * tile) * act_bytes
     else:
-        att = 2 * B * (H // tp) * T * T * act_bytes             # scores/probabilities and their gradient
+        att = 2 * gather * B * (H // tp) * T * T * act_bytes    # scores/probabilities and their gradient
         if recompute == "selective":
             att *= 2                                           # the recomputed scores too
     cands = [att if blocks else 0]
@@ -303,7 +310,7 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
     if recompute == "full" and blocks:  # one block's ctx again (a dense MLP's hidden layer aside):
         for i in {is_moe_layer(cfg, j): j for j in blocks}.values():     # a dense and a MoE one
             again = activations_per_micro(cfg, B, T, tp, False, "none", [i], False, False,
-                                          act_bytes, stat_bytes, tiled=tiled)
+                                          act_bytes, stat_bytes, tiled=tiled, gather=gather)
             beside = mlp
             if not is_moe_layer(cfg, i) and not mlp_keeps_hidden(tp, recompute):
                 again += (N * C - 4 * N * C) * act_bytes       # ln_2's output instead of c_fc's
@@ -343,7 +350,7 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, etp=None, zero=0, recompute="none", 
         sched = S.build_schedule(schedule, pp, n_micro, virtual_stages, r) if pp > 1 else None
         inflight = S.peak_held(sched) if sched is not None else 1     # zb-h1: until W
         per_micro = activations_per_micro(cfg, B, T, tp, sp, recompute, blocks, last, first, act_bytes, stat, ep,
-                                          tiled=tiled)
+                                          tiled=tiled, gather=ulysses_span(cp, cp_comm, cp_a2a))
         if pp > 1 and schedule in S.SPLIT_BACKWARD:     # a held micro-batch: its ctx, or after B its W's
             per_micro = max(per_micro, wgrad_hold_per_micro(cfg, B, T, tp, sp, blocks, last, first, act_bytes, stat))
         chunks = max(1, len(stages))
@@ -384,7 +391,8 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, etp=None, zero=0, recompute="none", 
                    optimizer=2 * (sh if zero else n) * moment_bytes,
                    activations=per_micro * inflight // chunks, communication=comm,
                    workspace=workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat, tiled,
-                                             threads, deferred_w=pp > 1 and schedule in S.SPLIT_BACKWARD)
+                                             threads, deferred_w=pp > 1 and schedule in S.SPLIT_BACKWARD,
+                                             gather=ulysses_span(cp, cp_comm, cp_a2a))
                    + compute_copy_bytes(n, units, zero, act_bytes, master_bytes))
         led = with_peak(led)
         if worst is None or led["peak"] > worst[0]["peak"]:
@@ -401,6 +409,14 @@ def compute_copy_bytes(n, units, zero, act_bytes, master_bytes) -> int:
     return 6 * (n if zero != 3 else units[0] + units[1])
 
 
+def ulysses_span(cp, comm="ring", a2a=0) -> int:
+    """The cp ranks whose positions one Ulysses attention gathers: cp for 'a2a', a group's a2a for
+    'a2a+ring', 1 for the ring (its attention stays on a rank's own rows)."""
+    if cp <= 1 or comm == "ring":
+        return 1
+    return cp if comm == "a2a" else a2a
+
+
 def cp_bytes(B, T_local, C_local, act_bytes, cp, comm="ring", a2a=0) -> int:
     """Context parallelism's attention buffers at their peak (the cores' peak_bytes in parallel.cp),
     in units of one activation of the rank's rows, B x T_local x C_local:
@@ -415,8 +431,11 @@ def cp_bytes(B, T_local, C_local, act_bytes, cp, comm="ring", a2a=0) -> int:
         return 0
     if comm == "a2a":
         units = 6
-    elif comm == "a2a+ring":
-        units = max(6, 4 + 2 * ring_buffer_blocks(cp // a2a))
+    elif comm == "a2a+ring":                     # (at least 10: the all-to-alls' 6 are never the most)
+        if not 1 < a2a < cp or cp % a2a:
+            raise ValueError(f"cp_bytes: a2a+ring needs a group size dividing cp={cp} strictly between 1 and cp, "
+                             f"got {a2a}")
+        units = 4 + 2 * ring_buffer_blocks(cp // a2a)
     else:
         units = 2 * ring_buffer_blocks(cp)
     return int(units * B * T_local * C_local * act_bytes)

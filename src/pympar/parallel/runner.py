@@ -393,15 +393,16 @@ class ParallelRunner:
         transient = sum(d.peak_full_grad_bytes for d in self.sync.syncs)
         if self.zero == 3:
             comm += self.sync.gather.peak_gathered_bytes
-        if self.cp > 1:                    # one ring at a time: the largest
+        if self.cp > 1:                    # one attention's buffers at a time: the largest
             comm += max((c.peak_bytes for c in self.model.cp_cores), default=0)
         if self._workspace is None:
             B, T = np.shape(micro_batches[0][0])
             blocks, first, last = self._held_blocks()
             item = np.dtype(self.compute or self.master).itemsize
-            self._workspace = ledger.workspace_bytes(self.model_cfg, B, T, self.tp, self.recompute, blocks, last,
-                                                     item, self.master.itemsize,
-                                                     deferred_w=self.pp > 1 and self.schedule in SPLIT_BACKWARD)
+            self._workspace = ledger.workspace_bytes(
+                self.model_cfg, B, T, self.tp, self.recompute, blocks, last, item, self.master.itemsize,
+                deferred_w=self.pp > 1 and self.schedule in SPLIT_BACKWARD,
+                gather=ledger.ulysses_span(self.cp, self.layout.cp_comm, self.layout.cp_a2a))
         old = self.ledger or {}
         self.ledger = ledger.measure(self.sync, self.opt, self.params, max(act, old.get("activations", 0)),
                                      max(comm, old.get("communication", 0)), self._workspace, transient)
@@ -427,7 +428,8 @@ class ParallelRunner:
                                 recompute=self.recompute, sp=self.sp, micro_batch_size=micro_batch_size,
                                 n_micro=n_micro, schedule=self.schedule, virtual_stages=self.v,
                                 master_bytes=self.master.itemsize, act_bytes=item, bucket_mb=self.bucket_mb,
-                                cp=self.cp, cp_comm=self.layout.cp_comm, cp_a2a=self.layout.cp_a2a, moment_bytes=2 if self.moments_dtype == "bfloat16" else None,
+                                cp=self.cp, cp_comm=self.layout.cp_comm, cp_a2a=self.layout.cp_a2a,
+                                moment_bytes=2 if self.moments_dtype == "bfloat16" else None,
                                 tiled=ledger.tiled_attention(item, self.compute or "bfloat16"))
         return led
 
