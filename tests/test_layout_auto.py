@@ -50,8 +50,10 @@ def test_auto_keeps_the_planned_flags_given_beside_it():
         model = parse_args([*TINY, *argv[:2]] if argv[0] == "--n-head" else TINY, world_size=4).model
         preds, _ = planner.plan(model, 4, 16, _fixed_machine(4))
         assert lay == next(p.layout for p in preds if all(getattr(p.layout, k) == v for k, v in want.items()))
-    with pytest.raises(ConfigError, match=r"none of the \d+ layouts of 2 ranks .* has --schedule dualpipev: drop it"):
+    with pytest.raises(ConfigError, match=r"none of the \d+ layouts of 2 rank\(s\) .* has --schedule dualpipev: drop it"):
         parse_args([*TINY, "--n-layer", "2", "--layout", "auto", "--schedule", "dualpipev"], world_size=2)
+    with pytest.raises(ConfigError, match=r"has --zero 1, --seq-parallel: drop them"):       # flags as typed
+        parse_args([*TINY, "--layout", "auto", "--seq-parallel", "--zero", "1"], world_size=1)
 
 
 def test_choose_skips_what_accept_refuses_and_takes_the_next_best():

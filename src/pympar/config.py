@@ -340,7 +340,9 @@ _HELP = {
     "layout": "'rule': dp/pp/tp/ep/cp not given are filled in (pp=tp=ep=cp=1, dp takes the rest); "
               "'auto': the planner (python -m pympar.plan) picks dp, pp, tp, ep, cp, micro-batches, schedule, "
               "ZeRO, recomputation, sequence parallelism and the cp attention for the same global batch "
-              "(micro_batch_size*n_micro*world); those of these given beside it are kept",
+              "(micro_batch_size*n_micro*world, re-split into micro-batches); --schedule, --virtual-stages, "
+              "--zero, --recompute, --seq-parallel, --cp-comm and --cp-a2a given beside it are kept, the mesh "
+              "sizes refused",
     "schedule": "pipeline schedule (zb-h1, zb-v: zero bubble, the backward split into input and weight passes; "
                 "dualpipev: DeepSeek's DualPipeV table on zb-v's V, n_micro >= 2*pp; docs/pipeline.md)",
     "virtual_stages": "model chunks per rank (interleaved schedule; zb-v, dualpipev: 2, set for them)",
@@ -638,10 +640,14 @@ def _planned_layout(world: int, model: GPTConfig, run: RunConfig, asked: dict, p
         raise ConfigError(f"--layout auto chooses dp, pp, tp, ep, etp and cp itself, but {', '.join('--' + k for k in given)} "
                           f"was given: drop it, or drop --layout auto")
     gb = asked["micro_batch_size"] * asked["n_micro"] * world
-    pins = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in pinned.items())
+
+    def flag(k, v):
+        name = k.replace("_", "-")
+        return (f"--{name}" if v else f"--no-{name}") if isinstance(v, bool) else f"--{name} {v}"
+    pins = ", ".join(flag(k, v) for k, v in pinned.items())
     others = []
 
-    def accept(lay):
+    def accept(lay):                 # (every candidate has passed layouts.check but for the device)
         layouts.check(model, lay, device=run.device)
         if any(getattr(lay, k) != v for k, v in pinned.items()):
             others.append(lay)
@@ -650,9 +656,9 @@ def _planned_layout(world: int, model: GPTConfig, run: RunConfig, asked: dict, p
         lay = planner.choose(model, world, gb, accept=accept)
     except ValueError as e:
         if others:
-            raise ConfigError(f"--layout auto: none of the {len(others)} layouts of {world} ranks that run this model "
-                              f"and global batch {gb} has {pins}: drop {'them' if len(pinned) > 1 else 'it'}, or give "
-                              f"the layout's sizes (--dp, --pp, ...) instead of --layout auto") from None
+            raise ConfigError(f"--layout auto: none of the {len(others)} layouts of {world} rank(s) that run this "
+                              f"model and global batch {gb} has {pins}: drop {'them' if len(pinned) > 1 else 'it'}, "
+                              f"or give the layout's sizes (--dp, --pp, ...) instead of --layout auto") from None
         raise ConfigError(str(e)) from None
     return lay
 

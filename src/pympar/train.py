@@ -184,9 +184,11 @@ def _train(mpi, cfg, corpus, resume_path, env, faults=None) -> int:
                + (", sequence parallel" if lay.seq_parallel else "")) if run.layout == "auto" else \
               ("chosen for the world size" if run.layout_auto else "as given")
         if lay.pp > 1 and lay.schedule == "dualpipev":
+            why = "" if run.pp_overlap != "auto" else ": an ep group's all-to-alls cross nodes" if pp_overlap else \
+                ": no expert all-to-all" if lay.ep == 1 else ": not on GPUs" if run.device != "cpu" else \
+                ": the ep groups' all-to-alls stay inside a node"
             how += (f"); DualPipeV's F & B pairs {'interleaved' if pp_overlap else 'one action after the other'} "
-                    f"(--pp-overlap {run.pp_overlap}" + (": by where the ep groups' all-to-alls run"
-                                                         if run.pp_overlap == "auto" else ""))
+                    f"(--pp-overlap {run.pp_overlap}{why}")
         print(f"pympar.train: {world} rank(s), layout {lay} ({how}); {threads} thread(s) per rank ({threads_why}); "
               f"kernels {kernels.describe() if run.device != 'cuda' else 'CUDA'}; "
               f"GEMM {'cuBLAS' if run.device == 'cuda' else gemm.describe()}; "

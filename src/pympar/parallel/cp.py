@@ -47,6 +47,12 @@ _KV_TAG, _DKV_TAG = 0x6370, 0x6371          # ring messages (tags apart from the
 CP_COMMS = ("ring", "a2a", "a2a+ring")
 
 
+def a2a_group_sizes(cp: int, heads: int) -> list:
+    """The Ulysses group sizes --cp-comm a2a+ring can use: divisors of cp strictly between 1 and cp
+    that also divide ``heads`` (a tp rank's)."""
+    return [d for d in range(2, cp) if cp % d == 0 and heads % d == 0]
+
+
 def validate_cp(model_cfg, cp: int, tp: int = 1, seq_parallel: bool = False, seq_len: int | None = None,
                 comm: str = "ring", a2a: int = 0) -> None:
     """Raise ValueError unless the model's sequences split into 2*cp equal chunks (no communication),
@@ -66,8 +72,8 @@ def validate_cp(model_cfg, cp: int, tp: int = 1, seq_parallel: bool = False, seq
             raise ValueError("--cp-comm a2a splits the heads over the cp ranks: it needs --cp 2 or more")
         return
     if comm == "a2a+ring":
-        ok = [d for d in range(2, cp) if cp % d == 0 and heads % d == 0]
-        if not (1 < a2a < cp and cp % a2a == 0) or heads % a2a:
+        ok = a2a_group_sizes(cp, heads)
+        if a2a not in ok:
             raise ValueError(f"--cp-comm a2a+ring runs Ulysses inside groups of --cp-a2a ranks and the ring across "
                              f"them: --cp-a2a must divide cp={cp} and the {heads} head(s) of a tp rank and lie strictly "
                              f"between 1 and cp, got {a2a}"

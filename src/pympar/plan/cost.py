@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from ..layout import Layout, check
 from ..nn.config import GPTConfig, flops_per_token
 from ..parallel import ledger
-from ..parallel.cp import validate_cp
+from ..parallel.cp import a2a_group_sizes, validate_cp
 from ..parallel.mesh import divisors
 from ..parallel.pp import schedules as S
 from ..parallel.pp.partition import partition, validate_pipeline
@@ -174,7 +174,7 @@ def cp_comms(cfg: GPTConfig, cp: int, tp: int) -> list:
         return [("ring", 0)]
     heads = cfg.n_head // tp
     return [("ring", 0)] + ([("a2a", 0)] if heads % cp == 0 else []) + \
-        [("a2a+ring", u) for u in range(2, cp) if cp % u == 0 and heads % u == 0]
+        [("a2a+ring", u) for u in a2a_group_sizes(cp, heads)]
 
 
 # --- prediction ---------------------------------------------------------------------------
