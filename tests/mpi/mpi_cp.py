@@ -138,7 +138,8 @@ def test_ulysses_holds_what_it_counts(comm, mpi_world):
     at most what it keeps plus what it counts; what the forward keeps beside its output (the
     whole-sequence ctx) is what the ledger's activations add for Ulysses over the ring. Fails
     where the backward's send buffer outlives its all-to-all or the received gradient outlives
-    the core (checked: 9 and 7 units where it counts 6; the code before both peaked at 10)."""
+    the core (checked: 9 and 7 units where it counts 6; the code before both peaked at 10), and
+    where the gather to whole sequences keeps its send buffer (9 units against 6)."""
     from pympar.parallel import ledger
     B, c, H, D = 2, 128, 12, 64                          # 12 heads: Ulysses at cp 2, 3 and 4
     cp, T, unit = comm.size, 2 * comm.size * c, B * 2 * c * H * D * 8
@@ -154,6 +155,15 @@ def test_ulysses_holds_what_it_counts(comm, mpi_world):
             continue
         core.backward(dout, core.forward(qkv)[1])        # once first: imports, the communicators' first calls
         o = ctx = dqkv = None                            # the last core's arrays freed before, not inside
+        tracemalloc.start()                              # q, k, v to whole sequences: at most two copies
+        try:                                             # at once (send and received, then received and
+            base = tracemalloc.get_traced_memory()[0]    # the result), never three
+            full = core._to_heads(qkv, H)
+            heads_peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        assert full.nbytes == qkv.nbytes and heads_peak <= 2 * qkv.nbytes + slack, (name, heads_peak / unit)
+        del full
         for counter in (core, core.ring):                # the counts of this forward and backward only
             if counter is not None:
                 counter.peak_bytes = 0
