@@ -15,6 +15,7 @@ tolerance used here (the pair test can fail).
 """
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,3 +226,11 @@ def test_export_pp2_tp2_loads_in_pytorch_and_imports_into_dp2(text, tmp_path):
     with torch.no_grad():
         want = float(np.mean([tm(torch.tensor(x), torch.tensor(y))[1].item() for x, y in batches]))
     assert got[0]["loss"] == pytest.approx(want, rel=1e-5), (got[0]["loss"], want)
+
+
+def test_the_documented_pairs_are_the_tested_ones():
+    """docs/checkpoint.md's table lists as many CI and slow pairs as PAIRS and SLOW_PAIRS hold."""
+    table = (Path(__file__).resolve().parent.parent / "docs" / "checkpoint.md").read_text().splitlines()
+    rows = [r for r in table if r.startswith("| ") and r.rstrip().endswith(("| yes |", "| slow |"))]
+    assert sum(r.rstrip().endswith("| yes |") for r in rows) == len(PAIRS)
+    assert sum(r.rstrip().endswith("| slow |") for r in rows) == len(SLOW_PAIRS)

@@ -386,6 +386,8 @@ def test_every_checkpoint_command_takes_a_run_dir_its_checkpoints_folder_or_one_
         res = train(1, "--steps", 6, "--out", tmp_path / f"again{i}", "--resume", form)
         assert "at step 4" in res.stdout, (what, res.stdout[-2000:])
         assert metrics(tmp_path / f"again{i}")[-1]["step"] == metrics(first)[-1]["step"] + 2   # 2 steps more
+    done = train(1, "--steps", 4, "--out", tmp_path / "done", "--resume", first)   # a finished run: said so
+    assert "at step 4; --steps is 4: nothing left to train" in done.stdout, done.stdout[-2000:]
     bad = train(1, "--steps", 6, "--resume", tmp_path, check=False)      # not a run, nor checkpoints
     assert bad.returncode == 2 and any("looked for" in ln and "(a run directory, the trainer's --out)" in ln
                                        for ln in error_lines(bad)), bad.stdout

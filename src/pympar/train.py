@@ -203,7 +203,9 @@ def _train(mpi, cfg, corpus, resume_path, env, faults=None) -> int:
         print(f"pympar.train: memory per rank (ledger, predicted; worst rank): {ledger.describe(predicted)}; "
               f"this process holds {ledger.describe(runner.held())}", flush=True)
         if resume_path:
-            print(f"pympar.train: resumed from {resume_path} at step {start}", flush=True)
+            print(f"pympar.train: resumed from {resume_path} at step {start}" +
+                  (f"; --steps is {run.steps}: nothing left to train (raise --steps, or resume an earlier "
+                   f"checkpoint)" if start >= run.steps else ""), flush=True)
     kept = _metrics_before(out / "metrics.jsonl", start) if (out and rank == 0 and start) else []
     metrics = MetricsWriter(out / "metrics.jsonl" if (out and rank == 0) else None)
     for line in kept:                          # a resumed run continues the file of the first

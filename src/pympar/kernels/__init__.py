@@ -93,8 +93,9 @@ def native_isa() -> str | None:
 
 
 def set_num_threads(n: int, *, blas: bool = True) -> None:
-    """Threads used by each C++ kernel call in this process (default 1); ``blas``: the BLAS's
-    parallel jobs run on the same n threads (see the module docstring)."""
+    """Threads used by each C++ kernel call in this process (default: library_default_threads(),
+    set at import); ``blas``: the BLAS's parallel jobs run on the same n threads (see the module
+    docstring)."""
     global _threads
     n = int(n)
     if n < 1:
