@@ -324,6 +324,40 @@ def test_cli_gpu_device_and_errors():
     assert bad.returncode == 2 and "unknown preset" in bad.stderr
 
 
+def test_cli_refuses_bad_numbers_and_files_in_one_line(tmp_path):
+    """Every bad number or file: one "error:" line, status 2, no traceback (they were tracebacks,
+    negative step times or silent defaults)."""
+    (tmp_path / "bad.json").write_text("{bad")
+    (tmp_path / "summary.json").write_text('{"steps": 3}')
+    cases = {("--peak-flops", "-5"): "--peak-flops=-5.0 must be a positive number",
+             ("--overlap", "5"): "--overlap=5.0 must be in 0..1",
+             ("--mem-per-rank=-1GiB",): "must be a positive size",
+             ("--mem-per-rank", "banana"): "--mem-per-rank 'banana'",
+             ("--global-batch", "0"): "--global-batch=0 must be >= 1",
+             ("--ranks-per-node", "0"): "--ranks-per-node=0 must be >= 1",
+             ("--top", "-1"): "--top=-1 must be >= 0",
+             ("--json", str(tmp_path)): "is a directory",
+             ("--json", str(tmp_path / "no" / "x.json")): "not a writable directory",
+             ("--bench-json", str(tmp_path / "missing.json")): "No such file",
+             ("--bench-json", str(tmp_path / "summary.json")): "not a pympar.bench --json result",
+             ("--calibration", str(tmp_path / "bad.json")): "not a JSON file",
+             ("--calibration", str(tmp_path)): "Is a directory",
+             ("--device", "h100", "--calibration", str(tmp_path / "bad.json")): "does not apply to --device h100"}
+    for args, want in cases.items():
+        r = run_cli("--preset", "tiny", "--world", "2", *args)
+        assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-500:])
+
+
+@pytest.mark.mpi
+def test_cli_measure_runs_the_top_layouts(tmp_path):
+    """--measure trains the top candidates with the real trainer (it failed on an import before)."""
+    r = run_cli("--preset", "tiny", "--world", "2", "--measure", "1", "--measure-steps", "2", "--top", "1",
+                "--json", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "p.json").read_text())["measured"]
+    assert len(rows) == 1 and rows[0]["measured_s"] > 0, rows
+
+
 def test_context_parallel_layouts_split_a_long_sequence():
     """One sequence of 32k positions on 4 ranks: the planner's ledger holds T/cp positions per rank
     (activations 1/cp, ring buffers under communication), and when only cp=4 fits the memory

@@ -96,6 +96,17 @@ from .cost import (CPU_DEFAULT, DEVICES, GiB, MFU_ASSUMED, Machine, activations_
                    plan)
 
 
+def _read_json(path, flag: str):
+    """The JSON in ``path``; ValueError naming the flag and the file when it cannot be read or parsed."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: {e.strerror or e}") from None
+    except ValueError as e:                      # (json.JSONDecodeError, UnicodeDecodeError)
+        raise ValueError(f"{flag} {path}: not a JSON file ({e})") from None
+
+
 def fit_alpha_beta(paths, nranks: int | None = None) -> tuple:
     """(alpha s, busbw bytes/s) fitted to the best algorithm's rows of pympar.bench --json files
     (or bench/collectives.py's, which hold several collectives and rank counts).
@@ -104,10 +115,13 @@ def fit_alpha_beta(paths, nranks: int | None = None) -> tuple:
     given. alpha = the smallest message's time; beta = the best bus bandwidth at >= 1 MiB."""
     rows = []
     for p in paths:
-        with open(p) as f:
-            data = json.load(f)
+        data = _read_json(p, "--bench-json")
         top = data if isinstance(data, dict) else {}
-        for r in (data["rows"] if isinstance(data, dict) and "rows" in data else data):
+        listed = data["rows"] if isinstance(data, dict) and "rows" in data else data
+        if not isinstance(listed, list) or not all(isinstance(r, dict) for r in listed):
+            raise ValueError(f"--bench-json {p}: not a pympar.bench --json result (a list of rows, or an object "
+                             f"with 'rows')")
+        for r in listed:
             r = dict(r)
             r.setdefault("collective", top.get("collective", "allreduce"))
             r.setdefault("nranks", top.get("nranks"))
@@ -172,11 +186,7 @@ def load_calibration(path, nranks: int) -> dict:
     """Machine constants from a bench/plan_calibrate.py JSON file or its dict (see the module docstring):
     peak, overhead, elem_time, opt_per_param, and alpha/intra_bw of the rank count nearest
     ``nranks``."""
-    if isinstance(path, dict):
-        c = path
-    else:
-        with open(path) as f:
-            c = json.load(f)
+    c = path if isinstance(path, dict) else _read_json(path, "--calibration")
     try:
         cfg = GPTConfig.from_preset(c["preset"])
         sp = c["single_process"]
@@ -218,12 +228,13 @@ def measure(preds, args, cfg_args) -> list:
     import subprocess
     import tempfile
 
-    from .report import read_metrics
+    from ..launch import find_mpiexec
+    from ..report import read_metrics
 
     rows = []
     for p in preds:
         with tempfile.TemporaryDirectory() as out:
-            cmd = ["mpiexec", "-n", str(args.world), sys.executable, "-m", "pympar.train", *cfg_args,
+            cmd = [find_mpiexec(), "-n", str(args.world), sys.executable, "-m", "pympar.train", *cfg_args,
                    *p.layout.train_args(), "--steps", str(args.measure_steps), "--out", out,
                    "--eval-every", "0", "--sample-tokens", "0"]
             env = child_environment(OMP_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1)
@@ -277,10 +288,31 @@ def spearman_null_p95(pred, meas, n_perm: int = 2000, seed: int = 0) -> float:
     return null[int(0.95 * (len(null) - 1))]
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults appended where they say something: not for None, not where the help names its own."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if "default" in h or action.default is None or action.required or action.default is argparse.SUPPRESS:
+            return h
+        return super()._get_help_string(action)
+
+
+def _check_writable(path) -> None:
+    """ValueError unless ``path`` is a file this process can write (it is not written here)."""
+    from pathlib import Path
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError("is a directory; give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot be written: {parent} is not a writable directory")
+
+
 def main(argv=None) -> int:
     start_application("pympar.plan")
     ap = argparse.ArgumentParser(prog="python -m pympar.plan", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=_Help)
     ap.add_argument("--preset", default="small", help=f"model preset: {', '.join(PRESETS)}")
     for f in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "n_expert", "top_k", "moe_every"):
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=None, help=f"override the preset's {f}")
@@ -292,15 +324,38 @@ def main(argv=None) -> int:
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 4*world)")
     ap.add_argument("--bench-json", nargs="*", default=None, help="pympar.bench --json files for alpha/beta")
     ap.add_argument("--calibration", default=None, help="bench/plan_calibrate.py JSON: this CPU's constants")
-    ap.add_argument("--overlap", type=float, default=None, help="fraction of DP sync hidden behind backward")
+    ap.add_argument("--overlap", type=float, default=None, help="fraction of DP sync hidden behind backward, 0-1 "
+                    "(default: 0 on cpu, 0.8 on a GPU model)")
     ap.add_argument("--top", type=int, default=10, help="candidates to print")
     ap.add_argument("--show-rejected", type=int, default=10, help="rejected layouts to print")
     ap.add_argument("--json", default=None, help="write every candidate and rejection as JSON")
     ap.add_argument("--measure", type=int, nargs="?", const=3, default=0,
-                    help="run the top N candidates with the real trainer and compare")
-    ap.add_argument("--measure-steps", type=int, default=4)
-    ap.add_argument("--measure-timeout", type=float, default=600)
+                    help="run the top N candidates (a bare --measure: 3) with the real trainer and compare")
+    ap.add_argument("--measure-steps", type=int, default=4, help="--measure: training steps per candidate")
+    ap.add_argument("--measure-timeout", type=float, default=600, help="--measure: seconds per candidate")
     args = ap.parse_args(argv)
+    for name, ok, want in (("world", args.world >= 1, ">= 1"), ("top", args.top >= 0, ">= 0"),
+                           ("show-rejected", args.show_rejected >= 0, ">= 0"), ("measure", args.measure >= 0, ">= 0"),
+                           ("measure-steps", args.measure_steps >= 1, ">= 1"),
+                           ("measure-timeout", args.measure_timeout > 0, "> 0"),
+                           ("ranks-per-node", args.ranks_per_node is None or args.ranks_per_node >= 1, ">= 1"),
+                           ("global-batch", args.global_batch is None or args.global_batch >= 1, ">= 1"),
+                           ("peak-flops", args.peak_flops is None or 0 < args.peak_flops < float("inf"),
+                            "a positive number"),
+                           ("overlap", args.overlap is None or 0 <= args.overlap <= 1, "in 0..1")):
+        if not ok:
+            ap.error(f"--{name}={getattr(args, name.replace('-', '_'))} must be {want}")
+    if args.mem_per_rank is not None:
+        try:
+            if parse_bytes(args.mem_per_rank) <= 0:
+                raise ValueError("must be a positive size")
+        except ValueError as e:
+            ap.error(f"--mem-per-rank {args.mem_per_rank!r}: {e} (e.g. 2GiB)")
+    if args.json:
+        try:
+            _check_writable(args.json)
+        except ValueError as e:
+            ap.error(f"--json {args.json}: {e}")
     over = {f: getattr(args, f) for f in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
                                          "n_expert", "top_k", "moe_every") if getattr(args, f) is not None}
     try:
@@ -311,7 +366,10 @@ def main(argv=None) -> int:
         ap.error(str(e))
     args.ranks_per_node = args.ranks_per_node or args.world
     gb = args.global_batch or 4 * args.world
-    machine = build_machine(args)
+    try:
+        machine = build_machine(args)
+    except (OSError, ValueError) as e:              # --calibration, --bench-json: unreadable or not theirs
+        ap.error(str(e))
     preds, rejected = plan(cfg, args.world, gb, machine)
     print(f"model {args.preset} ({cfg.n_layer} layers, C={cfg.n_embd}, heads={cfg.n_head}, experts={cfg.n_expert}); "
           f"world {args.world}, {args.ranks_per_node} ranks/node, global batch {gb}; device {args.device}: "
@@ -322,7 +380,7 @@ def main(argv=None) -> int:
     else:
         print(format_table(preds, args.top))
     if rejected and args.show_rejected:
-        print(f"\nrejected ({len(rejected)}), first {min(len(rejected), args.show_rejected)}:")
+        print(f"\nrejected ({len(rejected)}), one per reason, first {args.show_rejected} reasons:")
         seen = set()
         for key, why in rejected:
             if why in seen:
