@@ -323,6 +323,15 @@ def test_cli_export_inspect_import(tmp_path):
     assert m["meta"]["config"]["n_expert"] == 4
     for k, v in got.items():
         np.testing.assert_array_equal(v, a[k])
+    before = (tmp_path / "ck" / "latest").read_bytes()       # never over a folder that holds something
+    for args, want in (((tmp_path / "ck",), "already holds latest, step_00000003: import writes"),
+                       ((tmp_path / "new", "--step", "-5"), "--step -5 must be >= 0"),
+                       ((tmp_path / "new", "--n-head", "3"), "records n_head=2 (pympar metadata); --n-head 3"),
+                       ((tmp_path / "new", "--config", '{"nonsense": 1}'), "--config: nonsense is not a GPTConfig"),
+                       ((tmp_path / "new", "--config", "{bad"), "--config '{bad': not JSON")):
+        r = cli("import", tmp_path / "m.safetensors", *args)
+        assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    assert (tmp_path / "ck" / "latest").read_bytes() == before and not (tmp_path / "new").exists()
     f = tmp_path / "ck" / "step_00000003" / "rank_00000.safetensors"
     f.write_bytes(f.read_bytes()[:100])
     r = cli("inspect", tmp_path / "ck", "--verify")

@@ -20,6 +20,21 @@ from .convert import describe_checkpoint, export_hf, export_state_dict, import_h
 from .errors import CheckpointError
 
 
+def _check_import_target(directory, step: int) -> None:
+    """import writes DIR/step_N and DIR/latest: into a new or empty folder only (never over a run's
+    folder or other checkpoints, whose latest it would replace), at a step >= 0."""
+    from pathlib import Path
+    if step < 0:
+        raise ValueError(f"--step {step} must be >= 0")
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"{d}: exists and is not a directory; give a new or empty directory")
+    held = sorted(p.name for p in d.iterdir())[:4] if d.is_dir() else []
+    if held:
+        raise ValueError(f"{d} already holds {', '.join(held)}{', ...' if len(held) == 4 else ''}: import writes "
+                         f"a step_N checkpoint and 'latest' there; give a new or empty directory")
+
+
 def main(argv=None) -> int:
     start_application("pympar.checkpoint")
     ap = argparse.ArgumentParser(prog="python -m pympar.checkpoint", description=__doc__.split("\n\n")[0])
@@ -44,6 +59,8 @@ def main(argv=None) -> int:
     ins.add_argument("--verify", action="store_true", help="check every file's size and sha256")
     a = ap.parse_args(argv)
     try:
+        if a.cmd == "import":
+            _check_import_target(a.dir, a.step)
         if a.cmd == "export" and a.format == "hf":
             shapes = export_hf(a.dir, a.out, resolve_dtype(a.dtype) if a.dtype else None)
             print(f"wrote {len(shapes)} tensors and config.json to {a.out} "
@@ -59,7 +76,10 @@ def main(argv=None) -> int:
             path = import_hf(a.file, a.dir, step=a.step)
             print(f"wrote checkpoint {path}")
         elif a.cmd == "import":
-            cfg = json.loads(a.config) if a.config else None
+            try:
+                cfg = json.loads(a.config) if a.config else None
+            except ValueError as e:
+                raise ValueError(f"--config {a.config!r}: not JSON ({e})") from None
             if cfg is not None and not isinstance(cfg, dict):
                 raise ValueError("--config must be a JSON object of GPTConfig fields")
             path = import_state_dict(a.file, a.dir, cfg, n_head=a.n_head, step=a.step)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +61,10 @@ def import_state_dict(in_file, directory, config: dict | None = None, n_head=Non
     """Write a step-``step`` checkpoint in ``directory`` from a nanoGPT-named safetensors file."""
     tensors, metadata = st.read_mapped(in_file)       # mapped, not copied: the save streams them
     _untie(tensors, in_file)
+    from ..nn.config import GPTConfig
+    unknown = sorted(set(config or {}) - {f.name for f in fields(GPTConfig)})
+    if unknown:
+        raise ValueError(f"--config: {', '.join(unknown)} is not a GPTConfig field")
     if "pympar.config" in metadata:
         try:
             cfg = json.loads(metadata["pympar.config"])
@@ -68,6 +72,9 @@ def import_state_dict(in_file, directory, config: dict | None = None, n_head=Non
             cfg = None
         if not isinstance(cfg, dict):
             raise CheckpointCorrupt(in_file, "metadata 'pympar.config': expected a JSON object")
+        if n_head is not None and n_head != cfg.get("n_head"):
+            raise CheckpointMismatch(in_file, f"it records n_head={cfg.get('n_head')} (pympar metadata); --n-head "
+                                              f"{n_head} does not apply to it")
     else:
         cfg = infer_config(tensors, n_head)
     cfg.update(config or {})
