@@ -520,3 +520,24 @@ def test_smoke_runs_write_beside_the_cited_results(bench_module):
         text = script.read_text()
         if "add_output_args(" in text and script.name != "common.py":
             assert "resolve_outputs(ap.parse_args(" in text, script.name
+
+
+def test_bad_values_are_one_line_errors_before_anything_runs(tmp_path):
+    """Sizes, counts, dtype, --op, output files: one "error:" line and status 2 before any
+    communicator is made (they were tracebacks, nonsense rows, or a replaced file)."""
+    summary = tmp_path / "summary.json"
+    summary.write_text('{"steps": 1}')
+    cases = {("allreduce", "-b", "-8"): "need 0 <= minbytes <= maxbytes",
+             ("allreduce", "-e", "1X"): "sizes are bytes with an optional K, M or G",
+             ("allreduce", "-e", "999999G"): "needs about 4x that per rank",
+             ("allreduce", "-n", "0"): "--iters=0 must be >= 1",
+             ("bw", "--window", "0"): "--window=0 must be >= 1",
+             ("allgather", "--op", "max"): "--op applies to allreduce and reduce_scatter",
+             ("allreduce", "--dtype", "float8"): "--dtype 'float8'",
+             ("allreduce", "--json", str(tmp_path)): "not a file that can be written here",
+             ("allreduce", "--tune", str(summary)): "is not a pympar-tuning/2 tuning file"}
+    for args, want in cases.items():
+        r = subprocess.run([sys.executable, "-m", "pympar.bench", *args], capture_output=True, text=True,
+                           env=mpi_env(), cwd=ROOT, timeout=60)
+        assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-500:])
+    assert summary.read_text() == '{"steps": 1}'

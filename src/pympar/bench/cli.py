@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -74,7 +76,7 @@ def build_parser():
     p.add_argument("-c", "--check", type=int, default=1, help="1: count elements that differ from the reference")
     p.add_argument("--algo", default="auto", help="auto | all | one algorithm name | a comma-separated list")
     p.add_argument("--dtype", default="float32", help="float32 float64 float16 bfloat16 int32 int64")
-    p.add_argument("--op", default="sum", help="sum avg max min (reductions only)")
+    p.add_argument("--op", default=None, help="sum avg max min (allreduce and reduce_scatter only; default sum)")
     p.add_argument("--backend", default="mpi", choices=("mpi", "nccl"), help="nccl needs a GPU and CuPy")
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--tune", default=None, metavar="FILE", help="add the fastest choice per size to this "
@@ -192,16 +194,68 @@ def _write_json(args, comm, **fields):
                            rounds=args.rounds, **fields), f, indent=1)
 
 
+def _check(ap, args, p2p: bool) -> None:
+    """Every flag's value before anything runs: one "error:" line (ap.error, status 2) on every rank,
+    the same verdict everywhere (no communication)."""
+    try:
+        lo, hi = parse_size(args.minbytes), parse_size(args.maxbytes)
+    except ValueError:
+        ap.error(f"-b {args.minbytes} / -e {args.maxbytes}: sizes are bytes with an optional K, M or G (e.g. 8, 64K, 1M)")
+    if lo < 0 or hi < lo:
+        ap.error(f"-b {args.minbytes} -e {args.maxbytes}: need 0 <= minbytes <= maxbytes")
+    mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+    if mem and 4 * hi > mem:                    # a message's input, output and reference buffers per rank
+        ap.error(f"-e {args.maxbytes}: a message of {hi:,} bytes needs about 4x that per rank; this machine has "
+                 f"{mem:,} bytes")
+    for name, ok, want in (("stepfactor", args.stepfactor > 1, "> 1"), ("iters", args.iters >= 1, ">= 1"),
+                           ("warmup_iters", args.warmup_iters >= 0, ">= 0"), ("rounds", args.rounds >= 1, ">= 1"),
+                           ("window", args.window >= 1, ">= 1"), ("check", args.check in (0, 1), "0 or 1"),
+                           ("large_iters", args.large_iters is None or args.large_iters >= 1, ">= 1")):
+        if not ok:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be {want}")
+    if args.op is not None and args.collective not in ("allreduce", "reduce_scatter"):
+        ap.error(f"--op applies to allreduce and reduce_scatter, not {args.collective}")
+    if args.op is not None and args.op not in ("sum", "avg", "max", "min"):
+        ap.error(f"--op {args.op!r}: expected sum, avg, max or min")
+    args.op = args.op or "sum"
+    try:
+        backend.dtype(args.dtype)
+    except (TypeError, ValueError):
+        ap.error(f"--dtype {args.dtype!r}: expected float32, float64, float16, bfloat16, int32 or int64")
+    if args.json:
+        j = Path(args.json)
+        if j.is_dir() or not j.parent.is_dir() or not os.access(j.parent, os.W_OK):
+            ap.error(f"--json {args.json}: not a file that can be written here")
+    if args.tune:
+        from ..comm import tuning
+        t = Path(args.tune)
+        if t.is_dir() or not t.parent.is_dir() or not os.access(t.parent, os.W_OK):
+            ap.error(f"--tune {args.tune}: not a file that can be written here")
+        if t.exists():
+            try:
+                fmt = json.loads(t.read_text()).get("format")
+            except (OSError, ValueError, AttributeError):
+                fmt = None
+            if fmt != tuning.FORMAT:
+                ap.error(f"--tune {args.tune}: exists and is not a {tuning.FORMAT} tuning file; it would be replaced: "
+                         f"give a new file name")
+
+
 def main(argv=None):
     start_application("pympar.bench", timed=True)
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
     p2p = _defaults(args)
+    _check(ap, args, p2p)
     if args.backend == "nccl":
         if p2p:
             raise SystemExit(f"pympar.bench {args.collective}: --backend nccl is for the collectives")
         from ..comm.nccl import NCCLComm
 
-        comm, xp = NCCLComm(), backend.get_xp("cuda")
+        try:
+            comm, xp = NCCLComm(), backend.get_xp("cuda")
+        except (RuntimeError, ImportError) as e:
+            ap.error(f"--backend nccl: {e}")
     else:
         from mpi4py import MPI
 
