@@ -176,11 +176,17 @@ def test_bad_data_fails_every_rank_naming_the_file(tmp_path, case):
     (["--grad-clip", "inf"], "grad_clip=inf must be a finite number"),
     (["--out", "/etc/passwd"], "--out /etc/passwd: exists and is not a directory"),
     (["--out", "/etc/passwd/run"], "--out /etc/passwd/run: cannot be made: /etc/passwd is not a writable directory"),
+    (["--out", "/sys/pympar-run"], "--out /sys/pympar-run: cannot be made"),     # (as root too: a probe, not access())
+    (["--bucket-mb", "0"], "bucket_mb=0.0 must be > 0"),
+    (["--seed", "-1"], "seed=-1 must be >= 0"),
+    (["--preset", "moe-tiny", "--aux-coef", "nan"], "aux_coef=nan must be a finite number >= 0"),
+    (["--preset", "moe-tiny", "--capacity-factor", "1e308"], "capacity_factor=1e+308 must be in 0..n_expert=4"),
+    (["--config", "__DIR__"], "Is a directory"),
 ])
 def test_bad_config_exits_2_on_every_rank(tmp_path, args, needle):
     small = tmp_path / "s.txt"
     small.write_text("x" * 500)
-    args = [str(small) if a == "__SMALL__" else a for a in args]
+    args = [str(small) if a == "__SMALL__" else str(tmp_path) if a == "__DIR__" else a for a in args]
     res = train(2, *args, check=False, timeout=60, cache=tmp_path / "cache")
     assert res.returncode == 2
     lines = error_lines(res)

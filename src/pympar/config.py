@@ -20,6 +20,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -505,6 +506,8 @@ def _load_toml(path: str) -> dict:
             d = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
+    except OSError as e:                          # a directory, no permission
+        raise ConfigError(f"--config {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
     d = _flatten_toml(d, path)
@@ -690,9 +693,13 @@ def _check_run(run: RunConfig, optim: OptimConfig) -> None:
     for k in ("steps", "eval_iters", "log_every"):
         if getattr(run, k) < 1:
             raise ConfigError(f"{k}={getattr(run, k)} must be >= 1")
-    for k in ("eval_every", "sample_tokens", "threads", "bucket_mb"):
+    for k in ("eval_every", "sample_tokens", "threads", "seed"):
         if getattr(run, k) < 0:
             raise ConfigError(f"{k}={getattr(run, k)} must be >= 0")
+    if run.bucket_mb <= 0:
+        raise ConfigError(f"bucket_mb={run.bucket_mb} must be > 0 (MiB per gradient bucket)")
+    if run.sample_top_k < 1:
+        raise ConfigError(f"sample_top_k={run.sample_top_k} must be >= 1")
     if not 0 < run.topk_ratio <= 1:
         raise ConfigError(f"topk_ratio={run.topk_ratio} must be in (0, 1]")
     if run.comm_timeout <= 0:
@@ -717,6 +724,11 @@ def _check_out(out: str) -> None:
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
         what = "is not writable" if probe == p else f"cannot be made: {probe} is not a writable directory"
         raise ConfigError(f"--out {out}: {what}")
+    try:                                # what access() cannot see (root on /sys or /proc, a read-only mount)
+        os.rmdir(tempfile.mkdtemp(prefix=".pympar-probe-", dir=probe))
+    except OSError as e:
+        raise ConfigError(f"--out {out}: {'is not writable' if probe == p else 'cannot be made'} "
+                          f"({e.strerror or e})") from None
 
 
 def choose_layout(world: int, model: GPTConfig, asked: dict) -> Layout:

@@ -37,8 +37,12 @@ class GPTConfig:
                 raise ValueError(f"top_k={self.top_k} must be in 1..n_expert={self.n_expert}")
             if self.moe_every < 1:
                 raise ValueError(f"moe_every={self.moe_every} must be >= 1")
-            if self.capacity_factor < 0:
-                raise ValueError(f"capacity_factor={self.capacity_factor} must be >= 0 (0 = dropless)")
+            if not 0 <= self.capacity_factor <= self.n_expert:
+                raise ValueError(f"capacity_factor={self.capacity_factor} must be in 0..n_expert={self.n_expert} "
+                                 f"(0 = dropless; n_expert already holds every token at every expert)")
+            for name in ("aux_coef", "z_coef"):
+                if not 0 <= getattr(self, name) < float("inf"):
+                    raise ValueError(f"{name}={getattr(self, name)} must be a finite number >= 0")
             if self.bias_update_rate < 0:
                 raise ValueError(f"bias_update_rate={self.bias_update_rate} must be >= 0")
         if self.ln_eps <= 0:
