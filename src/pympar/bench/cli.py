@@ -112,8 +112,14 @@ def library_call(coll, op):
         if coll == "broadcast":
             mc.Bcast(wire(x), 0)
             return x
-        if coll in ("alltoall", "alltoallv"):
+        if coll == "alltoall":
             mc.Alltoall(wire(x), wire(out))
+            return out
+        if coll == "alltoallv":                  # the library's v-call, equal counts as the case's
+            (sb, st), (rb, rt) = wire(x), wire(out)
+            k = len(sb) // n
+            counts, displs = [k] * n, [i * k for i in range(n)]
+            mc.Alltoallv([sb, (counts, displs), st], [rb, (counts, displs), rt])
             return out
         if coll == "sendrecv":
             mc.Sendrecv(wire(x), (r + 1) % n, 0, wire(out), (r - 1) % n, 0)
@@ -132,8 +138,8 @@ def algorithms(args, comm):
         avail.insert(avail.index("mpi") + 1, "blocking")
     if "shm" in avail and not comm.topology().single_node:
         avail.remove("shm")
-    if args.algo == "all":
-        names = (["auto"] if coll in _AUTO_VERBS else []) + avail + ["library"]
+    if args.algo == "all":                       # auto: for alltoallv and sendrecv, pympar's one call
+        names = ["auto"] + avail + ["library"]
         if coll == "allreduce" and not args.no_torch and args.dtype != "bfloat16":
             from . import torch_peer
 
@@ -290,6 +296,7 @@ def main(argv=None):
     sizes = _sizes(args)
     rows = []
     osu = args.format == "osu"
+    redop = args.op if coll in ("allreduce", "reduce_scatter") else "none"     # (nccl-tests' column)
     if comm.rank == 0:
         print(f"# pympar.bench {coll}: nranks {n}, backend {args.backend}, iters {args.iters}, warmup {args.warmup_iters}"
               + (f", fastest of {args.rounds} alternating rounds" if args.rounds > 1 else ""))
@@ -343,7 +350,7 @@ def main(argv=None):
                                   busbw=algbw * factor, wrong=wrong))
                 if len(rounds) > 1:
                     cells[-1]["rounds_us"] = [t[2] * 1e6 for t in rounds]
-                rows.append(dict(bytes=case.nbytes, count=case.count, type=args.dtype, redop=args.op, algo=algo,
+                rows.append(dict(bytes=case.nbytes, count=case.count, type=args.dtype, redop=redop, algo=algo,
                                  placement="in" if in_place else "out", **cells[-1]))
             label = algo
             if algo == "auto" and coll in _AUTO_VERBS and hasattr(comm, "explain"):
@@ -366,7 +373,7 @@ def main(argv=None):
                     for c in cells:
                         txt += (f"|{'N/A':>10} {'':>7} {'':>7} {'':>7} " if c is None else
                                 f"|{c['time_us']:10.1f} {c['algbw']:7.2f} {c['busbw']:7.2f} {c['wrong'] if c['wrong'] >= 0 else 'N/A':>7} ")
-                    print(f" {case.nbytes:11d} {case.count:11d} {args.dtype:>9} {args.op:>6} {label:>24}  {txt}")
+                    print(f" {case.nbytes:11d} {case.count:11d} {args.dtype:>9} {redop:>6} {label:>24}  {txt}")
         sys.stdout.flush()
     if args.explain and comm.rank == 0:
         for d in explained:
