@@ -146,8 +146,13 @@ def place_once(model, mesh, comm, prompt, slots: int) -> list:
 def prompt_ids(a, V: int) -> list:
     """The prompt's token ids: --prompt-ids, or --prompt's UTF-8 bytes for the byte vocabulary."""
     if a.prompt_ids is not None:
-        ids = [int(t) for t in a.prompt_ids.split(",") if t.strip()]
+        try:
+            ids = [int(t) for t in a.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids {a.prompt_ids!r}: expected comma-separated integers") from None
     elif V == 256:
+        if not a.prompt:
+            raise ValueError("--prompt is empty: give at least one character (the default is a newline)")
         ids = list(a.prompt.encode("utf-8"))
     else:
         raise ValueError(f"the model's vocabulary has {V} tokens, not pympar's 256 bytes: give the prompt as "
@@ -177,8 +182,10 @@ def main(argv=None) -> int:
         mpi = MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
     rank = 0 if mpi is None else mpi.Get_rank()
     try:                                      # every check on every rank, before any collective
-        if a.tokens < 0 or a.temperature <= 0 or (a.top_k is not None and a.top_k < 1):
-            raise ValueError("--tokens must be >= 0, --temperature > 0 and --top-k >= 1")
+        if a.tokens < 0 or not 0 < a.temperature < float("inf") or (a.top_k is not None and a.top_k < 1) or a.seed < 0:
+            raise ValueError("--tokens must be >= 0, --temperature a finite number > 0, --top-k >= 1 and --seed >= 0")
+        if a.prompt_ids is not None and a.prompt != "\n":
+            raise ValueError("give the prompt once: --prompt (text) or --prompt-ids (token ids), not both")
         if mpi is None:
             if any(getattr(a, k) not in (None, 1) for k in ("tp", "pp", "ep")) or a.expert_replicas:
                 raise ValueError("--tp/--pp/--ep above 1 and --expert-replicas need that many ranks: launch with "
