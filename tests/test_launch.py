@@ -108,6 +108,8 @@ def test_supervisor_refuses_what_cannot_run(tmp_path):
     hosts.write_text("localhost:3\n")
     res = _launch(["--hostfile", hosts, "--", *TRAIN, "--micro-batch-size", 2, "--tp", 2, "--out", tmp_path / "r"])
     assert res.returncode == 2 and "3 ranks do not divide into pp*tp*cp = 2" in res.stderr
+    res = _launch(["--mpiexec", tmp_path / "no-mpiexec", "-n", 2, "--", *TRAIN, "--out", tmp_path / "r"])
+    assert res.returncode == 2 and "no such program" in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 
 @pytest.mark.parametrize("before, after", [(4, 2), (2, 4)])

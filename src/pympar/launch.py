@@ -184,7 +184,10 @@ def layout_for(train, world, global_batch):
 
 def find_mpiexec(given=None) -> str:
     if given:
-        return given
+        found = shutil.which(given)
+        if not found:
+            raise LaunchError(f"--mpiexec {given}: no such program (or not executable)")
+        return found
     here = Path(sys.executable).parent / "mpiexec"
     found = str(here) if here.exists() else (shutil.which("mpiexec") or shutil.which("mpirun"))
     if not found:
