@@ -73,6 +73,14 @@ def test_recorder_totals_are_per_category_and_reset():
 def test_report_cli_errors_without_metrics(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 2
     assert "no metrics file" in capsys.readouterr().err
+    m = tmp_path / "metrics.jsonl"
+    m.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "lo')           # cut off mid-line
+    assert report.main([str(tmp_path)]) == 2
+    assert f"{m}: line 2 is not JSON" in capsys.readouterr().err
+    m.unlink()
+    m.mkdir()                                                          # a directory where the file goes
+    assert report.main([str(tmp_path)]) == 2
+    assert f"{m}: Is a directory" in capsys.readouterr().err
 
 
 def test_expert_heat_map_over_training_and_the_per_rank_view(tmp_path):

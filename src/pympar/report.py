@@ -25,8 +25,20 @@ _COLORS = {"compute": "tab:blue", "dp_comm": "tab:orange", "tp_comm": "tab:green
 
 
 def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl; ValueError naming the file and line where one is not a JSON object."""
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}: line {i} is not JSON ({e}); a truncated or foreign metrics file") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: line {i} is not a JSON object")
+            rows.append(row)
+    return rows
 
 
 def plot_loss(m, out, plt):
@@ -148,7 +160,10 @@ def plot_experts(m, out, plt, ep: int = 1) -> bool:
 
 def plot_pipeline(trace_path: Path, out, plt, step: int | None = None) -> bool:
     """Timeline of one step (the last-but-one when there are several) per rank."""
-    events = json.loads(trace_path.read_text())["traceEvents"]
+    try:
+        events = json.loads(trace_path.read_text())["traceEvents"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{trace_path}: not a Chrome trace of pympar.train ({e!r})") from None
     steps = sorted((e for e in events if e.get("cat") == "step" and e.get("pid") == 0), key=lambda e: e["ts"])
     if not steps:
         return False
@@ -222,6 +237,9 @@ def main(argv=None) -> int:
             print(path)
     except (FileNotFoundError, ValueError) as e:
         print(f"pympar.report: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:                         # a directory where a file was expected, no permission
+        print(f"pympar.report: error: {e.filename}: {e.strerror or e}", file=sys.stderr)
         return 2
     return 0
 
