@@ -57,7 +57,7 @@ def build_parser():
     p.add_argument("-b", "--minbytes", default=None, help="smallest message size (suffix K, M, G allowed; "
                    "default 8, latency/bw 0)")
     p.add_argument("-e", "--maxbytes", default=None, help="largest message size (default 32M, latency/bw 4M)")
-    p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="multiply the size by this each step")
+    p.add_argument("-f", "--stepfactor", type=float, default=2.0, help="multiply the size by this each step (default 2)")
     p.add_argument("-n", "--iters", type=int, default=None, help="timed iterations per size (default 20; "
                    "latency/bw 10000 and 100)")
     p.add_argument("-w", "--warmup_iters", type=int, default=None, help="untimed iterations before them "
@@ -66,18 +66,18 @@ def build_parser():
                    "alternating, and report each one's fastest round (default 1)")
     p.add_argument("--large-iters", type=int, default=None, help="latency/bw: iterations above 8 KiB "
                    "(default 1000 and 20)")
-    p.add_argument("--window", type=int, default=64, help="bw: sends in flight per iteration")
+    p.add_argument("--window", type=int, default=64, help="bw: sends in flight per iteration (default 64)")
     p.add_argument("--format", default="nccl", choices=("nccl", "osu"), help="collectives: nccl-tests "
                    "columns or OSU's (avg/min/max latency over the ranks)")
     p.add_argument("--explain", action="store_true", help="print what algo=auto runs per size and why")
     p.add_argument("--on-timeout", default="abort", choices=("abort", "raise"), help="a call past its deadline "
                    "ends the job with the report (abort, as nccl-tests; lets auto use the library's blocking "
                    "call, row 'blocking') or raises CommTimeoutError (raise: auto polls nonblocking calls only)")
-    p.add_argument("-c", "--check", type=int, default=1, help="1: count elements that differ from the reference")
-    p.add_argument("--algo", default="auto", help="auto | all | one algorithm name | a comma-separated list")
-    p.add_argument("--dtype", default="float32", help="float32 float64 float16 bfloat16 int32 int64")
+    p.add_argument("-c", "--check", type=int, default=1, help="1 (default): count the elements that differ from the reference; 0: skip the check")
+    p.add_argument("--algo", default="auto", help="auto (default) | all | one algorithm name | a comma-separated list")
+    p.add_argument("--dtype", default="float32", help="float32 (default) float64 float16 bfloat16 int32 int64")
     p.add_argument("--op", default=None, help="sum avg max min (allreduce and reduce_scatter only; default sum)")
-    p.add_argument("--backend", default="mpi", choices=("mpi", "nccl"), help="nccl needs a GPU and CuPy")
+    p.add_argument("--backend", default="mpi", choices=("mpi", "nccl"), help="mpi (default); nccl needs a GPU and CuPy (implemented, not yet run on a GPU)")
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--tune", default=None, metavar="FILE", help="add the fastest choice per size to this "
                    "tuning file (for algo=auto via PYMPAR_TUNING=FILE)")
