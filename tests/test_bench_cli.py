@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from mpirun import ROOT, mpi_env, run_mpi
@@ -536,10 +537,32 @@ def test_bad_values_are_one_line_errors_before_anything_runs(tmp_path):
              ("bw", "--window", "0"): "--window=0 must be >= 1",
              ("allgather", "--op", "max"): "--op applies to allreduce and reduce_scatter",
              ("allreduce", "--dtype", "float8"): "--dtype 'float8'",
-             ("allreduce", "--json", str(tmp_path)): "not a file that can be written here",
-             ("allreduce", "--tune", str(summary)): "is not a pympar-tuning/2 tuning file"}
+             ("allreduce", "--json", str(tmp_path)): "is a directory",
+             ("allreduce", "-f", "inf"): "--stepfactor=inf must be a finite number > 1",
+             ("allreduce", "--tune", str(summary)): "is not a pympar tuning file; it would be replaced"}
     for args, want in cases.items():
         r = subprocess.run([sys.executable, "-m", "pympar.bench", *args], capture_output=True, text=True,
                            env=mpi_env(), cwd=ROOT, timeout=60)
         assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-500:])
     assert summary.read_text() == '{"steps": 1}'
+
+
+def test_library_rows_call_the_librarys_own_collective():
+    """The library row of alltoall is MPI_Alltoall and of alltoallv MPI_Alltoallv (with equal counts the
+    bytes are the same either way, so only the call made tells them apart)."""
+    from types import SimpleNamespace
+
+    from pympar.bench.cli import library_call
+
+    class Recording:
+        def __init__(self):
+            self.calls = []
+
+        def __getattr__(self, name):
+            return lambda *a, **k: self.calls.append(name)
+    for coll, want in (("alltoall", "Alltoall"), ("alltoallv", "Alltoallv")):
+        mc = Recording()
+        case = SimpleNamespace(comm=SimpleNamespace(mpi_comm=mc, size=2, rank=0), x=np.zeros(8, np.float32),
+                               out=np.zeros(8, np.float32))
+        library_call(coll, "sum")(case)
+        assert mc.calls == [want], (coll, mc.calls)

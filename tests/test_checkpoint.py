@@ -323,6 +323,9 @@ def test_cli_export_inspect_import(tmp_path):
     assert m["meta"]["config"]["n_expert"] == 4
     for k, v in got.items():
         np.testing.assert_array_equal(v, a[k])
+    (tmp_path / "hidden").mkdir()
+    (tmp_path / "hidden" / ".gitkeep").write_text("")         # hidden files do not count
+    assert cli("import", tmp_path / "m.safetensors", tmp_path / "hidden").returncode == 0
     before = (tmp_path / "ck" / "latest").read_bytes()       # never over a folder that holds something
     for args, want in (((tmp_path / "ck",), "already holds latest, step_00000003: import writes"),
                        ((tmp_path / "new", "--step", "-5"), "--step -5 must be >= 0"),

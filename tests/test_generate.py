@@ -69,7 +69,7 @@ def test_cli_samples_from_every_checkpoint_form(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("pympar.generate: error:") and "looked for" in r.stderr
     r = cli(run, "--prompt-ids", "300")
     assert r.returncode == 2 and "prompt ids must be 0..255" in r.stderr
-    for args, want in ((("--seed", "-1"), "--seed >= 0"), (("--prompt", "x", "--prompt-ids", "1"), "not both"),
+    for args, want in ((("--seed", "-1"), "--seed >= 0"), (("--prompt", "x", "--prompt-ids", "1"), "not both"), (("--prompt", "\n", "--prompt-ids", "1"), "not both"),
                        (("--prompt", ""), "--prompt is empty"), (("--prompt-ids", "a,b"), "comma-separated integers"),
                        (("--temperature", "inf"), "a finite number > 0")):
         r = cli(run, *args)

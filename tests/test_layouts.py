@@ -57,7 +57,8 @@ def test_ci_slice_of_expert_layouts_over_simulated_nodes_dispatches_node_aware()
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_ci_slice_of_layouts_on_gpus_matches_single_process(n):
     """The same slice with every rank's parameters, activations and gradients on a GPU (CuPy),
-    against the host single-process reference: pp, tp (+sp), ep, ZeRO-1 on the device path."""
+    against the host single-process reference: the whole slice (every dimension's values, ZeRO 0-3,
+    bf16, cp) on the device path."""
     ran, failed = _run(n, "ci", timeout=600, device="cuda")
     assert (ran, failed) == (len(ci_layouts(n)), 0)
 

@@ -74,7 +74,11 @@ def test_report_cli_errors_without_metrics(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 2
     assert "no metrics file" in capsys.readouterr().err
     m = tmp_path / "metrics.jsonl"
-    m.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "lo')           # cut off mid-line
+    row = '{"step": 0, "loss": 1.0, "tokens_per_s": 1.0, "time_split": {}}\n'
+    m.write_text(row + '{"step": 1, "lo')                             # the last line cut short by a kill
+    assert [r["step"] for r in report.read_metrics(m)] == [0]
+    assert "line 2 is cut short (a killed run?): left out" in capsys.readouterr().err
+    m.write_text(row + '{"step": 1, "lo\n' + row)                   # damaged inside
     assert report.main([str(tmp_path)]) == 2
     assert f"{m}: line 2 is not JSON" in capsys.readouterr().err
     m.unlink()

@@ -713,6 +713,17 @@ def _check_run(run: RunConfig, optim: OptimConfig) -> None:
         raise ConfigError("--resume auto needs --out DIR (it resumes from the latest checkpoint in DIR/checkpoints)")
 
 
+def check_output_file(path) -> None:
+    """ValueError unless ``path`` names a file this process can write (checked, not written): not a
+    directory, in an existing folder it may write to."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError("is a directory; give a file name")
+    parent = p.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot be written: {parent} is not a writable directory")
+
+
 def _check_out(out: str) -> None:
     """--out must be a directory this process can create or write (checked, not created)."""
     p = Path(out)

@@ -33,7 +33,7 @@ def build_parser():
     p = argparse.ArgumentParser(prog="python -m pympar.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="run directory, its checkpoints/ folder, or one step_N checkpoint")
-    p.add_argument("--prompt", default="\n", help="text (byte vocabulary); default: a newline")
+    p.add_argument("--prompt", default=None, help="text (byte vocabulary); default: a newline")
     p.add_argument("--prompt-ids", default=None, help="comma-separated token ids instead of --prompt")
     p.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: 200)")
     p.add_argument("--temperature", type=float, default=1.0, help="divide the logits by this (default: 1.0)")
@@ -151,9 +151,9 @@ def prompt_ids(a, V: int) -> list:
         except ValueError:
             raise ValueError(f"--prompt-ids {a.prompt_ids!r}: expected comma-separated integers") from None
     elif V == 256:
-        if not a.prompt:
+        if a.prompt == "":
             raise ValueError("--prompt is empty: give at least one character (the default is a newline)")
-        ids = list(a.prompt.encode("utf-8"))
+        ids = list(("\n" if a.prompt is None else a.prompt).encode("utf-8"))
     else:
         raise ValueError(f"the model's vocabulary has {V} tokens, not pympar's 256 bytes: give the prompt as "
                          f"--prompt-ids 1,2,3")
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     try:                                      # every check on every rank, before any collective
         if a.tokens < 0 or not 0 < a.temperature < float("inf") or (a.top_k is not None and a.top_k < 1) or a.seed < 0:
             raise ValueError("--tokens must be >= 0, --temperature a finite number > 0, --top-k >= 1 and --seed >= 0")
-        if a.prompt_ids is not None and a.prompt != "\n":
+        if a.prompt_ids is not None and a.prompt is not None:
             raise ValueError("give the prompt once: --prompt (text) or --prompt-ids (token ids), not both")
         if mpi is None:
             if any(getattr(a, k) not in (None, 1) for k in ("tp", "pp", "ep")) or a.expert_replicas:

@@ -25,19 +25,22 @@ _COLORS = {"compute": "tab:blue", "dp_comm": "tab:orange", "tp_comm": "tab:green
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl; ValueError naming the file and line where one is not a JSON object."""
-    rows = []
+    """The rows of a metrics.jsonl. A last line cut short (what a killed run leaves) is left out with a
+    note on stderr; a line elsewhere that is not a JSON object is a ValueError naming the file and line."""
     with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}: line {i} is not JSON ({e}); a truncated or foreign metrics file") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {i} is not a JSON object")
-            rows.append(row)
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for n, (i, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            if n == len(lines) - 1 and not line.endswith("\n"):
+                print(f"pympar.report: {path}: line {i} is cut short (a killed run?): left out", file=sys.stderr)
+                break
+            raise ValueError(f"{path}: line {i} is not JSON ({e}); a damaged or foreign metrics file") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: line {i} is not a JSON object")
+        rows.append(row)
     return rows
 
 

@@ -30,12 +30,12 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from .. import backend
-from ..config import start_application
+from ..comm import tuning
+from ..config import check_output_file, start_application
 from .runners import BUSBW, IN_PLACE, Case
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "alltoallv", "sendrecv")
@@ -200,7 +200,7 @@ def _write_json(args, comm, **fields):
                            rounds=args.rounds, **fields), f, indent=1)
 
 
-def _check(ap, args, p2p: bool) -> None:
+def _check(ap, args) -> None:
     """Every flag's value before anything runs: one "error:" line (ap.error, status 2) on every rank,
     the same verdict everywhere (no communication)."""
     try:
@@ -213,7 +213,7 @@ def _check(ap, args, p2p: bool) -> None:
     if mem and 4 * hi > mem:                    # a message's input, output and reference buffers per rank
         ap.error(f"-e {args.maxbytes}: a message of {hi:,} bytes needs about 4x that per rank; this machine has "
                  f"{mem:,} bytes")
-    for name, ok, want in (("stepfactor", args.stepfactor > 1, "> 1"), ("iters", args.iters >= 1, ">= 1"),
+    for name, ok, want in (("stepfactor", 1 < args.stepfactor < float("inf"), "a finite number > 1"), ("iters", args.iters >= 1, ">= 1"),
                            ("warmup_iters", args.warmup_iters >= 0, ">= 0"), ("rounds", args.rounds >= 1, ">= 1"),
                            ("window", args.window >= 1, ">= 1"), ("check", args.check in (0, 1), "0 or 1"),
                            ("large_iters", args.large_iters is None or args.large_iters >= 1, ">= 1")):
@@ -228,23 +228,14 @@ def _check(ap, args, p2p: bool) -> None:
         backend.dtype(args.dtype)
     except (TypeError, ValueError):
         ap.error(f"--dtype {args.dtype!r}: expected float32, float64, float16, bfloat16, int32 or int64")
-    if args.json:
-        j = Path(args.json)
-        if j.is_dir() or not j.parent.is_dir() or not os.access(j.parent, os.W_OK):
-            ap.error(f"--json {args.json}: not a file that can be written here")
-    if args.tune:
-        from ..comm import tuning
-        t = Path(args.tune)
-        if t.is_dir() or not t.parent.is_dir() or not os.access(t.parent, os.W_OK):
-            ap.error(f"--tune {args.tune}: not a file that can be written here")
-        if t.exists():
-            try:
-                fmt = json.loads(t.read_text()).get("format")
-            except (OSError, ValueError, AttributeError):
-                fmt = None
-            if fmt != tuning.FORMAT:
-                ap.error(f"--tune {args.tune}: exists and is not a {tuning.FORMAT} tuning file; it would be replaced: "
-                         f"give a new file name")
+    for flag, path in (("--json", args.json), ("--tune", args.tune)):
+        try:
+            if path:
+                check_output_file(path)
+            if path and flag == "--tune":
+                tuning.check_target(path)
+        except ValueError as e:
+            ap.error(f"{flag} {path}: {e}")
 
 
 def main(argv=None):
@@ -252,7 +243,7 @@ def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
     p2p = _defaults(args)
-    _check(ap, args, p2p)
+    _check(ap, args)
     if args.backend == "nccl":
         if p2p:
             raise SystemExit(f"pympar.bench {args.collective}: --backend nccl is for the collectives")

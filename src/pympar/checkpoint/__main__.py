@@ -29,9 +29,9 @@ def _check_import_target(directory, step: int) -> None:
     d = Path(directory)
     if d.exists() and not d.is_dir():
         raise ValueError(f"{d}: exists and is not a directory; give a new or empty directory")
-    held = sorted(p.name for p in d.iterdir())[:4] if d.is_dir() else []
+    held = sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.is_dir() else []
     if held:
-        raise ValueError(f"{d} already holds {', '.join(held)}{', ...' if len(held) == 4 else ''}: import writes "
+        raise ValueError(f"{d} already holds {', '.join(held[:4])}{', ...' if len(held) > 4 else ''}: import writes "
                          f"a step_N checkpoint and 'latest' there; give a new or empty directory")
 
 

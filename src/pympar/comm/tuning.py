@@ -342,12 +342,29 @@ class Tuner:
         return d
 
 
+def check_target(path) -> None:
+    """ValueError unless write_file may write ``path``: a new file, or a pympar tuning file (of any
+    machine or format version, which write_file replaces); anything else is someone's data."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory; give a file name")
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            fmt = json.load(f).get("format", "")
+    except (OSError, ValueError, AttributeError):
+        fmt = ""
+    if not str(fmt).startswith("pympar-tuning/"):
+        raise ValueError(f"{path} exists and is not a pympar tuning file; it would be replaced: give a new file name")
+
+
 def write_file(path, shape, verb, dtype, rows):
     """Add {nbytes: {candidate: seconds}} measured at ``shape`` to the tuning file ``path``.
 
     Each size's decision uses the same rule as the measurement (pick). Entries of other
-    shapes, collectives and dtypes already in the file stay; a file of another machine or
-    format is replaced (with a TuningWarning)."""
+    shapes, collectives and dtypes already in the file stay; a tuning file of another machine or
+    format version is replaced (with a TuningWarning); any other file is refused (check_target)."""
+    check_target(path)
     here, data = machine(), None
     if os.path.exists(path):
         try:

@@ -87,7 +87,7 @@ import math
 import os
 import sys
 
-from ..config import child_environment, start_application
+from ..config import check_output_file, child_environment, start_application
 from ..layout import Layout
 from ..metrics import measure_matmul_peak
 from ..nn.config import PRESETS, GPTConfig, flops_per_token
@@ -298,17 +298,6 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _check_writable(path) -> None:
-    """ValueError unless ``path`` is a file this process can write (it is not written here)."""
-    from pathlib import Path
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError("is a directory; give a file name")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot be written: {parent} is not a writable directory")
-
-
 def main(argv=None) -> int:
     start_application("pympar.plan")
     ap = argparse.ArgumentParser(prog="python -m pympar.plan", description=__doc__.split("\n\n")[0],
@@ -347,15 +336,21 @@ def main(argv=None) -> int:
             ap.error(f"--{name}={getattr(args, name.replace('-', '_'))} must be {want}")
     if args.mem_per_rank is not None:
         try:
-            if parse_bytes(args.mem_per_rank) <= 0:
+            if not 0 < parse_bytes(args.mem_per_rank) < float("inf"):
                 raise ValueError("must be a positive size")
-        except ValueError as e:
+        except (ValueError, OverflowError) as e:
             ap.error(f"--mem-per-rank {args.mem_per_rank!r}: {e} (e.g. 2GiB)")
     if args.json:
         try:
-            _check_writable(args.json)
+            check_output_file(args.json)
         except ValueError as e:
             ap.error(f"--json {args.json}: {e}")
+    if args.measure:
+        from ..launch import LaunchError, find_mpiexec
+        try:
+            find_mpiexec()
+        except LaunchError as e:
+            ap.error(f"--measure: {e}")
     over = {f: getattr(args, f) for f in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
                                          "n_expert", "top_k", "moe_every") if getattr(args, f) is not None}
     try:
