@@ -218,8 +218,8 @@ def resolve_outputs(a):
 
 
 def write_outputs(a, res, plot) -> None:
-    """The result as JSON at a.json, plot(res, a.png), and a line saying where both went."""
-    resolve_outputs(a)
+    """The result as JSON at a.json, plot(res, a.png) (both resolved at parse time: resolve_outputs),
+    and a line saying where both went."""
     write_json(a.json, res)
     plot(res, a.png)
     print(f"wrote {a.json} {a.png}")

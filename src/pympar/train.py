@@ -167,7 +167,7 @@ def _train(mpi, cfg, corpus, resume_path, env, faults=None) -> int:
     rec = Recorder(enabled=run.profile)
     runner = build_runner(model_cfg, lay, comm, run, optim, rec)
     predicted = runner.predicted_ledger(lay.micro_batch_size, lay.n_micro)
-    pp_overlap = bool(getattr(getattr(runner, "executor", None), "overlap", False))   # --pp-overlap made concrete
+    pp_overlap = runner.pp_overlap                                 # --pp-overlap made concrete
     peak = float(comm.allreduce(np.array([_peak(run, comm)]))[0])  # all ranks at once, summed
     guard = BadStepGuard(run.max_bad_steps, getattr(runner, "scaler", None))
     injector = faults(rank, runner.model) if faults is not None else None
@@ -184,11 +184,9 @@ def _train(mpi, cfg, corpus, resume_path, env, faults=None) -> int:
                + (", sequence parallel" if lay.seq_parallel else "")) if run.layout == "auto" else \
               ("chosen for the world size" if run.layout_auto else "as given")
         if lay.pp > 1 and lay.schedule == "dualpipev":
-            why = "" if run.pp_overlap != "auto" else ": an ep group's all-to-alls cross nodes" if pp_overlap else \
-                ": no expert all-to-all" if lay.ep == 1 else ": not on GPUs" if run.device != "cpu" else \
-                ": the ep groups' all-to-alls stay inside a node"
+            why = runner.pp_overlap_why
             how += (f"); DualPipeV's F & B pairs {'interleaved' if pp_overlap else 'one action after the other'} "
-                    f"(--pp-overlap {run.pp_overlap}{why}")
+                    f"(--pp-overlap {run.pp_overlap}{': ' + why if why else ''}")
         print(f"pympar.train: {world} rank(s), layout {lay} ({how}); {threads} thread(s) per rank ({threads_why}); "
               f"kernels {kernels.describe() if run.device != 'cuda' else 'CUDA'}; "
               f"GEMM {'cuBLAS' if run.device == 'cuda' else gemm.describe()}; "

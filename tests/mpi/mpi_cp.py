@@ -164,17 +164,18 @@ def test_ulysses_holds_what_it_counts(comm, mpi_world):
             tracemalloc.stop()
         assert full.nbytes == qkv.nbytes and heads_peak <= 2 * qkv.nbytes + slack, (name, heads_peak / unit)
         del full
-        for counter in (core, core.ring):                # the counts of this forward and backward only
-            if counter is not None:
-                counter.peak_bytes = 0
+        def reset():                                     # the counts of this pass only
+            for counter in (core, core.ring):
+                if counter is not None:
+                    counter.peak_bytes = 0
+        reset()
         tracemalloc.start()
         try:
             base = tracemalloc.get_traced_memory()[0]
             o, ctx = core.forward(qkv)
             kept, fwd = (m - base for m in tracemalloc.get_traced_memory())
-            counted_fwd, core.peak_bytes = core.peak_bytes, 0
-            if core.ring is not None:
-                core.ring.peak_bytes = 0
+            counted_fwd = core.peak_bytes
+            reset()
             tracemalloc.reset_peak()
             base = tracemalloc.get_traced_memory()[0]
             dqkv = core.backward(dout, ctx)

@@ -40,6 +40,7 @@ from .runners import BUSBW, IN_PLACE, Case
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall", "alltoallv", "sendrecv")
 POINT_TO_POINT = ("latency", "bw")
+REDUCING = ("allreduce", "reduce_scatter")       # the collectives --op applies to
 
 
 def parse_size(s: str) -> int:
@@ -76,7 +77,8 @@ def build_parser():
     p.add_argument("-c", "--check", type=int, default=1, help="1 (default): count the elements that differ from the reference; 0: skip the check")
     p.add_argument("--algo", default="auto", help="auto (default) | all | one algorithm name | a comma-separated list")
     p.add_argument("--dtype", default="float32", help="float32 (default) float64 float16 bfloat16 int32 int64")
-    p.add_argument("--op", default=None, help="sum avg max min (allreduce and reduce_scatter only; default sum)")
+    p.add_argument("--op", default=None, choices=("sum", "avg", "max", "min"),
+                   help="allreduce and reduce_scatter only (default sum)")
     p.add_argument("--backend", default="mpi", choices=("mpi", "nccl"), help="mpi (default); nccl needs a GPU and CuPy (implemented, not yet run on a GPU)")
     p.add_argument("--json", default=None, help="write every row here")
     p.add_argument("--tune", default=None, metavar="FILE", help="add the fastest choice per size to this "
@@ -219,20 +221,19 @@ def _check(ap, args) -> None:
                            ("large_iters", args.large_iters is None or args.large_iters >= 1, ">= 1")):
         if not ok:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be {want}")
-    if args.op is not None and args.collective not in ("allreduce", "reduce_scatter"):
+    if args.op is not None and args.collective not in REDUCING:
         ap.error(f"--op applies to allreduce and reduce_scatter, not {args.collective}")
-    if args.op is not None and args.op not in ("sum", "avg", "max", "min"):
-        ap.error(f"--op {args.op!r}: expected sum, avg, max or min")
     args.op = args.op or "sum"
     try:
         backend.dtype(args.dtype)
     except (TypeError, ValueError):
         ap.error(f"--dtype {args.dtype!r}: expected float32, float64, float16, bfloat16, int32 or int64")
     for flag, path in (("--json", args.json), ("--tune", args.tune)):
+        if not path:
+            continue
         try:
-            if path:
-                check_output_file(path)
-            if path and flag == "--tune":
+            check_output_file(path)
+            if flag == "--tune":
                 tuning.check_target(path)
         except ValueError as e:
             ap.error(f"{flag} {path}: {e}")
@@ -287,7 +288,7 @@ def main(argv=None):
     sizes = _sizes(args)
     rows = []
     osu = args.format == "osu"
-    redop = args.op if coll in ("allreduce", "reduce_scatter") else "none"     # (nccl-tests' column)
+    redop = args.op if coll in REDUCING else "none"                            # (nccl-tests' column)
     if comm.rank == 0:
         print(f"# pympar.bench {coll}: nranks {n}, backend {args.backend}, iters {args.iters}, warmup {args.warmup_iters}"
               + (f", fastest of {args.rounds} alternating rounds" if args.rounds > 1 else ""))

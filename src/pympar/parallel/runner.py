@@ -83,6 +83,8 @@ class ParallelRunner:
     master_dtype, device, compress, topk_ratio, bucket_mb, dp_overlap, pp_channels, pp_costs, pp_overlap,
     ep_dispatch, expert_replicas, replan_every, deterministic)."""
 
+    pp_overlap, pp_overlap_why = False, ""     # DualPipeV's pairs interleaved, and why (set with a pipeline)
+
     def __init__(self, model_cfg, layout, comm, opts, optim, rec=None):
         self.model_cfg, self.layout, self.comm = model_cfg, layout, comm
         self.rec = Recorder() if rec is None else rec      # the trainer passes its own (events, trace)
@@ -172,22 +174,27 @@ class ParallelRunner:
             return model, None
         from .pp import PipelineExecutor
         channels = {"auto": None, "tags": False, "ordered": True}[opts.pp_channels]
+        self.pp_overlap, self.pp_overlap_why = self._pp_overlap(getattr(opts, "pp_overlap", "auto"), opts.device)
         return model, PipelineExecutor(model, self.mesh.pp_comm, self.schedule, channels=channels,
-                                       overlap=self._pp_overlap(getattr(opts, "pp_overlap", "auto"), opts.device))
+                                       overlap=self.pp_overlap)
 
-    def _pp_overlap(self, mode: str, device: str) -> bool:
-        """--pp-overlap made concrete, the same on every rank: dualpipev's F & B pairs interleave when
-        asked ("on"), or ("auto") on the CPU where some ep group's all-to-alls cross nodes (flat, or
-        the node-aware route's hops; inside a node the library moves the bytes with the CPU:
-        docs/pipeline.md). auto's answer is the job's (one allreduce): the collectives inside a pair
-        start in the pair's order, so every rank that shares a group must interleave alike."""
+    def _pp_overlap(self, mode: str, device: str) -> tuple:
+        """--pp-overlap made concrete, the same on every rank, and why (for the start-up line):
+        dualpipev's F & B pairs interleave when asked ("on"), or ("auto") on the CPU where some ep
+        group's all-to-alls cross nodes (flat, or the node-aware route's hops; inside a node the
+        library moves the bytes with the CPU: docs/pipeline.md). auto's answer is the job's (one
+        allreduce): the collectives inside a pair start in the pair's order, so every rank that
+        shares a group must interleave alike."""
         if self.schedule != "dualpipev" or mode == "off":
-            return False
+            return False, ""
         if mode == "on":
-            return True
+            return True, ""
         ep = self.mesh.ep_comm                  # (its topology: collective over the ep group, asked by all)
         crosses = device == "cpu" and ep.size > 1 and hasattr(ep, "topology") and not ep.topology().single_node
-        return bool(np.asarray(self.comm.allreduce(np.array([int(crosses)], np.int64), op="max")).reshape(-1)[0])  # host
+        on = bool(np.asarray(self.comm.allreduce(np.array([int(crosses)], np.int64), op="max")).reshape(-1)[0])  # host
+        why = ("an ep group's all-to-alls cross nodes" if on else "no expert all-to-all" if ep.size == 1 else
+               "not on GPUs" if device != "cpu" else "the ep groups' all-to-alls stay inside a node")
+        return on, why
 
     def _local(self, batches):
         """This rank's positions of each (idx, targets) of whole sequences (all of them when cp = 1)."""
