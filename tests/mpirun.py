@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -85,8 +86,9 @@ def _kill_job(p):
             pass
 
 
-def run_mpi(n: int, args, timeout: float = 120, env=None, cwd=None, check=True):
+def run_mpi(n: int, args, timeout: float = 120, env=None, cwd=None, check=True, address_space=None):
     """Run ``mpiexec -n n python <args>``; return CompletedProcess (stdout+stderr merged).
+    ``address_space``: bytes of virtual memory each process may map (RLIMIT_AS, as ``ulimit -v``).
 
     Raises AssertionError naming the command and showing the output tail when it fails
     (check=True) or exceeds ``timeout`` seconds.
@@ -94,8 +96,10 @@ def run_mpi(n: int, args, timeout: float = 120, env=None, cwd=None, check=True):
     cmd = [mpiexec(), "-n", str(n), sys.executable] + [_abs(a) for a in args]
     if cwd is None:                             # the ranks import the installed pympar (src/ layout:
         cwd = ROOT                               # the checkout's root has no pympar/ to shadow it)
+    limit = None if address_space is None else \
+        (lambda: resource.setrlimit(resource.RLIMIT_AS, (int(address_space), int(address_space))))
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=mpi_env(env), cwd=cwd, start_new_session=True)
+                         env=mpi_env(env), cwd=cwd, start_new_session=True, preexec_fn=limit)
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

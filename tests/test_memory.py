@@ -467,3 +467,33 @@ def test_selective_leaves_a_tensor_parallel_mlp_its_hidden_layer():
     assert not any(b.mlp.keep_hidden for b in plain.h)
     set_recompute(plain, "none")
     assert all(b.mlp.keep_hidden for b in plain.h)
+
+
+def test_available_memory_is_meminfo_or_a_cgroups_room_whichever_is_smaller(tmp_path):
+    """The trainer's --memory-check compares with ledger.available_memory: this node's, and a memory
+    cgroup's limit less its use without the reclaimable page cache (v2 and v1 files, as the kernel
+    writes them, under a root of their own)."""
+    total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+    assert 0 < ledger.available_memory() <= total
+    assert ledger.available_memory(str(tmp_path)) is None                 # nothing to read
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text("MemTotal:       16777216 kB\nMemAvailable:    8388608 kB\n")
+    assert ledger.available_memory(str(tmp_path)) == 8 << 30
+    v2 = tmp_path / "sys" / "fs" / "cgroup"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text(f"{1 << 30}\n")
+    (v2 / "memory.current").write_text(f"{600 << 20}\n")
+    (v2 / "memory.stat").write_text(f"anon {500 << 20}\nfile {100 << 20}\ninactive_file {100 << 20}\n")
+    assert ledger.available_memory(str(tmp_path)) == (1 << 30) - (500 << 20)
+    (v2 / "memory.max").write_text("max\n")                              # v2 without a limit
+    assert ledger.available_memory(str(tmp_path)) == 8 << 30
+    for f in ("memory.max", "memory.current", "memory.stat"):
+        (v2 / f).unlink()
+    v1 = v2 / "memory"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text(f"{3 << 30}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{2 << 30}\n")
+    (v1 / "memory.stat").write_text(f"cache {1 << 30}\ntotal_inactive_file {512 << 20}\n")
+    assert ledger.available_memory(str(tmp_path)) == (3 << 30) - (2 << 30) + (512 << 20)
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")      # v1 without a limit
+    assert ledger.available_memory(str(tmp_path)) == 8 << 30

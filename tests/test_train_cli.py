@@ -7,16 +7,18 @@ import pytest
 
 from mpirun import run_mpi
 from pympar import layout as layouts
-from pympar.config import ConfigError, parse_args
+from pympar.config import ConfigError, apply_environment, parse_args
+from pympar.parallel import ledger
 
 TINY = ["--preset", "tiny", "--block-size", "16", "--micro-batch-size", "2", "--sample-tokens", "8",
         "--eval-iters", "2"]
 KEYS = {"step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "time_split", "loss_scale", "moe"}
 
 
-def train(n, *args, check=True, timeout=90, cache=None):
+def train(n, *args, check=True, timeout=90, cache=None, address_space=None):
     env = {"PYMPAR_CACHE": cache} if cache else None
-    return run_mpi(n, ["-m", "pympar.train", *TINY, *map(str, args)], timeout=timeout, check=check, env=env)
+    return run_mpi(n, ["-m", "pympar.train", *TINY, *map(str, args)], timeout=timeout, check=check, env=env,
+                   address_space=address_space)
 
 
 def metrics(out):
@@ -192,6 +194,36 @@ def test_bad_config_exits_2_on_every_rank(tmp_path, args, needle):
     lines = error_lines(res)
     assert len(lines) == 2 and lines[0] == lines[1], res.stdout[-2000:]
     assert needle in lines[0]
+
+
+def test_a_run_that_cannot_fit_is_refused_on_every_rank_before_it_allocates():
+    """--memory-check (on by default): the ledger's prediction times the node's ranks against what
+    the node has available, agreed by every rank before the model is built -- one line on each,
+    exit 2, no traceback and no kill by the OS. A billion sequences per micro-batch need petabytes."""
+    args = ["--micro-batch-size", 10**9, "--steps", 1]
+    res = train(2, *args, check=False, timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stdout, res.stdout[-2000:]
+    lines = error_lines(res)
+    assert len(lines) == 2 and lines[0] == lines[1], res.stdout[-2000:]
+    cfg = parse_args([*TINY, *map(str, args)], 2, apply_environment())
+    peak = ledger.predict_run(cfg.model, cfg.parallel, cfg.run, cfg.optim)["peak"]
+    assert f"2 rank(s) x {ledger.human(peak)} predicted per rank = {ledger.human(2 * peak)} > " in lines[0], lines[0]
+    assert "--micro-batch-size" in lines[0] and "--no-memory-check runs it anyway" in lines[0]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_running_out_of_memory_anyway_ends_every_rank_with_one_line(n):
+    """--no-memory-check, and an allocation the process cannot get (its address space limited to
+    6 GiB, as ``ulimit -v``; one activation of the micro-batch is 19 GiB): a clear line per rank and
+    exit status 1, not a traceback, and on 2 ranks the whole job ends (MPI_Abort) instead of one
+    rank waiting for the other."""
+    res = train(n, "--micro-batch-size", 10**5, "--n-embd", 1024, "--steps", 1, "--no-memory-check", check=False,
+                timeout=60, address_space=6 << 30)
+    assert res.returncode == 1 and "Traceback" not in res.stdout, res.stdout[-3000:]
+    lines = [line for line in res.stdout.splitlines() if "out of memory" in line]
+    want = ["pympar.train: error: rank 0: out of memory ("] if n == 1 else \
+        [f"pympar: rank {r}: error: out of memory (" for r in range(n)]
+    assert sorted(line[:len(want[0])] for line in lines) == want, res.stdout[-3000:]
 
 
 @pytest.fixture(scope="module")

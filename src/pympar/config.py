@@ -278,6 +278,7 @@ class RunConfig:
     master_dtype: str = "float32"
     threads: int = 0
     bind: str = "none"
+    memory_check: bool = True            # refuse a run the ledger predicts cannot fit in the nodes' memory
     # the loop
     steps: int = 200
     seed: int = 1337
@@ -394,6 +395,9 @@ _HELP = {
                "cores this node's ranks may run on divided by the ranks on the node)",
     "bind": "'cores': pin each rank's threads to its own disjoint cores of the node's affinity mask (when the "
             "node's ranks share one mask and ranks x threads fit in it); 'none': leave placement to the OS",
+    "memory_check": "before building the model, refuse (on every rank) a run whose predicted peak (the memory "
+                    "ledger's, printed at start-up) times the ranks on a node exceeds what the node has available "
+                    "(MemAvailable, or a memory cgroup's limit less its use); --no-memory-check runs it anyway (CPU only)",
     "steps": "optimizer steps", "lr": "peak learning rate", "min_lr": "final learning rate of the cosine",
     "warmup": "linear warm-up steps", "weight_decay": "AdamW weight decay", "grad_clip": "global grad-norm clip (0 = off)",
     "seed": "seed of the parameters and of the batch stream",

@@ -128,11 +128,9 @@ def _main(mpi, argv, faults, beats) -> int:
                         f"and run the same command with --resume auto (pympar.launch waits for space and resumes "
                         f"by itself)\n".encode())
         return DISK_FULL_STATUS
-    except NodeRouteError as e:                # found by the ranks together (their nodes): agreed, on every rank
-        sys.stderr.flush()
-        os.write(2, f"pympar.train: error: {e}\n".encode())
-        return 2
-    except CheckpointError as e:               # found while loading (a checksum): agreed, the same words on every rank
+    except (NodeRouteError, CheckpointError, MemoryRefused) as e:
+        # found by the ranks together (their nodes; a checksum while loading; the nodes' memory):
+        # agreed, the same words on every rank
         sys.stderr.flush()
         os.write(2, f"pympar.train: error: {e}\n".encode())
         return 2
@@ -140,12 +138,20 @@ def _main(mpi, argv, faults, beats) -> int:
         sys.stderr.flush()
         os.write(2, f"pympar.train: error: rank {rank}: {e}\n".encode())
         return STOP_STATUS
+    except MemoryError as e:                   # what the ledger did not foresee (--no-memory-check, other jobs)
+        msg = (f"out of memory ({str(e) or 'an allocation failed'}); the start-up line gives the ledger's prediction per rank (--memory-check, "
+               f"on by default, refuses a run whose prediction cannot fit)")
+        if world == 1:
+            sys.stderr.flush()
+            os.write(2, f"pympar.train: error: rank {rank}: {msg}\n".encode())
+            return 1
+        abort_job(MemoryError(msg), status=1, what="error")
     except Exception as e:
         if world == 1:
             raise
         import traceback
         traceback.print_exc()
-        abort_job(RuntimeError(f"unexpected {type(e).__name__} on this rank: {e}"), status=1)
+        abort_job(RuntimeError(f"unexpected {type(e).__name__} on this rank: {e}"), status=1, what="error")
 
 
 def _train(mpi, cfg, corpus, resume_path, env, faults=None) -> int:
@@ -165,8 +171,10 @@ def _train(mpi, cfg, corpus, resume_path, env, faults=None) -> int:
         comm = MPIComm(mpi, name="world", timeout=run.comm_timeout, on_timeout="abort")
     dp_rank = Mesh.coords(rank, lay.dp, lay.pp, lay.tp, lay.cp).dp   # this rank's data shard
     rec = Recorder(enabled=run.profile)
+    predicted = ledger.predict_run(model_cfg, lay, run, optim)     # the worst pipeline rank's
+    if run.memory_check and run.device == "cpu":
+        _check_memory(mpi, predicted, lay, run)
     runner = build_runner(model_cfg, lay, comm, run, optim, rec)
-    predicted = runner.predicted_ledger(lay.micro_batch_size, lay.n_micro)
     pp_overlap = runner.pp_overlap                                 # --pp-overlap made concrete
     peak = float(comm.allreduce(np.array([_peak(run, comm)]))[0])  # all ranks at once, summed
     guard = BadStepGuard(run.max_bad_steps, getattr(runner, "scaler", None))
@@ -298,6 +306,41 @@ def _train(mpi, cfg, corpus, resume_path, env, faults=None) -> int:
             _write_or_warn(out / "summary.json", lambda f: f.write_text(json.dumps(summary, indent=1)))
     metrics.close()
     return 0
+
+
+class MemoryRefused(RuntimeError):
+    """--memory-check: some node cannot hold its ranks' predicted peak (agreed by every rank)."""
+
+
+def _check_memory(mpi, predicted: dict, lay, run) -> None:
+    """Refuse, on every rank alike, a run whose ledger peak times a node's ranks exceeds what that
+    node has available (ledger.available_memory, read once per node). Collective over the world."""
+    from mpi4py import MPI
+
+    node = mpi.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        local = node.Get_size()
+        avail = node.bcast(ledger.available_memory() if node.Get_rank() == 0 else None)
+        host = MPI.Get_processor_name()
+    finally:
+        node.Free()
+    need = local * predicted["peak"]
+    # the worst node's: the largest need over available, the same tuple on every rank
+    mine = (need / avail if avail else 0.0, need, avail or 0, local, host)
+    ratio, need, avail, local, host = mpi.allreduce(mine, op=MPI.MAX)
+    if ratio <= 1.0:
+        return
+    helps = (["fewer sequences per micro-batch (--micro-batch-size, with more --n-micro for the same batch)"]
+             * (lay.micro_batch_size > 1)
+             + [f"--recompute {'selective or full' if lay.recompute == 'none' else 'full'}"] * (lay.recompute != "full")
+             + [f"--zero {lay.zero + 1}{'-3' if lay.zero < 2 else ''}"] * (lay.dp * lay.cp > 1 and lay.zero < 3)
+             + ["--dtype bfloat16"] * (run.dtype == "float32")
+             + ["more ranks over more nodes"])
+    raise MemoryRefused(
+        f"this run needs more memory than node {host} has: {local} rank(s) x {ledger.human(predicted['peak'])} "
+        f"predicted per rank = {ledger.human(need)} > {ledger.human(avail)} available (the ledger, worst rank: "
+        f"{ledger.describe(predicted)}). Less is held with {', '.join(helps)} (python -m pympar.plan ranks the "
+        f"layouts that fit); --no-memory-check runs it anyway")
 
 
 def _write_or_warn(path, write):

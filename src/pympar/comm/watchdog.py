@@ -240,23 +240,24 @@ def _peers_ahead() -> list:
     return out
 
 
-def report(err: BaseException, rank: int | None = None) -> str:
-    """The one-line report of a watchdog error (timeout or collective mismatch)."""
+def report(err: BaseException, rank: int | None = None, what: str = "collective watchdog") -> str:
+    """The one-line report of a watchdog error (timeout or collective mismatch), or of ``what``
+    else ended the job."""
     who = f"rank {rank}" if rank is not None else "a rank"
-    return f"pympar: {who}: collective watchdog: {err}; aborting the job"
+    return f"pympar: {who}: {what}: {err}; aborting the job"
 
 
 ABORT_GRACE_S = 1.0
 
 
-def abort_job(err: BaseException, status: int = ABORT_STATUS):
+def abort_job(err: BaseException, status: int = ABORT_STATUS, what: str = "collective watchdog"):
     """Print the report on stderr and end every rank of the job (MPI_Abort on COMM_WORLD)."""
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
     sys.stdout.flush()
     sys.stderr.flush()
-    os.write(2, (report(err, rank) + "\n").encode())
+    os.write(2, (report(err, rank, what) + "\n").encode())
     # give the launcher a moment to forward the report: MPI_Abort tears the job down at once,
     # and output still in the launcher's pipes can be lost with it
     time.sleep(ABORT_GRACE_S)

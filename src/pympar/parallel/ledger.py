@@ -400,6 +400,75 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, etp=None, zero=0, recompute="none", 
     return worst
 
 
+def predict_run(model_cfg, layout, run, optim) -> dict:
+    """predict() for a trainer run: its layout, compute and master dtypes, moments and buckets (the
+    worst pipeline rank's ledger, with peak) -- from the configuration alone, before anything is
+    built, so the trainer can refuse a run that cannot fit and the start-up line can print it."""
+    import numpy as np
+
+    compute = None if run.dtype == "float32" else run.dtype      # bfloat16 or float16: 2 bytes
+    master = np.dtype(run.master_dtype)
+    item = 2 if compute else master.itemsize
+    led, _ = predict(model_cfg, dp=layout.dp, pp=layout.pp, tp=layout.tp, ep=layout.ep, etp=layout.etp,
+                     zero=int(layout.zero), recompute=layout.recompute, sp=bool(layout.seq_parallel),
+                     micro_batch_size=layout.micro_batch_size, n_micro=layout.n_micro, schedule=layout.schedule,
+                     virtual_stages=layout.virtual_stages, master_bytes=master.itemsize, act_bytes=item,
+                     bucket_mb=run.bucket_mb, cp=layout.cp, cp_comm=layout.cp_comm, cp_a2a=layout.cp_a2a,
+                     moment_bytes=2 if optim.moments_dtype == "bfloat16" else None,
+                     tiled=tiled_attention(item, compute or "bfloat16"))
+    return led
+
+
+def _read_int(path) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _stat(path, key) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                words = line.split()
+                if len(words) >= 2 and words[0] == key:
+                    return int(words[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+NO_LIMIT = 1 << 60          # cgroup limits at or above this mean none (v1 writes 2^63 rounded to pages)
+
+
+def available_memory(root: str = "/") -> int | None:
+    """Bytes this node can still give to new allocations: /proc/meminfo's MemAvailable, and, where
+    the processes run in a memory cgroup with a limit (a container, a batch system's job), that
+    limit less the group's usage without its reclaimable page cache (v2 memory.max, v1
+    memory.limit_in_bytes); the smaller. None where neither can be read. ``root``: the file
+    system's root the files are read under."""
+    import os
+
+    def at(path):
+        return os.path.join(root, path)
+
+    avail = None
+    meminfo = _stat(at("proc/meminfo"), "MemAvailable:")
+    if meminfo:
+        avail = meminfo * 1024
+    for d, limit_f, usage_f, cache in (("sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),
+                                       ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                                        "total_inactive_file")):
+        limit, usage = _read_int(at(f"{d}/{limit_f}")), _read_int(at(f"{d}/{usage_f}"))
+        if limit is None or usage is None or limit >= NO_LIMIT:
+            continue
+        room = max(0, limit - max(0, usage - _stat(at(f"{d}/memory.stat"), cache)))
+        avail = room if avail is None else min(avail, room)
+        break
+    return avail
+
+
 def compute_copy_bytes(n, units, zero, act_bytes, master_bytes) -> int:
     """The step's weight cache under bf16 compute (nn.products.compute_copies): each weight's bf16 copy
     and its two packs for the products (as W and as W^T), 6 bytes per element, held for the step; under
@@ -464,10 +533,10 @@ def describe(ledger: dict) -> str:
     """One line: 'params 0.50 GiB, grads ..., peak ...'."""
     short = dict(parameters="params", gradients="grads", optimizer="optimizer", activations="activations",
                  communication="comm", workspace="workspace", peak="peak")
-    return ", ".join(f"{short[k]} {_h(ledger[k])}" for k in (*CATEGORIES, "peak") if k in ledger)
+    return ", ".join(f"{short[k]} {human(ledger[k])}" for k in (*CATEGORIES, "peak") if k in ledger)
 
 
-def _h(n) -> str:
+def human(n) -> str:
     n = float(n)
     for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= f:

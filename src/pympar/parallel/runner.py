@@ -427,19 +427,6 @@ class ParallelRunner:
         return [i for c in ch for i in c.block_ids], any(c.embedding is not None for c in ch), \
             any(c.head is not None for c in ch)
 
-    def predicted_ledger(self, micro_batch_size, n_micro):
-        """The planner's ledger of this layout (the worst pipeline rank), for the same options."""
-        item = np.dtype(self.compute or self.master).itemsize
-        led, _ = ledger.predict(self.model_cfg, dp=self.dp, pp=self.pp, tp=self.tp, ep=self.ep, etp=self.mesh.etp,
-                                zero=self.zero,
-                                recompute=self.recompute, sp=self.sp, micro_batch_size=micro_batch_size,
-                                n_micro=n_micro, schedule=self.schedule, virtual_stages=self.v,
-                                master_bytes=self.master.itemsize, act_bytes=item, bucket_mb=self.bucket_mb,
-                                cp=self.cp, cp_comm=self.layout.cp_comm, cp_a2a=self.layout.cp_a2a,
-                                moment_bytes=2 if self.moments_dtype == "bfloat16" else None,
-                                tiled=ledger.tiled_attention(item, self.compute or "bfloat16"))
-        return led
-
     def _world_comm_category(self):
         """The time-split key of a world collective: the largest kind of group it spans."""
         for key, size in (("dp_comm", self.dp), ("pp_comm", self.pp), ("cp_comm", self.cp), ("tp_comm", self.tp)):

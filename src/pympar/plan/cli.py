@@ -150,6 +150,11 @@ def fit_alpha_beta(paths, nranks: int | None = None) -> tuple:
 
 
 
+def node_memory() -> int:
+    """What this node can give a job now (ledger.available_memory), else its physical memory."""
+    return ledger.available_memory() or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def build_machine(args) -> Machine:
     if args.device == "cpu":
         # the best of short bursts: a shared machine's load only ever lowers a burst's rate.
@@ -157,7 +162,8 @@ def build_machine(args) -> Machine:
         peak = args.peak_flops or max(measure_matmul_peak(seconds=0.05) for _ in range(6))
         cores = os.cpu_count() or 1
         d = dict(CPU_DEFAULT)
-        mem = parse_bytes(args.mem_per_rank) if args.mem_per_rank else 24 * GiB // max(1, args.ranks_per_node)
+        # this node's memory now, as the trainer's --memory-check reads it, shared by its ranks
+        mem = parse_bytes(args.mem_per_rank) if args.mem_per_rank else node_memory() // max(1, args.ranks_per_node)
         mfu, overlap = MFU_ASSUMED["cpu"], 0.0
         d["baseline"] = 0 if getattr(args, "deterministic", False) else ledger.proc_status_bytes("VmRSS")
     else:
@@ -307,7 +313,7 @@ def main(argv=None) -> int:
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=None, help=f"override the preset's {f}")
     ap.add_argument("--world", type=int, required=True, help="number of ranks")
     ap.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: all in one)")
-    ap.add_argument("--mem-per-rank", default=None, help="memory per rank, e.g. 2GiB (default: device's, or 24GiB/ranks-per-node on cpu)")
+    ap.add_argument("--mem-per-rank", default=None, help="memory per rank, e.g. 2GiB (default: the device's; on cpu this node's available memory (MemAvailable, or a memory cgroup's room) / ranks-per-node)")
     ap.add_argument("--device", default="cpu", choices=["cpu", *DEVICES], help="cpu (measured) or a GPU model")
     ap.add_argument("--peak-flops", type=float, default=None, help="override the matmul FLOP/s per rank")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 4*world)")
