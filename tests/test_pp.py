@@ -427,3 +427,23 @@ def test_pipeline_mpi_over_ordered_channels(n):
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_pipeline_mpi_full_matrix(n):
     run_pytest_mpi(n, "mpi_pp.py", timeout=120 + 60 * n, env={"PYMPAR_PP_FULL": "1"})
+
+
+def test_a_compiled_table_simulates_as_its_lists_and_the_tables_are_fresh_lists():
+    """The planner simulates schedules.compiled_table (kept per schedule, p, m, v) where the
+    executor's tests pass lists: the same makespan, busy times and bubbles for any costs; and
+    build_schedule hands out a new list each time (its cached table must not be changed through it)."""
+    import random
+    from pympar.parallel.pp.schedules import compiled_table
+    rng = random.Random(0)
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)):
+        for p, m in ((2, 4), (3, 6), (4, 8)):
+            lists = [build_schedule(name, p, m, v, r) for r in range(p)]
+            for _ in range(3):
+                f, b, c = rng.uniform(0.1, 1), rng.uniform(0.1, 2), rng.uniform(0, 0.5)
+                w = rng.choice([None, b * rng.random()])
+                assert simulate(compiled_table(name, p, m, v), p, v, f, b, c, w) == \
+                    simulate(lists, p, v, f, b, c, w, placement=placement_of(name)), (name, p, m)
+    a = build_schedule("1f1b", 2, 4, 1, 0)
+    a.clear()
+    assert len(build_schedule("1f1b", 2, 4, 1, 0)) == 8

@@ -31,6 +31,7 @@ a capacity drops assignments, decide the drops in the micro-batch's own priority
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -127,6 +128,7 @@ def _block(i, j, T):
     return slice(c, T), slice(0, T), False
 
 
+@functools.lru_cache(maxsize=None)
 def ring_buffer_blocks(cp: int) -> float:
     """The most key/value blocks' worth of buffers (B x 2c x 2 x C) a rank of RingAttentionCore
     holds at once, over the ranks (the ledger's communication): in the forward the block in hand

@@ -347,8 +347,7 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, etp=None, zero=0, recompute="none", 
         n = params_per_rank(cfg, tp, ep, blocks, first, last, etp)
         sh = -(-n // dp)                                       # this rank's rows (padding aside)
         grads = {0: n, 1: n, 2: sh, 3: sh}[zero]                 # ZeRO-1 reduces into the full gradient
-        sched = S.build_schedule(schedule, pp, n_micro, virtual_stages, r) if pp > 1 else None
-        inflight = S.peak_held(sched) if sched is not None else 1     # zb-h1: until W
+        inflight = S.table_peaks(schedule, pp, n_micro, virtual_stages, r)[1] if pp > 1 else 1   # zb-h1: until W
         per_micro = activations_per_micro(cfg, B, T, tp, sp, recompute, blocks, last, first, act_bytes, stat, ep,
                                           tiled=tiled, gather=ulysses_span(cp, cp_comm, cp_a2a))
         if pp > 1 and schedule in S.SPLIT_BACKWARD:     # a held micro-batch: its ctx, or after B its W's

@@ -371,7 +371,9 @@ def main(argv=None) -> int:
         machine = build_machine(args)
     except (OSError, ValueError) as e:              # --calibration, --bench-json: unreadable or not theirs
         ap.error(str(e))
-    preds, rejected = plan(cfg, args.world, gb, machine)
+    from tqdm import tqdm                          # a bar on a terminal only (disable=None), on stderr
+    with tqdm(desc="planning", unit=" layouts", disable=None, mininterval=0.5, leave=False) as bar:
+        preds, rejected = plan(cfg, args.world, gb, machine, progress=bar.update)
     print(f"model {args.preset} ({cfg.n_layer} layers, C={cfg.n_embd}, heads={cfg.n_head}, experts={cfg.n_expert}); "
           f"world {args.world}, {args.ranks_per_node} ranks/node, global batch {gb}; device {args.device}: "
           f"peak {machine.peak / 1e9:.1f} GFLOP/s/rank, alpha {machine.alpha * 1e6:.1f} us, "
@@ -390,7 +392,7 @@ def main(argv=None) -> int:
             print(f"  {key}: {why}")
             if len(seen) >= args.show_rejected:
                 break
-    out = {"candidates": [p.row() for p in preds], "rejected": [{"layout": k, "reason": r} for k, r in rejected]}
+    out = {}
     if args.measure and preds:
         cfg_args = ["--preset", args.preset] + [x for f, v in over.items() for x in ("--" + f.replace("_", "-"), str(v))]
         rows = measure(preds[:args.measure], args, cfg_args)
@@ -405,6 +407,8 @@ def main(argv=None) -> int:
             out["spearman"] = rho
         out["measured"] = rows
     if args.json:
+        out = {"candidates": [p.row() for p in preds], "rejected": [{"layout": k, "reason": r} for k, r in rejected],
+               **out}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0

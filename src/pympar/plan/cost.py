@@ -134,10 +134,6 @@ def activations_per_micro(cfg: GPTConfig, lay: Layout, stage_blocks, last: bool)
     return n
 
 
-def _schedules(lay: Layout):
-    return [S.build_schedule(lay.schedule, lay.pp, lay.n_micro, lay.virtual_stages, r) for r in range(lay.pp)]
-
-
 def cp_attention_time(lay: Layout, m: Machine, u: float) -> float:
     """Seconds of one block's context-parallel attention traffic per micro-batch (forward and
     backward) not hidden behind compute; u = the bytes of this rank's share of one activation
@@ -180,7 +176,6 @@ def cp_comms(cfg: GPTConfig, cp: int, tp: int) -> list:
 # --- prediction ---------------------------------------------------------------------------
 def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     part = partition(cfg, lay.pp, lay.virtual_stages, placement=S.placement_of(lay.schedule))
-    scheds = _schedules(lay)
     B, T, C = lay.micro_batch_size, cfg.block_size // lay.cp, cfg.n_embd     # T: this rank's positions
     tp_cross = lay.tp > m.ranks_per_node
     pp_cross = lay.tp * lay.cp * lay.pp > m.ranks_per_node
@@ -195,7 +190,7 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     stages = part.stages_of(worst_rank)
     blocks_w = [i for s_ in stages for i in part.blocks(s_)]
     n_par_worst = params_per_rank(cfg, lay, blocks_w, 0 in stages, (part.n_stage - 1) in stages)
-    inflight = S.peak_in_flight(scheds[worst_rank])
+    inflight = S.table_peaks(lay.schedule, lay.pp, lay.n_micro, lay.virtual_stages, worst_rank)[0]
 
     # per micro-batch forward+backward time of one rank (all its v chunks), at the rate of a
     # rank alone; ``slow`` stretches it when the node's ranks share fewer cores
@@ -233,8 +228,8 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     f_cost = comp / 3 + (tp_t + ep_t) / 2 + cp_t / 3
     b_cost = 2 * comp / 3 + (tp_t + ep_t) / 2 + 2 * cp_t / 3
     # simulate() charges each of a rank's v chunks cost/v; every chunk boundary sends the full B*T*C
-    sim = S.simulate(scheds, lay.pp, lay.virtual_stages, f_cost, b_cost, comm_cost=pp_t,
-                     placement=S.placement_of(lay.schedule))
+    sim = S.simulate(S.compiled_table(lay.schedule, lay.pp, lay.n_micro, lay.virtual_stages), lay.pp,
+                     lay.virtual_stages, f_cost, b_cost, comm_cost=pp_t)
     pipe = sim["makespan"]
     busy = max(sim["busy"])
     grad_bytes = 4 * n_par_worst
@@ -318,10 +313,13 @@ def enumerate_layouts(cfg: GPTConfig, world: int, global_batch: int, ranks_per_n
                                     yield replace(base, recompute=rc), why
 
 
-def plan(cfg: GPTConfig, world: int, global_batch: int, machine: Machine):
-    """-> (sorted list of Prediction that fit, list of (layout key, reason) rejected)."""
+def plan(cfg: GPTConfig, world: int, global_batch: int, machine: Machine, progress=None):
+    """-> (sorted list of Prediction that fit, list of (layout key, reason) rejected).
+    ``progress()``, if given, is called once per layout examined (a bar's update)."""
     ok, rejected = [], []
     for lay, reason in enumerate_layouts(cfg, world, global_batch, machine.ranks_per_node):
+        if progress is not None:
+            progress()
         if reason:
             rejected.append((lay.key() if isinstance(lay, Layout) else str(lay), reason))
             continue

@@ -306,7 +306,18 @@ def overlap_pairs(actions) -> set:
 def build_schedule(name: str, p: int, m: int, v: int = 1, rank: int = 0, costs: tuple | None = None) -> list:
     """The action list of ``rank`` for schedule ``name`` (validated first). costs: the split
     schedules' (F, B, W) per global stage to build the table for (list_schedule; None: unit times);
-    the other schedules are fixed patterns and ignore it."""
+    the other schedules are fixed patterns and ignore it. A new list each call (of the same
+    immutable actions: the unit-time tables are kept, the planner asks for the same ones thousands
+    of times)."""
+    return list(_table(name, p, m, v, rank)) if costs is None else _build(name, p, m, v, rank, costs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _table(name: str, p: int, m: int, v: int, rank: int) -> tuple:
+    return tuple(_build(name, p, m, v, rank, None))
+
+
+def _build(name: str, p: int, m: int, v: int, rank: int, costs) -> list:
     validate_schedule(name, p, m, v)
     if not 0 <= rank < p:
         raise ValueError(f"rank={rank} must be in 0..{p - 1}")
@@ -345,61 +356,109 @@ def peak_held(actions) -> int:
     return peak_in_flight(actions, "W" if any(a.kind == "W" for a in actions) else "B")
 
 
+@dataclass(frozen=True)
+class _Compiled:
+    """Action lists as numbers for simulate: per rank, (action id, kind 0/1/2 = F/B/W, the ids it
+    waits for, whether each crosses a stage boundary); ``actions`` maps an id back (messages)."""
+    ranks: tuple
+    actions: tuple
+    split: bool
+
+
+def _compile(schedules, p: int, v: int, placement: str) -> _Compiled:
+    n_stage = p * v
+    ids, ranks, actions = {}, [], []
+    for r, sched in enumerate(schedules):
+        for a in sched:
+            key = (a.kind, a.micro, stage_of(r, a.chunk, p, placement))
+            if key in ids:
+                raise RuntimeError(f"rank {r} runs {a} twice")
+            ids[key] = len(actions)
+            actions.append(a)
+    for r, sched in enumerate(schedules):
+        row = []
+        for a in sched:
+            s = stage_of(r, a.chunk, p, placement)
+            if a.kind == "F":
+                need = [("F", a.micro, s - 1)] if s > 0 else []
+            elif a.kind == "W":
+                need = [("B", a.micro, s)]
+            else:
+                need = [("F", a.micro, s)] + ([("B", a.micro, s + 1)] if s < n_stage - 1 else [])
+            # an action no list runs is waited for forever: an id past the end is never done
+            row.append((ids[(a.kind, a.micro, s)], "FBW".index(a.kind),
+                        tuple(ids.get(k, len(actions)) for k in need), tuple(k[2] != s for k in need)))
+        ranks.append(tuple(row))
+    return _Compiled(tuple(ranks), tuple(actions), any(a.kind == "W" for a in actions))
+
+
+@functools.lru_cache(maxsize=4096)
+def table_peaks(name: str, p: int, m: int, v: int = 1, rank: int = 0) -> tuple:
+    """(peak_in_flight, peak_held) of ``rank``'s unit-time table of schedule ``name`` (kept)."""
+    actions = _table(name, p, m, v, rank)
+    return peak_in_flight(actions), peak_held(actions)
+
+
+@functools.lru_cache(maxsize=1024)
+def compiled_table(name: str, p: int, m: int, v: int = 1) -> _Compiled:
+    """Schedule ``name``'s unit-time tables of all p ranks, compiled for simulate (kept: the
+    planner simulates the same tables for thousands of layouts)."""
+    return _compile([build_schedule(name, p, m, v, r) for r in range(p)], p, v, placement_of(name))
+
+
 def simulate(schedules, p: int, v: int = 1, f_cost: float = 1.0, b_cost: float = 2.0, comm_cost: float = 0.0,
              w_cost: float | None = None, placement: str = "interleaved"):
     """Run the per-rank action lists as a discrete-event model (F costs f_cost/v, B b_cost/v).
 
     b_cost is the whole backward; in lists with W actions B costs (b_cost - w_cost)/v and W
     w_cost/v (w_cost None: half of b_cost, the weight gradients' share of the backward GEMMs).
+    An action waits for the actions it needs (F the previous stage's F, B its own stage's F and
+    the next stage's B, W its B), plus comm_cost when they ran on another stage.
 
-    ``schedules[r]`` is rank r's list. Returns {"makespan", "busy" (per rank), "bubble" (per rank:
-    idle fraction of the makespan), "start"/"end" (dict action -> time per rank)}.
-    Raises RuntimeError naming the blocked actions when the lists deadlock or miss a dependency.
+    ``schedules[r]`` is rank r's list, or ``schedules`` is compiled_table(...) of a named
+    schedule (then ``placement`` is the table's). Returns {"makespan", "busy" (per rank),
+    "bubble" (per rank: idle fraction of the makespan)}. Raises RuntimeError naming the blocked
+    actions when the lists deadlock or miss a dependency, or an action runs twice.
     """
-    n_stage = p * v
-    done = {}                               # ("F"|"B", micro, global stage) -> finish time
+    c = schedules if isinstance(schedules, _Compiled) else _compile(schedules, p, v, placement)
+    w = b_cost / 2 if w_cost is None else w_cost
+    cost = (f_cost / v, (b_cost - w if c.split else b_cost) / v, w / v)
+    done = [None] * (len(c.actions) + 1)   # finish time per action id; the last: never done
     pos = [0] * p
     clock = [0.0] * p
-    start = [dict() for _ in range(p)]
-    end = [dict() for _ in range(p)]
-    split = any(a.kind == "W" for s in schedules for a in s)
-    w = b_cost / 2 if w_cost is None else w_cost
-    cost = {"F": f_cost / v, "B": (b_cost - w if split else b_cost) / v, "W": w / v}
-    total = sum(len(s) for s in schedules)
-    finished = 0
+    busy = [0] * p                         # each rank's costs summed in its list's order
+    finished, total = 0, len(c.actions)
     while finished < total:
         progressed = False
         for r in range(p):
-            while pos[r] < len(schedules[r]):
-                a = schedules[r][pos[r]]
-                s = stage_of(r, a.chunk, p, placement)
-                if a.kind == "F":
-                    need = [("F", a.micro, s - 1)] if s > 0 else []
-                elif a.kind == "W":
-                    need = [("B", a.micro, s)]
+            row, k, t, u = c.ranks[r], pos[r], clock[r], busy[r]
+            while k < len(row):
+                aid, kind, need, cross = row[k]
+                ready = t
+                for n, x in zip(need, cross):
+                    d = done[n]
+                    if d is None:
+                        break
+                    d = d + comm_cost if x else d
+                    if d > ready:
+                        ready = d
                 else:
-                    need = [("F", a.micro, s)] + ([("B", a.micro, s + 1)] if s < n_stage - 1 else [])
-                if any(k not in done for k in need):
-                    break
-                ready = max([clock[r]] + [done[k] + (comm_cost if k[2] != s else 0.0) for k in need])
-                start[r][a] = ready
-                clock[r] = ready + cost[a.kind]
-                end[r][a] = clock[r]
-                key = (a.kind, a.micro, s)
-                if key in done:
-                    raise RuntimeError(f"rank {r} runs {a} twice")
-                done[key] = clock[r]
-                pos[r] += 1
-                finished += 1
+                    t = ready + cost[kind]
+                    u += cost[kind]
+                    done[aid] = t
+                    k += 1
+                    continue
+                break
+            if k != pos[r]:
+                finished += k - pos[r]
+                pos[r], clock[r], busy[r] = k, t, u
                 progressed = True
         if not progressed:
-            blocked = {r: schedules[r][pos[r]] for r in range(p) if pos[r] < len(schedules[r])}
+            blocked = {r: c.actions[c.ranks[r][pos[r]][0]] for r in range(p) if pos[r] < len(c.ranks[r])}
             raise RuntimeError(f"pipeline schedule deadlocks: ranks blocked at {blocked}")
     makespan = max(clock)
-    busy = [sum(cost[a.kind] for a in schedules[r]) for r in range(p)]
     return {"makespan": makespan, "busy": busy,
-            "bubble": [1.0 - b / makespan if makespan else 0.0 for b in busy],
-            "start": start, "end": end}
+            "bubble": [1.0 - b / makespan if makespan else 0.0 for b in busy]}
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
