@@ -404,6 +404,32 @@ def test_float16_run_uses_loss_scaling_and_log_lines(tmp_path):
     assert "step 2/2 loss" in res.stdout
 
 
+@pytest.mark.parametrize("damage", ["garbage line", "foreign record", "directory"])
+def test_a_damaged_metrics_file_costs_its_records_not_the_resumed_run(tmp_path, damage):
+    """--resume auto continues OUT/metrics.jsonl with the earlier run's records before the resumed
+    step; a damaged line keeps those before it (a warning says which line), and a metrics.jsonl
+    that cannot be read or written (a directory) leaves the run going with a warning."""
+    out = tmp_path / "run"
+    train(2, "--steps", 3, "--save-every", 3, "--out", out)
+    m = out / "metrics.jsonl"
+    if damage == "directory":
+        m.unlink()
+        m.mkdir()
+    else:
+        lines = m.read_bytes().splitlines(keepends=True)
+        lines[1] = b"\xff\xfe not json\n" if damage == "garbage line" else b'{"step": "one"}\n'
+        m.write_bytes(b"".join(lines))
+    res = train(2, "--steps", 5, "--out", out, "--resume", "auto")
+    assert "Traceback" not in res.stdout and "step 5/5 loss" in res.stdout, res.stdout[-3000:]
+    if damage == "directory":
+        assert f"pympar.train: warning: {m} cannot be read (Is a directory)" in res.stdout, res.stdout[-3000:]
+        assert f"pympar.train: warning: cannot write {m} (Is a directory)" in res.stdout, res.stdout[-3000:]
+    else:
+        assert f"pympar.train: warning: {m}: line 2 is" in res.stdout and "the 1 record(s) before it are kept" \
+            in res.stdout, res.stdout[-3000:]
+        assert [r["step"] for r in metrics(out)] == [0, 3, 4]
+
+
 def test_every_checkpoint_command_takes_a_run_dir_its_checkpoints_folder_or_one_step(tmp_path):
     import subprocess
     import sys

@@ -94,6 +94,27 @@ def moe_layer_stats(tokens_per_expert) -> dict:
     }
 
 
+def read_records(path) -> tuple:
+    """The records of a metrics.jsonl (one JSON object per line) up to the first line that is not
+    one, and that line's trouble: (rows, None) when every line was read, else (rows, (line number,
+    what is wrong, cut)) -- cut: it is the last line and has no newline, what a run killed while
+    writing leaves. Undecodable bytes count as a damaged line. OSError (missing, unreadable, a
+    directory) is the caller's."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for n, (i, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            cut = n == len(lines) - 1 and not line.endswith("\n")
+            return rows, (i, "is cut short (a killed run?)" if cut else f"is not JSON ({e})", cut)
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
+            return rows, (i, "is not a record of a step (a JSON object with an integer \"step\")", False)
+        rows.append(row)
+    return rows, None
+
+
 class MetricsWriter:
     """Appends one JSON object per line to a file (or does nothing when path is None). A write the
     disk refuses (full, gone) costs the log, not the run: one warning on stderr, and the records stop;
@@ -101,7 +122,11 @@ class MetricsWriter:
 
     def __init__(self, path):
         self.path = path
-        self.f = open(path, "w") if path else None
+        self.f = None
+        try:
+            self.f = open(path, "w") if path else None
+        except OSError as e:
+            self._give_up(e)
 
     def write(self, record: dict) -> None:
         if not self.f:
@@ -118,7 +143,8 @@ class MetricsWriter:
                          f"no more metrics records this run\n")
         sys.stderr.flush()
         try:
-            self.f.close()
+            if self.f:
+                self.f.close()
         except OSError:
             pass
         self.f = None

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .metrics import read_records
 from .profile import SPLIT
 
 _COLORS = {"compute": "tab:blue", "dp_comm": "tab:orange", "tp_comm": "tab:green", "pp_comm": "tab:red",
@@ -25,22 +26,15 @@ _COLORS = {"compute": "tab:blue", "dp_comm": "tab:orange", "tp_comm": "tab:green
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl. A last line cut short (what a killed run leaves) is left out with a
-    note on stderr; a line elsewhere that is not a JSON object is a ValueError naming the file and line."""
-    with open(path) as f:
-        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
-    rows = []
-    for n, (i, line) in enumerate(lines):
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            if n == len(lines) - 1 and not line.endswith("\n"):
-                print(f"pympar.report: {path}: line {i} is cut short (a killed run?): left out", file=sys.stderr)
-                break
-            raise ValueError(f"{path}: line {i} is not JSON ({e}); a damaged or foreign metrics file") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}: line {i} is not a JSON object")
-        rows.append(row)
+    """The rows of a metrics.jsonl (metrics.read_records). A last line cut short (what a killed run
+    leaves) is left out with a note on stderr; a line elsewhere that is not a step's record is a
+    ValueError naming the file and line."""
+    rows, bad = read_records(path)
+    if bad:
+        line, what, cut = bad
+        if not cut:
+            raise ValueError(f"{path}: line {line} {what}; a damaged or foreign metrics file")
+        print(f"pympar.report: {path}: line {line} {what}: left out", file=sys.stderr)
     return rows
 
 

@@ -52,7 +52,7 @@ from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
 from .kernels import gemm
 from .resilience import (DISK_FULL_STATUS, RESUMABLE_STATUS, STOP_STATUS, BadStepGuard, Heartbeat, NonFiniteStop, StopRequest,
                      check_resumable, resolve_resume, restore_run, save_run)
-from .metrics import MetricsWriter, measure_matmul_peak, moe_layer_stats
+from .metrics import MetricsWriter, measure_matmul_peak, moe_layer_stats, read_records
 from .nn.config import flops_per_token
 from .parallel import ledger
 from .optim import cosine_lr
@@ -404,18 +404,20 @@ def _peak(run, comm) -> float:
 
 
 def _metrics_before(path: Path, start: int) -> list:
-    """The records of steps before ``start`` from an earlier run's metrics.jsonl (resume)."""
-    if not path.is_file():
+    """The records of steps before ``start`` from an earlier run's metrics.jsonl (resume): those
+    before a damaged line, with a warning; none from a file that cannot be read (the run goes on)."""
+    try:
+        rows, bad = read_records(path)
+    except FileNotFoundError:
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            break                              # a line cut short by a kill
-        if isinstance(r, dict) and r.get("step", start) < start:
-            out.append(r)
-    return out
+    except OSError as e:
+        rows, bad = [], (None, f"cannot be read ({e.strerror or e})", False)
+    if bad:
+        line, what, _ = bad
+        sys.stderr.write(f"pympar.train: warning: {path}{f': line {line}' if line else ''} {what}; the "
+                         f"{len(rows)} record(s) before it are kept and the file is written anew\n")
+        sys.stderr.flush()
+    return [r for r in rows if r["step"] < start]
 
 
 def _fit_vocab(model_cfg, run, corpus: Corpus):
