@@ -404,6 +404,45 @@ def test_float16_run_uses_loss_scaling_and_log_lines(tmp_path):
     assert "step 2/2 loss" in res.stdout
 
 
+@pytest.mark.parametrize("damage", ["garbage", "deleted", "a directory", "names a missing step", "no checkpoint left"])
+def test_resume_auto_never_starts_over_on_checkpoints_it_could_not_point_to(tmp_path, damage):
+    """--resume auto with OUT/checkpoints/latest damaged, gone or pointing nowhere: the newest
+    step_N checkpoint there, with a warning (before: a fresh start that overwrote the checkpoints);
+    a folder with a pointer but no checkpoint: an error on every rank, nothing overwritten."""
+    import shutil
+
+    out = tmp_path / "run"
+    train(2, "--steps", 4, "--save-every", 2, "--sample-tokens", 0, "--out", out)
+    ck = out / "checkpoints"
+    latest = ck / "latest"
+    latest.unlink()
+    if damage == "garbage":
+        latest.write_bytes(b"\0" * 100)
+    elif damage == "a directory":
+        latest.mkdir()
+    elif damage == "names a missing step":
+        latest.write_text("step_00000009\n")
+    elif damage == "no checkpoint left":
+        latest.write_text("step_00000004\n")
+        for q in ck.glob("step_*"):
+            shutil.rmtree(q)
+    before = {q.name: (q / "manifest.json").read_bytes() for q in ck.glob("step_*")}
+    res = train(2, "--steps", 6, "--sample-tokens", 0, "--out", out, "--resume", "auto", check=False)
+    assert "Traceback" not in res.stdout, res.stdout[-3000:]
+    if damage == "no checkpoint left":
+        assert res.returncode == 2, res.stdout[-3000:]
+        lines = error_lines(res)
+        assert len(lines) == 2 and lines[0] == lines[1] and "no step_N folder of" in lines[0], res.stdout[-3000:]
+        assert "step 1/6" not in res.stdout and latest.read_text() == "step_00000004\n"
+        return
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert res.stdout.count("pympar.train: warning: --resume auto:") == 1          # rank 0 says it
+    assert f"resuming from the newest checkpoint there, {ck / 'step_00000004'}" in res.stdout, res.stdout[-3000:]
+    assert "at step 4" in res.stdout and "step 1/6" not in res.stdout
+    assert [r["step"] for r in metrics(out)] == [0, 1, 2, 3, 4, 5]
+    assert {q.name: (q / "manifest.json").read_bytes() for q in ck.glob("step_*") if q.name in before} == before
+
+
 @pytest.mark.parametrize("damage", ["garbage line", "foreign record", "directory"])
 def test_a_damaged_metrics_file_costs_its_records_not_the_resumed_run(tmp_path, damage):
     """--resume auto continues OUT/metrics.jsonl with the earlier run's records before the resumed
@@ -422,7 +461,7 @@ def test_a_damaged_metrics_file_costs_its_records_not_the_resumed_run(tmp_path, 
     res = train(2, "--steps", 5, "--out", out, "--resume", "auto")
     assert "Traceback" not in res.stdout and "step 5/5 loss" in res.stdout, res.stdout[-3000:]
     if damage == "directory":
-        assert f"pympar.train: warning: {m} cannot be read (Is a directory)" in res.stdout, res.stdout[-3000:]
+        assert f"pympar.train: warning: {m} cannot be read (not a regular file)" in res.stdout, res.stdout[-3000:]
         assert f"pympar.train: warning: cannot write {m} (Is a directory)" in res.stdout, res.stdout[-3000:]
     else:
         assert f"pympar.train: warning: {m}: line 2 is" in res.stdout and "the 1 record(s) before it are kept" \

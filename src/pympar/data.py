@@ -100,7 +100,16 @@ class Corpus:
 # ----------------------------------------------------------------------------- loading
 
 def load_corpus(spec: str | None = None, cache_dir: str | None = None) -> Corpus:
-    """Load the corpus named by ``--data`` (None = the standard library). See module doc."""
+    """Load the corpus named by ``--data`` (None = the standard library). See module doc. A file
+    that cannot be read (permissions, a directory where a file goes) is a DataError naming it."""
+    try:
+        return _load_corpus(spec, cache_dir)
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        raise DataError(f"--data {spec}: {where}{e.strerror or e}") from None
+
+
+def _load_corpus(spec, cache_dir) -> Corpus:
     if spec is None:
         root = Path(sysconfig.get_paths()["stdlib"])
         files = stdlib_files(root)
@@ -140,6 +149,9 @@ def _load_dir(path: Path, cache_dir) -> Corpus:
         if train is None or val is None:
             raise DataError(f"--data {path}: a token directory needs train.bin and val.bin "
                             f"(or *train*.bin and *val*.bin); found {[b.name for b in bins]}")
+        for f in (train, val):              # never open a pipe or a device (it could block forever)
+            if not f.is_file():
+                raise DataError(f"{f}: not a regular file (want a token file)")
         if _has_llmc_magic(train):
             tr, va = _read_llmc(train), _read_llmc(val)
             kind = "llm.c"
@@ -205,6 +217,8 @@ def _load_llmc_file(path: Path) -> Corpus:
     train = _read_llmc(path)
     sib = path.with_name(path.name.replace("_train", "_val")) if "_train" in path.name else None
     if sib is not None and sib.exists():
+        if not sib.is_file():
+            raise DataError(f"{sib}: not a regular file (want the llm.c validation tokens)")
         return _token_corpus(train, _read_llmc(sib), f"{path} (llm.c, val {sib.name})")
     n_val = max(1, int(len(train) * _TEXT_VAL_FRACTION))
     return _token_corpus(train[:-n_val], train[-n_val:], f"{path} (llm.c, last 10% held out)")
@@ -227,7 +241,7 @@ def _text_corpus(files: list[Path], name: str, cache_dir) -> Corpus:
     h = hashlib.sha256()
     for f in files:
         st = f.stat()
-        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode(errors="surrogateescape"))
     key = h.hexdigest()[:16]
     root = cache_root(cache_dir)
     root.mkdir(parents=True, exist_ok=True)

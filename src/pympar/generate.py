@@ -167,7 +167,7 @@ def _error(e, mpi, rank) -> int:
     import os
 
     sys.stderr.flush()
-    os.write(2, f"pympar.generate: error{'' if mpi is None else f' (rank {rank})'}: {e}\n".encode())
+    os.write(2, f"pympar.generate: error{'' if mpi is None else f' (rank {rank})'}: {e}\n".encode(errors="backslashreplace"))
     return 2
 
 

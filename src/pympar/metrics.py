@@ -22,7 +22,9 @@ is measured at start-up on each process (``measure_matmul_peak``). The count its
 """
 from __future__ import annotations
 
+import errno
 import json
+import os
 import time
 
 import numpy as np
@@ -99,7 +101,11 @@ def read_records(path) -> tuple:
     one, and that line's trouble: (rows, None) when every line was read, else (rows, (line number,
     what is wrong, cut)) -- cut: it is the last line and has no newline, what a run killed while
     writing leaves. Undecodable bytes count as a damaged line. OSError (missing, unreadable, a
-    directory) is the caller's."""
+    directory, a pipe: never opened, it could block forever) is the caller's."""
+    import stat
+
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
     with open(path, encoding="utf-8", errors="replace") as f:
         lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
     rows = []
@@ -124,6 +130,9 @@ class MetricsWriter:
         self.path = path
         self.f = None
         try:
+            if path and os.path.lexists(path) and not os.path.isfile(path):    # a pipe would block the run
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path)) if os.path.isdir(path) else \
+                    OSError(errno.EINVAL, "not a regular file", str(path))
             self.f = open(path, "w") if path else None
         except OSError as e:
             self._give_up(e)

@@ -230,22 +230,36 @@ def checkpoint_root(run) -> Path | None:
     return Path(run.out) / "checkpoints" if run.out else None
 
 
-def resolve_resume(run):
+def resolve_resume(run, warn=None):
     """Before any collective: the checkpoint to resume from (a Path), or None to start fresh.
 
-    --resume auto: the latest checkpoint under OUT/checkpoints if there is one. --resume DIR:
-    DIR must be a run directory (another run's --out), its checkpoints/ folder or one step_N
-    checkpoint (checkpoint.resolve); raises ValueError naming what was looked for otherwise."""
+    --resume auto: the latest checkpoint under OUT/checkpoints if there is one (its ``latest``
+    pointer); where the pointer is missing or damaged but step_N checkpoints are there, the newest
+    of them, with ``warn(message)``; a fresh start only where the folder holds no checkpoint at all
+    (never over the checkpoints of a run it could not read: ValueError). --resume DIR: DIR must be
+    a run directory (another run's --out), its checkpoints/ folder or one step_N checkpoint
+    (checkpoint.resolve); raises ValueError naming what was looked for otherwise."""
     from .checkpoint import CheckpointError, resolve
+    from .checkpoint import layout_io as L
 
     if not run.resume:
         return None
     if run.resume == "auto":
         root = checkpoint_root(run)
-        try:
-            return resolve(root) if root is not None and root.is_dir() else None
-        except CheckpointError:
+        if root is None or not root.is_dir():
             return None
+        try:
+            return resolve(root)
+        except CheckpointError as e:
+            found = [q for _, q in L.list_steps(root) if L.inside(q, root)]
+            if found:
+                if warn is not None:
+                    warn(f"--resume auto: {e}; resuming from the newest checkpoint there, {found[-1]}")
+                return found[-1]
+            if not (root / L.LATEST).exists() and not any(q.name.startswith("step_") for q in root.iterdir()):
+                return None                    # nothing saved yet: a fresh start
+            raise ValueError(f"--resume auto: {e}; and no step_N folder of {root} holds a checkpoint. Move "
+                             f"{root} away to start over, or name a checkpoint with --resume") from None
     try:
         return resolve(run.resume)
     except CheckpointError as e:

@@ -100,12 +100,13 @@ def _main(mpi, argv, faults, beats) -> int:
             from . import gpu
             resolve_dtype(run, gpu.bfloat16_supported())
             _check_gpu(run)
-        resume_path = resolve_resume(run)
+        resume_path = resolve_resume(run, warn=None if rank else (
+            lambda m: os.write(2, f"pympar.train: warning: {m}\n".encode(errors="backslashreplace"))))
         if resume_path is not None:
             check_resumable(resume_path, model_cfg, run.steps)
     except ValueError as e:                    # ConfigError, DataError, NotSupportedError
         sys.stderr.flush()                     # one write per line: ranks' lines must not interleave
-        os.write(2, f"pympar.train: error: {e}\n".encode())
+        os.write(2, f"pympar.train: error: {e}\n".encode(errors="backslashreplace"))
         return 2
     except SystemExit as e:                    # --help
         return int(e.code or 0)
@@ -126,24 +127,24 @@ def _main(mpi, argv, faults, beats) -> int:
             sys.stderr.flush()
             os.write(2, f"pympar.train: error: the disk is full: {e}. The previous checkpoint is kept: free space "
                         f"and run the same command with --resume auto (pympar.launch waits for space and resumes "
-                        f"by itself)\n".encode())
+                        f"by itself)\n".encode(errors="backslashreplace"))
         return DISK_FULL_STATUS
     except (NodeRouteError, CheckpointError, MemoryRefused) as e:
         # found by the ranks together (their nodes; a checksum while loading; the nodes' memory):
         # agreed, the same words on every rank
         sys.stderr.flush()
-        os.write(2, f"pympar.train: error: {e}\n".encode())
+        os.write(2, f"pympar.train: error: {e}\n".encode(errors="backslashreplace"))
         return 2
     except NonFiniteStop as e:                 # agreed on every rank: all stop together
         sys.stderr.flush()
-        os.write(2, f"pympar.train: error: rank {rank}: {e}\n".encode())
+        os.write(2, f"pympar.train: error: rank {rank}: {e}\n".encode(errors="backslashreplace"))
         return STOP_STATUS
     except MemoryError as e:                   # what the ledger did not foresee (--no-memory-check, other jobs)
         msg = (f"out of memory ({str(e) or 'an allocation failed'}); the start-up line gives the ledger's prediction per rank (--memory-check, "
                f"on by default, refuses a run whose prediction cannot fit)")
         if world == 1:
             sys.stderr.flush()
-            os.write(2, f"pympar.train: error: rank {rank}: {msg}\n".encode())
+            os.write(2, f"pympar.train: error: rank {rank}: {msg}\n".encode(errors="backslashreplace"))
             return 1
         abort_job(MemoryError(msg), status=1, what="error")
     except Exception as e:
@@ -366,7 +367,7 @@ def _stop_on_request(runner, run, next_step, guard, comm, lay, stop, saved, metr
     metrics.close()
     if rank == 0:
         sys.stdout.flush()
-        os.write(1, (msg + "\n").encode())
+        os.write(1, (msg + "\n").encode(errors="backslashreplace"))
     # a second SIGTERM from now on (a scheduler repeating itself) changes nothing, where the default
     # action would end this rank with status 15 instead of 75
     stop.ignore_further()
@@ -414,8 +415,8 @@ def _metrics_before(path: Path, start: int) -> list:
         rows, bad = [], (None, f"cannot be read ({e.strerror or e})", False)
     if bad:
         line, what, _ = bad
-        sys.stderr.write(f"pympar.train: warning: {path}{f': line {line}' if line else ''} {what}; the "
-                         f"{len(rows)} record(s) before it are kept and the file is written anew\n")
+        sys.stderr.write(f"pympar.train: warning: {path}: line {line} {what}; the {len(rows)} record(s) before it "
+                         f"are kept\n" if line else f"pympar.train: warning: {path} {what}; its records are lost\n")
         sys.stderr.flush()
     return [r for r in rows if r["step"] < start]
 

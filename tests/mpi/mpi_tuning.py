@@ -313,6 +313,43 @@ def test_write_file_then_read_back(tmp_path):
     assert data["shapes"]["4r-1n-4rpn"]["allreduce"]["float32"]["12"]["algo"] == "ring"
 
 
+@pytest.mark.parametrize("damage", ["machine not an object", "shapes a list", "a shape a list",
+                                    "a verb a list", "an entry without algo", "times not numbers", "deep nesting",
+                                    "a pipe"])
+def test_a_damaged_tuning_file_is_a_warning_and_a_measurement_not_a_crash(tmp_path, damage):
+    """read_setting (PYMPAR_TUNING) on a file of the right format with the wrong tree, nested past
+    the parser's depth, or a named pipe (never opened: it would block): a TuningWarning and None."""
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return
+    p = tmp_path / "t.json"
+    tuning.write_file(p, "2r-1n-2rpn", "allreduce", "float32", {4096: {"mpi": 5e-6, "ring": 4.9e-6}})
+    data = json.loads(p.read_text())
+    table = data["shapes"]["2r-1n-2rpn"]
+    if damage == "a pipe":
+        p.unlink()
+        os.mkfifo(p)
+    elif damage == "deep nesting":
+        p.write_text('{"format": "pympar-tuning/2", "shapes": ' + "[" * 100000 + "]" * 100000 + "}")
+    else:
+        if damage == "machine not an object":
+            data["machine"] = "x"
+        elif damage == "shapes a list":
+            data["shapes"] = ["2r-1n-2rpn"]
+        elif damage == "a shape a list":
+            data["shapes"]["2r-1n-2rpn"] = [1]
+        elif damage == "a verb a list":
+            table["allreduce"] = [1]
+        elif damage == "an entry without algo":
+            del table["allreduce"]["float32"]["12"]["algo"]
+        else:
+            table["allreduce"]["float32"]["12"]["times_us"] = {"mpi": "fast"}
+        p.write_text(json.dumps(data))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert tuning.read_setting(str(p)) is None
+    assert any(issubclass(w.category, tuning.TuningWarning) for w in seen), [str(w.message) for w in seen]
+
+
 def test_blocking_library_call_needs_abort_mode_and_is_a_choice_there(mpi_world):
     raising = MPIComm(mpi_world, name="raising", timeout=60, on_timeout="raise")
     assert "blocking" not in raising.candidates("allreduce")

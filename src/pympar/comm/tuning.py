@@ -32,6 +32,7 @@ nonblocking collective (what overlaps with computation without pympar driving it
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -255,19 +256,42 @@ def read_setting(value=None):
     if value in ("library", "reproducible"):
         return value
     try:
+        if not os.path.isfile(value):           # a pipe or a device could block the job's start
+            raise OSError(errno.EINVAL, "not a regular file" if os.path.exists(value) else "no such file")
         with open(value) as f:
             data = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         warnings.warn(f"PYMPAR_TUNING={value!r}: cannot read the tuning file ({e}); measuring instead",
                       TuningWarning, stacklevel=2)
         return None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not _well_formed(data):
         warnings.warn(f"PYMPAR_TUNING={value!r} is not a {FORMAT} tuning file (write one with "
                       f"`python -m pympar.bench allreduce --tune FILE`); measuring instead",
                       TuningWarning, stacklevel=2)
         return None
     data["path"] = value
     return data
+
+
+def _well_formed(data: dict) -> bool:
+    """The file's tree as write_file makes it: machine {str: str}; shapes {shape: {verb: {dtype:
+    {bucket: {"algo": str, "times_us": {algo: number}?}}}}}."""
+    def strs(d):
+        return isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())
+
+    def entry(e):
+        t = e.get("times_us", {}) if isinstance(e, dict) else None
+        return isinstance(e, dict) and isinstance(e.get("algo"), str) and isinstance(t, dict) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in t.values())
+
+    shapes = data.get("shapes", {})
+    return strs(data.get("machine", {})) and isinstance(shapes, dict) and all(
+        isinstance(verbs, dict) and all(
+            isinstance(dtypes, dict) and all(
+                isinstance(buckets, dict) and all(entry(e) for e in buckets.values())
+                for buckets in dtypes.values())
+            for dtypes in verbs.values())
+        for verbs in shapes.values())
 
 
 _SHARED = {}   # (members, setting, on_timeout) -> decisions: one cache per group of ranks
@@ -370,9 +394,10 @@ def write_file(path, shape, verb, dtype, rows):
         try:
             with open(path) as f:
                 data = json.load(f)
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             data = None
-        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("machine") != here:
+        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("machine") != here \
+                or not _well_formed(data):
             warnings.warn(f"{path} is not a {FORMAT} tuning file of this machine: replaced", TuningWarning, stacklevel=2)
             data = None
     data = data or {"format": FORMAT, "machine": here, "shapes": {}}

@@ -257,7 +257,7 @@ def abort_job(err: BaseException, status: int = ABORT_STATUS, what: str = "colle
     rank = MPI.COMM_WORLD.Get_rank()
     sys.stdout.flush()
     sys.stderr.flush()
-    os.write(2, (report(err, rank, what) + "\n").encode())
+    os.write(2, (report(err, rank, what) + "\n").encode(errors="backslashreplace"))
     # give the launcher a moment to forward the report: MPI_Abort tears the job down at once,
     # and output still in the launcher's pipes can be lost with it
     time.sleep(ABORT_GRACE_S)
