@@ -4,6 +4,7 @@ Precedence, lowest first: built-in defaults < ``--preset`` < ``--config run.toml
 The TOML file uses the flag names with underscores (``micro_batch_size = 4``); keys may
 also sit in the configuration tree's tables (``[model]``, ``[parallel]``, ``[optim]``, ``[run]``:
 a key in the wrong one is refused, naming its table) or in a table of another name (ignored).
+Each value is checked as its flag's is (the field's type, its choices, finite floats; ``_typed_toml``).
 
 ``parse_args(argv, world_size)`` returns a ``TrainConfig`` (model, parallel, optim, run) or raises
 ``ConfigError`` (a ValueError) with a one-line message. It does no communication, so
@@ -17,12 +18,13 @@ every application calls it first, and so may a program of its own.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 import tempfile
 import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from . import layout as layouts
@@ -519,7 +521,73 @@ def _load_toml(path: str) -> dict:
     bad = sorted(set(d) - known - {"config"})
     if bad:
         raise ConfigError(f"--config {path}: unknown keys {bad}; every flag name works as a key (underscores)")
-    return d
+    return _typed_toml(d, path)
+
+
+# floats whose infinity means something (the flag takes ``inf`` too): no time-out
+_INFINITY_OK = frozenset({"comm_timeout"})
+_KIND = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _toml_value(v) -> str:
+    """``v`` as the TOML file spells it (for the error lines), shortened."""
+    if isinstance(v, bool):
+        s = "true" if v else "false"
+    elif isinstance(v, str):
+        s = json.dumps(v, ensure_ascii=False)
+    elif isinstance(v, float) and not math.isfinite(v):
+        s = "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    elif isinstance(v, (list, tuple)):
+        s = "[" + ", ".join(map(_toml_value, v)) + "]"
+    elif isinstance(v, dict):
+        s = "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    elif hasattr(v, "isoformat"):                  # TOML's dates and times
+        s = v.isoformat()
+    else:
+        s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _typed_toml(d: dict, path: str) -> dict:
+    """The TOML file's values checked as their flags' (``_type_of``, ``_CHOICES``: the same rule
+    argparse applies to the flags): int: a TOML integer (not a boolean, not a float); float: an
+    integer or a float, finite (not NaN; infinity only where it means something); bool: a boolean;
+    str: a string; a field with choices: one of them. A field that defaults to None (``int | None``)
+    takes its type. Returns the values as the flags would give them (an integer given for a float,
+    a float); ConfigError ``path: key = value: must be ...`` for the first bad one (in the file's
+    order, so every rank names the same)."""
+    spec = {f.name: f for f in (*_RUN_FIELDS, *_LAYOUT_FIELDS, *_OPTIM_FIELDS, *_MODEL_FIELDS)}
+    out = {}
+    for k, v in d.items():
+        f = spec[k]
+        t = _type_of(f, None if f.default is MISSING else f.default)
+        choices = _CHOICES.get(k)
+
+        def bad(why, given=_toml_value(v)):
+            return ConfigError(f"{path}: {k} = {given}: {why}")
+        if t is bool:
+            ok = isinstance(v, bool)
+        elif t is int:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif t is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        else:
+            ok = isinstance(v, t)
+        if not ok:
+            raise bad(f"must be {_KIND.get(t, 'a ' + t.__name__)}"
+                      + (f" (one of {', '.join(_toml_value(c) for c in choices)})" if choices else ""))
+        if t is float:
+            try:
+                v = float(v)
+            except OverflowError:                   # an integer beyond any float
+                raise bad("must be a finite number") from None
+            if math.isnan(v) or (math.isinf(v) and k not in _INFINITY_OK):
+                raise bad("must be a number or inf (inf: no time-out)" if k in _INFINITY_OK else
+                          "must be a finite number")
+        if choices is not None and v not in choices:
+            raise bad(f"must be one of {', '.join(_toml_value(c) for c in choices)}")
+        out[k] = v
+    return out
 
 
 def parse_args(argv, world_size: int, env: Environment | None = None) -> TrainConfig:
