@@ -98,3 +98,12 @@ def test_every_rank_says_it_once_and_exits_2(tmp_path):
     assert res.returncode == 2, res.stdout[-3000:]
     assert lines == [f"pympar.train: error: {p}: sample_tokens = 2.5: must be an integer"] * 2, res.stdout[-3000:]
     assert "Traceback" not in res.stdout and not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def test_a_pipe_given_as_the_file_is_refused_not_read(tmp_path):
+    """Reading a named pipe would wait for a writer forever, on every rank."""
+    import os
+    p = tmp_path / "c.toml"
+    os.mkfifo(p)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        parse_args(["--config", str(p)], world_size=1)

@@ -1,5 +1,7 @@
 """Every invalid configuration stops ALL ranks of an mpiexec job, before any collective, with
 the same one-line message and status 2 -- never a hang (each launch has a bounded timeout)."""
+import os
+
 import pytest
 
 from mpirun import run_mpi
@@ -17,6 +19,9 @@ def files(tmp_path_factory):
     (d / "empty.txt").write_bytes(b"")
     (d / "bad.bin").write_bytes(b"\1\2\3\4" * 400)
     (d / "run.toml").write_text("micro_batch_size = [\n")
+    (d / "pipes").mkdir()
+    for name in ("train.bin", "val.bin"):        # named pipes: opening one would wait for a writer
+        os.mkfifo(d / "pipes" / name)
     return d
 
 
@@ -47,6 +52,10 @@ CASES = [  # (id, args, expected substring of the message, env)
     ("pp-costs-1f1b", ["--pp", "2", "--pp-costs", "measured"],
      "--pp-costs measured builds the zb-h1/zb-v table for the measured times, but this run is pp=2 with schedule 1f1b", None),
     ("threads-over-pool", ["--threads", "256"], "threads=256 (--threads) is more than the C++ kernel pool's 255", None),
+    # before every loop over the layers (a trillion of them spun every rank, before any timeout)
+    ("layers-bound", ["--n-layer", "1000000000000"], "n_layer=1000000000000 must be <= 100000", None),
+    ("ln-eps-nan", ["--ln-eps", "nan"], "ln_eps=nan must be a finite number", None),
+    ("data-fifo", ["--data", "{d}/pipes"], "train.bin: not a regular file", None),
 ]
 
 

@@ -508,6 +508,8 @@ def _flatten_toml(d: dict, path: str) -> dict:
 
 def _load_toml(path: str) -> dict:
     try:
+        if os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path):
+            raise ConfigError(f"--config {path}: not a regular file (a pipe or a device is never read)")
         with open(path, "rb") as f:
             d = tomllib.load(f)
     except FileNotFoundError:

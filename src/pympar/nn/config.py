@@ -1,7 +1,15 @@
 """GPTConfig: one dataclass for dense and Mixture-of-Experts GPTs, plus named presets."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, fields, replace
+
+import numpy as np
+
+
+MAX_LAYERS = 100_000          # far beyond any model (GPT-3: 96), far below what a loop over them notices
+MAX_EXPERTS = 1 << 20
 
 
 @dataclass
@@ -24,10 +32,23 @@ class GPTConfig:
     ln_eps: float = 1e-5
 
     def validate(self) -> "GPTConfig":
-        """Raise ValueError naming the bad field and what would be right; return self."""
+        """Raise ValueError naming the bad field and what would be right; return self. Every field
+        of its type (an int field an integer, a float field a finite number, a bool a boolean: the
+        values may come from files), and no more layers or experts than MAX_LAYERS, MAX_EXPERTS
+        (every count is looped over before anything is allocated)."""
+        for f in fields(self):
+            v, t = getattr(self, f.name), f.type
+            ok = {"int": isinstance(v, numbers.Integral) and not isinstance(v, bool),
+                  "bool": isinstance(v, (bool, np.bool_)),
+                  "float": isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)}.get(t, True)
+            if not ok:
+                raise ValueError(f"{f.name}={v!r} must be {dict(int='an integer', bool='true or false').get(t, 'a finite number')}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name, most in (("n_layer", MAX_LAYERS), ("n_expert", MAX_EXPERTS)):
+            if getattr(self, name) > most:
+                raise ValueError(f"{name}={getattr(self, name)} must be <= {most}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.n_expert < 0:
