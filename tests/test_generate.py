@@ -139,3 +139,33 @@ def test_cli_decodes_on_the_saved_layout_and_refuses_what_does_not_fit(tmp_path)
     for rank in range(3):
         assert (f"pympar.generate: error (rank {rank}): 3 ranks do not divide into tp=2 x pp=2 (the layout the "
                 f"checkpoint was saved with: tp=2, pp=2): run on a multiple of 4 ranks") in r.stdout
+
+
+def test_a_checkpoint_with_non_finite_weights_is_one_line_on_every_rank(tmp_path):
+    """A NaN weight (through an import, whose checksums are new) made sampling raise 'Probabilities
+    contain NaN' on the rank holding the logits while the others waited: now one line per rank,
+    agreed right after loading (2 ranks: the stage that does not hold the parameter says it too)."""
+    from safetensors.numpy import load_file, save_file
+
+    save_training(tmp_path / "ck", 1, _model("tiny"))
+    src = tmp_path / "m.st"
+    env, cwd = mpi_env(), ROOT / "tests"
+    r = subprocess.run([sys.executable, "-m", "pympar.checkpoint", "export", tmp_path / "ck", src], capture_output=True,
+                       text=True, env=env, cwd=cwd, timeout=60)
+    assert r.returncode == 0, r.stderr
+    d = load_file(src)
+    name = "transformer.h.1.mlp.c_fc.weight"
+    d[name] = d[name].copy()
+    d[name][0, 0] = np.nan
+    save_file(d, tmp_path / "nan.st")
+    r = subprocess.run([sys.executable, "-m", "pympar.checkpoint", "import", tmp_path / "nan.st", tmp_path / "nanck",
+                        "--n-head", "2"], capture_output=True, text=True, env=env, cwd=cwd, timeout=60)
+    assert r.returncode == 0, r.stderr
+    want = f"parameter {name} holds non-finite values (NaN or inf): nothing to sample from"
+    r = subprocess.run([sys.executable, "-m", "pympar.generate", tmp_path / "nanck", "--tokens", "4"],
+                       capture_output=True, text=True, env=env, cwd=cwd, timeout=60)
+    assert r.returncode == 2 and want in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    res = run_mpi(2, ["-m", "pympar.generate", tmp_path / "nanck", "--tokens", "4", "--pp", "2"], timeout=90, check=False)
+    assert res.returncode == 2 and "Traceback" not in res.stdout, res.stdout[-2000:]
+    assert sorted(ln.split(":")[1] for ln in res.stdout.splitlines() if want in ln) == \
+        [" error (rank 0)", " error (rank 1)"], res.stdout[-2000:]
