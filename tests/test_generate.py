@@ -169,3 +169,14 @@ def test_a_checkpoint_with_non_finite_weights_is_one_line_on_every_rank(tmp_path
     assert res.returncode == 2 and "Traceback" not in res.stdout, res.stdout[-2000:]
     assert sorted(ln.split(":")[1] for ln in res.stdout.splitlines() if want in ln) == \
         [" error (rank 0)", " error (rank 1)"], res.stdout[-2000:]
+
+
+@pytest.mark.parametrize("field, value", [("tp", [2]), ("tp", None), ("tp", 0), ("pp", -2), ("etp", "1"),
+                                          ("virtual_stages", 1.5), ("ep", True)])
+def test_the_saved_layout_is_checked_before_it_is_used(field, value):
+    """A checkpoint's meta.layout comes from a file: a wrong size is the ValueError generate prints as
+    its one line (a list was a TypeError traceback; pp -2 said 'run on a multiple of -4 ranks')."""
+    from pympar.generate import saved_layout
+    assert saved_layout({"layout": {"tp": 2, "pp": 1, "etp": None}})["tp"] == 2
+    with pytest.raises(ValueError, match=rf"meta.layout.{field} is .*: expected an integer >= 1"):
+        saved_layout({"layout": {field: value}})

@@ -75,10 +75,16 @@ def saved_layout(meta) -> dict:
     """tp, pp, ep, etp, virtual_stages and schedule of the layout a checkpoint was saved with (1, 1, 1,
     None, 1, 1f1b where it records none: an import)."""
     lay = meta.get("layout") if isinstance(meta.get("layout"), dict) else {}
-    etp = lay.get("etp")
-    return dict(tp=int(lay.get("tp", 1)), pp=int(lay.get("pp", 1)), ep=int(lay.get("ep", 1)),
-                etp=None if etp is None else int(etp),
-                virtual_stages=int(lay.get("virtual_stages", 1)), schedule=str(lay.get("schedule", "1f1b")))
+
+    def size(key, default):
+        v = lay.get(key, default)
+        if v is None and default is None:
+            return None
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"the checkpoint's meta.layout.{key} is {v!r}: expected an integer >= 1")
+        return v
+    return dict(tp=size("tp", 1), pp=size("pp", 1), ep=size("ep", 1), etp=size("etp", None),
+                virtual_stages=size("virtual_stages", 1), schedule=str(lay.get("schedule", "1f1b")))
 
 
 def decode_layout(a, meta, world: int):
