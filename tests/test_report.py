@@ -1,5 +1,6 @@
 """pympar.report: the PNGs a run directory allows, from hand-made metrics and trace files."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -123,3 +124,32 @@ def test_rank_rows_are_the_rows_each_rank_ran_where_recorded():
                            dict(layer=1, tokens_per_expert=[9, 1, 1, 1], rows_per_ep_rank=[3, 9])]) for s in range(3)]
     np.testing.assert_allclose(_rows_per_rank(m, 2), [[0.375, 0.625]] * 3)
     assert _rows_per_rank([dict(step=0, moe=[dict(layer=0, tokens_per_expert=[1, 1])])], 2) is None
+
+
+@pytest.mark.parametrize("record", [
+    '{"step": 0, "loss": 1.0}',                                                          # fields missing
+    '{"step": 0, "loss": 1.0, "tokens_per_s": 1.0, "mfu": null, "step_time": 0.1, "time_split": {}}',
+    '{"step": 0, "loss": 1.0, "tokens_per_s": 1.0, "mfu": 0.1, "step_time": 0.1, "time_split": [1]}',
+    '{"step": 0, "loss": 1.0, "tokens_per_s": 1.0, "mfu": 0.1, "step_time": 0.1, "time_split": {}, "moe": [1]}',
+], ids=["missing", "null-mfu", "list-split", "moe-list"])
+def test_report_refuses_records_that_are_not_the_trainers_in_one_line(tmp_path, capsys, record):
+    """A metrics.jsonl of well-formed records with foreign fields: one error line naming the file and exit
+    2 (before: KeyError/TypeError/AttributeError tracebacks); a trace.json of foreign events the same."""
+    (tmp_path / "metrics.jsonl").write_text(record + "\n")
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"pympar.report: error: {tmp_path / 'metrics.jsonl'}: not what pympar.train writes" in err, err
+
+
+def test_report_refuses_a_foreign_trace_in_one_line(tmp_path, capsys):
+    good = '{"step": 0, "loss": 1.0, "tokens_per_s": 1.0, "mfu": 0.1, "step_time": 0.1, "time_split": {}}\n'
+    (tmp_path / "metrics.jsonl").write_text(good)
+    for events in ('[1]', '[{"cat": "step", "pid": 0}]'):
+        (tmp_path / "trace.json").write_text('{"traceEvents": %s}' % events)
+        assert report.main([str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"pympar.report: error: {tmp_path / 'trace.json'}: not what pympar.train writes" in err, err
+    (tmp_path / "trace.json").unlink()
+    os.mkfifo(tmp_path / "trace.json")                # a pipe is never opened (it would wait for a writer)
+    assert report.main([str(tmp_path)]) == 2
+    assert "trace.json: not a Chrome trace of pympar.train (ValueError('not a regular file'))" in capsys.readouterr().err

@@ -461,7 +461,7 @@ def test_a_damaged_metrics_file_costs_its_records_not_the_resumed_run(tmp_path, 
     res = train(2, "--steps", 5, "--out", out, "--resume", "auto")
     assert "Traceback" not in res.stdout and "step 5/5 loss" in res.stdout, res.stdout[-3000:]
     if damage == "directory":
-        assert f"pympar.train: warning: {m} cannot be read (not a regular file)" in res.stdout, res.stdout[-3000:]
+        assert f"pympar.train: warning: {m} cannot be read (Is a directory)" in res.stdout, res.stdout[-3000:]
         assert f"pympar.train: warning: cannot write {m} (Is a directory)" in res.stdout, res.stdout[-3000:]
     else:
         assert f"pympar.train: warning: {m}: line 2 is" in res.stdout and "the 1 record(s) before it are kept" \

@@ -104,7 +104,10 @@ def read_records(path) -> tuple:
     directory, a pipe: never opened, it could block forever) is the caller's."""
     import stat
 
-    if not stat.S_ISREG(os.stat(path).st_mode):
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+    if not stat.S_ISREG(mode):
         raise OSError(errno.EINVAL, "not a regular file", str(path))
     with open(path, encoding="utf-8", errors="replace") as f:
         lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]

@@ -12,6 +12,7 @@ Writes into DIR (headless, matplotlib's Agg backend):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -158,8 +159,10 @@ def plot_experts(m, out, plt, ep: int = 1) -> bool:
 def plot_pipeline(trace_path: Path, out, plt, step: int | None = None) -> bool:
     """Timeline of one step (the last-but-one when there are several) per rank."""
     try:
+        if not trace_path.is_file():        # a pipe would block
+            raise ValueError("not a regular file")
         events = json.loads(trace_path.read_text())["traceEvents"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise ValueError(f"{trace_path}: not a Chrome trace of pympar.train ({e!r})") from None
     steps = sorted((e for e in events if e.get("cat") == "step" and e.get("pid") == 0), key=lambda e: e["ts"])
     if not steps:
@@ -208,21 +211,35 @@ def make_report(run_dir) -> list[Path]:
     m = read_metrics(mpath)
     if not m:
         raise ValueError(f"{mpath}: holds no steps")
-    plot_loss(m, run_dir, plt)
-    plot_throughput(m, run_dir, plt)
-    plot_time_split(m, run_dir, plt)
-    wrote = [run_dir / n for n in ("loss.png", "throughput.png", "time_split.png")]
     ep = 1
     if (run_dir / "summary.json").exists():     # the layout the run used (expert-parallel size)
         try:
             ep = int(json.loads((run_dir / "summary.json").read_text())["config"]["parallel"]["ep"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError, OSError):
             ep = 1
-    if plot_experts(m, run_dir, plt, ep=ep):
-        wrote.append(run_dir / "experts.png")
-    if (run_dir / "trace.json").exists() and plot_pipeline(run_dir / "trace.json", run_dir, plt):
-        wrote.append(run_dir / "pipeline.png")
+    with _foreign(mpath):                       # a record of the right shape with the wrong fields
+        plot_loss(m, run_dir, plt)
+        plot_throughput(m, run_dir, plt)
+        plot_time_split(m, run_dir, plt)
+        wrote = [run_dir / n for n in ("loss.png", "throughput.png", "time_split.png")]
+        if plot_experts(m, run_dir, plt, ep=ep):
+            wrote.append(run_dir / "experts.png")
+    trace = run_dir / "trace.json"
+    if trace.exists():
+        with _foreign(trace):
+            if plot_pipeline(trace, run_dir, plt):
+                wrote.append(run_dir / "pipeline.png")
     return wrote
+
+
+@contextlib.contextmanager
+def _foreign(path):
+    """What a plot raises on fields that are not pympar.train's (a missing key, a string where a
+    number goes, a list where an object goes): ValueError naming the file."""
+    try:
+        yield
+    except (KeyError, TypeError, AttributeError, IndexError, RecursionError) as e:
+        raise ValueError(f"{path}: not what pympar.train writes ({type(e).__name__}: {e})") from None
 
 
 def main(argv=None) -> int:
