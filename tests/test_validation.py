@@ -56,6 +56,8 @@ CASES = [  # (id, args, expected substring of the message, env)
     ("layers-bound", ["--n-layer", "1000000000000"], "n_layer=1000000000000 must be <= 100000", None),
     ("ln-eps-nan", ["--ln-eps", "nan"], "ln_eps=nan must be a finite number", None),
     ("data-fifo", ["--data", "{d}/pipes"], "train.bin: not a regular file", None),
+    # a file name that is not UTF-8 (byte 0xff): the error line escapes it instead of failing to print
+    ("resume-undecodable", ["--resume", "/nonexistent/\udcffnope"], "/nonexistent/\\udcffnope: does not exist", None),
 ]
 
 
