@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mpirun import PEAK_WRAPPER, peaks_kib
@@ -53,6 +54,9 @@ def _tools(ck, tmp_path):
             ("generate", [py, "-m", "pympar.generate", str(ck), "--tokens", "4", "--prompt-ids", "1,2"])]
 
 
+_PROG = {"export": "pympar.checkpoint", "train --resume": "pympar.train", "generate": "pympar.generate"}
+
+
 # Runs a tool's module under an audit hook (PEP 578) that reports every file the process opens below
 # BAIT: the decoys a hostile checkpoint points at must never be opened, not merely refused afterwards.
 _AUDITED = """
@@ -83,6 +87,7 @@ def _refused(ck, tmp_path, what, bait=None):
         assert "Traceback" not in text and "OPENED-BAIT" not in text, (name, what, text[-2000:])
         errors = [x for x in text.splitlines() if "error" in x]
         assert len(errors) == 1 and what in errors[0], (name, errors)
+        assert errors[0].startswith(f"{_PROG[name]}: error: "), (name, errors)   # the tool's name, then the line
 
 
 @pytest.mark.parametrize("name", ["../outside/rank_00000.safetensors", "ABSOLUTE", "sub/rank_00000.safetensors"])
@@ -193,6 +198,14 @@ def test_a_header_dtype_the_manifest_does_not_say_is_refused(good, tmp_path):
 @pytest.mark.parametrize("field, value, said", [("next_step", "x", "meta.next_step"), ("next_step", -5, "meta.next_step"),
                                                 ("next_step", 10 ** 9, "beyond --steps"),
                                                 ("optimizer", {"step": "x"}, "meta.optimizer.step"),
+                                                # a negative step wrote NaN weights on the first update
+                                                ("optimizer", {"step": -1}, "meta.optimizer.step"),
+                                                ("guard", {"consecutive": "x"}, "meta.guard"),
+                                                ("guard", [1], "meta.guard"),
+                                                ("loss_scaler", {"scale": 0, "good_steps": 0}, "meta.loss_scaler"),
+                                                # an infinite scale skipped every step and exited 0
+                                                ("loss_scaler", {"scale": 1e400, "good_steps": 0}, "meta.loss_scaler"),
+                                                ("loss_scaler", {"x": 1}, "meta.loss_scaler"),
                                                 ("config", "not an object", "meta.config")])
 def test_the_trainers_fields_are_checked_before_a_resume(good, tmp_path, field, value, said):
     """A next_step of 10^9 "resumed" and trained nothing with exit 0; "x" and -5 raised deep inside: each is
@@ -315,12 +328,12 @@ def test_an_unwritable_import_destination_is_one_line(good, tmp_path):
     r = subprocess.run([sys.executable, "-m", "pympar.checkpoint", "import", str(f), str(tmp_path / "a_file" / "ck"),
                         "--n-head", "2"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "a_file" in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("pympar.checkpoint: error: "), r.stderr
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("case", ["a piece outside", "a field of the wrong type", "a config claiming a large model",
-                                  "a hostile header"])
+@pytest.mark.parametrize("case", ["a piece outside", "a field of the wrong type", "a piece index of strings",
+                                  "a config claiming a large model", "a hostile header"])
 def test_on_two_ranks_every_rank_says_the_same_line_and_nothing_aborts(good, tmp_path, case):
     """Under mpiexec the same refusal on every rank, before any collective: exit 2, one line per rank with
     the same text, no traceback, no MPI_Abort -- for the trainer's resume and for generate on a layout."""
@@ -336,6 +349,9 @@ def test_on_two_ranks_every_rank_says_the_same_line_and_nothing_aborts(good, tmp
         _edit_manifest(step, edit)
     elif case == "a field of the wrong type":
         _edit_manifest(step, lambda m: m.__setitem__("tensors", []))
+    elif case == "a piece index of strings":
+        _edit_manifest(step, lambda m: m["tensors"]["transformer.h.0.attn.c_attn.weight"]["pieces"][0]
+                       .__setitem__("index", [[["a", "b"]], [[0, 16]]]))
     elif case == "a config claiming a large model":
         _edit_manifest(step, lambda m: m["meta"]["config"].update(vocab_size=2 ** 20, n_embd=512, n_head=8))
     else:
@@ -348,3 +364,151 @@ def test_on_two_ranks_every_rank_says_the_same_line_and_nothing_aborts(good, tmp
         assert r.returncode == 2, (name, case, r.stdout[-3000:])
         assert len(errors) == 2 and errors[0] == errors[1], (name, case, r.stdout[-3000:])
         assert "Traceback" not in r.stdout and "MPI_Abort" not in r.stdout and "BAD TERMINATION" not in r.stdout
+
+
+# --- a piece's index, the ranks and world_size: checked before anything is built from them -----------
+
+WTE = "transformer.wte.weight"       # CFG: full shape [256, 16]
+
+
+def _set_index(index, key=WTE):
+    return lambda m: m["tensors"][key]["pieces"][0].__setitem__("index", index)
+
+
+@pytest.mark.parametrize("case, index", [
+    ("a number", [5]), ("null", [None]), ("strings", [[["a", "b"]], [[0, 16]]]),
+    ("floats", [[[0.0, 256.0]], [[0.0, 16.0]]]), ("a step", [[[0, 256, 2]], [[0, 16]]]),
+    ("booleans", [[[False, True]], [[0, 16]]]), ("three dimensions", [[[0, 256]], [[0, 16]], [[0, 1]]]),
+    ("one dimension", [[[0, 256]]]), ("no block", [[], [[0, 16]]]), ("overlapping", [[[0, 200], [100, 256]], [[0, 16]]]),
+    ("out of order", [[[128, 256], [0, 128]], [[0, 16]]]), ("past the end", [[[0, 300]], [[0, 16]]]),
+    ("negative", [[[-1, 256]], [[0, 16]]]), ("repeated", [[[0, 1]] * 300, [[0, 1]] * 20])])
+def test_a_piece_index_that_is_not_ordered_blocks_inside_the_shape_is_named(good, tmp_path, case, index):
+    """A piece's index from untrusted hands: a number, null, strings or floats gave a TypeError, a step or a
+    third dimension a ValueError traceback; one dimension short, blocks out of order or past the end were
+    loaded (into the wrong places); overlapping or repeated blocks are how a small manifest made Shard.pieces()
+    build 4e8 tuples. Every tool: one line naming the field, exit 2."""
+    ck, step = _copy(good, tmp_path)
+    _edit_manifest(step, _set_index(index))
+    _refused(ck, tmp_path, f"'tensors.{WTE}.pieces[0].index'")
+
+
+def test_blocks_that_repeat_without_limit_are_refused_before_they_are_expanded(good, tmp_path):
+    """2,000 x 2,000 repeated [0, 1] blocks (a 32 KB manifest): export expanded them into 4e6 rectangles
+    before reading one; the 20,000 x 20,000 of the audit (330 KB) ran a minute into a MemoryError. Refused
+    from the manifest, within PEAK_MIB."""
+    ck, step = _copy(good, tmp_path)
+    _edit_manifest(step, _set_index([[[0, 1]] * 2000, [[0, 1]] * 2000]))
+    assert (step / "manifest.json").stat().st_size < 64_000
+    rc, text, peak = _run_peak(_tools(ck, tmp_path)[0][1], tmp_path)
+    assert rc == 2 and "Traceback" not in text and "pieces[0].index" in text, text[-2000:]
+    assert peak < PEAK_MIB, peak
+
+
+def test_an_index_of_one_block_a_row_is_read(good, tmp_path):
+    """The check refuses no index a layout may write, up to as many blocks as the dimension is long: wte's
+    piece given as 256 one-row blocks by 16 one-column blocks (the same elements in the same order as
+    [[0, 256]], [[0, 16]]) exports the same numbers."""
+    from pympar.checkpoint import safetensors_format as stf
+    ck, step = _copy(good, tmp_path)
+    _edit_manifest(step, _set_index([[[r, r + 1] for r in range(256)], [[c, c + 1] for c in range(16)]]))
+    r = subprocess.run(_tools(ck, tmp_path)[0][1], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got, _ = stf.read_all(tmp_path / "out.safetensors")
+    np.testing.assert_array_equal(got[WTE], Checkpoint(good).read(WTE))
+
+
+def test_a_piece_of_more_rectangles_than_any_layout_writes_is_refused(tmp_path):
+    """Blocks in order inside the shape still multiply: one-row by one-column blocks make a piece of as many
+    rectangles as elements, which read() handles one by one (a large model's: millions, gigabytes of tuples).
+    A (1024, 128) embedding so cut -- 131,072 rectangles, over MAX_PIECE_RECTANGLES -- is refused by the
+    manifest check, before anything is expanded."""
+    from pympar.checkpoint.loading import MAX_PIECE_RECTANGLES
+    save_training(tmp_path / "ck", 3, GPT(GPTConfig(**dict(CFG, vocab_size=1024, n_embd=128))))
+    step = tmp_path / "ck" / "step_00000003"
+    assert 1024 * 128 > MAX_PIECE_RECTANGLES
+    _edit_manifest(step, _set_index([[[r, r + 1] for r in range(1024)], [[c, c + 1] for c in range(128)]]))
+    with pytest.raises(CheckpointError, match=r"pieces\[0\]\.index"):
+        Checkpoint(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("field", ["world_size", "world_size=0", "files.rank", "files.rank=1", "pieces.rank",
+                                   "pieces.rank='0'"])
+def test_world_size_and_ranks_are_checked(good, tmp_path, field):
+    """world_size, files.*.rank and pieces[].rank missing or out of range: inspect (and inspect --verify)
+    raised a KeyError; every tool now names the field."""
+    ck, step = _copy(good, tmp_path)
+    rec = "rank_00000.safetensors"
+
+    def edit(m):
+        piece = m["tensors"][WTE]["pieces"][0]
+        {"world_size": lambda: m.pop("world_size"), "world_size=0": lambda: m.update(world_size=0),
+         "files.rank": lambda: m["files"][rec].pop("rank"), "files.rank=1": lambda: m["files"][rec].update(rank=1),
+         "pieces.rank": lambda: piece.pop("rank"), "pieces.rank='0'": lambda: piece.update(rank="0")}[field]()
+    _edit_manifest(step, edit)
+    said = {"world_size": "'world_size'", "files.rank": f"'files.{rec}.rank'",
+            "pieces.rank": f"'tensors.{WTE}.pieces[0].rank'"}[field.split("=")[0]]
+    for extra in ([], ["--verify"]):
+        r = subprocess.run([sys.executable, "-m", "pympar.checkpoint", "inspect", str(ck), *extra],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (extra, r.stderr[-2000:])
+        assert r.stderr.startswith("pympar.checkpoint: error: ") and said in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    _refused(ck, tmp_path, said)
+
+
+def test_import_metadata_that_is_not_a_string_is_one_line(good, tmp_path):
+    """A header whose __metadata__ holds {"pympar.config": 5} (safetensors says str -> str; this one is not):
+    json.loads(5) raised a TypeError traceback."""
+    import struct
+    f = _nanogpt_file(good, tmp_path)
+    raw = f.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"] = {"pympar.config": 5}
+    _safetensors(f, header, data=raw[8 + n:])
+    r = subprocess.run(_import(f, tmp_path, "--n-head", "2"), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.startswith("pympar.checkpoint: error: ") and "metadata 'pympar.config'" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# Runs a tool's module with the manifest check switched off: what a gap in it would let through (here a
+# piece index of strings) must still reach load()'s agreement, not a traceback on the one rank that reads it.
+_NO_MANIFEST_CHECK = """
+import runpy, sys
+import pympar.checkpoint.loading as loading
+loading.check_manifest = lambda m, mf: None
+mod = sys.argv[1]
+sys.argv = [mod] + sys.argv[2:]
+runpy.run_module(mod, run_name='__main__', alter_sys=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two_layers") / "ck"
+    save_training(root, 3, GPT(GPTConfig(**dict(CFG, n_layer=2))))
+    return root
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("check", ["manifest check", "load() alone"])
+def test_a_piece_only_one_rank_reads_fails_on_every_rank(two_layers, tmp_path, check):
+    """generate on two pipeline stages, layer 1's c_attn with a piece index of strings: only rank 1 reads it.
+    It printed a traceback while rank 0 waited in agree() for the comm timeout. Now the manifest check
+    refuses it on both ranks; and with that check off, load() turns the TypeError into the checkpoint
+    error it agrees on: every rank says the same line, exit 2, before the comm timeout."""
+    from mpirun import run_mpi
+    ck, step = _copy(two_layers, tmp_path)
+    _edit_manifest(step, _set_index([[["a", "b"]], [[0, 16]]], "transformer.h.1.attn.c_attn.weight"))
+    args = ["-m", "pympar.generate"] if check == "manifest check" else ["-c", _NO_MANIFEST_CHECK, "pympar.generate"]
+    r = run_mpi(2, [*args, str(ck), "--pp", "2", "--tokens", "2", "--prompt-ids", "1,2"], timeout=150,
+                cwd=tmp_path, check=False, env={"PYMPAR_COMM_TIMEOUT": 60})
+    lines = [x for x in r.stdout.splitlines() if ": error" in x]
+    assert r.returncode == 2, r.stdout[-3000:]
+    assert len(lines) == 2 and all(x.startswith("pympar.generate: error (rank ") for x in lines), r.stdout[-3000:]
+    texts = [x.split(": error", 1)[1].split(": ", 1)[1] for x in lines]     # without "(rank N)"
+    assert texts[0] == texts[1] and "transformer.h.1.attn.c_attn.weight" in texts[0], lines
+    assert ("pieces[0].index" if check == "manifest check" else "TypeError") in texts[0], lines
+    assert "Traceback" not in r.stdout and "MPI_Abort" not in r.stdout and "timed out" not in r.stdout

@@ -285,9 +285,21 @@ def check_resumable(path, model_cfg, steps=None) -> None:
     nxt = ck.meta.get("next_step", ck.step)
     if not isinstance(nxt, int) or isinstance(nxt, bool) or nxt < 0:
         raise ValueError(f"--resume: {mf}: field 'meta.next_step': expected an integer >= 0")
+    def count(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
     opt = ck.meta.get("optimizer", {})
-    if not isinstance(opt, dict) or not isinstance(opt.get("step", 0), int):
-        raise ValueError(f"--resume: {mf}: field 'meta.optimizer.step': expected an integer")
+    if not isinstance(opt, dict) or not count(opt.get("step", 0)):
+        raise ValueError(f"--resume: {mf}: field 'meta.optimizer.step': expected an integer >= 0")
+    guard = ck.meta.get("guard") or {}
+    if not isinstance(guard, dict) or not count(guard.get("consecutive", 0)):
+        raise ValueError(f"--resume: {mf}: field 'meta.guard': expected {{\"consecutive\": an integer >= 0}}")
+    scaler = ck.meta.get("loss_scaler")
+    if scaler and not (isinstance(scaler, dict) and count(scaler.get("good_steps"))
+                       and isinstance(scaler.get("scale"), (int, float)) and not isinstance(scaler["scale"], bool)
+                       and 0 < scaler["scale"] < float("inf")):
+        raise ValueError(f"--resume: {mf}: field 'meta.loss_scaler': expected {{\"scale\": a finite number > 0, "
+                         f"\"good_steps\": an integer >= 0}}")
     if steps is not None and nxt > steps:
         raise ValueError(f"--resume: {mf}: the checkpoint continues at step {nxt}, beyond --steps {steps}: "
                          f"nothing to train (give --steps above {nxt}, or another checkpoint)")

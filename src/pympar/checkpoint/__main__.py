@@ -19,6 +19,8 @@ from ..config import start_application
 from .convert import describe_checkpoint, export_hf, export_state_dict, import_hf, import_state_dict
 from .errors import CheckpointError
 
+PROG = "pympar.checkpoint"     # every error line: "pympar.checkpoint: error: ..."
+
 
 def _check_import_target(directory, step: int) -> None:
     """import writes DIR/step_N and DIR/latest: into a new or empty folder only (never over a run's
@@ -36,7 +38,7 @@ def _check_import_target(directory, step: int) -> None:
 
 
 def main(argv=None) -> int:
-    start_application("pympar.checkpoint")
+    start_application(PROG)
     ap = argparse.ArgumentParser(prog="python -m pympar.checkpoint", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("export", help="checkpoint -> one nanoGPT-named safetensors file")
@@ -90,10 +92,10 @@ def main(argv=None) -> int:
             if a.verify and "DAMAGED" in text:
                 return 1
     except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:                 # the output: a folder that cannot be written, a full disk
-        print(f"error: {e.filename or ''}: {e.strerror or type(e).__name__}", file=sys.stderr)
+        print(f"{PROG}: error: {e.filename or ''}: {e.strerror or type(e).__name__}", file=sys.stderr)
         return 2
     return 0
 

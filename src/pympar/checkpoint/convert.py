@@ -66,8 +66,9 @@ def import_state_dict(in_file, directory, config: dict | None = None, n_head=Non
     if unknown:
         raise ValueError(f"--config: {', '.join(unknown)} is not a GPTConfig field")
     if "pympar.config" in metadata:
-        try:
-            cfg = json.loads(metadata["pympar.config"])
+        raw = metadata["pympar.config"]
+        try:                          # a header's metadata values may be of any JSON type, not only strings
+            cfg = json.loads(raw) if isinstance(raw, str) else None
         except (ValueError, RecursionError):
             cfg = None
         if not isinstance(cfg, dict):

@@ -75,9 +75,18 @@ def check_manifest(m: dict, mf) -> None:
     for k in ("files", "tensors"):
         if k not in m:
             bad(k, "an object (missing)")
+    world = m.get("world_size")
+    if not count(world) or world < 1:
+        bad("world_size", "an integer >= 1")
+
+    def rank(v):
+        return count(v) and v < world
+
     for name, rec in m["files"].items():
         if not isinstance(rec, dict) or not count(rec.get("bytes")) or not isinstance(rec.get("sha256"), str):
             bad(f"files.{name}", "an object with 'bytes' (an integer >= 0) and 'sha256' (a string)")
+        if not rank(rec.get("rank")):
+            bad(f"files.{name}.rank", f"an integer in [0, world_size={world})")
     for key, t in m["tensors"].items():
         if not isinstance(t, dict):
             bad(f"tensors.{key}", "an object")
@@ -90,6 +99,46 @@ def check_manifest(m: dict, mf) -> None:
         if not isinstance(pieces, list) or not all(isinstance(q, dict) and isinstance(q.get("file"), str)
                                                    and isinstance(q.get("index"), list) for q in pieces):
             bad(f"tensors.{key}.pieces", "a list of objects with 'file' (a string) and 'index' (a list)")
+        for i, q in enumerate(pieces):
+            if not rank(q.get("rank")):
+                bad(f"tensors.{key}.pieces[{i}].rank", f"an integer in [0, world_size={world})")
+            if not index_ok(q["index"], shape):
+                bad(f"tensors.{key}.pieces[{i}].index", f"per dimension of full_shape ({len(shape)}) a list of "
+                                                        f"[start, stop] integer blocks, 0 <= start < stop <= its "
+                                                        f"length, in order, not overlapping; at most "
+                                                        f"{MAX_PIECE_RECTANGLES:,} rectangles in all")
+
+
+MAX_PIECE_RECTANGLES = 1 << 16   # a piece's blocks multiplied over its dimensions; pympar's layouts write
+#                                  at most 3 (tp's c_attn rows in q, k and v), read() handles each in turn
+
+
+def index_ok(index, shape) -> bool:
+    """Whether ``index`` (a piece's index as JSON) is one list of blocks per dimension of ``shape``: each
+    block [start, stop], integers, 0 <= start < stop <= the dimension's length, the blocks in order and
+    not overlapping (so no more of them than the dimension's length). One empty block [s, s] is allowed
+    as a dimension's only block (a rank's share of padded rows may hold none, a dimension may be 0 long).
+    Checked before any piece is expanded into its rectangles (Shard.pieces(): the product of the
+    dimensions' block counts, at most MAX_PIECE_RECTANGLES: below the tensor's size, one-row blocks
+    of a large tensor would still be millions)."""
+    if not isinstance(index, list) or len(index) != len(shape):
+        return False
+    rectangles = 1
+    for blocks, n in zip(index, shape):
+        if not isinstance(blocks, list) or not 1 <= len(blocks) <= max(n, 1):
+            return False
+        rectangles *= len(blocks)
+        if rectangles > MAX_PIECE_RECTANGLES:
+            return False
+        prev = 0
+        for b in blocks:
+            if not (isinstance(b, list) and len(b) == 2 and all(type(v) is int for v in b)):
+                return False
+            start, stop = b
+            if not (prev <= start < stop <= n or (len(blocks) == 1 and 0 <= start == stop <= n)):
+                return False
+            prev = stop
+    return True
 
 
 def check_fits(cfg, held_elements: int, path) -> None:
@@ -293,7 +342,7 @@ def load(directory, wanted: dict, comm=None, expect_config: dict | None = None, 
     Keys are global parameter names, and ``optim.<state>.<name>`` for optimiser state. Every
     rank raises (the same kind of error) when any rank fails, so none walks on into training.
     """
-    err, out, manifest = None, {}, None
+    err, out, manifest, ck, key = None, {}, None, None, None
     try:
         ck = Checkpoint(directory, verify=verify)
         manifest = ck.manifest
@@ -302,5 +351,11 @@ def load(directory, wanted: dict, comm=None, expect_config: dict | None = None, 
             out[key] = ck.read(key, spec)
     except CheckpointError as e:
         err = e
+    except (ValueError, TypeError, LookupError, AttributeError) as e:
+        # whatever the manifest check let through and a field or a piece then broke: still a damaged
+        # checkpoint, agreed below -- a rank raising on alone would leave the others waiting in agree()
+        where = ck.path / L.MANIFEST if ck is not None else directory
+        what = "" if key is None else f"tensor {key!r}: "
+        err = CheckpointCorrupt(where, f"{what}unreadable ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
     agree(comm, err, "loading the checkpoint")
     return out, manifest
