@@ -512,3 +512,27 @@ def test_a_piece_only_one_rank_reads_fails_on_every_rank(two_layers, tmp_path, c
     assert texts[0] == texts[1] and "transformer.h.1.attn.c_attn.weight" in texts[0], lines
     assert ("pieces[0].index" if check == "manifest check" else "TypeError") in texts[0], lines
     assert "Traceback" not in r.stdout and "MPI_Abort" not in r.stdout and "timed out" not in r.stdout
+
+
+def test_import_of_shapes_and_names_it_cannot_read_is_one_clear_line(good, tmp_path):
+    """Without pympar metadata the config comes from the shapes: a 1-D embedding said 'not enough values
+    to unpack', an expert tensor outside a block 'invalid literal for int()'; and the advice to give the
+    heads with --config was not followed by import (it said the same again)."""
+    from pympar.checkpoint import safetensors_format as stf
+    f = _nanogpt_file(good, tmp_path, metadata={})
+    tensors, _ = stf.read_all(f)
+    tensors.pop("lm_head.weight", None)          # tied to wte: edited below, it would differ
+    r = subprocess.run(_import(f, tmp_path, "--config", '{"n_head": 2}'), capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name, edit, said in (("flat", lambda t: t.__setitem__("transformer.wte.weight", t["transformer.wte.weight"][0]),
+                              "expected (rows, n_embd) matrices"),
+                             ("stray expert", lambda t: t.__setitem__("foo.moe.experts.0.w", np.zeros(3, np.float32)),
+                              "outside transformer.h.N.moe")):
+        bad = dict(tensors)
+        edit(bad)
+        g = tmp_path / f"{name}.safetensors"
+        stf.write(g, bad, {})
+        r = subprocess.run([*_import(g, tmp_path, "--n-head", "2")[:-3], str(tmp_path / name), "--n-head", "2"],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and said in r.stderr, (name, r.stderr[-2000:])

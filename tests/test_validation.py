@@ -2,6 +2,7 @@
 the same one-line message and status 2 -- never a hang (each launch has a bounded timeout)."""
 import os
 
+import numpy as np
 import pytest
 
 from mpirun import run_mpi
@@ -19,6 +20,9 @@ def files(tmp_path_factory):
     (d / "empty.txt").write_bytes(b"")
     (d / "bad.bin").write_bytes(b"\1\2\3\4" * 400)
     (d / "run.toml").write_text("micro_batch_size = [\n")
+    header = np.zeros(256, "<i4")
+    header[:3] = (20240520, 1, 1)                 # llm.c: magic, version 1 (uint16), one token
+    (d / "one.bin").write_bytes(header.tobytes() + np.array([7], "<u2").tobytes())
     (d / "pipes").mkdir()
     for name in ("train.bin", "val.bin"):        # named pipes: opening one would wait for a writer
         os.mkfifo(d / "pipes" / name)
@@ -56,6 +60,7 @@ CASES = [  # (id, args, expected substring of the message, env)
     ("layers-bound", ["--n-layer", "1000000000000"], "n_layer=1000000000000 must be <= 100000", None),
     ("ln-eps-nan", ["--ln-eps", "nan"], "ln_eps=nan must be a finite number", None),
     ("data-fifo", ["--data", "{d}/pipes"], "train.bin: not a regular file", None),
+    ("data-one-token", ["--data", "{d}/one.bin"], "0 training and 1 validation tokens: too few", None),
     # a file name that is not UTF-8 (byte 0xff): the error line escapes it instead of failing to print
     ("resume-undecodable", ["--resume", "/nonexistent/\udcffnope"], "/nonexistent/\\udcffnope: does not exist", None),
 ]

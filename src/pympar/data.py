@@ -225,6 +225,8 @@ def _load_llmc_file(path: Path) -> Corpus:
 
 
 def _token_corpus(train, val, name) -> Corpus:
+    if len(train) == 0 or len(val) == 0:
+        raise DataError(f"{name}: {len(train)} training and {len(val)} validation tokens: too few to train on")
     vocab = 1 + max(int(train.max()), int(val.max()))
     return Corpus(train, val, vocab, name)
 

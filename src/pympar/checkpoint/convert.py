@@ -41,6 +41,9 @@ def infer_config(tensors: dict, n_head=None) -> dict:
     """GPTConfig fields readable from the tensor shapes (n_head is not: give it)."""
     if WTE not in tensors or "transformer.wpe.weight" not in tensors:
         raise ValueError(f"no {WTE} / transformer.wpe.weight: not a GPT state dict")
+    if len(tensors[WTE].shape) != 2 or len(tensors["transformer.wpe.weight"].shape) != 2:
+        raise ValueError(f"{WTE} {tuple(tensors[WTE].shape)} and transformer.wpe.weight "
+                         f"{tuple(tensors['transformer.wpe.weight'].shape)}: expected (rows, n_embd) matrices")
     vocab, n_embd = tensors[WTE].shape
     layers = {int(m.group(1)) for k in tensors if (m := re.match(r"transformer\.h\.(\d+)\.", k))}
     experts = {int(m.group(1)) for k in tensors if (m := re.search(r"\.moe\.experts\.(\d+)\.", k))}
@@ -51,7 +54,9 @@ def infer_config(tensors: dict, n_head=None) -> dict:
                n_layer=max(layers) + 1 if layers else 0, n_head=int(n_head), n_embd=n_embd,
                bias="transformer.h.0.attn.c_attn.bias" in tensors)
     if experts:
-        moe_blocks = sorted({int(k.split(".")[2]) for k in tensors if ".moe." in k})
+        moe_blocks = sorted({int(m.group(1)) for k in tensors if (m := re.match(r"transformer\.h\.(\d+)\.moe\.", k))})
+        if not moe_blocks:
+            raise ValueError("expert tensors (.moe.experts.N.) outside transformer.h.N.moe: not a pympar MoE state dict")
         cfg.update(n_expert=max(experts) + 1, moe_every=moe_blocks[0] + 1,
                    shared_expert=any(".moe.shared." in k for k in tensors))
     return cfg
@@ -77,7 +82,7 @@ def import_state_dict(in_file, directory, config: dict | None = None, n_head=Non
             raise CheckpointMismatch(in_file, f"it records n_head={cfg.get('n_head')} (pympar metadata); --n-head "
                                               f"{n_head} does not apply to it")
     else:
-        cfg = infer_config(tensors, n_head)
+        cfg = infer_config(tensors, n_head if n_head is not None else (config or {}).get("n_head"))
     cfg.update(config or {})
     return _save_imported(tensors, cfg, in_file, directory, step)
 
