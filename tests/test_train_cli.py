@@ -443,6 +443,21 @@ def test_resume_auto_never_starts_over_on_checkpoints_it_could_not_point_to(tmp_
     assert {q.name: (q / "manifest.json").read_bytes() for q in ck.glob("step_*") if q.name in before} == before
 
 
+def test_links_planted_in_the_run_folder_are_replaced_not_written_through(tmp_path):
+    """--out's metrics.jsonl, summary.json and trace.json, found as symbolic links to files elsewhere
+    (a shared run folder): the run writes its own files in their place and the targets stay as they were."""
+    out, outside = tmp_path / "run", tmp_path / "precious.txt"
+    out.mkdir()
+    outside.write_text("keep me\n")
+    for name in ("metrics.jsonl", "summary.json", "trace.json"):
+        (out / name).symlink_to(outside)
+    train(1, "--steps", 2, "--out", out, "--profile")
+    assert outside.read_text() == "keep me\n"
+    for name in ("metrics.jsonl", "summary.json", "trace.json"):
+        assert (out / name).is_file() and not (out / name).is_symlink(), name
+    assert [r["step"] for r in metrics(out)] == [0, 1]
+
+
 @pytest.mark.parametrize("damage", ["garbage line", "foreign record", "directory"])
 def test_a_damaged_metrics_file_costs_its_records_not_the_resumed_run(tmp_path, damage):
     """--resume auto continues OUT/metrics.jsonl with the earlier run's records before the resumed

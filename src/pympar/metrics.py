@@ -133,6 +133,8 @@ class MetricsWriter:
         self.path = path
         self.f = None
         try:
+            if path and os.path.islink(path):       # replaced, not written through: the run writes in --out only
+                os.unlink(path)
             if path and os.path.lexists(path) and not os.path.isfile(path):    # a pipe would block the run
                 raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path)) if os.path.isdir(path) else \
                     OSError(errno.EINVAL, "not a regular file", str(path))

@@ -346,8 +346,11 @@ def _check_memory(mpi, predicted: dict, lay, run) -> None:
 
 def _write_or_warn(path, write):
     """A run's last files (summary, trace): a full or failing disk costs the file, with one warning,
-    never the finished run's exit status."""
+    never the finished run's exit status. A link planted in their place is replaced, not written
+    through (the run writes inside its --out only)."""
     try:
+        if os.path.islink(path):
+            os.unlink(path)
         write(path)
     except OSError as e:
         print(f"pympar.train: warning: could not write {path} ({e.strerror or e})", file=sys.stderr, flush=True)
