@@ -119,6 +119,17 @@ def test_a_shard_that_links_out_is_not_followed(good, tmp_path):
     _refused(ck, tmp_path, "outside the checkpoint's folder", bait=elsewhere)
 
 
+def test_a_manifest_that_links_out_is_not_read(good, tmp_path):
+    """A manifest.json that is a link to another folder's manifest: refused before it is read (the other
+    folder's shards would be named by it, read through a manifest that is not this checkpoint's)."""
+    ck, step = _copy(good, tmp_path)
+    other = tmp_path / "other"
+    shutil.copytree(step, other)
+    (step / "manifest.json").unlink()
+    os.symlink(other / "manifest.json", step / "manifest.json")
+    _refused(ck, tmp_path, "is a link out of the checkpoint's folder", bait=other / "manifest.json")
+
+
 @pytest.mark.parametrize("pointer", ["../other/step_00000003", "ABSOLUTE", "step_00000003/../../other/step_00000003"])
 def test_a_latest_pointer_out_of_its_folder_is_refused(good, tmp_path, pointer):
     ck, _ = _copy(good, tmp_path)

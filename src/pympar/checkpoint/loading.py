@@ -159,6 +159,8 @@ class Checkpoint:
     def __init__(self, directory, verify: bool = True):
         self.path = resolve(directory)
         mf = self.path / L.MANIFEST
+        if not L.inside(mf, self.path):       # a link to another folder's manifest: never read through
+            raise CheckpointCorrupt(mf, "is a link out of the checkpoint's folder")
         try:
             size = mf.stat().st_size
             if size > MAX_MANIFEST_BYTES:
