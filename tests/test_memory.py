@@ -469,31 +469,46 @@ def test_selective_leaves_a_tensor_parallel_mlp_its_hidden_layer():
     assert all(b.mlp.keep_hidden for b in plain.h)
 
 
-def test_available_memory_is_meminfo_or_a_cgroups_room_whichever_is_smaller(tmp_path):
-    """The trainer's --memory-check compares with ledger.available_memory: this node's, and a memory
-    cgroup's limit less its use without the reclaimable page cache (v2 and v1 files, as the kernel
-    writes them, under a root of their own)."""
+def test_available_memory_is_meminfo_or_a_cgroups_room_whichever_is_smallest(tmp_path):
+    """The trainer's --memory-check compares with ledger.available_memory: this node's MemAvailable, and
+    the least room of the process's memory cgroup and its ancestors (limit less use less the
+    reclaimable file pages), found where /proc/self/cgroup places it -- v2 and v1 files, as the kernel
+    writes them, under a root of their own."""
     total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
-    assert 0 < ledger.available_memory() <= total
+    assert 0 <= ledger.available_memory() <= total          # 0: a cgroup at its limit
     assert ledger.available_memory(str(tmp_path)) is None                 # nothing to read
-    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "self").mkdir(parents=True)
     (tmp_path / "proc" / "meminfo").write_text("MemTotal:       16777216 kB\nMemAvailable:    8388608 kB\n")
     assert ledger.available_memory(str(tmp_path)) == 8 << 30
+
+    def group(d, limit, usage, stat):
+        d.mkdir(parents=True, exist_ok=True)
+        for name, v in zip(limit_usage, (limit, usage)):
+            (d / name).write_text(f"{v}\n")
+        (d / "memory.stat").write_text("".join(f"{k} {v}\n" for k, v in stat.items()))
+
+    # v2: a batch job's cgroup (no limit of its own) under a slice with 1 GiB: the slice's room counts
+    (tmp_path / "proc" / "self" / "cgroup").write_text("0::/job.slice/step_0\n")
     v2 = tmp_path / "sys" / "fs" / "cgroup"
-    v2.mkdir(parents=True)
-    (v2 / "memory.max").write_text(f"{1 << 30}\n")
-    (v2 / "memory.current").write_text(f"{600 << 20}\n")
-    (v2 / "memory.stat").write_text(f"anon {500 << 20}\nfile {100 << 20}\ninactive_file {100 << 20}\n")
+    limit_usage = ("memory.max", "memory.current")
+    group(v2 / "job.slice" / "step_0", "max", 100 << 20, {"inactive_file": 0})
+    group(v2 / "job.slice", 1 << 30, 600 << 20, {"anon": 500 << 20, "active_file": 60 << 20,
+                                                   "inactive_file": 40 << 20})
     assert ledger.available_memory(str(tmp_path)) == (1 << 30) - (500 << 20)
-    (v2 / "memory.max").write_text("max\n")                              # v2 without a limit
-    assert ledger.available_memory(str(tmp_path)) == 8 << 30
-    for f in ("memory.max", "memory.current", "memory.stat"):
-        (v2 / f).unlink()
-    v1 = v2 / "memory"
-    v1.mkdir()
-    (v1 / "memory.limit_in_bytes").write_text(f"{3 << 30}\n")
-    (v1 / "memory.usage_in_bytes").write_text(f"{2 << 30}\n")
-    (v1 / "memory.stat").write_text(f"cache {1 << 30}\ntotal_inactive_file {512 << 20}\n")
+    group(v2 / "job.slice" / "step_0", 512 << 20, 400 << 20, {"inactive_file": 0})   # a tighter own limit
+    assert ledger.available_memory(str(tmp_path)) == 112 << 20
+    group(v2 / "job.slice" / "step_0", 512 << 20, 600 << 20, {"inactive_file": 0})   # at its limit: no room
+    assert ledger.available_memory(str(tmp_path)) == 0
+    for d in (v2 / "job.slice" / "step_0", v2 / "job.slice"):
+        for f in d.iterdir():
+            if f.is_file():
+                f.unlink()
+    assert ledger.available_memory(str(tmp_path)) == 8 << 30             # v2 without limits
+    # v1: the memory controller's line; a container's namespace shows "/" (its own group at the mount)
+    (tmp_path / "proc" / "self" / "cgroup").write_text("4:memory:/\n0::/\n")
+    limit_usage = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    group(v2 / "memory", 3 << 30, 2 << 30, {"cache": 1 << 30, "total_active_file": 256 << 20,
+                                           "total_inactive_file": 256 << 20})
     assert ledger.available_memory(str(tmp_path)) == (3 << 30) - (2 << 30) + (512 << 20)
-    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")      # v1 without a limit
+    (v2 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")      # v1 without a limit
     assert ledger.available_memory(str(tmp_path)) == 8 << 30

@@ -12,7 +12,8 @@ from mpirun import run_pytest_mpi
 from pympar.nn import GPTConfig
 from pympar.parallel.pp import (SCHEDULES, Action, bubble_formula, build_schedule, partition,
                                 peak_in_flight, simulate, validate_pipeline, validate_schedule)
-from pympar.parallel.pp.schedules import SPLIT_BACKWARD, peak_held, placement_of, rank_of, stage_of
+from pympar.parallel.pp.schedules import (SPLIT_BACKWARD, compiled_table, peak_held, placement_of, rank_of,
+                                          stage_of)
 
 GRID = [(s, p, m, v) for s in SCHEDULES for p in range(1, 5) for m in range(1, 9) for v in (1, 2)]
 
@@ -434,7 +435,6 @@ def test_a_compiled_table_simulates_as_its_lists_and_the_tables_are_fresh_lists(
     executor's tests pass lists: the same makespan, busy times and bubbles for any costs; and
     build_schedule hands out a new list each time (its cached table must not be changed through it)."""
     import random
-    from pympar.parallel.pp.schedules import compiled_table
     rng = random.Random(0)
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)):
         for p, m in ((2, 4), (3, 6), (4, 8)):
@@ -447,3 +447,18 @@ def test_a_compiled_table_simulates_as_its_lists_and_the_tables_are_fresh_lists(
     a = build_schedule("1f1b", 2, 4, 1, 0)
     a.clear()
     assert len(build_schedule("1f1b", 2, 4, 1, 0)) == 8
+
+
+@pytest.mark.parametrize("name, p, m, v, f, b, c, w, makespan, busy", [
+    ("1f1b", 4, 8, 1, 1.0, 2.0, 0.25, None, 37.0, 24.0),
+    ("zb-h1", 3, 6, 1, 0.5, 1.5, 0.1, 0.6, 14.4, 12.0),
+    ("zb-v", 2, 8, 2, 1.0, 2.0, 0.0, 1.0, 24.5, 24.0),
+    ("dualpipev", 4, 16, 2, 0.7, 1.9, 0.3, 0.8, 47.95, 41.6),
+    ("interleaved", 2, 4, 2, 1.0, 2.0, 0.5, None, 16.5, 12.0),
+    ("gpipe", 3, 4, 1, 1.0, 3.0, 0.2, None, 24.8, 16.0)])
+def test_simulate_gives_what_the_event_model_gave_before_it_was_compiled(name, p, m, v, f, b, c, w, makespan, busy):
+    """Makespans and busy times of the discrete-event model as it was before simulate ran on compiled
+    tables (the planner's pipeline times): a change in what it computes, not only in its form, fails."""
+    res = simulate(compiled_table(name, p, m, v), p, v, f, b, c, w)
+    assert res["makespan"] == pytest.approx(makespan, rel=1e-12)
+    assert res["busy"] == pytest.approx([busy] * p, rel=1e-12)

@@ -196,34 +196,41 @@ def test_bad_config_exits_2_on_every_rank(tmp_path, args, needle):
     assert needle in lines[0]
 
 
-def test_a_run_that_cannot_fit_is_refused_on_every_rank_before_it_allocates():
-    """--memory-check (on by default): the ledger's prediction times the node's ranks against what
-    the node has available, agreed by every rank before the model is built -- one line on each,
-    exit 2, no traceback and no kill by the OS. A billion sequences per micro-batch need petabytes."""
-    args = ["--micro-batch-size", 10**9, "--steps", 1]
+@pytest.mark.parametrize("layout", [["--dp", 2], ["--pp", 2]])
+def test_a_run_that_cannot_fit_is_refused_on_every_rank_before_it_allocates(layout):
+    """--memory-check (on by default): each rank's ledger prediction (its pipeline stage's), summed
+    over the node, against what the node has available, agreed by every rank before the model is
+    built -- one line on each, exit 2, no traceback and no kill by the OS. A billion sequences per
+    micro-batch need petabytes."""
+    args = [*layout, "--micro-batch-size", 10**9, "--steps", 1]
     res = train(2, *args, check=False, timeout=60)
     assert res.returncode == 2 and "Traceback" not in res.stdout, res.stdout[-2000:]
     lines = error_lines(res)
     assert len(lines) == 2 and lines[0] == lines[1], res.stdout[-2000:]
     cfg = parse_args([*TINY, *map(str, args)], 2, apply_environment())
-    peak = ledger.predict_run(cfg.model, cfg.parallel, cfg.run, cfg.optim)["peak"]
-    assert f"2 rank(s) x {ledger.human(peak)} predicted per rank = {ledger.human(2 * peak)} > " in lines[0], lines[0]
+    c = (cfg.model, cfg.parallel, cfg.run, cfg.optim)
+    need = 2 * ledger.predict_run(*c)["peak"] if layout[0] == "--dp" else \
+        sum(ledger.predict_run(*c, pp_rank=r)["peak"] for r in range(2))    # the stages hold different bytes
+    assert f"its 2 rank(s) are predicted to hold {ledger.human(need)} > " in lines[0], lines[0]
     assert "--micro-batch-size" in lines[0] and "--no-memory-check runs it anyway" in lines[0]
 
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_running_out_of_memory_anyway_ends_every_rank_with_one_line(n):
     """--no-memory-check, and an allocation the process cannot get (its address space limited to
-    6 GiB, as ``ulimit -v``; one activation of the micro-batch is 19 GiB): a clear line per rank and
-    exit status 1, not a traceback, and on 2 ranks the whole job ends (MPI_Abort) instead of one
-    rank waiting for the other."""
-    res = train(n, "--micro-batch-size", 10**5, "--n-embd", 1024, "--steps", 1, "--no-memory-check", check=False,
-                timeout=60, address_space=6 << 30)
+    6 GiB, as ``ulimit -v``; the first activation of the micro-batch alone is 6.1 GiB): a clear line
+    and exit status 1, not a traceback, naming the ledger's prediction; on 2 ranks the whole job ends
+    (MPI_Abort) instead of one rank waiting for the other -- the rank that aborts first may end the
+    other before it prints, so at least one line, every one well formed. One thread per rank: the
+    address space holds no thread pools sized to the host."""
+    res = train(n, "--micro-batch-size", 10**5, "--n-embd", 1024, "--steps", 1, "--no-memory-check", "--threads", 1,
+                check=False, timeout=60, address_space=6 << 30)
     assert res.returncode == 1 and "Traceback" not in res.stdout, res.stdout[-3000:]
     lines = [line for line in res.stdout.splitlines() if "out of memory" in line]
-    want = ["pympar.train: error: rank 0: out of memory ("] if n == 1 else \
-        [f"pympar: rank {r}: error: out of memory (" for r in range(n)]
-    assert sorted(line[:len(want[0])] for line in lines) == want, res.stdout[-3000:]
+    heads = {"pympar.train: error: rank 0: out of memory ("} if n == 1 else \
+        {f"pympar: rank {r}: error: out of memory (" for r in range(n)}
+    assert lines and all(any(line.startswith(h) for h in heads) for line in lines), res.stdout[-3000:]
+    assert all("the ledger predicted" in line for line in lines), res.stdout[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -479,7 +486,7 @@ def test_a_damaged_metrics_file_costs_its_records_not_the_resumed_run(tmp_path, 
         assert f"pympar.train: warning: {m} cannot be read (Is a directory)" in res.stdout, res.stdout[-3000:]
         assert f"pympar.train: warning: cannot write {m} (Is a directory)" in res.stdout, res.stdout[-3000:]
     else:
-        assert f"pympar.train: warning: {m}: line 2 is" in res.stdout and "the 1 record(s) before it are kept" \
+        assert f"pympar.train: warning: {m}: line 2 is" in res.stdout and "the 1 record(s) of earlier steps before it are kept" \
             in res.stdout, res.stdout[-3000:]
         assert [r["step"] for r in metrics(out)] == [0, 3, 4]
 

@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from .config import start_application
+from .resilience import first_non_finite
 
 
 def build_parser():
@@ -168,13 +169,6 @@ def prompt_ids(a, V: int) -> list:
     return ids
 
 
-def _non_finite(model):
-    """The name of the first parameter of ``model`` holding a NaN or an infinity, or None."""
-    from .backend import xp_of
-
-    return next((n for n, p in model.named_parameters() if not bool(xp_of(p.data).isfinite(p.data).all())), None)
-
-
 def _error(e, mpi, rank) -> int:
     """One line on stderr (one write: the ranks' lines never interleave); exit status 2."""
     import os
@@ -224,7 +218,7 @@ def main(argv=None) -> int:
     if mpi is None:
         from .nn.generate import generate
 
-        bad = _non_finite(model)
+        bad = first_non_finite(model)
         if bad:
             return _error(ValueError(f"{a.src}: parameter {bad} holds non-finite values (NaN or inf): nothing to "
                                      f"sample from"), mpi, rank)
@@ -245,7 +239,7 @@ def main(argv=None) -> int:
             step = int(restore_into(model, None, ck.path, comm).get("step", ck.step))
         except CheckpointError as e:
             return _error(e, mpi, rank)
-        bad = _non_finite(model)              # agreed: the ranks hold different parameters
+        bad = first_non_finite(model)         # agreed: the ranks hold different parameters
         names = [n for n in mpi.allgather(bad) if n]
         if names:
             return _error(ValueError(f"{a.src}: parameter {names[0]} holds non-finite values (NaN or inf): nothing "

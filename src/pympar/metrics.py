@@ -100,8 +100,9 @@ def read_records(path) -> tuple:
     """The records of a metrics.jsonl (one JSON object per line) up to the first line that is not
     one, and that line's trouble: (rows, None) when every line was read, else (rows, (line number,
     what is wrong, cut)) -- cut: it is the last line and has no newline, what a run killed while
-    writing leaves. Undecodable bytes count as a damaged line. OSError (missing, unreadable, a
-    directory, a pipe: never opened, it could block forever) is the caller's."""
+    writing leaves. Undecodable bytes are read as U+FFFD (a line they break is a damaged line; inside a
+    JSON string they stay replaced). OSError (missing, unreadable, a directory, a pipe: never opened,
+    it could block forever) is the caller's."""
     import stat
 
     mode = os.stat(path).st_mode
@@ -138,7 +139,9 @@ class MetricsWriter:
             if path and os.path.lexists(path) and not os.path.isfile(path):    # a pipe would block the run
                 raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path)) if os.path.isdir(path) else \
                     OSError(errno.EINVAL, "not a regular file", str(path))
-            self.f = open(path, "w") if path else None
+            if path:                                # O_NOFOLLOW: a link planted again meanwhile is refused
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
+                self.f = os.fdopen(fd, "w")
         except OSError as e:
             self._give_up(e)
 

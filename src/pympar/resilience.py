@@ -305,6 +305,11 @@ def check_resumable(path, model_cfg, steps=None) -> None:
                          f"nothing to train (give --steps above {nxt}, or another checkpoint)")
 
 
+def first_non_finite(model):
+    """The name of the first parameter of ``model`` holding a NaN or an infinity, or None."""
+    return next((name for name, p in model.named_parameters() if not bool(xp_of(p.data).isfinite(p.data).all())), None)
+
+
 def save_run(runner, run, next_step, guard, comm, layout, background=False, staging=None):
     """Collective: checkpoint OUT/checkpoints/step_<next_step> (the weights after next_step steps).
     background: copy the state to host memory (into ``staging``, the caller's {key: buffer} kept
@@ -316,7 +321,7 @@ def save_run(runner, run, next_step, guard, comm, layout, background=False, stag
     # never write a non-finite number. The ranks hold different parameters (pipeline stages,
     # tensor shards): they agree first, or the clean ranks would wait in the save's collectives
     # while the others stop (and sit in the exit's teardown)
-    bad = next((name for name, p in model.named_parameters() if not bool(xp_of(p.data).isfinite(p.data).all())), None)
+    bad = first_non_finite(model)
     n_bad = np.array([0.0 if bad is None else 1.0])
     if comm is not None and comm.size > 1:
         out = comm.allreduce(n_bad)

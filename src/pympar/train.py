@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import errno
 import os
 import statistics
 import sys
@@ -118,8 +119,9 @@ def _main(mpi, argv, faults, beats) -> int:
     from .parallel.ep import NodeRouteError
     from .comm.debug import CollectiveMismatchError
     from .comm.watchdog import abort_job
+    facts = {}                                 # what the error lines below may cite
     try:
-        return _train(mpi, cfg, corpus, resume_path, env, faults)
+        return _train(mpi, cfg, corpus, resume_path, env, faults, facts)
     except (CommTimeoutError, CollectiveMismatchError) as e:
         abort_job(e)
     except CheckpointDiskFull as e:            # agreed on every rank; the previous checkpoint is the latest
@@ -140,8 +142,10 @@ def _main(mpi, argv, faults, beats) -> int:
         os.write(2, f"pympar.train: error: rank {rank}: {e}\n".encode(errors="backslashreplace"))
         return STOP_STATUS
     except MemoryError as e:                   # what the ledger did not foresee (--no-memory-check, other jobs)
-        msg = (f"out of memory ({str(e) or 'an allocation failed'}); the start-up line gives the ledger's prediction per rank (--memory-check, "
-               f"on by default, refuses a run whose prediction cannot fit)")
+        peak = facts.get("predicted_peak")
+        msg = (f"out of memory ({str(e) or 'an allocation failed'})"
+               + (f"; the ledger predicted {ledger.human(peak)} for the worst rank" if peak is not None else "")
+               + " (--memory-check, on by default, refuses a run whose prediction cannot fit)")
         if world == 1:
             sys.stderr.flush()
             os.write(2, f"pympar.train: error: rank {rank}: {msg}\n".encode(errors="backslashreplace"))
@@ -155,7 +159,7 @@ def _main(mpi, argv, faults, beats) -> int:
         abort_job(RuntimeError(f"unexpected {type(e).__name__} on this rank: {e}"), status=1, what="error")
 
 
-def _train(mpi, cfg, corpus, resume_path, env, faults=None) -> int:
+def _train(mpi, cfg, corpus, resume_path, env, faults=None, facts=None) -> int:
     rank, world = mpi.Get_rank(), mpi.Get_size()
     model_cfg, lay, optim, run = cfg.model, cfg.parallel, cfg.optim, cfg.run
     # 2. set up: communicator, model replica(s), recorder, the measured peak
@@ -173,8 +177,9 @@ def _train(mpi, cfg, corpus, resume_path, env, faults=None) -> int:
     dp_rank = Mesh.coords(rank, lay.dp, lay.pp, lay.tp, lay.cp).dp   # this rank's data shard
     rec = Recorder(enabled=run.profile)
     predicted = ledger.predict_run(model_cfg, lay, run, optim)     # the worst pipeline rank's
+    facts["predicted_peak"] = predicted["peak"]
     if run.memory_check and run.device == "cpu":
-        _check_memory(mpi, predicted, lay, run)
+        _check_memory(mpi, model_cfg, lay, run, optim, predicted)
     runner = build_runner(model_cfg, lay, comm, run, optim, rec)
     pp_overlap = runner.pp_overlap                                 # --pp-overlap made concrete
     peak = float(comm.allreduce(np.array([_peak(run, comm)]))[0])  # all ranks at once, summed
@@ -313,21 +318,24 @@ class MemoryRefused(RuntimeError):
     """--memory-check: some node cannot hold its ranks' predicted peak (agreed by every rank)."""
 
 
-def _check_memory(mpi, predicted: dict, lay, run) -> None:
-    """Refuse, on every rank alike, a run whose ledger peak times a node's ranks exceeds what that
-    node has available (ledger.available_memory, read once per node). Collective over the world."""
+def _check_memory(mpi, model_cfg, lay, run, optim, predicted: dict) -> None:
+    """Refuse, on every rank alike, a run whose ranks on some node are predicted to hold more than
+    that node has available: each rank's own ledger peak (its pipeline stage's), summed over the
+    node, against ledger.available_memory (read once per node). Collective over the world."""
     from mpi4py import MPI
 
+    pp_rank = Mesh.coords(mpi.Get_rank(), lay.dp, lay.pp, lay.tp, lay.cp).pp
+    own = ledger.predict_run(model_cfg, lay, run, optim, pp_rank=pp_rank)["peak"] if lay.pp > 1 else predicted["peak"]
     node = mpi.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         local = node.Get_size()
+        need = node.allreduce(own, op=MPI.SUM)
         avail = node.bcast(ledger.available_memory() if node.Get_rank() == 0 else None)
         host = MPI.Get_processor_name()
     finally:
         node.Free()
-    need = local * predicted["peak"]
-    # the worst node's: the largest need over available, the same tuple on every rank
-    mine = (need / avail if avail else 0.0, need, avail or 0, local, host)
+    # the worst node's: the largest need over available (none read: no verdict), the same on every rank
+    mine = ((need / avail if avail else float("inf")) if avail is not None else 0.0, need, avail or 0, local, host)
     ratio, need, avail, local, host = mpi.allreduce(mine, op=MPI.MAX)
     if ratio <= 1.0:
         return
@@ -337,11 +345,13 @@ def _check_memory(mpi, predicted: dict, lay, run) -> None:
              + [f"--zero {lay.zero + 1}{'-3' if lay.zero < 2 else ''}"] * (lay.dp * lay.cp > 1 and lay.zero < 3)
              + ["--dtype bfloat16"] * (run.dtype == "float32")
              + ["more ranks over more nodes"])
+    auto = (" (--layout auto plans for a fixed 24 GiB per node: give the sizes python -m pympar.plan chooses for "
+            "this node's memory instead)") if run.layout == "auto" else ""
     raise MemoryRefused(
-        f"this run needs more memory than node {host} has: {local} rank(s) x {ledger.human(predicted['peak'])} "
-        f"predicted per rank = {ledger.human(need)} > {ledger.human(avail)} available (the ledger, worst rank: "
-        f"{ledger.describe(predicted)}). Less is held with {', '.join(helps)} (python -m pympar.plan ranks the "
-        f"layouts that fit); --no-memory-check runs it anyway")
+        f"this run needs more memory than node {host} has: its {local} rank(s) are predicted to hold "
+        f"{ledger.human(need)} > {ledger.human(avail)} available (the ledger, worst rank: "
+        f"{ledger.describe(predicted)}){auto}. Less is held with {', '.join(helps)} (python -m pympar.plan ranks "
+        f"the layouts that fit); --no-memory-check runs it anyway")
 
 
 def _write_or_warn(path, write):
@@ -411,17 +421,21 @@ def _metrics_before(path: Path, start: int) -> list:
     """The records of steps before ``start`` from an earlier run's metrics.jsonl (resume): those
     before a damaged line, with a warning; none from a file that cannot be read (the run goes on)."""
     try:
+        if os.path.islink(path):                # not the run's own file: not read (and replaced)
+            raise OSError(errno.ELOOP, "a link, not the run's own file")
         rows, bad = read_records(path)
     except FileNotFoundError:
         return []
     except OSError as e:
         rows, bad = [], (None, f"cannot be read ({e.strerror or e})", False)
+    kept = [r for r in rows if r["step"] < start]
     if bad:
         line, what, _ = bad
-        sys.stderr.write(f"pympar.train: warning: {path}: line {line} {what}; the {len(rows)} record(s) before it "
-                         f"are kept\n" if line else f"pympar.train: warning: {path} {what}; its records are lost\n")
+        sys.stderr.write(f"pympar.train: warning: {path}: line {line} {what}; the {len(kept)} record(s) of earlier "
+                         f"steps before it are kept\n" if line else
+                         f"pympar.train: warning: {path} {what}; its records are lost\n")
         sys.stderr.flush()
-    return [r for r in rows if r["step"] < start]
+    return kept
 
 
 def _fit_vocab(model_cfg, run, corpus: Corpus):

@@ -40,7 +40,7 @@ class GPTConfig:
             v, t = getattr(self, f.name), f.type
             ok = {"int": isinstance(v, numbers.Integral) and not isinstance(v, bool),
                   "bool": isinstance(v, (bool, np.bool_)),
-                  "float": isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)}.get(t, True)
+                  "float": isinstance(v, numbers.Real) and not isinstance(v, bool) and -math.inf < v < math.inf}.get(t, True)
             if not ok:
                 raise ValueError(f"{f.name}={v!r} must be {dict(int='an integer', bool='true or false').get(t, 'a finite number')}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):

@@ -53,14 +53,7 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communicat
 def proc_status_bytes(field: str) -> int:
     """A /proc/self/status field in bytes (VmHWM: the peak resident memory; VmRSS; RssAnon), 0
     where there is none."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _stat("/proc/self/status", field + ":") * 1024
 
 
 MEMORY_FIELDS = ("rss", "rss_anon", "peak_rss", "ledger_peak")
@@ -399,10 +392,11 @@ def predict(cfg, *, dp=1, pp=1, tp=1, ep=1, etp=None, zero=0, recompute="none", 
     return worst
 
 
-def predict_run(model_cfg, layout, run, optim) -> dict:
+def predict_run(model_cfg, layout, run, optim, pp_rank=None) -> dict:
     """predict() for a trainer run: its layout, compute and master dtypes, moments and buckets (the
-    worst pipeline rank's ledger, with peak) -- from the configuration alone, before anything is
-    built, so the trainer can refuse a run that cannot fit and the start-up line can print it."""
+    worst pipeline rank's ledger, with peak; ``pp_rank``: that pipeline rank's) -- from the
+    configuration alone, before anything is built, so the trainer can refuse a run that cannot fit
+    and the start-up line can print it."""
     import numpy as np
 
     compute = None if run.dtype == "float32" else run.dtype      # bfloat16 or float16: 2 bytes
@@ -414,7 +408,7 @@ def predict_run(model_cfg, layout, run, optim) -> dict:
                      virtual_stages=layout.virtual_stages, master_bytes=master.itemsize, act_bytes=item,
                      bucket_mb=run.bucket_mb, cp=layout.cp, cp_comm=layout.cp_comm, cp_a2a=layout.cp_a2a,
                      moment_bytes=2 if optim.moments_dtype == "bfloat16" else None,
-                     tiled=tiled_attention(item, compute or "bfloat16"))
+                     tiled=tiled_attention(item, compute or "bfloat16"), pp_rank=pp_rank)
     return led
 
 
@@ -441,31 +435,63 @@ def _stat(path, key) -> int:
 NO_LIMIT = 1 << 60          # cgroup limits at or above this mean none (v1 writes 2^63 rounded to pages)
 
 
+# (mount point, limit file, usage file, reclaimable page-cache keys of memory.stat) of cgroup v2 (on
+# its own, or beside v1 under unified/) and of v1's memory controller
+_CGROUP_MEMORY = (("sys/fs/cgroup", "memory.max", "memory.current", ("active_file", "inactive_file")),
+                  ("sys/fs/cgroup/unified", "memory.max", "memory.current", ("active_file", "inactive_file")),
+                  ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                   ("total_active_file", "total_inactive_file")))
+
+
+def _cgroup_paths(root) -> dict:
+    """This process's cgroup paths from /proc/self/cgroup: {"v2": path, "memory": path}."""
+    import os
+
+    out = {}
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
+            for line in f:
+                parts = line.rstrip("\n").split(":", 2)
+                if len(parts) == 3 and parts[0] == "0" and parts[1] == "":
+                    out["v2"] = parts[2]
+                elif len(parts) == 3 and "memory" in parts[1].split(","):
+                    out["memory"] = parts[2]
+    except OSError:
+        pass
+    return out
+
+
 def available_memory(root: str = "/") -> int | None:
     """Bytes this node can still give to new allocations: /proc/meminfo's MemAvailable, and, where
-    the processes run in a memory cgroup with a limit (a container, a batch system's job), that
-    limit less the group's usage without its reclaimable page cache (v2 memory.max, v1
-    memory.limit_in_bytes); the smaller. None where neither can be read. ``root``: the file
-    system's root the files are read under."""
+    the process runs in memory cgroups with limits (a container, a batch system's job), the least
+    room of its own cgroup and every ancestor's (limit less usage less the reclaimable page cache,
+    active and inactive file pages; v2 memory.max, v1 memory.limit_in_bytes), seen from where
+    /proc/self/cgroup places it under the mount (a container's namespace: its root). The smallest of
+    these; None where none can be read. ``root``: the file system's root the files are read under."""
     import os
+    import posixpath
 
     def at(path):
         return os.path.join(root, path)
 
-    avail = None
+    rooms = []
     meminfo = _stat(at("proc/meminfo"), "MemAvailable:")
     if meminfo:
-        avail = meminfo * 1024
-    for d, limit_f, usage_f, cache in (("sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),
-                                       ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
-                                        "total_inactive_file")):
-        limit, usage = _read_int(at(f"{d}/{limit_f}")), _read_int(at(f"{d}/{usage_f}"))
-        if limit is None or usage is None or limit >= NO_LIMIT:
-            continue
-        room = max(0, limit - max(0, usage - _stat(at(f"{d}/memory.stat"), cache)))
-        avail = room if avail is None else min(avail, room)
-        break
-    return avail
+        rooms.append(meminfo * 1024)
+    where = _cgroup_paths(root)
+    for mount, limit_f, usage_f, cache in _CGROUP_MEMORY:
+        path = where.get("memory" if limit_f.endswith("_in_bytes") else "v2", "/")
+        levels = [path]
+        while levels[-1] not in ("/", ""):
+            levels.append(posixpath.dirname(levels[-1]))
+        for level in dict.fromkeys(levels + ["/"]):        # the cgroup, its ancestors, the mount's root
+            d = at(posixpath.join(mount, level.lstrip("/")))
+            limit, usage = _read_int(f"{d}/{limit_f}"), _read_int(f"{d}/{usage_f}")
+            if limit is None or usage is None or limit >= NO_LIMIT:
+                continue
+            reclaimable = sum(_stat(f"{d}/memory.stat", k) for k in cache)
+            rooms.append(max(0, limit - max(0, usage - reclaimable)))
+    return min(rooms) if rooms else None
 
 
 def compute_copy_bytes(n, units, zero, act_bytes, master_bytes) -> int:
