@@ -397,9 +397,10 @@ _HELP = {
                "cores this node's ranks may run on divided by the ranks on the node)",
     "bind": "'cores': pin each rank's threads to its own disjoint cores of the node's affinity mask (when the "
             "node's ranks share one mask and ranks x threads fit in it); 'none': leave placement to the OS",
-    "memory_check": "before building the model, refuse (on every rank) a run whose predicted peak (the memory "
-                    "ledger's, printed at start-up) times the ranks on a node exceeds what the node has available "
-                    "(MemAvailable, or a memory cgroup's limit less its use); --no-memory-check runs it anyway (CPU only)",
+    "memory_check": "before building the model, refuse (on every rank) a run whose ranks on some node are predicted "
+                    "to hold more (the memory ledger's peak of each rank's pipeline stage, summed) than the node has "
+                    "available (MemAvailable, or the least room of the memory cgroups it runs in); "
+                    "--no-memory-check runs it anyway (CPU only)",
     "steps": "optimizer steps", "lr": "peak learning rate", "min_lr": "final learning rate of the cosine",
     "warmup": "linear warm-up steps", "weight_decay": "AdamW weight decay", "grad_clip": "global grad-norm clip (0 = off)",
     "seed": "seed of the parameters and of the batch stream",
