@@ -1,5 +1,6 @@
 """python -m pympar.train end to end under mpiexec, plus its configuration parsing in-process."""
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -181,7 +182,7 @@ def test_bad_data_fails_every_rank_naming_the_file(tmp_path, case):
     (["--out", "/sys/pympar-run"], "--out /sys/pympar-run: cannot be made"),     # (as root too: a probe, not access())
     (["--bucket-mb", "0"], "bucket_mb=0.0 must be > 0"),
     (["--seed", "-1"], "seed=-1 must be >= 0"),
-    (["--preset", "moe-tiny", "--aux-coef", "nan"], "aux_coef=nan must be a finite number >= 0"),
+    (["--preset", "moe-tiny", "--aux-coef", "nan"], "aux_coef=nan must be a finite number"),
     (["--preset", "moe-tiny", "--capacity-factor", "1e308"], "capacity_factor=1e+308 must be in 0..n_expert=4"),
     (["--config", "__DIR__"], "Is a directory"),
 ])
@@ -465,7 +466,7 @@ def test_links_planted_in_the_run_folder_are_replaced_not_written_through(tmp_pa
     assert [r["step"] for r in metrics(out)] == [0, 1]
 
 
-@pytest.mark.parametrize("damage", ["garbage line", "foreign record", "directory"])
+@pytest.mark.parametrize("damage", ["garbage line", "foreign record", "directory", "pipe"])
 def test_a_damaged_metrics_file_costs_its_records_not_the_resumed_run(tmp_path, damage):
     """--resume auto continues OUT/metrics.jsonl with the earlier run's records before the resumed
     step; a damaged line keeps those before it (a warning says which line), and a metrics.jsonl
@@ -476,6 +477,9 @@ def test_a_damaged_metrics_file_costs_its_records_not_the_resumed_run(tmp_path, 
     if damage == "directory":
         m.unlink()
         m.mkdir()
+    elif damage == "pipe":                   # opened, it would block the run (reading or writing)
+        m.unlink()
+        os.mkfifo(m)
     else:
         lines = m.read_bytes().splitlines(keepends=True)
         lines[1] = b"\xff\xfe not json\n" if damage == "garbage line" else b'{"step": "one"}\n'
@@ -485,6 +489,9 @@ def test_a_damaged_metrics_file_costs_its_records_not_the_resumed_run(tmp_path, 
     if damage == "directory":
         assert f"pympar.train: warning: {m} cannot be read (Is a directory)" in res.stdout, res.stdout[-3000:]
         assert f"pympar.train: warning: cannot write {m} (Is a directory)" in res.stdout, res.stdout[-3000:]
+    elif damage == "pipe":
+        assert f"pympar.train: warning: {m} cannot be read (not a regular file)" in res.stdout, res.stdout[-3000:]
+        assert f"pympar.train: warning: cannot write {m} (a named pipe, not a file)" in res.stdout, res.stdout[-3000:]
     else:
         assert f"pympar.train: warning: {m}: line 2 is" in res.stdout and "the 1 record(s) of earlier steps before it are kept" \
             in res.stdout, res.stdout[-3000:]

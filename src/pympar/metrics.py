@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import time
 
 import numpy as np
@@ -103,8 +104,6 @@ def read_records(path) -> tuple:
     writing leaves. Undecodable bytes are read as U+FFFD (a line they break is a damaged line; inside a
     JSON string they stay replaced). OSError (missing, unreadable, a directory, a pipe: never opened,
     it could block forever) is the caller's."""
-    import stat
-
     mode = os.stat(path).st_mode
     if stat.S_ISDIR(mode):
         raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
@@ -136,9 +135,10 @@ class MetricsWriter:
         try:
             if path and os.path.islink(path):       # replaced, not written through: the run writes in --out only
                 os.unlink(path)
-            if path and os.path.lexists(path) and not os.path.isfile(path):    # a pipe would block the run
-                raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path)) if os.path.isdir(path) else \
-                    OSError(errno.EINVAL, "not a regular file", str(path))
+            if path and os.path.isdir(path):
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+            if path and os.path.exists(path) and stat.S_ISFIFO(os.stat(path).st_mode):    # would block the run
+                raise OSError(errno.EINVAL, "a named pipe, not a file", str(path))
             if path:                                # O_NOFOLLOW: a link planted again meanwhile is refused
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
                 self.f = os.fdopen(fd, "w")
