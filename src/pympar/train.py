@@ -33,9 +33,9 @@ OUT/checkpoints (with --out) and stop together; rerun the same command with ``--
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
-import errno
 import os
 import statistics
 import sys
