@@ -81,6 +81,14 @@ def worker(train_argv: list, steps: int) -> None:
     def batches(s):
         return local_micro_batches(corpus.train, run.seed, s, dp_rank, lay.n_micro, lay.micro_batch_size, cfg.block_size)
 
+    # modules imported lazily on first use are the process's baseline, not the run's buffers: load them
+    # before tracing (numpy.ma: np.median's NaN check, from auto's first measurement, 0.5 MB of code;
+    # ml_dtypes: the first bf16 array, 0.75 MB), else they count as memory the ledger left out
+    import importlib
+
+    from pympar import backend
+    importlib.import_module("numpy.ma")
+    backend.bfloat16                                     # imports ml_dtypes
     tracemalloc.start()
     b0 = batches(0)
     base = tracemalloc.get_traced_memory()[0]
