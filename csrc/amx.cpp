@@ -1,6 +1,9 @@
 // bf16 GEMM on Intel AMX tiles (TDPBF16PS: C (16 x 16 float32) += A (16 x 32 bf16) B (32 x 16 bf16)),
-// float32 accumulation. Compiled with -mamx-tile -mamx-bf16 and the AVX-512 flags; called only where
-// amx_available() said yes (the CPU has AMX-BF16 and the kernel granted this process the tile state).
+// float32 accumulation, or on AVX512-BF16 dot products (VDPBF16PS: 16 float32 lanes, each += the two
+// products of one bf16 pair) where the CPU has those and no AMX (AMD Zen 4 and later, Intel Cooper
+// Lake): the same packs, blocking and epilogue, another micro-kernel (Engine). Compiled with -mamx-tile
+// -mamx-bf16 -mavx512bf16 and the AVX-512 flags; called only where available() (AMX-BF16, and the
+// kernel granted this process the tile state) or dp_available() (AVX512-BF16) said yes.
 //
 // Layout. B (K, N) is packed into VNNI panels of 32 columns: per panel and per block of 32 k, two
 // 16 x 64-byte tiles whose row r holds the pairs (B[k][n], B[k+1][n]), k = 32 kb + 2 r, for 16
@@ -8,9 +11,11 @@
 // per 32-row panel and 32-k block into two 16 x 32 tiles (rows of A, 32 consecutive k). A weight is
 // packed once per step (kernels/gemm.py keeps the pack); activations are packed in each call.
 //
-// The micro-kernel holds a 32 x 32 block of C in four tiles (2 A tiles x 2 B tiles: four loads per
+// The AMX micro-kernel holds a 32 x 32 block of C in four tiles (2 A tiles x 2 B tiles: four loads per
 // four TDPBF16PS, the most the 8 tile registers allow) over the whole K, then stores it to a float32
-// scratch from which the epilogue writes C: float32 (=, or += for a gradient), or bf16 rounded once
+// scratch (the AVX512-BF16 one: the same block as four groups of 8 rows x 32 columns, 16 zmm
+// accumulators; per k pair two 64-byte loads of B's packed row and 8 broadcasts of A's pairs feed 16
+// VDPBF16PS) from which the epilogue writes C: float32 (=, or += for a gradient), or bf16 rounded once
 // to nearest even (+ a float32 bias, + GELU of the rounded value into a second output), with the same
 // formulas (rows.h) and flags as the AVX-512 build of lowp.cpp, so the fused and separate paths give
 // the same bits. The sum over K runs in k order within each tile's dot products; its order is not
@@ -167,6 +172,42 @@ void epilogue(const float* s, const Out& o, int64_t m0, int64_t n0, int64_t rows
   }
 }
 
+// one 32 x 32 block of C on AVX512-BF16 dot products over the k-blocks [kc, ke) of one A panel and one
+// B panel (their packs as the tiles read them: A's tile row = one row's 32 k, B's tile row = 16
+// columns' pairs of one k pair), starting from zero (from == nullptr) or from a parked block, into
+// `to` (row stride 32 floats, as the tile stores write). Within each lane the pairs are added in k order.
+void dp_block(const uint16_t* apan, const uint16_t* bpan, int64_t kc, int64_t ke, const float* from, float* to) {
+  for (int g = 0; g < 4; ++g) {            // rows 8g .. 8g + 7: A tile g / 2, its rows 8 (g % 2) ..
+    __m512 acc[8][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) {
+      acc[r][0] = from ? _mm512_loadu_ps(from + (8 * g + r) * 32) : _mm512_setzero_ps();
+      acc[r][1] = from ? _mm512_loadu_ps(from + (8 * g + r) * 32 + 16) : _mm512_setzero_ps();
+    }
+    for (int64_t kb = kc; kb < ke; ++kb) {
+      const uint16_t* at = apan + kb * 2 * kTile + (g >> 1) * kTile + (g & 1) * 8 * 32;
+      const uint16_t* bt = bpan + kb * 2 * kTile;
+      for (int p = 0; p < 16; ++p) {         // k pairs 2p, 2p + 1 of the block
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bt + p * 32);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bt + kTile + p * 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, at + r * 32 + 2 * p, 4);
+          const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) {
+      _mm512_storeu_ps(to + (8 * g + r) * 32, acc[r][0]);
+      _mm512_storeu_ps(to + (8 * g + r) * 32 + 16, acc[r][1]);
+    }
+  }
+}
+
 thread_local Aligned g_apack, g_bpack;   // a caller's packs of A and (unpacked) B, reused
 thread_local Aligned g_acc;              // a worker's parked accumulators
 
@@ -184,6 +225,14 @@ bool available() {
   return ok;
 }
 
+bool dp_available() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  }();
+  return ok;
+}
+
 int64_t packed_b_elems(int64_t K, int64_t N) { return round_up(std::max<int64_t>(K, 1), 32) * round_up(N, 32); }
 
 void pack_b(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int64_t N, uint16_t* dst) {
@@ -197,8 +246,9 @@ void pack_b(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int64_t N, u
 }
 
 void gemm(const uint16_t* a, int64_t sam, int64_t sak, const uint16_t* b, int64_t sbk, int64_t sbn, bool b_packed,
-          int64_t M, int64_t N, int64_t K, const Out& out) {
+          int64_t M, int64_t N, int64_t K, const Out& out, Engine engine) {
   if (M <= 0 || N <= 0) return;
+  const bool tiles = engine == Engine::Tiles;
   const int64_t KB = round_up(std::max<int64_t>(K, 1), 32) / 32, MP = round_up(M, 32) / 32, P = round_up(N, 32) / 32;
   // A packed whole, 32-row panels side by side on the threads
   uint16_t* ap = g_apack.get<uint16_t>(MP * KB * 2 * kTile);
@@ -223,7 +273,7 @@ void gemm(const uint16_t* a, int64_t sam, int64_t sak, const uint16_t* b, int64_
   // in the same k order: a float32 store and load is exact, so the bits are those of one pass).
   const int64_t kcb = std::min<int64_t>(KB, kKcb), mcp = kMcp;
   parallel_for(P, 1, 1, [&](int64_t p0, int64_t p1) {
-    configure_tiles();
+    if (tiles) configure_tiles();
     alignas(64) float s[32 * 32];
     const int64_t nbp = std::max<int64_t>(1, kAccBytes / (mcp * 4096));
     float* acc = KB > kcb ? g_acc.get<float>(mcp * std::min(nbp, p1 - p0) * 1024) : nullptr;
@@ -239,34 +289,38 @@ void gemm(const uint16_t* a, int64_t sam, int64_t sak, const uint16_t* b, int64_
             for (int64_t mp = mb; mp < me; ++mp) {
               const uint16_t* apan = ap + mp * KB * 2 * kTile;
               float* c = acc ? acc + ((mp - mb) * (ne - nb) + (p - nb)) * 1024 : nullptr;
-              if (first) {
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-              } else {
-                _tile_loadd(0, c, 128);
-                _tile_loadd(1, c + 16, 128);
-                _tile_loadd(2, c + 16 * 32, 128);
-                _tile_loadd(3, c + 16 * 32 + 16, 128);
-              }
-              for (int64_t kb = kc; kb < ke; ++kb) {
-                const uint16_t* at = apan + kb * 2 * kTile;
-                const uint16_t* bt = bpan + kb * 2 * kTile;
-                _tile_loadd(4, at, 64);
-                _tile_loadd(6, bt, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_loadd(7, bt + kTile, 64);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_loadd(5, at + kTile, 64);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-              }
               float* dst = last ? s : c;
-              _tile_stored(0, dst, 128);
-              _tile_stored(1, dst + 16, 128);
-              _tile_stored(2, dst + 16 * 32, 128);
-              _tile_stored(3, dst + 16 * 32 + 16, 128);
+              if (!tiles) {
+                dp_block(apan, bpan, kc, ke, first ? nullptr : c, dst);
+              } else {
+                if (first) {
+                  _tile_zero(0);
+                  _tile_zero(1);
+                  _tile_zero(2);
+                  _tile_zero(3);
+                } else {
+                  _tile_loadd(0, c, 128);
+                  _tile_loadd(1, c + 16, 128);
+                  _tile_loadd(2, c + 16 * 32, 128);
+                  _tile_loadd(3, c + 16 * 32 + 16, 128);
+                }
+                for (int64_t kb = kc; kb < ke; ++kb) {
+                  const uint16_t* at = apan + kb * 2 * kTile;
+                  const uint16_t* bt = bpan + kb * 2 * kTile;
+                  _tile_loadd(4, at, 64);
+                  _tile_loadd(6, bt, 64);
+                  _tile_dpbf16ps(0, 4, 6);
+                  _tile_loadd(7, bt + kTile, 64);
+                  _tile_dpbf16ps(1, 4, 7);
+                  _tile_loadd(5, at + kTile, 64);
+                  _tile_dpbf16ps(2, 5, 6);
+                  _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, dst, 128);
+                _tile_stored(1, dst + 16, 128);
+                _tile_stored(2, dst + 16 * 32, 128);
+                _tile_stored(3, dst + 16 * 32 + 16, 128);
+              }
               if (last) {
                 const int64_t m0 = mp * 32, n0 = p * 32;
                 epilogue(s, out, m0, n0, std::min<int64_t>(32, M - m0), std::min<int64_t>(32, N - n0));
@@ -276,7 +330,7 @@ void gemm(const uint16_t* a, int64_t sam, int64_t sak, const uint16_t* b, int64_
         }
       }
     }
-    _tile_release();
+    if (tiles) _tile_release();
   });
 }
 

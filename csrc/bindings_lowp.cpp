@@ -154,10 +154,13 @@ void bind_lowp(py::module_& m) {
     });
   });
 
-  // pympar's own bf16 GEMM on AMX tiles (amx.cpp), where the CPU has AMX-BF16 and the build has it
+  // pympar's own bf16 GEMM on AMX tiles or AVX512-BF16 dot products (amx.cpp), where the CPU has
+  // AMX-BF16 or AVX512-BF16 and the build has it
 #if defined(PYMPAR_AMX)
   m.def("amx_available", [] { return amx::available(); },
         "whether this CPU has AMX-BF16 and Linux granted this process the tile state");
+  m.def("dp_bf16_available", [] { return amx::dp_available(); },
+        "whether this CPU has AVX512-BF16 (VDPBF16PS): amx_gemm(..., tiles=False) runs there");
   m.def("amx_packed_b_size", [](int64_t K, int64_t N) { return amx::packed_b_elems(K, N); });
   // B (K, N), element (k, n) at src[k sk + n sn] (bf16, strides in elements) -> dst, a uint16/bf16
   // array of amx_packed_b_size(K, N) elements; the caller checked that src spans what it names
@@ -165,7 +168,8 @@ void bind_lowp(py::module_& m) {
     if (K < 0 || N < 0 || dst.itemsize() != 2 || !(dst.flags() & py::array::c_style) ||
         dst.size() < amx::packed_b_elems(K, N) || !dst.writeable())
       throw py::value_error("amx_pack_b: dst must be a writeable C-contiguous 2-byte array of amx_packed_b_size elements");
-    if (!amx::available()) throw py::value_error("amx_pack_b: AMX is not available here");
+    if (!amx::available() && !amx::dp_available())
+      throw py::value_error("amx_pack_b: neither AMX nor AVX512-BF16 is available here");
     if (reinterpret_cast<uintptr_t>(dst.data()) % 64)
       throw py::value_error("amx_pack_b: dst must start on a 64-byte boundary (tiles load whole lines)");
     auto* d = static_cast<uint16_t*>(dst.mutable_data());
@@ -175,11 +179,13 @@ void bind_lowp(py::module_& m) {
   // C (M, N) = A B with A's element (m, k) at pa[m sam + k sak], B packed (b_packed) or at
   // pb[k sbk + n sbn] (bf16; strides in elements); C float32 (=, or += with accumulate) or bf16
   // (round(C + bias), and round(GELU) into pg when set), row strides ldc, ldg. The caller
-  // (kernels/gemm.py) checked every layout and address.
+  // (kernels/gemm.py) checked every layout and address. tiles: on AMX tiles, else on AVX512-BF16
+  // dot products (the same packs and epilogue).
   m.def("amx_gemm", [](uintptr_t pa, int64_t sam, int64_t sak, uintptr_t pb, int64_t sbk, int64_t sbn, bool b_packed,
                        int64_t M, int64_t N, int64_t Kd, uintptr_t pc, int64_t ldc, bool c_bf16, bool accumulate,
-                       uintptr_t pbias, uintptr_t pg, int64_t ldg) {
-    if (!amx::available()) throw py::value_error("amx_gemm: AMX is not available here");
+                       uintptr_t pbias, uintptr_t pg, int64_t ldg, bool tiles) {
+    if (tiles ? !amx::available() : !amx::dp_available())
+      throw py::value_error(tiles ? "amx_gemm: AMX is not available here" : "amx_gemm: AVX512-BF16 is not available here");
     if (M < 0 || N < 0 || Kd < 0 || pa == 0 || pb == 0 || pc == 0)
       throw py::value_error("amx_gemm: need operands and non-negative sizes");
     if (c_bf16 && accumulate) throw py::value_error("amx_gemm: a bf16 output cannot accumulate");
@@ -194,7 +200,7 @@ void bind_lowp(py::module_& m) {
     o.ldg = ldg;
     py::gil_scoped_release g;
     amx::gemm(reinterpret_cast<const uint16_t*>(pa), sam, sak, reinterpret_cast<const uint16_t*>(pb), sbk, sbn,
-              b_packed, M, N, Kd, o);
+              b_packed, M, N, Kd, o, tiles ? amx::Engine::Tiles : amx::Engine::DotProducts);
   });
   // causal attention on AMX tiles: qkv (B, T, 3, H, D) bf16, D % 32 == 0 -> o (B, T, H*D) bf16,
   // lse (B, H, T) float32; backward: o, lse, dout -> dqkv like qkv (may be qkv itself)
@@ -227,6 +233,7 @@ void bind_lowp(py::module_& m) {
   });
 #else
   m.def("amx_available", [] { return false; }, "this build has no AMX kernels");
+  m.def("dp_bf16_available", [] { return false; }, "this build has no AVX512-BF16 kernels");
 #endif
 }
 

@@ -308,8 +308,8 @@ void need(uintptr_t fn, int64_t block) {
 }
 
 #if defined(PYMPAR_AMX)
-// bf16 experts on AMX tiles: the products nn.layers.Linear makes through kernels/gemm.product_bf16
-// (amx engine) with the same arguments -- each weight's bf16 compute copy, packed where the caller
+// bf16 experts on AMX tiles or AVX512-BF16 dot products: the products nn.layers.Linear makes through
+// kernels/gemm.product_bf16 (amx or avx512bf16 engine) with the same arguments -- each weight's bf16 compute copy, packed where the caller
 // found its pack -- and lowp.cpp's elementwise passes. Per group, 12 addresses (0: none):
 //   0 Wfc (H, C) bf16   1 pack of Wfc^T (C -> H)   2 pack of Wfc (H -> C)   3 b_fc float32 (H,)
 //   4 Wp (C, H) bf16    5 pack of Wp^T (H -> C)    6 pack of Wp (C -> H)    7 b_p float32 (C,)
@@ -319,9 +319,9 @@ using u16 = uint16_t;
 
 // C (m, n) = A (m, k) B: A row-major (lda); B the weight w (its (k, n) view given by sk, sn) or its pack
 void amx_product(const u16* a, int64_t sam, int64_t sak, const int64_t* e, int w, int pack, int64_t sk, int64_t sn,
-                 int64_t m, int64_t n, int64_t k, const amx::Out& o) {
+                 int64_t m, int64_t n, int64_t k, const amx::Out& o, amx::Engine eng) {
   const u16* b = reinterpret_cast<const u16*>(e[pack] ? e[pack] : e[w]);
-  amx::gemm(a, sam, sak, b, sk, sn, e[pack] != 0, m, n, k, o);
+  amx::gemm(a, sam, sak, b, sk, sn, e[pack] != 0, m, n, k, o, eng);
 }
 
 amx::Out bf16_out(u16* c, int64_t ldc, const float* bias, u16* g) {
@@ -343,34 +343,45 @@ amx::Out f32_out(float* c, int64_t ldc, bool accumulate) {
   return o;
 }
 
-// One expert on AMX tiles: e its 12 addresses (SLOTS), fr its 4 fresh flags (backward)
+// One expert on AMX tiles or AVX512-BF16 dot products (eng): e its 12 addresses (SLOTS), fr its 4 fresh
+// flags (backward)
 struct AmxExpert {
   using Elem = u16;
   const int64_t* e;
   const bool* fr;
   int64_t C, H;
+  amx::Engine eng;
 
   const float* f(int slot) const { return reinterpret_cast<const float*>(e[slot]); }
   float* grad(int slot) const { return reinterpret_cast<float*>(e[slot]); }
   // h = round(x Wfc^T + b), g = round(GELU(h)) (with a bias: one epilogue; without: the GELU pass after)
   void hidden(const u16* x, u16* h, u16* g, int64_t m) const {
-    amx_product(x, C, 1, e, 0, 1, 1, C, m, H, C, bf16_out(h, H, f(3), f(3) ? g : nullptr));
+    amx_product(x, C, 1, e, 0, 1, 1, C, m, H, C, bf16_out(h, H, f(3), f(3) ? g : nullptr), eng);
     if (!f(3)) K->gelu_fwd_bf16(h, g, m * H);
   }
-  void out(const u16* g, u16* y, int64_t m) const { amx_product(g, H, 1, e, 4, 5, 1, H, m, C, H, bf16_out(y, C, f(7), nullptr)); }
+  void out(const u16* g, u16* y, int64_t m) const { amx_product(g, H, 1, e, 4, 5, 1, H, m, C, H, bf16_out(y, C, f(7), nullptr), eng); }
   void gelu(const u16* h, u16* g, int64_t n) const { K->gelu_fwd_bf16(h, g, n); }
   void gelu_bwd(const u16* h, u16* dg, int64_t n) const { K->gelu_bwd_bf16(h, dg, dg, n); }
-  void dg(const u16* dy, u16* out, int64_t m) const { amx_product(dy, C, 1, e, 4, 6, H, 1, m, H, C, bf16_out(out, H, nullptr, nullptr)); }
-  void dx(const u16* dh, u16* out, int64_t m) const { amx_product(dh, H, 1, e, 0, 2, C, 1, m, C, H, bf16_out(out, C, nullptr, nullptr)); }
+  void dg(const u16* dy, u16* out, int64_t m) const { amx_product(dy, C, 1, e, 4, 6, H, 1, m, H, C, bf16_out(out, H, nullptr, nullptr), eng); }
+  void dx(const u16* dh, u16* out, int64_t m) const { amx_product(dh, H, 1, e, 0, 2, C, 1, m, C, H, bf16_out(out, C, nullptr, nullptr), eng); }
   void proj_grads(const u16* dy, const u16* g, int64_t m, bool first) const {   // dW (C, H) = dy^T g, float32
-    amx::gemm(dy, 1, C, g, H, 1, false, C, H, m, f32_out(grad(10), H, !(first && fr[2])));
+    amx::gemm(dy, 1, C, g, H, 1, false, C, H, m, f32_out(grad(10), H, !(first && fr[2])), eng);
     if (e[11]) bias_grad(grad(11), dy, m, C, first && fr[3], K->column_sum_bf16);
   }
   void fc_grads(const u16* dh, const u16* x, int64_t m, bool first) const {     // dW (H, C) = dh^T x
-    amx::gemm(dh, 1, H, x, C, 1, false, H, C, m, f32_out(grad(8), C, !(first && fr[0])));
+    amx::gemm(dh, 1, H, x, C, 1, false, H, C, m, f32_out(grad(8), C, !(first && fr[0])), eng);
     if (e[9]) bias_grad(grad(9), dh, m, H, first && fr[1], K->column_sum_bf16);
   }
 };
+#endif
+
+#if defined(PYMPAR_AMX)
+amx::Engine engine_of(bool tiles, int64_t block, const char* what) {
+  if (block < 1) throw py::value_error(std::string(what) + ": block must be >= 1");
+  if (tiles ? !amx::available() : !amx::dp_available())
+    throw py::value_error(std::string(what) + (tiles ? ": AMX is not available here" : ": AVX512-BF16 is not available here"));
+  return tiles ? amx::Engine::Tiles : amx::Engine::DotProducts;
+}
 #endif
 
 const int64_t* addresses(const py::array& a, size_t G) {
@@ -382,18 +393,19 @@ const int64_t* addresses(const py::array& a, size_t G) {
 
 void bind_grouped(py::module_& m) {
 #if defined(PYMPAR_AMX)
-  // bf16 experts on AMX (the amx engine of kernels/gemm.py); the caller (nn/moe.py) gives each group's
-  // 12 addresses (see SLOTS above) and has checked their arrays; xs, ys, h, dys, dxs bf16 (M, C|H)
+  // bf16 experts on AMX tiles (tiles) or AVX512-BF16 dot products (the amx and avx512bf16 engines of
+  // kernels/gemm.py); the caller (nn/moe.py) gives each group's 12 addresses (see SLOTS above) and has
+  // checked their arrays; xs, ys, h, dys, dxs bf16 (M, C|H)
   m.def("grouped_mlp_forward_bf16", [](const py::array& xs, const py::array& counts, const py::array& addrs,
-                                       int64_t H, py::object h, py::array& ys, int64_t block) {
-    if (!amx::available() || block < 1) throw py::value_error("grouped_mlp_forward_bf16: needs AMX and block >= 1");
+                                       int64_t H, py::object h, py::array& ys, int64_t block, bool tiles) {
+    const amx::Engine eng = engine_of(tiles, block, "grouped_mlp_forward_bf16");
     const int64_t M = xs.ndim() == 2 ? xs.shape(0) : -1, C = xs.ndim() == 2 ? xs.shape(1) : 0;
     check(xs, "xs", 1u << BF16, M * C), check(ys, "ys", 1u << BF16, M * C);
     Groups G = groups_of(counts, M);
     const int64_t* ad = addresses(addrs, G.rows.size());
     u16* hp = static_cast<u16*>(optional(h, BF16, M * H, "h"));
     py::gil_scoped_release r;
-    forward<u16>(G, [&](int64_t g) { return AmxExpert{ad + g * SLOTS, nullptr, C, H}; },
+    forward<u16>(G, [&](int64_t g) { return AmxExpert{ad + g * SLOTS, nullptr, C, H, eng}; },
                  static_cast<const u16*>(xs.data()), hp, static_cast<u16*>(ys.mutable_data()), C, H, block);
   });
   // backward in three modes: (fresh, no keeps) everything; (no fresh, keeps) the input gradient with
@@ -401,8 +413,8 @@ void bind_grouped(py::module_& m) {
   // the weight gradients from them (its W pass)
   m.def("grouped_mlp_backward_bf16", [](const py::array& xs, const py::array& dys, const py::array& counts,
                                         const py::array& addrs, py::object fresh, int64_t H, py::object h,
-                                        py::object dxs, int64_t block, py::object g_keep, py::object dh_keep) {
-    if (!amx::available() || block < 1) throw py::value_error("grouped_mlp_backward_bf16: needs AMX and block >= 1");
+                                        py::object dxs, int64_t block, py::object g_keep, py::object dh_keep, bool tiles) {
+    const amx::Engine eng = engine_of(tiles, block, "grouped_mlp_backward_bf16");
     const int64_t M = xs.ndim() == 2 ? xs.shape(0) : -1, C = xs.ndim() == 2 ? xs.shape(1) : 0;
     check(xs, "xs", 1u << BF16, M * C), check(dys, "dys", 1u << BF16, M * C);
     Groups G = groups_of(counts, M);
@@ -415,7 +427,7 @@ void bind_grouped(py::module_& m) {
     mode_check(fr != nullptr, gk != nullptr && dk != nullptr, dx != nullptr);
     py::gil_scoped_release r;
     const u16 *x = static_cast<const u16*>(xs.data()), *dy = static_cast<const u16*>(dys.data());
-    auto expert_of = [&](int64_t g) { return AmxExpert{ad + g * SLOTS, fr ? fr + 4 * g : nullptr, C, H}; };
+    auto expert_of = [&](int64_t g) { return AmxExpert{ad + g * SLOTS, fr ? fr + 4 * g : nullptr, C, H, eng}; };
     if (dx) backward<u16>(G, expert_of, x, dy, hp, dx, C, H, block, fr ? nullptr : gk, fr ? nullptr : dk);
     else weight_grads<u16>(G, expert_of, x, dy, gk, dk, C, H, block);
   });

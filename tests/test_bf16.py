@@ -44,7 +44,7 @@ def rounded(x32):
 def engines():
     """The bf16 engines this machine can run (always the float32 fallback), restoring the choice."""
     before = gemm._bf16_choice
-    avail = ["float32"] + [e for e in ("amx", "mkl") if gemm._engine(e) is not None]
+    avail = ["float32"] + [e for e in ("amx", "avx512bf16", "mkl") if gemm._engine(e) is not None]
     yield avail
     gemm.use_bf16(before)
 
@@ -155,15 +155,19 @@ def test_bf16_products_on_every_engine(engines, threads, threads_n):
                     (engine, name, M, K, N)
 
 
-def test_amx_fused_epilogue_is_the_separate_kernels(engines, threads):
-    """AMX: round(A B + bias) and round(GELU(that)) in the GEMM's epilogue equal the float32 product
-    plus the bias rounded, and the GELU kernel on it, bit for bit; the pack of a weight, 1 or 2 threads
-    and the A^T path give the same bits (each element's sum is the same tile's dot products)."""
-    if "amx" not in engines:
-        pytest.skip("no AMX-BF16 on this CPU")
-    gemm.use_bf16("amx")
+@pytest.mark.parametrize("engine", gemm.OWN_BF16)
+@pytest.mark.parametrize("K", [96, 520])
+def test_own_kernels_fused_epilogue_is_the_separate_kernels(engines, threads, engine, K):
+    """pympar's kernels (AMX tiles, AVX512-BF16 dot products): round(A B + bias) and round(GELU(that))
+    in the GEMM's epilogue equal the float32 product plus the bias rounded, and the GELU kernel on it,
+    bit for bit; the pack of a weight, 1 or 2 threads and the A^T path give the same bits (each
+    element's sum is the same tile's or lane's dot products, in k order). K = 520 runs several k-blocks
+    (accumulators parked between them) and a partial last one."""
+    if engine not in engines:
+        pytest.skip(f"the {engine} engine cannot run on this CPU")
+    gemm.use_bf16(engine)
     rng = np.random.default_rng(3)
-    M, K, N = 130, 96, 100
+    M, N = 130, 100
     x, w = bf(rng.standard_normal((M, K))), bf(rng.standard_normal((N, K)))
     bias = rng.standard_normal(N).astype(np.float32)
     c = gemm.product_bf16(x, w.T, np.empty((M, N), np.float32))
@@ -173,7 +177,7 @@ def test_amx_fused_epilogue_is_the_separate_kernels(engines, threads):
     from pympar.nn.products import compute_copies
     with compute_copies():
         gemm.packable(w)
-        assert gemm._packs.get(w.T, "amx") is not None
+        assert gemm._packs.get(w.T, engine) is not None
         for n in (1, 2):
             threads(n)
             assert np.array_equal(gemm.product_bf16(x, w.T, np.empty((M, N), np.float32)), c)
@@ -182,23 +186,29 @@ def test_amx_fused_epilogue_is_the_separate_kernels(engines, threads):
 
 
 def test_the_engine_follows_the_cpu(engines, monkeypatch):
-    """AMX where the CPU has it and the AVX-512 kernels run; the AVX2 or generic kernels (a CPU
-    without AVX-512, or PYMPAR_ISA) mean no native bf16 products: the fallback, and --dtype auto
-    then chooses float32."""
+    """AMX where the CPU has it and the AVX-512 kernels run, else pympar's AVX512-BF16 kernel where the
+    CPU has those dot products (MKL's bf16 GEMM only by name: docs/engine.md has why); the AVX2 or
+    generic kernels (a CPU without AVX-512, or PYMPAR_ISA) mean no native bf16 products: the
+    fallback, and --dtype auto then chooses float32."""
     from pympar.config import ConfigError, apply_environment
     feats = gemm.cpu_features()
     if feats.get("amx_bf16") and gemm._C.amx_available():
         assert gemm._engine("auto") == "amx"
-    elif feats.get("avx512bf16") and gemm.active() == "mkl":
-        assert gemm._engine("auto") == "mkl"
+    elif feats.get("avx512bf16") and feats.get("avx512f"):
+        assert gemm._engine("auto") == "avx512bf16"
+        with pytest.raises(ValueError, match="cannot run here"):
+            gemm.use_bf16("amx")
     else:
         assert gemm._engine("auto") is None
+        with pytest.raises(ValueError, match="cannot run here"):
+            gemm.use_bf16("avx512bf16")
     try:
         kernels.use_isa("avx2") if feats.get("avx2") else kernels.use_isa("generic")
         assert gemm._engine("auto") is None and not gemm.bf16_native()
         assert "emulated" in gemm.describe_bf16()
-        with pytest.raises(ValueError, match="cannot run here"):
-            gemm.use_bf16("amx")
+        for name in gemm.OWN_BF16:
+            with pytest.raises(ValueError, match="cannot run here"):
+                gemm.use_bf16(name)
     finally:
         kernels.use_isa("")
     monkeypatch.setenv("PYMPAR_BF16_GEMM", "tiles")

@@ -62,12 +62,12 @@ def _small_blocks(monkeypatch):
     kernels.set_num_threads(1)
 
 
-AMX = gemm.bf16_engine() == "amx"
+OWN = gemm.bf16_engine() in gemm.OWN_BF16       # pympar's bf16 kernels (AMX tiles or AVX512-BF16)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64,
                                    pytest.param("bfloat16", marks=pytest.mark.skipif(
-                                       not AMX, reason="bf16 experts run grouped on AMX tiles only (the loop elsewhere)"))])
+                                       not OWN, reason="bf16 experts run grouped on pympar's AMX or AVX512-BF16 kernel only (the loop elsewhere)"))])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bias", [True, False])
 def test_grouped_experts_are_the_loop_bit_for_bit(dtype, threads, bias):
@@ -78,7 +78,7 @@ def test_grouped_experts_are_the_loop_bit_for_bit(dtype, threads, bias):
     assert np.any(loop[-1] != 0)                     # gradients were made (the last expert has rows)
 
 
-@pytest.mark.skipif(not AMX, reason="bf16 experts run grouped on AMX tiles only")
+@pytest.mark.skipif(not OWN, reason="bf16 experts run grouped on pympar's AMX or AVX512-BF16 kernel only")
 def test_bf16_grouped_reads_the_packed_weights_the_loop_reads():
     """Inside a step's weight-cache scope the bf16 copies are packed once (kernels/gemm.py) and both
     ways multiply by the packs: still the loop's bits."""

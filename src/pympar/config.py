@@ -49,9 +49,9 @@ ENVIRONMENT = {   # variable -> what it sets (docs/engine.md, "Environment varia
     "PYMPAR_BLAS_THREADS": "'own': OpenBLAS keeps its own threads instead of the kernels' pool",
     "PYMPAR_CHUNK_THREADS": "'0': attention's per-slice GEMM stacks run serially",
     "PYMPAR_GEMM": "'numpy': NumPy's BLAS multiplies, 'mkl': Intel MKL must (default 'auto': MKL where installed)",
-    "PYMPAR_BF16_GEMM": "'amx' (pympar's AMX kernel), 'mkl' (MKL's bf16 GEMM) or 'float32' (widened): what "
-                        "multiplies bf16 (default 'auto': AMX where the CPU has it, else MKL where the CPU has "
-                        "AVX512-BF16, else float32)",
+    "PYMPAR_BF16_GEMM": "'amx' (pympar's AMX kernel), 'avx512bf16' (pympar's AVX512-BF16 kernel), 'mkl' (MKL's "
+                        "bf16 GEMM) or 'float32' (widened): what multiplies bf16 (default 'auto': AMX where the "
+                        "CPU has it, else pympar's AVX512-BF16 kernel where the CPU has that, else float32)",
     "PYMPAR_MALLOC": "'system': keep glibc's malloc thresholds (freed memory is not retained)",
     "PYMPAR_DEBUG_COLLECTIVES": "'1': check every collective's fingerprint across the ranks",
     "PYMPAR_TUNING": "'measure' (default; pympar.train's: 'reproducible', floating-point reductions over 3+ ranks "
@@ -161,7 +161,7 @@ def read_environment(environ=None) -> Environment:
         chunk_threads=_choice_var(env, "PYMPAR_CHUNK_THREADS", ("", "0", "1")) != "0",
         retain_memory=_choice_var(env, "PYMPAR_MALLOC", ("", "system", "retain")) != "system",
         gemm=_choice_var(env, "PYMPAR_GEMM", ("", "auto", "numpy", "mkl")),
-        bf16_gemm=_choice_var(env, "PYMPAR_BF16_GEMM", ("", "auto", "amx", "mkl", "float32")),
+        bf16_gemm=_choice_var(env, "PYMPAR_BF16_GEMM", ("", "auto", "amx", "avx512bf16", "mkl", "float32")),
         debug_collectives=env.get("PYMPAR_DEBUG_COLLECTIVES", "0").strip().lower() not in ("", "0", "false", "no", "off"),
         tuning=env.get("PYMPAR_TUNING", "").strip(),
         shm_chunk=_int_var(env, "PYMPAR_SHM_CHUNK", 64),

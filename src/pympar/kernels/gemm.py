@@ -232,12 +232,19 @@ def product(a, b, out=None, threads: int = 1, accumulate: bool = False):
 # Engines, chosen by CPU feature at run time (``bf16_engine``):
 #   "amx"  pympar's own kernel on AMX tiles (csrc/amx.cpp), where the CPU has AMX-BF16 and the AVX-512
 #          kernels are in use;
+#   "avx512bf16"  pympar's own kernel on AVX512-BF16 dot products (VDPBF16PS; the same packs, blocking
+#          and epilogue as "amx"), where the CPU has AVX512-BF16 but no AMX (AMD Zen 4 and later, Intel
+#          Cooper Lake) and the AVX-512 kernels are in use;
 #   "mkl"  MKL's cblas_gemm_bf16bf16f32 (AMX or AVX512-BF16 inside MKL), where MKL is selected and the
-#          CPU multiplies bf16 natively (avx512_bf16 or AMX);
+#          CPU multiplies bf16 natively (avx512_bf16 or AMX): chosen only by name. On an AMD EPYC with
+#          AVX512-BF16 it ran at 130 GFLOP/s against 186 for MKL's own sgemm (2 threads, bench/
+#          train_step.py's shape), slower than not using bf16 at all (docs/engine.md);
 #   None   no native bf16 products: the operands are widened to float32 and multiplied there (the
 #          caller's fallback; --dtype auto picks float32 on such a CPU).
-# PYMPAR_BF16_GEMM=auto|amx|mkl|float32 (pympar.config) forces one ("amx"/"mkl" fail where they cannot run).
-BF16_CHOICES = ("auto", "amx", "mkl", "float32")
+# "auto" takes "amx", else "avx512bf16", else None. PYMPAR_BF16_GEMM=auto|amx|avx512bf16|mkl|float32
+# (pympar.config) forces one (the named engines fail where they cannot run).
+BF16_CHOICES = ("auto", "amx", "avx512bf16", "mkl", "float32")
+OWN_BF16 = ("amx", "avx512bf16")     # pympar's kernels: one pack format (_C.amx_pack_b), one driver
 _bf16_choice = "auto"
 _B_MATRIX, _PACKED = 162, 151        # MKL: CBLAS_IDENTIFIER CblasBMatrix, the "packed" transpose flag
 
@@ -260,30 +267,33 @@ def _avx512_kernels() -> bool:
 
 def _engine(choice):
     amx = _avx512_kernels() and bool(_C.amx_available())
+    dp = _avx512_kernels() and bool(getattr(_C, "dp_bf16_available", lambda: False)())
     mkl = bool(_load()) and bool(_bf) and _bf16_blocks is not None and _choice != "numpy"
     if choice == "amx":
         return "amx" if amx else None
+    if choice == "avx512bf16":
+        return "avx512bf16" if dp else None
     if choice == "mkl":
         return "mkl" if mkl and _avx512_kernels() and _native_bf16_cpu() else None
     if choice == "auto":
-        return "amx" if amx else ("mkl" if mkl and _avx512_kernels() and _native_bf16_cpu() else None)
+        return "amx" if amx else ("avx512bf16" if dp else None)
     return None
 
 
 def use_bf16(choice: str) -> None:
-    """Select the bf16 product engine: "auto", "amx", "mkl" or "float32" (ValueError for another name,
-    or for an engine this machine cannot run)."""
+    """Select the bf16 product engine: "auto", "amx", "avx512bf16", "mkl" or "float32" (ValueError for
+    another name, or for an engine this machine cannot run)."""
     global _bf16_choice
     if choice not in BF16_CHOICES:
         raise ValueError(f"bf16 GEMM {choice!r}: expected one of {', '.join(BF16_CHOICES)}")
-    if choice in ("amx", "mkl") and _engine(choice) is None:
+    if choice in ("amx", "avx512bf16", "mkl") and _engine(choice) is None:
         raise ValueError(f"bf16 GEMM {choice!r} cannot run here (CPU features {cpu_features()}, "
                          f"C++ kernels {_C.isa() if _C is not None else 'missing'}, MKL: {active() == 'mkl'})")
     _bf16_choice = choice
 
 
 def bf16_engine():
-    """"amx", "mkl", or None (bf16 products widened to float32) under the current selection."""
+    """"amx", "avx512bf16", "mkl", or None (bf16 products widened to float32) under the current selection."""
     return _engine(_bf16_choice)
 
 
@@ -297,6 +307,8 @@ def describe_bf16() -> str:
     e = bf16_engine()
     if e == "amx":
         return "AMX tiles (pympar's kernel)"
+    if e == "avx512bf16":
+        return "AVX512-BF16 dot products (pympar's kernel)"
     if e == "mkl":
         f = cpu_features()
         return "MKL cblas_gemm_bf16bf16f32 (" + ("AMX" if f.get("amx_bf16") else "AVX512-BF16") + ")"
@@ -339,7 +351,7 @@ class _Packs:
             K, N = b.shape
             if max(K, N) > _INT_MAX:
                 return None
-            if engine == "amx":                  # tiles load 64-byte rows: the pack starts on a line
+            if engine in OWN_BF16:                   # tiles load 64-byte rows: the pack starts on a line
                 buf = aligned_empty(int(_C.amx_packed_b_size(K, N)), np.uint16)
                 _C.amx_pack_b(b.ctypes.data, b.strides[0] // 2, b.strides[1] // 2, K, N, buf)
             else:
@@ -410,13 +422,13 @@ def product_bf16(a, b, out=None, threads: int = 1, accumulate: bool = False, bia
     ldc = out.strides[0] // out.itemsize
     pbias = 0 if bias is None else bias.ctypes.data
     pg, ldg = (0, 0) if gelu_out is None else (gelu_out.ctypes.data, gelu_out.strides[0] // gelu_out.itemsize)
-    if engine == "amx":                          # any element strides: the kernel packs what it reads
+    if engine in OWN_BF16:                           # any element strides: the kernel packs what it reads
         if any(s % 2 for s in (*a.strides, *b.strides)):
             return None
         _C.amx_gemm(a.ctypes.data, a.strides[0] // 2, a.strides[1] // 2,
                     packed.ctypes.data if packed is not None else b.ctypes.data,
                     b.strides[0] // 2, b.strides[1] // 2, packed is not None, M, N, K,
-                    out.ctypes.data, ldc, c_bf16, accumulate, pbias, pg, ldg)
+                    out.ctypes.data, ldc, c_bf16, accumulate, pbias, pg, ldg, engine == "amx")
         return out
     la = _operand(a)
     lb = (_NO_TRANS, N) if packed is not None else _operand(b)

@@ -101,8 +101,9 @@ class MoE(Module):
     grouped = True
 
     def _grouped_fn(self, xs, experts):
-        """How the grouped call runs here: the cblas_?gemm address (float32/float64), "amx" (bf16
-        experts on AMX tiles), or None (the per-expert loop)."""
+        """How the grouped call runs here: the cblas_?gemm address (float32/float64), "amx" or
+        "avx512bf16" (bf16 experts on pympar's kernel: AMX tiles or AVX512-BF16 dot products), or
+        None (the per-expert loop)."""
         if not (self.grouped and _C is not None and type(xs) is np.ndarray and xs.ndim == 2
                 and xs.flags.c_contiguous and kernels.backend(xs) != "reference"):
             return None
@@ -115,8 +116,8 @@ class MoE(Module):
         if cdt is None and xs.dtype in (np.float32, np.float64) and e.c_fc.weight.data.dtype == xs.dtype:
             return gemm.gemm_address(xs.dtype)
         if (cdt is not None and xs.dtype == cdt and cdt.name == "bfloat16" and e.c_fc.weight.data.dtype == np.float32
-                and gemm.bf16_engine() == "amx" and hasattr(_C, "grouped_mlp_forward_bf16")):
-            return "amx"
+                and gemm.bf16_engine() in gemm.OWN_BF16 and hasattr(_C, "grouped_mlp_forward_bf16")):
+            return gemm.bf16_engine()
         return None
 
     @staticmethod
@@ -162,10 +163,10 @@ class MoE(Module):
         counts = np.array([n[j] for j in used], np.int64)  # host
         ys = np.empty_like(xs)
         h = np.empty((xs.shape[0], ex[0].c_fc.weight.data.shape[0]), xs.dtype) if keep and ex else None
-        if ex and fn == "amx":
+        if ex and fn in gemm.OWN_BF16:
             addrs, keep, _ = self._addresses_bf16(ex)
             _C.grouped_mlp_forward_bf16(xs, counts, addrs, ex[0].c_fc.weight.data.shape[0], h, ys,
-                                        layers.MLP_ROWS)
+                                        layers.MLP_ROWS, fn == "amx")
             del keep
         elif ex:
             _C.grouped_mlp_forward(fn, xs, counts, self._params_of(ex), h, ys, layers.MLP_ROWS)
@@ -208,10 +209,10 @@ class MoE(Module):
         which reads no weight -- under ZeRO-3 they may be released by then)."""
         w_pass = dxs is None
         H = keeps[0].shape[1] if w_pass else ex[0].c_fc.weight.data.shape[0]
-        if fn == "amx":
+        if fn in gemm.OWN_BF16:
             addrs, keep, fresh = self._addresses_bf16(ex, grads=grads, weights=not w_pass)
             _C.grouped_mlp_backward_bf16(xs, dys, counts, addrs, fresh if grads else None, H, h, dxs,
-                                         layers.MLP_ROWS, *keeps)
+                                         layers.MLP_ROWS, *keeps, fn == "amx")
             del keep
             return
         g, fresh = self._grads_of(ex) if grads else (None, None)
