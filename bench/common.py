@@ -164,7 +164,24 @@ def machine() -> str:
             mem = f", {int(f.readline().split()[1]) / 2**20:.0f} GiB"
     except OSError:
         pass
-    return f"{os.cpu_count()} cores{mem}, {platform.machine()}, no GPU; ranks oversubscribe the cores"
+    return f"{os.cpu_count()} cores{cpu_model()}{mem}, {platform.machine()}, no GPU; ranks oversubscribe the cores"
+
+
+def cpu_model() -> str:
+    """" (model, its bf16 units)" from /proc/cpuinfo, e.g. " (AMD EPYC, AVX512-BF16, no AMX)": which
+    CPU a result came from (sessions land on different ones), empty where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read(1 << 16)
+    except OSError:
+        return ""
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    units = next((name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16, no AMX"),
+                                          ("avx512f", "AVX-512, no bf16")) if flag in flags), "no AVX-512")
+    model = fields.get("model name", "")
+    return f" ({model}, {units})" if model else f" ({units})"
 
 
 def pyplot():

@@ -115,8 +115,9 @@ def one(C, n_expert, rows, zipf, threads, reps, rounds, dtype):
 
 
 def run(a):
-    if "bfloat16" in a.dtypes and gemm.bf16_engine() != "amx":
-        raise SystemExit(f"error: bf16 experts run grouped on AMX tiles only (bf16 engine here: {gemm.bf16_engine()}); "
+    if "bfloat16" in a.dtypes and gemm.bf16_engine() not in gemm.OWN_BF16:
+        raise SystemExit(f"error: bf16 experts run grouped on pympar's AMX or AVX512-BF16 kernel only (bf16 engine "
+                         f"here: {gemm.bf16_engine()}); "
                          "pass --dtypes float32")
     if gemm.gemm_address(np.float32) is None:
         raise SystemExit("error: the grouped call runs on MKL (pip install 'pympar[mkl]'); NumPy's BLAS is selected")

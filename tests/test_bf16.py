@@ -187,7 +187,7 @@ def test_own_kernels_fused_epilogue_is_the_separate_kernels(engines, threads, en
 
 def test_the_engine_follows_the_cpu(engines, monkeypatch):
     """AMX where the CPU has it and the AVX-512 kernels run, else pympar's AVX512-BF16 kernel where the
-    CPU has those dot products (MKL's bf16 GEMM only by name: docs/engine.md has why); the AVX2 or
+    CPU has those dot products (MKL's bf16 GEMM only by name: docs/precision.md has why); the AVX2 or
     generic kernels (a CPU without AVX-512, or PYMPAR_ISA) mean no native bf16 products: the
     fallback, and --dtype auto then chooses float32."""
     from pympar.config import ConfigError, apply_environment

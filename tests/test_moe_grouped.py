@@ -67,7 +67,8 @@ OWN = gemm.bf16_engine() in gemm.OWN_BF16       # pympar's bf16 kernels (AMX til
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64,
                                    pytest.param("bfloat16", marks=pytest.mark.skipif(
-                                       not OWN, reason="bf16 experts run grouped on pympar's AMX or AVX512-BF16 kernel only (the loop elsewhere)"))])
+                                       not OWN, reason="bf16 experts run grouped on pympar's AMX or AVX512-BF16 "
+                                                       "kernel only (the loop elsewhere)"))])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bias", [True, False])
 def test_grouped_experts_are_the_loop_bit_for_bit(dtype, threads, bias):

@@ -93,8 +93,8 @@ class MoE(Module):
     # --- experts: the seam expert parallelism replaces ---------------------------------------
     # Local experts run as one grouped call (csrc/grouped.cpp: every expert's MLP over its rows,
     # the products MLP makes, spread over the kernel threads) where it applies: NumPy float32 or
-    # float64 experts that are plain MLPs (bf16 compute on AMX tiles), MKL selected, the C++ module
-    # built. Else (and with ``grouped = False``) one MLP call per expert, side by side over the
+    # float64 experts that are plain MLPs (bf16 compute on pympar's AMX or AVX512-BF16 kernel), MKL
+    # selected, the C++ module built. Else (and with ``grouped = False``) one MLP call per expert, side by side over the
     # threads. Under a zero-bubble split (nn.wgrad.deferring) the grouped B pass makes the input
     # gradient and keeps each row's GELU output and hidden gradient, and the W pass makes the weight
     # gradients from them, as MLP does.
