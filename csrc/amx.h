@@ -30,9 +30,9 @@ void gemm(const uint16_t* a, int64_t sam, int64_t sak, const uint16_t* b, int64_
 // causal attention on packed bf16 qkv (B, T, 3, H, D), D % 32 == 0 (amx_attention.cpp): o (B, T, H D)
 // bf16 and lse (B, H, T) float32; backward: dout (B, T, H D) -> dqkv like qkv (may be qkv itself)
 void attention_fwd(const uint16_t* qkv, uint16_t* o, float* lse, int64_t B, int64_t T, int64_t H, int64_t D,
-                   double scale);
+                   double scale, Engine engine);
 void attention_bwd(const uint16_t* qkv, const uint16_t* o, const float* lse, const uint16_t* dout, uint16_t* dqkv,
-                   int64_t B, int64_t T, int64_t H, int64_t D, double scale);
+                   int64_t B, int64_t T, int64_t H, int64_t D, double scale, Engine engine);
 
 }  // namespace amx
 }  // namespace pympar

@@ -1,4 +1,5 @@
-// Causal attention in bf16 on AMX tiles, flash-attention style: q, k, v, o, dout and dqkv bf16,
+// Causal attention in bf16 on AMX tiles (or, where the CPU has AVX512-BF16 and no AMX, the same blocks
+// on VDPBF16PS dot products: mm32's other engine), flash-attention style: q, k, v, o, dout and dqkv bf16,
 // softmax statistics (lse) and every accumulator float32. Packed qkv (B, T, 3, H, D) as
 // nn.attention_core passes it, D a multiple of 32 (the tiles' k-step). Nothing (T, T) exists.
 //
@@ -34,8 +35,44 @@ constexpr int64_t kT = 512;    // bf16 elements per tile (16 rows x 64 bytes)
 constexpr int64_t kBlk = 1024;  // a k-block of a packed panel: two tiles
 
 // C (32 x 32 float32, row stride ldc floats) [+]= A B: A's 32 rows at a (row stride lda bf16
-// elements), k-steps of 32 consecutive elements; B's k-blocks at b, b + kBlk, ... (VNNI tiles)
+// elements), k-steps of 32 consecutive elements; B's k-blocks at b, b + kBlk, ... (VNNI tiles).
+// kTiles: on AMX tiles; else on AVX512-BF16 dot products, four groups of 8 rows x 32 columns in 16
+// zmm accumulators (amx.cpp's dp_block, with A's rows read in place); within each element the pairs
+// are added in k order on both.
+template <bool kTiles>
 inline void mm32(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ksteps, float* c, int64_t ldc, bool acc) {
+  if constexpr (!kTiles) {
+    for (int g = 0; g < 4; ++g) {
+      __m512 x[8][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) {
+        x[r][0] = acc ? _mm512_loadu_ps(c + (8 * g + r) * ldc) : _mm512_setzero_ps();
+        x[r][1] = acc ? _mm512_loadu_ps(c + (8 * g + r) * ldc + 16) : _mm512_setzero_ps();
+      }
+      for (int64_t ks = 0; ks < ksteps; ++ks) {
+        const uint16_t* ar = a + 8 * g * lda + ks * 32;
+        const uint16_t* bt = b + ks * kBlk;
+        for (int p = 0; p < 16; ++p) {
+          const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bt + p * 32);
+          const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bt + kT + p * 32);
+#pragma GCC unroll 8
+          for (int r = 0; r < 8; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, ar + r * lda + 2 * p, 4);
+            const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+            x[r][0] = _mm512_dpbf16_ps(x[r][0], av, b0);
+            x[r][1] = _mm512_dpbf16_ps(x[r][1], av, b1);
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) {
+        _mm512_storeu_ps(c + (8 * g + r) * ldc, x[r][0]);
+        _mm512_storeu_ps(c + (8 * g + r) * ldc + 16, x[r][1]);
+      }
+    }
+    return;
+  }
   const int64_t sa = lda * 2, sc = ldc * 4;
   if (acc) {
     _tile_loadd(0, c, sc);
@@ -127,14 +164,12 @@ struct Scratch {
 };
 thread_local Scratch g_s;
 
-}  // namespace
-
-void attention_fwd(const uint16_t* qkv, uint16_t* o, float* lse, int64_t B, int64_t T, int64_t H, int64_t D,
-                   double scale) {
+template <bool kTiles>
+void fwd(const uint16_t* qkv, uint16_t* o, float* lse, int64_t B, int64_t T, int64_t H, int64_t D, double scale) {
   const int64_t row = 3 * H * D, so = H * D, Tp = round_up(T, 32), NQ = Tp / 32, KD = D / 32;
   const float sc = static_cast<float>(scale);
   parallel_for(B * H, 1, 1, [&](int64_t h0, int64_t h1) {
-    configure_tiles();
+    if (kTiles) configure_tiles();
     Scratch& S = g_s;
     uint16_t* qc = S.qc.get<uint16_t>(Tp * D);
     uint16_t* kp = S.p0.get<uint16_t>(packed_b_elems(D, Tp));   // (d, key): B of S = Q K^T
@@ -155,7 +190,7 @@ void attention_fwd(const uint16_t* qkv, uint16_t* o, float* lse, int64_t B, int6
         std::fill(l, l + 32, 0.0f);
         std::fill(oa, oa + 32 * D, 0.0f);
         for (int64_t j = 0; j <= i; ++j) {                 // causal: key blocks up to the diagonal
-          mm32(qc + i * 32 * D, D, kp + j * KD * kBlk, KD, s, 32, false);
+          mm32<kTiles>(qc + i * 32 * D, D, kp + j * KD * kBlk, KD, s, 32, false);
           const __m512 vsc = _mm512_set1_ps(sc), ninf = _mm512_set1_ps(-INFINITY);
           for (int64_t r = 0; r < 32; ++r) {
             const float* sr = s + r * 32;
@@ -180,7 +215,7 @@ void attention_fwd(const uint16_t* qkv, uint16_t* o, float* lse, int64_t B, int6
             }
           }
           for (int64_t dp = 0; dp < KD; ++dp)              // O (32 x D) += P (32 x 32) V (32 x D)
-            mm32(pb, 32, vp + (dp * NQ + j) * kBlk, 1, oa + dp * 32, D, true);
+            mm32<kTiles>(pb, 32, vp + (dp * NQ + j) * kBlk, 1, oa + dp * 32, D, true);
         }
         const int64_t rows = std::min<int64_t>(32, T - i * 32);
         float* lh = lse + bh * T + i * 32;
@@ -194,16 +229,17 @@ void attention_fwd(const uint16_t* qkv, uint16_t* o, float* lse, int64_t B, int6
         }
       }
     }
-    _tile_release();
+    if (kTiles) _tile_release();
   });
 }
 
-void attention_bwd(const uint16_t* qkv, const uint16_t* o, const float* lse, const uint16_t* dout, uint16_t* dqkv,
-                   int64_t B, int64_t T, int64_t H, int64_t D, double scale) {
+template <bool kTiles>
+void bwd(const uint16_t* qkv, const uint16_t* o, const float* lse, const uint16_t* dout, uint16_t* dqkv,
+         int64_t B, int64_t T, int64_t H, int64_t D, double scale) {
   const int64_t row = 3 * H * D, so = H * D, Tp = round_up(T, 32), NQ = Tp / 32, KD = D / 32;
   const float sc = static_cast<float>(scale);
   parallel_for(B * H, 1, 1, [&](int64_t h0, int64_t h1) {
-    configure_tiles();
+    if (kTiles) configure_tiles();
     Scratch& S = g_s;
     uint16_t *qc = S.qc.get<uint16_t>(Tp * D), *kc = S.kc.get<uint16_t>(Tp * D), *vc = S.vc.get<uint16_t>(Tp * D),
              *dc = S.dc.get<uint16_t>(Tp * D), *kt = S.kt.get<uint16_t>(D * Tp);
@@ -249,8 +285,8 @@ void attention_bwd(const uint16_t* qkv, const uint16_t* o, const float* lse, con
       for (int64_t j = 0; j < NQ; ++j) {                   // key blocks
         std::fill(acc, acc + 2 * 32 * D, 0.0f);
         for (int64_t i = j; i < NQ; ++i) {                 // causal: the query blocks that see them
-          mm32(kc + j * 32 * D, D, qT + i * KD * kBlk, KD, st, 32, false);    // St (keys x queries)
-          mm32(vc + j * 32 * D, D, dT + i * KD * kBlk, KD, dpt, 32, false);   // dPt
+          mm32<kTiles>(kc + j * 32 * D, D, qT + i * KD * kBlk, KD, st, 32, false);    // St (keys x queries)
+          mm32<kTiles>(vc + j * 32 * D, D, dT + i * KD * kBlk, KD, dpt, 32, false);   // dPt
           const float *lq = lpad + i * 32, *dq = dvec + i * 32;
           const __m512 vsc = _mm512_set1_ps(sc), l0 = _mm512_loadu_ps(lq), l1 = _mm512_loadu_ps(lq + 16);
           const __m512 d0 = _mm512_loadu_ps(dq), d1 = _mm512_loadu_ps(dq + 16);
@@ -270,12 +306,12 @@ void attention_bwd(const uint16_t* qkv, const uint16_t* o, const float* lse, con
             _mm256_store_si256(reinterpret_cast<__m256i*>(dsb + c * 32 + 16), to_bf16(s1));
           }
           for (int64_t dp = 0; dp < KD; ++dp) {
-            mm32(ptb, 32, dP + (dp * NQ + i) * kBlk, 1, dva + dp * 32, D, true);   // dV += P^T dO
-            mm32(dsb, 32, qP + (dp * NQ + i) * kBlk, 1, dka + dp * 32, D, true);   // dK += dS^T Q
+            mm32<kTiles>(ptb, 32, dP + (dp * NQ + i) * kBlk, 1, dva + dp * 32, D, true);   // dV += P^T dO
+            mm32<kTiles>(dsb, 32, qP + (dp * NQ + i) * kBlk, 1, dka + dp * 32, D, true);   // dK += dS^T Q
           }
           vnni32(dsb, dsv);                                // dS^T (keys x queries) as B
           for (int64_t dm = 0; dm < KD; ++dm)              // dQ^T (D x queries) += K^T dS^T
-            mm32(kt + dm * 32 * Tp + j * 32, Tp, dsv, 1, dqt + dm * 32 * Tp + i * 32, Tp, true);
+            mm32<kTiles>(kt + dm * 32 * Tp + j * 32, Tp, dsv, 1, dqt + dm * 32 * Tp + i * 32, Tp, true);
         }
         const int64_t rows = std::min<int64_t>(32, T - j * 32);
         for (int64_t c = 0; c < rows; ++c) {
@@ -294,8 +330,26 @@ void attention_bwd(const uint16_t* qkv, const uint16_t* o, const float* lse, con
         for (int64_t d = 0; d < D; ++d) dqr[d] = f32_to_bf16(dqt[d * Tp + t] * sc);
       }
     }
-    _tile_release();
+    if (kTiles) _tile_release();
   });
+}
+
+}  // namespace
+
+void attention_fwd(const uint16_t* qkv, uint16_t* o, float* lse, int64_t B, int64_t T, int64_t H, int64_t D,
+                   double scale, Engine engine) {
+  if (engine == Engine::Tiles)
+    fwd<true>(qkv, o, lse, B, T, H, D, scale);
+  else
+    fwd<false>(qkv, o, lse, B, T, H, D, scale);
+}
+
+void attention_bwd(const uint16_t* qkv, const uint16_t* o, const float* lse, const uint16_t* dout, uint16_t* dqkv,
+                   int64_t B, int64_t T, int64_t H, int64_t D, double scale, Engine engine) {
+  if (engine == Engine::Tiles)
+    bwd<true>(qkv, o, lse, dout, dqkv, B, T, H, D, scale);
+  else
+    bwd<false>(qkv, o, lse, dout, dqkv, B, T, H, D, scale);
 }
 
 }  // namespace amx

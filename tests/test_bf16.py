@@ -295,8 +295,9 @@ def test_bf16_recomputation_is_bitwise_the_same(engines, rows, moe, monkeypatch)
 @needs_native
 @pytest.mark.parametrize("shape", [(1, 32, 1, 32), (2, 45, 2, 64), (1, 100, 3, 32), (2, 130, 2, 64)])
 def test_bf16_attention_against_the_float32_kernel(engines, threads, shape):
-    """bf16 attention (AMX tiles where the engine is amx; else widened to the float32 kernel) against the
-    float32 kernel on the widened inputs. The AMX kernel rounds P and dS to bf16 before their products
+    """bf16 attention (pympar's kernel where the engine is amx or avx512bf16: tiles or dot products; else
+    widened to the float32 kernel) against the float32 kernel on the widened inputs. pympar's kernel
+    rounds P and dS to bf16 before their products
     (bf16 flash attention's rounding points), each a relative 2^-8 per term: o within 2^-7 of max|o|,
     and the gradients, sums over T of such terms, within 2^-6 of their largest (measured: o 1.2-2.7e-3,
     dq/dk/dv 1.9-4.8e-3); lse within 2^-7 (l sums the rounded P). The widened path rounds only o and
@@ -311,7 +312,7 @@ def test_bf16_attention_against_the_float32_kernel(engines, threads, shape):
     g32 = NK.attention_backward(f(qkv), o32, lse32, f(dout), sc)
     for engine in engines:
         gemm.use_bf16(engine)
-        amx = engine == "amx" and D % 32 == 0
+        own = engine in gemm.OWN_BF16 and D % 32 == 0
         got = []
         for n in (1, 2):
             threads(n)
@@ -324,7 +325,7 @@ def test_bf16_attention_against_the_float32_kernel(engines, threads, shape):
         assert o.dtype == g.dtype == bfloat16 and lse.dtype == np.float32
         mine = qkv.copy()                                    # dqkv written over qkv (the model's consume)
         assert same_bits(NK.attention_backward(mine, o, lse, dout, sc, overwrite=True), g), engine
-        if amx:
+        if own:
             assert np.max(np.abs(f(o) - o32)) <= 2 ** -7 * np.max(np.abs(o32)), engine
             assert np.max(np.abs(lse - lse32)) <= 2 ** -7, engine
             for i in range(3):

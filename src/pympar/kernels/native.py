@@ -100,20 +100,23 @@ def softmax_causal_backward(y, dy):
 
 
 # --- causal attention, tile by tile ---------------------------------------------------------
-def _amx_attention(qkv) -> bool:
-    """bf16 attention on AMX tiles (csrc/amx_attention.cpp): where the bf16 products run on AMX and the
-    head size is a multiple of 32."""
-    from .gemm import bf16_engine
-    return qkv.shape[4] % 32 == 0 and bf16_engine() == "amx"
+def _amx_attention(qkv):
+    """bf16 attention on pympar's kernel (csrc/amx_attention.cpp): "amx" (tiles) or "avx512bf16" (dot
+    products) where the bf16 products run on that engine and the head size is a multiple of 32, else
+    None (widened to the float32 kernel)."""
+    from .gemm import OWN_BF16, bf16_engine
+    engine = bf16_engine()
+    return engine if qkv.shape[4] % 32 == 0 and engine in OWN_BF16 else None
 
 
 def attention_forward(qkv, scale):
     if _bf(qkv) and qkv.ndim == 5 and qkv.shape[2] == 3:
         B, T, _, H, D = qkv.shape
-        if _amx_attention(qkv):
+        engine = _amx_attention(qkv)
+        if engine:
             qkv = _c(qkv)
             o, lse = np.empty((B, T, H * D), qkv.dtype), np.empty((B, H, T), F32)
-            _C.amx_attention_forward(qkv, o, lse, float(scale))
+            _C.amx_attention_forward(qkv, o, lse, float(scale), engine == "amx")
             return o, lse
         o, lse = attention_forward(_bf16_cast(qkv, F32), scale)   # float32 inside: widened exactly,
         return _bf16_cast(o, qkv.dtype), lse                      # o rounded once
@@ -129,10 +132,11 @@ def attention_forward(qkv, scale):
 
 def attention_backward(qkv, o, lse, dout, scale, overwrite=False):
     if _bf(qkv, o, dout) and _f32(lse) and qkv.ndim == 5 and qkv.shape[2] == 3:
-        if _amx_attention(qkv) and o.size == qkv.size // 3 and dout.size == o.size and lse.size * qkv.shape[4] == o.size:
+        engine = _amx_attention(qkv)
+        if engine and o.size == qkv.size // 3 and dout.size == o.size and lse.size * qkv.shape[4] == o.size:
             qkv, o, lse, dout = _c(qkv), _c(o), _c(lse), _c(dout)
             dqkv = qkv if overwrite and qkv.flags.writeable else np.empty_like(qkv)
-            _C.amx_attention_backward(qkv, o, lse, dout, dqkv, float(scale))
+            _C.amx_attention_backward(qkv, o, lse, dout, dqkv, float(scale), engine == "amx")
             return dqkv
         up = _bf16_cast(qkv, F32)
         g = attention_backward(up, _bf16_cast(o, F32), lse, _bf16_cast(dout, F32), scale, overwrite=True)

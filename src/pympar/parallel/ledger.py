@@ -277,7 +277,7 @@ def workspace_bytes(cfg, B, T, tp, recompute, blocks, last, act_bytes, stat_byte
     Ta = gather * T                                            # the positions one attention spans
     tiled = tiled_attention(act_bytes) if tiled is None else tiled
     hs = C // H
-    if tiled and act_bytes == 2:    # bf16 on AMX (csrc/amx_attention.cpp), each thread's backward: copies
+    if tiled and act_bytes == 2:    # bf16 on pympar's kernel (csrc/amx_attention.cpp), each thread's backward: copies
         # of q, k, v, dO and K^T and four packs (bf16), dQ^T (float32), Dv and lse, two 32 x 32 tiles
         att = _threads(threads) * (9 * Ta * hs * 2 + Ta * hs * 4 + 2 * Ta * 4 + 2 * 32 * 32 * 4)
     elif tiled:     # each thread's backward scratch (csrc/attention.cpp): q scaled, q^T, dout, dout^T,
