@@ -141,7 +141,8 @@ def sgemm_gflops(M, K, N, reps=5):
 def bf16_gemm_gflops(M, K, N, reps=5, with_torch=True):
     """The bf16 GEMM rates (bf16 operands, float32 accumulation, bf16 out) of the step's largest GEMM
     (tokens x C times C x 4C, the weight on the right as Linear reads it): {"pympar": nn.products's
-    bf16 product (MKL), "torch": torch.nn.functional.linear}. MFU counts against the faster."""
+    bf16 product (on the engine kernels/gemm.py chose), "torch": torch.nn.functional.linear}. MFU
+    counts against the faster."""
     from common import best
 
     from pympar.backend import bfloat16

@@ -71,34 +71,34 @@ inline void mm32(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t kste
         _mm512_storeu_ps(c + (8 * g + r) * ldc + 16, x[r][1]);
       }
     }
-    return;
-  }
-  const int64_t sa = lda * 2, sc = ldc * 4;
-  if (acc) {
-    _tile_loadd(0, c, sc);
-    _tile_loadd(1, c + 16, sc);
-    _tile_loadd(2, c + 16 * ldc, sc);
-    _tile_loadd(3, c + 16 * ldc + 16, sc);
   } else {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    const int64_t sa = lda * 2, sc = ldc * 4;
+    if (acc) {
+      _tile_loadd(0, c, sc);
+      _tile_loadd(1, c + 16, sc);
+      _tile_loadd(2, c + 16 * ldc, sc);
+      _tile_loadd(3, c + 16 * ldc + 16, sc);
+    } else {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t ks = 0; ks < ksteps; ++ks) {
+      _tile_loadd(4, a + ks * 32, sa);
+      _tile_loadd(6, b + ks * kBlk, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, b + ks * kBlk + kT, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(5, a + 16 * lda + ks * 32, sa);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, sc);
+    _tile_stored(1, c + 16, sc);
+    _tile_stored(2, c + 16 * ldc, sc);
+    _tile_stored(3, c + 16 * ldc + 16, sc);
   }
-  for (int64_t ks = 0; ks < ksteps; ++ks) {
-    _tile_loadd(4, a + ks * 32, sa);
-    _tile_loadd(6, b + ks * kBlk, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(7, b + ks * kBlk + kT, 64);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, a + 16 * lda + ks * 32, sa);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
-  _tile_stored(0, c, sc);
-  _tile_stored(1, c + 16, sc);
-  _tile_stored(2, c + 16 * ldc, sc);
-  _tile_stored(3, c + 16 * ldc + 16, sc);
 }
 
 // a (32 x 32 bf16, row stride 32) as B's one k-block: rows k pairs interleaved (VNNI), two tiles of 16 columns

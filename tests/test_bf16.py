@@ -1,5 +1,6 @@
 """bfloat16 compute (issue 43): the bf16 kernels, the bf16 products on every engine this machine
-has (pympar's AMX tiles, MKL's cblas_gemm_bf16bf16f32, the float32 fallback), the model against
+has (pympar's AMX tiles and AVX512-BF16 dot products, MKL's cblas_gemm_bf16bf16f32, the float32
+fallback), the model against
 float64 and against PyTorch autocast, and the engine choice.
 
 Bounds, derived rather than fitted:
@@ -194,7 +195,7 @@ def test_the_engine_follows_the_cpu(engines, monkeypatch):
     feats = gemm.cpu_features()
     if feats.get("amx_bf16") and gemm._C.amx_available():
         assert gemm._engine("auto") == "amx"
-    elif feats.get("avx512bf16") and feats.get("avx512f"):
+    elif feats.get("avx512bf16") and gemm._avx512_kernels() and gemm._C.dp_bf16_available():
         assert gemm._engine("auto") == "avx512bf16"
         with pytest.raises(ValueError, match="cannot run here"):
             gemm.use_bf16("amx")
@@ -326,6 +327,7 @@ def test_bf16_attention_against_the_float32_kernel(engines, threads, shape):
         mine = qkv.copy()                                    # dqkv written over qkv (the model's consume)
         assert same_bits(NK.attention_backward(mine, o, lse, dout, sc, overwrite=True), g), engine
         if own:
+            assert not np.array_equal(lse, lse32), engine    # pympar's kernel ran (its l sums the rounded P)
             assert np.max(np.abs(f(o) - o32)) <= 2 ** -7 * np.max(np.abs(o32)), engine
             assert np.max(np.abs(lse - lse32)) <= 2 ** -7, engine
             for i in range(3):

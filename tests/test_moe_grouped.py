@@ -62,16 +62,28 @@ def _small_blocks(monkeypatch):
     kernels.set_num_threads(1)
 
 
-OWN = gemm.bf16_engine() in gemm.OWN_BF16       # pympar's bf16 kernels (AMX tiles or AVX512-BF16)
+# bf16 experts run grouped on each of pympar's bf16 kernels this machine runs (AMX tiles, AVX512-BF16
+# dot products; an AMX CPU runs both), the per-expert loop elsewhere
+ENGINES = [pytest.param(e, marks=pytest.mark.skipif(gemm._engine(e) is None, reason=f"the {e} engine cannot run here"))
+           for e in gemm.OWN_BF16]
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64,
-                                   pytest.param("bfloat16", marks=pytest.mark.skipif(
-                                       not OWN, reason="bf16 experts run grouped on pympar's AMX or AVX512-BF16 "
-                                                       "kernel only (the loop elsewhere)"))])
+@pytest.fixture
+def bf16_engine():
+    """Select a bf16 engine for the test, restoring the choice after it."""
+    before = gemm._bf16_choice
+    yield gemm.use_bf16
+    gemm.use_bf16(before)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, *(pytest.param(f"bfloat16-{p.values[0]}", marks=p.marks)
+                                                             for p in ENGINES)])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bias", [True, False])
-def test_grouped_experts_are_the_loop_bit_for_bit(dtype, threads, bias):
+def test_grouped_experts_are_the_loop_bit_for_bit(dtype, threads, bias, bf16_engine):
+    if isinstance(dtype, str):
+        dtype, engine = dtype.split("-")
+        bf16_engine(engine)
     loop, grouped = _run(dtype, False, threads, bias=bias), _run(dtype, True, threads, bias=bias)
     assert len(loop) == len(grouped) == 4 + (4 if bias else 2) * len(COUNTS)
     for a, b in zip(loop, grouped):
@@ -79,10 +91,11 @@ def test_grouped_experts_are_the_loop_bit_for_bit(dtype, threads, bias):
     assert np.any(loop[-1] != 0)                     # gradients were made (the last expert has rows)
 
 
-@pytest.mark.skipif(not OWN, reason="bf16 experts run grouped on pympar's AMX or AVX512-BF16 kernel only")
-def test_bf16_grouped_reads_the_packed_weights_the_loop_reads():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_bf16_grouped_reads_the_packed_weights_the_loop_reads(engine, bf16_engine):
     """Inside a step's weight-cache scope the bf16 copies are packed once (kernels/gemm.py) and both
     ways multiply by the packs: still the loop's bits."""
+    bf16_engine(engine)
     with compute_copies():
         loop = _run("bfloat16", False, 2)
     with compute_copies():

@@ -237,8 +237,8 @@ def product(a, b, out=None, threads: int = 1, accumulate: bool = False):
 #          Cooper Lake) and the AVX-512 kernels are in use;
 #   "mkl"  MKL's cblas_gemm_bf16bf16f32 (AMX or AVX512-BF16 inside MKL), where MKL is selected and the
 #          CPU multiplies bf16 natively (avx512_bf16 or AMX): chosen only by name. On an AMD EPYC with
-#          AVX512-BF16 it ran at 130 GFLOP/s against 186 for MKL's own sgemm (2 threads, bench/
-#          train_step.py's shape), slower than not using bf16 at all (docs/precision.md);
+#          AVX512-BF16 it ran at 93-99 GFLOP/s per thread against 94-102 for MKL's own sgemm, and a
+#          bf16 step took longer than a float32 one (docs/precision.md);
 #   None   no native bf16 products: the operands are widened to float32 and multiplied there (the
 #          caller's fallback; --dtype auto picks float32 on such a CPU).
 # "auto" takes "amx", else "avx512bf16", else None. PYMPAR_BF16_GEMM=auto|amx|avx512bf16|mkl|float32
