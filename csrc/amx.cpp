@@ -176,8 +176,12 @@ void epilogue(const float* s, const Out& o, int64_t m0, int64_t n0, int64_t rows
 // B panel (their packs as the tiles read them: A's tile row = one row's 32 k, B's tile row = 16
 // columns' pairs of one k pair), starting from zero (from == nullptr) or from a parked block, into
 // `to` (row stride 32 floats, as the tile stores write). Within each lane the pairs are added in k order.
-void dp_block(const uint16_t* apan, const uint16_t* bpan, int64_t kc, int64_t ke, const float* from, float* to) {
-  for (int g = 0; g < 4; ++g) {            // rows 8g .. 8g + 7: A tile g / 2, its rows 8 (g % 2) ..
+// Only the groups of 8 rows that hold some of A's `rows` rows run (a product of one row, a sampled
+// token's, does an eighth of the padded block's work; the epilogue reads no other row).
+void dp_block(const uint16_t* apan, const uint16_t* bpan, int64_t kc, int64_t ke, const float* from, float* to,
+              int64_t rows) {
+  const int groups = static_cast<int>(std::min<int64_t>(4, (rows + 7) / 8));
+  for (int g = 0; g < groups; ++g) {       // rows 8g .. 8g + 7: A tile g / 2, its rows 8 (g % 2) ..
     __m512 acc[8][2];
 #pragma GCC unroll 8
     for (int r = 0; r < 8; ++r) {
@@ -291,7 +295,7 @@ void gemm(const uint16_t* a, int64_t sam, int64_t sak, const uint16_t* b, int64_
               float* c = acc ? acc + ((mp - mb) * (ne - nb) + (p - nb)) * 1024 : nullptr;
               float* dst = last ? s : c;
               if (!tiles) {
-                dp_block(apan, bpan, kc, ke, first ? nullptr : c, dst);
+                dp_block(apan, bpan, kc, ke, first ? nullptr : c, dst, M - mp * 32);
               } else {
                 if (first) {
                   _tile_zero(0);
