@@ -13,9 +13,8 @@
 //
 // The AMX micro-kernel holds a 32 x 32 block of C in four tiles (2 A tiles x 2 B tiles: four loads per
 // four TDPBF16PS, the most the 8 tile registers allow) over the whole K, then stores it to a float32
-// scratch (the AVX512-BF16 one: the same block as four groups of 8 rows x 32 columns, 16 zmm
-// accumulators; per k pair two 64-byte loads of B's packed row and 8 broadcasts of A's pairs feed 16
-// VDPBF16PS) from which the epilogue writes C: float32 (=, or += for a gradient), or bf16 rounded once
+// scratch (the AVX512-BF16 one, amx_tiles.h's dp_rows: the same block as groups of 8 rows x 32
+// columns in 16 zmm accumulators, only those holding A's rows) from which the epilogue writes C: float32 (=, or += for a gradient), or bf16 rounded once
 // to nearest even (+ a float32 bias, + GELU of the rounded value into a second output), with the same
 // formulas (rows.h) and flags as the AVX-512 build of lowp.cpp, so the fused and separate paths give
 // the same bits. The sum over K runs in k order within each tile's dot products; its order is not
@@ -26,6 +25,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "amx.h"
@@ -172,46 +173,6 @@ void epilogue(const float* s, const Out& o, int64_t m0, int64_t n0, int64_t rows
   }
 }
 
-// one 32 x 32 block of C on AVX512-BF16 dot products over the k-blocks [kc, ke) of one A panel and one
-// B panel (their packs as the tiles read them: A's tile row = one row's 32 k, B's tile row = 16
-// columns' pairs of one k pair), starting from zero (from == nullptr) or from a parked block, into
-// `to` (row stride 32 floats, as the tile stores write). Within each lane the pairs are added in k order.
-// Only the groups of 8 rows that hold some of A's `rows` rows run (a product of one row, a sampled
-// token's, does an eighth of the padded block's work; the epilogue reads no other row).
-void dp_block(const uint16_t* apan, const uint16_t* bpan, int64_t kc, int64_t ke, const float* from, float* to,
-              int64_t rows) {
-  const int groups = static_cast<int>(std::min<int64_t>(4, (rows + 7) / 8));
-  for (int g = 0; g < groups; ++g) {       // rows 8g .. 8g + 7: A tile g / 2, its rows 8 (g % 2) ..
-    __m512 acc[8][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < 8; ++r) {
-      acc[r][0] = from ? _mm512_loadu_ps(from + (8 * g + r) * 32) : _mm512_setzero_ps();
-      acc[r][1] = from ? _mm512_loadu_ps(from + (8 * g + r) * 32 + 16) : _mm512_setzero_ps();
-    }
-    for (int64_t kb = kc; kb < ke; ++kb) {
-      const uint16_t* at = apan + kb * 2 * kTile + (g >> 1) * kTile + (g & 1) * 8 * 32;
-      const uint16_t* bt = bpan + kb * 2 * kTile;
-      for (int p = 0; p < 16; ++p) {         // k pairs 2p, 2p + 1 of the block
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bt + p * 32);
-        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bt + kTile + p * 32);
-#pragma GCC unroll 8
-        for (int r = 0; r < 8; ++r) {
-          int32_t pair;
-          std::memcpy(&pair, at + r * 32 + 2 * p, 4);
-          const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
-        }
-      }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < 8; ++r) {
-      _mm512_storeu_ps(to + (8 * g + r) * 32, acc[r][0]);
-      _mm512_storeu_ps(to + (8 * g + r) * 32 + 16, acc[r][1]);
-    }
-  }
-}
-
 thread_local Aligned g_apack, g_bpack;   // a caller's packs of A and (unpacked) B, reused
 thread_local Aligned g_acc;              // a worker's parked accumulators
 
@@ -235,6 +196,12 @@ bool dp_available() {
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
   }();
   return ok;
+}
+
+Engine engine_for(bool tiles, const char* what) {
+  if (tiles ? !available() : !dp_available())
+    throw std::invalid_argument(std::string(what) + (tiles ? ": AMX is not available here" : ": AVX512-BF16 is not available here"));
+  return tiles ? Engine::Tiles : Engine::DotProducts;
 }
 
 int64_t packed_b_elems(int64_t K, int64_t N) { return round_up(std::max<int64_t>(K, 1), 32) * round_up(N, 32); }
@@ -295,7 +262,9 @@ void gemm(const uint16_t* a, int64_t sam, int64_t sak, const uint16_t* b, int64_
               float* c = acc ? acc + ((mp - mb) * (ne - nb) + (p - nb)) * 1024 : nullptr;
               float* dst = last ? s : c;
               if (!tiles) {
-                dp_block(apan, bpan, kc, ke, first ? nullptr : c, dst, M - mp * 32);
+                // A packed: a k-block's 32 rows lie at row stride 32 (its two tiles back to back)
+                dp_rows(apan + kc * 2 * kTile, 32, 2 * kTile, bpan + kc * 2 * kTile, ke - kc, first ? nullptr : c,
+                        dst, 32, M - mp * 32);
               } else {
                 if (first) {
                   _tile_zero(0);

@@ -20,6 +20,8 @@ struct Out {
 bool available();                                    // AMX-BF16 on this CPU and the tile state granted
 bool dp_available();                                 // AVX512-BF16 (and AVX512-BW) on this CPU
 enum class Engine { Tiles, DotProducts };            // TDPBF16PS on tiles, or VDPBF16PS on zmm registers
+// the engine of a binding's `tiles` flag, checked: std::invalid_argument naming `what` where it cannot run here
+Engine engine_for(bool tiles, const char* what);
 int64_t packed_b_elems(int64_t K, int64_t N);        // bf16 elements of B's pack
 // B (K, N), element (k, n) at src[k sk + n sn] -> dst (packed_b_elems(K, N)); one pack serves both engines
 void pack_b(const uint16_t* src, int64_t sk, int64_t sn, int64_t K, int64_t N, uint16_t* dst);

@@ -36,41 +36,12 @@ constexpr int64_t kBlk = 1024;  // a k-block of a packed panel: two tiles
 
 // C (32 x 32 float32, row stride ldc floats) [+]= A B: A's 32 rows at a (row stride lda bf16
 // elements), k-steps of 32 consecutive elements; B's k-blocks at b, b + kBlk, ... (VNNI tiles).
-// kTiles: on AMX tiles; else on AVX512-BF16 dot products, four groups of 8 rows x 32 columns in 16
-// zmm accumulators (amx.cpp's dp_block, with A's rows read in place); within each element the pairs
-// are added in k order on both.
+// kTiles: on AMX tiles; else on AVX512-BF16 dot products (amx_tiles.h's dp_rows, A's rows read in
+// place); within each element the pairs are added in k order on both.
 template <bool kTiles>
 inline void mm32(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t ksteps, float* c, int64_t ldc, bool acc) {
   if constexpr (!kTiles) {
-    for (int g = 0; g < 4; ++g) {
-      __m512 x[8][2];
-#pragma GCC unroll 8
-      for (int r = 0; r < 8; ++r) {
-        x[r][0] = acc ? _mm512_loadu_ps(c + (8 * g + r) * ldc) : _mm512_setzero_ps();
-        x[r][1] = acc ? _mm512_loadu_ps(c + (8 * g + r) * ldc + 16) : _mm512_setzero_ps();
-      }
-      for (int64_t ks = 0; ks < ksteps; ++ks) {
-        const uint16_t* ar = a + 8 * g * lda + ks * 32;
-        const uint16_t* bt = b + ks * kBlk;
-        for (int p = 0; p < 16; ++p) {
-          const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bt + p * 32);
-          const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bt + kT + p * 32);
-#pragma GCC unroll 8
-          for (int r = 0; r < 8; ++r) {
-            int32_t pair;
-            std::memcpy(&pair, ar + r * lda + 2 * p, 4);
-            const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
-            x[r][0] = _mm512_dpbf16_ps(x[r][0], av, b0);
-            x[r][1] = _mm512_dpbf16_ps(x[r][1], av, b1);
-          }
-        }
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < 8; ++r) {
-        _mm512_storeu_ps(c + (8 * g + r) * ldc, x[r][0]);
-        _mm512_storeu_ps(c + (8 * g + r) * ldc + 16, x[r][1]);
-      }
-    }
+    dp_rows(a, lda, 32, b, ksteps, acc ? c : nullptr, c, ldc, 32);
   } else {
     const int64_t sa = lda * 2, sc = ldc * 4;
     if (acc) {

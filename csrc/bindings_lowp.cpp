@@ -184,8 +184,7 @@ void bind_lowp(py::module_& m) {
   m.def("amx_gemm", [](uintptr_t pa, int64_t sam, int64_t sak, uintptr_t pb, int64_t sbk, int64_t sbn, bool b_packed,
                        int64_t M, int64_t N, int64_t Kd, uintptr_t pc, int64_t ldc, bool c_bf16, bool accumulate,
                        uintptr_t pbias, uintptr_t pg, int64_t ldg, bool tiles) {
-    if (tiles ? !amx::available() : !amx::dp_available())
-      throw py::value_error(tiles ? "amx_gemm: AMX is not available here" : "amx_gemm: AVX512-BF16 is not available here");
+    const amx::Engine engine = amx::engine_for(tiles, "amx_gemm");
     if (M < 0 || N < 0 || Kd < 0 || pa == 0 || pb == 0 || pc == 0)
       throw py::value_error("amx_gemm: need operands and non-negative sizes");
     if (c_bf16 && accumulate) throw py::value_error("amx_gemm: a bf16 output cannot accumulate");
@@ -200,31 +199,27 @@ void bind_lowp(py::module_& m) {
     o.ldg = ldg;
     py::gil_scoped_release g;
     amx::gemm(reinterpret_cast<const uint16_t*>(pa), sam, sak, reinterpret_cast<const uint16_t*>(pb), sbk, sbn,
-              b_packed, M, N, Kd, o, tiles ? amx::Engine::Tiles : amx::Engine::DotProducts);
+              b_packed, M, N, Kd, o, engine);
   });
   // causal attention on AMX tiles (tiles) or AVX512-BF16 dot products: qkv (B, T, 3, H, D) bf16, D % 32 == 0 -> o (B, T, H*D) bf16,
   // lse (B, H, T) float32; backward: o, lse, dout -> dqkv like qkv (may be qkv itself)
   m.def("amx_attention_forward", [](const py::array& qkv, py::array& o, py::array& lse, double scale, bool tiles) {
     if (qkv.ndim() != 5 || qkv.shape(2) != 3 || qkv.shape(4) % 32)
       throw py::value_error("amx_attention_forward: qkv must be (B, T, 3, H, D) with D a multiple of 32");
-    if (tiles ? !amx::available() : !amx::dp_available())
-      throw py::value_error(tiles ? "amx_attention_forward: AMX is not available here"
-                                  : "amx_attention_forward: AVX512-BF16 is not available here");
+    const amx::Engine engine = amx::engine_for(tiles, "amx_attention_forward");
     const int64_t B = qkv.shape(0), T = qkv.shape(1), H = qkv.shape(3), D = qkv.shape(4);
     check(qkv, "qkv", BF), check(o, "o", BF, B * T * H * D), check(lse, "lse", F, B * H * T);
     const uint16_t* q = cb(qkv);
     uint16_t* op = mb(o);
     float* lp = mt<float>(lse);
     py::gil_scoped_release g;
-    amx::attention_fwd(q, op, lp, B, T, H, D, scale, tiles ? amx::Engine::Tiles : amx::Engine::DotProducts);
+    amx::attention_fwd(q, op, lp, B, T, H, D, scale, engine);
   });
   m.def("amx_attention_backward", [](const py::array& qkv, const py::array& o, const py::array& lse,
                                      const py::array& dout, py::array& dqkv, double scale, bool tiles) {
     if (qkv.ndim() != 5 || qkv.shape(2) != 3 || qkv.shape(4) % 32)
       throw py::value_error("amx_attention_backward: qkv must be (B, T, 3, H, D) with D a multiple of 32");
-    if (tiles ? !amx::available() : !amx::dp_available())
-      throw py::value_error(tiles ? "amx_attention_backward: AMX is not available here"
-                                  : "amx_attention_backward: AVX512-BF16 is not available here");
+    const amx::Engine engine = amx::engine_for(tiles, "amx_attention_backward");
     const int64_t B = qkv.shape(0), T = qkv.shape(1), H = qkv.shape(3), D = qkv.shape(4);
     check(qkv, "qkv", BF), check(o, "o", BF, B * T * H * D), check(lse, "lse", F, B * H * T);
     check(dout, "dout", BF, B * T * H * D), check(dqkv, "dqkv", BF, qkv.size());
@@ -233,7 +228,7 @@ void bind_lowp(py::module_& m) {
     const float* lp = ct<float>(lse);
     uint16_t* g = mb(dqkv);
     py::gil_scoped_release rel;
-    amx::attention_bwd(q, op, lp, dp, g, B, T, H, D, scale, tiles ? amx::Engine::Tiles : amx::Engine::DotProducts);
+    amx::attention_bwd(q, op, lp, dp, g, B, T, H, D, scale, engine);
   });
 #else
   m.def("amx_available", [] { return false; }, "this build has no AMX kernels");

@@ -378,9 +378,7 @@ struct AmxExpert {
 #if defined(PYMPAR_AMX)
 amx::Engine engine_of(bool tiles, int64_t block, const char* what) {
   if (block < 1) throw py::value_error(std::string(what) + ": block must be >= 1");
-  if (tiles ? !amx::available() : !amx::dp_available())
-    throw py::value_error(std::string(what) + (tiles ? ": AMX is not available here" : ": AVX512-BF16 is not available here"));
-  return tiles ? amx::Engine::Tiles : amx::Engine::DotProducts;
+  return amx::engine_for(tiles, what);
 }
 #endif
 

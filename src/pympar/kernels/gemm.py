@@ -267,7 +267,7 @@ def _avx512_kernels() -> bool:
 
 def _engine(choice):
     amx = _avx512_kernels() and bool(_C.amx_available())
-    dp = _avx512_kernels() and bool(getattr(_C, "dp_bf16_available", lambda: False)())
+    dp = _avx512_kernels() and bool(_C.dp_bf16_available())
     mkl = bool(_load()) and bool(_bf) and _bf16_blocks is not None and _choice != "numpy"
     if choice == "amx":
         return "amx" if amx else None

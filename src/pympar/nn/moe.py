@@ -94,8 +94,8 @@ class MoE(Module):
     # Local experts run as one grouped call (csrc/grouped.cpp: every expert's MLP over its rows,
     # the products MLP makes, spread over the kernel threads) where it applies: NumPy float32 or
     # float64 experts that are plain MLPs (bf16 compute on pympar's AMX or AVX512-BF16 kernel), MKL
-    # selected, the C++ module built. Else (and with ``grouped = False``) one MLP call per expert, side by side over the
-    # threads. Under a zero-bubble split (nn.wgrad.deferring) the grouped B pass makes the input
+    # selected, the C++ module built. Else (and with ``grouped = False``) one MLP call per expert, side
+    # by side over the threads. Under a zero-bubble split (nn.wgrad.deferring) the grouped B pass makes the input
     # gradient and keeps each row's GELU output and hidden gradient, and the W pass makes the weight
     # gradients from them, as MLP does.
     grouped = True
@@ -115,9 +115,10 @@ class MoE(Module):
         cdt = e.c_fc._cdt
         if cdt is None and xs.dtype in (np.float32, np.float64) and e.c_fc.weight.data.dtype == xs.dtype:
             return gemm.gemm_address(xs.dtype)
+        engine = gemm.bf16_engine()
         if (cdt is not None and xs.dtype == cdt and cdt.name == "bfloat16" and e.c_fc.weight.data.dtype == np.float32
-                and gemm.bf16_engine() in gemm.OWN_BF16 and hasattr(_C, "grouped_mlp_forward_bf16")):
-            return gemm.bf16_engine()
+                and engine in gemm.OWN_BF16 and hasattr(_C, "grouped_mlp_forward_bf16")):
+            return engine
         return None
 
     @staticmethod
