@@ -58,7 +58,9 @@ LAYOUTS = {   # preset small, global batch 16 (4 ranks) and 32 (8 ranks) sequenc
 
 
 # --- worker: inside mpiexec ------------------------------------------------------------------
-def worker(train_argv: list, steps: int) -> None:
+def worker(train_argv: list, steps: int, alone: bool = False) -> None:
+    """One rank of a layout; ``alone``: every rank runs its own one-process copy of the layout
+    (no communication but a barrier before the timed steps), all at once on the node's cores."""
     import tracemalloc
 
     from mpi4py import MPI
@@ -71,11 +73,11 @@ def worker(train_argv: list, steps: int) -> None:
     from pympar.parallel.runner import build_runner
 
     mpi = MPI.COMM_WORLD
-    c = parse_args(train_argv, mpi.Get_size())
+    c = parse_args(train_argv, 1 if alone else mpi.Get_size())
     cfg, run, lay = c.model, c.run, c.parallel
     share_cores(mpi, run.threads, run.threads_from, run.bind)   # as pympar.train: the node's cores shared
     corpus = load_corpus(run.data)
-    comm = MPIComm(mpi, name="world")
+    comm = MPIComm(MPI.COMM_SELF if alone else mpi, name="world")
     dp_rank = Mesh.coords(mpi.Get_rank(), lay.dp, lay.pp, lay.tp)[1]
 
     def batches(s):
@@ -104,13 +106,14 @@ def worker(train_argv: list, steps: int) -> None:
     peak3 = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     times = []
+    mpi.Barrier()
     for s in range(3, 3 + steps):
         b = batches(s)
         comm.barrier()
         t0 = time.perf_counter()
         runner.train_step(b, 1e-4)
         times.append(time.perf_counter() - t0)
-    mine = dict(rank=mpi.Get_rank(), coords=Mesh.coords(mpi.Get_rank(), lay.dp, lay.pp, lay.tp),
+    mine = dict(rank=mpi.Get_rank(), coords=Mesh.coords(0 if alone else mpi.Get_rank(), lay.dp, lay.pp, lay.tp),
                 params=int(sum(p.data.size for p in runner.params)),
                 params_bytes=int(sum(p.data.nbytes for p in runner.params)),
                 grads_bytes=int(sum(p.grad.nbytes for p in runner.params if p.grad is not None)),
@@ -122,9 +125,12 @@ def worker(train_argv: list, steps: int) -> None:
 
 
 # --- launcher ----------------------------------------------------------------------------------
-def measure(world: int, lay: Layout, preset: str, steps: int, timeout: float) -> list:
+def measure(world: int, lay: Layout, preset: str, steps: int, timeout: float, alone: bool = False) -> list:
+    """Each rank's figures (worker) of ``lay`` on ``world`` ranks; ``alone``: ``world`` one-process
+    copies of ``lay`` at once."""
     argv = ["--preset", preset, *lay.train_args(), "--steps", "10"]
-    p = common.launch(world, [__file__, "--worker", "--steps", str(steps), "--", *argv], timeout)
+    p = common.launch(world, [__file__, "--worker", "--steps", str(steps), *(["--alone"] if alone else []), "--", *argv],
+                      timeout)
     lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     if p.returncode or not lines:
         raise RuntimeError(f"{lay.key()} failed ({p.returncode}):\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
@@ -238,7 +244,7 @@ def main(argv=None):
     if "--worker" in argv:
         i = argv.index("--")
         steps = int(argv[argv.index("--steps") + 1]) if "--steps" in argv[:i] else 4
-        return worker(argv[i + 1:], steps)
+        return worker(argv[i + 1:], steps, alone="--alone" in argv[:i])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", default="4,8")
     ap.add_argument("--preset", default="small")

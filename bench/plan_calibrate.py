@@ -14,6 +14,24 @@ layouts the planner ranks (bench/plan_accuracy.py ranks those; nothing here sees
                    count k of --world (the ranks oversubscribe the cores exactly as the
                    layouts' ranks do): alpha = the time of the smallest message, the latency a
                    tensor-parallel allreduce of a few KiB pays; busbw at >= 1 MiB.
+  contention       at each rank count k of --world, k copies of the single-process run (B x m =
+                   the first of --shapes) started together, no communication between them:
+                   slowdown = their median step / the same run alone. The planner's rank on a
+                   node with more ranks than cores computes this much slower (Machine.
+                   oversubscription); without it, ranks / cores. Measured 2026-12-08 on 2 cores:
+                   2.17 at 4 copies and 5.21 at 8 (against 2 and 4: each core's cache is shared
+                   by the ranks it switches between).
+  arrival spread   at each rank count k of --world, every rank loops over a burst of compute
+                   (a (2048, 128) x (128, 96) product, tanh, a scale and a row sum, repeated:
+                   the mix of a layer's pieces, not a layer) with and without a 4 KiB allreduce
+                   after each burst; spread = (burst + allreduce) - burst - the allreduce alone
+                   in a tight loop, at bursts of 1-16 repeats. Where ranks outnumber cores, a
+                   rank reaches a collective while a peer still waits for its share of a core,
+                   and the time until the last one arrives grows with the burst up to a
+                   scheduler slice (measured 2026-12-08 at 4 ranks on 2 cores: 0.5 ms after
+                   bursts of 1.6 ms, 2.2-2.5 ms after 7-13 ms): the tight loop, where every
+                   rank is inside the collective, does not see it. The planner adds it to each
+                   tensor- and expert-parallel collective (Machine.arrival).
 Rounds are interleaved and each number is the median over them.
 
     python bench/plan_calibrate.py --world 4,8 --json bench/results/plan_calibration.json
@@ -50,6 +68,69 @@ def allreduce_json(world: int, out: Path, timeout: float) -> Path:
     return out
 
 
+def concurrent_steps(preset: str, mbs: int, n_micro: int, k: int, steps: int, timeout: float) -> list:
+    """Median step times of ``k`` one-process runs at once: one mpiexec of k ranks, each stepping
+    its own copy of the model, timed after a common barrier."""
+    import plan_accuracy
+
+    lay = Layout(dp=1, pp=1, tp=1, ep=1, micro_batch_size=mbs, n_micro=n_micro, schedule="1f1b")
+    return [r["step_s"] for r in plan_accuracy.measure(k, lay, preset, steps, timeout, alone=True)]
+
+
+SYNC_REPEATS = (1, 2, 4, 8, 16)
+
+
+def sync_worker() -> None:
+    """One rank of the arrival-spread microbenchmark: prints "SYNC [[burst_s, spread_s], ...]" on rank 0."""
+    import time
+
+    import numpy as np
+    from mpi4py import MPI
+
+    from pympar.comm import MPIComm
+
+    comm = MPIComm(MPI.COMM_WORLD)
+    rng = np.random.default_rng(comm.rank)
+    a, b = rng.random((2048, 128), np.float32), rng.random((128, 96), np.float32)
+    x, y = np.ones(1024, np.float32), np.empty(1024, np.float32)
+
+    def loop(k, reps, coll):
+        comm.barrier()
+        t = time.perf_counter()
+        for _ in range(k):
+            for _ in range(reps):
+                h = np.tanh(a @ b)
+                h *= 0.5
+                h.sum(axis=1)
+            if coll:
+                comm.allreduce(x, out=y)
+        return (time.perf_counter() - t) / k
+
+    alone = []
+    out = []
+    for reps in SYNC_REPEATS:
+        k = max(8, 96 // reps)
+        loop(2, reps, True), loop(2, reps, False)            # warm: auto's choice, the caches
+        c, ca = [], []
+        for _ in range(5):                                     # alternating: the same minutes
+            c.append(loop(k, reps, False))
+            ca.append(loop(k, reps, True))
+            alone.append(loop(100, 0, True))
+        out.append((float(np.median(c)), float(np.median(ca) - np.median(c))))
+    a0 = float(np.median(alone))
+    if comm.rank == 0:
+        print("SYNC " + json.dumps([[c, max(0.0, e - a0)] for c, e in out]), flush=True)
+
+
+def sync_spread(world: int, timeout: float) -> list:
+    """[[burst_s, spread_s], ...] of ``world`` ranks (sync_worker)."""
+    p = common.launch(world, [__file__, "--sync-worker"], timeout)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("SYNC ")]
+    if p.returncode or not lines:
+        raise RuntimeError(f"the arrival-spread benchmark at {world} ranks failed ({p.returncode}):\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
+    return json.loads(lines[-1][5:])
+
+
 def plane_fit(shapes, ys) -> tuple:
     """Least squares t = a + m b + m B c over (B, m) shapes -> (a, b, c)."""
     import numpy as np
@@ -68,6 +149,8 @@ class Calibration:
         self.preset, self.worlds, self.shapes, self.steps, self.timeout = preset, list(worlds), list(shapes), steps, timeout
         self.step = {s: [] for s in self.shapes}
         self.peaks, self.coll = [], {w: [] for w in self.worlds}
+        self.sync = {w: [] for w in self.worlds}
+        self.contention = {w: [] for w in self.worlds}
         self._tmp = tempfile.TemporaryDirectory()
 
     def round(self, worlds=None) -> None:
@@ -79,6 +162,9 @@ class Calibration:
             self.step[(B, m)].append(single_step(self.preset, B, m, self.steps, self.timeout))
         for w in worlds or self.worlds:
             self.coll[w].append(fit_alpha_beta([allreduce_json(w, Path(self._tmp.name) / f"ar{w}_{k}.json", self.timeout)]))
+            self.sync[w].append(sync_spread(w, self.timeout))
+            self.contention[w].append(statistics.median(concurrent_steps(self.preset, *self.shapes[0], w, self.steps,
+                                                                          self.timeout)))
 
     def result(self) -> dict:
         """Medians over the rounds and the fitted plane (the JSON pympar.plan --calibration reads)."""
@@ -91,7 +177,13 @@ class Calibration:
                                         rounds={name[s]: self.step[s] for s in self.shapes},
                                         step_fixed_s=step_fixed, micro_fixed_s=micro_fixed, per_seq_s=per_seq),
                     allreduce={str(w): dict(alpha_s=statistics.median(x[0] for x in c), busbw=statistics.median(x[1] for x in c),
-                                            rounds=c) for w, c in self.coll.items() if c})
+                                            rounds=c) for w, c in self.coll.items() if c},
+                    arrival={str(w): dict(points=[[statistics.median(r[i][0] for r in c), statistics.median(r[i][1] for r in c)]
+                                                  for i in range(len(SYNC_REPEATS))], rounds=c)
+                             for w, c in self.sync.items() if c},
+                    contention={str(w): dict(slowdown=statistics.median(c) / med[self.shapes[0]], step_s=c,
+                                             shape=name[self.shapes[0]])
+                                for w, c in self.contention.items() if c})
 
 
 def parse_shapes(text: str) -> list:
@@ -103,7 +195,7 @@ def run(a) -> dict:
     for _ in range(a.rounds):                             # interleaved: the load drifts
         cal.round()
     res = cal.result()
-    print(json.dumps({k: res[k] for k in ("matmul_peak", "single_process", "allreduce")}, indent=1), flush=True)
+    print(json.dumps({k: res[k] for k in ("matmul_peak", "single_process", "allreduce", "arrival", "contention")}, indent=1), flush=True)
     return res
 
 
@@ -126,6 +218,8 @@ def plot(res: dict, png) -> None:
 
 
 def main(argv=None):
+    if "--sync-worker" in (sys.argv[1:] if argv is None else argv):
+        return sync_worker()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", default="4,8", help="rank counts whose allreduce latency to measure")
     ap.add_argument("--preset", default="small")

@@ -498,7 +498,8 @@ def sec_plan(res, status) -> str:
             "trainer's ParallelRunner is built under mpiexec; every rank reports its parameter count, the bytes "
             "that stay allocated after two steps (tracemalloc: parameters, gradients, buckets, optimiser state) and "
             "the peak of a step above that (activations and temporaries), then the median of timed steps; "
-            f"{runs} run(s) per layout, rounds interleaved, median kept. `pympar.plan.cost.predict` gives the prediction "
+            f"{runs} run(s) per layout, rounds interleaved, median kept (on: {d.get('machine', 'not recorded')}). "
+            "`pympar.plan.cost.predict` gives the prediction "
             "(the model and each of its terms: src/pympar/plan/cli.py's docstring)" +
             (", with the CPU constants of bench/plan_calibrate.py (below), measured by microbenchmarks that are "
              "not the layouts ranked here." if isinstance(d.get("calibration"), dict) else
@@ -542,14 +543,18 @@ def _calibration(res, acc) -> list:
     out = ["Calibration (bench/plan_calibrate.py's microbenchmarks, one round before each round of layouts, "
            "medians): one process steps the model with m micro-batches of B sequences and the plane t = "
            "step_fixed + m micro_fixed + m B per_seq is fitted; the allreduce (`pympar.bench allreduce --algo "
-           "auto`) runs at the layouts' rank count, oversubscribed as they are.", "",
-           "| ranks | step_fixed ms | micro_fixed ms | per_seq ms | matmul burst GFLOP/s | allreduce 8 B us | busbw GB/s |",
-           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "auto`) runs at the layouts' rank count, oversubscribed as they are; so do the concurrent copies of the "
+           "one-process run (compute slowdown: their step over the step alone) and the arrival spread (the wait for "
+           "the last rank at a 4 KiB allreduce after a burst of compute, ms after bursts of ms).", "",
+           "| ranks | step_fixed ms | micro_fixed ms | per_seq ms | matmul burst GFLOP/s | allreduce 8 B us | busbw GB/s "
+           "| compute slowdown | arrival spread ms (after burst ms) |",
+           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for w, c in cals.items():
         sp, ar = c["single_process"], c["allreduce"][w]
         out.append(f"| {w} | {sp['step_fixed_s'] * 1e3:.1f} | {sp['micro_fixed_s'] * 1e3:.1f} | {sp['per_seq_s'] * 1e3:.2f} | "
                    f"{c['matmul_peak'] / 1e9:.1f} | {ar['alpha_s'] * 1e6:.0f} (rounds: "
-                   f"{', '.join(f'{x[0] * 1e6:.0f}' for x in ar['rounds'])}) | {ar['busbw'] / 1e9:.2f} |")
+                   f"{', '.join(f'{x[0] * 1e6:.0f}' for x in ar['rounds'])}) | {ar['busbw'] / 1e9:.2f} | "
+                   f"{_cal_slowdown(c, w)} | {_cal_arrival(c, w)} |")
     for w, c in cals.items():
         lat = [x[0] for x in c["allreduce"][w]["rounds"]]
         if len(lat) > 1 and max(lat) > 10 * min(lat):
@@ -557,13 +562,32 @@ def _calibration(res, acc) -> list:
                         "rounds (on this shared VM; the cause was not isolated): the median picks "
                         "one state, and layouts measured in the other are mispredicted by their allreduce count."]
     out += ["", "What pympar.plan made of them (src/pympar/plan/cli.py load_calibration):", "",
-            "| ranks | matmul GFLOP/s | overhead us/block | elem ns | optimiser ns/param | alpha us/round | bus GB/s | ranks/core |",
+            "| ranks | matmul GFLOP/s | overhead us/block | elem ns | optimiser ns/param | alpha us/round | bus GB/s "
+            "| compute slowdown |",
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for w, m in acc.get("constants", {}).items():
         out.append(f"| {w} | {m['peak'] / 1e9:.1f} | {m['overhead'] * 1e6:.0f} | {m['elem_time'] * 1e9:.2f} | "
                    f"{m['opt_per_param'] * 1e9:.2f} | {m['alpha'] * 1e6:.0f} | {m['intra_bw'] / 1e9:.2f} | "
-                   f"{m['ranks_per_node'] / m['cores'] if m['cores'] else 1:.1f} |")
+                   f"{_slowdown(m):.2f} |")
     return out + [""]
+
+
+def _slowdown(m: dict) -> float:
+    """The planner's compute slowdown of a rank (pympar.plan.cost.Machine.oversubscription)."""
+    sd = m.get("slowdown") or ()
+    if not m["cores"]:
+        return 1.0
+    return max(1.0, sd[1] if sd and sd[0] == m["ranks_per_node"] else m["ranks_per_node"] / m["cores"])
+
+
+def _cal_slowdown(c: dict, w: str) -> str:
+    con = (c.get("contention") or {}).get(w)
+    return f"{con['slowdown']:.2f}" if con else "-"
+
+
+def _cal_arrival(c: dict, w: str) -> str:
+    arr = (c.get("arrival") or {}).get(w)
+    return ", ".join(f"{y * 1e3:.2f} ({x * 1e3:.1f})" for x, y in arr["points"]) if arr else "-"
 
 
 def sec_soak(res, status) -> str:
@@ -834,7 +858,8 @@ def render(res: Path, status: dict) -> str:
 
     head = ["# Benchmarks", "",
             "Generated by `python bench/run_all.py` from the JSON in bench/results/ (figures in docs/img/). "
-            f"Machine: {machine()}. Every rank count above 2 oversubscribes the cores, and the VM is shared with "
+            f"Each section's JSON names the machine it ran on (sessions land on different CPUs); this page was "
+            f"last generated on: {machine()}. Every rank count above 2 oversubscribes the cores, and the VM is shared with "
             "other jobs: absolute times are noise. Each comparison is measured side by side inside one step of the "
             "run, so read the ratios; different sections ran at different times under different load.", ""]
     quick = [n for n, s in status.items() if s.get("quick")]

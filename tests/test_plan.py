@@ -15,7 +15,7 @@ from pympar.parallel.pp.partition import partition
 from pympar.parallel.pp.schedules import bubble_formula
 from pympar.nn.config import flops_per_token
 from pympar.layout import Layout
-from pympar.plan.cli import fit_alpha_beta, load_calibration, spearman
+from pympar.plan.cli import fit_alpha_beta, load_calibration, monotone, spearman
 from pympar.plan.cost import (Machine, activations_per_micro, choose as choose_layout, enumerate_layouts, params_per_rank,
                               plan, predict)
 
@@ -197,6 +197,50 @@ def test_tp_pays_the_latency_of_every_allreduce():
         assert p.time["tp_comm"] == pytest.approx(nm * (4 * 4 + 3) * 1e-3 * math.ceil(math.log2(tp)))
 
 
+def test_measured_slowdown_replaces_ranks_over_cores_at_its_rank_count():
+    cfg = GPTConfig.from_preset("small")
+    free = dict(alpha=0.0, intra_bw=1e30, opt_per_param=0.0)
+    lay = Layout(dp=4, pp=1, tp=1, ep=1, micro_batch_size=1, n_micro=1, schedule="1f1b")
+    base = predict(cfg, lay, machine(ranks_per_node=4, cores=2, **free))
+    got = predict(cfg, lay, machine(ranks_per_node=4, cores=2, slowdown=(4, 2.6), **free))
+    assert got.time["oversubscription"] == 2.6 and got.step_time == pytest.approx(base.step_time * 2.6 / 2.0)
+    # measured at another rank count: not used (ranks / cores); a device per rank: never slowed
+    assert predict(cfg, lay, machine(ranks_per_node=4, cores=2, slowdown=(8, 5.0), **free)).step_time == base.step_time
+    assert machine(cores=0, slowdown=(8, 5.0)).oversubscription(8) == 1.0
+
+
+def test_arrival_spread_is_the_measured_curve_and_charged_per_tp_and_ep_collective():
+    m = machine(arrival_curve=((1e-3, 0.2e-3), (4e-3, 1.4e-3)))
+    assert m.arrival(0.0) == 0.0 and machine().arrival(1.0) == 0.0                  # no compute / no calibration
+    assert m.arrival(0.5e-3) == pytest.approx(0.1e-3)                              # from 0 to the first point
+    assert m.arrival(2.5e-3) == pytest.approx(0.8e-3)                              # between points
+    assert m.arrival(1.0) == pytest.approx(1.4e-3)                                 # the last point beyond
+    cfg = GPTConfig.from_preset("small")                                           # 4 blocks
+    flat = dict(alpha=0.0, intra_bw=1e30, ranks_per_node=4)
+    curve = ((1e-9, 1e-3), (1.0, 1e-3))                                            # 1 ms after any burst
+    tp = Layout(dp=2, pp=1, tp=2, ep=1, micro_batch_size=2, n_micro=3, schedule="1f1b")
+    base = predict(cfg, tp, machine(**flat)).time["tp_comm"]
+    assert base < 1e-12
+    got = predict(cfg, tp, machine(arrival_curve=curve, **flat))
+    assert got.time["tp_comm"] - base == pytest.approx(3 * (4 * 4 + 3) * 1e-3)     # every allreduce of every micro-batch
+    dp = Layout(dp=4, pp=1, tp=1, ep=1, micro_batch_size=2, n_micro=1, schedule="1f1b")
+    assert predict(cfg, dp, machine(arrival_curve=curve, **flat)).step_time == predict(cfg, dp, machine(**flat)).step_time
+    moe = GPTConfig.from_preset("moe-small")
+    ep = Layout(dp=4, pp=1, tp=1, ep=2, micro_batch_size=2, n_micro=1, schedule="1f1b")
+    n_moe = sum(1 for i in range(moe.n_layer) if moe.is_moe_block(i))
+    ep_base = predict(moe, ep, machine(**flat)).time["ep_comm"]
+    assert predict(moe, ep, machine(arrival_curve=curve, **flat)).time["ep_comm"] - ep_base == pytest.approx(4 * n_moe * 1e-3)
+
+
+def test_monotone_is_the_least_squares_non_decreasing_fit():
+    assert monotone([(1, 1.0), (2, 2.0), (3, 3.0)]) == ((1, 1.0), (2, 2.0), (3, 3.0))
+    got = monotone([(1, 0.2), (2, 0.5), (3, 0.1), (4, 2.0), (5, 1.0)])
+    ys = [y for _, y in got]
+    assert [x for x, _ in got] == [1, 2, 3, 4, 5] and ys == sorted(ys)
+    assert ys == pytest.approx([0.2, 0.3, 0.3, 1.5, 1.5])                          # pooled runs take their mean
+    assert sum(ys) == pytest.approx(0.2 + 0.5 + 0.1 + 2.0 + 1.0)
+
+
 def test_load_calibration(tmp_path):
     cfg = GPTConfig.from_preset("small")
     one = Layout(dp=1, pp=1, tp=1, ep=1, micro_batch_size=1, n_micro=1, schedule="1f1b")
@@ -219,6 +263,15 @@ def test_load_calibration(tmp_path):
     f.write_text(json.dumps(cal))
     c = load_calibration(f, 4)
     assert c["peak"] == pytest.approx(4e9) and c["elem_time"] == 0.0
+    assert c["arrival_curve"] == () and c["slowdown"] == ()                    # a calibration without them
+    cal["arrival"] = {"4": dict(points=[[2e-3, 0.5e-3], [1e-3, 0.3e-3], [4e-3, 0.1e-3]]), "8": dict(points=[[1e-3, 2e-3]])}
+    cal["contention"] = {"4": dict(slowdown=2.3)}
+    f.write_text(json.dumps(cal))
+    c = load_calibration(f, 4)
+    assert [x for x, _ in c["arrival_curve"]] == [1e-3, 2e-3, 4e-3]                   # sorted by burst
+    assert [y for _, y in c["arrival_curve"]] == pytest.approx([0.3e-3] * 3)          # made monotone
+    assert c["slowdown"] == (4, 2.3)
+    assert load_calibration(f, 8)["slowdown"] == () and load_calibration(f, 8)["arrival_curve"] == ((1e-3, 2e-3),)
     f.write_text(json.dumps(dict(preset="small")))
     with pytest.raises(ValueError, match="not a bench/plan_calibrate.py result"):
         load_calibration(f, 4)

@@ -41,20 +41,27 @@ The model (all costs per rank, per optimiser step):
             materialized attention, the attention scores' share of it
 A layout that does not fit in memory is rejected, so the fastest that fits wins: ZeRO and
 recomputation are chosen exactly when memory demands them.
-Oversubscribed CPU (more ranks on a node than cores): every rank runs at cores / ranks of a
-            core for the whole step, waiting or not: a rank waiting in a pipeline bubble or
-            for a collective polls (pympar's oversubscribed polling yields, but the yielding
-            rank stays runnable and the scheduler keeps giving it its share), so the bubble
-            is NOT given to the busy ranks. Compute and optimiser costs are multiplied by
-            ranks / cores; the collectives' alpha and beta are measured at the rank count
-            (they already hold the context switches of an oversubscribed collective).
-            Measured (bench/plan_accuracy.py on the 2-core VM, 4 ranks, medians of 3
-            interleaved runs, 2026-11-29): dp2 pp2 GPipe m=2 1.50x dp4's step and dp1 pp4
-            GPipe m=4 1.65x, against bubble factors (m+p-1)/m of 1.50 and 1.75; the earlier
-            "waiting ranks free their core" term had predicted both equal to dp4 (pympar's
-            polling sleeps only once a wait is long, comm/progress.py). 1F1B's short
-            interleaved waits cost somewhat less than the full factor (1.13x measured for
-            dp2 pp2 m=4 against 1.25), which the model does not capture.
+Oversubscribed CPU (more ranks on a node than cores): every rank computes slower than alone
+            for the whole step, waiting or not: a rank waiting in a pipeline bubble or for a
+            collective polls (pympar's oversubscribed polling yields, but the yielding rank
+            stays runnable and the scheduler keeps giving it its share), so the bubble is NOT
+            given to the busy ranks. Compute and optimiser costs are multiplied by the
+            calibration's measured slowdown at the rank count (copies of the one-process run
+            at once: 2.1-2.3 at 4 ranks and 3.5-5.3 at 8 on the 2-core VM, 2026-12-08, where
+            ranks / cores says 2 and 4: each core's caches are shared by the ranks it
+            switches between), or by ranks / cores without one; the collectives' alpha and
+            beta are measured at the rank count. And each tensor- or expert-parallel
+            collective, reached from compute, waits for the last rank to arrive: the
+            calibration's arrival spread after a burst as long as the compute between two
+            such collectives (Machine.arrival; a tight loop of collectives does not see it,
+            every rank being inside one). Measured (bench/plan_accuracy.py, 2026-12-08, one
+            run, the AMD EPYC VM): without the two terms the tensor-parallel layouts ran
+            1.3-1.9x their prediction at 4 ranks and the 8-rank steps 1.3-2.6x (rank
+            correlation 0.56 and 0.75); with them, measured / predicted 0.85-1.52 and
+            0.89-1.46 (0.73 and 0.95). Earlier (2026-11-29): dp2 pp2 GPipe m=2 1.50x dp4's
+            step and dp1 pp4 GPipe m=4 1.65x, against bubble factors (m+p-1)/m of 1.50 and
+            1.75. 1F1B's short interleaved waits cost somewhat less than the full factor
+            (1.13x measured for dp2 pp2 m=4 against 1.25), which the model does not capture.
 Where the constants come from on a CPU (bench/plan_calibrate.py, --calibration FILE), from
 microbenchmarks that are not the layouts being ranked:
   peak        the best of short 256^3 float32 matmul bursts of one process
@@ -70,9 +77,14 @@ microbenchmarks that are not the layouts being ranked:
   alpha, beta ``pympar.bench allreduce --algo auto`` at the layouts' rank count k: alpha = the
               smallest message's time / ceil(log2 k) (Machine.coll charges alpha per round of
               a log2(k)-round allreduce, and one round to a pipeline send), beta = its busbw
-              at >= 1 MiB. Measured on the 2-core VM: 1.7 ms for 8 B at 4 ranks, 4.3 ms at 8
-              (a few scheduler time slices), which is why tensor parallelism's 4 per block
-              per micro-batch dominate its cost there.
+              at >= 1 MiB. On the 2-core VM: 15-60 us for 8 B at 4 and 8 ranks (2026-12-08;
+              1.7 and 4.3 ms on 2026-11-29, when a waiting rank slept: that latency then held
+              the arrival spread below, which the tight loop no longer shows).
+  slowdown    k copies of the one-process run at once (one per rank of the layouts' count k),
+              their median step over the step alone.
+  arrival     at k ranks, bursts of compute with and without a 4 KiB allreduce after each:
+              the extra time beyond the allreduce alone, at bursts of 1-16 repeats; made
+              non-decreasing in the burst (monotone) and interpolated (Machine.arrival).
 Without a calibration file the CPU constants are CPU_DEFAULT (measured once on the 2-core VM,
 see docs/benchmarks.md) and the matmul peak is measured when the planner starts.
 Collectives follow the alpha-beta model t(n) = alpha + n / beta with the algorithm's bus
@@ -185,7 +197,23 @@ def build_machine(args) -> Machine:
     return Machine(peak=peak, alpha=d["alpha"], intra_bw=d["intra_bw"], inter_bw=d["inter_bw"], mem=mem,
                    act_bytes=d["act_bytes"], mfu=mfu, ranks_per_node=args.ranks_per_node or args.world,
                    overlap=overlap, overhead=d["overhead"], cores=cores, elem_time=d.get("elem_time", 0.0),
-                   opt_per_param=d.get("opt_per_param", 4e-9), baseline=int(d.get("baseline", 0)))
+                   opt_per_param=d.get("opt_per_param", 4e-9), baseline=int(d.get("baseline", 0)),
+                   arrival_curve=d.get("arrival_curve", ()), slowdown=d.get("slowdown", ()))
+
+
+def monotone(points) -> tuple:
+    """The closest non-decreasing curve to ``points`` [(x, y)] sorted by x, in least squares (pool
+    adjacent violators): the arrival spread grows with the burst, and a noisy point below its left
+    neighbour is averaged with it rather than kept or dropped."""
+    blocks = []                                  # [sum y, count] of pooled runs
+    for _, y in points:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    ys = [s / n for s, n in blocks for _ in range(n)]
+    return tuple((x, y) for (x, _), y in zip(points, ys))
 
 
 def load_calibration(path, nranks: int) -> dict:
@@ -210,12 +238,22 @@ def load_calibration(path, nranks: int) -> dict:
         near = min(c["allreduce"], key=lambda k: (abs(int(k) - nranks), -int(k)))
         ar = c["allreduce"][near]
         n_par = params_per_rank(cfg, one, range(cfg.n_layer), True, True)
+        arr = c.get("arrival") or {}          # older calibrations have none: no spread modelled
+        curve = ()
+        if arr:
+            k = min(arr, key=lambda k: (abs(int(k) - nranks), -int(k)))
+            curve = monotone(sorted((float(x), float(y)) for x, y in arr[k]["points"]))
+        con = c.get("contention") or {}
+        slowdown = ()
+        if str(nranks) in con:                 # only at the rank count it was measured at
+            slowdown = (int(nranks), float(con[str(nranks)]["slowdown"]))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path if not isinstance(path, dict) else 'the calibration'} is not a bench/plan_calibrate.py result ({e!r}): expected preset, matmul_peak, "
                          f"single_process.{{step_fixed_s, micro_fixed_s, per_seq_s}} and allreduce.<ranks>") from None
     return dict(peak=peak, overhead=max(0.0, sp["micro_fixed_s"]) / (cfg.n_layer + 2),
                 elem_time=max(0.0, nonmm) / elem, opt_per_param=max(0.0, sp["step_fixed_s"]) / n_par,
-                alpha=ar["alpha_s"] / max(1, math.ceil(math.log2(int(near)))), intra_bw=ar["busbw"])
+                alpha=ar["alpha_s"] / max(1, math.ceil(math.log2(int(near)))), intra_bw=ar["busbw"], arrival_curve=curve,
+                slowdown=slowdown)
 
 
 def format_table(preds, top: int) -> str:

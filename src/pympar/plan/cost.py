@@ -92,10 +92,31 @@ class Machine:
     elem_time: float = 0.0       # seconds per activation element produced (non-matmul work)
     opt_per_param: float = 4e-9  # optimiser step seconds per parameter (~40 B touched at ~10 GB/s)
     baseline: int = 0            # bytes of a rank's process before its model (interpreter, libraries)
+    arrival_curve: tuple = ()    # ((burst s, spread s), ...): measured wait for the last rank (calibration)
+    slowdown: tuple = ()         # (ranks, factor): measured compute slowdown of that many ranks on the node
+
+    def arrival(self, burst: float) -> float:
+        """Seconds a collective after ``burst`` seconds of compute waits for the last rank to arrive,
+        beyond its own latency: the calibration's measured points, linear between them (from 0 at
+        no compute to the first point), the last point's beyond it; 0 without a calibration."""
+        pts = self.arrival_curve
+        if not pts or burst <= 0:
+            return 0.0
+        x0, y0 = 0.0, 0.0
+        for x1, y1 in pts:
+            if burst <= x1:
+                return y0 + (y1 - y0) * (burst - x0) / (x1 - x0) if x1 > x0 else y1
+            x0, y0 = x1, y1
+        return y0
 
     def oversubscription(self, ranks_on_node: int) -> float:
-        """How much slower a rank computes than alone: ranks / cores when they share cores."""
-        return max(1.0, ranks_on_node / self.cores) if self.cores else 1.0
+        """How much slower a rank computes than alone: the calibration's measured factor at its rank
+        count, else ranks / cores when they share cores."""
+        if not self.cores:
+            return 1.0
+        if self.slowdown and self.slowdown[0] == ranks_on_node:
+            return max(1.0, self.slowdown[1])
+        return max(1.0, ranks_on_node / self.cores)
 
     def coll(self, kind: str, nbytes: float, k: int, cross_node: bool) -> float:
         """Alpha-beta time of a collective of ``nbytes`` over k ranks."""
@@ -223,6 +244,14 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
         tp_t += 2 * moe_per_rank * m.coll("allreduce", act_b * cfg.top_k / fold, etp, tp_cross)
         ep_t = moe_per_rank * (4 * m.coll("alltoall", act_b * cfg.top_k / fold, lay.ep, dp_cross)
                                + 2 * m.coll("allgather", act_b * cfg.top_k, fold, tp_cross))
+    # ranks reach each of these collectives from compute: where they outnumber the cores the last
+    # arrives late, by what the calibration measured after bursts as long as the compute between two
+    n_tp = (4 * blocks_per_rank + 3 / lay.pp) if lay.tp > 1 else 0.0
+    n_ep = 4 * moe_per_rank if lay.ep > 1 else 0.0
+    if n_tp + n_ep:
+        spread = m.arrival(comp / (n_tp + n_ep))
+        tp_t += n_tp * spread
+        ep_t += n_ep * spread
     pp_t = m.coll("sendrecv", act_b, 2, pp_cross) if lay.pp > 1 else 0.0
     cp_t = blocks_per_rank * cp_attention_time(lay, m, tokens * C / lay.tp * m.act_bytes)
     f_cost = comp / 3 + (tp_t + ep_t) / 2 + cp_t / 3
