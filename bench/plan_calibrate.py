@@ -7,7 +7,8 @@ layouts the planner ranks (bench/plan_accuracy.py ranks those; nothing here sees
                    outside the micro-batches (optimiser, gradient zeroing, loss bookkeeping),
                    the fixed cost of one micro-batch through the model (Python dispatch of
                    every op, independent of B) and one sequence's forward + backward on one
-                   core. The matmul peak of the same process (best of short bursts) is kept
+                   core. The matmul peak of the same process (best of short bursts, in the
+                   dtype the steps compute in: --dtype auto's) is kept
                    with them: per_seq minus the matmul FLOPs at that rate is the non-matmul
                    (elementwise, softmax, layernorm) time.
   allreduce        ``mpiexec -n k python -m pympar.bench allreduce --algo auto`` at each rank
@@ -15,12 +16,14 @@ layouts the planner ranks (bench/plan_accuracy.py ranks those; nothing here sees
                    layouts' ranks do): alpha = the time of the smallest message, the latency a
                    tensor-parallel allreduce of a few KiB pays; busbw at >= 1 MiB.
   contention       at each rank count k of --world, k copies of the single-process run (B x m =
-                   the first of --shapes) started together, no communication between them:
-                   slowdown = their median step / the same run alone. The planner's rank on a
-                   node with more ranks than cores computes this much slower (Machine.
-                   oversubscription); without it, ranks / cores. Measured 2026-12-08 on 2 cores:
-                   2.17 at 4 copies and 5.21 at 8 (against 2 and 4: each core's cache is shared
-                   by the ranks it switches between).
+                   the first of --shapes) at once: one mpiexec of k ranks, each stepping its own
+                   model (plan_accuracy.py's worker --alone), a barrier before the timed steps;
+                   slowdown = their median step / the median of the run alone. The planner's
+                   rank on a node with more ranks than cores computes this much slower
+                   (Machine.oversubscription); without it, ranks / cores. Measured 2026-12-08 on
+                   the 2-core VM (bench/results/plan_accuracy.json): 2.05 at 4 copies and 5.08
+                   at 8, against 2 and 4 (each core's caches are shared by the ranks it
+                   switches between; at 4 ranks within the noise).
   arrival spread   at each rank count k of --world, every rank loops over a burst of compute
                    (a (2048, 128) x (128, 96) product, tanh, a scale and a row sum, repeated:
                    the mix of a layer's pieces, not a layer) with and without a 4 KiB allreduce
@@ -28,8 +31,9 @@ layouts the planner ranks (bench/plan_accuracy.py ranks those; nothing here sees
                    in a tight loop, at bursts of 1-16 repeats. Where ranks outnumber cores, a
                    rank reaches a collective while a peer still waits for its share of a core,
                    and the time until the last one arrives grows with the burst up to a
-                   scheduler slice (measured 2026-12-08 at 4 ranks on 2 cores: 0.5 ms after
-                   bursts of 1.6 ms, 2.2-2.5 ms after 7-13 ms): the tight loop, where every
+                   scheduler slice (2026-12-08, 4 ranks on 2 cores: 0.45 ms after bursts of
+                   1.5 ms, 2.05 after 13 ms, 2.5 after 26; 8 ranks: 2.7 after 3.2 ms, 6.6
+                   after 51): the tight loop, where every
                    rank is inside the collective, does not see it. The planner adds it to each
                    tensor- and expert-parallel collective (Machine.arrival).
 Rounds are interleaved and each number is the median over them.
@@ -154,10 +158,12 @@ class Calibration:
         self._tmp = tempfile.TemporaryDirectory()
 
     def round(self, worlds=None) -> None:
-        from pympar.metrics import measure_matmul_peak
+        from pympar.kernels import gemm
+        from pympar.metrics import measure_cpu_peak
 
         k = len(self.peaks)
-        self.peaks.append(max(measure_matmul_peak(seconds=0.05) for _ in range(6)))
+        self.dtype = "bfloat16" if gemm.bf16_native() else "float32"   # the steps' --dtype auto (config.resolve_dtype)
+        self.peaks.append(max(measure_cpu_peak(self.dtype, seconds=0.05) for _ in range(6)))
         for B, m in self.shapes:
             self.step[(B, m)].append(single_step(self.preset, B, m, self.steps, self.timeout))
         for w in worlds or self.worlds:
@@ -172,7 +178,7 @@ class Calibration:
         step_fixed, micro_fixed, per_seq = plane_fit(self.shapes, [med[s] for s in self.shapes])
         name = {s: f"{s[0]}x{s[1]}" for s in self.shapes}
         return dict(kind="plan_calibration", machine=common.machine(), preset=self.preset, rounds=len(self.peaks),
-                    matmul_peak=statistics.median(self.peaks), matmul_peak_rounds=self.peaks,
+                    matmul_peak=statistics.median(self.peaks), matmul_peak_rounds=self.peaks, matmul_dtype=self.dtype,
                     single_process=dict(shapes=[name[s] for s in self.shapes], step_s={name[s]: med[s] for s in self.shapes},
                                         rounds={name[s]: self.step[s] for s in self.shapes},
                                         step_fixed_s=step_fixed, micro_fixed_s=micro_fixed, per_seq_s=per_seq),

@@ -55,6 +55,15 @@ def measure_matmul_peak(xp=np, dtype=np.float32, n: int = 256, seconds: float = 
     return 2.0 * n ** 3 * reps / (time.perf_counter() - t0)
 
 
+def measure_cpu_peak(dtype: str, seconds: float = 0.3, barrier=None) -> float:
+    """The CPU matmul peak in the dtype a run computes in (bf16 products on the bf16 engine run at
+    about twice float32's rate: a float32 burst would rate a bf16 step's products too slow)."""
+    if dtype == "bfloat16":
+        from . import backend
+        return measure_matmul_peak(dtype=backend.dtype("bfloat16"), n=512, seconds=seconds, barrier=barrier)
+    return measure_matmul_peak(seconds=seconds, barrier=barrier)
+
+
 def rss_bytes(field: str = "VmRSS") -> int:
     """This process's resident memory from /proc/self/status, 0 where there is none.
 

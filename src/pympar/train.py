@@ -53,7 +53,7 @@ from .data import VAL, Corpus, load_corpus, local_micro_batches, micro_batch
 from .kernels import gemm
 from .resilience import (DISK_FULL_STATUS, RESUMABLE_STATUS, STOP_STATUS, BadStepGuard, Heartbeat, NonFiniteStop, StopRequest,
                      check_resumable, resolve_resume, restore_run, save_run)
-from .metrics import MetricsWriter, measure_matmul_peak, moe_layer_stats, read_records
+from .metrics import MetricsWriter, measure_cpu_peak, measure_matmul_peak, moe_layer_stats, read_records
 from .nn.config import flops_per_token
 from .parallel import ledger
 from .optim import cosine_lr
@@ -412,9 +412,7 @@ def _peak(run, comm) -> float:
         if p:
             return p
         return measure_matmul_peak(xp=backend.get_xp("cuda"), dtype=np.float16, barrier=comm.barrier)
-    if run.dtype == "bfloat16":
-        return measure_matmul_peak(dtype=backend.dtype("bfloat16"), n=512, barrier=comm.barrier)
-    return measure_matmul_peak(barrier=comm.barrier)
+    return measure_cpu_peak(run.dtype, barrier=comm.barrier)
 
 
 def _metrics_before(path: Path, start: int) -> list:

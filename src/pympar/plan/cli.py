@@ -64,7 +64,13 @@ Oversubscribed CPU (more ranks on a node than cores): every rank computes slower
             (1.13x measured for dp2 pp2 m=4 against 1.25), which the model does not capture.
 Where the constants come from on a CPU (bench/plan_calibrate.py, --calibration FILE), from
 microbenchmarks that are not the layouts being ranked:
-  peak        the best of short 256^3 float32 matmul bursts of one process
+  peak        the best of short matmul bursts of one process in the dtype the trainer's
+              --dtype auto computes in here (bf16 on the bf16 engine, 512^3; else float32,
+              256^3). It was float32 until 2026-12-08: on a CPU with native bf16 the step's
+              products ran at about twice that rate, the fit below put all of a sequence's
+              time into products and none into the elementwise work that tensor parallelism
+              repeats on every rank (elem_time 0). (Without a calibration the planner times
+              a float32 burst: MFU_ASSUMED["cpu"] was fitted to it.)
   overhead, elem_time, opt_per_param
               one process (no communication) stepping the model at several micro-batch sizes
               B and counts m: the plane t = step_fixed + m * micro_fixed + m * B * per_seq;
