@@ -47,18 +47,21 @@ Oversubscribed CPU (more ranks on a node than cores): every rank computes slower
             stays runnable and the scheduler keeps giving it its share), so the bubble is NOT
             given to the busy ranks. Compute and optimiser costs are multiplied by the
             calibration's measured slowdown at the rank count (copies of the one-process run
-            at once: 2.1-2.3 at 4 ranks and 3.5-5.3 at 8 on the 2-core VM, 2026-12-08, where
+            at once: 2.0-2.3 at 4 ranks and 3.5-5.3 at 8 on the 2-core VM, 2026-12-08, where
             ranks / cores says 2 and 4: each core's caches are shared by the ranks it
             switches between), or by ranks / cores without one; the collectives' alpha and
             beta are measured at the rank count. And each tensor- or expert-parallel
             collective, reached from compute, waits for the last rank to arrive: the
             calibration's arrival spread after a burst as long as the compute between two
             such collectives (Machine.arrival; a tight loop of collectives does not see it,
-            every rank being inside one). Measured (bench/plan_accuracy.py, 2026-12-08, one
-            run, the AMD EPYC VM): without the two terms the tensor-parallel layouts ran
-            1.3-1.9x their prediction at 4 ranks and the 8-rank steps 1.3-2.6x (rank
-            correlation 0.56 and 0.75); with them, measured / predicted 0.85-1.52 and
-            0.89-1.46 (0.73 and 0.95). Earlier (2026-11-29): dp2 pp2 GPipe m=2 1.50x dp4's
+            every rank being inside one). Measured (bench/results/plan_accuracy.json,
+            2026-12-08, the AMD EPYC VM, 3 runs per layout; its measurements predicted with
+            and without the terms): without them (and with the float32 peak the calibration
+            used to time) measured / predicted 1.02-2.02 at 4 ranks and 1.27-2.97 at 8, rank
+            correlation 0.39 and 0.53; with the compute slowdown alone 0.89-1.55 and
+            0.96-2.03; with both 0.89-1.37 and 0.87-1.49, correlation 0.71 and 0.88 (the
+            arrival spread sets the ranking: the tensor-parallel layouts). Earlier
+            (2026-11-29): dp2 pp2 GPipe m=2 1.50x dp4's
             step and dp1 pp4 GPipe m=4 1.65x, against bubble factors (m+p-1)/m of 1.50 and
             1.75. 1F1B's short interleaved waits cost somewhat less than the full factor
             (1.13x measured for dp2 pp2 m=4 against 1.25), which the model does not capture.
