@@ -15,15 +15,15 @@ layouts the planner ranks (bench/plan_accuracy.py ranks those; nothing here sees
                    count k of --world (the ranks oversubscribe the cores exactly as the
                    layouts' ranks do): alpha = the time of the smallest message, the latency a
                    tensor-parallel allreduce of a few KiB pays; busbw at >= 1 MiB.
-  contention       at each rank count k of --world, k copies of the single-process run (B x m =
-                   the first of --shapes) at once: one mpiexec of k ranks, each stepping its own
+  contention       at each rank count k of --world, k copies of the single-process run (B x m:
+                   the middle of --shapes by B * m) at once: one mpiexec of k ranks, each stepping its own
                    model (plan_accuracy.py's worker --alone), a barrier before the timed steps;
                    slowdown = their median step / the median of the run alone. The planner's
                    rank on a node with more ranks than cores computes this much slower
                    (Machine.oversubscription); without it, ranks / cores. Measured 2026-12-08 on
-                   the 2-core VM (bench/results/plan_accuracy.json): 2.05 at 4 copies and 5.08
-                   at 8, against 2 and 4 (each core's caches are shared by the ranks it
-                   switches between; at 4 ranks within the noise).
+                   the 2-core VM in two calibrations: 2.05 and 2.29 at 4 copies, 5.08 and 5.32
+                   at 8 (bench/results/plan_accuracy.json: the second), against 2 and 4: each
+                   core's caches are shared by the ranks it switches between.
   arrival spread   at each rank count k of --world, every rank loops over a burst of compute
                    (a (2048, 128) x (128, 96) product, tanh, a scale and a row sum, repeated:
                    the mix of a layer's pieces, not a layer) with and without a 4 KiB allreduce
@@ -31,9 +31,9 @@ layouts the planner ranks (bench/plan_accuracy.py ranks those; nothing here sees
                    in a tight loop, at bursts of 1-16 repeats. Where ranks outnumber cores, a
                    rank reaches a collective while a peer still waits for its share of a core,
                    and the time until the last one arrives grows with the burst up to a
-                   scheduler slice (2026-12-08, 4 ranks on 2 cores: 0.45 ms after bursts of
-                   1.5 ms, 2.05 after 13 ms, 2.5 after 26; 8 ranks: 2.7 after 3.2 ms, 6.6
-                   after 51): the tight loop, where every
+                   scheduler slice (bench/results/plan_accuracy.json, 2026-12-08, 4 ranks on 2
+                   cores: 0.27 ms after bursts of 1.6 ms, 0.59 after 3.3, 1.22 after 12, 1.29
+                   after 24; 8 ranks: 3.0 after 3.2 ms, 5.6 after 25): the tight loop, where every
                    rank is inside the collective, does not see it. The planner adds it to each
                    tensor- and expert-parallel collective (Machine.arrival).
 Rounds are interleaved and each number is the median over them.
@@ -155,6 +155,10 @@ class Calibration:
         self.peaks, self.coll = [], {w: [] for w in self.worlds}
         self.sync = {w: [] for w in self.worlds}
         self.contention = {w: [] for w in self.worlds}
+        # the copies' shape: the middle of the shapes by sequences per step (a step of one sequence
+        # is mostly fixed cost; one of 16 takes 8 copies seconds)
+        self.contention_shape = sorted(self.shapes, key=lambda s: s[0] * s[1])[(len(self.shapes) - 1) // 2]
+        self.dtype = None
         self._tmp = tempfile.TemporaryDirectory()
 
     def round(self, worlds=None) -> None:
@@ -169,8 +173,8 @@ class Calibration:
         for w in worlds or self.worlds:
             self.coll[w].append(fit_alpha_beta([allreduce_json(w, Path(self._tmp.name) / f"ar{w}_{k}.json", self.timeout)]))
             self.sync[w].append(sync_spread(w, self.timeout))
-            self.contention[w].append(statistics.median(concurrent_steps(self.preset, *self.shapes[0], w, self.steps,
-                                                                          self.timeout)))
+            self.contention[w].append(statistics.median(concurrent_steps(self.preset, *self.contention_shape, w,
+                                                                          self.steps, self.timeout)))
 
     def result(self) -> dict:
         """Medians over the rounds and the fitted plane (the JSON pympar.plan --calibration reads)."""
@@ -187,8 +191,8 @@ class Calibration:
                     arrival={str(w): dict(points=[[statistics.median(r[i][0] for r in c), statistics.median(r[i][1] for r in c)]
                                                   for i in range(len(SYNC_REPEATS))], rounds=c)
                              for w, c in self.sync.items() if c},
-                    contention={str(w): dict(slowdown=statistics.median(c) / med[self.shapes[0]], step_s=c,
-                                             shape=name[self.shapes[0]])
+                    contention={str(w): dict(slowdown=statistics.median(c) / med[self.contention_shape], step_s=c,
+                                             shape=name[self.contention_shape])
                                 for w, c in self.contention.items() if c})
 
 
@@ -227,7 +231,7 @@ def main(argv=None):
     if "--sync-worker" in (sys.argv[1:] if argv is None else argv):
         return sync_worker()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world", default="4,8", help="rank counts whose allreduce latency to measure")
+    ap.add_argument("--world", default="4,8", help="rank counts whose allreduce, compute slowdown and arrival spread to measure")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--shapes", default="1x1,4x1,16x1,1x4,4x4", help="BxM: micro-batch size x count of the single-process steps")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per single-process run")

@@ -545,7 +545,8 @@ def _calibration(res, acc) -> list:
            "step_fixed + m micro_fixed + m B per_seq is fitted; the allreduce (`pympar.bench allreduce --algo "
            "auto`) runs at the layouts' rank count, oversubscribed as they are; so do the concurrent copies of the "
            "one-process run (compute slowdown: their step over the step alone) and the arrival spread (the wait for "
-           "the last rank at a 4 KiB allreduce after a burst of compute, ms after bursts of ms).", "",
+           "the last rank at a 4 KiB allreduce after a burst of compute, ms after bursts of ms; the planner uses "
+           "the closest non-decreasing fit to these points).", "",
            "| ranks | step_fixed ms | micro_fixed ms | per_seq ms | matmul burst GFLOP/s | allreduce 8 B us | busbw GB/s "
            "| compute slowdown | arrival spread ms (after burst ms) |",
            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
@@ -574,10 +575,8 @@ def _calibration(res, acc) -> list:
 
 def _slowdown(m: dict) -> float:
     """The planner's compute slowdown of a rank (pympar.plan.cost.Machine.oversubscription)."""
-    sd = m.get("slowdown") or ()
-    if not m["cores"]:
-        return 1.0
-    return max(1.0, sd[1] if sd and sd[0] == m["ranks_per_node"] else m["ranks_per_node"] / m["cores"])
+    from pympar.plan.cost import Machine
+    return Machine(**m).oversubscription(m["ranks_per_node"])
 
 
 def _cal_slowdown(c: dict, w: str) -> str:

@@ -197,32 +197,58 @@ def test_tp_pays_the_latency_of_every_allreduce():
         assert p.time["tp_comm"] == pytest.approx(nm * (4 * 4 + 3) * 1e-3 * math.ceil(math.log2(tp)))
 
 
-def test_measured_slowdown_replaces_ranks_over_cores_at_its_rank_count():
+def test_measured_slowdown_scales_ranks_over_cores_where_ranks_share_cores():
     cfg = GPTConfig.from_preset("small")
     free = dict(alpha=0.0, intra_bw=1e30, opt_per_param=0.0)
     lay = Layout(dp=4, pp=1, tp=1, ep=1, micro_batch_size=1, n_micro=1, schedule="1f1b")
     base = predict(cfg, lay, machine(ranks_per_node=4, cores=2, **free))
     got = predict(cfg, lay, machine(ranks_per_node=4, cores=2, slowdown=(4, 2.6), **free))
     assert got.time["oversubscription"] == 2.6 and got.step_time == pytest.approx(base.step_time * 2.6 / 2.0)
-    # measured at another rank count: not used (ranks / cores); a device per rank: never slowed
-    assert predict(cfg, lay, machine(ranks_per_node=4, cores=2, slowdown=(8, 5.0), **free)).step_time == base.step_time
-    assert machine(cores=0, slowdown=(8, 5.0)).oversubscription(8) == 1.0
+    # measured at 8 ranks on 2 cores (5.0 against 4): the same excess, 1.25, on 4 ranks' 2
+    m8 = machine(ranks_per_node=4, cores=2, slowdown=(8, 5.0))
+    assert m8.oversubscription(4) == pytest.approx(2.5) and m8.oversubscription(8) == pytest.approx(5.0)
+    # a core per rank, or a device per rank: never slowed
+    assert m8.oversubscription(2) == 1.0 and machine(cores=0, slowdown=(8, 5.0)).oversubscription(8) == 1.0
 
 
-def test_arrival_spread_is_the_measured_curve_and_charged_per_tp_and_ep_collective():
+def test_arrival_spread_is_the_measured_curve():
     m = machine(arrival_curve=((1e-3, 0.2e-3), (4e-3, 1.4e-3)))
     assert m.arrival(0.0) == 0.0 and machine().arrival(1.0) == 0.0                  # no compute / no calibration
     assert m.arrival(0.5e-3) == pytest.approx(0.1e-3)                              # from 0 to the first point
     assert m.arrival(2.5e-3) == pytest.approx(0.8e-3)                              # between points
     assert m.arrival(1.0) == pytest.approx(1.4e-3)                                 # the last point beyond
+    assert machine(arrival_curve=((1e-3, 0.5e-3), (1e-3, 0.7e-3))).arrival(1e-3) == 0.5e-3   # the first of equal bursts
+
+
+@pytest.mark.parametrize("sp, pp, n_micro", [(False, 1, 3), (True, 1, 2), (False, 2, 4)])
+def test_arrival_spread_is_charged_per_tp_collective_after_the_compute_between_two(sp, pp, n_micro):
+    """Every tensor-parallel collective of every micro-batch (4 per block, 8 with sequence
+    parallelism's allgather + reduce-scatter, + 3 over the stages) waits arrival(burst), burst =
+    the stage's compute per micro-batch over its collectives; the step grows by as much."""
     cfg = GPTConfig.from_preset("small")                                           # 4 blocks
-    flat = dict(alpha=0.0, intra_bw=1e30, ranks_per_node=4)
+    flat = dict(alpha=0.0, intra_bw=1e30, ranks_per_node=8, cores=2)
+    curve = ((1e-4, 0.0), (1.0, 0.5))                                              # half the burst, near enough
+    lay = Layout(dp=2 // pp, pp=pp, tp=4, ep=1, micro_batch_size=2, n_micro=n_micro, schedule="1f1b",
+                 seq_parallel=sp)
+    base, got = (predict(cfg, lay, machine(arrival_curve=c, **flat)) for c in ((), curve))
+    n = (8 if sp else 4) * 4 / pp + 3 / pp
+    burst = got.time["compute"] / n_micro / n
+    spread = machine(arrival_curve=curve).arrival(burst)
+    assert spread > 0.4 * burst
+    assert got.time["tp_comm"] - base.time["tp_comm"] == pytest.approx(n_micro * n * spread)
+    if pp == 1:
+        assert got.step_time - base.step_time == pytest.approx(n_micro * n * spread)
+    else:
+        assert got.step_time > base.step_time
+    # ranks with a core each: no spread
+    alone = dict(flat, cores=8)
+    assert predict(cfg, lay, machine(arrival_curve=curve, **alone)).step_time == predict(cfg, lay, machine(**alone)).step_time
+
+
+def test_arrival_spread_is_charged_per_expert_all_to_all_and_not_to_dp():
+    cfg = GPTConfig.from_preset("small")
+    flat = dict(alpha=0.0, intra_bw=1e30, ranks_per_node=4, cores=2)
     curve = ((1e-9, 1e-3), (1.0, 1e-3))                                            # 1 ms after any burst
-    tp = Layout(dp=2, pp=1, tp=2, ep=1, micro_batch_size=2, n_micro=3, schedule="1f1b")
-    base = predict(cfg, tp, machine(**flat)).time["tp_comm"]
-    assert base < 1e-12
-    got = predict(cfg, tp, machine(arrival_curve=curve, **flat))
-    assert got.time["tp_comm"] - base == pytest.approx(3 * (4 * 4 + 3) * 1e-3)     # every allreduce of every micro-batch
     dp = Layout(dp=4, pp=1, tp=1, ep=1, micro_batch_size=2, n_micro=1, schedule="1f1b")
     assert predict(cfg, dp, machine(arrival_curve=curve, **flat)).step_time == predict(cfg, dp, machine(**flat)).step_time
     moe = GPTConfig.from_preset("moe-small")
@@ -234,6 +260,7 @@ def test_arrival_spread_is_the_measured_curve_and_charged_per_tp_and_ep_collecti
 
 def test_monotone_is_the_least_squares_non_decreasing_fit():
     assert monotone([(1, 1.0), (2, 2.0), (3, 3.0)]) == ((1, 1.0), (2, 2.0), (3, 3.0))
+    assert [y for _, y in monotone([(1, 3.0), (2, 2.0), (3, 1.0)])] == pytest.approx([2.0, 2.0, 2.0])   # pooling cascades
     got = monotone([(1, 0.2), (2, 0.5), (3, 0.1), (4, 2.0), (5, 1.0)])
     ys = [y for _, y in got]
     assert [x for x, _ in got] == [1, 2, 3, 4, 5] and ys == sorted(ys)
@@ -271,7 +298,7 @@ def test_load_calibration(tmp_path):
     assert [x for x, _ in c["arrival_curve"]] == [1e-3, 2e-3, 4e-3]                   # sorted by burst
     assert [y for _, y in c["arrival_curve"]] == pytest.approx([0.3e-3] * 3)          # made monotone
     assert c["slowdown"] == (4, 2.3)
-    assert load_calibration(f, 8)["slowdown"] == () and load_calibration(f, 8)["arrival_curve"] == ((1e-3, 2e-3),)
+    assert load_calibration(f, 8)["slowdown"] == (4, 2.3) and load_calibration(f, 8)["arrival_curve"] == ((1e-3, 2e-3),)
     f.write_text(json.dumps(dict(preset="small")))
     with pytest.raises(ValueError, match="not a bench/plan_calibrate.py result"):
         load_calibration(f, 4)

@@ -46,12 +46,13 @@ Oversubscribed CPU (more ranks on a node than cores): every rank computes slower
             collective polls (pympar's oversubscribed polling yields, but the yielding rank
             stays runnable and the scheduler keeps giving it its share), so the bubble is NOT
             given to the busy ranks. Compute and optimiser costs are multiplied by the
-            calibration's measured slowdown at the rank count (copies of the one-process run
-            at once: 2.0-2.3 at 4 ranks and 3.5-5.3 at 8 on the 2-core VM, 2026-12-08, where
-            ranks / cores says 2 and 4: each core's caches are shared by the ranks it
-            switches between), or by ranks / cores without one; the collectives' alpha and
-            beta are measured at the rank count. And each tensor- or expert-parallel
-            collective, reached from compute, waits for the last rank to arrive: the
+            ranks / cores times the excess over it that the calibration measured (copies of
+            the one-process run at once: 2.05 and 2.29 at 4 ranks, 5.08 and 5.32 at 8 in two
+            calibrations on the 2-core VM, 2026-12-08, against 2 and 4: each core's caches
+            are shared by the ranks it switches between), 1 where every rank has a core;
+            the collectives' alpha and
+            beta are measured at the rank count. And on such a node each tensor- or
+            expert-parallel collective, reached from compute, waits for the last rank: the
             calibration's arrival spread after a burst as long as the compute between two
             such collectives (Machine.arrival; a tight loop of collectives does not see it,
             every rank being inside one). Measured (bench/results/plan_accuracy.json,
@@ -86,11 +87,12 @@ microbenchmarks that are not the layouts being ranked:
   alpha, beta ``pympar.bench allreduce --algo auto`` at the layouts' rank count k: alpha = the
               smallest message's time / ceil(log2 k) (Machine.coll charges alpha per round of
               a log2(k)-round allreduce, and one round to a pipeline send), beta = its busbw
-              at >= 1 MiB. On the 2-core VM: 15-60 us for 8 B at 4 and 8 ranks (2026-12-08;
+              at >= 1 MiB. On the 2-core VM: 15-74 us for 8 B at 4 and 8 ranks (2026-12-08;
               1.7 and 4.3 ms on 2026-11-29, when a waiting rank slept: that latency then held
               the arrival spread below, which the tight loop no longer shows).
   slowdown    k copies of the one-process run at once (one per rank of the layouts' count k),
-              their median step over the step alone.
+              their median step over the step alone (at other rank counts its excess over
+              k / cores scales ranks / cores).
   arrival     at k ranks, bursts of compute with and without a 4 KiB allreduce after each:
               the extra time beyond the allreduce alone, at bursts of 1-16 repeats; made
               non-decreasing in the burst (monotone) and interpolated (Machine.arrival).
@@ -240,22 +242,24 @@ def load_calibration(path, nranks: int) -> dict:
         per_seq = sp["per_seq_s"]
         if per_seq <= 0:
             raise ValueError(f"single_process.per_seq_s={per_seq} must be > 0")
-        # the step's GEMMs can run faster than the 256^3 burst (larger, better blocked): then
+        # the step's GEMMs can run faster than the burst (larger, better blocked): then
         # the whole sequence time is the matmul rate's and nothing is left for elem_time
         peak = max(peak, flops_per_token(cfg) * T / per_seq)
         nonmm = per_seq - flops_per_token(cfg) * T / peak
         near = min(c["allreduce"], key=lambda k: (abs(int(k) - nranks), -int(k)))
         ar = c["allreduce"][near]
         n_par = params_per_rank(cfg, one, range(cfg.n_layer), True, True)
-        arr = c.get("arrival") or {}          # older calibrations have none: no spread modelled
+        # the arrival spread and the slowdown of the rank count nearest nranks (the allreduce's
+        # rule); older calibrations have neither: ranks / cores and no spread
+        arr, con = c.get("arrival") or {}, c.get("contention") or {}
         curve = ()
         if arr:
             k = min(arr, key=lambda k: (abs(int(k) - nranks), -int(k)))
             curve = monotone(sorted((float(x), float(y)) for x, y in arr[k]["points"]))
-        con = c.get("contention") or {}
         slowdown = ()
-        if str(nranks) in con:                 # only at the rank count it was measured at
-            slowdown = (int(nranks), float(con[str(nranks)]["slowdown"]))
+        if con:
+            k = min(con, key=lambda k: (abs(int(k) - nranks), -int(k)))
+            slowdown = (int(k), float(con[k]["slowdown"]))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path if not isinstance(path, dict) else 'the calibration'} is not a bench/plan_calibrate.py result ({e!r}): expected preset, matmul_peak, "
                          f"single_process.{{step_fixed_s, micro_fixed_s, per_seq_s}} and allreduce.<ranks>") from None

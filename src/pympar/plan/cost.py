@@ -93,7 +93,7 @@ class Machine:
     opt_per_param: float = 4e-9  # optimiser step seconds per parameter (~40 B touched at ~10 GB/s)
     baseline: int = 0            # bytes of a rank's process before its model (interpreter, libraries)
     arrival_curve: tuple = ()    # ((burst s, spread s), ...): measured wait for the last rank (calibration)
-    slowdown: tuple = ()         # (ranks, factor): measured compute slowdown of that many ranks on the node
+    slowdown: tuple = ()         # (ranks k, factor): measured compute slowdown of k ranks on the node
 
     def arrival(self, burst: float) -> float:
         """Seconds a collective after ``burst`` seconds of compute waits for the last rank to arrive,
@@ -110,13 +110,16 @@ class Machine:
         return y0
 
     def oversubscription(self, ranks_on_node: int) -> float:
-        """How much slower a rank computes than alone: the calibration's measured factor at its rank
-        count, else ranks / cores when they share cores."""
-        if not self.cores:
+        """How much slower a rank computes than alone where ranks share cores: ranks / cores, times
+        the excess the calibration measured over ranks / cores at its rank count k (exactly its
+        factor at k); 1 where every rank has a core."""
+        if not self.cores or ranks_on_node <= self.cores:
             return 1.0
-        if self.slowdown and self.slowdown[0] == ranks_on_node:
-            return max(1.0, self.slowdown[1])
-        return max(1.0, ranks_on_node / self.cores)
+        share = ranks_on_node / self.cores
+        if self.slowdown:
+            k, factor = self.slowdown
+            share *= max(1.0, factor / max(1.0, k / self.cores))
+        return share
 
     def coll(self, kind: str, nbytes: float, k: int, cross_node: bool) -> float:
         """Alpha-beta time of a collective of ``nbytes`` over k ranks."""
@@ -245,10 +248,15 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
         ep_t = moe_per_rank * (4 * m.coll("alltoall", act_b * cfg.top_k / fold, lay.ep, dp_cross)
                                + 2 * m.coll("allgather", act_b * cfg.top_k, fold, tp_cross))
     # ranks reach each of these collectives from compute: where they outnumber the cores the last
-    # arrives late, by what the calibration measured after bursts as long as the compute between two
-    n_tp = (4 * blocks_per_rank + 3 / lay.pp) if lay.tp > 1 else 0.0
+    # arrives late, by what the calibration measured after bursts as long as the compute between two.
+    # Sequence parallelism makes each allreduce an allgather and a reduce-scatter (two arrivals);
+    # folded experts sum over etp (none at etp 1) and gather their rows over the fold
+    n_tp = ((8 if lay.seq_parallel else 4) * blocks_per_rank + 3 / lay.pp) if lay.tp > 1 else 0.0
+    if lay.folded:
+        n_tp += 2 * moe_per_rank * ((lay.tp // lay.etp > 1) - (lay.etp == 1))
     n_ep = 4 * moe_per_rank if lay.ep > 1 else 0.0
-    if n_tp + n_ep:
+    ranks_here = min(m.ranks_per_node, lay.dp * lay.pp * lay.cp * lay.tp)
+    if n_tp + n_ep and m.cores and ranks_here > m.cores:
         spread = m.arrival(comp / (n_tp + n_ep))
         tp_t += n_tp * spread
         ep_t += n_ep * spread
