@@ -21,9 +21,9 @@ layouts the planner ranks (bench/plan_accuracy.py ranks those; nothing here sees
                    slowdown = their median step / the median of the run alone. The planner's
                    rank on a node with more ranks than cores computes this much slower
                    (Machine.oversubscription); without it, ranks / cores. Measured 2026-12-08 on
-                   the 2-core VM in two calibrations: 2.05 and 2.29 at 4 copies, 5.08 and 5.32
-                   at 8 (bench/results/plan_accuracy.json: the second), against 2 and 4: each
-                   core's caches are shared by the ranks it switches between.
+                   the 2-core VM in three calibrations: 2.05-2.29 at 4 copies, 4.19-5.32 at 8
+                   (bench/results/plan_accuracy.json: 2.24 and 4.19, 4 x 1 sequences), against
+                   2 and 4: each core's caches are shared by the ranks it switches between.
   arrival spread   at each rank count k of --world, every rank loops over a burst of compute
                    (a (2048, 128) x (128, 96) product, tanh, a scale and a row sum, repeated:
                    the mix of a layer's pieces, not a layer) with and without a 4 KiB allreduce
@@ -32,8 +32,8 @@ layouts the planner ranks (bench/plan_accuracy.py ranks those; nothing here sees
                    rank reaches a collective while a peer still waits for its share of a core,
                    and the time until the last one arrives grows with the burst up to a
                    scheduler slice (bench/results/plan_accuracy.json, 2026-12-08, 4 ranks on 2
-                   cores: 0.27 ms after bursts of 1.6 ms, 0.59 after 3.3, 1.22 after 12, 1.29
-                   after 24; 8 ranks: 3.0 after 3.2 ms, 5.6 after 25): the tight loop, where every
+                   cores: 0.14 ms after bursts of 1.4 ms, 0.55 after 5.6, 1.11 after 11, 1.29
+                   after 23; 8 ranks: 2.4 after 3.1 ms, 4.2 after 24): the tight loop, where every
                    rank is inside the collective, does not see it. The planner adds it to each
                    tensor- and expert-parallel collective (Machine.arrival).
 Rounds are interleaved and each number is the median over them.

@@ -10,9 +10,10 @@ on 10 layouts of 4 ranks and 10 of 8 (preset small), 3 interleaved runs each (th
   * step time: Spearman's rho of predicted against measured beats the 95th percentile of rho
     for random permutations of the same predictions (a planner that ranks at random).
     bench/results/plan_accuracy.json (the same command, 2026-12-08, AMD EPYC VM): 4 ranks rho
-    0.71 against a null p95 of 0.56, 8 ranks 0.88 against 0.54. One run per layout was the
-    protocol until then: single runs of one layout at 4 ranks differ by up to 1.5x (82 and
-    121 ms), as much as the layouts' medians do, and the test failed on that noise as well
+    0.81 against a null p95 of 0.55, 8 ranks 0.98 against 0.54 (0.71 / 0.88 in the run before
+    the review's mends). One run per layout was the
+    protocol until then: single runs of one layout at 4 ranks differed by up to 1.5x (82 and
+    121 ms in one benchmark), as much as the layouts' medians do, and the test failed on that noise as well
     as on the model (0.18 at 4 ranks, before the calibration's compute slowdown, arrival
     spread and bf16 peak: src/pympar/plan/cli.py's docstring).
 """

@@ -47,7 +47,7 @@ Oversubscribed CPU (more ranks on a node than cores): every rank computes slower
             stays runnable and the scheduler keeps giving it its share), so the bubble is NOT
             given to the busy ranks. Compute and optimiser costs are multiplied by the
             ranks / cores times the excess over it that the calibration measured (copies of
-            the one-process run at once: 2.05 and 2.29 at 4 ranks, 5.08 and 5.32 at 8 in two
+            the one-process run at once: 2.05-2.29 at 4 ranks, 4.19-5.32 at 8 in three
             calibrations on the 2-core VM, 2026-12-08, against 2 and 4: each core's caches
             are shared by the ranks it switches between), 1 where every rank has a core;
             the collectives' alpha and
@@ -58,10 +58,10 @@ Oversubscribed CPU (more ranks on a node than cores): every rank computes slower
             every rank being inside one). Measured (bench/results/plan_accuracy.json,
             2026-12-08, the AMD EPYC VM, 3 runs per layout; its measurements predicted with
             and without the terms): without them (and with the float32 peak the calibration
-            used to time) measured / predicted 1.02-2.02 at 4 ranks and 1.27-2.97 at 8, rank
-            correlation 0.39 and 0.53; with the compute slowdown alone 0.89-1.55 and
-            0.96-2.03; with both 0.89-1.37 and 0.87-1.49, correlation 0.71 and 0.88 (the
-            arrival spread sets the ranking: the tensor-parallel layouts). Earlier
+            used to time) measured / predicted 1.05-2.29 at 4 ranks and 1.09-2.39 at 8, rank
+            correlation 0.54 and 0.76; with the compute slowdown alone 0.94-1.78 and
+            1.05-2.03 (0.65, 0.90); with both 0.94-1.67 and 1.03-1.45 (0.81, 0.98: the
+            arrival spread sets the ranking, the tensor-parallel layouts'). Earlier
             (2026-11-29): dp2 pp2 GPipe m=2 1.50x dp4's
             step and dp1 pp4 GPipe m=4 1.65x, against bubble factors (m+p-1)/m of 1.50 and
             1.75. 1F1B's short interleaved waits cost somewhat less than the full factor
