@@ -218,7 +218,8 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
 
     # per micro-batch forward+backward time of one rank (all its v chunks), at the rate of a
     # rank alone; ``slow`` stretches it when the node's ranks share fewer cores
-    slow = m.oversubscription(min(m.ranks_per_node, lay.dp * lay.pp * lay.cp * lay.tp))
+    ranks_here = min(m.ranks_per_node, lay.dp * lay.pp * lay.cp * lay.tp)   # this layout's ranks on a node
+    slow = m.oversubscription(ranks_here)
     tokens = B * T
     flops_micro = flops_per_token(cfg) * tokens / (lay.tp * lay.pp)   # PaLM's count: attention over all T, / cp
     elems = activations_per_micro(cfg, lay, range(cfg.n_layer), True) / lay.pp   # non-matmul work, mean stage
@@ -255,7 +256,6 @@ def predict(cfg: GPTConfig, lay: Layout, m: Machine) -> Prediction:
     if lay.folded:
         n_tp += 2 * moe_per_rank * ((lay.tp // lay.etp > 1) - (lay.etp == 1))
     n_ep = 4 * moe_per_rank if lay.ep > 1 else 0.0
-    ranks_here = min(m.ranks_per_node, lay.dp * lay.pp * lay.cp * lay.tp)
     if n_tp + n_ep and m.cores and ranks_here > m.cores:
         spread = m.arrival(comp / (n_tp + n_ep))
         tp_t += n_tp * spread
