@@ -158,15 +158,14 @@ class Calibration:
         # the copies' shape: the middle of the shapes by sequences per step (a step of one sequence
         # is mostly fixed cost; one of 16 takes 8 copies seconds)
         self.contention_shape = sorted(self.shapes, key=lambda s: s[0] * s[1])[(len(self.shapes) - 1) // 2]
-        self.dtype = None
+        from pympar.kernels import gemm
+        self.dtype = "bfloat16" if gemm.bf16_native() else "float32"   # the steps' --dtype auto (config.resolve_dtype)
         self._tmp = tempfile.TemporaryDirectory()
 
     def round(self, worlds=None) -> None:
-        from pympar.kernels import gemm
         from pympar.metrics import measure_cpu_peak
 
         k = len(self.peaks)
-        self.dtype = "bfloat16" if gemm.bf16_native() else "float32"   # the steps' --dtype auto (config.resolve_dtype)
         self.peaks.append(max(measure_cpu_peak(self.dtype, seconds=0.05) for _ in range(6)))
         for B, m in self.shapes:
             self.step[(B, m)].append(single_step(self.preset, B, m, self.steps, self.timeout))

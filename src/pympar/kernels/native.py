@@ -100,7 +100,7 @@ def softmax_causal_backward(y, dy):
 
 
 # --- causal attention, tile by tile ---------------------------------------------------------
-def _amx_attention(qkv):
+def _bf16_attention_engine(qkv):
     """bf16 attention on pympar's kernel (csrc/amx_attention.cpp): "amx" (tiles) or "avx512bf16" (dot
     products) where the bf16 products run on that engine and the head size is a multiple of 32, else
     None (widened to the float32 kernel)."""
@@ -112,7 +112,7 @@ def _amx_attention(qkv):
 def attention_forward(qkv, scale):
     if _bf(qkv) and qkv.ndim == 5 and qkv.shape[2] == 3:
         B, T, _, H, D = qkv.shape
-        engine = _amx_attention(qkv)
+        engine = _bf16_attention_engine(qkv)
         if engine:
             qkv = _c(qkv)
             o, lse = np.empty((B, T, H * D), qkv.dtype), np.empty((B, H, T), F32)
@@ -132,7 +132,7 @@ def attention_forward(qkv, scale):
 
 def attention_backward(qkv, o, lse, dout, scale, overwrite=False):
     if _bf(qkv, o, dout) and _f32(lse) and qkv.ndim == 5 and qkv.shape[2] == 3:
-        engine = _amx_attention(qkv)
+        engine = _bf16_attention_engine(qkv)
         if engine and o.size == qkv.size // 3 and dout.size == o.size and lse.size * qkv.shape[4] == o.size:
             qkv, o, lse, dout = _c(qkv), _c(o), _c(lse), _c(dout)
             dqkv = qkv if overwrite and qkv.flags.writeable else np.empty_like(qkv)

@@ -246,20 +246,16 @@ def load_calibration(path, nranks: int) -> dict:
         # the whole sequence time is the matmul rate's and nothing is left for elem_time
         peak = max(peak, flops_per_token(cfg) * T / per_seq)
         nonmm = per_seq - flops_per_token(cfg) * T / peak
-        near = min(c["allreduce"], key=lambda k: (abs(int(k) - nranks), -int(k)))
+        def nearest(by_ranks: dict) -> str:     # the rank count nearest nranks (ties: the larger)
+            return min(by_ranks, key=lambda k: (abs(int(k) - nranks), -int(k)))
+        near = nearest(c["allreduce"])
         ar = c["allreduce"][near]
         n_par = params_per_rank(cfg, one, range(cfg.n_layer), True, True)
-        # the arrival spread and the slowdown of the rank count nearest nranks (the allreduce's
-        # rule); older calibrations have neither: ranks / cores and no spread
+        # the arrival spread and the slowdown of the nearest rank count too; older calibrations have
+        # neither: ranks / cores and no spread
         arr, con = c.get("arrival") or {}, c.get("contention") or {}
-        curve = ()
-        if arr:
-            k = min(arr, key=lambda k: (abs(int(k) - nranks), -int(k)))
-            curve = monotone(sorted((float(x), float(y)) for x, y in arr[k]["points"]))
-        slowdown = ()
-        if con:
-            k = min(con, key=lambda k: (abs(int(k) - nranks), -int(k)))
-            slowdown = (int(k), float(con[k]["slowdown"]))
+        curve = monotone(sorted((float(x), float(y)) for x, y in arr[nearest(arr)]["points"])) if arr else ()
+        slowdown = (int(nearest(con)), float(con[nearest(con)]["slowdown"])) if con else ()
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path if not isinstance(path, dict) else 'the calibration'} is not a bench/plan_calibrate.py result ({e!r}): expected preset, matmul_peak, "
                          f"single_process.{{step_fixed_s, micro_fixed_s, per_seq_s}} and allreduce.<ranks>") from None
