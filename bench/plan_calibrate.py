@@ -22,8 +22,8 @@ layouts the planner ranks (bench/plan_accuracy.py ranks those; nothing here sees
                    rank on a node with more ranks than cores computes this much slower
                    (Machine.oversubscription); without it, ranks / cores. Measured 2026-12-08 on
                    the 2-core VM in three calibrations: 2.05-2.29 at 4 copies, 4.19-5.32 at 8
-                   (bench/results/plan_accuracy.json: 2.24 and 4.19, 4 x 1 sequences), against
-                   2 and 4: each core's caches are shared by the ranks it switches between.
+                   (the first two of a 1 x 1 step; bench/results/plan_accuracy.json: 2.24 and
+                   4.19 of 1 x 4, four micro-batches of one sequence), against 2 and 4: each core's caches are shared by the ranks it switches between.
   arrival spread   at each rank count k of --world, every rank loops over a burst of compute
                    (a (2048, 128) x (128, 96) product, tanh, a scale and a row sum, repeated:
                    the mix of a layer's pieces, not a layer) with and without a 4 KiB allreduce
